@@ -1,0 +1,99 @@
+"""The op set the forward is written against (one implementation per backend).
+
+Conventions for every op:
+- ``act`` is the backend's activation dtype (``Ops.act_dtype``): float32 on NumPy, float16 on
+  CUDA. The residual stream (``main``) is always float32. Logits are always float32.
+- Every array passed to an op is C-contiguous.
+- Ops write into the ``out``/``residual`` arrays they are given (views of buffers made at load
+  or at request start); the hot path allocates nothing.
+- ``QuantWeight`` arrays live on the backend's device (see ``Ops.upload_weight``).
+- RoPE is the GGML "normal" (GPT-J, interleaved-pair) convention used by llama GGUF files:
+  pairs (x[2i], x[2i+1]) of each head rotate by angle pos * theta^(-2i/head_dim).
+- Attention is causal with scale 1/sqrt(head_dim); query head h reads KV head
+  h // (n_heads // n_kv_heads) (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..quant import QuantWeight
+
+
+class Ops:
+    """Abstract op set. See ``numpy_ops.NumpyOps`` for the reference semantics of each op."""
+
+    name: str = "abstract"
+    device: str = "host"          # memory pool device: "host" | "cuda"
+    act_dtype = np.float32
+    kv_dtype = np.float32
+    xp = np
+
+    # --- memory ---------------------------------------------------------------------------
+    def empty(self, pool, shape, dtype, tag):
+        """Allocate ``shape``/``dtype`` from ``pool`` under ``tag``; return (array, block)."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        blk = pool.allocate(max(nbytes, 1), tag)
+        return blk.array(shape, dtype), blk
+
+    def upload_array(self, host: np.ndarray, pool):
+        """Copy a host array into a new pool block (tag: the current tag_scope)."""
+        arr, blk = self.empty(pool, host.shape, host.dtype, None)
+        self.from_host(np.ascontiguousarray(host), arr)
+        return arr, blk
+
+    def upload_weight(self, w, pool):
+        """Copy a host QuantWeight's parts into pool blocks; return (QuantWeight, [blocks])."""
+        parts, blocks = [], []
+        try:
+            for a in (w.qweight, w.scales, w.zeros):
+                arr, blk = self.upload_array(np.asarray(a), pool)
+                parts.append(arr)
+                blocks.append(blk)
+        except BaseException:
+            for blk in blocks:
+                pool.free(blk)
+            raise
+        return QuantWeight(w.bits, w.group_size, *parts), blocks
+
+    def to_host(self, arr) -> np.ndarray:
+        return np.asarray(arr)
+
+    def from_host(self, host: np.ndarray, out) -> None:
+        """Copy a host array into a device array of the same shape/dtype."""
+        out[...] = host
+
+    def synchronize(self) -> None:
+        pass
+
+    # --- ops (shapes in comments; T = rows of this chunk) ----------------------------------
+    def embed(self, w, ids, out):                   # ids int32 [T]; out f32 [T, d]
+        raise NotImplementedError
+
+    def rmsnorm(self, x, weight, eps, out):         # x f32 [T, d]; weight f32 [d]; out act [T, d]
+        raise NotImplementedError
+
+    def linear(self, x, w, out):                    # x act [T, in]; out act [T, out] = x @ W.T
+        raise NotImplementedError
+
+    def linear_residual(self, x, w, residual):      # residual f32 [T, d] += x @ W.T
+        raise NotImplementedError
+
+    def linear_swiglu(self, x, w, tmp, out):        # W [2F, d]: rows 0..F gate, F..2F up
+        raise NotImplementedError                   # out act [T, F] = silu(x@Wg.T) * (x@Wu.T)
+
+    def rope_kv(self, qkv, pos0, theta, n_heads, n_kv_heads, head_dim, k_cache, v_cache):
+        raise NotImplementedError
+
+    def attention(self, qkv, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, out):
+        raise NotImplementedError
+
+    def inject(self, state, e, w, tmp2, tmp1):      # state f32 [T, d] = [state, e] @ W.T
+        raise NotImplementedError
+
+    def lm_head(self, x, w, out):                   # x act [T, d]; out f32 [T, vocab]
+        raise NotImplementedError
+
+    def sample(self, logits, temperature, top_k, top_p, u) -> int:
+        raise NotImplementedError

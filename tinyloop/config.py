@@ -1,0 +1,202 @@
+"""Model configuration and the environment knobs, parsed in one place.
+
+``ModelConfig`` is a frozen dataclass: the dims stored in a .tlm header, plus derived fields.
+Environment variables are operational knobs only (never model dims); each is parsed by one
+function here that raises ``ConfigError`` (a ``ValueError``) naming the variable on bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+INJECTION_KINDS = ("none", "adapter")
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The dims of a looped (recurrent-depth) decoder.
+
+    Layers run as prelude (``n_prelude``) -> recurrent block (``n_recurrent`` layers applied
+    ``depth`` times with shared weights) -> coda (``n_coda``) -> final RMSNorm -> LM head.
+    A pass at depth d touches ``n_slots(d) = P + R*d + C`` attention slots (KV entries).
+    """
+
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    n_prelude: int
+    n_recurrent: int
+    n_coda: int
+    default_depth: int = 1
+    max_depth: int = 1
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    injection: str = "none"
+    tied_head: bool = True
+    bos_token_id: int = -1
+    eos_token_id: int = -1
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        """Distinct layers with their own weights: P + R + C."""
+        return self.n_prelude + self.n_recurrent + self.n_coda
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        """Rows of the fused QKV projection: q_dim + 2 * kv_dim."""
+        return self.q_dim + 2 * self.kv_dim
+
+    def n_slots(self, depth: int) -> int:
+        """Attention slots (layer, iteration) touched at ``depth``: P + R*depth + C."""
+        return self.n_prelude + self.n_recurrent * depth + self.n_coda
+
+    def check_depth(self, depth: int | None) -> int:
+        """Resolve ``None`` to the default depth; raise ConfigError outside 1..max_depth."""
+        if depth is None:
+            return self.default_depth
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise ConfigError(f"depth must be an int, got {depth!r}")
+        if not 1 <= depth <= self.max_depth:
+            raise ConfigError(f"depth={depth} is outside 1..max_depth={self.max_depth}")
+        return depth
+
+    def validate(self) -> None:
+        """Raise ConfigError when the dims are inconsistent."""
+        ints = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                "n_prelude", "n_recurrent", "n_coda", "default_depth", "max_depth",
+                "bos_token_id", "eos_token_id")
+        for name in ints:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name} must be an int, got {v!r}")
+        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("n_prelude", "n_recurrent", "n_coda"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.n_recurrent == 0 and self.max_depth != 1:
+            raise ConfigError("a model with n_recurrent=0 must have max_depth=1")
+        if self.n_layers == 0:
+            raise ConfigError("the model has no layers (n_prelude + n_recurrent + n_coda == 0)")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of "
+                              f"n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if not 1 <= self.default_depth <= self.max_depth:
+            raise ConfigError(f"default_depth={self.default_depth} is outside "
+                              f"1..max_depth={self.max_depth}")
+        if self.max_depth > 4096:
+            raise ConfigError(f"max_depth={self.max_depth} is unreasonably large (> 4096)")
+        if self.injection not in INJECTION_KINDS:
+            raise ConfigError(f"injection={self.injection!r} is not one of {INJECTION_KINDS}")
+        if self.injection == "adapter" and self.n_recurrent == 0:
+            raise ConfigError("injection='adapter' needs a recurrent block (n_recurrent > 0)")
+        if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < 1:
+            raise ConfigError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        for name in ("bos_token_id", "eos_token_id"):
+            v = getattr(self, name)
+            if not -1 <= v < self.vocab_size:
+                raise ConfigError(f"{name}={v} is outside -1..vocab_size-1")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Build from a header dict; unknown or missing keys raise ConfigError."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config must be a mapping, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown config keys: {sorted(unknown)}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required dim is missing
+            raise ConfigError(f"incomplete config: {e}") from None
+
+
+# --- environment knobs -----------------------------------------------------------------------
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, *, name: str = "size", total_bytes: int | None = None) -> int:
+    """Parse ``"123"``, ``"512K"``, ``"1.5G"``, ``"2GiB"`` or ``"40%"`` into bytes.
+
+    Suffixes are binary (K = 1024). A percentage needs ``total_bytes`` (of the device).
+    Raises ConfigError naming ``name`` on bad input.
+    """
+    s = str(text).strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ConfigError(f"{name}={text!r}: bad percentage") from None
+        if not 0 < pct <= 100:
+            raise ConfigError(f"{name}={text!r}: percentage must be in (0, 100]")
+        if total_bytes is None:
+            raise ConfigError(f"{name}={text!r}: a percentage needs the device total")
+        return int(total_bytes * pct / 100.0)
+    m = _SIZE_RE.match(s)
+    if not m:
+        raise ConfigError(f"{name}={text!r}: expected bytes with an optional K/M/G/T suffix "
+                          "or a percentage like '50%'")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    return int(value)
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def fp16_cache_enabled() -> bool:
+    """``TINYLOOP_FP16_CACHE``: keep dequantized FP16 copies of the hot prefill GEMM weights."""
+    return _env_flag("TINYLOOP_FP16_CACHE", False)
+
+
+def memory_limit_from_env(total_bytes: int | None) -> int | None:
+    """``TINYLOOP_MEMORY_LIMIT``: the pool's hard budget in bytes (None when unset)."""
+    raw = os.environ.get("TINYLOOP_MEMORY_LIMIT")
+    if raw is None or raw.strip() == "":
+        return None
+    return parse_size(raw, name="TINYLOOP_MEMORY_LIMIT", total_bytes=total_bytes)
+
+
+def cache_dir() -> str:
+    """The user's TinyLoop cache folder: ``$XDG_CACHE_HOME/tinyloop`` (default ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tinyloop")

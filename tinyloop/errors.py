@@ -1,0 +1,96 @@
+"""TinyLoop's exception family.
+
+Every error the library raises on purpose derives from :class:`TinyLoopError`, so a caller can
+catch the whole family with one ``except``. Subclasses also derive from the closest builtin
+(``ValueError``, ``MemoryError``, ...) so generic code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class TinyLoopError(Exception):
+    """Base class of every error TinyLoop raises on purpose."""
+
+
+class ConfigError(TinyLoopError, ValueError):
+    """A model configuration, argument or environment variable is invalid."""
+
+
+# --- .tlm format -----------------------------------------------------------------------------
+class FormatError(TinyLoopError, ValueError):
+    """A .tlm file is malformed. The subclasses name the exact cause."""
+
+
+class BadMagicError(FormatError):
+    """The file does not start with the .tlm MAGIC bytes."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The file's VERSION is newer than this reader's VERSION_MAX (or older than supported)."""
+
+
+class InconsistentDimsError(FormatError):
+    """The header's dims contradict each other (e.g. n_heads not a multiple of n_kv_heads)."""
+
+
+class TensorBoundsError(FormatError):
+    """A tensor entry points outside the file's data section."""
+
+
+class TensorOverlapError(FormatError):
+    """Two tensor entries share bytes."""
+
+
+class TensorShapeError(FormatError):
+    """A tensor's shape or dtype does not match what the dims require, or one is missing."""
+
+
+class TruncatedFileError(FormatError):
+    """The file ends before the header or the data it declares."""
+
+
+class SizeOverflowError(FormatError):
+    """A size read from the file is absurd (overflows, negative, or larger than any file)."""
+
+
+# --- conversion / tokenizer ------------------------------------------------------------------
+class ConversionError(TinyLoopError, ValueError):
+    """A source checkpoint (GGUF, safetensors, ...) cannot be converted."""
+
+
+class TokenizerError(TinyLoopError, ValueError):
+    """The tokenizer data is missing or invalid, or a token id is out of range."""
+
+
+# --- runtime ---------------------------------------------------------------------------------
+class BackendUnavailableError(TinyLoopError, RuntimeError):
+    """The requested backend (e.g. "cuda") cannot run on this machine."""
+
+
+class ModelFreedError(TinyLoopError, RuntimeError):
+    """A Model was used after :func:`tinyloop.free_model`."""
+
+
+class HandleError(TinyLoopError, RuntimeError):
+    """An opaque handle (PrefixCache, ResumeHandle, PrefixPool) was misused."""
+
+
+class OutOfMemoryError(TinyLoopError, MemoryError):
+    """An allocation would cross the memory budget or the device has no room.
+
+    Attributes (all ints, bytes): ``requested_bytes``, ``allocated_bytes``, ``reserved_bytes``,
+    ``limit_bytes`` (None if no limit), ``device_free_bytes``; ``tag`` (str); ``device`` (str).
+    """
+
+    def __init__(self, message: str, *, requested_bytes: int = 0, tag: str = "other",
+                 allocated_bytes: int = 0, reserved_bytes: int = 0,
+                 limit_bytes: int | None = None, device_free_bytes: int | None = None,
+                 device: str = "host"):
+        super().__init__(message)
+        self.requested_bytes = requested_bytes
+        self.tag = tag
+        self.allocated_bytes = allocated_bytes
+        self.reserved_bytes = reserved_bytes
+        self.limit_bytes = limit_bytes
+        self.device_free_bytes = device_free_bytes
+        self.device = device

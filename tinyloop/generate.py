@@ -1,0 +1,215 @@
+"""Sampling loops over a Model: generate / stream / teacher-forced logits / score.
+
+Each call takes the model's lock for its whole duration, allocates its RuntimeKVCache (tag
+``kv_cache``) sized for the call, and releases it when the call ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConfigError
+from .memory import tag_scope
+from .plan import LOGIT_BLOCK_ROWS
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` returns.
+
+    ``token_ids`` (new tokens only), ``text`` (their decoded text, cut before a stop string),
+    ``prompt_token_ids``, ``finish_reason`` ("length" | "eos" | "stop"), ``depth``,
+    ``prefill_ms``, ``decode_ms``, and ``decode_tokens_per_s`` (new tokens after the first
+    over the decode time; 0.0 when fewer than 2 tokens).
+    """
+
+    token_ids: list
+    text: str
+    prompt_token_ids: list
+    finish_reason: str
+    depth: int
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamToken:
+    """One streamed token: its id and the text it completes (may be empty mid-character)."""
+
+    token_id: int
+    text: str
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def _normalise_stop(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    stop = list(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ConfigError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+    return stop
+
+
+def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0, top_p=1.0,
+           seed=None, stop=None, _result: dict | None = None):
+    """Yield StreamToken for each new token. Sampling rule: see
+    ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
+    ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
+
+    Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
+    contains a ``stop`` string. Raises ConfigError (bad arguments, prompt + max_new_tokens >
+    max_seq_len), TokenizerError (ids out of range / no tokenizer for text).
+    """
+    model._check_alive()
+    cfg = model.config
+    depth = cfg.check_depth(depth)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    stops = _normalise_stop(stop)
+    ids = model.encode_prompt(prompt)
+    total = len(ids) + max_new_tokens
+    if total > model.max_seq_len:
+        raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
+                          f"{total} exceeds max_seq_len={model.max_seq_len}")
+    rng = np.random.default_rng(seed)
+    res = _result if _result is not None else {}
+    res.update(prompt_token_ids=ids.tolist(), finish_reason="length", depth=depth,
+               token_ids=[], text="", prefill_ms=0.0, decode_ms=0.0)
+    if max_new_tokens == 0:
+        return
+    tok = model.tokenizer
+    with model._lock:
+        model._check_alive()
+        ops = model._ops
+        with model.new_kv_cache(depth, total) as cache:
+            row = model.logit_row()
+            t0 = time.perf_counter()
+            model.forward(ids, 0, depth, cache)
+            pos = len(ids)
+            model.head(pos - 1, 1, row)
+            new: list[int] = []
+            text = ""
+            decoded_upto = 0
+            t1 = None
+            one = np.empty(1, dtype=np.int32)
+            while True:
+                u = float(rng.random()) if temperature > 0 else 0.0
+                nxt = int(ops.sample(row[0], temperature, top_k, top_p, u))
+                if t1 is None:
+                    t1 = time.perf_counter()
+                    res["prefill_ms"] = (t1 - t0) * 1e3
+                if nxt == cfg.eos_token_id:
+                    res["finish_reason"] = "eos"
+                    break
+                new.append(nxt)
+                piece = ""
+                if tok is not None:
+                    full = tok.decode(new)
+                    # hold back an incomplete UTF-8 sequence (decoded as U+FFFD at the end)
+                    stable = len(full) - (1 if full.endswith("\ufffd") else 0)
+                    piece, decoded_upto, text = full[decoded_upto:stable], stable, full
+                hit = next((s for s in stops if s in text), None)
+                if hit is not None:
+                    res["finish_reason"] = "stop"
+                    cut = text.index(hit)
+                    start = decoded_upto - len(piece)
+                    text = text[:cut]
+                    piece = piece[:max(0, cut - start)]
+                    res.update(token_ids=list(new), text=text)
+                    if piece:
+                        yield StreamToken(nxt, piece)
+                    break
+                res.update(token_ids=list(new), text=text)
+                yield StreamToken(nxt, piece)
+                if len(new) >= max_new_tokens:
+                    break
+                one[0] = nxt
+                model.forward(one, pos, depth, cache)
+                model.head(pos, 1, row)
+                pos += 1
+            ops.synchronize()
+            res["decode_ms"] = (time.perf_counter() - (t1 or time.perf_counter())) * 1e3
+            res.update(token_ids=list(new))
+            if tok is not None and res["finish_reason"] != "stop":
+                res["text"] = tok.decode(new)
+
+
+def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
+             top_p=1.0, seed=None, stop=None) -> GenerationResult:
+    """Run :func:`stream` to completion and return a GenerationResult."""
+    res: dict = {}
+    for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
+                    stop, _result=res):
+        pass
+    n = len(res["token_ids"])
+    tps = (n - 1) / (res["decode_ms"] / 1e3) if n > 1 and res["decode_ms"] > 0 else 0.0
+    return GenerationResult(token_ids=res["token_ids"], text=res["text"],
+                            prompt_token_ids=res["prompt_token_ids"],
+                            finish_reason=res["finish_reason"], depth=res["depth"],
+                            prefill_ms=res["prefill_ms"], decode_ms=res["decode_ms"],
+                            decode_tokens_per_s=tps)
+
+
+def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
+    """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits)."""
+    model._check_alive()
+    cfg = model.config
+    depth = cfg.check_depth(depth)
+    ids = model._ids_from(token_ids)
+    if len(ids) > model.max_seq_len:
+        raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
+    out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
+    with model._lock:
+        model._check_alive()
+        ops = model._ops
+        rows = min(LOGIT_BLOCK_ROWS, model._buf.capacity_rows, len(ids))
+        with model.new_kv_cache(depth, len(ids)) as cache, tag_scope("logits"):
+            block_arr, blk = ops.empty(model._pool, (rows, cfg.vocab_size), np.float32,
+                                       "logits")
+            try:
+                def on_rows(start, t):
+                    for r0 in range(start, start + t, rows):
+                        n = min(rows, start + t - r0)
+                        view = block_arr.reshape(-1)[:n * cfg.vocab_size].reshape(
+                            n, cfg.vocab_size)
+                        model.head(r0, n, view)
+                        out[r0:r0 + n] = ops.to_host(view)
+                model.forward(ids, 0, depth, cache, on_rows=on_rows)
+            finally:
+                model._pool.free(blk)
+    return out
+
+
+def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis (max-subtracted)."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def score(model, token_ids, depth=None) -> np.ndarray:
+    """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
+    ids = model._ids_from(token_ids)
+    if len(ids) < 2:
+        raise ConfigError("score needs at least 2 tokens (a context and a next token)")
+    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth)[:-1])
+    return lp[np.arange(len(ids) - 1), ids[1:]]

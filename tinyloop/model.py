@@ -1,0 +1,330 @@
+"""Model: the load phases, the BufferPool, and the looped forward written once over the ops.
+
+Lifecycle contract: ../shared/seeds/001 (load_model / free_model / vram_usage_bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import plan as planmod
+from .backends import get_ops
+from .config import ModelConfig, fp16_cache_enabled
+from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
+from .format import read_tlm
+from .kvcache import RuntimeKVCache
+from .memory import get_pool, tag_scope
+
+
+@dataclass
+class Layer:
+    """One transformer layer's device weights."""
+
+    attn_norm: object
+    attn_qkv: object
+    attn_output: object
+    ffn_norm: object
+    ffn_gate_up: object
+    ffn_down: object
+
+
+class BufferPool:
+    """The Model's reusable activation buffers (seed 001 phase 4): contiguous row views.
+
+    ``rows(name, t, cols)`` returns a C-contiguous ``[t, cols]`` view of the first t*cols
+    elements of buffer ``name``, so every op sees contiguous arrays whatever the width.
+    """
+
+    def __init__(self, arrays: dict):
+        self._flat = {name: a.reshape(-1) for name, a in arrays.items()}
+        self.main = arrays["main"]
+        self.capacity_rows = arrays["norm"].shape[0]
+
+    def rows(self, name: str, t: int, cols: int):
+        return self._flat[name][:t * cols].reshape(t, cols)
+
+    def flat(self, name: str):
+        return self._flat[name]
+
+
+class Model:
+    """A loaded looped model. Create with :func:`tinyloop.load_model`.
+
+    Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
+    ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
+    PlanEntry). Calls on one Model are serialized by a per-model lock (the seed's
+    lock-per-model pattern): concurrent callers wait, they are never interleaved.
+    """
+
+    def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
+                 backend: str = "auto"):
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ConfigError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        if (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                or prefill_chunk < 0):
+            raise ConfigError(f"prefill_chunk must be an int >= 0, got {prefill_chunk!r}")
+        self.path = os.fspath(path)
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self._lock = threading.RLock()
+        self._blocks: list = []      # every model-owned pool block; freed by free()
+        self._freed = False
+        self._ops = get_ops(backend)
+        self.backend = self._ops.name
+        self._pool = get_pool(self._ops.device)
+        try:
+            self._load()
+        except BaseException:
+            self._release_blocks()
+            raise
+
+    # -- load phases --------------------------------------------------------------------------
+    def _load(self) -> None:
+        # phase 1: header parse + validation (no device memory)
+        if not os.path.exists(self.path):
+            raise TinyLoopError(f"model file not found: {self.path}")
+        with read_tlm(self.path) as f:
+            cfg = self.config = f.config
+            self.chat_template = f.chat_template
+            self.metadata = dict(f.metadata)
+            tok_json = f.tokenizer_json
+            layout = {n: (f.quant_weight(n).bits, f.quant_weight(n).group_size)
+                      for n in f.quant_names()}
+            use_fp16 = fp16_cache_enabled() and self._ops.name == "cuda"
+            self.plan = planmod.load_plan(cfg, layout, self.max_seq_len, self.prefill_chunk,
+                                          self._ops.act_dtype, fp16_cache=use_fp16)
+            self.tokenizer = None
+            if tok_json is not None:
+                from .tokenizer import Tokenizer
+                self.tokenizer = Tokenizer.from_json(tok_json, chat_template=self.chat_template,
+                                                     bos_token_id=cfg.bos_token_id,
+                                                     eos_token_id=cfg.eos_token_id)
+            # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
+            w = {}
+            with tag_scope("weights"):
+                for name, (kind, _) in planmod.expected_tensors(cfg).items():
+                    if kind == "quant":
+                        dev, blocks = self._ops.upload_weight(f.quant_weight(name), self._pool)
+                        self._blocks.extend(blocks)
+                    else:
+                        dev, blk = self._ops.upload_array(np.asarray(f.array(name)), self._pool)
+                        self._blocks.append(blk)
+                    w[name] = dev
+        # phase 3: optional FP16 caches for the hot prefill GEMMs
+        if use_fp16:
+            import dataclasses
+            with tag_scope("fp16_cache"):
+                for name in planmod.hot_gemm_weights(cfg):
+                    arr, blk = self._ops.make_fp16_cache(w[name], self._pool)
+                    self._blocks.append(blk)
+                    w[name] = dataclasses.replace(w[name], fp16=arr)
+        self._embed = w["token_embd"]
+        self._head = w["token_embd"] if cfg.tied_head else w["output"]
+        self._output_norm = w["output_norm"]
+        self._adapter = w.get("inject.adapter")
+        self._layers = [Layer(*(w[f"blk.{i}.{n}"] for n in
+                                ("attn_norm", "attn_qkv", "attn_output", "ffn_norm",
+                                 "ffn_gate_up", "ffn_down"))) for i in range(cfg.n_layers)]
+        # phase 4: the BufferPool (logit_row stays lazy)
+        arrays = {}
+        with tag_scope("buffers"):
+            for e in self.plan:
+                if e.phase == 4 and not e.lazy:
+                    arrays[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+                    self._blocks.append(blk)
+        self._buf = BufferPool(arrays)
+        self._logit_row = None
+        # phase 5: reconstruction scratch is only needed by store-h KV modes (not yet built)
+
+    def _release_blocks(self) -> None:
+        blocks, self._blocks = self._blocks, []
+        for blk in reversed(blocks):
+            self._pool.free(blk)
+
+    def free(self) -> None:
+        """Return every model-owned block to the pool. Idempotent."""
+        with self._lock:
+            if self._freed:
+                return
+            self._freed = True
+            self._layers = []
+            self._buf = None
+            self._logit_row = None
+            self._release_blocks()
+
+    def vram_usage_bytes(self) -> int:
+        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""
+        return sum(b.nbytes for b in self._blocks)
+
+    def _check_alive(self) -> None:
+        if self._freed:
+            raise ModelFreedError("this Model was freed with free_model(); load it again")
+
+    # -- request helpers ----------------------------------------------------------------------
+    def _ids_from(self, token_ids, what: str = "token_ids") -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ConfigError(f"{what} must be a 1-D sequence of ints, got shape {ids.shape} "
+                              f"dtype {ids.dtype}")
+        if ids.size == 0:
+            raise ConfigError(f"{what} is empty")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TokenizerError(f"{what}[{i}]={int(ids[i])} is outside 0..vocab_size-1="
+                                 f"{self.config.vocab_size - 1}")
+        return ids.astype(np.int32)
+
+    def encode_prompt(self, prompt) -> np.ndarray:
+        """Text (encoded with the tokenizer) or token ids -> int32 ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TokenizerError("this model file has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            if not ids and self.config.bos_token_id >= 0:
+                ids = [self.config.bos_token_id]
+            return self._ids_from(ids, "prompt")
+        return self._ids_from(prompt, "prompt")
+
+    def new_kv_cache(self, depth: int, capacity: int) -> RuntimeKVCache:
+        """A RuntimeKVCache sized for ``capacity`` positions at ``depth`` (tag kv_cache)."""
+        if capacity > self.max_seq_len:
+            raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
+        return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity)
+
+    def logit_row(self):
+        """The lazily allocated float32 [1, vocab] logit row (model-owned, tag logits)."""
+        if self._logit_row is None:
+            (e,) = [e for e in self.plan if e.name == "logit_row"]
+            self._logit_row, blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+            self._blocks.append(blk)
+        return self._logit_row
+
+    # -- the forward --------------------------------------------------------------------------
+    def forward(self, ids: np.ndarray, pos0: int, depth: int, cache: RuntimeKVCache,
+                on_rows=None) -> None:
+        """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk.
+
+        Writes K/V for every slot into ``cache`` and the final residual rows into
+        ``buffers.main[pos0:pos0+T]``. After each chunk, ``on_rows(start, t)`` is called with
+        the chunk's absolute start position and length (the residual rows are in ``main``).
+        """
+        r = self._buf.capacity_rows
+        for c0 in range(0, len(ids), r):
+            t = min(r, len(ids) - c0)
+            self._ops.from_host(ids[c0:c0 + t], self._buf.flat("ids")[:t])
+            self._forward_chunk(pos0 + c0, t, depth, cache)
+            if on_rows is not None:
+                on_rows(pos0 + c0, t)
+
+    def _forward_chunk(self, pos0: int, t: int, depth: int, cache: RuntimeKVCache) -> None:
+        cfg, ops, b = self.config, self._ops, self._buf
+        p, r = cfg.n_prelude, cfg.n_recurrent
+        x = b.main[pos0:pos0 + t]                                   # [T, d] float32
+        ops.embed(self._embed, b.flat("ids")[:t], x)
+        for i in range(p):
+            self._layer(i, i, x, pos0, t, cache)
+        if r:
+            if self._adapter is not None:
+                e = b.rows("inject", t, cfg.d_model)                 # prelude output [T, d]
+                e[...] = x
+            for it in range(depth):
+                if self._adapter is not None:
+                    ops.inject(x, e, self._adapter, b.rows("scratch1", t, 2 * cfg.d_model),
+                               b.rows("norm", t, cfg.d_model))
+                for j in range(r):
+                    self._layer(p + j, p + it * r + j, x, pos0, t, cache)
+        for c in range(cfg.n_coda):
+            self._layer(p + r + c, p + r * depth + c, x, pos0, t, cache)
+
+    def _layer(self, li: int, slot: int, x, pos0: int, t: int, cache: RuntimeKVCache) -> None:
+        cfg, ops, b, lw = self.config, self._ops, self._buf, self._layers[li]
+        norm = b.rows("norm", t, cfg.d_model)
+        ops.rmsnorm(x, lw.attn_norm, cfg.norm_eps, norm)
+        qkv = b.rows("scratch1", t, cfg.qkv_dim)
+        ops.linear(norm, lw.attn_qkv, qkv)
+        kc, vc = cache.k(slot), cache.v(slot)
+        ops.rope_kv(qkv, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kc, vc)
+        att = b.rows("attn_down", t, cfg.q_dim)
+        ops.attention(qkv, kc, vc, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, att)
+        ops.linear_residual(att, lw.attn_output, x)
+        ops.rmsnorm(x, lw.ffn_norm, cfg.norm_eps, norm)
+        h = b.rows("attn_down", t, cfg.ffn_dim)
+        ops.linear_swiglu(norm, lw.ffn_gate_up, b.rows("scratch1", t, 2 * cfg.ffn_dim), h)
+        ops.linear_residual(h, lw.ffn_down, x)
+
+    def head(self, pos0: int, t: int, out) -> None:
+        """Final RMSNorm + LM head of residual rows pos0..pos0+t into ``out`` f32 [t, vocab]."""
+        cfg = self.config
+        norm = self._buf.rows("norm", t, cfg.d_model)
+        self._ops.rmsnorm(self._buf.main[pos0:pos0 + t], self._output_norm, cfg.norm_eps, norm)
+        self._ops.lm_head(norm, self._head, out)
+
+    # -- public request API -------------------------------------------------------------------
+    def logits(self, token_ids, depth: int | None = None) -> np.ndarray:
+        """Next-token logits at every position (teacher forcing).
+
+        ``token_ids``: 1-D ints, 1 <= T <= max_seq_len. Returns float32 ``[T, vocab]``: row t
+        is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
+        chunk). Raises ConfigError / TokenizerError on bad input, ModelFreedError after free.
+        """
+        from .generate import teacher_forced_logits
+        return teacher_forced_logits(self, token_ids, depth)
+
+    def score(self, token_ids, depth: int | None = None) -> np.ndarray:
+        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
+        from .generate import score
+        return score(self, token_ids, depth)
+
+    def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop=None):
+        """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
+        text, finish reason, timings). ``prompt`` is text or token ids. See
+        :func:`tinyloop.generate.generate` for the sampling rule and errors."""
+        from .generate import generate
+        return generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+
+    def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, stop=None):
+        """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
+        token is sampled (``text`` is the newly decodable text, possibly empty)."""
+        from .generate import stream
+        return stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+
+    def __repr__(self) -> str:
+        c = self.config
+        state = "freed" if self._freed else f"{self.vram_usage_bytes() / 2**20:.1f} MiB"
+        return (f"Model({os.path.basename(self.path)!r}, backend={self.backend}, d_model="
+                f"{c.d_model}, layers P/R/C={c.n_prelude}/{c.n_recurrent}/{c.n_coda}, "
+                f"max_depth={c.max_depth}, {state})")
+
+
+def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
+               backend: str = "auto") -> Model:
+    """Load a .tlm model, phase by phase (seed 001).
+
+    Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
+    scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);
+    ``backend`` "auto" | "cuda" | "numpy".
+    Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
+    OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
+    """
+    return Model(path, max_seq_len, prefill_chunk, backend=backend)
+
+
+def free_model(model: Model) -> None:
+    """Free every byte the model owns (idempotent); the model is unusable afterwards."""
+    model.free()
+
+
+def vram_usage_bytes(model: Model) -> int:
+    """Bytes the model owns in the pool (0 after free_model)."""
+    return model.vram_usage_bytes()

@@ -1,0 +1,136 @@
+"""Memory plans: every buffer the load and a request will allocate, before anything is allocated.
+
+The same plan feeds ``tinyloop inspect`` and ``load_model`` (llm.c's ``fill_in_parameter_sizes``
+then one allocation per entry), so the prediction and the truth cannot drift apart.
+
+Load phases (seed 001, "Internal allocation phases"):
+  1. header parse + format validation      (no device memory)
+  2. quantized weight upload               tag "weights"
+  3. optional FP16 caches for hot GEMMs    tag "fp16_cache"   (TINYLOOP_FP16_CACHE=1)
+  4. BufferPool                            tag "buffers" (+ the lazy ``logit_row``, tag "logits")
+  5. optional reconstruction scratch       tag "scratch"      (store-h KV modes; none yet)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .format import expected_tensors
+
+PHASES = {2: "weights", 3: "fp16 caches", 4: "buffer pool", 5: "reconstruction scratch"}
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One allocation: ``name``, ``shape``, ``dtype`` (numpy name), memory ``tag``, load
+    ``phase`` (2..5, or 0 for per-request), and ``lazy`` (allocated on first use)."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    tag: str
+    phase: int
+    lazy: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def scratch_rows(max_seq_len: int, prefill_chunk: int) -> int:
+    """Rows of the FP scratch buffers: prefill_chunk when > 0, else max_seq_len."""
+    return min(prefill_chunk, max_seq_len) if prefill_chunk > 0 else max_seq_len
+
+
+def weight_plan(cfg: ModelConfig, quant_layout: dict[str, tuple[int, int]]) -> list[PlanEntry]:
+    """Phase 2 entries. ``quant_layout`` maps each quantized tensor name to (bits, group)."""
+    out = []
+    for name, (kind, shape) in expected_tensors(cfg).items():
+        if kind == "float":
+            out.append(PlanEntry(name, shape, "float32", "weights", 2))
+            continue
+        bits, group = quant_layout[name]
+        rows, cols = shape
+        qshape = (rows, cols // 2) if bits == 4 else (rows, cols)
+        out.append(PlanEntry(name + ".qweight", qshape, "uint8" if bits == 4 else "int8",
+                             "weights", 2))
+        for part in ("scales", "zeros"):
+            out.append(PlanEntry(f"{name}.{part}", (rows, cols // group), "float16",
+                                 "weights", 2))
+    return out
+
+
+def hot_gemm_weights(cfg: ModelConfig) -> list[str]:
+    """The per-layer projection weights prefill runs through GEMMs (FP16-cache candidates)."""
+    return [f"blk.{i}.{n}" for i in range(cfg.n_layers)
+            for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")]
+
+
+def fp16_cache_plan(cfg: ModelConfig) -> list[PlanEntry]:
+    """Phase 3 entries: a dense float16 copy of each hot GEMM weight."""
+    want = expected_tensors(cfg)
+    return [PlanEntry(n + ".fp16", want[n][1], "float16", "fp16_cache", 3)
+            for n in hot_gemm_weights(cfg)]
+
+
+def buffer_plan(cfg: ModelConfig, max_seq_len: int, prefill_chunk: int,
+                act_dtype) -> list[PlanEntry]:
+    """Phase 4: the BufferPool.
+
+    - ``main``: float32 residual ``[max_seq_len, d_model]`` (always sequence-wide);
+    - ``norm``: act ``[R, d_model]`` (normed rows, and each projection's output);
+    - ``scratch1``: act ``[R, max(qkv_dim, 2*ffn_dim, 2*d_model)]`` (QKV, gate|up, [state, e]);
+    - ``attn_down``: act ``[R, max(q_dim, ffn_dim)]`` (attention output, SwiGLU output);
+    - ``inject``: float32 ``[R, d_model]`` (prelude output; only with injection "adapter");
+    - ``ids``: int32 ``[R]`` (token ids of the rows in flight);
+    - ``logit_row``: float32 ``[vocab]`` (lazy: allocated at the first generate call),
+    where R = prefill_chunk if prefill_chunk > 0 else max_seq_len.
+    """
+    act = np.dtype(act_dtype).name
+    r = scratch_rows(max_seq_len, prefill_chunk)
+    d = cfg.d_model
+    out = [PlanEntry("main", (max_seq_len, d), "float32", "buffers", 4),
+           PlanEntry("norm", (r, d), act, "buffers", 4),
+           PlanEntry("scratch1", (r, max(cfg.qkv_dim, 2 * cfg.ffn_dim, 2 * d)), act,
+                     "buffers", 4),
+           PlanEntry("attn_down", (r, max(cfg.q_dim, cfg.ffn_dim)), act, "buffers", 4)]
+    if cfg.injection == "adapter":
+        out.append(PlanEntry("inject", (r, d), "float32", "buffers", 4))
+    out.append(PlanEntry("ids", (r,), "int32", "buffers", 4))
+    out.append(PlanEntry("logit_row", (1, cfg.vocab_size), "float32", "logits", 4, lazy=True))
+    return out
+
+
+def load_plan(cfg: ModelConfig, quant_layout: dict, max_seq_len: int, prefill_chunk: int,
+              act_dtype, fp16_cache: bool = False) -> list[PlanEntry]:
+    """All model-owned allocations, in load order (phases 2..5)."""
+    plan = weight_plan(cfg, quant_layout)
+    if fp16_cache:
+        plan += fp16_cache_plan(cfg)
+    plan += buffer_plan(cfg, max_seq_len, prefill_chunk, act_dtype)
+    return plan
+
+
+LOGIT_BLOCK_ROWS = 128
+
+
+def request_plan(cfg: ModelConfig, n_tokens: int, depth: int, kv_dtype,
+                 logits_rows: int = 0) -> list[PlanEntry]:
+    """Per-request allocations: the RuntimeKVCache ``[slots, 2, n_tokens, n_kv_heads,
+    head_dim]`` (tag "kv_cache") and, for logits()/score(), a float32 logits block
+    ``[logits_rows, vocab]`` (tag "logits")."""
+    out = [PlanEntry("kv_cache", (cfg.n_slots(depth), 2, n_tokens, cfg.n_kv_heads,
+                                  cfg.head_dim), np.dtype(kv_dtype).name, "kv_cache", 0)]
+    if logits_rows:
+        out.append(PlanEntry("logits", (logits_rows, cfg.vocab_size), "float32", "logits", 0))
+    return out
+
+
+def plan_bytes_by_phase(plan: list[PlanEntry]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for e in plan:
+        out[e.phase] = out.get(e.phase, 0) + e.nbytes
+    return out
