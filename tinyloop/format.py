@@ -287,6 +287,10 @@ class TLMFile:
             if q.dtype not in ("q4", "i8"):
                 raise TensorShapeError(f"{self.path}: {name}.qweight has dtype {q.dtype}, "
                                        "expected q4 or i8")
+            for part in (s, z):
+                if part.dtype != "f16":
+                    raise TensorShapeError(f"{self.path}: {part.name} has dtype {part.dtype}, "
+                                           "expected f16")
             bits = 4 if q.dtype == "q4" else 8
             if len(q.shape) != 2 or len(s.shape) != 2 or s.shape[1] == 0:
                 raise TensorShapeError(f"{self.path}: {name} parts must be 2-D with groups")

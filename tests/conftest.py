@@ -1,0 +1,38 @@
+"""Shared fixtures: small synthetic looped models written once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyloop.backends import cuda_available
+from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+
+TINY = dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+            n_prelude=1, n_recurrent=2, n_coda=1, max_depth=4, rope_theta=10000.0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (CuPy sees none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """A tiny looped model (P/R/C = 1/2/1, max depth 4, no injection), INT4 g=32."""
+    path = tmp_path_factory.mktemp("models") / "tiny.tlm"
+    write_synthetic(path, synthetic_config(**TINY), seed=11)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter_path(tmp_path_factory):
+    """Like tiny_model_path but with the injection adapter, untied head, INT8 g=64."""
+    path = tmp_path_factory.mktemp("models") / "tiny_adapter.tlm"
+    write_synthetic(path, synthetic_config(**{**TINY, "injection": "adapter",
+                                              "tied_head": False}),
+                    seed=12, bits=8, group_size=64)
+    return str(path)

@@ -1,0 +1,264 @@
+"""The public lifecycle and request API on the NumPy backend (seed 001's contract)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import tinyloop
+from tinyloop import errors
+from tinyloop.memory import get_pool
+from tinyloop.plan import plan_bytes_by_phase
+
+from .conftest import TINY
+
+
+def _allocated():
+    return get_pool("host").stats().allocated_bytes
+
+
+def _live_by_tag(tag):
+    return get_pool("host").stats().by_tag.get(tag, 0)
+
+
+def test_load_free_returns_allocated_to_start(tiny_adapter_path):
+    before = _allocated()
+    m = tinyloop.load_model(tiny_adapter_path, max_seq_len=128, prefill_chunk=16,
+                            backend="numpy")
+    assert m.backend == "numpy"
+    assert tinyloop.vram_usage_bytes(m) > 0
+    assert _allocated() - before == tinyloop.vram_usage_bytes(m)
+    m.generate([1, 2, 3], max_new_tokens=3)          # allocates the lazy logit_row too
+    assert _allocated() - before == tinyloop.vram_usage_bytes(m)
+    tinyloop.free_model(m)
+    assert _allocated() == before
+    assert tinyloop.vram_usage_bytes(m) == 0
+    tinyloop.free_model(m)                           # idempotent
+    with pytest.raises(errors.ModelFreedError):
+        m.logits([1, 2])
+
+
+def test_plan_predicts_what_the_load_allocates(tiny_adapter_path):
+    """The plan (the numbers `tinyloop inspect` prints) equals the requested bytes per tag."""
+    pool = get_pool("host")
+    m = tinyloop.load_model(tiny_adapter_path, max_seq_len=100, prefill_chunk=10,
+                            backend="numpy")
+    try:
+        blocks = list(m._blocks)
+        requested = {}
+        for b in blocks:
+            requested[b.tag] = requested.get(b.tag, 0) + b.requested_bytes
+        by_phase = plan_bytes_by_phase([e for e in m.plan if not e.lazy])
+        assert requested["weights"] == by_phase[2]
+        assert requested["buffers"] == by_phase[4]
+        main = next(e for e in m.plan if e.name == "main")
+        norm = next(e for e in m.plan if e.name == "norm")
+        assert main.shape == (100, TINY["d_model"]) and main.dtype == "float32"
+        assert norm.shape == (10, TINY["d_model"])          # chunk-wide scratch
+        assert sum(b.nbytes for b in blocks) == m.vram_usage_bytes()
+        assert all(b.nbytes % 512 == 0 and b.nbytes >= b.requested_bytes for b in blocks)
+    finally:
+        tinyloop.free_model(m)
+    del pool
+
+
+@pytest.mark.parametrize("failing_tag", ["weights", "buffers"])
+def test_failed_load_in_each_phase_leaves_nothing(tiny_adapter_path, monkeypatch, failing_tag):
+    pool = get_pool("host")
+    real = pool.allocate
+    seen = {"n": 0}
+
+    def flaky(nbytes, tag=None):
+        tag_now = tag or tinyloop.memory.current_tag()
+        if tag_now == failing_tag:
+            seen["n"] += 1
+            if seen["n"] == 3:                       # fail part-way through the phase
+                raise errors.OutOfMemoryError("injected", requested_bytes=nbytes,
+                                              tag=tag_now)
+        return real(nbytes, tag)
+
+    before = _allocated()
+    monkeypatch.setattr(pool, "allocate", flaky)
+    with pytest.raises(errors.OutOfMemoryError, match="injected"):
+        tinyloop.load_model(tiny_adapter_path, max_seq_len=64, backend="numpy")
+    monkeypatch.undo()
+    assert seen["n"] == 3
+    assert _allocated() == before
+
+
+def test_kv_cache_is_per_request_and_released(tiny_model_path):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        kv0 = _live_by_tag("kv_cache")
+        peak_seen = []
+        for piece in m.stream([1, 2, 3, 4], max_new_tokens=5, depth=3):
+            peak_seen.append(_live_by_tag("kv_cache"))
+        cfg = m.config
+        want = cfg.n_slots(3) * 2 * (4 + 5) * cfg.n_kv_heads * cfg.head_dim * 4
+        assert max(peak_seen) - kv0 >= want
+        assert _live_by_tag("kv_cache") == kv0
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_stream_equals_generate_and_sampling_is_seeded(tiny_model_path):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        a = m.generate("hello", max_new_tokens=10, temperature=0.9, top_k=40, top_p=0.9,
+                       seed=123, depth=2)
+        b = [t.token_id for t in m.stream("hello", max_new_tokens=10, temperature=0.9,
+                                          top_k=40, top_p=0.9, seed=123, depth=2)]
+        c = m.generate("hello", max_new_tokens=10, temperature=0.9, top_k=40, top_p=0.9,
+                       seed=124, depth=2)
+        assert a.token_ids == b
+        assert a.token_ids != c.token_ids
+        assert a.text == m.tokenizer.decode(a.token_ids)
+        assert a.finish_reason == "length" and len(a.token_ids) == 10
+        assert a.prompt_token_ids == m.tokenizer.encode("hello")
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_stop_string_cuts_text(tiny_model_path):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        full = m.generate([10, 20, 30], max_new_tokens=12)
+        stop = full.text[3:5]
+        assert stop
+        cut = m.generate([10, 20, 30], max_new_tokens=12, stop=[stop])
+        assert cut.finish_reason == "stop"
+        assert cut.text == full.text[:full.text.index(stop)]
+        assert stop not in cut.text
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_eos_stops_generation(tiny_model_path, monkeypatch):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        full = m.generate([10, 20, 30], max_new_tokens=8)
+        object.__setattr__(m.config, "eos_token_id", full.token_ids[2])
+        res = m.generate([10, 20, 30], max_new_tokens=8)
+        assert res.finish_reason == "eos"
+        assert res.token_ids == full.token_ids[:full.token_ids.index(full.token_ids[2])]
+    finally:
+        tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(depth=0), "depth=0"),
+    (dict(depth=5), "max_depth=4"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(stop=[""]), "stop"),
+    (dict(max_new_tokens=100), "max_seq_len"),
+])
+def test_bad_generate_arguments(tiny_model_path, kwargs, match):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    before = _allocated()
+    try:
+        with pytest.raises(errors.ConfigError, match=match):
+            m.generate([1, 2, 3], **kwargs)
+        assert _allocated() == before
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_bad_token_ids(tiny_model_path):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        with pytest.raises(errors.TokenizerError, match=r"\[1\]=300"):
+            m.logits([1, 300])
+        with pytest.raises(errors.TokenizerError, match="-1"):
+            m.generate([-1])
+        with pytest.raises(errors.ConfigError, match="empty"):
+            m.logits([])
+        with pytest.raises(errors.ConfigError, match="1-D"):
+            m.logits([[1, 2]])
+        with pytest.raises(errors.ConfigError, match="max_seq_len"):
+            m.logits(list(range(65)))
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_bad_load_arguments(tiny_model_path, tmp_path):
+    with pytest.raises(errors.ConfigError, match="max_seq_len"):
+        tinyloop.load_model(tiny_model_path, max_seq_len=0, backend="numpy")
+    with pytest.raises(errors.ConfigError, match="prefill_chunk"):
+        tinyloop.load_model(tiny_model_path, prefill_chunk=-1, backend="numpy")
+    with pytest.raises(errors.ConfigError, match="backend"):
+        tinyloop.load_model(tiny_model_path, backend="tpu")
+    with pytest.raises(errors.TinyLoopError, match="not found"):
+        tinyloop.load_model(tmp_path / "nope.tlm", backend="numpy")
+
+
+def test_concurrent_calls_are_serialized(tiny_model_path):
+    """Two threads on one Model get exactly the results of sequential calls."""
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        prompts = [[1, 2, 3], [200, 100, 50, 25]]
+        want = [m.generate(p, max_new_tokens=8, depth=2).token_ids for p in prompts]
+        got = [None, None]
+        inside = []
+        orig = m._forward_chunk
+
+        def spy(*a, **k):
+            inside.append(threading.get_ident())
+            return orig(*a, **k)
+
+        m._forward_chunk = spy
+
+        def work(i):
+            got[i] = m.generate(prompts[i], max_new_tokens=8, depth=2).token_ids
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert got == want
+        # serialized: each thread's forward calls form one contiguous run
+        changes = sum(1 for a, b in zip(inside, inside[1:]) if a != b)
+        assert changes == 1
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_untokenized_model_needs_ids(tmp_path):
+    from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+    p = tmp_path / "small.tlm"
+    write_synthetic(p, synthetic_config(**{**TINY, "vocab_size": 100}), seed=1)
+    m = tinyloop.load_model(p, max_seq_len=16, backend="numpy")
+    try:
+        assert m.tokenizer is None
+        with pytest.raises(errors.TokenizerError, match="token ids"):
+            m.generate("text")
+        assert len(m.generate([1, 2], max_new_tokens=3).token_ids) == 3
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_cli_inspect_and_synthetic(tmp_path, capsys):
+    from tinyloop.cli import main
+    p = tmp_path / "c.tlm"
+    assert main(["convert", "--synthetic", str(p), "--dims",
+                 "vocab_size=300,d_model=64,n_heads=4,n_kv_heads=2,head_dim=16,ffn_dim=128,"
+                 "n_prelude=1,n_recurrent=2,n_coda=1,max_depth=3"]) == 0
+    assert main(["inspect", str(p), "--max-seq-len", "100", "--prefill-chunk", "10",
+                 "--backend", "numpy"]) == 0
+    out = capsys.readouterr().out
+    assert "phase 2 weights" in out and "main" in out
+    m = tinyloop.load_model(p, max_seq_len=100, prefill_chunk=10, backend="numpy")
+    try:
+        w = sum(b.requested_bytes for b in m._blocks if b.tag == "weights")
+        assert f"{w:,d}" in out                        # the printed prediction is the truth
+    finally:
+        tinyloop.free_model(m)
+    assert main(["generate", str(p), "hi", "--max-new-tokens", "3", "--backend",
+                 "numpy"]) == 0
+    assert main(["inspect", str(tmp_path / "missing.tlm")]) == 1
+    assert "missing.tlm" in capsys.readouterr().err

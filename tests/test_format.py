@@ -1,0 +1,203 @@
+"""Every .tlm validation case raises its own named error, on crafted files."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+import tinyloop
+from tinyloop import errors
+from tinyloop.format import ALIGN, MAGIC, PREFIX, VERSION_MAX, align, read_tlm
+
+
+def _split(path):
+    raw = open(path, "rb").read()
+    magic, version, _, hlen = PREFIX.unpack(raw[:PREFIX.size])
+    header = json.loads(raw[PREFIX.size:PREFIX.size + hlen])
+    data = raw[align(PREFIX.size + hlen):]
+    return version, header, data
+
+
+def _write(path, header, data, *, magic=MAGIC, version=1, header_len=None):
+    h = json.dumps(header).encode()
+    hl = len(h) if header_len is None else header_len
+    start = align(PREFIX.size + len(h))
+    with open(path, "wb") as f:
+        f.write(PREFIX.pack(magic, version, 0, hl))
+        f.write(h)
+        f.write(b"\0" * (start - PREFIX.size - len(h)))
+        f.write(data)
+    return str(path)
+
+
+def _entry(header, name):
+    return next(e for e in header["tensors"] if e["name"] == name)
+
+
+@pytest.fixture
+def parts(tiny_model_path):
+    return _split(tiny_model_path)
+
+
+def test_roundtrip_reads_back(tiny_model_path):
+    with read_tlm(tiny_model_path) as f:
+        assert f.config.d_model == 64 and f.version == 1
+        assert f.data_start % ALIGN == 0
+        assert all(e.offset % ALIGN == 0 for e in f.entries.values())
+        qw = f.quant_weight("blk.0.attn_qkv")
+        assert qw.shape == (f.config.qkv_dim, 64) and qw.bits == 4 and qw.group_size == 32
+
+
+def test_bad_magic(tmp_path, parts):
+    _, h, d = parts
+    p = _write(tmp_path / "m.tlm", h, d, magic=b"GGUF\0\0\0\0")
+    with pytest.raises(errors.BadMagicError, match="not a .tlm file"):
+        read_tlm(p)
+
+
+def test_newer_version(tmp_path, parts):
+    _, h, d = parts
+    p = _write(tmp_path / "v.tlm", h, d, version=VERSION_MAX + 1)
+    with pytest.raises(errors.UnsupportedVersionError, match="VERSION_MAX"):
+        read_tlm(p)
+
+
+def test_inconsistent_dims(tmp_path, parts):
+    _, h, d = parts
+    h["config"]["n_kv_heads"] = 3          # 4 heads are not a multiple of 3 kv heads
+    with pytest.raises(errors.InconsistentDimsError, match="n_kv_heads"):
+        read_tlm(_write(tmp_path / "d.tlm", h, d))
+    h["config"]["n_kv_heads"] = 2
+    h["config"]["default_depth"] = 9       # > max_depth 4
+    with pytest.raises(errors.InconsistentDimsError, match="default_depth"):
+        read_tlm(_write(tmp_path / "d2.tlm", h, d))
+
+
+def test_tensor_out_of_bounds(tmp_path, parts):
+    _, h, d = parts
+    _entry(h, "output_norm")["offset"] = align(len(d) + 4096)
+    with pytest.raises(errors.TensorBoundsError, match="output_norm"):
+        read_tlm(_write(tmp_path / "b.tlm", h, d))
+
+
+def test_tensors_overlap(tmp_path, parts):
+    _, h, d = parts
+    a, b = _entry(h, "blk.0.attn_norm"), _entry(h, "blk.0.ffn_norm")
+    b["offset"] = a["offset"]
+    with pytest.raises(errors.TensorOverlapError, match="overlap"):
+        read_tlm(_write(tmp_path / "o.tlm", h, d))
+
+
+def test_wrong_shape_for_dims(tmp_path, parts):
+    _, h, d = parts
+    e = _entry(h, "blk.0.attn_norm")
+    e["shape"], e["nbytes"] = [32], 128
+    with pytest.raises(errors.TensorShapeError, match="blk.0.attn_norm"):
+        read_tlm(_write(tmp_path / "s.tlm", h, d))
+
+
+def test_wrong_dtype_for_dims(tmp_path, parts):
+    _, h, d = parts
+    e = _entry(h, "blk.0.attn_qkv.scales")
+    e["dtype"], e["shape"] = "u8", [e["shape"][0], e["shape"][1] * 2]
+    with pytest.raises(errors.TensorShapeError, match="scales"):
+        read_tlm(_write(tmp_path / "t.tlm", h, d))
+
+
+def test_missing_tensor(tmp_path, parts):
+    _, h, d = parts
+    h["tensors"] = [e for e in h["tensors"] if e["name"] != "blk.1.ffn_down.zeros"]
+    with pytest.raises(errors.TensorShapeError, match="blk.1.ffn_down.zeros"):
+        read_tlm(_write(tmp_path / "x.tlm", h, d))
+
+
+def test_nbytes_disagrees_with_shape(tmp_path, parts):
+    _, h, d = parts
+    _entry(h, "output_norm")["nbytes"] += 4
+    with pytest.raises(errors.TensorShapeError, match="nbytes"):
+        read_tlm(_write(tmp_path / "n.tlm", h, d))
+
+
+def test_truncated_data(tmp_path, parts):
+    _, h, d = parts
+    p = _write(tmp_path / "tr.tlm", h, d[: len(d) - 1000])
+    with pytest.raises(errors.TruncatedFileError, match="truncated"):
+        read_tlm(p)
+
+
+def test_truncated_header(tmp_path, tiny_model_path):
+    raw = open(tiny_model_path, "rb").read()
+    p = tmp_path / "th.tlm"
+    p.write_bytes(raw[:PREFIX.size + 10])
+    with pytest.raises(errors.TruncatedFileError, match="header"):
+        read_tlm(p)
+    p.write_bytes(raw[:5])
+    with pytest.raises(errors.TruncatedFileError):
+        read_tlm(p)
+
+
+def test_huge_header_length_is_refused_before_reading(tmp_path, parts):
+    _, h, d = parts
+    p = _write(tmp_path / "hl.tlm", h, d, header_len=(1 << 63) + 5)
+    with pytest.raises(errors.SizeOverflowError, match="header length"):
+        read_tlm(p)
+
+
+def test_size_overflow_in_shape(tmp_path, parts):
+    _, h, d = parts
+    e = _entry(h, "output_norm")
+    e["shape"] = [1 << 40, 1 << 40]
+    e["nbytes"] = 4 << 80
+    with pytest.raises(errors.SizeOverflowError, match="output_norm"):
+        read_tlm(_write(tmp_path / "ov.tlm", h, d))
+
+
+def test_negative_size(tmp_path, parts):
+    _, h, d = parts
+    _entry(h, "output_norm")["offset"] = -64
+    with pytest.raises(errors.SizeOverflowError, match="negative"):
+        read_tlm(_write(tmp_path / "neg.tlm", h, d))
+
+
+def test_garbage_header(tmp_path):
+    p = tmp_path / "g.tlm"
+    body = b"\xff\xfe not json"
+    p.write_bytes(PREFIX.pack(MAGIC, 1, 0, len(body)) + body)
+    with pytest.raises(errors.FormatError, match="JSON"):
+        read_tlm(p)
+
+
+def test_load_model_rejects_bad_file_and_allocates_nothing(tmp_path, parts):
+    from tinyloop.memory import get_pool
+    _, h, d = parts
+    _entry(h, "output_norm")["nbytes"] += 4
+    p = _write(tmp_path / "bad.tlm", h, d)
+    pool = get_pool("host")
+    before = pool.stats().allocated_bytes if hasattr(pool, "stats") else pool.allocated_bytes
+    with pytest.raises(tinyloop.TinyLoopError):
+        tinyloop.load_model(p, backend="numpy")
+    after = pool.stats().allocated_bytes if hasattr(pool, "stats") else pool.allocated_bytes
+    assert after == before
+
+
+def test_writer_refuses_tensors_that_do_not_match(tmp_path):
+    from tinyloop.convert.synthetic import synthetic_config, synthetic_weights
+    from tinyloop.format import write_tlm
+    from .conftest import TINY
+    cfg = synthetic_config(**TINY)
+    w = synthetic_weights(cfg, 0)
+    del w["blk.0.ffn_norm"]
+    with pytest.raises(errors.TensorShapeError, match="missing"):
+        write_tlm(tmp_path / "w.tlm", cfg, w)
+    w = synthetic_weights(cfg, 0)
+    w["output_norm"] = np.ones(3, np.float32)
+    with pytest.raises(errors.TensorShapeError, match="output_norm"):
+        write_tlm(tmp_path / "w.tlm", cfg, w)
+    assert not (tmp_path / "w.tlm").exists()
+
+
+def test_prefix_struct_is_24_bytes():
+    assert PREFIX.size == 24 and struct.calcsize("<8sIIQ") == 24

@@ -1,0 +1,219 @@
+"""The ``tinyloop`` command: run, generate, convert, inspect.
+
+    tinyloop run [--backend B] [--depth D] [--max-new-tokens N]
+        the embedded default model on a default chat prompt: prints the text, tokens/s and a
+        memory summary
+    tinyloop generate MODEL PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
+    tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
+    tinyloop convert --synthetic DST.tlm [--seed S] [--dims k=v,...]
+    tinyloop inspect MODEL [--max-seq-len N] [--prefill-chunk C] [--backend B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import TinyLoopError
+
+DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _memory_summary(device: str) -> str:
+    from . import memory
+    report = getattr(memory, "memory_report", None)
+    if report is not None:
+        return report(device)
+    pool = memory.get_pool(device)
+    lines = [f"{tag:<14}{_fmt_bytes(b):>14}" for tag, b in sorted(pool.by_tag().items())]
+    return "\n".join(lines)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--depth", type=int, default=None, help="recurrent depth (default: model's)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+
+def cmd_run_like(model_path: str, prompt: str, a) -> int:
+    from .model import free_model, load_model
+    from .memory import get_pool
+    model = load_model(model_path, a.max_seq_len, a.prefill_chunk, backend=a.backend)
+    try:
+        text = prompt
+        tok = model.tokenizer
+        if not a.raw and tok is not None and tok.chat_template:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        print(f"# {model!r}", file=sys.stderr)
+        res = model.generate(text, max_new_tokens=a.max_new_tokens, depth=a.depth,
+                             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                             seed=a.seed)
+        print(res.text)
+        print(f"\n# {len(res.prompt_token_ids)} prompt tokens, prefill {res.prefill_ms:.1f} ms; "
+              f"{len(res.token_ids)} new tokens at depth {res.depth}, "
+              f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason}); "
+              f"backend {model.backend}")
+        print(f"# model owns {_fmt_bytes(model.vram_usage_bytes())}")
+        print(_memory_summary(get_pool(model._ops.device).device))
+    finally:
+        free_model(model)
+    return 0
+
+
+def cmd_run(a) -> int:
+    from .default import default_model_path
+    return cmd_run_like(default_model_path(), a.prompt or DEFAULT_PROMPT, a)
+
+
+def cmd_generate(a) -> int:
+    return cmd_run_like(a.model, a.prompt, a)
+
+
+def _parse_dims(text: str) -> dict:
+    out = {}
+    if not text:
+        return out
+    for kv in text.split(","):
+        k, _, v = kv.partition("=")
+        k = k.strip()
+        if not _:
+            raise TinyLoopError(f"--dims entry {kv!r} is not key=value")
+        if v in ("true", "false"):
+            out[k] = v == "true"
+        else:
+            try:
+                out[k] = int(v)
+            except ValueError:
+                try:
+                    out[k] = float(v)
+                except ValueError:
+                    out[k] = v
+    return out
+
+
+def cmd_convert(a) -> int:
+    if a.synthetic:
+        from .convert.synthetic import synthetic_config, write_synthetic
+        cfg = write_synthetic(a.dst or a.src, synthetic_config(**_parse_dims(a.dims)),
+                              seed=a.seed, bits=a.bits, group_size=a.group_size)
+        print(f"wrote {a.dst or a.src}: {cfg}")
+        return 0
+    from .convert import convert
+    start, _, end = a.recurrent.partition(":")
+    try:
+        rec = (int(start), int(end))
+    except ValueError:
+        raise TinyLoopError(f"--recurrent must look like A:B (a layer range), got "
+                            f"{a.recurrent!r}") from None
+    cfg = convert(a.src, a.dst, recurrent=rec, default_depth=a.default_depth,
+                  max_depth=a.max_depth)
+    print(f"wrote {a.dst}: {cfg}")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    import numpy as np
+
+    from . import plan as planmod
+    from .format import read_tlm
+    with read_tlm(a.model) as f:
+        cfg = f.config
+        layout = {n: (f.quant_weight(n).bits, f.quant_weight(n).group_size)
+                  for n in f.quant_names()}
+        print(f"file      {a.model}  ({_fmt_bytes(f.file_size)}, .tlm version {f.version})")
+        for k, v in cfg.to_dict().items():
+            print(f"  {k:<15} {v}")
+        print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
+              f"at max depth {cfg.max_depth}: {cfg.n_slots(cfg.max_depth)}")
+        bits = sorted({b for b, _ in layout.values()})
+        groups = sorted({g for _, g in layout.values()})
+        print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
+        print(f"  metadata       {f.metadata}")
+    if a.backend == "cuda":
+        act, kv = np.float16, np.float16
+    else:
+        act, kv = np.float32, np.float32
+    from .config import fp16_cache_enabled
+    p = planmod.load_plan(cfg, layout, a.max_seq_len, a.prefill_chunk, act,
+                          fp16_cache=fp16_cache_enabled() and a.backend == "cuda")
+    print(f"\nmemory plan for backend={a.backend} max_seq_len={a.max_seq_len} "
+          f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
+    by = planmod.plan_bytes_by_phase(p)
+    for ph, name in planmod.PHASES.items():
+        print(f"  phase {ph} {name:<24}{by.get(ph, 0):>14,d}  {_fmt_bytes(by.get(ph, 0))}")
+    for e in p:
+        if e.phase == 4:
+            lazy = " (lazy)" if e.lazy else ""
+            print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
+    total = sum(e.nbytes for e in p)
+    print(f"  model total{'':<22}{total:>14,d}  {_fmt_bytes(total)}")
+    depth = a.depth or cfg.default_depth
+    (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, kv)
+    print(f"  per request: KV cache for {a.max_seq_len} positions at depth {depth} "
+          f"({cfg.n_slots(depth)} slots): {kv_e.nbytes:,d}  {_fmt_bytes(kv_e.nbytes)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tinyloop", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="generate with the embedded default model")
+    r.add_argument("--prompt", default=None)
+    _add_sampling(r)
+    r.set_defaults(fn=cmd_run, max_new_tokens=48)
+    g = sub.add_parser("generate", help="generate from a .tlm model")
+    g.add_argument("model")
+    g.add_argument("prompt")
+    _add_sampling(g)
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("convert", help="GGUF -> .tlm, or a synthetic model")
+    c.add_argument("src", help="source .gguf (or, with --synthetic, the output path)")
+    c.add_argument("dst", nargs="?")
+    c.add_argument("--recurrent", default="10:20", help="layer range A:B of the recurrent block")
+    c.add_argument("--default-depth", type=int, default=1)
+    c.add_argument("--max-depth", type=int, default=8)
+    c.add_argument("--synthetic", action="store_true")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dims", default="", help="synthetic dims, e.g. d_model=256,n_recurrent=4")
+    c.add_argument("--bits", type=int, default=4)
+    c.add_argument("--group-size", type=int, default=32)
+    c.set_defaults(fn=cmd_convert)
+    i = sub.add_parser("inspect", help="header, dims and the memory plan")
+    i.add_argument("model")
+    i.add_argument("--max-seq-len", type=int, default=2048)
+    i.add_argument("--prefill-chunk", type=int, default=0)
+    i.add_argument("--depth", type=int, default=None)
+    i.add_argument("--backend", choices=("cuda", "numpy"), default="cuda")
+    i.set_defaults(fn=cmd_inspect)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.cmd == "convert" and not a.synthetic and not a.dst:
+        print("tinyloop convert: DST is required", file=sys.stderr)
+        return 2
+    try:
+        return a.fn(a)
+    except (TinyLoopError, OSError) as e:
+        print(f"tinyloop {a.cmd}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
