@@ -171,9 +171,9 @@ def test_prefill_chunk_matches_unchunked(tiny_adapter_path, chunk):
                                backend="numpy")
     try:
         np.testing.assert_allclose(part.logits(ids, depth=2), full.logits(ids, depth=2),
-                                   rtol=1e-6, atol=1e-6)
+                                   rtol=1e-5, atol=3e-5)
         np.testing.assert_allclose(part.score(ids, depth=2), full.score(ids, depth=2),
-                                   rtol=1e-9, atol=1e-9)
+                                   rtol=1e-5, atol=3e-5)
         a = full.generate(ids[:9].tolist(), max_new_tokens=8, depth=2)
         b = part.generate(ids[:9].tolist(), max_new_tokens=8, depth=2)
         assert a.token_ids == b.token_ids

@@ -150,7 +150,8 @@ def cmd_inspect(a) -> int:
         act, kv = np.float32, np.float32
     from .config import fp16_cache_enabled
     p = planmod.load_plan(cfg, layout, a.max_seq_len, a.prefill_chunk, act,
-                          fp16_cache=fp16_cache_enabled() and a.backend == "cuda")
+                          fp16_cache=fp16_cache_enabled(default=a.backend == "numpy"),
+                          backend=a.backend)
     print(f"\nmemory plan for backend={a.backend} max_seq_len={a.max_seq_len} "
           f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
     by = planmod.plan_bytes_by_phase(p)

@@ -183,9 +183,13 @@ def _env_flag(name: str, default: bool = False) -> bool:
     raise ConfigError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
-def fp16_cache_enabled() -> bool:
-    """``TINYLOOP_FP16_CACHE``: keep dequantized FP16 copies of the hot prefill GEMM weights."""
-    return _env_flag("TINYLOOP_FP16_CACHE", False)
+def fp16_cache_enabled(default: bool = False) -> bool:
+    """``TINYLOOP_FP16_CACHE``: keep dequantized copies of weights for the GEMMs.
+
+    CUDA: FP16 copies of the hot prefill GEMM weights (default off). NumPy reference: float32
+    copies of every quantized weight (default on: dequantizing per call is ~20x slower).
+    """
+    return _env_flag("TINYLOOP_FP16_CACHE", default)
 
 
 def memory_limit_from_env(total_bytes: int | None) -> int | None:

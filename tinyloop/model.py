@@ -94,9 +94,10 @@ class Model:
             tok_json = f.tokenizer_json
             layout = {n: (f.quant_weight(n).bits, f.quant_weight(n).group_size)
                       for n in f.quant_names()}
-            use_fp16 = fp16_cache_enabled() and self._ops.name == "cuda"
+            use_fp16 = fp16_cache_enabled(default=self._ops.name == "numpy")
             self.plan = planmod.load_plan(cfg, layout, self.max_seq_len, self.prefill_chunk,
-                                          self._ops.act_dtype, fp16_cache=use_fp16)
+                                          self._ops.act_dtype, fp16_cache=use_fp16,
+                                          backend=self._ops.name)
             self.tokenizer = None
             if tok_json is not None:
                 from .tokenizer import Tokenizer
@@ -118,7 +119,7 @@ class Model:
         if use_fp16:
             import dataclasses
             with tag_scope("fp16_cache"):
-                for name in planmod.hot_gemm_weights(cfg):
+                for name in planmod.fp16_cache_names(cfg, self._ops.name):
                     arr, blk = self._ops.make_fp16_cache(w[name], self._pool)
                     self._blocks.append(blk)
                     w[name] = dataclasses.replace(w[name], fp16=arr)

@@ -69,11 +69,21 @@ def hot_gemm_weights(cfg: ModelConfig) -> list[str]:
             for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")]
 
 
-def fp16_cache_plan(cfg: ModelConfig) -> list[PlanEntry]:
-    """Phase 3 entries: a dense float16 copy of each hot GEMM weight."""
+def fp16_cache_names(cfg: ModelConfig, backend: str) -> list[str]:
+    """Weights that get a dequantized cache: the hot GEMM weights on CUDA; every quantized
+    weight on the NumPy backend (which otherwise dequantizes on every call)."""
+    if backend == "numpy":
+        return [n for n, (k, _) in expected_tensors(cfg).items() if k == "quant"]
+    return hot_gemm_weights(cfg)
+
+
+def fp16_cache_plan(cfg: ModelConfig, backend: str) -> list[PlanEntry]:
+    """Phase 3 entries: a dense copy (float16 on CUDA, float32 on NumPy) of each cached
+    weight."""
     want = expected_tensors(cfg)
-    return [PlanEntry(n + ".fp16", want[n][1], "float16", "fp16_cache", 3)
-            for n in hot_gemm_weights(cfg)]
+    dtype = "float32" if backend == "numpy" else "float16"
+    return [PlanEntry(n + ".fp16", want[n][1], dtype, "fp16_cache", 3)
+            for n in fp16_cache_names(cfg, backend)]
 
 
 def buffer_plan(cfg: ModelConfig, max_seq_len: int, prefill_chunk: int,
@@ -105,11 +115,11 @@ def buffer_plan(cfg: ModelConfig, max_seq_len: int, prefill_chunk: int,
 
 
 def load_plan(cfg: ModelConfig, quant_layout: dict, max_seq_len: int, prefill_chunk: int,
-              act_dtype, fp16_cache: bool = False) -> list[PlanEntry]:
+              act_dtype, fp16_cache: bool = False, backend: str = "cuda") -> list[PlanEntry]:
     """All model-owned allocations, in load order (phases 2..5)."""
     plan = weight_plan(cfg, quant_layout)
     if fp16_cache:
-        plan += fp16_cache_plan(cfg)
+        plan += fp16_cache_plan(cfg, backend)
     plan += buffer_plan(cfg, max_seq_len, prefill_chunk, act_dtype)
     return plan
 

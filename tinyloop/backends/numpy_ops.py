@@ -1,7 +1,10 @@
 """The NumPy reference backend: the oracle every CUDA kernel is checked against.
 
-Written for clarity, in float32 with float64 accumulation where sums are long (RMSNorm's mean
-square, matrix products, softmax sums). See ``base.py`` for the conventions shared by all ops.
+Written for clarity, in float32, with float64 where it matters (RMSNorm's mean square, RoPE
+angles, attention scores and softmax sums). Matrix products run as float32 BLAS products of
+the dequantized weights; with the weight cache (``make_fp16_cache``; on by default on this
+backend, ``TINYLOOP_FP16_CACHE=0`` turns it off) the dequantized float32 matrices are kept in
+the pool under tag "fp16_cache" instead of being dequantized on every call. See ``base.py`` for the conventions shared by all ops.
 """
 
 from __future__ import annotations
@@ -76,16 +79,30 @@ class NumpyOps(Ops):
     xp = np
 
     def embed(self, w, ids, out):
-        out[...] = dequantize(w, rows=np.asarray(ids, dtype=np.int64))
+        rows = np.asarray(ids, dtype=np.int64)
+        out[...] = w.fp16[rows] if w.fp16 is not None else dequantize(w, rows=rows)
 
     def rmsnorm(self, x, weight, eps, out):
         x64 = np.asarray(x, dtype=np.float64)
         ms = np.mean(x64 * x64, axis=-1, keepdims=True)
         out[...] = (x64 / np.sqrt(ms + eps) * np.asarray(weight, dtype=np.float64))
 
+    def make_fp16_cache(self, w: QuantWeight, pool):
+        """The NumPy backend's weight cache: the dequantized float32 ``[out, in]`` matrix in a
+        pool block (tag: the current tag_scope, "fp16_cache"); returns (array, block)."""
+        arr, blk = self.empty(pool, w.shape, np.float32, None)
+        arr[...] = dequantize(w)
+        return arr, blk
+
     @staticmethod
-    def _matmul(x, w: QuantWeight) -> np.ndarray:
-        return np.asarray(x, dtype=np.float64) @ dequantize(w).astype(np.float64).T
+    def _dense(w: QuantWeight) -> np.ndarray:
+        return w.fp16 if w.fp16 is not None else dequantize(w)
+
+    @classmethod
+    def _matmul(cls, x, w: QuantWeight) -> np.ndarray:
+        # float32 BLAS product of the dequantized matrix (same values with or without the
+        # cache); sums of <= a few thousand terms keep ~1e-6 relative accuracy
+        return np.asarray(x, dtype=np.float32) @ cls._dense(w).T
 
     def linear(self, x, w, out):
         out[...] = self._matmul(x, w)
