@@ -1,0 +1,637 @@
+"""The memory pool on the CPU: exact addresses on a fake raw allocator, a randomized property
+test that recomputes every counter from the blocks, byte patterns on the host arena, budget and
+out-of-memory figures, empty_cache, the snapshot export, the event log and threads."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tinyloop.memory as mem
+from tinyloop.errors import ConfigError, OutOfMemoryError, TinyLoopError
+from tinyloop.memory import TAGS, FakeRawAllocator, MemoryPool, tag_scope
+from tinyloop.memory.arena import (ALIGNMENT, LARGE_SEGMENT_ROUND, SMALL_REQUEST_MAX,
+                                   SMALL_SEGMENT_BYTES, round_size, segment_size)
+
+KiB, MiB = 1 << 10, 1 << 20
+B = 0x10_0000_0000          # FakeRawAllocator's first address
+
+
+@pytest.fixture(autouse=True)
+def fresh_pools(monkeypatch):
+    """Every test starts and ends with no process pools and no memory limit."""
+    monkeypatch.delenv("TINYLOOP_MEMORY_LIMIT", raising=False)
+    mem._reset_pools_for_tests()
+    yield
+    mem._reset_pools_for_tests()
+
+
+def fake_pool(**kw):
+    raw = FakeRawAllocator(**{k: kw.pop(k) for k in ("capacity", "total_bytes") if k in kw})
+    return MemoryPool(raw_allocator=raw, **kw), raw
+
+
+def layout_of(pool):
+    """[(segment address, size, [(block address, size, live), ...]), ...]"""
+    return [(s["address"], s["size"], [(b["address"], b["size"], b["live"]) for b in s["blocks"]])
+            for s in pool.layout()]
+
+
+# --- size classes -------------------------------------------------------------------------
+def test_round_size_and_segment_size():
+    assert [round_size(n) for n in (0, 1, 512, 513, 1000, 1024)] == [512, 512, 512, 1024, 1024,
+                                                                     1024]
+    assert segment_size(512) == segment_size(SMALL_REQUEST_MAX) == SMALL_SEGMENT_BYTES == 2 * MiB
+    assert segment_size(SMALL_REQUEST_MAX + 512) == 2 * MiB
+    assert segment_size(2 * MiB + 512) == 4 * MiB
+    assert LARGE_SEGMENT_ROUND % ALIGNMENT == 0
+
+
+# --- exact addresses on the fake raw allocator --------------------------------------------
+def test_split_packs_small_requests_into_one_segment():
+    pool, raw = fake_pool()
+    a = pool.allocate(1000, "scratch")
+    b = pool.allocate(512, "logits")
+    assert (a.ptr, a.nbytes, a.requested_bytes, a.tag) == (B, 1024, 1000, "scratch")
+    assert (b.ptr, b.nbytes) == (B + 1024, 512)
+    assert raw.log == [("malloc", B, 2 * MiB)]
+    assert layout_of(pool) == [(B, 2 * MiB, [(B, 1024, True), (B + 1024, 512, True),
+                                             (B + 1536, 2 * MiB - 1536, False)])]
+    pool._check()
+
+
+def test_coalesce_merges_both_neighbours():
+    pool, raw = fake_pool()
+    a, b, c = (pool.allocate(4096) for _ in range(3))
+    assert [x.ptr for x in (a, b, c)] == [B, B + 4096, B + 8192]
+    a.free()
+    c.free()                                   # merges with the free tail
+    assert layout_of(pool) == [(B, 2 * MiB, [(B, 4096, False), (B + 4096, 4096, True),
+                                             (B + 8192, 2 * MiB - 8192, False)])]
+    b.free()                                   # merges with both neighbours
+    assert layout_of(pool) == [(B, 2 * MiB, [(B, 2 * MiB, False)])]
+    assert pool.stats().largest_free_block_bytes == 2 * MiB
+    pool._check()
+
+
+def test_best_fit_takes_the_smallest_hole_that_fits():
+    pool, _ = fake_pool()
+    blocks = [pool.allocate(n) for n in (8192, 512, 2048, 512, 4096, 512)]
+    for i in (0, 2, 4):                        # holes of 8192 @B, 2048, 4096
+        blocks[i].free()
+    hole_2048 = B + 8192 + 512
+    x = pool.allocate(2000)
+    assert (x.ptr, x.nbytes) == (hole_2048, 2048)
+    y = pool.allocate(3000)                    # 3072 from the 4096 hole, split
+    assert y.ptr == B + 8192 + 512 + 2048 + 512
+    z = pool.allocate(1024)                    # best fit is now the 1024 tail of that hole
+    assert z.ptr == y.ptr + 3072
+    pool._check()
+
+
+def test_freed_segment_is_reused_without_a_new_raw_allocation():
+    pool, raw = fake_pool()
+    a = pool.allocate(3 * MiB, "weights")
+    a.free()
+    b = pool.allocate(3 * MiB, "kv_cache")
+    assert b.ptr == a.ptr == B and raw.log == [("malloc", B, 4 * MiB)]
+    s = pool.stats()
+    assert (s.num_segment_allocs, s.num_allocs, s.num_frees) == (1, 2, 1)
+
+
+def test_large_request_gets_its_own_segment_and_its_tail_stays_free():
+    pool, raw = fake_pool()
+    small = pool.allocate(100)
+    big = pool.allocate(3 * MiB)
+    assert big.ptr == B + 2 * MiB              # after the small segment
+    assert layout_of(pool)[1] == (B + 2 * MiB, 4 * MiB,
+                                  [(B + 2 * MiB, 3 * MiB, True), (B + 5 * MiB, MiB, False)])
+    tiny = pool.allocate(100)                  # small: never carved from a large segment
+    assert tiny.ptr == B + 512
+    mid = pool.allocate(SMALL_REQUEST_MAX)     # 1 MiB is still small
+    assert mid.ptr == B + 1024
+    del small, tiny
+    pool._check()
+
+
+def test_adjacent_segments_never_merge():
+    pool, raw = fake_pool()
+    a, b = pool.allocate(2 * MiB), pool.allocate(2 * MiB)
+    assert (a.ptr, b.ptr) == (B, B + 2 * MiB)  # adjacent in memory
+    a.free()
+    b.free()
+    assert layout_of(pool) == [(B, 2 * MiB, [(B, 2 * MiB, False)]),
+                               (B + 2 * MiB, 2 * MiB, [(B + 2 * MiB, 2 * MiB, False)])]
+    s = pool.stats()
+    assert s.largest_free_block_bytes == 2 * MiB and s.external_fragmentation == 0.5
+
+
+def test_empty_cache_releases_only_fully_free_segments():
+    pool, raw = fake_pool()
+    keep = pool.allocate(4096, "weights")
+    gone = pool.allocate(3 * MiB)
+    gone.free()
+    before = pool.stats()
+    assert before.reserved_bytes == 6 * MiB
+    assert pool.empty_cache() == 4 * MiB
+    assert raw.log[-1] == ("free", B + 2 * MiB, 4 * MiB)
+    after = pool.stats()
+    assert after.reserved_bytes == 2 * MiB and after.allocated_bytes == before.allocated_bytes
+    assert after.num_segment_releases == 1 and not keep.freed
+    assert pool.empty_cache() == 0
+    keep.free()
+    assert pool.empty_cache() == 2 * MiB and raw.live == {}
+    pool._check()
+
+
+def test_double_free_and_foreign_free_raise():
+    pool, _ = fake_pool()
+    other, _ = fake_pool()
+    a = pool.allocate(10)
+    a.free()
+    with pytest.raises(ValueError, match="double free"):
+        a.free()
+    with pytest.raises(ValueError, match="does not belong"):
+        other.free(pool.allocate(10))
+    with pytest.raises(ValueError):
+        pool.allocate(-1)
+    assert pool.stats().num_frees == 1
+
+
+# --- tags ---------------------------------------------------------------------------------
+def test_tags_explicit_scoped_nested_and_per_thread():
+    pool, _ = fake_pool()
+    assert pool.allocate(1).tag == "other"
+    with tag_scope("weights"):
+        assert pool.allocate(1).tag == "weights"
+        with tag_scope("kv_cache"):
+            assert pool.allocate(1).tag == "kv_cache"
+            assert pool.allocate(1, "logits").tag == "logits"
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(pool.allocate(1).tag))
+            t.start()
+            t.join()
+            assert seen == ["other"]
+        assert mem.current_tag() == "weights"
+    with pytest.raises(ConfigError, match="unknown memory tag"):
+        pool.allocate(1, "nope")
+    with pytest.raises(ConfigError):
+        with tag_scope("nope"):
+            pass
+    assert pool.by_tag()["weights"] == 512 and set(pool.by_tag()) == set(TAGS)
+
+
+# --- budget and out-of-memory -------------------------------------------------------------
+def test_limit_error_carries_the_figures_and_nothing_stays_allocated():
+    pool, raw = fake_pool(limit_bytes=4 * MiB)
+    held = pool.allocate(2 * MiB, "weights")
+    before = pool.stats()
+    with tag_scope("kv_cache"), pytest.raises(OutOfMemoryError) as ei:
+        pool.allocate(3 * MiB - 100)
+    e = ei.value
+    assert isinstance(e, TinyLoopError) and isinstance(e, MemoryError)
+    assert (e.requested_bytes, e.tag, e.allocated_bytes, e.reserved_bytes, e.limit_bytes,
+            e.device_free_bytes, e.device) == (3 * MiB - 100, "kv_cache", 2 * MiB, 2 * MiB,
+                                               4 * MiB, None, "fake")
+    assert "limit" in str(e) and "kv_cache" in str(e)
+    after = pool.stats()
+    assert (after.allocated_bytes, after.reserved_bytes, after.requested_bytes) == (
+        before.allocated_bytes, before.reserved_bytes, before.requested_bytes)
+    assert (after.num_ooms, after.num_alloc_retries, after.num_allocs) == (1, 0, 1)
+    assert [e.action for e in pool.events()][-1] == "oom"
+    pool._check()
+    held.free()
+    ok = pool.allocate(3 * MiB - 100)          # releases the cached 2 MiB segment, retries
+    s = pool.stats()
+    assert (s.num_alloc_retries, s.num_segment_releases, s.reserved_bytes) == (1, 1, 4 * MiB)
+    assert raw.log == [("malloc", B, 2 * MiB), ("free", B, 2 * MiB),
+                       ("malloc", B + 2 * MiB, 4 * MiB)]
+    assert ok.ptr == B + 2 * MiB
+
+
+def test_limit_below_a_segment_falls_back_to_an_exact_segment():
+    pool, raw = fake_pool(limit_bytes=MiB)
+    a = pool.allocate(1000)
+    assert raw.log == [("malloc", B, 1024)]
+    with pytest.raises(OutOfMemoryError):
+        pool.allocate(MiB)
+    assert pool.stats().allocated_bytes == a.nbytes
+
+
+def test_raw_out_of_memory_releases_cached_segments_then_raises_ours():
+    pool, raw = fake_pool(capacity=8 * MiB)
+    live = pool.allocate(2 * MiB + 512)        # 4 MiB segment
+    cached = pool.allocate(2 * MiB)
+    cached.free()                              # 2 MiB segment cached; device now full
+    again = pool.allocate(2 * MiB - 512)       # fits in the cached segment, no raw call
+    again.free()
+    big = pool.allocate(2 * MiB + 512)         # raw refuses 4 MiB; release cached; retry
+    s = pool.stats()
+    assert (s.num_alloc_retries, s.num_segment_releases, s.num_ooms) == (1, 1, 0)
+    with pytest.raises(OutOfMemoryError) as ei:
+        pool.allocate(100)
+    e = ei.value
+    assert (e.device_free_bytes, e.limit_bytes, e.reserved_bytes) == (0, None, 8 * MiB)
+    assert pool.stats().num_ooms == 1 and raw.used_bytes == 8 * MiB
+    assert [op for op, *_ in raw.log] == ["malloc", "malloc", "free", "malloc"]
+    del live, big
+
+
+def test_forced_raw_failure_retries_once():
+    pool, raw = fake_pool()
+    pool.allocate(100).free()
+    raw.fail_next = 2                          # both segment sizes fail on the first attempt
+    blk = pool.allocate(3 * MiB)
+    assert blk.ptr == B + 2 * MiB and pool.stats().num_alloc_retries == 1
+
+
+def test_foreign_raw_errors_pass_through_unchanged():
+    class Broken(FakeRawAllocator):
+        def malloc(self, nbytes):
+            raise RuntimeError("driver bug")
+    pool = MemoryPool(raw_allocator=Broken())
+    with pytest.raises(RuntimeError, match="driver bug"):
+        pool.allocate(10)
+    s = pool.stats()
+    assert (s.allocated_bytes, s.reserved_bytes, s.num_allocs, s.num_ooms) == (0, 0, 0, 0)
+
+
+def test_set_limit_parses_sizes_and_percentages():
+    pool, _ = fake_pool(total_bytes=1000 * MiB)
+    pool.set_limit("4M")
+    assert pool.limit_bytes == 4 * MiB
+    pool.set_limit("10%")
+    assert pool.limit_bytes == 100 * MiB
+    pool.set_limit(None)
+    assert pool.limit_bytes is None
+    with pytest.raises(ConfigError):
+        pool.set_limit("lots")
+    with pytest.raises(ConfigError):
+        pool.set_limit(-5)
+
+
+def test_set_limit_below_reserved_returns_cached_segments():
+    pool, raw = fake_pool()
+    pool.allocate(3 * MiB).free()
+    keep = pool.allocate(100)
+    pool.set_limit(MiB)
+    assert pool.stats().reserved_bytes == 2 * MiB and not keep.freed
+
+
+def test_env_limit_applies_to_new_process_pools(monkeypatch):
+    monkeypatch.setenv("TINYLOOP_MEMORY_LIMIT", "3M")
+    pool = mem.get_pool("host")
+    assert pool.limit_bytes == 3 * MiB
+    with pytest.raises(OutOfMemoryError) as ei:
+        pool.allocate(4 * MiB, "weights")
+    assert ei.value.limit_bytes == 3 * MiB and ei.value.device_free_bytes > 0
+    assert mem.memory_stats().allocated_bytes == 0
+    mem._reset_pools_for_tests()
+    monkeypatch.setenv("TINYLOOP_MEMORY_LIMIT", "many")
+    with pytest.raises(ConfigError, match="TINYLOOP_MEMORY_LIMIT"):
+        mem.get_pool("host")
+
+
+def test_set_memory_limit_default_applies_to_later_pools():
+    mem.set_memory_limit("5M")
+    assert mem.get_pool("host").limit_bytes == 5 * MiB
+    mem.set_memory_limit(None)
+    assert mem.get_pool("host").limit_bytes is None
+
+
+# --- host arena ---------------------------------------------------------------------------
+def test_host_blocks_are_aligned_views_of_their_own_bytes():
+    pool = MemoryPool("host")
+    a = pool.allocate(12 * 4, "buffers")
+    arr = a.array((3, 4), np.float32)
+    assert arr.shape == (3, 4) and arr.dtype == np.float32
+    assert arr.ctypes.data == a.ptr and a.ptr % ALIGNMENT == 0
+    arr[...] = 7
+    assert a.array(12, np.float32).sum() == 84
+    with pytest.raises(ValueError, match="needs 64 bytes"):
+        a.array((4, 4), np.float32)
+    a.free()
+    with pytest.raises(ValueError, match="freed"):
+        a.array(1, np.uint8)
+
+
+def test_host_byte_patterns_survive_until_free():
+    pool = MemoryPool("host")
+    rng = random.Random(3)
+    live = []
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or len(live) > 60):
+            blk, fill = live.pop(rng.randrange(len(live)))
+            view = blk.array(blk.requested_bytes, np.uint8)
+            assert (view == fill).all(), f"bytes of {blk!r} were overwritten"
+            blk.free()
+        else:
+            n = rng.choice([rng.randint(0, 4096), rng.randint(4096, 3 * MiB)])
+            blk = pool.allocate(n, rng.choice(TAGS))
+            fill = step % 251
+            blk.array(n, np.uint8)[...] = fill
+            live.append((blk, fill))
+        if step % 500 == 0:
+            pool.empty_cache()
+            pool._check()
+    for blk, fill in live:
+        assert (blk.array(blk.requested_bytes, np.uint8) == fill).all()
+        blk.free()
+    assert pool.stats().allocated_bytes == 0
+
+
+def test_empty_cache_lowers_reserved_keeps_allocated_and_data():
+    pool = mem.get_pool("host")
+    w = pool.allocate(3 * MiB, "weights")
+    w.array(3 * MiB, np.uint8)[...] = 42
+    for _ in range(4):
+        pool.allocate(5 * MiB, "kv_cache").free()
+    before = mem.memory_stats()
+    assert before.reserved_bytes > before.allocated_bytes
+    released = mem.empty_cache()
+    after = mem.memory_stats()
+    assert released > 0 and after.reserved_bytes == before.reserved_bytes - released
+    assert after.allocated_bytes == before.allocated_bytes == 3 * MiB
+    assert (w.array(3 * MiB, np.uint8) == 42).all()
+
+
+def test_ops_empty_allocates_through_the_pool():
+    from tinyloop.backends.base import Ops
+    pool = mem.get_pool("host")
+    arr, blk = Ops().empty(pool, (2, 3), np.float32, "buffers")
+    assert arr.shape == (2, 3) and blk.tag == "buffers" and blk.requested_bytes == 24
+    assert mem.memory_stats().by_tag["buffers"] == 512
+
+
+# --- stats, report, peaks -----------------------------------------------------------------
+def test_memory_stats_defaults_to_host_and_report_shows_unattributed():
+    pool = mem.get_pool("host")
+    blk = pool.allocate(1000, "logits")
+    s = mem.memory_stats()
+    assert s.device == "host" and s.allocated_bytes == 1024 and s.requested_bytes == 1000
+    assert s.reserved_bytes == 2 * MiB and s.pool_free_bytes == 2 * MiB - 1024
+    assert s.device_total_bytes >= s.device_free_bytes > 0 and s.nvml_process_bytes is None
+    assert s.unattributed_bytes == s.process_bytes - s.reserved_bytes
+    report = mem.memory_report()
+    for word in ("allocated", "reserved", "device free", "unattributed", "logits", "OOMs"):
+        assert word in report, word
+    blk.free()
+
+
+def test_peaks_and_reset():
+    pool, _ = fake_pool()
+    a = pool.allocate(3 * MiB, "weights")
+    b = pool.allocate(MiB, "scratch")
+    b.free()
+    s = pool.stats()
+    assert s.peak_allocated_bytes == 4 * MiB and s.peak_by_tag["scratch"] == MiB
+    pool.reset_peak_stats()
+    s = pool.stats()
+    assert s.peak_allocated_bytes == 3 * MiB and s.peak_by_tag["scratch"] == 0
+    assert s.peak_reserved_bytes == s.reserved_bytes == 6 * MiB
+    a.free()
+
+
+# --- event log and snapshot ---------------------------------------------------------------
+def test_event_log_is_a_bounded_ring():
+    pool, _ = fake_pool(event_capacity=10)
+    for _ in range(5):
+        pool.allocate(100, "resume").free()
+    ev = pool.events()
+    assert len(ev) == 10 and pool.events_dropped == 6
+    assert [e.action for e in ev[-3:]] == ["alloc", "free_requested", "free_completed"]
+    assert ev[-1].tag == "resume" and ev[-1].size == 512 and ev[-1].address == B
+
+
+def test_snapshot_loads_back_and_blocks_tile_segments(tmp_path):
+    pool = mem.get_pool("host")
+    keep = [pool.allocate(n, t) for n, t in ((1000, "weights"), (3 * MiB, "kv_cache"),
+                                             (7000, "logits"))]
+    pool.allocate(20000, "scratch").free()
+    path = tmp_path / "mem.pickle"
+    mem.export_snapshot(path)
+    with open(path, "rb") as f:
+        assert f.read(2) == b"\x80\x04"        # pickle protocol 4
+    snap = pickle.loads(path.read_bytes())
+    assert len(snap["segments"]) == 2
+    for seg in snap["segments"]:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            assert b["address"] == addr and b["state"] in ("active_allocated", "inactive")
+            addr += b["size"]
+        assert addr == seg["address"] + seg["total_size"]
+        assert seg["allocated_size"] == sum(b["size"] for b in seg["blocks"]
+                                            if b["state"] == "active_allocated")
+        assert seg["device"] == 0 and seg["segment_type"] in ("small", "large")
+    cats = {b["category"] for s in snap["segments"] for b in s["blocks"]}
+    assert cats == {"weights", "kv_cache", "logits", None}
+    trace = snap["device_traces"][0]
+    assert {e["action"] for e in trace} == {"segment_alloc", "alloc", "free_requested",
+                                            "free_completed"}
+    assert all(e["stream"] == 0 and e["frames"] == [] for e in trace)
+    assert [e["category"] for e in trace if e["action"] == "alloc"] == [
+        "weights", "kv_cache", "logits", "scratch"]
+    del keep
+
+
+def test_cupy_hook_without_cupy_raises_backend_unavailable():
+    import importlib.util
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed; tests/test_memory_gpu.py covers the hook")
+    from tinyloop.errors import BackendUnavailableError
+    with pytest.raises(BackendUnavailableError):
+        mem.install_cupy_allocator()
+    assert mem.uninstall_cupy_allocator() is False
+
+
+# --- finalizer frees and threads ----------------------------------------------------------
+def test_finalizer_free_while_the_lock_is_held_is_deferred():
+    pool, _ = fake_pool()
+    blk = pool.allocate(100)
+    with pool._lock:                            # as if the GC ran inside allocate()
+        pool._free_from_finalizer(blk)
+        assert not blk.freed
+    assert pool.stats().allocated_bytes == 0 and blk.freed
+    other = pool.allocate(100)
+    pool._free_from_finalizer(other)            # lock free: immediate
+    assert other.freed
+
+
+def test_threads_allocate_and_free_concurrently():
+    pool = MemoryPool("host")
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        live = []
+        try:
+            for i in range(400):
+                if live and rng.random() < 0.5:
+                    blk, fill = live.pop(rng.randrange(len(live)))
+                    assert (blk.array(blk.requested_bytes, np.uint8) == fill).all()
+                    blk.free()
+                else:
+                    n = (rng.randint(1, 64 * KiB) if rng.random() < 0.9
+                         else rng.randint(MiB, 3 * MiB))
+                    blk = pool.allocate(n, "scratch")
+                    blk.array(n, np.uint8)[...] = seed
+                    live.append((blk, seed))
+                if i % 100 == 0:
+                    pool.empty_cache()
+            for blk, _ in live:
+                blk.free()
+        except BaseException as e:              # reported to the main thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    s = pool.stats()
+    assert s.allocated_bytes == 0 and s.num_allocs == s.num_frees and s.active_blocks == 0
+    pool._check()
+
+
+# --- randomized property test -------------------------------------------------------------
+SIZES = st.one_of(st.integers(0, 4096), st.integers(0, 2 * SMALL_REQUEST_MAX),
+                  st.sampled_from([511, 512, 513, SMALL_REQUEST_MAX - 1, SMALL_REQUEST_MAX,
+                                   SMALL_REQUEST_MAX + 1, 2 * MiB, 2 * MiB + 1]),
+                  st.integers(2 * MiB, 9 * MiB))
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), SIZES, st.sampled_from(TAGS)),
+    st.tuples(st.just("free"), st.integers(0, 1 << 30)),
+    st.tuples(st.just("empty_cache")),
+    st.tuples(st.just("limit"), st.one_of(st.none(), st.integers(0, 24 * MiB))),
+    st.tuples(st.just("reset_peak")),
+), max_size=60)
+
+
+def check_against_blocks(pool, raw, live, counts, peaks):
+    """Every figure of ``pool.stats()`` recomputed from the blocks and the raw allocator."""
+    pool._check()
+    s = pool.stats()
+    layout = pool.layout()
+    # segments are exactly the raw allocator's live allocations, tiled by their blocks
+    assert {seg["address"]: seg["size"] for seg in layout} == raw.live
+    spans = []
+    for seg in layout:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            assert b["address"] == addr and b["size"] > 0 and b["size"] % ALIGNMENT == 0
+            addr += b["size"]
+            if b["live"]:
+                spans.append((b["address"], b["address"] + b["size"]))
+        assert addr == seg["address"] + seg["size"]
+    # live blocks in the layout are exactly the test's live blocks, and none overlap
+    assert sorted(spans) == sorted((b.ptr, b.ptr + b.nbytes) for b in live)
+    spans.sort()
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+    allocated = sum(b.nbytes for b in live)
+    free_sizes = [b["size"] for seg in layout for b in seg["blocks"] if not b["live"]]
+    assert s.allocated_bytes == allocated
+    assert s.requested_bytes == sum(b.requested_bytes for b in live)
+    assert s.reserved_bytes == raw.used_bytes == allocated + sum(free_sizes)
+    assert s.pool_free_bytes == sum(free_sizes)
+    assert s.largest_free_block_bytes == max(free_sizes, default=0)
+    frag = 1 - max(free_sizes) / sum(free_sizes) if free_sizes else 0.0
+    assert s.external_fragmentation == pytest.approx(frag)
+    for t in TAGS:
+        assert s.by_tag[t] == sum(b.nbytes for b in live if b.tag == t)
+        assert s.peak_by_tag[t] == peaks["tag"][t]
+    assert s.peak_allocated_bytes == peaks["allocated"]
+    assert s.peak_reserved_bytes == peaks["reserved"]
+    assert s.active_blocks == len(live) and s.segments == len(raw.live)
+    assert (s.num_allocs, s.num_frees, s.num_ooms) == (counts["alloc"], counts["free"],
+                                                       counts["oom"])
+    assert s.num_segment_allocs == sum(1 for op, *_ in raw.log if op == "malloc")
+    assert s.num_segment_releases == sum(1 for op, *_ in raw.log if op == "free")
+    assert all(b.nbytes == round_size(b.requested_bytes) for b in live)
+
+
+def run_ops(ops, capacity):
+    pool, raw = fake_pool(capacity=capacity)
+    live, counts = [], {"alloc": 0, "free": 0, "oom": 0}
+    peaks = {"allocated": 0, "reserved": 0, "tag": dict.fromkeys(TAGS, 0)}
+    for op in ops:
+        if op[0] == "alloc":
+            try:
+                live.append(pool.allocate(op[1], op[2]))
+                counts["alloc"] += 1
+            except OutOfMemoryError as e:
+                counts["oom"] += 1
+                assert e.requested_bytes == op[1] and e.tag == op[2]
+        elif op[0] == "free" and live:
+            live.pop(op[1] % len(live)).free()
+            counts["free"] += 1
+        elif op[0] == "empty_cache":
+            pool.empty_cache()
+        elif op[0] == "limit":
+            pool.set_limit(op[1])
+        elif op[0] == "reset_peak":
+            pool.reset_peak_stats()
+            peaks["allocated"] = sum(b.nbytes for b in live)
+            peaks["reserved"] = raw.used_bytes
+            peaks["tag"] = {t: sum(b.nbytes for b in live if b.tag == t) for t in TAGS}
+        peaks["allocated"] = max(peaks["allocated"], sum(b.nbytes for b in live))
+        peaks["reserved"] = max(peaks["reserved"], raw.used_bytes)
+        for t in TAGS:
+            peaks["tag"][t] = max(peaks["tag"][t], sum(b.nbytes for b in live if b.tag == t))
+        check_against_blocks(pool, raw, live, counts, peaks)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, capacity=st.one_of(st.none(), st.integers(0, 32 * MiB)))
+def test_property_counters_equal_a_recomputation_from_the_blocks(ops, capacity):
+    run_ops(ops, capacity)
+
+
+def test_long_random_trace_keeps_every_invariant():
+    rng = random.Random(7)
+    ops = []
+    for _ in range(4000):
+        r = rng.random()
+        if r < 0.5:
+            ops.append(("alloc", rng.choice([rng.randint(0, 8192), rng.randint(0, 3 * MiB)]),
+                        rng.choice(TAGS)))
+        elif r < 0.97:
+            ops.append(("free", rng.randrange(1 << 30)))
+        else:
+            ops.append(("empty_cache",))
+    run_ops(ops, 64 * MiB)
+
+
+# --- with a real (tiny, synthetic) model on the NumPy backend ------------------------------
+def test_empty_cache_keeps_the_model_working(tiny_model_path):
+    import tinyloop
+    start = mem.memory_stats("host").allocated_bytes
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        first = m.generate([1, 2, 3], max_new_tokens=4).token_ids
+        before = mem.memory_stats("host")
+        released = mem.empty_cache()
+        after = mem.memory_stats("host")
+        assert after.reserved_bytes == before.reserved_bytes - released
+        assert after.allocated_bytes == before.allocated_bytes
+        assert m.generate([1, 2, 3], max_new_tokens=4).token_ids == first
+    finally:
+        tinyloop.free_model(m)
+    assert mem.memory_stats("host").allocated_bytes == start
+
+
+def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
+    import tinyloop
+    start = mem.memory_stats("host")
+    mem.set_memory_limit(start.reserved_bytes + 4 * KiB, "host")
+    with pytest.raises(OutOfMemoryError) as ei:
+        tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    assert ei.value.limit_bytes == start.reserved_bytes + 4 * KiB
+    after = mem.memory_stats("host")
+    assert after.allocated_bytes == start.allocated_bytes and after.num_ooms == 1

@@ -1,0 +1,114 @@
+"""The memory pool on a GPU: the cuda arena, driver figures, the budget, and CuPy's own
+allocations routed through the pool. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import tinyloop.memory as mem
+from tinyloop.backends import cuda_available
+from tinyloop.errors import OutOfMemoryError
+
+MiB = 1 << 20
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def fresh_pools(monkeypatch):
+    monkeypatch.delenv("TINYLOOP_MEMORY_LIMIT", raising=False)
+    mem._reset_pools_for_tests()
+    yield
+    mem._reset_pools_for_tests()
+
+
+def test_cuda_blocks_are_cupy_views_of_their_own_bytes():
+    import cupy as cp
+    pool = mem.get_pool("cuda")
+    a = pool.allocate(1000 * 4, "buffers")
+    b = pool.allocate(3 * MiB, "kv_cache")
+    x = a.array((10, 100), np.float32)
+    assert isinstance(x, cp.ndarray) and x.data.ptr == a.ptr and a.ptr % 512 == 0
+    x[...] = cp.arange(1000, dtype=cp.float32).reshape(10, 100)
+    y = b.array((3 * MiB,), np.uint8)
+    y.fill(7)
+    cp.cuda.Device().synchronize()
+    assert float(x.sum()) == float(np.arange(1000).sum()) and int(y[-1]) == 7
+    s = mem.memory_stats()                       # the cuda pool exists: it is the default
+    assert s.device == "cuda" and s.allocated_bytes == 4096 + 3 * MiB
+    assert s.device_total_bytes >= s.device_free_bytes > 0
+    free, total = cp.cuda.runtime.memGetInfo()
+    assert s.device_total_bytes == total
+    assert "unattributed" in mem.memory_report()
+    a.free()
+    b.free()
+
+
+def test_cuda_empty_cache_returns_memory_to_the_driver():
+    import cupy as cp
+    pool = mem.get_pool("cuda")
+    keep = pool.allocate(MiB, "weights")
+    pool.allocate(256 * MiB, "kv_cache").free()
+    free_before = cp.cuda.runtime.memGetInfo()[0]
+    reserved = mem.memory_stats("cuda").reserved_bytes
+    released = mem.empty_cache("cuda")
+    assert released == 256 * MiB
+    assert mem.memory_stats("cuda").reserved_bytes == reserved - released
+    assert cp.cuda.runtime.memGetInfo()[0] >= free_before + 200 * MiB
+    assert mem.memory_stats("cuda").allocated_bytes == keep.nbytes
+    keep.free()
+
+
+def test_cuda_limit_and_device_oom_raise_ours():
+    pool = mem.get_pool("cuda")
+    mem.set_memory_limit(64 * MiB, "cuda")
+    with pytest.raises(OutOfMemoryError) as ei:
+        pool.allocate(100 * MiB, "kv_cache")
+    e = ei.value
+    assert (e.limit_bytes, e.tag, e.device) == (64 * MiB, "kv_cache", "cuda")
+    assert e.device_free_bytes > 0
+    mem.set_memory_limit(None, "cuda")
+    import cupy as cp
+    total = cp.cuda.runtime.memGetInfo()[1]
+    with pytest.raises(OutOfMemoryError) as ei:    # larger than the device: cudaMalloc fails
+        pool.allocate(2 * total, "weights")
+    assert ei.value.limit_bytes is None
+    assert mem.memory_stats("cuda").allocated_bytes == 0
+
+
+def test_cupy_temporaries_go_through_the_pool_and_the_allocator_is_restored():
+    import cupy as cp
+    pool = mem.get_pool("cuda")
+    previous = cp.cuda.get_allocator()
+    with mem.install_cupy_allocator():
+        x = cp.arange(1 << 20, dtype=cp.float32)     # 4 MiB
+        y = cp.exp(x) + 1
+        assert pool.by_tag()["cupy"] >= 8 * MiB
+        assert pool.allocate(10).tag == "other"
+        ptrs = {b["address"] for s in pool.layout() for b in s["blocks"] if b["tag"] == "cupy"}
+        assert x.data.ptr in ptrs and y.data.ptr in ptrs
+        del x, y
+        gc.collect()
+        assert pool.by_tag()["cupy"] == 0
+        z = cp.ones(1000)
+    assert cp.cuda.get_allocator() == previous
+    assert pool.by_tag()["cupy"] > 0                # z outlives the install...
+    del z
+    gc.collect()
+    assert pool.stats().by_tag["cupy"] == 0         # ...and returns to the pool when dropped
+    assert not mem.uninstall_cupy_allocator()
+
+
+def test_cuda_snapshot_has_device_index(tmp_path):
+    pool = mem.get_pool("cuda")
+    blk = pool.allocate(5 * MiB, "weights")
+    snap = mem.export_snapshot(tmp_path / "cuda.pickle", "cuda")
+    dev = pool.device_index
+    assert all(s["device"] == dev for s in snap["segments"])
+    assert any(e["action"] == "alloc" and e["category"] == "weights"
+               for e in snap["device_traces"][dev])
+    blk.free()

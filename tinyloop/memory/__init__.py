@@ -1,0 +1,40 @@
+"""TinyLoop's memory pool: every model, buffer and request allocation goes through here.
+
+    pool = get_pool("host" | "cuda")         # one pool per device, made on first use
+    blk = pool.allocate(nbytes, tag=None)    # -> Block (.ptr .nbytes .requested_bytes .tag)
+    arr = blk.array(shape, dtype)            # numpy (host) / cupy (cuda) view of the block
+    pool.free(blk)                           # or blk.free(); a double free raises ValueError
+    with tag_scope("weights"): ...           # default tag for allocations inside
+
+    memory_stats() / memory_report() / reset_peak_memory_stats() / empty_cache()
+    set_memory_limit("4G")                   # or TINYLOOP_MEMORY_LIMIT=4G / 80%
+    export_snapshot("mem.pickle")            # open in https://pytorch.org/memory_viz
+    with install_cupy_allocator(): ...       # CuPy temporaries go through the pool ("cupy")
+
+Modules: ``arena`` (offset arithmetic and the size classes, with their reasons), ``pool``
+(MemoryPool, Block), ``raw`` (host / cuda / fake raw allocators), ``stats`` (MemoryStats and
+the report), ``snapshot`` (PyTorch memory-viz export), ``cupy_hook``, ``registry`` (one pool
+per device and the module-level functions), ``tags``.
+"""
+
+from __future__ import annotations
+
+from ..errors import OutOfMemoryError
+from .arena import ALIGNMENT, SMALL_REQUEST_MAX, SMALL_SEGMENT_BYTES, round_size
+from .cupy_hook import install_cupy_allocator, uninstall_cupy_allocator
+from .pool import Block, MemoryEvent, MemoryPool
+from .raw import CudaRawAllocator, FakeRawAllocator, HostRawAllocator
+from .registry import (_reset_pools_for_tests, empty_cache, export_snapshot, get_pool,
+                       memory_report, memory_stats, reset_peak_memory_stats, set_memory_limit)
+from .snapshot import pool_snapshot
+from .stats import MemoryStats
+from .tags import TAGS, current_tag, tag_scope
+
+__all__ = [
+    "TAGS", "current_tag", "tag_scope", "Block", "MemoryPool", "MemoryEvent", "MemoryStats",
+    "get_pool", "memory_stats", "memory_report", "reset_peak_memory_stats", "empty_cache",
+    "set_memory_limit", "export_snapshot", "pool_snapshot", "install_cupy_allocator",
+    "uninstall_cupy_allocator", "OutOfMemoryError", "HostRawAllocator", "CudaRawAllocator",
+    "FakeRawAllocator", "ALIGNMENT", "SMALL_REQUEST_MAX", "SMALL_SEGMENT_BYTES", "round_size",
+    "_reset_pools_for_tests",
+]

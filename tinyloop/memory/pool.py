@@ -1,0 +1,427 @@
+"""``MemoryPool``: the arena (offset arithmetic) wrapped with a raw allocator, tags, statistics,
+a budget, an event log and a lock. ``Block`` is what ``allocate`` returns.
+
+The layering follows RMM's resource adaptors: ``arena.Arena`` only splits and merges integer
+ranges; this module decides when to ask the raw allocator for a segment, when to give one
+back, what to count, what to log and when to refuse.
+
+Streams: the pool hands a freed block to the next request at once, which is safe because every
+TinyLoop kernel and every CuPy operation runs on one stream per device (the current stream),
+the model's forward synchronises before a request's caches are freed, and cudaFree synchronises
+the device before a segment goes back.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import parse_size
+from ..errors import ConfigError, OutOfMemoryError
+from .arena import SMALL_REQUEST_MAX, Arena, round_size, segment_size
+from .stats import MemoryStats, fmt_bytes
+from .tags import TAGS, check_tag, current_tag
+
+_TAG_SET = frozenset(TAGS)
+_now = time.time
+DEFAULT_EVENT_CAPACITY = 16384        # ~1.5 MB of tuples; a decode step logs a handful
+
+
+class MemoryEvent(NamedTuple):
+    """One entry of the pool's event log. ``time`` is ``time.time()`` seconds."""
+    time: float
+    action: str       # alloc | free_requested | free_completed | segment_alloc | segment_free | oom
+    address: int
+    size: int         # bytes (the rounded block size; the segment size for segment events)
+    tag: str | None   # the block's tag; for segment events, the tag of the request that caused it
+
+
+class Block:
+    """A live allocation of ``nbytes`` (``requested_bytes`` rounded up to 512) at ``ptr``.
+
+    ``array(shape, dtype)`` views its bytes (NumPy on the host arena, CuPy on the cuda arena);
+    ``free()`` returns it to the pool (a second ``free`` raises ValueError).
+    """
+
+    __slots__ = ("pool", "ptr", "nbytes", "requested_bytes", "tag", "freed", "_chunk",
+                 "__weakref__")
+
+    def __init__(self, pool: "MemoryPool", chunk, requested_bytes: int, tag: str):
+        self.pool = pool
+        self.ptr = chunk.ptr
+        self.nbytes = chunk.size
+        self.requested_bytes = requested_bytes
+        self.tag = tag
+        self.freed = False
+        self._chunk = chunk
+
+    @property
+    def device(self) -> str:
+        return self.pool.device
+
+    def array(self, shape, dtype):
+        """A ``shape``/``dtype`` array over the first bytes of this block.
+
+        Raises ValueError when the view needs more than ``requested_bytes`` or the block was
+        freed. The array does not keep the block live: free the block only once it is unused.
+        """
+        if self.freed:
+            raise ValueError(f"{self!r} was freed; it has no bytes to view")
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if n > self.requested_bytes:
+            raise ValueError(f"a {shape} {dtype} view needs {n} bytes but the block was "
+                             f"requested with {self.requested_bytes}")
+        seg = self._chunk.segment
+        return self.pool._raw.array(seg.handle, self.ptr - seg.ptr, n, shape, dtype, self)
+
+    def free(self) -> None:
+        self.pool.free(self)
+
+    def __repr__(self):
+        state = "freed" if self.freed else "live"
+        return (f"Block({self.pool.device}, ptr=0x{self.ptr:x}, nbytes={self.nbytes}, "
+                f"requested={self.requested_bytes}, tag={self.tag!r}, {state})")
+
+
+class MemoryPool:
+    """A caching pool over one device's raw allocator. Thread-safe.
+
+    ``MemoryPool("host")`` / ``MemoryPool("cuda")`` build their raw allocator;
+    ``MemoryPool(raw_allocator=FakeRawAllocator())`` gives tests an isolated pool. The
+    process-wide pools come from ``tinyloop.memory.get_pool``.
+    """
+
+    def __init__(self, device: str | None = None, *, raw_allocator=None,
+                 limit_bytes: int | None = None, event_capacity: int = DEFAULT_EVENT_CAPACITY):
+        if raw_allocator is None:
+            if device in (None, "host"):
+                from .raw import HostRawAllocator
+                raw_allocator = HostRawAllocator()
+            elif device == "cuda":
+                from .raw import CudaRawAllocator
+                raw_allocator = CudaRawAllocator()
+            else:
+                raise ConfigError(f"unknown device {device!r}; expected 'host' or 'cuda'")
+        self._raw = raw_allocator
+        self.device = device if device is not None else raw_allocator.device
+        self.device_index = raw_allocator.device_index
+
+        # _lock guards every field below. Invariants, true whenever _lock is free:
+        # - _allocated_bytes == sum of live chunk sizes; _requested_bytes == sum of their
+        #   blocks' requested_bytes; _by_tag[t] == sum of live chunk sizes tagged t;
+        # - _reserved_bytes == sum of arena segment sizes == _allocated_bytes + free chunk bytes;
+        #   every arena segment is one live raw allocation, and every raw allocation the pool
+        #   made and did not free is an arena segment;
+        # - _peak_* >= the current figure; counters only grow (reset_peak touches peaks only);
+        # - _limit_bytes is None or _reserved_bytes only crosses it if it was set below it.
+        self._lock = threading.Lock()
+        self._arena = Arena()
+        self._allocated_bytes = 0
+        self._requested_bytes = 0
+        self._reserved_bytes = 0
+        self._live_blocks = 0
+        self._by_tag = dict.fromkeys(TAGS, 0)
+        self._peak_by_tag = dict.fromkeys(TAGS, 0)
+        self._peak_allocated_bytes = 0
+        self._peak_reserved_bytes = 0
+        self._num_allocs = 0
+        self._num_frees = 0
+        self._num_segment_allocs = 0
+        self._num_segment_releases = 0
+        self._num_ooms = 0
+        self._num_alloc_retries = 0
+        self._limit_bytes: int | None = None
+        self._events: collections.deque = collections.deque(maxlen=max(1, event_capacity))
+        self._num_events = 0
+        # Frees requested by finalizers (a CuPy temporary dropped by the garbage collector)
+        # while _lock was taken, possibly by this very thread: drained under _lock by the next
+        # call. deque.append / popleft are atomic, so this needs no lock of its own.
+        self._deferred: collections.deque = collections.deque()
+        if limit_bytes is not None:
+            self.set_limit(limit_bytes)
+
+    # --- allocation -------------------------------------------------------------------------
+    def allocate(self, nbytes: int, tag: str | None = None) -> Block:
+        """A block of at least ``nbytes`` bytes (rounded up to 512) tagged ``tag``.
+
+        ``tag=None`` takes ``current_tag()``. Raises ``tinyloop.OutOfMemoryError`` when the
+        request would cross the budget or the device is full even after the pool returned
+        its cached free segments; ConfigError for an unknown tag, ValueError for nbytes < 0.
+        """
+        nbytes = operator.index(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        if tag is None:
+            tag = current_tag()
+        elif tag not in _TAG_SET:
+            check_tag(tag)                                  # raises ConfigError
+        rounded = round_size(nbytes)
+        kind = "small" if rounded <= SMALL_REQUEST_MAX else "large"
+        with self._lock:
+            if self._deferred:
+                self._drain_deferred()
+            chunk = self._arena.take(rounded, kind)
+            if chunk is None:
+                self._grow(nbytes, rounded, kind, tag)      # raises OutOfMemoryError
+                chunk = self._arena.take(rounded, kind)
+                assert chunk is not None, "a fresh segment must fit its request"
+            blk = Block(self, chunk, nbytes, tag)
+            chunk.owner = blk
+            self._allocated_bytes += rounded
+            self._requested_bytes += nbytes
+            self._live_blocks += 1
+            self._num_allocs += 1
+            by_tag = self._by_tag[tag] + rounded
+            self._by_tag[tag] = by_tag
+            if self._allocated_bytes > self._peak_allocated_bytes:
+                self._peak_allocated_bytes = self._allocated_bytes
+            if by_tag > self._peak_by_tag[tag]:
+                self._peak_by_tag[tag] = by_tag
+            self._events.append((_now(), "alloc", chunk.ptr, rounded, tag))
+            self._num_events += 1
+        return blk
+
+    def _grow(self, nbytes: int, rounded: int, kind: str, tag: str) -> None:
+        """Add a segment that fits ``rounded`` bytes, or raise OutOfMemoryError. Holds _lock.
+
+        Tries the class's segment size, then a segment of exactly ``rounded`` bytes (when the
+        budget or the device has room for the request but not for the whole segment). If both
+        fail, returns every cached free segment to the raw allocator and tries once more.
+        """
+        sizes = [segment_size(rounded)]
+        if rounded < sizes[0]:
+            sizes.append(rounded)
+        reasons = []
+        for attempt in range(2):
+            reasons.clear()
+            for size in sizes:
+                limit = self._limit_bytes
+                if limit is not None and self._reserved_bytes + size > limit:
+                    reasons.append(f"a {fmt_bytes(size)} segment would cross the "
+                                   f"{fmt_bytes(self._limit_bytes)} limit")
+                    continue
+                try:
+                    ptr, handle = self._raw.malloc(size)
+                except MemoryError as e:            # the device (or host) is full
+                    reasons.append(f"the raw allocator refused {fmt_bytes(size)} ({e})")
+                    continue
+                self._arena.add_segment(ptr, size, kind, handle)
+                self._reserved_bytes += size
+                self._num_segment_allocs += 1
+                self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
+                self._log("segment_alloc", ptr, size, tag)
+                return
+            if attempt == 0:
+                if not self._release_free_segments():
+                    break                           # nothing cached: a retry cannot help
+                self._num_alloc_retries += 1
+        self._num_ooms += 1
+        self._log("oom", 0, rounded, tag)
+        device_free = self._raw.mem_info()[0]
+        limit = self._limit_bytes
+        raise OutOfMemoryError(
+            f"out of memory on {self.device}: cannot allocate {rounded} bytes "
+            f"({fmt_bytes(rounded)}; requested {nbytes}) for tag {tag!r}: {'; '.join(reasons)}. "
+            f"allocated {fmt_bytes(self._allocated_bytes)}, "
+            f"reserved {fmt_bytes(self._reserved_bytes)}, "
+            f"limit {'none' if limit is None else fmt_bytes(limit)}, "
+            f"device free {'unknown' if device_free is None else fmt_bytes(device_free)}",
+            requested_bytes=nbytes, tag=tag, allocated_bytes=self._allocated_bytes,
+            reserved_bytes=self._reserved_bytes, limit_bytes=limit,
+            device_free_bytes=device_free, device=self.device)
+
+    # --- free -------------------------------------------------------------------------------
+    def free(self, blk: Block) -> None:
+        """Return ``blk`` to the pool (its segment stays cached). Raises ValueError on a double
+        free or a block of another pool."""
+        if not isinstance(blk, Block) or blk.pool is not self:
+            raise ValueError(f"{blk!r} does not belong to this {self.device} pool")
+        with self._lock:
+            if self._deferred:
+                self._drain_deferred()
+            self._free_locked(blk)
+
+    def _free_locked(self, blk: Block) -> None:
+        if blk.freed:
+            raise ValueError(f"double free of {blk!r}")
+        chunk = blk._chunk
+        self._events.append((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
+        self._arena.give_back(chunk)
+        blk.freed = True
+        blk._chunk = None
+        self._allocated_bytes -= blk.nbytes
+        self._requested_bytes -= blk.requested_bytes
+        self._by_tag[blk.tag] -= blk.nbytes
+        self._live_blocks -= 1
+        self._num_frees += 1
+        self._events.append((_now(), "free_completed", blk.ptr, blk.nbytes, blk.tag))
+        self._num_events += 2
+
+    def _free_from_finalizer(self, blk: Block) -> None:
+        """Free ``blk`` from a finalizer, which may run while this thread holds _lock."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_deferred()
+                if not blk.freed:
+                    self._free_locked(blk)
+            finally:
+                self._lock.release()
+        else:
+            self._deferred.append(blk)
+
+    def _drain_deferred(self) -> None:
+        while self._deferred:
+            blk = self._deferred.popleft()
+            if not blk.freed:
+                self._free_locked(blk)
+
+    # --- cache and budget -------------------------------------------------------------------
+    def _release_free_segments(self) -> int:
+        """Return every fully free segment to the raw allocator; bytes released. Holds _lock."""
+        released = 0
+        for seg in self._arena.free_segments():
+            self._raw.free(seg.ptr, seg.handle)      # first: if it raises, the arena is intact
+            self._arena.remove_segment(seg)
+            self._reserved_bytes -= seg.size
+            self._num_segment_releases += 1
+            released += seg.size
+            self._log("segment_free", seg.ptr, seg.size, None)
+        return released
+
+    def empty_cache(self) -> int:
+        """Return every fully free segment to the driver; live blocks are never touched.
+        Returns the bytes released (reserved_bytes drops by that much)."""
+        with self._lock:
+            self._drain_deferred()
+            return self._release_free_segments()
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return self._limit_bytes
+
+    def set_limit(self, limit) -> None:
+        """Cap reserved_bytes at ``limit`` (bytes; a "2G" / "50%" string; or None for none).
+
+        A limit below what is reserved now first returns the cached free segments; live blocks
+        stay, and later allocations that need a new segment fail until enough is freed.
+        """
+        if isinstance(limit, str):
+            limit = parse_size(limit, name="memory limit", total_bytes=self._raw.mem_info()[1])
+        elif limit is not None:
+            limit = operator.index(limit)
+            if limit < 0:
+                raise ConfigError(f"memory limit must be >= 0 bytes, got {limit}")
+        with self._lock:
+            self._limit_bytes = limit
+            if limit is not None and self._reserved_bytes > limit:
+                self._release_free_segments()
+
+    # --- statistics -------------------------------------------------------------------------
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved_bytes
+
+    def by_tag(self) -> dict:
+        """tag -> bytes of live blocks (tags with no live block included, as 0)."""
+        with self._lock:
+            return dict(self._by_tag)
+
+    def reset_peak_stats(self) -> None:
+        """Set every peak to its current figure."""
+        with self._lock:
+            self._peak_allocated_bytes = self._allocated_bytes
+            self._peak_reserved_bytes = self._reserved_bytes
+            self._peak_by_tag = dict(self._by_tag)
+
+    def stats(self) -> MemoryStats:
+        """A ``MemoryStats`` of this pool now (driver figures are queried after the lock)."""
+        with self._lock:
+            self._drain_deferred()
+            pool_free = self._reserved_bytes - self._allocated_bytes
+            largest = self._arena.largest_free()
+            fields = dict(
+                device=self.device, device_index=self.device_index,
+                allocated_bytes=self._allocated_bytes, requested_bytes=self._requested_bytes,
+                reserved_bytes=self._reserved_bytes, pool_free_bytes=pool_free,
+                limit_bytes=self._limit_bytes,
+                by_tag=dict(self._by_tag), peak_by_tag=dict(self._peak_by_tag),
+                peak_allocated_bytes=self._peak_allocated_bytes,
+                peak_reserved_bytes=self._peak_reserved_bytes,
+                num_allocs=self._num_allocs, num_frees=self._num_frees,
+                num_segment_allocs=self._num_segment_allocs,
+                num_segment_releases=self._num_segment_releases,
+                num_ooms=self._num_ooms, num_alloc_retries=self._num_alloc_retries,
+                active_blocks=self._live_blocks, segments=len(self._arena.segments),
+                largest_free_block_bytes=largest,
+                external_fragmentation=(1.0 - largest / pool_free) if pool_free else 0.0)
+        device_free, device_total = self._raw.mem_info()
+        return MemoryStats(device_free_bytes=device_free, device_total_bytes=device_total,
+                           process_bytes=self._raw.process_bytes(),
+                           nvml_process_bytes=self._raw.nvml_process_bytes(), **fields)
+
+    # --- introspection: event log and layout ------------------------------------------------
+    def _log(self, action: str, address: int, size: int, tag: str | None) -> None:
+        self._events.append((_now(), action, address, size, tag))   # plain tuples: cheap
+        self._num_events += 1
+
+    def events(self) -> list[MemoryEvent]:
+        """The event log, oldest first (a ring buffer: at most ``event_capacity`` entries)."""
+        with self._lock:
+            return [MemoryEvent(*e) for e in self._events]
+
+    @property
+    def events_dropped(self) -> int:
+        """Events pushed out of the ring buffer since the pool was made."""
+        return self._num_events - len(self._events)
+
+    def layout(self) -> list[dict]:
+        """Every segment in address order, with the blocks that tile it::
+
+            [{"address", "size", "kind", "blocks": [{"address", "size", "live",
+              "requested_bytes", "tag"}]}]   # free ranges have live=False, tag None
+        """
+        with self._lock:
+            self._drain_deferred()
+            out = []
+            for ptr in sorted(self._arena.segments):
+                seg = self._arena.segments[ptr]
+                blocks = []
+                for c in seg.chunks():
+                    b = c.owner
+                    blocks.append({"address": c.ptr, "size": c.size, "live": not c.free,
+                                   "requested_bytes": 0 if c.free else b.requested_bytes,
+                                   "tag": None if c.free else b.tag})
+                out.append({"address": ptr, "size": seg.size, "kind": seg.kind,
+                            "blocks": blocks})
+            return out
+
+    def _check(self) -> None:
+        """Assert the arena's and the counters' invariants (for tests; O(blocks))."""
+        with self._lock:
+            self._arena.check()
+            live = [c for s in self._arena.segments.values() for c in s.chunks() if not c.free]
+            assert self._allocated_bytes == sum(c.size for c in live)
+            assert self._requested_bytes == sum(c.owner.requested_bytes for c in live)
+            assert self._live_blocks == len(live)
+            assert self._reserved_bytes == sum(s.size for s in self._arena.segments.values())
+            assert self._reserved_bytes == self._allocated_bytes + self._arena.free_bytes()
+            for t in TAGS:
+                assert self._by_tag[t] == sum(c.size for c in live if c.owner.tag == t), t
+                assert self._peak_by_tag[t] >= self._by_tag[t]
+            assert self._peak_allocated_bytes >= self._allocated_bytes
+            assert self._peak_reserved_bytes >= self._reserved_bytes
+
+    def __repr__(self):
+        return (f"MemoryPool({self.device}, allocated={fmt_bytes(self._allocated_bytes)}, "
+                f"reserved={fmt_bytes(self._reserved_bytes)})")

@@ -1,0 +1,119 @@
+"""``MemoryStats``: one pool's figures at one moment, and the report table that renders them.
+
+The three figures a user must not confuse (see docs and ../shared/seeds/README.md):
+allocated bytes (live blocks), reserved bytes (segments the pool holds: live or cached for
+reuse), and the driver's device-free bytes. A footprint whose *reserved* high-water mark is
+stable across identical requests is caching; one whose *allocated* bytes grow with every
+identical request is a leak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def fmt_bytes(n: int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``"n/a"``. Binary units, as the limit parser uses."""
+    if n is None:
+        return "n/a"
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n} B" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """A pool's figures (all sizes in bytes). Made by ``tinyloop.memory_stats()``.
+
+    - ``allocated_bytes``: live blocks, after 512-byte rounding; ``requested_bytes``: before.
+    - ``reserved_bytes``: segments the pool holds from the raw allocator (live + cached);
+      ``pool_free_bytes = reserved_bytes - allocated_bytes``.
+    - ``device_free_bytes`` / ``device_total_bytes``: the driver's view (cudaMemGetInfo), or
+      the host's available / total memory on the host pool; None if unknown.
+    - ``process_bytes``: what the driver says this process uses (NVML on cuda, VmRSS on the
+      host), None if unknown; ``nvml_process_bytes``: NVML's figure (None without pynvml).
+    - ``unattributed_bytes = process_bytes - reserved_bytes``: the CUDA context, kernels,
+      libraries (cuBLAS workspaces), anything outside the pool. On the host it includes the
+      interpreter and may be negative: reserved host pages are not resident until touched.
+    - ``by_tag`` / ``peak_by_tag``: tag -> live bytes now / at their high-water mark.
+    - ``largest_free_block_bytes`` and ``external_fragmentation = 1 - largest free block /
+      pool_free_bytes`` (0 with no free bytes): how unusable the cached bytes are for one
+      big request.
+    """
+
+    device: str
+    device_index: int
+    allocated_bytes: int
+    requested_bytes: int
+    reserved_bytes: int
+    pool_free_bytes: int
+    device_free_bytes: int | None
+    device_total_bytes: int | None
+    process_bytes: int | None
+    nvml_process_bytes: int | None
+    limit_bytes: int | None
+    by_tag: dict = field(default_factory=dict)
+    peak_by_tag: dict = field(default_factory=dict)
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    num_allocs: int = 0
+    num_frees: int = 0
+    num_segment_allocs: int = 0
+    num_segment_releases: int = 0
+    num_ooms: int = 0
+    num_alloc_retries: int = 0
+    active_blocks: int = 0
+    segments: int = 0
+    largest_free_block_bytes: int = 0
+    external_fragmentation: float = 0.0
+
+    @property
+    def unattributed_bytes(self) -> int | None:
+        if self.process_bytes is None:
+            return None
+        return self.process_bytes - self.reserved_bytes
+
+    def report(self) -> str:
+        return format_report(self)
+
+
+def format_report(s: MemoryStats) -> str:
+    """The table ``tinyloop.memory_report()`` prints."""
+    name = f"{s.device}:{s.device_index}" if s.device == "cuda" else s.device
+    rows = [
+        ("allocated (live blocks)", s.allocated_bytes, s.peak_allocated_bytes),
+        ("requested (before 512 B rounding)", s.requested_bytes, None),
+        ("reserved (segments held by the pool)", s.reserved_bytes, s.peak_reserved_bytes),
+        ("pool free (reserved - allocated)", s.pool_free_bytes, None),
+        ("largest free block", s.largest_free_block_bytes, None),
+        ("limit (TINYLOOP_MEMORY_LIMIT / set_memory_limit)", s.limit_bytes, None),
+        ("device free (driver)", s.device_free_bytes, None),
+        ("device total (driver)", s.device_total_bytes, None),
+        ("process usage (" + ("NVML" if s.device == "cuda" else "RSS") + ")",
+         s.process_bytes, None),
+        ("unattributed (process - reserved: context, libraries)", s.unattributed_bytes, None),
+    ]
+    w = 56
+    lines = [f"TinyLoop memory on {name}".ljust(w) + f"{'now':>12}{'peak':>12}"]
+    for label, now, peak in rows:
+        now_s = "none" if (now is None and label.startswith("limit")) else fmt_bytes(now)
+        lines.append(f"  {label}".ljust(w) + f"{now_s:>12}"
+                     + (f"{fmt_bytes(peak):>12}" if peak is not None else ""))
+    if s.process_bytes is None:
+        lines.append("  (process usage unknown: " + ("install pynvml (nvidia-ml-py) to see it"
+                                                     if s.device == "cuda" else
+                                                     "no /proc/self/status") + ")")
+    lines.append(f"  external fragmentation {s.external_fragmentation:.3f}, "
+                 f"{s.active_blocks} live blocks in {s.segments} segments")
+    lines.append("  by tag".ljust(w) + f"{'now':>12}{'peak':>12}")
+    for tag in s.by_tag:
+        if s.by_tag[tag] or s.peak_by_tag.get(tag):
+            lines.append(f"    {tag}".ljust(w) + f"{fmt_bytes(s.by_tag[tag]):>12}"
+                         f"{fmt_bytes(s.peak_by_tag.get(tag, 0)):>12}")
+    lines.append(f"  counts: {s.num_allocs} allocs, {s.num_frees} frees, "
+                 f"{s.num_segment_allocs} segment allocs, {s.num_segment_releases} releases, "
+                 f"{s.num_alloc_retries} retries, {s.num_ooms} OOMs")
+    return "\n".join(lines)

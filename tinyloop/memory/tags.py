@@ -1,0 +1,40 @@
+"""Memory tags: every allocation says what it is for, explicitly or through ``tag_scope``."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from ..errors import ConfigError
+
+TAGS = ("weights", "fp16_cache", "buffers", "logits", "kv_cache", "prefix_cache", "resume",
+        "scratch", "cupy", "other")
+
+_tls = threading.local()      # per thread: .tags, the stack of active tag_scope tags
+
+
+def check_tag(tag: str) -> str:
+    """Return ``tag`` if it is one of TAGS; else raise ConfigError naming it."""
+    if tag not in TAGS:
+        raise ConfigError(f"unknown memory tag {tag!r}; expected one of {TAGS}")
+    return tag
+
+
+def current_tag() -> str:
+    """The innermost ``tag_scope`` tag of this thread, or "other"."""
+    stack = getattr(_tls, "tags", None)
+    return stack[-1] if stack else "other"
+
+
+@contextlib.contextmanager
+def tag_scope(tag: str):
+    """Allocations in this thread without an explicit tag get ``tag`` inside the block."""
+    check_tag(tag)
+    stack = getattr(_tls, "tags", None)
+    if stack is None:
+        stack = _tls.tags = []
+    stack.append(tag)
+    try:
+        yield
+    finally:
+        stack.pop()
