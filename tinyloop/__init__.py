@@ -15,6 +15,8 @@ from .config import ModelConfig
 from .errors import (BackendUnavailableError, ConfigError, FormatError, ModelFreedError,
                      OutOfMemoryError, TinyLoopError, TokenizerError)
 from .generate import GenerationResult, StreamToken
+from .memory import (empty_cache, export_snapshot, memory_report, memory_stats,
+                     reset_peak_memory_stats, set_memory_limit)
 from .model import Model, free_model, load_model, vram_usage_bytes
 
 __version__ = "0.1.0"
@@ -27,6 +29,8 @@ def default_model_path() -> str:
 
 
 __all__ = ["load_model", "free_model", "vram_usage_bytes", "default_model_path", "Model",
+           "memory_stats", "memory_report", "reset_peak_memory_stats", "empty_cache",
+           "set_memory_limit", "export_snapshot",
            "ModelConfig", "GenerationResult", "StreamToken", "TinyLoopError", "ConfigError",
            "FormatError", "TokenizerError", "OutOfMemoryError", "BackendUnavailableError",
            "ModelFreedError", "__version__"]

@@ -51,6 +51,29 @@ class BufferPool:
         return self._flat[name]
 
 
+_cuda_models_lock = threading.Lock()
+_cuda_models = 0     # guarded by _cuda_models_lock: live CUDA models; CuPy's allocator is routed
+                     # through the pool (tag "cupy") while it is > 0, and restored at 0
+
+
+def _cuda_model_started() -> None:
+    global _cuda_models
+    from .memory import install_cupy_allocator
+    with _cuda_models_lock:
+        if _cuda_models == 0:
+            install_cupy_allocator()
+        _cuda_models += 1
+
+
+def _cuda_model_stopped() -> None:
+    global _cuda_models
+    from .memory import uninstall_cupy_allocator
+    with _cuda_models_lock:
+        _cuda_models -= 1
+        if _cuda_models == 0:
+            uninstall_cupy_allocator()
+
+
 class Model:
     """A loaded looped model. Create with :func:`tinyloop.load_model`.
 
@@ -76,11 +99,21 @@ class Model:
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
+        self._routes_cupy = False
         try:
+            if self._ops.name == "cuda":
+                _cuda_model_started()
+                self._routes_cupy = True
             self._load()
         except BaseException:
             self._release_blocks()
+            self._stop_cupy_routing()
             raise
+
+    def _stop_cupy_routing(self) -> None:
+        if self._routes_cupy:
+            self._routes_cupy = False
+            _cuda_model_stopped()
 
     # -- load phases --------------------------------------------------------------------------
     def _load(self) -> None:
@@ -156,6 +189,8 @@ class Model:
             self._buf = None
             self._logit_row = None
             self._release_blocks()
+            self._ops.synchronize()
+            self._stop_cupy_routing()
 
     def vram_usage_bytes(self) -> int:
         """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""

@@ -1,0 +1,213 @@
+"""Decode and prefill speed of the CUDA backend, with the memory it used (a script, not a test).
+
+    python benchmarks/bench_decode.py [--model PATH] [--out DIR] [--no-peer]
+
+Without --model it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
+g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
+GPU machine. Measures (CUDA events / synchronised wall clock, medians of repeats, after a
+warm-up):
+  - decode tokens/s at batch 1, depth 1 and depth 4 (greedy, plain launches);
+  - prefill time and tokens/s for 512- and 2048-token prompts;
+  - weight bytes read per decoded token against the device-to-device copy bandwidth measured
+    in the same run (bytes read + written per second);
+  - the pool's stats after the run;
+  - a peer figure: the same token counts through PyTorch + transformers (LlamaForCausalLM with
+    the same dims, FP16, eager attention, random weights) on the same GPU.
+Prints a table last; with --out writes bench_decode.json there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import tinyloop
+from tinyloop.convert.synthetic import synthetic_config, synthetic_weights
+from tinyloop.format import write_tlm
+from tinyloop.quant import quantize
+
+
+def smollm2_like(path: str, seed: int = 0) -> None:
+    """SmolLM2-135M dims; INT4 layers, INT8 embedding (as the Q4_1 GGUF), max depth 4."""
+    cfg = synthetic_config(max_depth=4, bos_token_id=1, eos_token_id=2)
+    w = synthetic_weights(cfg, seed, bits=4, group_size=32)
+    rng = np.random.default_rng(seed + 1)
+    w["token_embd"] = quantize((rng.standard_normal((cfg.vocab_size, cfg.d_model)) * 0.08)
+                               .astype(np.float32), 8, 32)
+    write_tlm(path, cfg, w, metadata={"source": "synthetic SmolLM2-135M dims", "seed": seed})
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    import cupy
+    a = cupy.ones(nbytes // 4, dtype=cupy.float32)
+    b = cupy.empty_like(a)
+    cupy.copyto(b, a)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        cupy.copyto(b, a)
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def weight_bytes_per_token(model, depth: int) -> int:
+    """Bytes of quantized weights one decode step reads at ``depth`` (layers x visits + head)."""
+    cfg = model.config
+    visits = ([1] * cfg.n_prelude + [depth] * cfg.n_recurrent + [1] * cfg.n_coda)
+    total = 0
+    for lw, v in zip(model._layers, visits):
+        for w in (lw.attn_qkv, lw.attn_output, lw.ffn_gate_up, lw.ffn_down):
+            total += v * w.nbytes
+    total += model._head.nbytes
+    if model._adapter is not None:
+        total += depth * model._adapter.nbytes
+    return total
+
+
+def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 3) -> float:
+    prompt = list(range(10, 26))
+    model.generate(prompt, max_new_tokens=8, depth=depth)          # warm-up
+    tps = [model.generate(prompt, max_new_tokens=new_tokens, depth=depth).decode_tokens_per_s
+           for _ in range(reps)]
+    return statistics.median(tps)
+
+
+def bench_prefill(model, n: int, reps: int = 5) -> float:
+    rng = np.random.default_rng(n)
+    ids = rng.integers(3, model.config.vocab_size, n).tolist()
+    model.generate(ids, max_new_tokens=1)                           # warm-up
+    ms = []
+    for _ in range(reps):
+        r = model.generate(ids, max_new_tokens=1)
+        ms.append(r.prefill_ms)
+    return statistics.median(ms)
+
+
+def peer_transformers(cfg, new_tokens: int = 128, prefill: int = 2048) -> dict:
+    """PyTorch + transformers on the same GPU: eager LlamaForCausalLM, FP16, random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                     intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+                     num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                     head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+                     tie_word_embeddings=True, max_position_embeddings=4096,
+                     attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf).to("cuda", torch.float16).eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, 16), device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False)
+        torch.cuda.synchronize()
+        dec = new_tokens / (time.perf_counter() - t)
+        long = torch.randint(3, cfg.vocab_size, (1, prefill), device="cuda")
+        model(long)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(long)
+        torch.cuda.synchronize()
+        pre_ms = (time.perf_counter() - t) * 1e3
+    del model
+    torch.cuda.empty_cache()
+    return {"decode_tokens_per_s": dec, "prefill_2048_ms": pre_ms}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    a = ap.parse_args(argv)
+    tmp = None
+    path = a.model
+    if path is None:
+        tmp = tempfile.mkdtemp()
+        path = os.path.join(tmp, "smollm2_dims.tlm")
+        smollm2_like(path)
+    res: dict = {"model": path}
+    bw = copy_bandwidth_gbs()
+    res["copy_bandwidth_GBps"] = bw
+    tinyloop.reset_peak_memory_stats("cuda") if hasattr(tinyloop, "reset_peak_memory_stats") \
+        else None
+    model = tinyloop.load_model(path, max_seq_len=2304, backend="cuda")
+    try:
+        for depth in (1, 4):
+            if depth > model.config.max_depth:
+                continue
+            tps = bench_decode(model, depth, a.new_tokens)
+            wb = weight_bytes_per_token(model, depth)
+            res[f"decode_depth{depth}_tokens_per_s"] = tps
+            res[f"weight_bytes_per_token_depth{depth}"] = wb
+            res[f"weight_GBps_depth{depth}"] = wb * tps / 1e9
+        for n in (512, 2048):
+            ms = bench_prefill(model, n)
+            res[f"prefill_{n}_ms"] = ms
+            res[f"prefill_{n}_tokens_per_s"] = n / (ms / 1e3)
+        st = tinyloop.memory_stats("cuda")
+        res["pool"] = {"allocated_bytes": st.allocated_bytes, "reserved_bytes": st.reserved_bytes,
+                       "peak_allocated_bytes": st.peak_allocated_bytes,
+                       "peak_reserved_bytes": st.peak_reserved_bytes, "by_tag": st.by_tag,
+                       "peak_by_tag": st.peak_by_tag,
+                       "external_fragmentation": st.external_fragmentation,
+                       "device_free_bytes": st.device_free_bytes}
+        res["vram_usage_bytes"] = tinyloop.vram_usage_bytes(model)
+        report = tinyloop.memory_report("cuda")
+    finally:
+        tinyloop.free_model(model)
+    if not a.no_peer:
+        try:
+            res["peer_transformers"] = peer_transformers(model.config, a.new_tokens)
+        except Exception as e:  # the peer is a reference figure; its absence is reported
+            res["peer_transformers"] = {"error": f"{type(e).__name__}: {e}"}
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    print(report)
+    print("\n== TinyLoop CUDA benchmark (" + ("synthetic SmolLM2-135M dims" if tmp else path)
+          + ") ==")
+    rows = [("copy bandwidth (read+write)", f"{bw:,.0f} GB/s")]
+    for d in (1, 4):
+        if f"decode_depth{d}_tokens_per_s" in res:
+            rows.append((f"decode depth {d}", f"{res[f'decode_depth{d}_tokens_per_s']:,.1f} tok/s"
+                         f"  ({res[f'weight_bytes_per_token_depth{d}'] / 2**20:.1f} MiB weights/tok"
+                         f", {res[f'weight_GBps_depth{d}']:,.0f} GB/s)"))
+    for n in (512, 2048):
+        rows.append((f"prefill {n}", f"{res[f'prefill_{n}_ms']:.1f} ms  "
+                     f"({res[f'prefill_{n}_tokens_per_s']:,.0f} tok/s)"))
+    rows.append(("model owns", f"{res['vram_usage_bytes'] / 2**20:.1f} MiB"))
+    rows.append(("pool peak allocated / reserved",
+                 f"{res['pool']['peak_allocated_bytes'] / 2**20:.1f} / "
+                 f"{res['pool']['peak_reserved_bytes'] / 2**20:.1f} MiB"))
+    peer = res.get("peer_transformers")
+    if peer:
+        if "error" in peer:
+            rows.append(("peer transformers", peer["error"][:60]))
+        else:
+            rows.append(("peer transformers eager fp16",
+                         f"decode {peer['decode_tokens_per_s']:.1f} tok/s, prefill 2048 "
+                         f"{peer['prefill_2048_ms']:.1f} ms"))
+    for k, v in rows:
+        print(f"  {k:<34}{v}")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
