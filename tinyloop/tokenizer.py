@@ -1,0 +1,299 @@
+"""Byte-level BPE tokenizer (HF ``tokenizers``) with llama.cpp-identical ids, and chat templates.
+
+A .tlm file embeds the tokenizer as HF ``tokenizers`` JSON (the u8 entry ``tokenizer.json``) and
+the chat template as a Jinja string in its header. :func:`build_tokenizer_json_from_gguf`
+makes that JSON from a GGUF file's vocab and merges so that ``Tokenizer.encode`` gives the same
+ids as llama.cpp's ``llama_tokenize(..., add_special=False, parse_special=True)``:
+
+- model: BPE over the GGUF's ``tokenizer.ggml.tokens`` (ids = positions) and
+  ``tokenizer.ggml.merges`` (rank = position);
+- pre-tokenizer: llama.cpp's regex list for ``tokenizer.ggml.pre`` (llama-vocab.cpp). For the
+  "smollm" family it is ``\\p{N}`` (each digit alone) then the GPT-2 regex
+  ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``,
+  i.e. HF's ``Split(\\p{N}, isolated)`` followed by ``ByteLevel(use_regex=True)``;
+- added tokens: every CONTROL, USER_DEFINED and UNKNOWN token (llama.cpp's special-token
+  cache), matched verbatim in the text before BPE, as llama.cpp does with parse_special=True.
+
+Decoding maps each token to its bytes (byte-level alphabet inverted; added tokens as UTF-8) and
+decodes the concatenation as UTF-8 with U+FFFD for invalid bytes. :class:`StreamDecoder` does
+the same incrementally, holding back a UTF-8 sequence split across tokens until it completes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import operator
+from functools import lru_cache
+
+from .errors import TokenizerError
+
+# GGUF token types (gguf.TokenType / llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> does llama.cpp split digits one by one before the GPT-2 regex?
+# (llama-vocab.cpp: STARCODER/REFACT/COMMAND_R/SMOLLM/CODESHELL/EXAONE/MINERVA use
+# {"\\p{N}", GPT-2}; GPT2/MPT/OLMO/JAIS use {GPT-2})
+_PRE_TOKENIZERS = {
+    "smollm": True, "starcoder": True, "refact": True, "command-r": True, "codeshell": True,
+    "exaone": True, "minerva-7b": True,
+    "gpt-2": False, "gpt2": False, "mpt": False, "olmo": False, "jais": False,
+}
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("the tokenizer needs the 'tokenizers' package: "
+                             "pip install tokenizers") from None
+    return tokenizers
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable stand-in char -> byte value."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+# --------------------------------------------------------------------------------------------
+# Building the JSON from a GGUF file
+# --------------------------------------------------------------------------------------------
+def build_tokenizer_json_from_gguf(reader) -> str:
+    """HF ``tokenizers`` JSON for the byte-level BPE vocab of a ``gguf.GGUFReader``.
+
+    Supports ``tokenizer.ggml.model == "gpt2"`` with the pre-tokenizers listed in
+    ``_PRE_TOKENIZERS``. Raises TokenizerError for anything else (SentencePiece "llama" vocabs,
+    unknown pre-tokenizers, missing fields, duplicate tokens).
+    """
+    tk = _tokenizers()
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    kind = field("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerError(f"tokenizer.ggml.model={kind!r} is not supported (only byte-level "
+                             "BPE, 'gpt2')")
+    pre = field("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; known: "
+                             f"{sorted(_PRE_TOKENIZERS)}")
+    tokens = field("tokenizer.ggml.tokens")
+    merges = field("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise TokenizerError("the GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
+    types = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError("the GGUF vocab has duplicate token strings; their ids cannot be "
+                             "kept")
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise TokenizerError(f"malformed merge {m!r}")
+        pairs.append((a, b))
+
+    tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                  byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
+                                          use_regex=True)
+    if _PRE_TOKENIZERS[pre]:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(t, special=(y != _USER_DEFINED), normalized=False, lstrip=False,
+                          rstrip=False, single_word=False)
+               for t, y in zip(tokens, types) if y in (_CONTROL, _USER_DEFINED, _UNKNOWN)]
+    if special:
+        tok.add_special_tokens(special)
+    return tok.to_str()
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+class Tokenizer:
+    """Encode/decode text and render chat prompts.
+
+    ``vocab_size`` (int), ``bos_token_id`` / ``eos_token_id`` (int, -1 when absent),
+    ``chat_template`` (str, Jinja). Raises TokenizerError on bad input (ids out of range, a
+    missing template, non-str text).
+    """
+
+    def __init__(self, hf_tokenizer, *, bos_token_id: int = -1, eos_token_id: int = -1,
+                 chat_template: str = ""):
+        self._tok = hf_tokenizer
+        self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
+        self.bos_token_id = int(bos_token_id)
+        self.eos_token_id = int(eos_token_id)
+        self.chat_template = chat_template or ""
+        self._bytes: list[bytes] | None = None
+        self._special: frozenset[int] = frozenset(
+            i for i, t in hf_tokenizer.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def from_json(cls, json_str: str, *, bos_token_id: int = -1, eos_token_id: int = -1,
+                  chat_template: str = "") -> "Tokenizer":
+        """Load HF ``tokenizers`` JSON (byte-level BPE); raises TokenizerError if invalid."""
+        tk = _tokenizers()
+        try:
+            spec = json.loads(json_str)
+            hf = tk.Tokenizer.from_str(json_str)
+        except Exception as e:  # json.JSONDecodeError, or tokenizers' plain Exception
+            raise TokenizerError(f"invalid tokenizer JSON: {e}") from None
+        dec = (spec.get("decoder") or {}).get("type")
+        if dec != "ByteLevel":
+            raise TokenizerError(f"only byte-level BPE tokenizers are supported (decoder "
+                                 f"{dec!r})")
+        return cls(hf, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                   chat_template=chat_template)
+
+    @classmethod
+    def from_tlm(cls, tlm) -> "Tokenizer":
+        """The tokenizer embedded in an open :class:`tinyloop.format.TLMFile`."""
+        js = tlm.tokenizer_json
+        if js is None:
+            raise TokenizerError(f"{tlm.path}: the file has no embedded tokenizer")
+        return cls.from_json(js, bos_token_id=tlm.config.bos_token_id,
+                             eos_token_id=tlm.config.eos_token_id,
+                             chat_template=tlm.chat_template)
+
+    # -- encode ---------------------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become
+        their single ids. ``add_bos`` prepends ``bos_token_id`` (when the vocab has one)."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode needs a str, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id >= 0:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    # -- decode ---------------------------------------------------------------------------------
+    def _table(self) -> list[bytes]:
+        if self._bytes is None:
+            inv = _byte_decoder()
+            added = self._tok.get_added_tokens_decoder()
+            table = [b""] * self.vocab_size
+            for tok, i in self._tok.get_vocab(with_added_tokens=True).items():
+                if i not in added and all(c in inv for c in tok):
+                    table[i] = bytes(inv[c] for c in tok)
+                else:   # added tokens (and any non-byte-level string) stand for their UTF-8
+                    table[i] = tok.encode("utf-8")
+            self._bytes = table
+        return self._bytes
+
+    def _check_id(self, i) -> int:
+        try:
+            i = operator.index(i)      # int or NumPy integer
+        except TypeError:
+            raise TokenizerError(f"token id must be an int, got {i!r}") from None
+        if not 0 <= i < self.vocab_size:
+            raise TokenizerError(f"token id {i} is outside 0..{self.vocab_size - 1}")
+        return i
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (may be part of a UTF-8 character)."""
+        return self._table()[self._check_id(token_id)]
+
+    def decode_token(self, token_id: int) -> str:
+        """One token as text (U+FFFD for an incomplete UTF-8 piece; use :meth:`stream` to
+        decode a sequence piece by piece)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def is_special(self, token_id: int) -> bool:
+        return self._check_id(token_id) in self._special
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``: bytes concatenated, then UTF-8 (U+FFFD for invalid bytes)."""
+        table = self._table()
+        parts = []
+        for i in ids:
+            i = self._check_id(i)
+            if skip_special_tokens and i in self._special:
+                continue
+            parts.append(table[i])
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        """An incremental decoder: ``push(id) -> str`` then ``flush() -> str``."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # -- chat -------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the embedded Jinja
+        chat template, as HF ``transformers`` does (sandboxed, trim_blocks, lstrip_blocks).
+        Raises TokenizerError when there is no template or it fails to render."""
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template")
+        return render_chat_template(self.chat_template, messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    bos_token=self._token_text(self.bos_token_id),
+                                    eos_token=self._token_text(self.eos_token_id))
+
+    def _token_text(self, i: int) -> str:
+        return "" if i < 0 else self._table()[i].decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Decode token ids one at a time without emitting garbage for a UTF-8 character split
+    across tokens: bytes of an incomplete character are held back until it completes. The
+    concatenation of every ``push`` and the final ``flush`` equals ``Tokenizer.decode``."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Text completed by ``token_id`` (possibly "")."""
+        if self._skip and self._tok.is_special(token_id):
+            return ""
+        return self._dec.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character becomes U+FFFD); resets the state."""
+        out = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return out
+
+
+def render_chat_template(template: str, messages: list[dict], *,
+                         add_generation_prompt: bool = True, **extra) -> str:
+    """Render a HF-style chat template with jinja2 (sandboxed, trim_blocks, lstrip_blocks)."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise TokenizerError("chat templates need the 'jinja2' package: pip install jinja2") \
+            from None
+
+    def raise_exception(message):
+        raise TokenizerError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages,
+                                                add_generation_prompt=add_generation_prompt,
+                                                **extra)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"chat template failed to render: {e}") from None
