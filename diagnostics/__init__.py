@@ -1,0 +1,28 @@
+"""TinyLoop diagnostics: is the memory a process keeps after a request a leak, a cache, or
+fragmentation? Measured, not guessed (seed 004).
+
+    python -m diagnostics leak     [--requests N] [--out DIR] [--backend B] [--plant-leak BYTES]
+                                   [--plant-cache BYTES] [--model PATH] [--max-new-tokens M]
+                                   [--prompt TEXT]
+    python -m diagnostics fragment [--requests N] [--out DIR] [--seed S] ...
+    python -m diagnostics release  [--out DIR] ...
+    python -m diagnostics report   DIR
+
+Modules: ``verdict`` (the pure verdict function over per-request records), ``leak``,
+``fragment``, ``release`` (the three runs), ``faults`` (planted leak / cache), ``records``
+(one dict per step; JSON / CSV), ``plots`` (PNG, matplotlib Agg), ``report`` (one-page HTML),
+``session`` (model loading, progress, the event-log collector).
+"""
+
+from __future__ import annotations
+
+from .fragment import analyze_trace, replay_policies, run_fragment, trace_ops
+from .leak import run_leak
+from .release import run_release
+from .report import write_report
+from .verdict import (INCONCLUSIVE, LEAK, STABLE, UNBOUNDED_CACHE, VERDICTS, Verdict, classify,
+                      linear_fit)
+
+__all__ = ["run_leak", "run_fragment", "run_release", "write_report", "classify", "Verdict",
+           "linear_fit", "analyze_trace", "trace_ops", "replay_policies", "STABLE", "LEAK",
+           "UNBOUNDED_CACHE", "INCONCLUSIVE", "VERDICTS"]

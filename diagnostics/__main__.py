@@ -1,0 +1,126 @@
+"""``python -m diagnostics leak | fragment | release | report`` (see diagnostics/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tinyloop.config import parse_size
+from tinyloop.errors import TinyLoopError
+
+from .session import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT
+
+DEFAULT_OUT = "tinyloop-diagnostics"
+
+
+def _bytes(text: str) -> int:
+    """argparse type: "4096", "64K", "2M", "1GiB" -> bytes (binary suffixes)."""
+    try:
+        n = parse_size(text, name="bytes")
+    except TinyLoopError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0 bytes")
+    return n
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    return n
+
+
+def _common(p: argparse.ArgumentParser, *, requests: int | None, max_new_tokens: int) -> None:
+    if requests is not None:
+        p.add_argument("--requests", type=_positive, default=requests, metavar="N",
+                       help=f"number of requests (default {requests})")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"where JSON, CSV and PNG files go (default ./{DEFAULT_OUT})")
+    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
+                   help="auto: CUDA where CuPy sees a GPU, else NumPy (default auto)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a .tlm model (default: tinyloop.default_model_path(), the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens, metavar="M")
+    p.add_argument("--depth", type=_positive, default=None, help="recurrent depth "
+                   "(default: the model's)")
+    p.add_argument("--max-seq-len", type=_positive, default=DEFAULT_MAX_SEQ_LEN)
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m diagnostics",
+        description="Tell a leak from a cache: repeated identical requests, fragmentation, "
+                    "release steps, and a one-page HTML report.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    lk = sub.add_parser("leak", help="N identical greedy requests -> STABLE / LEAK / "
+                        "UNBOUNDED CACHE / INCONCLUSIVE")
+    _common(lk, requests=30, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    lk.add_argument("--prompt", default=DEFAULT_PROMPT)
+    lk.add_argument("--plant-leak", type=_bytes, default=0, metavar="BYTES",
+                    help="plant a leak: keep BYTES allocated per request (tag 'other')")
+    lk.add_argument("--plant-cache", type=_bytes, default=0, metavar="BYTES",
+                    help="plant an unbounded cache: grow a cached-but-free reservation by "
+                         "BYTES per request")
+    lk.add_argument("--no-progress", action="store_true")
+    fr = sub.add_parser("fragment", help="seeded requests of varying length: fragmentation, "
+                        "misses, allocator policies side by side")
+    _common(fr, requests=30, max_new_tokens=16)
+    fr.add_argument("--seed", type=int, default=0)
+    fr.add_argument("--max-prompt-tokens", type=_positive, default=96)
+    fr.add_argument("--no-replay", action="store_true",
+                    help="skip replaying the trace against other allocator policies")
+    fr.add_argument("--no-progress", action="store_true")
+    rl = sub.add_parser("release", help="what the end of a request, empty_cache() and "
+                        "free_model() each free; the cold start after unloading")
+    _common(rl, requests=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    rl.add_argument("--prompt", default=DEFAULT_PROMPT)
+    rp = sub.add_parser("report", help="render DIR's results as one HTML page")
+    rp.add_argument("dir", metavar="DIR")
+    rp.add_argument("--html", default=None, metavar="PATH",
+                    help="where to write it (default DIR/report.html)")
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        if a.cmd == "leak":
+            from .leak import run_leak, summary
+            r = run_leak(a.out, model_path=a.model, requests=a.requests, backend=a.backend,
+                         prompt=a.prompt, max_new_tokens=a.max_new_tokens, depth=a.depth,
+                         max_seq_len=a.max_seq_len, plant_leak=a.plant_leak,
+                         plant_cache=a.plant_cache, show_progress=not a.no_progress,
+                         plot=not a.no_plots)
+        elif a.cmd == "fragment":
+            from .fragment import run_fragment, summary
+            r = run_fragment(a.out, model_path=a.model, requests=a.requests,
+                             backend=a.backend, seed=a.seed,
+                             max_prompt_tokens=a.max_prompt_tokens,
+                             max_new_tokens=a.max_new_tokens, depth=a.depth,
+                             max_seq_len=a.max_seq_len, show_progress=not a.no_progress,
+                             replay=not a.no_replay, plot=not a.no_plots)
+        elif a.cmd == "release":
+            from .release import run_release, summary
+            r = run_release(a.out, model_path=a.model, backend=a.backend, prompt=a.prompt,
+                            max_new_tokens=a.max_new_tokens, depth=a.depth,
+                            max_seq_len=a.max_seq_len, plot=not a.no_plots)
+        else:
+            from .report import write_report
+            print(f"wrote {write_report(a.dir, a.html)}")
+            return 0
+    except (TinyLoopError, OSError, ValueError) as e:
+        print(f"python -m diagnostics {a.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    print(summary(r))
+    print(f"wrote {', '.join(r['files'])} in {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

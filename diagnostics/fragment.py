@@ -1,0 +1,476 @@
+"""``python -m diagnostics fragment``: requests of varying prompt and generation length
+(seeded), and what they do to the pool's free space.
+
+Reports peak reserved / peak allocated, external fragmentation (1 - largest free block / pool
+free bytes) after every request, the largest free block, and every allocation that *missed*:
+the pool had to add a segment although its free bytes in total would have covered the request
+(no single free chunk of the request's size class was big enough). Misses are found by
+replaying the pool's event log (:func:`analyze_trace`), which also gives an allocated / reserved
+timeline event by event.
+
+The same trace is then replayed against allocator policies side by side
+(:func:`replay_policies`): TinyLoop's pool over a fake raw allocator (always; its peaks must
+equal the recorded ones, which checks the replay), and, where CUDA is present, CuPy's default
+``MemoryPool`` and ``MemoryAsyncPool`` (cudaMallocAsync). On a machine without CUDA those two
+are reported as skipped, with the reason.
+
+Writes DIR/fragment.json, DIR/fragment.csv (per request), DIR/fragment_trace.csv (per event,
+downsampled) and the plots DIR/fragment_*.png.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+
+import numpy as np
+
+import tinyloop
+from tinyloop.memory import FakeRawAllocator, MemoryPool, SMALL_REQUEST_MAX, \
+    reset_peak_memory_stats
+
+from . import plots
+from .records import fmt_bytes, take_record, write_csv, write_json
+from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, load_timed, pool_of, progress,
+                      resolve_backend, resolve_model)
+
+TIMELINE_POINTS = 2000          # the per-event timeline is downsampled to at most this many
+
+
+def _kind(rounded: int) -> str:
+    return "small" if rounded <= SMALL_REQUEST_MAX else "large"
+
+
+def layout_state(pool) -> dict:
+    """The pool's segments and live blocks now: {"segments": {ptr: (size, kind)},
+    "blocks": {ptr: (size, tag)}} -- the starting point a trace is replayed from."""
+    segs, blocks = {}, {}
+    for seg in pool.layout():
+        segs[seg["address"]] = (seg["size"], seg["kind"])
+        for b in seg["blocks"]:
+            if b["live"]:
+                blocks[b["address"]] = (b["size"], b["tag"])
+    return {"segments": segs, "blocks": blocks}
+
+
+def _largest_free(segs: dict, blocks: dict, kind: str) -> int:
+    """Largest gap between live blocks inside the segments of ``kind`` (O(blocks))."""
+    starts = sorted(blocks)
+    best = 0
+    for ptr, (size, k) in segs.items():
+        if k != kind:
+            continue
+        end = ptr + size
+        cur = ptr
+        i = bisect.bisect_left(starts, ptr)
+        while i < len(starts) and starts[i] < end:
+            best = max(best, starts[i] - cur)
+            cur = starts[i] + blocks[starts[i]][0]
+            i += 1
+        best = max(best, end - cur)
+    return best
+
+
+def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int = 1000) -> dict:
+    """Replay ``events`` (``MemoryEvent`` tuples, oldest first) from ``start`` (see
+    :func:`layout_state`; empty if None) and return::
+
+        {"timeline": [{"event", "time", "allocated_bytes", "reserved_bytes"}],   # every event
+         "misses": [{"event", "time", "size", "tag", "kind", "pool_free_bytes",
+                     "free_same_kind_bytes", "largest_free_same_kind_bytes"}],
+         "ooms": [...same fields, for "oom" events...],
+         "peak_allocated_bytes", "peak_reserved_bytes", "num_allocs", "num_frees",
+         "num_segment_allocs", "num_segment_frees", "num_misses", "num_misses_same_kind"}
+
+    A miss is a segment_alloc whose triggering alloc was no bigger than the pool's free bytes
+    (reserved - allocated) just before; ``num_misses_same_kind`` counts those whose own size
+    class (small <= 1 MiB < large) had the free bytes, so only fragmentation kept it out.
+    """
+    start = start or {"segments": {}, "blocks": {}}
+    segs = dict(start["segments"])                      # ptr -> (size, kind)
+    blocks = {p: (s, t) for p, (s, t) in start["blocks"].items()}   # ptr -> (size, tag)
+    allocated = sum(s for s, _ in blocks.values())
+    reserved = sum(s for s, _ in segs.values())
+    alloc_kind = {"small": 0, "large": 0}
+    for s, _ in blocks.values():
+        alloc_kind[_kind(s)] += s
+    seg_kind = {"small": 0, "large": 0}
+    for s, k in segs.values():
+        seg_kind[k] += s
+    peak_a, peak_r = allocated, reserved
+    timeline, misses, ooms = [], [], []
+    pending = None                  # a segment_alloc waiting for the alloc that caused it
+    n_alloc = n_free = n_seg = n_segfree = 0
+    for i, ev in enumerate(events):
+        t, action, addr, size, tag = ev[:5]
+        if action == "segment_alloc":
+            pending = (i, t, addr, size, allocated, reserved)
+            n_seg += 1
+            reserved += size
+        elif action == "alloc":
+            k = _kind(size)
+            if pending is not None:
+                j, pt, saddr, ssize, a0, r0 = pending
+                segs[saddr] = (ssize, k)
+                seg_kind[k] += ssize
+                free_total = r0 - a0
+                free_kind = seg_kind[k] - ssize - alloc_kind[k]
+                if size <= free_total:
+                    miss = {"event": j, "time": pt, "size": size, "tag": tag, "kind": k,
+                            "pool_free_bytes": free_total, "free_same_kind_bytes": free_kind}
+                    if len(misses) < max_detailed_misses:
+                        del segs[saddr]
+                        miss["largest_free_same_kind_bytes"] = _largest_free(segs, blocks, k)
+                        segs[saddr] = (ssize, k)
+                    misses.append(miss)
+                pending = None
+            blocks[addr] = (size, tag)
+            allocated += size
+            alloc_kind[k] += size
+            n_alloc += 1
+        elif action == "free_completed":
+            old = blocks.pop(addr, None)
+            size = old[0] if old is not None else size
+            allocated -= size
+            alloc_kind[_kind(size)] -= size
+            n_free += 1
+        elif action == "segment_free":
+            old = segs.pop(addr, None)
+            reserved -= size
+            if old is not None:
+                seg_kind[old[1]] -= size
+            n_segfree += 1
+        elif action == "oom":
+            k = _kind(size)
+            ooms.append({"event": i, "time": t, "size": size, "tag": tag, "kind": k,
+                         "pool_free_bytes": reserved - allocated,
+                         "free_same_kind_bytes": seg_kind[k] - alloc_kind[k],
+                         "largest_free_same_kind_bytes": _largest_free(segs, blocks, k)})
+            pending = None
+        peak_a, peak_r = max(peak_a, allocated), max(peak_r, reserved)
+        timeline.append({"event": i, "time": t, "allocated_bytes": allocated,
+                         "reserved_bytes": reserved})
+    return {"timeline": timeline, "misses": misses, "ooms": ooms,
+            "peak_allocated_bytes": peak_a, "peak_reserved_bytes": peak_r,
+            "num_allocs": n_alloc, "num_frees": n_free, "num_segment_allocs": n_seg,
+            "num_segment_frees": n_segfree, "num_misses": len(misses),
+            "num_misses_same_kind": sum(1 for m in misses
+                                        if m["size"] <= m["free_same_kind_bytes"])}
+
+
+def trace_ops(events, start: dict | None = None) -> list[tuple]:
+    """The alloc / free sequence of a trace as ``("alloc", key, size, tag)`` /
+    ``("free", key)``, starting with an alloc for every block live in ``start``. Frees of
+    blocks the trace never saw allocated are dropped."""
+    ops, live, serial = [], {}, 0
+    for ptr, (size, tag) in sorted((start or {}).get("blocks", {}).items()):
+        serial += 1
+        live[ptr] = serial
+        ops.append(("alloc", serial, size, tag))
+    for ev in events:
+        action, addr, size, tag = ev[1], ev[2], ev[3], ev[4]
+        if action == "alloc":
+            serial += 1
+            live[addr] = serial
+            ops.append(("alloc", serial, size, tag))
+        elif action == "free_completed" and addr in live:
+            ops.append(("free", live.pop(addr)))
+    return ops
+
+
+class _Policy:
+    """An allocator to replay a trace against: alloc(size, tag) -> handle; free(handle);
+    reserved_bytes() and used_bytes() as that allocator reports them."""
+
+    name = "?"
+
+    def close(self) -> None:
+        pass
+
+
+class _TinyLoopPolicy(_Policy):
+    name = "tinyloop pool"
+
+    def __init__(self):
+        self.pool = MemoryPool(raw_allocator=FakeRawAllocator())
+
+    def alloc(self, size, tag):
+        return self.pool.allocate(size, tag=tag or "other")
+
+    def free(self, h):
+        self.pool.free(h)
+
+    def reserved_bytes(self):
+        return self.pool.reserved_bytes
+
+    def used_bytes(self):
+        return self.pool.allocated_bytes
+
+    def close(self):
+        self.pool.empty_cache()
+
+
+class _CupyPolicy(_Policy):
+    """CuPy's default MemoryPool (a fresh instance: best fit over 512-byte bins, split and
+    merge within a cudaMalloc'd chunk) or MemoryAsyncPool (cudaMallocAsync's pool)."""
+
+    def __init__(self, kind: str):
+        import cupy
+        self.cupy = cupy
+        if kind == "default":
+            self.name = "cupy MemoryPool"
+            self.pool = cupy.cuda.MemoryPool()
+        else:
+            self.name = "cupy MemoryAsyncPool"
+            self.pool = cupy.cuda.MemoryAsyncPool()
+
+    def alloc(self, size, tag):
+        return self.pool.malloc(size)
+
+    def free(self, h):
+        pass                    # dropping the MemoryPointer returns it (done by the caller)
+
+    def reserved_bytes(self):
+        return int(self.pool.total_bytes())
+
+    def used_bytes(self):
+        return int(self.pool.used_bytes())
+
+    def close(self):
+        self.cupy.cuda.Device().synchronize()
+        self.pool.free_all_blocks()
+
+
+def _replay(policy: _Policy, ops) -> dict:
+    handles: dict = {}
+    sizes: dict = {}
+    peak_used = peak_res = 0
+    used_model = 0                      # bytes the trace has live (its own accounting)
+    misses = 0
+    t0 = time.perf_counter()
+    for op in ops:
+        if op[0] == "alloc":
+            _, key, size, tag = op
+            before_res = policy.reserved_bytes()
+            before_free = before_res - policy.used_bytes()
+            handles[key] = policy.alloc(size, tag)
+            sizes[key] = size
+            used_model += size
+            if policy.reserved_bytes() > before_res and size <= before_free:
+                misses += 1
+        else:
+            key = op[1]
+            h = handles.pop(key)
+            policy.free(h)
+            del h
+            used_model -= sizes.pop(key)
+        peak_used = max(peak_used, policy.used_bytes())
+        peak_res = max(peak_res, policy.reserved_bytes())
+    elapsed = time.perf_counter() - t0
+    final_res = policy.reserved_bytes()
+    handles.clear()
+    return {"name": policy.name, "skipped": False, "peak_allocated_bytes": peak_used,
+            "peak_reserved_bytes": peak_res, "final_reserved_bytes": final_res,
+            "misses": misses, "replay_s": elapsed,
+            "peak_reserved_over_peak_allocated": peak_res / peak_used if peak_used else None}
+
+
+def replay_policies(ops, *, cuda: bool | None = None) -> list[dict]:
+    """Replay ``ops`` (see :func:`trace_ops`) against each policy; CuPy's two only where CUDA is
+    present (``cuda=None`` detects it). Returns one dict per policy (``skipped`` + ``reason``
+    for the ones that could not run)."""
+    from tinyloop.backends import cuda_available
+    out = []
+    pol = _TinyLoopPolicy()
+    try:
+        out.append(_replay(pol, ops))
+    finally:
+        pol.close()
+    if cuda is None:
+        cuda = cuda_available()
+    for kind, name in (("default", "cupy MemoryPool"), ("async", "cupy MemoryAsyncPool")):
+        if not cuda:
+            try:
+                import cupy  # noqa: F401
+                why = "CuPy is installed but sees no CUDA device"
+            except ImportError:
+                why = "CuPy is not installed (pip install cupy-cuda12x) and there is no GPU"
+            out.append({"name": name, "skipped": True,
+                        "reason": f"{why}: the CuPy allocators can only be replayed on a GPU"})
+            continue
+        try:
+            pol = _CupyPolicy(kind)
+        except Exception as e:      # cudaMallocAsync unsupported here: report it, don't hide it
+            out.append({"name": name, "skipped": True, "reason": f"{type(e).__name__}: {e}"})
+            continue
+        try:
+            out.append(_replay(pol, ops))
+        finally:
+            pol.close()
+    return out
+
+
+def request_plan(n: int, seed: int, vocab_size: int, max_prompt_tokens: int,
+                 max_new_tokens: int, max_seq_len: int) -> list[dict]:
+    """``n`` seeded requests: prompt length uniform in 1..max_prompt_tokens (random token ids),
+    generation length uniform in 1..max_new_tokens, both capped to fit ``max_seq_len``."""
+    rng = np.random.default_rng(seed)
+    max_new_tokens = max(1, min(max_new_tokens, max_seq_len - 1))
+    max_prompt_tokens = max(1, min(max_prompt_tokens, max_seq_len - max_new_tokens))
+    out = []
+    for _ in range(n):
+        p = int(rng.integers(1, max_prompt_tokens + 1))
+        g = int(rng.integers(1, max_new_tokens + 1))
+        out.append({"prompt": rng.integers(0, vocab_size, size=p).tolist(), "max_new_tokens": g})
+    return out
+
+
+def run_fragment(out_dir, *, model_path: str | None = None, requests: int = 30,
+                 backend: str = "auto", seed: int = 0, max_prompt_tokens: int = 96,
+                 max_new_tokens: int = 16, depth: int | None = None,
+                 max_seq_len: int = DEFAULT_MAX_SEQ_LEN, show_progress: bool = True,
+                 replay: bool = True, plot: bool = True) -> dict:
+    """Run the fragmentation test and write its files into ``out_dir``; returns
+    fragment.json's content. Raises ValueError for ``requests`` < 1."""
+    if requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {requests}")
+    os.makedirs(out_dir, exist_ok=True)
+    backend = resolve_backend(backend)
+    model_path = resolve_model(model_path)
+    from tinyloop.memory import get_pool
+    pool = get_pool("cuda" if backend == "cuda" else "host")
+    start = layout_state(pool)
+    collector = EventCollector(pool).start()
+    model, load_s = load_timed(model_path, max_seq_len, backend)
+    assert pool_of(model) is pool
+    collector.collect()
+    reset_peak_memory_stats()
+    records = [take_record(pool, request=0, step="loaded", device=pool.device,
+                           duration_ms=load_s * 1e3, prompt_tokens=0, new_tokens=0)]
+    plan = request_plan(requests, seed, model.config.vocab_size, max_prompt_tokens,
+                        max_new_tokens, max_seq_len)
+    try:
+        for i, req in progress(enumerate(plan, 1), total=requests, desc="fragment",
+                               enabled=show_progress):
+            t0 = time.perf_counter()
+            res = model.generate(req["prompt"], max_new_tokens=req["max_new_tokens"],
+                                 depth=depth, temperature=0.0)
+            dt = time.perf_counter() - t0
+            collector.collect()
+            # peaks are *not* reset per request here: peak_* is the run's running high-water
+            records.append(take_record(pool, request=i, step="request", device=pool.device,
+                                       duration_ms=dt * 1e3,
+                                       prompt_tokens=len(req["prompt"]),
+                                       max_new_tokens=req["max_new_tokens"],
+                                       new_tokens=len(res.token_ids)))
+    finally:
+        tinyloop.free_model(model)
+        collector.collect()
+
+    trace = analyze_trace(collector.events, start)
+    ops = trace_ops(collector.events, start)
+    policies = replay_policies(ops) if replay else []
+    last = records[-1]
+    frag = [r["external_fragmentation"] for r in records[1:]]
+    summary_fields = {
+        "peak_allocated_bytes": last["peak_allocated_bytes"],
+        "peak_reserved_bytes": last["peak_reserved_bytes"],
+        "peak_reserved_over_peak_allocated": (last["peak_reserved_bytes"]
+                                              / last["peak_allocated_bytes"]
+                                              if last["peak_allocated_bytes"] else None),
+        "external_fragmentation_max": max(frag),
+        "external_fragmentation_final": frag[-1],
+        "largest_free_block_bytes_final": last["largest_free_block_bytes"],
+        "largest_free_block_bytes_min": min(r["largest_free_block_bytes"] for r in records[1:]),
+        "pool_free_bytes_final": last["pool_free_bytes"],
+        "num_misses": trace["num_misses"],
+        "num_misses_same_kind": trace["num_misses_same_kind"],
+        "num_ooms": len(trace["ooms"]),
+    }
+    # Requests' own misses (after the load), the ones a serving user would feel
+    load_end = next((j for j, e in enumerate(collector.events)
+                     if e[0] >= records[0]["time_s"]), len(collector.events))
+    summary_fields["num_misses_during_requests"] = sum(1 for m in trace["misses"]
+                                                       if m["event"] >= load_end)
+    result = {
+        "command": "fragment",
+        "verdict": (f"{trace['num_misses']} allocation(s) needed a new segment although the "
+                    f"pool's free bytes would have covered them"
+                    f" ({summary_fields['num_misses_during_requests']} during requests); peak "
+                    f"reserved / peak allocated = "
+                    f"{summary_fields['peak_reserved_over_peak_allocated']:.3f}"),
+        **summary_fields,
+        "config": {"model": model_path, "backend": backend, "device": pool.device,
+                   "requests": requests, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
+                   "max_new_tokens": max_new_tokens, "depth": res.depth,
+                   "max_seq_len": max_seq_len},
+        "trace": {"events": len(collector.events), "events_dropped": collector.dropped,
+                  **{k: trace[k] for k in ("peak_allocated_bytes", "peak_reserved_bytes",
+                                           "num_allocs", "num_frees", "num_segment_allocs",
+                                           "num_segment_frees", "num_misses",
+                                           "num_misses_same_kind")}},
+        "misses": trace["misses"],
+        "ooms": trace["ooms"],
+        "policies": policies,
+        "records": records,
+    }
+    step = max(1, len(trace["timeline"]) // TIMELINE_POINTS)
+    timeline = trace["timeline"][::step]
+    files = [write_csv(os.path.join(out_dir, "fragment.csv"), records),
+             write_csv(os.path.join(out_dir, "fragment_trace.csv"), timeline)]
+    if plot:
+        files += [
+            plots.timeline_by_tag(records, os.path.join(out_dir, "fragment_timeline_by_tag.png"),
+                                  title="fragment: memory by tag after each request"),
+            plots.allocated_reserved_driver(records, os.path.join(out_dir,
+                                                                  "fragment_memory.png"),
+                                            title="fragment: allocated vs reserved vs driver"),
+            plots.fragmentation(records, os.path.join(out_dir, "fragment_fragmentation.png"),
+                                title="fragment: external fragmentation after each request"),
+            plots.event_timeline(timeline, os.path.join(out_dir, "fragment_trace.png"),
+                                 title="fragment: allocated / reserved at every pool event"),
+        ]
+        if policies:
+            files.append(plots.policy_comparison(
+                policies, os.path.join(out_dir, "fragment_policies.png"),
+                title="fragment: the recorded trace replayed against allocator policies"))
+    result["files"] = [os.path.basename(f) for f in files] + ["fragment.json"]
+    write_json(os.path.join(out_dir, "fragment.json"), result)
+    return result
+
+
+def summary(result: dict) -> str:
+    c = result["config"]
+    lines = [f"fragment: {c['requests']} requests (seed {c['seed']}, prompts 1..."
+             f"{c['max_prompt_tokens']} tokens, 1..{c['max_new_tokens']} new tokens) on "
+             f"{c['backend']} ({c['device']} pool)",
+             f"  peak reserved {fmt_bytes(result['peak_reserved_bytes'])} / peak allocated "
+             f"{fmt_bytes(result['peak_allocated_bytes'])} = "
+             f"{result['peak_reserved_over_peak_allocated']:.3f}",
+             f"  external fragmentation: max {result['external_fragmentation_max']:.3f}, final "
+             f"{result['external_fragmentation_final']:.3f}; largest free block at the end "
+             f"{fmt_bytes(result['largest_free_block_bytes_final'])} of "
+             f"{fmt_bytes(result['pool_free_bytes_final'])} free",
+             f"  misses (new segment although the free total covered the request): "
+             f"{result['num_misses']} ({result['num_misses_same_kind']} with enough free bytes "
+             f"in the request's own size class; {result['num_misses_during_requests']} during "
+             f"requests); OOMs: {result['num_ooms']}"]
+    for m in result["misses"][:10]:
+        lines.append(f"    {fmt_bytes(m['size'])} {m['kind']} ({m['tag']}): pool free "
+                     f"{fmt_bytes(m['pool_free_bytes'])}, same class "
+                     f"{fmt_bytes(m['free_same_kind_bytes'])}, largest free of that class "
+                     f"{fmt_bytes(m.get('largest_free_same_kind_bytes'))}")
+    if len(result["misses"]) > 10:
+        lines.append(f"    ... {len(result['misses']) - 10} more in fragment.json")
+    t = result["trace"]
+    lines.append(f"  trace: {t['events']} events ({t['events_dropped']} dropped by the ring "
+                 f"buffer before collection)")
+    for p in result["policies"]:
+        if p["skipped"]:
+            lines.append(f"  replay {p['name']}: skipped: {p['reason']}")
+        else:
+            lines.append(f"  replay {p['name']}: peak reserved "
+                         f"{fmt_bytes(p['peak_reserved_bytes'])}, peak in use "
+                         f"{fmt_bytes(p['peak_allocated_bytes'])}, misses {p['misses']}")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""``python -m diagnostics leak``: N identical greedy requests, a record after each, a verdict.
+
+The test from seed 004: run the same fixed request again and again and record, after each,
+allocated and reserved bytes, the bytes of every tag, the driver's device-free figure and the
+process's NVML usage. A high-water mark that stops rising is caching; allocated bytes that grow
+with every identical request are a leak; reserved bytes that grow while allocated stays flat
+are an unbounded cache. The verdict itself is ``diagnostics.verdict.classify`` (a pure function
+of the records, so it can be re-run on a saved leak.json).
+
+Writes DIR/leak.json (``verdict``, ``leak_bytes_per_request``, the evidence and the records),
+DIR/leak.csv and the plots DIR/leak_*.png.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import tinyloop
+from tinyloop.memory import reset_peak_memory_stats, round_size
+
+from . import plots
+from .faults import PlantedCache, PlantedLeak
+from .records import fmt_bytes, take_record, write_csv, write_json
+from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT, load_timed,
+                      pool_of, progress, resolve_backend, resolve_model)
+from .verdict import classify
+
+
+def run_leak(out_dir, *, model_path: str | None = None, requests: int = 30,
+             backend: str = "auto", prompt: str = DEFAULT_PROMPT,
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, depth: int | None = None,
+             max_seq_len: int = DEFAULT_MAX_SEQ_LEN, plant_leak: int = 0, plant_cache: int = 0,
+             show_progress: bool = True, plot: bool = True) -> dict:
+    """Run the leak test and write its files into ``out_dir``; returns leak.json's content.
+
+    ``plant_leak`` / ``plant_cache``: bytes per request of a planted fault (see
+    ``diagnostics.faults``). Raises ValueError for ``requests`` < 1 and whatever
+    ``tinyloop.load_model`` / ``Model.generate`` raise (TinyLoopError family).
+    """
+    if requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {requests}")
+    os.makedirs(out_dir, exist_ok=True)
+    backend = resolve_backend(backend)
+    model_path = resolve_model(model_path)
+    model, load_s = load_timed(model_path, max_seq_len, backend)
+    pool = pool_of(model)
+    leak = PlantedLeak(pool, plant_leak)
+    cache = PlantedCache(pool, plant_cache)
+    records = [take_record(pool, request=0, step="loaded", duration_ms=load_s * 1e3,
+                           new_tokens=0, device=pool.device)]
+    texts = set()
+    try:
+        for i in progress(range(1, requests + 1), total=requests, desc="leak",
+                          enabled=show_progress):
+            reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            res = model.generate(prompt, max_new_tokens=max_new_tokens, depth=depth,
+                                 temperature=0.0)
+            leak.after_request()
+            cache.after_request()
+            dt = time.perf_counter() - t0
+            texts.add(res.text)
+            records.append(take_record(pool, request=i, step="request",
+                                       duration_ms=dt * 1e3, new_tokens=len(res.token_ids),
+                                       device=pool.device, planted_leak_bytes=leak.held_bytes,
+                                       planted_cache_bytes=cache.grown_bytes))
+        vram = tinyloop.vram_usage_bytes(model)
+        depth_used = res.depth
+    finally:
+        leak.release()
+        tinyloop.free_model(model)
+
+    verdict = classify([r for r in records if r["request"] >= 1])
+    result = {
+        "command": "leak",
+        "verdict": verdict.verdict,
+        "leak_bytes_per_request": verdict.leak_bytes_per_request,
+        "reserved_bytes_per_request": verdict.reserved_bytes_per_request,
+        "growing_tag": verdict.growing_tag,
+        "reason": verdict.reason,
+        "evidence": verdict.evidence,
+        "stable_from": verdict.stable_from,
+        "requests_needed": verdict.requests_needed,
+        "planted": {"leak_bytes_per_request": plant_leak,
+                    "leak_bytes_per_request_rounded": round_size(plant_leak) if plant_leak else 0,
+                    "cache_bytes_per_request": plant_cache},
+        "config": {"model": model_path, "backend": backend, "device": pool.device,
+                   "requests": requests, "prompt": prompt, "max_new_tokens": max_new_tokens,
+                   "depth": depth_used, "max_seq_len": max_seq_len},
+        "model": {"load_s": load_s, "vram_usage_bytes": vram,
+                  "identical_outputs": len(texts) == 1},
+        "verdict_detail": verdict.to_dict(),
+        "records": records,
+    }
+    files = [write_csv(os.path.join(out_dir, "leak.csv"), records)]
+    if plot:
+        files += [
+            plots.timeline_by_tag(records, os.path.join(out_dir, "leak_timeline_by_tag.png"),
+                                  title="leak: memory by tag after each request"),
+            plots.allocated_reserved_driver(records, os.path.join(out_dir, "leak_memory.png"),
+                                            title="leak: allocated vs reserved vs driver"),
+            plots.fragmentation(records, os.path.join(out_dir, "leak_fragmentation.png"),
+                                title="leak: fragmentation after each request"),
+        ]
+    result["files"] = [os.path.basename(f) for f in files] + ["leak.json"]
+    write_json(os.path.join(out_dir, "leak.json"), result)
+    return result
+
+
+def summary(result: dict) -> str:
+    """The lines the CLI prints for a leak run."""
+    c = result["config"]
+    lines = [f"leak: {c['requests']} identical requests ({c['max_new_tokens']} new tokens, "
+             f"greedy, depth {c['depth']}) on {c['backend']} ({c['device']} pool)",
+             f"VERDICT: {result['verdict']}: {result['reason']}"]
+    if result["requests_needed"]:
+        lines.append(f"  about {result['requests_needed']} requests would decide "
+                     f"(--requests {result['requests_needed']})")
+    lines.append(f"  leak rate {fmt_bytes(result['leak_bytes_per_request'])}/request (fit of "
+                 f"allocated at request end); reservation "
+                 f"{fmt_bytes(result['reserved_bytes_per_request'])}/request")
+    p = result["planted"]
+    if p["leak_bytes_per_request"]:
+        lines.append(f"  planted leak {p['leak_bytes_per_request']} B/request (pool rounds to "
+                     f"{p['leak_bytes_per_request_rounded']} B)")
+    if p["cache_bytes_per_request"]:
+        lines.append(f"  planted cache {p['cache_bytes_per_request']} B/request")
+    lines += ["  " + e for e in result["evidence"]]
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""What every diagnostics command shares: the model it loads, the request it repeats, progress
+bars, and a loss-free copy of the pool's event log."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import tinyloop
+from tinyloop.backends import cuda_available
+
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_MAX_NEW_TOKENS = 8
+DEFAULT_MAX_SEQ_LEN = 512
+
+
+def resolve_backend(backend: str) -> str:
+    """"auto" -> "cuda" where CuPy sees a GPU, else "numpy"; other names unchanged."""
+    if backend == "auto":
+        return "cuda" if cuda_available() else "numpy"
+    return backend
+
+
+def resolve_model(path: str | None) -> str:
+    """``path``, or the embedded default model (converted on first use)."""
+    return path if path else tinyloop.default_model_path()
+
+
+def load_timed(path: str, max_seq_len: int, backend: str):
+    """(model, seconds to load)."""
+    t0 = time.perf_counter()
+    model = tinyloop.load_model(path, max_seq_len=max_seq_len, backend=backend)
+    return model, time.perf_counter() - t0
+
+
+def pool_of(model):
+    """The pool the model allocates from (host for numpy, cuda for cuda)."""
+    from tinyloop.memory import get_pool
+    return get_pool("cuda" if model.backend == "cuda" else "host")
+
+
+def progress(iterable, *, total: int | None = None, desc: str = "", enabled: bool = True):
+    """``iterable`` with a tqdm bar on stderr (plain iterable when disabled)."""
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, unit="req", leave=False)
+
+
+class EventCollector:
+    """Copies the pool's event log (a ring buffer) as it goes, so a long run loses nothing as
+    long as ``collect()`` is called before the ring wraps (once per request is plenty).
+
+    ``events`` holds ``MemoryEvent`` tuples from ``start()`` on; ``dropped`` counts events the
+    ring pushed out before they were collected.
+    """
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.events: list = []
+        self.dropped = 0
+        self._seen = self._total()
+
+    def _total(self) -> int:
+        return self.pool.events_dropped + len(self.pool.events())
+
+    def start(self) -> "EventCollector":
+        self.events.clear()
+        self.dropped = 0
+        self._seen = self._total()
+        return self
+
+    def collect(self) -> None:
+        ev = self.pool.events()
+        total = self.pool.events_dropped + len(ev)
+        new = total - self._seen
+        if new > len(ev):
+            self.dropped += new - len(ev)
+            new = len(ev)
+        if new > 0:
+            self.events.extend(ev[-new:])
+        self._seen = total

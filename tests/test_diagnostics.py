@@ -1,0 +1,397 @@
+"""diagnostics: the verdict on synthetic record series (exact and noisy), the trace analysis and
+replay on an isolated pool, the planted faults, and the CLI end to end on a tiny model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diagnostics import analyze_trace, classify, linear_fit, replay_policies, trace_ops
+from diagnostics.__main__ import main
+from diagnostics.faults import PlantedCache, PlantedLeak
+from diagnostics.fragment import layout_state
+from diagnostics.verdict import (INCONCLUSIVE, LEAK, MIN_REQUESTS, STABLE, UNBOUNDED_CACHE,
+                                 noise_band, points_needed, settled_from)
+from tinyloop.backends import cuda_available
+from tinyloop.memory import FakeRawAllocator, MemoryPool, _reset_pools_for_tests
+
+MIB = 1 << 20
+BASE = 600 * MIB
+
+
+@pytest.fixture(autouse=True)
+def fresh_pools():
+    """Each test starts from new process pools (blocks of earlier tests keep their old pool)."""
+    _reset_pools_for_tests()
+    yield
+    _reset_pools_for_tests()
+
+
+def series(alloc, reserved, tags=None, peaks=None):
+    """Records 1..n from per-request allocated / reserved figures (and optional by_tag)."""
+    out = []
+    for i, (a, r) in enumerate(zip(alloc, reserved)):
+        rec = {"request": i + 1, "allocated_bytes": int(a), "reserved_bytes": int(r)}
+        if tags is not None:
+            rec["by_tag"] = tags[i]
+        if peaks is not None:
+            rec["peak_reserved_bytes"] = int(peaks[i])
+        out.append(rec)
+    return out
+
+
+# --- the verdict, on synthetic series ---------------------------------------------------------
+
+def test_linear_fit_matches_polyfit():
+    rng = np.random.default_rng(1)
+    y = 1e9 + 3000.0 * np.arange(50) + rng.normal(0, 500, 50)
+    f = linear_fit(y)
+    slope, intercept = np.polyfit(np.arange(50), y, 1)
+    assert abs(f.slope - slope) <= 1e-6 * abs(slope)
+    assert abs(f.intercept - intercept) <= 1e-6 * abs(intercept)
+    assert 0 < f.stderr < 50 and f.t > 50
+    exact = linear_fit(1e9 + 4096.0 * np.arange(30))
+    assert exact.slope == pytest.approx(4096.0) and exact.stderr == 0 and exact.t == np.inf
+
+
+def test_stable_exact_after_first_request():
+    n = 40
+    alloc = [BASE - 1536] + [BASE] * (n - 1)          # the logit row is made by request 1
+    v = classify(series(alloc, [BASE + 8 * MIB] * n))
+    assert v.verdict == STABLE
+    assert v.leak_bytes_per_request == 0 and v.reserved_bytes_per_request == 0
+    assert v.stable_from <= 2 and v.growing_tag is None
+    assert any("identical" in e for e in v.evidence)
+
+
+def test_leak_exact_rate_and_tag():
+    n = 200
+    alloc = [BASE + 4096 * i for i in range(n)]
+    reserved = [BASE + 8 * MIB + 2 * MIB * (i // 512) for i in range(n)]
+    tags = [{"weights": BASE, "other": 4096 * i, "kv_cache": 0} for i in range(n)]
+    v = classify(series(alloc, reserved, tags))
+    assert v.verdict == LEAK
+    assert v.leak_bytes_per_request == pytest.approx(4096)
+    assert v.growing_tag == "other"
+    assert v.tag_bytes_per_request["weights"] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_leak_noisy_rate_within_10_percent(seed):
+    rng = np.random.default_rng(seed)
+    n = 200
+    alloc = BASE + 4096 * np.arange(n) + rng.normal(0, 20_000, n)   # sigma ~ 5x the rate
+    v = classify(series(alloc, [BASE + 16 * MIB] * n))
+    assert v.verdict == LEAK
+    assert abs(v.leak_bytes_per_request - 4096) <= 0.1 * 4096
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stable_noisy(seed):
+    """A retained buffer whose size varies per request (noise, no trend) is not a leak."""
+    rng = np.random.default_rng(seed)
+    n = 120
+    alloc = BASE + rng.normal(0, 20_000, n)
+    v = classify(series(alloc, [BASE + 16 * MIB] * n))
+    assert v.verdict == STABLE, v.reason
+    assert any("varies within" in e for e in v.evidence)
+
+
+def test_noisy_leak_too_short_is_inconclusive_and_says_how_many():
+    """20 requests with noise 5x the rate: never called STABLE, mostly INCONCLUSIVE with an
+    estimate above 20; 200 requests of the same process decide it."""
+    verdicts = []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        alloc = BASE + 4096 * np.arange(200) + rng.normal(0, 20_000, 200)
+        v = classify(series(alloc[:20], [BASE + 16 * MIB] * 20))
+        verdicts.append(v.verdict)
+        assert v.verdict != STABLE
+        if v.verdict == INCONCLUSIVE:
+            assert v.requests_needed > 20
+        assert classify(series(alloc, [BASE + 16 * MIB] * 200)).verdict == LEAK
+    assert verdicts.count(INCONCLUSIVE) >= 7
+
+
+def test_unbounded_cache_staircase():
+    n = 60
+    reserved = [BASE + 2 * MIB * ((i + 1) // 2) for i in range(n)]    # 2 MiB every 2 requests
+    v = classify(series([BASE] * n, reserved))
+    assert v.verdict == UNBOUNDED_CACHE
+    assert v.leak_bytes_per_request == 0
+    assert abs(v.reserved_bytes_per_request - MIB) <= 0.1 * MIB
+
+
+def test_unbounded_cache_seen_in_peaks_only():
+    """A cache the request grows and trims again before it ends: the high-water mark grows."""
+    n = 40
+    peaks = [BASE + 4 * MIB * i for i in range(n)]
+    v = classify(series([BASE] * n, [BASE + MIB] * n, peaks=peaks))
+    assert v.verdict == UNBOUNDED_CACHE
+
+
+def test_leak_wins_over_cache_when_both_grow():
+    n = 60
+    v = classify(series([BASE + 8192 * i for i in range(n)],
+                        [BASE + 2 * MIB * i for i in range(n)]))
+    assert v.verdict == LEAK and v.leak_bytes_per_request == pytest.approx(8192)
+
+
+def test_growth_that_stopped_is_stable():
+    n = 100
+    reserved = [BASE + 2 * MIB * min(i, 10) for i in range(n)]        # warm-up reservations
+    v = classify(series([BASE] * n, reserved))
+    assert v.verdict == STABLE and v.stable_from == 11
+
+
+def test_late_single_step_is_inconclusive():
+    n = 30
+    reserved = [BASE] * 25 + [BASE + 2 * MIB] * 5
+    v = classify(series([BASE] * n, reserved))
+    assert v.verdict == INCONCLUSIVE
+    assert v.requests_needed > n
+
+
+def test_too_few_requests():
+    v = classify(series([BASE] * 3, [BASE] * 3))
+    assert v.verdict == INCONCLUSIVE and v.requests_needed == MIN_REQUESTS
+    assert "at least" in v.reason
+
+
+def test_missing_fields_raise():
+    with pytest.raises(ValueError, match="allocated_bytes"):
+        classify([{"reserved_bytes": 1}] * 10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rate=st.integers(512, 64 * MIB), n=st.integers(MIN_REQUESTS + 2, 200),
+       base=st.integers(0, 1 << 34))
+def test_property_exact_leak_rate_is_exact(rate, n, base):
+    v = classify(series([base + rate * i for i in range(n)], [base + 2 * rate * n] * n))
+    assert v.verdict == LEAK
+    assert v.leak_bytes_per_request == pytest.approx(rate, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(12, 200), base=st.integers(0, 1 << 34),
+       warm=st.lists(st.integers(0, 1 << 24), min_size=1, max_size=1))
+def test_property_flat_after_first_request_is_stable(n, base, warm):
+    alloc = [base] + [base + warm[0]] * (n - 1)
+    v = classify(series(alloc, [base + warm[0] + MIB] * n))
+    assert v.verdict == STABLE
+
+
+def test_noise_band_and_settled_from():
+    assert noise_band([5] * 10) == 512
+    assert settled_from([0, 0, 10_000, 10_000, 10_100], 512) == 2
+    assert points_needed(100.0, 0.0) == 3
+    assert points_needed(100.0, 1000.0) > points_needed(100.0, 100.0)
+
+
+# --- trace analysis and replay, on an isolated pool ----------------------------------------
+
+def test_analyze_trace_finds_a_fragmentation_miss():
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    quarter = 512 * 1024
+    blocks = [pool.allocate(quarter, tag="scratch") for _ in range(4)]   # one full 2 MiB seg
+    pool.free(blocks[0])
+    pool.free(blocks[2])                  # 1 MiB free, as two 512 KiB holes
+    big = pool.allocate(1 << 20, tag="scratch")                      # fits neither hole
+    tr = analyze_trace(pool.events())
+    assert tr["num_misses"] == 1 and tr["num_misses_same_kind"] == 1
+    m = tr["misses"][0]
+    assert m["size"] == 1 << 20 and m["pool_free_bytes"] == 1 << 20
+    assert m["largest_free_same_kind_bytes"] == quarter and m["kind"] == "small"
+    s = pool.stats()
+    assert tr["peak_reserved_bytes"] == s.peak_reserved_bytes
+    assert tr["peak_allocated_bytes"] == s.peak_allocated_bytes
+    assert tr["timeline"][-1]["allocated_bytes"] == s.allocated_bytes
+    pool.free(big)
+
+
+def test_replay_reproduces_the_recorded_pool():
+    """Replaying a random trace on a fresh tinyloop pool gives the recorded peaks exactly."""
+    rng = np.random.default_rng(7)
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    live = []
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            pool.free(live.pop(int(rng.integers(len(live)))))
+        else:
+            size = int(rng.choice([rng.integers(1, 64 << 10), rng.integers(1 << 20, 6 << 20)]))
+            live.append(pool.allocate(size, tag="kv_cache"))
+    events = pool.events()
+    tr = analyze_trace(events)
+    s = pool.stats()
+    assert (tr["peak_allocated_bytes"], tr["peak_reserved_bytes"]) == \
+        (s.peak_allocated_bytes, s.peak_reserved_bytes)
+    (ours, *cupy) = replay_policies(trace_ops(events), cuda=False)
+    assert ours["name"] == "tinyloop pool" and not ours["skipped"]
+    assert ours["peak_reserved_bytes"] == s.peak_reserved_bytes
+    assert ours["peak_allocated_bytes"] == s.peak_allocated_bytes
+    assert ours["misses"] == tr["num_misses"]
+    assert [p["skipped"] for p in cupy] == [True, True] and all(p["reason"] for p in cupy)
+
+
+def test_analyze_trace_from_a_started_pool():
+    """A trace collected mid-life starts from the layout (blocks live before it began)."""
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    old = pool.allocate(3 << 20, tag="weights")
+    start = layout_state(pool)
+    n0 = len(pool.events())
+    tmp = pool.allocate(1000, tag="logits")
+    pool.free(tmp)
+    pool.free(old)
+    tr = analyze_trace(pool.events()[n0:], start)
+    assert tr["timeline"][0]["allocated_bytes"] == 3 << 20        # the segment_alloc event
+    assert max(p["allocated_bytes"] for p in tr["timeline"]) == (3 << 20) + 1024
+    assert tr["timeline"][-1]["allocated_bytes"] == 0
+    assert tr["peak_reserved_bytes"] == pool.reserved_bytes
+
+
+# --- planted faults -----------------------------------------------------------------------
+
+def test_planted_leak_holds_rounded_bytes():
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    leak = PlantedLeak(pool, 1000)
+    for k in range(1, 6):
+        leak.after_request()
+        assert pool.allocated_bytes == 1024 * k and pool.by_tag()["other"] == 1024 * k
+    leak.release()
+    assert pool.allocated_bytes == 0
+
+
+@pytest.mark.parametrize("per_request", [1 << 20, 3 << 20, 64 << 20])
+def test_planted_cache_grows_reservation_not_allocation(per_request):
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    keep = [pool.allocate(5 << 20, tag="weights"), pool.allocate(4096, tag="buffers")]
+    tmp = pool.allocate(3 << 20, tag="kv_cache")      # a cached free segment of the "model"
+    pool.free(tmp)
+    r0, a0 = pool.reserved_bytes, pool.allocated_bytes
+    cache = PlantedCache(pool, per_request)
+    for k in range(1, 9):
+        cache.after_request()
+        assert pool.allocated_bytes == a0
+        grown = pool.reserved_bytes - r0
+        assert grown == cache.grown_bytes
+        assert k * per_request <= grown < k * per_request + 2 * max(2 << 20, per_request)
+    for b in keep:
+        pool.free(b)
+
+
+# --- the CLI end to end, on the tiny model (NumPy backend) ---------------------------------
+
+def _run(tmp_path, *argv):
+    out = tmp_path / "out"
+    rc = main([*argv, "--out", str(out), "--backend", "numpy", "--no-progress"]
+              if argv[0] in ("leak", "fragment") else
+              [*argv, "--out", str(out), "--backend", "numpy"])
+    assert rc == 0
+    return out
+
+
+def test_cli_leak_plain_is_stable(tmp_path, tiny_model_path, capsys):
+    out = _run(tmp_path, "leak", "--requests", "20", "--model", tiny_model_path)
+    r = json.loads((out / "leak.json").read_text())
+    assert r["verdict"] == STABLE, r["reason"]
+    assert r["leak_bytes_per_request"] == 0
+    assert len(r["records"]) == 21 and r["model"]["identical_outputs"]
+    for name in ("leak.csv", "leak_timeline_by_tag.png", "leak_memory.png",
+                 "leak_fragmentation.png"):
+        assert (out / name).stat().st_size > 0, name
+    with open(out / "leak.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 21 and "tag_kv_cache_bytes" in rows[0] and "device_free_bytes" in rows[0]
+    assert "VERDICT: STABLE" in capsys.readouterr().out
+
+
+def test_cli_leak_planted_leak(tmp_path, tiny_model_path):
+    out = _run(tmp_path, "leak", "--requests", "40", "--model", tiny_model_path,
+               "--plant-leak", "4096")
+    r = json.loads((out / "leak.json").read_text())
+    assert r["verdict"] == LEAK, r["reason"]
+    assert abs(r["leak_bytes_per_request"] - 4096) <= 0.1 * 4096
+    assert r["growing_tag"] == "other"
+    assert r["planted"]["leak_bytes_per_request"] == 4096
+
+
+def test_cli_leak_planted_cache(tmp_path, tiny_model_path):
+    out = _run(tmp_path, "leak", "--requests", "40", "--model", tiny_model_path,
+               "--plant-cache", "1M")
+    r = json.loads((out / "leak.json").read_text())
+    assert r["verdict"] == UNBOUNDED_CACHE, r["reason"]
+    assert r["leak_bytes_per_request"] == 0
+    assert abs(r["reserved_bytes_per_request"] - MIB) <= 0.1 * MIB
+
+
+def test_cli_fragment(tmp_path, tiny_model_path):
+    out = _run(tmp_path, "fragment", "--requests", "12", "--model", tiny_model_path,
+               "--max-prompt-tokens", "60", "--seed", "3")
+    r = json.loads((out / "fragment.json").read_text())
+    assert r["peak_reserved_bytes"] >= r["peak_allocated_bytes"] > 0
+    assert 0 <= r["external_fragmentation_max"] <= 1
+    assert len(r["records"]) == 13 and r["trace"]["events_dropped"] == 0
+    assert len({rec["prompt_tokens"] for rec in r["records"][1:]}) > 3      # varying lengths
+    names = [p["name"] for p in r["policies"]]
+    assert names == ["tinyloop pool", "cupy MemoryPool", "cupy MemoryAsyncPool"]
+    ours = r["policies"][0]
+    assert ours["peak_reserved_bytes"] == r["trace"]["peak_reserved_bytes"]
+    if not cuda_available():
+        assert all(p["skipped"] and "GPU" in p["reason"] for p in r["policies"][1:])
+    for name in ("fragment.csv", "fragment_trace.csv", "fragment_fragmentation.png",
+                 "fragment_trace.png", "fragment_policies.png", "fragment_memory.png",
+                 "fragment_timeline_by_tag.png"):
+        assert (out / name).stat().st_size > 0, name
+
+
+def test_cli_release(tmp_path, tiny_model_path):
+    out = _run(tmp_path, "release", "--model", tiny_model_path)
+    r = json.loads((out / "release.json").read_text())
+    c = r["checks"]
+    assert c["empty_cache_kept_weights"] and c["free_model_released_model_bytes"]
+    assert c["request_end_frees_kv_cache"] and c["outputs_identical"]
+    assert c["empty_cache_after_free_model_released_bytes"] > 0
+    steps = {s["step"]: s for s in r["steps"]}
+    assert steps["free_model"]["after"]["allocated_bytes"] == 0
+    assert steps["empty_cache after free_model"]["after"]["reserved_bytes"] == 0
+    assert steps["empty_cache"]["after"]["by_tag"]["weights"] > 0
+    assert r["timings"]["cold_start_s"] > 0 and r["timings"]["warm_request_s"] > 0
+    assert (out / "release_memory.png").stat().st_size > 0
+
+
+def test_cli_report_renders_all_sections(tmp_path, tiny_model_path):
+    out = _run(tmp_path, "leak", "--requests", "10", "--model", tiny_model_path)
+    _run(tmp_path, "release", "--model", tiny_model_path, "--no-plots")
+    assert main(["report", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    assert "Leak test" in page and "Release steps" in page
+    assert page.count("data:image/png;base64,") == 3       # leak's plots; release had none
+    assert json.loads((out / "leak.json").read_text())["verdict"] in page
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 1
+    assert "no leak.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["leak", "--plant-leak", "lots"])
+    assert main(["leak", "--model", str(tmp_path / "missing.tlm"), "--backend", "numpy",
+                 "--out", str(tmp_path)]) == 1
+
+
+def test_python_dash_m_entry_point(tmp_path, tiny_model_path):
+    p = subprocess.run([sys.executable, "-m", "diagnostics", "leak", "--requests", "8",
+                        "--model", tiny_model_path, "--backend", "numpy", "--out",
+                        str(tmp_path), "--no-plots", "--no-progress"],
+                       capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stderr
+    assert "VERDICT: STABLE" in p.stdout
+    assert json.loads((tmp_path / "leak.json").read_text())["verdict"] == STABLE
