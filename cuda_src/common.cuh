@@ -1,0 +1,80 @@
+// Shared helpers for every TinyLoop kernel family (no CUDA headers needed: NVRTC and nvcc alike).
+//
+// cuda_ops.py pastes this file in place of the `#include "common.cuh"` line before handing a
+// source to cupy.RawModule (so CuPy's on-disk cache key covers it); .ci/compile_cuda.sh passes
+// -I cuda_src to nvcc instead.
+//
+// Conventions: FP16 values travel as raw bits (`half_t`, unsigned short) and convert through
+// PTX `cvt`; integer kernel parameters are `long long` and float parameters `double`, so the
+// host passes plain Python ints and floats (CuPy packs them as int64 / float64).
+#pragma once
+
+typedef unsigned short half_t;
+typedef unsigned char u8;
+typedef signed char i8;
+typedef long long i64;
+
+#define TL_NEG_INF __int_as_float(0xff800000)
+#define TL_NAN __int_as_float(0x7fc00000)
+
+__device__ __forceinline__ float h2f(half_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ half_t f2h(float f) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Two floats -> one 32-bit word of two FP16 values, `lo` in the low half (memory order).
+__device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
+    return (unsigned)f2h(lo) | ((unsigned)f2h(hi) << 16);
+}
+
+__device__ __forceinline__ float h2_lo(unsigned w) { return h2f((half_t)(w & 0xFFFFu)); }
+__device__ __forceinline__ float h2_hi(unsigned w) { return h2f((half_t)(w >> 16)); }
+
+// w = q * scale + zero, rounded as float32 product then float32 sum (quant.dequantize's order;
+// the explicit _rn intrinsics stop the compiler from contracting it into one FMA).
+__device__ __forceinline__ float dq(float q, float s, float z) {
+    return __fadd_rn(__fmul_rn(q, s), z);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum / max for blockDim.x a multiple of 32 and <= 1024; `red` holds >= 32 floats.
+// Every thread gets the result. Starts and ends with a barrier, so `red` can be reused.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : 0.0f;
+    r = warp_sum(r);
+    return r;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : TL_NEG_INF;
+    r = warp_max(r);
+    return r;
+}

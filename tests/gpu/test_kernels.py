@@ -1,0 +1,465 @@
+"""Every CUDA op against the NumPy reference (``NumpyOps``), on fresh random inputs.
+
+Shapes include ragged ones (not multiples of the 64-row GEMM tiles, the 8-row GEMV blocks, the
+64-query / 32-key attention tiles or the 256-key decode chunks); INT4 and INT8 at g = 32/64/128.
+Outputs are poisoned with NaN before each run and NaN never passes. The reference sees the same
+FP16-rounded inputs as the GPU, so the bounds measure the kernels alone:
+|out - ref| <= atol + rtol * |ref|, atol scaled to the output's RMS for products.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from tinyloop.backends import cuda_available
+
+pytestmark = pytest.mark.gpu
+if not cuda_available():
+    pytest.skip("no CUDA device (tinyloop.backends.cuda_available() is False)",
+                allow_module_level=True)
+
+import cupy  # noqa: E402
+
+from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
+from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
+from tinyloop.errors import ConfigError  # noqa: E402
+from tinyloop.quant import QuantWeight, dequantize, quantize  # noqa: E402
+
+BITS_G = [(b, g) for b in (4, 8) for g in (32, 64, 128)]
+F16_RTOL = 2e-3        # FP16 output rounding (half an ulp is 4.9e-4) plus float accumulation
+
+
+@pytest.fixture(scope="module")
+def ops():
+    o = CudaOps()
+    o.compile_all()
+    return o
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return NumpyOps()
+
+
+# Fresh inputs every session (tests/gpu/conftest.py picks TINYLOOP_TEST_SEED; set it to replay).
+SESSION_SEED = int(os.environ.get("TINYLOOP_TEST_SEED") or 0)
+
+
+@pytest.fixture
+def rng(request):
+    seed = zlib.crc32(request.node.nodeid.encode()) ^ SESSION_SEED
+    return np.random.default_rng(seed)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+class FakeCudaPool:
+    """The pool interface over plain CuPy buffers (the real CUDA arena is tested elsewhere)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.live, self.calls, self.fail_at = [], 0, fail_at
+
+    def allocate(self, nbytes, tag=None):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise MemoryError(f"injected failure at allocation {self.calls}")
+        blk = FakeBlock(self, nbytes, tag)
+        self.live.append(blk)
+        return blk
+
+    def free(self, blk):
+        self.live.remove(blk)
+
+
+class FakeBlock:
+    def __init__(self, pool, nbytes, tag):
+        self.pool, self.tag, self.nbytes = pool, tag, int(nbytes)
+        self.buf = cupy.empty(max(self.nbytes, 1), dtype=cupy.uint8)
+        self.ptr = self.buf.data.ptr
+
+    def array(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        assert n <= self.nbytes
+        return self.buf[:n].view(dtype).reshape(shape)
+
+    def free(self):
+        self.pool.free(self)
+
+
+def rand_weight(rng, n, k, bits, g) -> QuantWeight:
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    w += rng.standard_normal((n, 1)).astype(np.float32) * 0.02   # nonzero group means
+    return quantize(w, bits=bits, group_size=g)
+
+
+def dev_weight(ops, w: QuantWeight) -> QuantWeight:
+    dw, _blocks = ops.upload_weight(w, FakeCudaPool())
+    return dw
+
+
+def with_fp16(w: QuantWeight, arr) -> QuantWeight:
+    """``w`` carrying a dense FP16 copy (the optional ``fp16`` field the lead adds to QuantWeight)."""
+    import dataclasses
+    if any(f.name == "fp16" for f in dataclasses.fields(QuantWeight)):
+        return dataclasses.replace(w, fp16=arr)
+    object.__setattr__(w, "fp16", arr)
+    return w
+
+
+def f16(rng, *shape, scale=1.0):
+    """Random FP16 host array and its exact float32 value (what the reference sees)."""
+    h = (rng.standard_normal(shape) * scale).astype(np.float16)
+    return h, h.astype(np.float32)
+
+
+def poisoned(shape, dtype):
+    a = cupy.empty(shape, dtype=dtype)
+    a.fill(np.nan)
+    return a
+
+
+def assert_close(out, ref, *, atol, rtol, what):
+    out = np.asarray(cupy.asnumpy(out) if isinstance(out, cupy.ndarray) else out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != reference {ref.shape}"
+    nonfinite = ~np.isfinite(out)
+    assert not nonfinite.any(), (f"{what}: {int(nonfinite.sum())} of {out.size} outputs are "
+                                 f"NaN/inf (first at {np.argwhere(nonfinite)[0].tolist()})")
+    err = np.abs(out - ref)
+    atol = np.broadcast_to(np.asarray(atol, np.float64), out.shape)   # scalar or per element
+    lim = atol + rtol * np.abs(ref)
+    if not (err <= lim).all():
+        i = np.unravel_index(np.argmax(err - lim), out.shape)
+        raise AssertionError(f"{what}: {int((err > lim).sum())} of {out.size} outside "
+                             f"atol={atol[i]:.3g} rtol={rtol:.3g}; worst at {list(i)}: "
+                             f"out={out[i]:.6g} ref={ref[i]:.6g} err={err[i]:.3g}")
+
+
+def rms(a) -> float:
+    return float(np.sqrt(np.mean(np.square(np.asarray(a, np.float64))))) + 1e-30
+
+
+# --- dequantization ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,g", BITS_G)
+@pytest.mark.parametrize("t", [1, 5])
+def test_embed(ops, ref, rng, bits, g, t):
+    vocab, d = 1001, 384
+    w = rand_weight(rng, vocab, d, bits, g)
+    dw = dev_weight(ops, w)
+    ids = rng.integers(0, vocab, size=t).astype(np.int32)
+    ids[0] = vocab - 1
+    want = np.empty((t, d), np.float32)
+    ref.embed(w, ids, want)
+    for how in ("host", "device"):
+        out = poisoned((t, d), cupy.float32)
+        ops.embed(dw, ids if how == "host" else cupy.asarray(ids), out)
+        assert_close(out, want, atol=1e-7, rtol=1e-6, what=f"embed ids on {how}")
+
+
+def test_embed_rejects_bad_host_id(ops, rng):
+    dw = dev_weight(ops, rand_weight(rng, 10, 64, 8, 32))
+    with pytest.raises(ConfigError, match="token id 10"):
+        ops.embed(dw, [10], poisoned((1, 64), cupy.float32))
+
+
+@pytest.mark.parametrize("bits,g", BITS_G)
+def test_fp16_cache(ops, rng, bits, g):
+    w = rand_weight(rng, 77, 640, bits, g)
+    pool = FakeCudaPool()
+    arr, blk = ops.make_fp16_cache(dev_weight(ops, w), pool)
+    assert blk.tag == "fp16_cache" and arr.dtype == np.float16 and arr.shape == (77, 640)
+    assert_close(arr, dequantize(w), atol=1e-6, rtol=1e-3, what="fp16 cache")
+
+
+# --- RMSNorm --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t,d", [(1, 576), (3, 100), (67, 1000), (2, 2048)])
+def test_rmsnorm(ops, ref, rng, t, d):
+    x = (rng.standard_normal((t, d)) * 3).astype(np.float32)
+    wt = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    want = np.empty((t, d), np.float32)
+    ref.rmsnorm(x, wt, 1e-5, want)
+    out = poisoned((t, d), cupy.float16)
+    ops.rmsnorm(cupy.asarray(x), cupy.asarray(wt), 1e-5, out)
+    assert_close(out, want, atol=1e-3, rtol=F16_RTOL, what="rmsnorm")
+
+
+# --- linear family ----------------------------------------------------------------------------------
+SHAPES = [(1, 100, 640), (1, 960, 256), (7, 100, 640), (130, 200, 256), (65, 64, 1152)]
+
+
+@pytest.mark.parametrize("bits,g", BITS_G)
+@pytest.mark.parametrize("t,n,k", SHAPES)
+@pytest.mark.parametrize("cache", [False, True])
+def test_linear(ops, ref, rng, bits, g, t, n, k, cache):
+    if cache and t == 1:
+        pytest.skip("the FP16 cache is used only for T > 1")
+    w = rand_weight(rng, n, k, bits, g)
+    dw = dev_weight(ops, w)
+    if cache:
+        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    xh, x = f16(rng, t, k)
+    want = np.empty((t, n), np.float32)
+    ref.linear(x, w, want)
+    out = poisoned((t, n), cupy.float16)
+    ops.linear(cupy.asarray(xh), dw, out)
+    assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL, what="linear")
+
+
+@pytest.mark.parametrize("bits,g", BITS_G)
+@pytest.mark.parametrize("t,n,k", [(1, 576, 1536), (1, 70, 256), (130, 576, 1536), (9, 70, 256)])
+@pytest.mark.parametrize("cache", [False, True])
+def test_linear_residual(ops, ref, rng, bits, g, t, n, k, cache):
+    if cache and t == 1:
+        pytest.skip("the FP16 cache is used only for T > 1")
+    w = rand_weight(rng, n, k, bits, g)
+    dw = dev_weight(ops, w)
+    if cache:
+        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    xh, x = f16(rng, t, k)
+    res0 = rng.standard_normal((t, n)).astype(np.float32)
+    want = res0.copy()
+    ref.linear_residual(x, w, want)
+    res = cupy.asarray(res0)
+    ops.linear_residual(cupy.asarray(xh), dw, res)
+    delta = want - res0
+    # the cuBLAS path rounds the product to FP16 before the add: half an FP16 ulp of |x @ W.T|
+    atol = 2e-3 * rms(delta) + (1e-3 * np.abs(delta) if cache else 0.0)
+    assert_close(res, want, atol=atol, rtol=1e-6, what="linear_residual")
+
+
+@pytest.mark.parametrize("bits,g", BITS_G)
+@pytest.mark.parametrize("t,f,k", [(1, 1536, 576), (1, 40, 256), (67, 1536, 576), (3, 40, 256)])
+@pytest.mark.parametrize("cache", [False, True])
+def test_linear_swiglu(ops, ref, rng, bits, g, t, f, k, cache):
+    if cache and t == 1:
+        pytest.skip("the FP16 cache is used only for T > 1")
+    if k % g:
+        k = 640
+    w = rand_weight(rng, 2 * f, k, bits, g)
+    dw = dev_weight(ops, w)
+    if cache:
+        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    xh, x = f16(rng, t, k, scale=3.0)
+    want = np.empty((t, f), np.float32)
+    ref.linear_swiglu(x, w, None, want)
+    out = poisoned((t, f), cupy.float16)
+    tmp = poisoned((t + 3, 2 * f), cupy.float16)          # a buffer sized for a larger T
+    ops.linear_swiglu(cupy.asarray(xh), dw, tmp, out)
+    # T > 1 rounds the weights to FP16 in the GEMM (a random walk of 2^-11 relative errors:
+    # <= 2e-3 * ||w_row * x||_2 at 4 sigma) and gate / up to FP16 in tmp (1e-3 relative);
+    # propagate both through silu(g) * u.
+    gu = NumpyOps._matmul(x, w)
+    wd = dequantize(w).astype(np.float64)
+    mag = np.sqrt(np.square(x.astype(np.float64)) @ np.square(wd).T)      # [T, 2F]
+    g_, u_ = gu[:, :f], gu[:, f:]
+    dg = 1e-3 * np.abs(g_) + 2e-3 * mag[:, :f]
+    du = 1e-3 * np.abs(u_) + 2e-3 * mag[:, f:]
+    sg = 1.0 / (1.0 + np.exp(-g_))
+    dsilu = sg * (1.0 + g_ * (1.0 - sg))
+    prop = (np.abs(dsilu * u_) * dg + np.abs(g_ * sg) * du) if t > 1 else 0.0
+    assert_close(out, want, atol=3e-3 * rms(want) + prop, rtol=F16_RTOL, what="linear_swiglu")
+
+
+@pytest.mark.parametrize("t", [1, 3, 70])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_lm_head(ops, ref, rng, t, bits):
+    vocab, d = 5003, 576
+    w = rand_weight(rng, vocab, d, bits, 32)
+    dw = dev_weight(ops, w)
+    xh, x = f16(rng, t, d)
+    want = np.empty((t, vocab), np.float32)
+    ref.lm_head(x, w, want)
+    out = poisoned((t, vocab), cupy.float32)
+    ops.lm_head(cupy.asarray(xh), dw, out)
+    assert_close(out, want, atol=2e-3 * rms(want), rtol=1e-3, what="lm_head")
+
+
+@pytest.mark.parametrize("bits,g", BITS_G)
+@pytest.mark.parametrize("t", [1, 5, 70])
+@pytest.mark.parametrize("e_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("cache", [False, True])
+def test_inject(ops, ref, rng, bits, g, t, e_dtype, cache):
+    if cache and t == 1:
+        pytest.skip("the FP16 cache is used only for T > 1")
+    d = 576
+    w = rand_weight(rng, d, 2 * d, bits, g) if (2 * d) % g == 0 else None
+    if w is None:
+        pytest.skip(f"2d={2 * d} is not a multiple of g={g}")
+    dw = dev_weight(ops, w)
+    if cache:
+        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    # The GPU rounds both halves to FP16 on the way in; the reference gets those same values.
+    state_h = rng.standard_normal((t, d)).astype(np.float16).astype(np.float32)
+    e_h = rng.standard_normal((t, d)).astype(np.float16).astype(np.float32)
+    want = state_h.copy()
+    ref.inject(want, e_h, w, None, None)
+    state = cupy.asarray(state_h)
+    e = cupy.asarray(e_h.astype(e_dtype))
+    ops.inject(state, e, dw, poisoned((t, 2 * d), cupy.float16),
+               poisoned((t, d), cupy.float16))
+    assert_close(state, want, atol=2e-3 * rms(want), rtol=1e-3, what="inject")
+
+
+# --- RoPE and attention ------------------------------------------------------------------------
+HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 128), (3, 1, 16)]
+
+
+def qkv_rows(rng, t, h, hkv, hd, extra=0):
+    return f16(rng, t, (h + 2 * hkv) * hd + extra)
+
+
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("t,pos0", [(1, 0), (1, 4097), (17, 0), (70, 5), (3, 100000)])
+def test_rope_kv(ops, ref, rng, h, hkv, hd, t, pos0):
+    theta = 10000.0 if hd != 128 else 500000.0
+    qh, q = qkv_rows(rng, t, h, hkv, hd)
+    cap = pos0 + t + 2
+    kc_ref = np.full((cap, hkv, hd), np.nan, np.float32)
+    vc_ref = kc_ref.copy()
+    qkv_ref = q.copy()
+    ref.rope_kv(qkv_ref, pos0, theta, h, hkv, hd, kc_ref, vc_ref)
+    qkv = cupy.asarray(qh)
+    kc = poisoned((cap, hkv, hd), cupy.float16)
+    vc = poisoned((cap, hkv, hd), cupy.float16)
+    ops.rope_kv(qkv, pos0, theta, h, hkv, hd, kc, vc)
+    assert_close(qkv, qkv_ref, atol=1e-3, rtol=F16_RTOL, what="rope q (+ untouched k|v)")
+    rows = slice(pos0, pos0 + t)
+    assert_close(kc[rows], kc_ref[rows], atol=1e-3, rtol=F16_RTOL, what="rope k_cache")
+    assert_close(vc[rows], vc_ref[rows], atol=0, rtol=0, what="v_cache")
+    for c, name in ((kc, "k_cache"), (vc, "v_cache")):
+        others = cupy.asnumpy(c).copy()
+        others[rows] = np.nan
+        assert np.isnan(others).all(), f"rope_kv wrote {name} rows outside {pos0}..{pos0 + t - 1}"
+
+
+def _attention_case(ops, ref, rng, h, hkv, hd, t, pos0):
+    ctx = pos0 + t
+    cap = ctx + 5
+    qh, q = qkv_rows(rng, t, h, hkv, hd, extra=8)     # extra columns: a padded qkv row
+    kh, k = f16(rng, cap, hkv, hd)
+    vh, v = f16(rng, cap, hkv, hd)
+    kh[ctx:] = np.nan                                   # past the context: must never be read
+    vh[ctx:] = np.nan
+    want = np.empty((t, h * hd), np.float32)
+    ref.attention(q, k, v, pos0, h, hkv, hd, want)
+    out = poisoned((t, h * hd), cupy.float16)
+    ops.attention(cupy.asarray(qh), cupy.asarray(kh), cupy.asarray(vh), pos0, h, hkv, hd, out)
+    assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL,
+                 what=f"attention T={t} pos0={pos0} (seed {SESSION_SEED})")
+
+
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("t,pos0", [(2, 0), (67, 0), (200, 0), (64, 37), (33, 300)])
+def test_attention_prefill(ops, ref, rng, h, hkv, hd, t, pos0):
+    _attention_case(ops, ref, rng, h, hkv, hd, t, pos0)
+
+
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("ctx", [1, 2, 255, 256, 257, 1000, 3000])
+def test_attention_decode(ops, ref, rng, h, hkv, hd, ctx):
+    _attention_case(ops, ref, rng, h, hkv, hd, 1, ctx - 1)
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [1, 1000, 49152, 50001])
+def test_sample_greedy(ops, rng, vocab):
+    logits = rng.standard_normal(vocab).astype(np.float32)
+    if vocab > 10:
+        top = logits.max() + 1.0
+        logits[[vocab - 3, 7, vocab // 2]] = top                # ties: lowest id wins
+    got = ops.sample(cupy.asarray(logits), 0.0, 0, 1.0, 0.5)
+    assert got == int(np.argmax(logits)) == sample_from_logits(logits, 0.0, 0, 1.0, 0.5)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 40, 1.0),
+                                                     (1.3, 0, 0.9), (0.8, 50, 0.95),
+                                                     (2.0, 1, 1.0)])
+def test_sample_nongreedy(ops, rng, temperature, top_k, top_p):
+    logits = (rng.standard_normal(2003) * 3).astype(np.float32)
+    dev = cupy.asarray(logits)
+    for u in rng.random(20):
+        want = sample_from_logits(logits, temperature, top_k, top_p, float(u))
+        assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want, f"u={u}"
+
+
+# --- boundary checks and weight upload ----------------------------------------------------------
+def test_wrapper_errors_name_the_bad_value(ops, rng):
+    dw = dev_weight(ops, rand_weight(rng, 64, 128, 4, 32))
+    x = cupy.zeros((2, 128), cupy.float16)
+    with pytest.raises(ConfigError, match="x must be float16, got float32"):
+        ops.linear(x.astype(cupy.float32), dw, cupy.empty((2, 64), cupy.float16))
+    with pytest.raises(ConfigError, match=r"out has shape \(2, 63\), expected \(2, 64\)"):
+        ops.linear(x, dw, cupy.empty((2, 63), cupy.float16))
+    with pytest.raises(ConfigError, match="in_features=128, but the input has 96"):
+        ops.linear(cupy.zeros((2, 96), cupy.float16), dw, cupy.empty((2, 64), cupy.float16))
+    with pytest.raises(ConfigError, match="C-contiguous"):
+        ops.linear(cupy.zeros((2, 256), cupy.float16)[:, ::2], dw,
+                   cupy.empty((2, 64), cupy.float16))
+    with pytest.raises(ConfigError, match="cupy.ndarray"):
+        ops.rmsnorm(np.zeros((1, 8), np.float32), cupy.ones(8, cupy.float32), 1e-5,
+                    cupy.empty((1, 8), cupy.float16))
+    with pytest.raises(ConfigError, match="head_dim=40 has no attention kernel"):
+        ops.attention(cupy.zeros((1, 120), cupy.float16), cupy.zeros((4, 1, 40), cupy.float16),
+                      cupy.zeros((4, 1, 40), cupy.float16), 0, 1, 1, 40,
+                      cupy.empty((1, 40), cupy.float16))
+    with pytest.raises(ConfigError, match="k_cache holds 4 positions, need 5"):
+        ops.rope_kv(cupy.zeros((2, 192), cupy.float16), 3, 1e4, 1, 1, 64,
+                    cupy.zeros((4, 1, 64), cupy.float16), cupy.zeros((4, 1, 64), cupy.float16))
+
+
+def test_upload_weight_frees_on_failure(ops, rng):
+    w = rand_weight(rng, 32, 64, 4, 32)
+    pool = FakeCudaPool()
+    dw, blocks = ops.upload_weight(w, pool)
+    assert len(blocks) == 3 and len(pool.live) == 3
+    for name in ("qweight", "scales", "zeros"):
+        np.testing.assert_array_equal(cupy.asnumpy(getattr(dw, name)), getattr(w, name))
+    failing = FakeCudaPool(fail_at=3)
+    with pytest.raises(MemoryError, match="injected"):
+        ops.upload_weight(w, failing)
+    assert failing.live == []
+
+
+def test_decode_sequence_allocates_nothing(ops, rng):
+    """One decode layer's launches + greedy sample leave CuPy's pool untouched."""
+    d, h, hkv, hd, f = 576, 9, 3, 64, 1536
+    qkv_w = dev_weight(ops, rand_weight(rng, (h + 2 * hkv) * hd, d, 4, 32))
+    wo = dev_weight(ops, rand_weight(rng, d, h * hd, 4, 32))
+    gu = dev_weight(ops, rand_weight(rng, 2 * f, d, 4, 32))
+    down = dev_weight(ops, rand_weight(rng, d, f, 4, 32))
+    head = dev_weight(ops, rand_weight(rng, 1000, d, 8, 32))
+    resid = cupy.asarray(rng.standard_normal((1, d)).astype(np.float32))
+    norm_w = cupy.ones(d, cupy.float32)
+    xn = cupy.empty((1, d), cupy.float16)
+    qkv = cupy.empty((1, (h + 2 * hkv) * hd), cupy.float16)
+    att = cupy.empty((1, h * hd), cupy.float16)
+    act = cupy.empty((1, f), cupy.float16)
+    kc = cupy.zeros((64, hkv, hd), cupy.float16)
+    vc = cupy.zeros((64, hkv, hd), cupy.float16)
+    logits = cupy.empty((1, 1000), cupy.float32)
+    emb = cupy.empty((1, d), cupy.float32)
+
+    def step(pos):
+        ops.embed(head, [pos % 1000], emb)
+        ops.rmsnorm(resid, norm_w, 1e-5, xn)
+        ops.linear(xn, qkv_w, qkv)
+        ops.rope_kv(qkv, pos, 1e4, h, hkv, hd, kc, vc)
+        ops.attention(qkv, kc, vc, pos, h, hkv, hd, att)
+        ops.linear_residual(att, wo, resid)
+        ops.rmsnorm(resid, norm_w, 1e-5, xn)
+        ops.linear_swiglu(xn, gu, None, act)
+        ops.linear_residual(act, down, resid)
+        ops.lm_head(xn, head, logits)
+        return ops.sample(logits, 0.0, 0, 1.0, 0.0)
+
+    step(0)
+    mp = cupy.get_default_memory_pool()
+    used, total = mp.used_bytes(), mp.total_bytes()
+    for pos in range(1, 20):
+        step(pos)
+    assert (mp.used_bytes(), mp.total_bytes()) == (used, total)
+    assert np.isfinite(cupy.asnumpy(resid)).all()

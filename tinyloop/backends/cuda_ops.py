@@ -1,0 +1,575 @@
+"""The CUDA backend: the op set of ``base.py`` as RawModule kernels from ``cuda_src/``.
+
+Each kernel family is one ``cuda_src/<family>.cu`` file, compiled through ``cupy.RawModule``
+(NVRTC) once per process and device, for the device's own architecture (CuPy derives
+``-arch`` from ``cupy.cuda.Device().compute_capability``), and cached. Every op has one host
+wrapper that validates dtype, shape and contiguity (errors name the bad value) and then
+launches with raw pointers and plain Python ints/floats, so the decode path does no
+allocation and no host synchronisation except ``sample``'s one chosen id.
+
+Dtypes: activations float16, KV cache float16, residual stream and logits float32.
+Dispatch: T == 1 -> memory-bound GEMV (``gemv.cu``); T > 1 -> tensor-core GEMM
+(``gemm.cu``), or cuBLAS (``cupy.matmul``) on the dense FP16 copy ``w.fp16`` when the
+weight carries one (``TINYLOOP_FP16_CACHE=1``; see ``make_fp16_cache``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import weakref
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..quant import QuantWeight
+from .base import Ops
+
+try:
+    import cupy
+except ImportError:  # the module still imports (for docs / source checks) without CuPy
+    cupy = None
+
+FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "elementwise", "sample")
+ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
+_INCLUDE = '#include "common.cuh"'
+
+_DECODE_NAMES = {hd: f"attn_decode_hd{hd}" for hd in ATTN_HEAD_DIMS}
+_GEMV_ROWS = 8          # gemv.cu GEMV_WARPS
+_GEMM_TILE = 64         # gemm.cu BM = BN
+_PF_Q = 64              # attention.cu PF_Q
+_DC_THREADS = 1024      # attention.cu DC_THREADS
+
+
+# --- sources and modules -----------------------------------------------------------------------
+def source_dir() -> Path:
+    """The folder holding the ``.cu`` files.
+
+    An installed wheel carries them as package data of ``tinyloop.cuda_src`` (pyproject maps
+    that package onto the repository's ``cuda_src/``); a source checkout has them at the
+    repository root.
+    """
+    try:
+        packaged = resources.files("tinyloop.cuda_src")
+        if (packaged / "common.cuh").is_file():
+            return Path(str(packaged))
+    except ModuleNotFoundError:           # a source checkout: no tinyloop/cuda_src package
+        pass
+    repo = Path(__file__).resolve().parents[2] / "cuda_src"
+    if (repo / "common.cuh").is_file():
+        return repo
+    raise FileNotFoundError(f"CUDA kernel sources not found: neither package tinyloop.cuda_src "
+                            f"nor {repo} holds common.cuh (was the wheel built without its "
+                            "package data?)")
+
+
+def load_source(family: str) -> str:
+    """The source of ``cuda_src/<family>.cu`` with ``common.cuh`` pasted in.
+
+    Pasting (rather than ``-I``) keeps CuPy's on-disk cache key covering the header.
+    """
+    d = source_dir()
+    src = (d / f"{family}.cu").read_text(encoding="utf-8")
+    common = (d / "common.cuh").read_text(encoding="utf-8").replace("#pragma once", "")
+    if _INCLUDE not in src:
+        raise ConfigError(f"cuda_src/{family}.cu does not include common.cuh")
+    return src.replace(_INCLUDE, common, 1)
+
+
+_modules: dict = {}           # (device id, family) -> cupy.RawModule
+_modules_lock = threading.Lock()
+
+
+def get_module(family: str):
+    """Compile ``family`` for the current device once per process (thread-safe) and return it."""
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
+    key = (cupy.cuda.Device().id, family)
+    mod = _modules.get(key)
+    if mod is None:
+        with _modules_lock:
+            mod = _modules.get(key)
+            if mod is None:
+                mod = cupy.RawModule(code=load_source(family), options=("--std=c++17",))
+                mod.compile()
+                _modules[key] = mod
+    return mod
+
+
+# --- validation helpers (one check at the boundary; each message names the bad value) ------
+def _dev(arr, name: str, dtype, ndim: int | None = None):
+    if not isinstance(arr, cupy.ndarray):
+        raise ConfigError(f"{name} must be a cupy.ndarray on the GPU, got {type(arr).__name__}")
+    if arr.dtype != dtype:
+        raise ConfigError(f"{name} must be {np.dtype(dtype).name}, got {arr.dtype}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ConfigError(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    if not arr.flags.c_contiguous:
+        raise ConfigError(f"{name} must be C-contiguous (shape {arr.shape}, "
+                          f"strides {arr.strides})")
+    return arr
+
+
+def _shape(arr, name: str, want: tuple) -> None:
+    if tuple(arr.shape) != tuple(want):
+        raise ConfigError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(want)}")
+
+
+def _aligned(arr, name: str) -> None:
+    if arr.data.ptr % 16:
+        raise ConfigError(f"{name} must start on a 16-byte boundary for vector loads "
+                          f"(address {arr.data.ptr:#x})")
+
+
+def _rows(arr, name: str, t: int):
+    """``arr[:t]`` for a buffer with at least ``t`` rows (buffers may be sized for max T)."""
+    if arr.shape[0] < t:
+        raise ConfigError(f"{name} has {arr.shape[0]} rows, need at least {t}")
+    return arr if arr.shape[0] == t else arr[:t]
+
+
+def _weight(w, name: str, in_features: int | None = None) -> QuantWeight:
+    if not isinstance(w, QuantWeight):
+        raise ConfigError(f"{name} must be a QuantWeight, got {type(w).__name__}")
+    if not isinstance(w.qweight, cupy.ndarray):
+        raise ConfigError(f"{name}.qweight is on the host ({type(w.qweight).__name__}); "
+                          "upload it with CudaOps.upload_weight first")
+    if in_features is not None and w.in_features != in_features:
+        raise ConfigError(f"{name} has in_features={w.in_features}, but the input has "
+                          f"{in_features} columns")
+    return w
+
+
+def _log2g(w: QuantWeight) -> int:
+    return int(w.group_size).bit_length() - 1
+
+
+def _fp16_of(w: QuantWeight):
+    return getattr(w, "fp16", None)
+
+
+_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def _fast_ok(a, dtype, cols) -> bool:
+    """The hot-path check: device, dtype, 2-D, ``cols`` columns, C-contiguous, 16-byte aligned.
+    On False the caller re-runs the detailed checks, which raise with a precise message."""
+    return (type(a) is cupy.ndarray and a.dtype == dtype and a.ndim == 2 and a.shape[1] == cols
+            and a.flags.c_contiguous and not a.data.ptr & 15)
+
+
+class _WInfo:
+    """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
+
+    __slots__ = ("n", "k", "args", "gemv", "gemm", "__weakref__")
+
+    def __init__(self, ops, w):
+        _weight(w, "w")
+        for name in ("qweight", "scales", "zeros"):
+            _dev(getattr(w, name), f"w.{name}", getattr(w, name).dtype, 2)
+            _aligned(getattr(w, name), f"w.{name}")
+        self.n, self.k = w.shape
+        self.args = (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr)
+        b = w.bits
+        self.gemv = {e: ops._fn("gemv", f"gemv_q{b}_{e}") for e in ("f16", "resid", "swiglu",
+                                                                      "f32")}
+        self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
+
+
+class CudaOps(Ops):
+    """Ops on CuPy device arrays inside TinyLoop's CUDA pool (see the module docstring)."""
+
+    name = "cuda"
+    device = "cuda"
+    act_dtype = np.float16
+    kv_dtype = np.float16
+    xp = cupy
+
+    def __init__(self):
+        if cupy is None:
+            raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
+        self._fns: dict = {}
+        self._winfo = weakref.WeakKeyDictionary()    # device QuantWeight -> _WInfo
+        self._heads_seen: set = set()                # (H, Hkv, hd, qkv cols) already checked
+        # The sampled id lands in 4 bytes of pinned, mapped host memory that the argmax kernel
+        # writes directly (UVA: the host pointer is valid on the device), so greedy decode
+        # allocates nothing and copies nothing back besides this one int.
+        self._id_ptr = cupy.cuda.runtime.hostAlloc(4, 0x01 | 0x02)   # portable | mapped
+        self._id_view = (ctypes.c_int32 * 1).from_address(self._id_ptr)
+        self._free_host = cupy.cuda.runtime.freeHost
+
+    def __del__(self):
+        ptr = getattr(self, "_id_ptr", None)
+        if ptr:
+            self._id_ptr = None
+            self._free_host(ptr)
+
+    def _fn(self, family: str, kernel: str):
+        fn = self._fns.get(kernel)
+        if fn is None:
+            fn = self._fns[kernel] = get_module(family).get_function(kernel)
+        return fn
+
+    def compile_all(self) -> None:
+        """Compile every kernel family now (otherwise each compiles on first use)."""
+        for fam in FAMILIES:
+            get_module(fam)
+
+    # --- memory ------------------------------------------------------------------------------
+    def to_host(self, arr) -> np.ndarray:
+        return cupy.asnumpy(arr) if isinstance(arr, cupy.ndarray) else np.asarray(arr)
+
+    def from_host(self, host: np.ndarray, out) -> None:
+        host = np.ascontiguousarray(host, dtype=out.dtype)
+        if tuple(host.shape) != tuple(out.shape):
+            raise ConfigError(f"from_host: host shape {host.shape} != device shape {out.shape}")
+        if isinstance(out, cupy.ndarray):
+            out.set(host)
+        else:
+            out[...] = host
+
+    def synchronize(self) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+
+    def upload_weight(self, w: QuantWeight, pool, tag: str | None = None):
+        """Copy a host QuantWeight into ``pool``; return (device QuantWeight, [blocks]).
+
+        Three blocks (codes, scales, zeros) under ``tag`` (None: the pool's current tag scope).
+        On any failure the blocks taken so far are freed and the error re-raised.
+        """
+        if not isinstance(w, QuantWeight):
+            raise ConfigError(f"upload_weight needs a QuantWeight, got {type(w).__name__}")
+        w.check()
+        blocks, parts = [], []
+        try:
+            for name in ("qweight", "scales", "zeros"):
+                host = np.ascontiguousarray(getattr(w, name))
+                blk = pool.allocate(max(host.nbytes, 1), tag)
+                blocks.append(blk)
+                arr = blk.array(host.shape, host.dtype)
+                self.from_host(host, arr)
+                _aligned(arr, f"{name} block")
+                parts.append(arr)
+        except BaseException:
+            for blk in blocks:
+                pool.free(blk)
+            raise
+        return QuantWeight(w.bits, w.group_size, *parts), blocks
+
+    def make_fp16_cache(self, w: QuantWeight, pool, tag: str = "fp16_cache"):
+        """Dense FP16 ``[out, in]`` copy of a device QuantWeight, for cuBLAS prefill GEMMs.
+
+        Returns (array, block); the block is taken from ``pool`` under ``tag``.
+        """
+        _weight(w, "w")
+        n, k = w.shape
+        blk = pool.allocate(n * k * 2, tag)
+        try:
+            out = blk.array((n, k), np.float16)
+            self._fn("dequant", f"dequant_f16_q{w.bits}")(
+                (n,), (256,), (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr, k,
+                               _log2g(w), out.data.ptr))
+        except BaseException:
+            pool.free(blk)
+            raise
+        return out, blk
+
+    # --- ops ---------------------------------------------------------------------------------
+    def embed(self, w, ids, out):
+        """out f32 [T, d] = dequantized rows ``ids`` of ``w`` ([vocab, d]).
+
+        ``ids``: a device int32 [T] array, or host ints (a T = 1 id travels as a kernel
+        argument; more are uploaded). Host ids are range-checked; a bad device id gives a
+        NaN row.
+        """
+        _weight(w, "w")
+        vocab, d = w.shape
+        _dev(out, "out", np.float32, 2)
+        t = out.shape[0]
+        if isinstance(ids, cupy.ndarray):
+            _dev(ids, "ids", np.int32, 1)
+            _shape(ids, "ids", (t,))
+            ids_ptr, id0, keep = ids.data.ptr, 0, ids
+        else:
+            host = np.atleast_1d(np.asarray(ids))
+            if host.ndim != 1 or host.shape[0] != t or host.dtype.kind not in "iu":
+                raise ConfigError(f"ids must be {t} integers, got {host.dtype} {host.shape}")
+            bad = (host < 0) | (host >= vocab)
+            if bad.any():
+                raise ConfigError(f"token id {int(host[bad][0])} is outside 0..{vocab - 1}")
+            if t == 1:
+                ids_ptr, id0, keep = 0, int(host[0]), None
+            else:
+                keep = cupy.asarray(host.astype(np.int32))
+                ids_ptr, id0 = keep.data.ptr, 0
+        _shape(out, "out", (t, d))
+        self._fn("dequant", f"embed_q{w.bits}")(
+            (t,), (256,), (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr, ids_ptr,
+                           id0, d, vocab, _log2g(w), out.data.ptr))
+        del keep  # (a host-ids upload stays alive until the launch is queued)
+
+    def rmsnorm(self, x, weight, eps, out):
+        """out f16 [T, d] = x / sqrt(mean(x^2) + eps) * weight; x f32 [T, d], weight f32 [d]."""
+        if not (type(x) is cupy.ndarray and x.dtype == _F32 and x.ndim == 2
+                and x.flags.c_contiguous):
+            _dev(x, "x", np.float32, 2)
+        t, d = x.shape
+        if not (type(weight) is cupy.ndarray and weight.dtype == _F32 and weight.shape == (d,)
+                and weight.flags.c_contiguous):
+            _dev(weight, "weight", np.float32, 1)
+            _shape(weight, "weight", (d,))
+        out = self._out(out, "out", _F16, t, d)
+        self._fn("rmsnorm", "rmsnorm_f32_f16")(
+            (t,), (256,), (x.data.ptr, weight.data.ptr, float(eps), d, out.data.ptr))
+
+    def _info(self, w) -> _WInfo:
+        info = self._winfo.get(w) if isinstance(w, QuantWeight) else None
+        if info is None:
+            info = _WInfo(self, w)
+            self._winfo[w] = info
+        return info
+
+    def _act_in(self, x, info, name="x") -> int:
+        """Validate activation input x f16 [T, in] against the weight; return T."""
+        if not _fast_ok(x, _F16, info.k):
+            _dev(x, name, np.float16, 2)
+            _aligned(x, name)
+            raise ConfigError(f"w has in_features={info.k}, but the input has {x.shape[1]} "
+                              "columns")
+        return x.shape[0]
+
+    @staticmethod
+    def _out(out, name, dtype, t, cols):
+        """Validate an output [>= T, cols] buffer; return its first T rows."""
+        if not (type(out) is cupy.ndarray and out.dtype == dtype and out.ndim == 2
+                and out.flags.c_contiguous):
+            _dev(out, name, dtype, 2)
+        if out.shape[0] != t:
+            out = _rows(out, name, t)
+        if out.shape[1] != cols:
+            _shape(out, name, (t, cols))
+        return out
+
+    def _matmul(self, x, w, info, out, epi: str, ldo: int):
+        """Launch out (epi: f16 | resid | f32) = x @ W.T; shapes already validated."""
+        t = x.shape[0]
+        n, k = info.n, info.k
+        lg = w.group_size.bit_length() - 1
+        if t == 1:
+            info.gemv[epi](((n + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
+                           (*info.args, x.data.ptr, n, k, 0, lg, out.data.ptr))
+            return
+        w16 = _fp16_of(w)
+        if w16 is not None:
+            self._cublas(x, w16, out, epi)
+            return
+        info.gemm[epi](((n + _GEMM_TILE - 1) // _GEMM_TILE, (t + _GEMM_TILE - 1) // _GEMM_TILE),
+                       (128,), (*info.args, x.data.ptr, t, n, k, lg, out.data.ptr, ldo))
+
+    def _cublas(self, x, w16, out, epi: str):
+        # Prefill only (T > 1): cuBLAS through CuPy on the FP16 cache (FP32 accumulation).
+        # The resid / f32 epilogues round the product to FP16 first (one temporary from CuPy's
+        # allocator, i.e. the pool's "cupy" tag while a model lives).
+        if epi == "f16":
+            cupy.matmul(x, w16.T, out=out)
+            return
+        y = cupy.matmul(x, w16.T)          # [T, N] f16
+        kern = "add_f16_to_f32" if epi == "resid" else "copy_f16_to_f32"
+        self._fn("elementwise", kern)(((y.size + 255) // 256,), (256,),
+                                      (y.data.ptr, y.size, out.data.ptr))
+
+    def linear(self, x, w, out):
+        """out f16 [T, out] = x f16 [T, in] @ W.T."""
+        info = self._info(w)
+        t = self._act_in(x, info)
+        out = self._out(out, "out", _F16, t, info.n)
+        self._matmul(x, w, info, out, "f16", info.n)
+
+    def linear_residual(self, x, w, residual):
+        """residual f32 [T, out] += x f16 [T, in] @ W.T."""
+        info = self._info(w)
+        t = self._act_in(x, info)
+        if not (type(residual) is cupy.ndarray and residual.dtype == _F32
+                and residual.shape == (t, info.n) and residual.flags.c_contiguous):
+            _dev(residual, "residual", np.float32, 2)
+            _shape(residual, "residual", (t, info.n))
+        self._matmul(x, w, info, residual, "resid", info.n)
+
+    def linear_swiglu(self, x, w, tmp, out):
+        """out f16 [T, F] = silu(x @ Wg.T) * (x @ Wu.T); W [2F, in] gate rows then up rows.
+
+        T = 1: one fused GEMV (each warp reads its gate and up rows); T > 1: GEMM into
+        ``tmp`` f16 [>= T, 2F], then the SwiGLU kernel.
+        """
+        info = self._info(w)
+        t = self._act_in(x, info)
+        n2 = info.n
+        if n2 % 2:
+            raise ConfigError(f"linear_swiglu needs an even out_features (gate|up), got {n2}")
+        f = n2 // 2
+        out = self._out(out, "out", _F16, t, f)
+        if t == 1:
+            info.gemv["swiglu"](((f + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
+                                (*info.args, x.data.ptr, f, info.k, f,
+                                 w.group_size.bit_length() - 1, out.data.ptr))
+            return
+        tmp = self._out(tmp, "tmp", _F16, t, n2)
+        self._matmul(x, w, info, tmp, "f16", n2)
+        self._fn("elementwise", "swiglu_f16")(
+            ((f + 255) // 256, t), (256,), (tmp.data.ptr, f, out.data.ptr))
+
+    def rope_kv(self, qkv, pos0, theta, n_heads, n_kv_heads, head_dim, k_cache, v_cache):
+        """Rotate Q in place in ``qkv`` f16 [T, >= (H + 2 Hkv) hd]; write rotated K and V rows
+        pos0..pos0+T-1 of ``k_cache`` / ``v_cache`` f16 [L, Hkv, hd] (or [L, Hkv * hd])."""
+        if not (type(qkv) is cupy.ndarray and qkv.dtype == _F16 and qkv.ndim == 2
+                and qkv.flags.c_contiguous):
+            _dev(qkv, "qkv", np.float16, 2)
+        t, ld = qkv.shape
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        self._check_cache(k_cache, "k_cache", pos0 + t, n_kv_heads, head_dim)
+        self._check_cache(v_cache, "v_cache", pos0 + t, n_kv_heads, head_dim)
+        self._fn("rope", "rope_kv")(
+            (t,), (128,), (qkv.data.ptr, ld, int(pos0), float(theta), int(n_heads),
+                           int(n_kv_heads), int(head_dim), k_cache.data.ptr, v_cache.data.ptr),
+            shared_mem=int(head_dim) * 4)
+
+    def _heads_ok(self, n_heads, n_kv_heads, head_dim, ld):
+        key = (n_heads, n_kv_heads, head_dim, ld)
+        if key not in self._heads_seen:
+            self._check_heads(*key)
+            self._heads_seen.add(key)
+
+    @staticmethod
+    def _check_heads(n_heads, n_kv_heads, head_dim, ld):
+        if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise ConfigError(f"n_heads={n_heads} must be a positive multiple of "
+                              f"n_kv_heads={n_kv_heads}")
+        if head_dim <= 0 or head_dim % 2:
+            raise ConfigError(f"head_dim={head_dim} must be positive and even")
+        need = (n_heads + 2 * n_kv_heads) * head_dim
+        if ld < need:
+            raise ConfigError(f"qkv has {ld} columns, need (n_heads + 2*n_kv_heads)*head_dim "
+                              f"= {need}")
+
+    @staticmethod
+    def _check_cache(c, name, ctx, n_kv_heads, head_dim):
+        shp = c.shape if type(c) is cupy.ndarray else None
+        if not (shp is not None and c.dtype == _F16 and c.flags.c_contiguous
+                and not c.data.ptr & 15
+                and (shp[1:] == (n_kv_heads, head_dim) or shp[1:] == (n_kv_heads * head_dim,))):
+            _dev(c, name, np.float16)
+            _aligned(c, name)
+            raise ConfigError(f"{name} has shape {tuple(c.shape)}, expected [L, {n_kv_heads}, "
+                              f"{head_dim}] or [L, {n_kv_heads * head_dim}]")
+        if shp[0] < ctx:
+            raise ConfigError(f"{name} holds {shp[0]} positions, need {ctx}")
+
+    def attention(self, qkv, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, out):
+        """out f16 [T, H hd]: causal GQA attention of the (rotated) Q rows of ``qkv`` over
+        cache positions 0..pos0+T-1. T = 1: decode kernel; T > 1: flash-style prefill."""
+        if not (type(qkv) is cupy.ndarray and qkv.dtype == _F16 and qkv.ndim == 2
+                and qkv.flags.c_contiguous):
+            _dev(qkv, "qkv", np.float16, 2)
+        t, ld = qkv.shape
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        if head_dim not in ATTN_HEAD_DIMS:
+            raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
+                              f"{ATTN_HEAD_DIMS}")
+        ctx = int(pos0) + t
+        self._check_cache(k_cache, "k_cache", ctx, n_kv_heads, head_dim)
+        self._check_cache(v_cache, "v_cache", ctx, n_kv_heads, head_dim)
+        out = self._out(out, "out", _F16, t, n_heads * head_dim)
+        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        if t == 1:
+            self._fn("attention", _DECODE_NAMES[head_dim])(
+                (int(n_heads),), (_DC_THREADS,), (qkv.data.ptr, ctx, k_cache.data.ptr, v_cache.data.ptr,
+                                          int(n_heads), int(n_kv_heads), scale_log2,
+                                          out.data.ptr))
+        else:
+            self._fn("attention", f"attn_prefill_hd{int(head_dim)}")(
+                ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
+                (qkv.data.ptr, ld, t, int(pos0), k_cache.data.ptr, v_cache.data.ptr,
+                 int(n_heads), int(n_kv_heads), scale_log2, out.data.ptr))
+
+    def inject(self, state, e, w, tmp2, tmp1):
+        """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].
+
+        ``tmp2`` f16 [>= T, 2d] takes the concatenation; ``tmp1`` f16 [>= T, d] is used only
+        on the FP16-cache path."""
+        _dev(state, "state", np.float32, 2)
+        t, d = state.shape
+        if not isinstance(e, cupy.ndarray) or e.dtype not in (np.float32, np.float16):
+            raise ConfigError(f"e must be a float32 or float16 cupy.ndarray, got "
+                              f"{type(e).__name__} {getattr(e, 'dtype', '')}")
+        _dev(e, "e", e.dtype, 2)
+        _shape(e, "e", (t, d))
+        _weight(w, "w", 2 * d)
+        info = self._info(w)
+        if w.out_features != d:
+            raise ConfigError(f"inject weight has out_features={w.out_features}, need d={d}")
+        _dev(tmp2, "tmp2", np.float16, 2)
+        tmp2 = _rows(tmp2, "tmp2", t)
+        _shape(tmp2, "tmp2", (t, 2 * d))
+        _aligned(tmp2, "tmp2")
+        kern = "concat_inject_f16" if e.dtype == np.float16 else "concat_inject_f32"
+        self._fn("elementwise", kern)(
+            ((d + 255) // 256, t), (256,), (state.data.ptr, e.data.ptr, d, tmp2.data.ptr))
+        if t > 1 and _fp16_of(w) is not None:
+            _dev(tmp1, "tmp1", np.float16, 2)
+            tmp1 = _rows(tmp1, "tmp1", t)
+            _shape(tmp1, "tmp1", (t, d))
+            cupy.matmul(tmp2, _fp16_of(w).T, out=tmp1)
+            self._fn("elementwise", "copy_f16_to_f32")(
+                ((t * d + 255) // 256,), (256,), (tmp1.data.ptr, t * d, state.data.ptr))
+            return
+        self._matmul(tmp2, w, info, state, "f32", d)
+
+    def lm_head(self, x, w, out):
+        """out f32 [T, vocab] = x f16 [T, d] @ W.T."""
+        info = self._info(w)
+        t = self._act_in(x, info)
+        out = self._out(out, "out", _F32, t, info.n)
+        self._matmul(x, w, info, out, "f32", info.n)
+
+    def sample(self, logits, temperature, top_k, top_p, u) -> int:
+        """The next token id from f32 logits [vocab] (or [1, vocab]), by
+        ``numpy_ops.sample_from_logits``'s rule; only the id crosses to the host.
+
+        temperature <= 0: the argmax kernel writes the id straight to pinned host memory
+        (no allocation; one stream synchronisation). Otherwise CuPy sorts on the device.
+        """
+        _dev(logits, "logits", np.float32)
+        if logits.ndim == 2 and logits.shape[0] == 1:
+            logits = logits[0]
+        if logits.ndim != 1 or logits.shape[0] == 0:
+            raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
+        n = logits.shape[0]
+        if temperature <= 0.0:
+            self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
+            cupy.cuda.get_current_stream().synchronize()
+            return int(self._id_view[0])
+        if not 0.0 <= u < 1.0:
+            raise ConfigError(f"u must lie in [0, 1), got {u}")
+        z = logits.astype(cupy.float64) / float(temperature)
+        idx = cupy.arange(n, dtype=cupy.float64)
+        order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc
+        if top_k and top_k < n:
+            order = order[:top_k]
+        zk = z[order]
+        p = cupy.exp(zk - zk[0])
+        p /= p.sum()
+        n_keep = cupy.asarray(p.size)
+        if top_p < 1.0:
+            c = cupy.cumsum(p)
+            keep = cupy.searchsorted(c, cupy.asarray([top_p], dtype=cupy.float64),
+                                     side="left")[0] + 1
+            n_keep = cupy.minimum(keep, p.size)
+            p = cupy.where(cupy.arange(p.size) < keep, p, 0.0)
+            p /= p.sum()
+        c = cupy.cumsum(p)
+        pick = cupy.searchsorted(c, (u * c[-1]).reshape(1), side="right")[0]
+        pick = cupy.minimum(pick, n_keep - 1)
+        return int(order[pick])
