@@ -108,7 +108,7 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
             model.head(pos - 1, 1, row)
             new: list[int] = []
             text = ""
-            decoded_upto = 0
+            dec = tok.stream() if tok is not None else None
             t1 = None
             one = np.empty(1, dtype=np.int32)
             while True:
@@ -121,17 +121,14 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
                     res["finish_reason"] = "eos"
                     break
                 new.append(nxt)
-                piece = ""
-                if tok is not None:
-                    full = tok.decode(new)
-                    # hold back an incomplete UTF-8 sequence (decoded as U+FFFD at the end)
-                    stable = len(full) - (1 if full.endswith("\ufffd") else 0)
-                    piece, decoded_upto, text = full[decoded_upto:stable], stable, full
-                hit = next((s for s in stops if s in text), None)
+                piece = dec.push(nxt) if dec is not None else ""   # holds back split UTF-8
+                start = len(text)
+                text += piece
+                # a stop string may straddle pieces: search only where it could newly end
+                hit = next((s for s in stops if s in text[max(0, start - len(s) + 1):]), None)
                 if hit is not None:
                     res["finish_reason"] = "stop"
-                    cut = text.index(hit)
-                    start = decoded_upto - len(piece)
+                    cut = text.find(hit, max(0, start - len(hit) + 1))
                     text = text[:cut]
                     piece = piece[:max(0, cut - start)]
                     res.update(token_ids=list(new), text=text)

@@ -171,6 +171,7 @@ class Model:
                     arrays[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
                     self._blocks.append(blk)
         self._buf = BufferPool(arrays)
+        self._view_cache: dict = {}
         self._logit_row = None
         # phase 5: reconstruction scratch is only needed by store-h KV modes (not yet built)
 
@@ -187,6 +188,7 @@ class Model:
             self._freed = True
             self._layers = []
             self._buf = None
+            self._view_cache = {}
             self._logit_row = None
             self._release_blocks()
             self._ops.synchronize()
@@ -252,51 +254,71 @@ class Model:
         r = self._buf.capacity_rows
         for c0 in range(0, len(ids), r):
             t = min(r, len(ids) - c0)
-            self._ops.from_host(ids[c0:c0 + t], self._buf.flat("ids")[:t])
-            self._forward_chunk(pos0 + c0, t, depth, cache)
+            self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache)
             if on_rows is not None:
                 on_rows(pos0 + c0, t)
 
-    def _forward_chunk(self, pos0: int, t: int, depth: int, cache: RuntimeKVCache) -> None:
-        cfg, ops, b = self.config, self._ops, self._buf
+    def _views(self, t: int) -> dict:
+        """Contiguous ``[t, cols]`` views of the scratch buffers, made once per chunk length
+        (the decode step reuses the t=1 set, so the hot path only indexes)."""
+        v = self._view_cache.get(t)
+        if v is None:
+            cfg, b = self.config, self._buf
+            d = cfg.d_model
+            v = {"norm": b.rows("norm", t, d), "qkv": b.rows("scratch1", t, cfg.qkv_dim),
+                 "att": b.rows("attn_down", t, cfg.q_dim),
+                 "h": b.rows("attn_down", t, cfg.ffn_dim),
+                 "gate_up": b.rows("scratch1", t, 2 * cfg.ffn_dim),
+                 "cat": b.rows("scratch1", t, 2 * d), "ids": b.flat("ids")[:t]}
+            if self._adapter is not None:
+                v["inject"] = b.rows("inject", t, d)
+            if len(self._view_cache) > 8:      # a few chunk lengths recur; keep it bounded
+                self._view_cache.clear()
+            self._view_cache[t] = v
+        return v
+
+    def _forward_chunk(self, ids, pos0: int, t: int, depth: int,
+                       cache: RuntimeKVCache) -> None:
+        cfg, ops = self.config, self._ops
         p, r = cfg.n_prelude, cfg.n_recurrent
-        x = b.main[pos0:pos0 + t]                                   # [T, d] float32
-        ops.embed(self._embed, b.flat("ids")[:t], x)
+        v = self._views(t)
+        x = self._buf.main[pos0:pos0 + t]                           # [T, d] float32
+        if t == 1:
+            ops.embed(self._embed, ids, x)       # one host id: travels as a kernel argument
+        else:
+            ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
+            ops.embed(self._embed, v["ids"], x)
         for i in range(p):
-            self._layer(i, i, x, pos0, t, cache)
+            self._layer(i, i, x, pos0, v, cache)
         if r:
             if self._adapter is not None:
-                e = b.rows("inject", t, cfg.d_model)                 # prelude output [T, d]
+                e = v["inject"]                                      # prelude output [T, d]
                 e[...] = x
             for it in range(depth):
                 if self._adapter is not None:
-                    ops.inject(x, e, self._adapter, b.rows("scratch1", t, 2 * cfg.d_model),
-                               b.rows("norm", t, cfg.d_model))
+                    ops.inject(x, e, self._adapter, v["cat"], v["norm"])
                 for j in range(r):
-                    self._layer(p + j, p + it * r + j, x, pos0, t, cache)
+                    self._layer(p + j, p + it * r + j, x, pos0, v, cache)
         for c in range(cfg.n_coda):
-            self._layer(p + r + c, p + r * depth + c, x, pos0, t, cache)
+            self._layer(p + r + c, p + r * depth + c, x, pos0, v, cache)
 
-    def _layer(self, li: int, slot: int, x, pos0: int, t: int, cache: RuntimeKVCache) -> None:
-        cfg, ops, b, lw = self.config, self._ops, self._buf, self._layers[li]
-        norm = b.rows("norm", t, cfg.d_model)
+    def _layer(self, li: int, slot: int, x, pos0: int, v: dict, cache: RuntimeKVCache) -> None:
+        cfg, ops, lw = self.config, self._ops, self._layers[li]
+        norm, qkv = v["norm"], v["qkv"]
         ops.rmsnorm(x, lw.attn_norm, cfg.norm_eps, norm)
-        qkv = b.rows("scratch1", t, cfg.qkv_dim)
         ops.linear(norm, lw.attn_qkv, qkv)
         kc, vc = cache.k(slot), cache.v(slot)
         ops.rope_kv(qkv, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kc, vc)
-        att = b.rows("attn_down", t, cfg.q_dim)
-        ops.attention(qkv, kc, vc, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, att)
-        ops.linear_residual(att, lw.attn_output, x)
+        ops.attention(qkv, kc, vc, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"])
+        ops.linear_residual(v["att"], lw.attn_output, x)
         ops.rmsnorm(x, lw.ffn_norm, cfg.norm_eps, norm)
-        h = b.rows("attn_down", t, cfg.ffn_dim)
-        ops.linear_swiglu(norm, lw.ffn_gate_up, b.rows("scratch1", t, 2 * cfg.ffn_dim), h)
-        ops.linear_residual(h, lw.ffn_down, x)
+        ops.linear_swiglu(norm, lw.ffn_gate_up, v["gate_up"], v["h"])
+        ops.linear_residual(v["h"], lw.ffn_down, x)
 
     def head(self, pos0: int, t: int, out) -> None:
         """Final RMSNorm + LM head of residual rows pos0..pos0+t into ``out`` f32 [t, vocab]."""
         cfg = self.config
-        norm = self._buf.rows("norm", t, cfg.d_model)
+        norm = self._views(t)["norm"]
         self._ops.rmsnorm(self._buf.main[pos0:pos0 + t], self._output_norm, cfg.norm_eps, norm)
         self._ops.lm_head(norm, self._head, out)
 
