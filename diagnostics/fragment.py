@@ -161,13 +161,15 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
 
 def trace_ops(events, start: dict | None = None) -> list[tuple]:
     """The alloc / free sequence of a trace as ``("alloc", key, size, tag)`` /
-    ``("free", key)``, starting with an alloc for every block live in ``start``. Frees of
-    blocks the trace never saw allocated are dropped."""
+    ``("free", key)``: first an alloc for every block live in ``start`` and a ``("start",)``
+    marker (replays count misses from there on), then the trace's own. Frees of blocks the
+    trace never saw allocated are dropped."""
     ops, live, serial = [], {}, 0
     for ptr, (size, tag) in sorted((start or {}).get("blocks", {}).items()):
         serial += 1
         live[ptr] = serial
         ops.append(("alloc", serial, size, tag))
+    ops.append(("start",))
     for ev in events:
         action, addr, size, tag = ev[1], ev[2], ev[3], ev[4]
         if action == "alloc":
@@ -248,16 +250,19 @@ def _replay(policy: _Policy, ops) -> dict:
     peak_used = peak_res = 0
     used_model = 0                      # bytes the trace has live (its own accounting)
     misses = 0
+    counting = not any(op[0] == "start" for op in ops)
     t0 = time.perf_counter()
     for op in ops:
-        if op[0] == "alloc":
+        if op[0] == "start":
+            counting = True
+        elif op[0] == "alloc":
             _, key, size, tag = op
             before_res = policy.reserved_bytes()
             before_free = before_res - policy.used_bytes()
             handles[key] = policy.alloc(size, tag)
             sizes[key] = size
             used_model += size
-            if policy.reserved_bytes() > before_res and size <= before_free:
+            if counting and policy.reserved_bytes() > before_res and size <= before_free:
                 misses += 1
         else:
             key = op[1]
@@ -326,23 +331,32 @@ def request_plan(n: int, seed: int, vocab_size: int, max_prompt_tokens: int,
     return out
 
 
-def run_fragment(out_dir, *, model_path: str | None = None, requests: int = 30,
+def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests: int = 30,
                  backend: str = "auto", seed: int = 0, max_prompt_tokens: int = 96,
                  max_new_tokens: int = 16, depth: int | None = None,
                  max_seq_len: int = DEFAULT_MAX_SEQ_LEN, show_progress: bool = True,
                  replay: bool = True, plot: bool = True) -> dict:
     """Run the fragmentation test and write its files into ``out_dir``; returns
-    fragment.json's content. Raises ValueError for ``requests`` < 1."""
+    fragment.json's content. ``model``: a loaded Model to use and leave loaded (the trace then
+    starts after its load); else ``model_path`` is loaded and freed. Raises ValueError for
+    ``requests`` < 1."""
     if requests < 1:
         raise ValueError(f"--requests must be >= 1, got {requests}")
     os.makedirs(out_dir, exist_ok=True)
-    backend = resolve_backend(backend)
-    model_path = resolve_model(model_path)
+    own = model is None
+    if own:
+        backend = resolve_backend(backend)
+        model_path = resolve_model(model_path)
+    else:
+        backend, model_path, max_seq_len = model.backend, model.path, model.max_seq_len
     from tinyloop.memory import get_pool
     pool = get_pool("cuda" if backend == "cuda" else "host")
     start = layout_state(pool)
     collector = EventCollector(pool).start()
-    model, load_s = load_timed(model_path, max_seq_len, backend)
+    if own:
+        model, load_s = load_timed(model_path, max_seq_len, backend)
+    else:
+        load_s = 0.0
     assert pool_of(model) is pool
     collector.collect()
     reset_peak_memory_stats()
@@ -365,7 +379,8 @@ def run_fragment(out_dir, *, model_path: str | None = None, requests: int = 30,
                                        max_new_tokens=req["max_new_tokens"],
                                        new_tokens=len(res.token_ids)))
     finally:
-        tinyloop.free_model(model)
+        if own:
+            tinyloop.free_model(model)
         collector.collect()
 
     trace = analyze_trace(collector.events, start)

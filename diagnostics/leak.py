@@ -27,23 +27,30 @@ from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMP
 from .verdict import classify
 
 
-def run_leak(out_dir, *, model_path: str | None = None, requests: int = 30,
+def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: int = 30,
              backend: str = "auto", prompt: str = DEFAULT_PROMPT,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, depth: int | None = None,
              max_seq_len: int = DEFAULT_MAX_SEQ_LEN, plant_leak: int = 0, plant_cache: int = 0,
              show_progress: bool = True, plot: bool = True) -> dict:
     """Run the leak test and write its files into ``out_dir``; returns leak.json's content.
 
-    ``plant_leak`` / ``plant_cache``: bytes per request of a planted fault (see
-    ``diagnostics.faults``). Raises ValueError for ``requests`` < 1 and whatever
-    ``tinyloop.load_model`` / ``Model.generate`` raise (TinyLoopError family).
+    ``model``: a loaded Model to use (left loaded; ``model_path``, ``backend`` and
+    ``max_seq_len`` are then taken from it); else the run loads ``model_path`` (default: the
+    embedded model) and frees it at the end. ``plant_leak`` / ``plant_cache``: bytes per request
+    of a planted fault (see ``diagnostics.faults``). Raises ValueError for ``requests`` < 1 and
+    whatever ``tinyloop.load_model`` / ``Model.generate`` raise (TinyLoopError family).
     """
     if requests < 1:
         raise ValueError(f"--requests must be >= 1, got {requests}")
     os.makedirs(out_dir, exist_ok=True)
-    backend = resolve_backend(backend)
-    model_path = resolve_model(model_path)
-    model, load_s = load_timed(model_path, max_seq_len, backend)
+    own = model is None
+    if own:
+        backend = resolve_backend(backend)
+        model_path = resolve_model(model_path)
+        model, load_s = load_timed(model_path, max_seq_len, backend)
+    else:
+        backend, model_path, max_seq_len, load_s = (model.backend, model.path,
+                                                    model.max_seq_len, 0.0)
     pool = pool_of(model)
     leak = PlantedLeak(pool, plant_leak)
     cache = PlantedCache(pool, plant_cache)
@@ -69,7 +76,8 @@ def run_leak(out_dir, *, model_path: str | None = None, requests: int = 30,
         depth_used = res.depth
     finally:
         leak.release()
-        tinyloop.free_model(model)
+        if own:
+            tinyloop.free_model(model)
 
     verdict = classify([r for r in records if r["request"] >= 1])
     result = {

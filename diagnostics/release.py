@@ -141,6 +141,15 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
         "empty_cache_after_free_model_released_bytes": released2,
         "outputs_identical": res2.token_ids == res.token_ids == res3.token_ids,
     }
+    # The driver's side of the last release: how much of what the pool returned the driver
+    # (NVML / RSS) actually saw go. Much less means something outside the pool still holds it
+    # (on the host: a live NumPy view keeps a returned segment's pages mapped).
+    if r6.get("process_bytes") is not None and r7.get("process_bytes") is not None:
+        checks["driver_saw_bytes_released"] = r6["process_bytes"] - r7["process_bytes"]
+        # page-granular and allocator-dependent figures: judge only releases of 64 MiB or more
+        checks["driver_saw_most_of_release"] = (
+            None if released2 < (64 << 20)
+            else r6["process_bytes"] - r7["process_bytes"] >= released2 // 2)
     timings = {"load_s": load_s, "first_request_s": first_s, "warm_request_s": warm_s,
                "request_after_empty_cache_s": after_empty_s, "reload_s": load2_s,
                "cold_first_request_s": cold_first_s, "cold_start_s": cold_s,
@@ -152,6 +161,11 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
                f"empty_cache() returns {fmt_bytes(released2)} to the driver; a cold start "
                f"(load + request) takes {cold_s:.2f} s vs {warm_s:.2f} s warm "
                f"({timings['cold_over_warm']:.1f}x)")
+    if checks.get("driver_saw_most_of_release") is False:
+        verdict += (f"; WARNING: the driver's process figure fell by only "
+                    f"{fmt_bytes(checks['driver_saw_bytes_released'])} of the "
+                    f"{fmt_bytes(released2)} the pool returned: something outside the pool "
+                    f"still holds the memory")
     result = {"command": "release", "verdict": verdict, "checks": checks, "timings": timings,
               "model_bytes": vram,
               "config": {"model": model_path, "backend": backend, "device": pool.device,

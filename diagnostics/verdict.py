@@ -201,6 +201,14 @@ def classify(records, *, warmup: int | None = None, t_threshold: float = T_THRES
         f"pool free (reserved - allocated) at request end: {_fmt(reserved[w] - alloc[w])} -> "
         f"{_fmt(reserved[-1] - alloc[-1])}",
     ]
+    for key, label in (("process_bytes", "driver: process usage (NVML / RSS)"),
+                       ("device_free_bytes", "driver: device free")):
+        vals = [r.get(key) for r in recs[w:]]
+        if all(v is not None for v in vals):
+            evidence.append(f"{label} {_fmt(vals[0])} -> {_fmt(vals[-1])} "
+                            f"(slope {_fmt(linear_fit(vals).slope)}/request; the driver's view "
+                            f"moves with other processes and with pages touched, not with "
+                            f"blocks freed)")
     common = dict(leak_bytes_per_request=fa.slope, reserved_bytes_per_request=fh.slope,
                   tag_bytes_per_request=tag_rates, warmup=w, fits=fits)
 
