@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: reassemble the real model (part 1 copied to /root/tlc by the
+# call before, part 2 carried in .model_parts/), then the GPU suite (tests + kernel and decode
+# benchmarks on a synthetic SmolLM2-dims model), the decode benchmark on the real model, the
+# pool benchmark against CuPy's MemoryPool, and the diagnostics on CUDA. Logs: $OUT/logs.tgz;
+# the summary table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FINAL=${OUT:-$PWD/device_out}
+W=/tmp/device_run; rm -rf "$W"; mkdir -p "$W"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+M=/root/tlc/smollm2.tlm
+if [[ -f .model_parts/smollm2.tlm.part01 && -f /root/tlc/smollm2.tlm.part00 ]]; then
+    cat /root/tlc/smollm2.tlm.part00 .model_parts/smollm2.tlm.part01 > "$M"
+fi
+if [[ -f "$M" ]] && [[ "$(sha256sum "$M" | cut -d' ' -f1)" == "$(cut -d' ' -f1 .model_parts/sha256)" ]]; then
+    export TINYLOOP_TEST_MODEL=$M; echo "real model: $M (sha256 ok)"
+else
+    echo "real model: NOT available"; M=""
+fi
+OUT=$W STEP_TIMEOUT=${STEP_TIMEOUT:-330} bash scripts/gpu_suite.sh > "$W/gpu_suite_summary.txt" 2>&1
+tail -n 12 "$W/gpu_suite_summary.txt"
+x() { local n=$1; shift; echo "== $n"; timeout 120 "$@" > "$W/$n.log" 2>&1; echo "rc=$?" >> "$W/$n.log"; }
+[[ -n "$M" ]] && x bench_real python3 benchmarks/bench_decode.py --model "$M" --no-peer --out "$W/real"
+x bench_pool python3 benchmarks/bench_pool.py --device cuda
+if [[ -n "$M" ]]; then
+    x diag_leak python3 -m diagnostics leak --backend cuda --model "$M" --requests 40 --out "$W/diag" --no-progress
+    x diag_fragment python3 -m diagnostics fragment --backend cuda --model "$M" --out "$W/diag" --no-progress
+    x diag_release python3 -m diagnostics release --backend cuda --model "$M" --out "$W/diag" --no-progress
+    x diag_report python3 -m diagnostics report "$W/diag"
+fi
+tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null
+echo; echo "================ SUMMARY ================"
+tail -n 8 "$W/gpu_suite_summary.txt"
+[[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; tail -n 9 "$W/bench_real.log"; }
+tail -n 6 "$W/bench_pool.log" 2>/dev/null
+for f in "$W"/diag_*.log; do [[ -f $f ]] && { echo "-- $(basename $f)"; grep -iE "verdict|rate|frees|cold|rc=" "$f" | head -5; }; done
