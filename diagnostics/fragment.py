@@ -311,6 +311,9 @@ def replay_policies(ops, *, cuda: bool | None = None) -> list[dict]:
             continue
         try:
             out.append(_replay(pol, ops))
+        except MemoryError as e:    # CuPy's OutOfMemoryError: the device is too full to replay
+            out.append({"name": name, "skipped": True,
+                        "reason": f"out of memory while replaying: {e}"})
         finally:
             pol.close()
     return out
@@ -406,8 +409,12 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
     # Requests' own misses (after the load), the ones a serving user would feel
     load_end = next((j for j, e in enumerate(collector.events)
                      if e[0] >= records[0]["time_s"]), len(collector.events))
+    for m in trace["misses"]:
+        m["during_requests"] = m["event"] >= load_end
+    # the misses a serving user feels first, then the load's
+    trace["misses"].sort(key=lambda m: (not m["during_requests"], m["event"]))
     summary_fields["num_misses_during_requests"] = sum(1 for m in trace["misses"]
-                                                       if m["event"] >= load_end)
+                                                       if m["during_requests"])
     result = {
         "command": "fragment",
         "verdict": (f"{trace['num_misses']} allocation(s) needed a new segment although the "
@@ -472,7 +479,8 @@ def summary(result: dict) -> str:
              f"in the request's own size class; {result['num_misses_during_requests']} during "
              f"requests); OOMs: {result['num_ooms']}"]
     for m in result["misses"][:10]:
-        lines.append(f"    {fmt_bytes(m['size'])} {m['kind']} ({m['tag']}): pool free "
+        lines.append(f"    {'request' if m.get('during_requests') else 'load':<8}"
+                     f"{fmt_bytes(m['size'])} {m['kind']} ({m['tag']}): pool free "
                      f"{fmt_bytes(m['pool_free_bytes'])}, same class "
                      f"{fmt_bytes(m['free_same_kind_bytes'])}, largest free of that class "
                      f"{fmt_bytes(m.get('largest_free_same_kind_bytes'))}")

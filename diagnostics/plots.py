@@ -121,7 +121,7 @@ def fragmentation(records, path, *, x_key="request", title="fragmentation") -> s
     axr.set_ylim(bottom=0)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = axr.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="center left")
     return _finish(fig, ax, labels, x_key, path)
 
 
