@@ -6,7 +6,8 @@ Without --model it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
 GPU machine. Measures (CUDA events / synchronised wall clock, medians of repeats, after a
 warm-up):
-  - decode tokens/s at batch 1, depth 1 and depth 4 (greedy, plain launches);
+  - decode tokens/s at batch 1, depth 1 and depth 4 (greedy, plain launches; median of 5
+    generations of 128 tokens after 2 s of sustained decoding, with the SM clock read then);
   - prefill time and tokens/s for 512- and 2048-token prompts;
   - weight bytes read per decoded token against the device-to-device copy bandwidth measured
     in the same run (bytes read + written per second);
@@ -75,12 +76,31 @@ def weight_bytes_per_token(model, depth: int) -> int:
     return total
 
 
-def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 3) -> float:
+def sm_clock_mhz() -> int | None:
+    """The SM clock now (NVML), or None where pynvml is unavailable."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return int(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+    except Exception:  # no NVML: the clock is reported as unknown
+        return None
+
+
+def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
+                 warmup_s: float = 2.0) -> dict:
+    """Median decode tokens/s over ``reps`` generations, after ``warmup_s`` seconds of
+    sustained decoding (a launch-bound loop leaves the GPU mostly idle, and an idle H200 sits
+    at a low clock: timing before it has ramped up measures the clock, not the code)."""
     prompt = list(range(10, 26))
-    model.generate(prompt, max_new_tokens=8, depth=depth)          # warm-up
-    tps = [model.generate(prompt, max_new_tokens=new_tokens, depth=depth).decode_tokens_per_s
-           for _ in range(reps)]
-    return statistics.median(tps)
+    t = time.perf_counter()
+    while time.perf_counter() - t < warmup_s:
+        model.generate(prompt, max_new_tokens=new_tokens, depth=depth)
+    clock = sm_clock_mhz()
+    tps = sorted(model.generate(prompt, max_new_tokens=new_tokens, depth=depth)
+                 .decode_tokens_per_s for _ in range(reps))
+    return {"median": statistics.median(tps), "min": tps[0], "max": tps[-1],
+            "sm_clock_mhz": clock}
 
 
 def bench_prefill(model, n: int, reps: int = 5) -> float:
@@ -143,15 +163,16 @@ def main(argv=None) -> int:
     res: dict = {"model": path}
     bw = copy_bandwidth_gbs()
     res["copy_bandwidth_GBps"] = bw
-    tinyloop.reset_peak_memory_stats("cuda") if hasattr(tinyloop, "reset_peak_memory_stats") \
-        else None
+    tinyloop.reset_peak_memory_stats("cuda")
     model = tinyloop.load_model(path, max_seq_len=2304, backend="cuda")
     try:
         for depth in (1, 4):
             if depth > model.config.max_depth:
                 continue
-            tps = bench_decode(model, depth, a.new_tokens)
+            dec = bench_decode(model, depth, a.new_tokens)
+            tps = dec["median"]
             wb = weight_bytes_per_token(model, depth)
+            res[f"decode_depth{depth}"] = dec
             res[f"decode_depth{depth}_tokens_per_s"] = tps
             res[f"weight_bytes_per_token_depth{depth}"] = wb
             res[f"weight_GBps_depth{depth}"] = wb * tps / 1e9
@@ -185,9 +206,11 @@ def main(argv=None) -> int:
     rows = [("copy bandwidth (read+write)", f"{bw:,.0f} GB/s")]
     for d in (1, 4):
         if f"decode_depth{d}_tokens_per_s" in res:
-            rows.append((f"decode depth {d}", f"{res[f'decode_depth{d}_tokens_per_s']:,.1f} tok/s"
-                         f"  ({res[f'weight_bytes_per_token_depth{d}'] / 2**20:.1f} MiB weights/tok"
-                         f", {res[f'weight_GBps_depth{d}']:,.0f} GB/s)"))
+            dec = res[f"decode_depth{d}"]
+            rows.append((f"decode depth {d}", f"{dec['median']:,.1f} tok/s (median; "
+                         f"{dec['min']:,.0f}-{dec['max']:,.0f}; SM {dec['sm_clock_mhz']} MHz)"
+                         f"  {res[f'weight_bytes_per_token_depth{d}'] / 2**20:.1f} MiB weights/tok"
+                         f", {res[f'weight_GBps_depth{d}']:,.0f} GB/s"))
     for n in (512, 2048):
         rows.append((f"prefill {n}", f"{res[f'prefill_{n}_ms']:.1f} ms  "
                      f"({res[f'prefill_{n}_tokens_per_s']:,.0f} tok/s)"))
