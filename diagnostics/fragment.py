@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 import tinyloop
-from tinyloop.memory import FakeRawAllocator, MemoryPool, SMALL_REQUEST_MAX, \
-    reset_peak_memory_stats
+from tinyloop.memory import (SMALL_REQUEST_MAX, FakeRawAllocator, MemoryPool,
+                             reset_peak_memory_stats)
 
 from . import plots
 from .records import fmt_bytes, take_record, write_csv, write_json

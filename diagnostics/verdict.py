@@ -248,9 +248,11 @@ def classify(records, *, warmup: int | None = None, t_threshold: float = T_THRES
         evidence.append("allocated at request end identical from then on")
     else:
         evidence.append(f"allocated at request end varies within {_fmt(spread)} from then on "
-                        f"with no trend ({_fit_desc(f_tail)}): a leak above about "
-                        f"{_fmt(t_threshold * f_tail.stderr)}/request would have shown")
+                        f"(slope {_fit_desc(f_tail)})")
     if held >= need and not hinted(fa_late) and not hinted(f_tail):
+        if spread:
+            evidence.append(f"no trend in that noise: a leak above about "
+                            f"{_fmt(t_threshold * f_tail.stderr)}/request would have shown")
         return Verdict(STABLE, f"the high-water mark ({_fmt(high[k:].max())} reserved) was "
                        f"reached by request {numbers[k]} and held for the {held} requests after "
                        f"it; allocated at request end does not grow: this is caching, not a leak",
