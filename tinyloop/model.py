@@ -186,7 +186,9 @@ class Model:
             if self._freed:
                 return
             self._freed = True
+            # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
+            self._embed = self._head = self._output_norm = self._adapter = None
             self._buf = None
             self._view_cache = {}
             self._logit_row = None
