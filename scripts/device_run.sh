@@ -26,7 +26,7 @@ x bench_pool python3 benchmarks/bench_pool.py --device cuda
 if [[ -n "$M" ]]; then
     x diag_leak python3 -m diagnostics leak --backend cuda --model "$M" --requests 40 --out "$W/diag" --no-progress
     x diag_fragment python3 -m diagnostics fragment --backend cuda --model "$M" --out "$W/diag" --no-progress
-    x diag_release python3 -m diagnostics release --backend cuda --model "$M" --out "$W/diag" --no-progress
+    x diag_release python3 -m diagnostics release --backend cuda --model "$M" --out "$W/diag"
     x diag_report python3 -m diagnostics report "$W/diag"
 fi
 tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null
