@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tinyloop import errors
 from tinyloop.backends import cuda_available
+from tinyloop.memory import current_tag
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 
 TINY = dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
@@ -36,3 +38,23 @@ def tiny_adapter_path(tmp_path_factory):
                                               "tied_head": False}),
                     seed=12, bits=8, group_size=64)
     return str(path)
+
+
+def fail_nth_allocation(monkeypatch, pool, failing_tag: str, nth: int) -> dict:
+    """Make the ``nth`` allocation under ``failing_tag`` from ``pool`` raise OutOfMemoryError
+    ("injected"), as a budget failure part-way through a load phase would. Returns a dict
+    whose ``"n"`` counts the allocations seen under ``failing_tag``."""
+    real = pool.allocate
+    seen = {"n": 0}
+
+    def flaky(nbytes, tag=None):
+        tag_now = tag or current_tag()
+        if tag_now == failing_tag:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise errors.OutOfMemoryError("injected", requested_bytes=nbytes, tag=tag_now,
+                                              device=pool.device)
+        return real(nbytes, tag)
+
+    monkeypatch.setattr(pool, "allocate", flaky)
+    return seen

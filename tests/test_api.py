@@ -12,7 +12,7 @@ from tinyloop import errors
 from tinyloop.memory import get_pool
 from tinyloop.plan import plan_bytes_by_phase
 
-from .conftest import TINY
+from .conftest import TINY, fail_nth_allocation
 
 
 def _allocated():
@@ -66,21 +66,8 @@ def test_plan_predicts_what_the_load_allocates(tiny_adapter_path):
 
 @pytest.mark.parametrize("failing_tag", ["weights", "buffers"])
 def test_failed_load_in_each_phase_leaves_nothing(tiny_adapter_path, monkeypatch, failing_tag):
-    pool = get_pool("host")
-    real = pool.allocate
-    seen = {"n": 0}
-
-    def flaky(nbytes, tag=None):
-        tag_now = tag or tinyloop.memory.current_tag()
-        if tag_now == failing_tag:
-            seen["n"] += 1
-            if seen["n"] == 3:                       # fail part-way through the phase
-                raise errors.OutOfMemoryError("injected", requested_bytes=nbytes,
-                                              tag=tag_now)
-        return real(nbytes, tag)
-
     before = _allocated()
-    monkeypatch.setattr(pool, "allocate", flaky)
+    seen = fail_nth_allocation(monkeypatch, get_pool("host"), failing_tag, 3)
     with pytest.raises(errors.OutOfMemoryError, match="injected"):
         tinyloop.load_model(tiny_adapter_path, max_seq_len=64, backend="numpy")
     monkeypatch.undo()

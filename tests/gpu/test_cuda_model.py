@@ -18,6 +18,8 @@ from tinyloop import errors
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 from tinyloop.memory import get_pool
 
+from ..conftest import fail_nth_allocation
+
 pytestmark = pytest.mark.gpu
 
 SMALL = dict(vocab_size=512, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=320,
@@ -221,24 +223,12 @@ def test_cuda_lifecycle_returns_every_byte(small_path):
 def test_cuda_failed_load_each_phase_leaves_nothing(small_path, monkeypatch, failing_tag):
     """An out-of-memory failure injected part-way through each load phase frees everything."""
     pool = get_pool("cuda")
-    real = pool.allocate
-    seen = {"n": 0}
-
-    def flaky(nbytes, tag=None):
-        tag_now = tag or tinyloop.memory.current_tag()
-        if tag_now == failing_tag:
-            seen["n"] += 1
-            if seen["n"] == 2:
-                raise errors.OutOfMemoryError("injected", requested_bytes=nbytes, tag=tag_now,
-                                              device="cuda")
-        return real(nbytes, tag)
-
     monkeypatch.setenv("TINYLOOP_FP16_CACHE", "1")
     before = pool.stats().allocated_bytes
-    monkeypatch.setattr(pool, "allocate", flaky)
+    seen = fail_nth_allocation(monkeypatch, pool, failing_tag, 2)
     with pytest.raises(errors.OutOfMemoryError, match="injected"):
         tinyloop.load_model(small_path, max_seq_len=64, backend="cuda")
-    monkeypatch.setattr(pool, "allocate", real)
+    monkeypatch.undo()
     assert seen["n"] == 2
     assert pool.stats().allocated_bytes == before
 
