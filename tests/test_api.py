@@ -184,33 +184,120 @@ def test_bad_load_arguments(tiny_model_path, tmp_path):
 
 
 def test_concurrent_calls_are_serialized(tiny_model_path):
-    """Two threads on one Model get exactly the results of sequential calls."""
+    """Four threads on one Model get exactly the results of sequential calls, and no two
+    forward passes ever run at the same time (the per-model lock)."""
     m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
     try:
-        prompts = [[1, 2, 3], [200, 100, 50, 25]]
-        want = [m.generate(p, max_new_tokens=8, depth=2).token_ids for p in prompts]
-        got = [None, None]
-        inside = []
+        prompts = [[1, 2, 3], [200, 100, 50, 25], [7] * 9, [42, 43]]
+        want = [m.generate(p, max_new_tokens=20, depth=2).token_ids for p in prompts]
+        got = [None] * 4
+        active, peak = [0], [0]
         orig = m._forward_chunk
 
         def spy(*a, **k):
-            inside.append(threading.get_ident())
-            return orig(*a, **k)
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            try:
+                return orig(*a, **k)
+            finally:
+                active[0] -= 1
 
         m._forward_chunk = spy
+        barrier = threading.Barrier(4)
 
         def work(i):
-            got[i] = m.generate(prompts[i], max_new_tokens=8, depth=2).token_ids
+            barrier.wait()
+            got[i] = m.generate(prompts[i], max_new_tokens=20, depth=2).token_ids
 
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
         for t in ts:
             t.start()
         for t in ts:
-            t.join()
+            t.join(timeout=60)
         assert got == want
-        # serialized: each thread's forward calls form one contiguous run
-        changes = sum(1 for a, b in zip(inside, inside[1:]) if a != b)
-        assert changes == 1
+        assert peak[0] == 1
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_open_stream_does_not_hold_the_model(tiny_model_path):
+    """A stream suspended between tokens lets other calls run, and is not disturbed by them;
+    a fully consumed stream has already released its KV cache."""
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        kv0 = _live_by_tag("kv_cache")
+        want = [t.token_id for t in m.stream([9, 8, 7], max_new_tokens=10, depth=2)]
+        g = m.stream([9, 8, 7], max_new_tokens=10, depth=2)
+        got = [next(g).token_id for _ in range(4)]
+        other = []
+        th = threading.Thread(target=lambda: other.append(
+            m.generate([1, 2, 3, 4, 5], max_new_tokens=6, depth=3).token_ids))
+        th.start()
+        th.join(timeout=30)
+        assert other and len(other[0]) == 6              # not blocked by the open stream
+        got += [t.token_id for t in g]
+        assert got == want                               # and the stream was not disturbed
+        g2 = m.stream([9, 8, 7], max_new_tokens=3)
+        assert len([next(g2) for _ in range(3)]) == 3
+        assert _live_by_tag("kv_cache") == kv0           # released before the last yield
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_stream_after_free_raises_model_freed(tiny_model_path):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    kv0 = _live_by_tag("kv_cache")
+    g = m.stream([1, 2, 3], max_new_tokens=5)
+    next(g)
+    tinyloop.free_model(m)
+    with pytest.raises(errors.ModelFreedError):
+        next(g)
+    assert _live_by_tag("kv_cache") == kv0
+
+
+def test_model_dropped_without_free_is_freed_with_a_warning(tiny_model_path):
+    import gc
+    before = _allocated()
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    assert _allocated() > before
+    with pytest.warns(ResourceWarning, match="without free_model"):
+        del m
+        gc.collect()
+    assert _allocated() == before
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_seq_len=2 ** 62), "max_seq_len"),
+    (dict(max_seq_len=True), "max_seq_len"),
+    (dict(prefill_chunk=2 ** 40), "prefill_chunk"),
+])
+def test_absurd_sizes_are_refused_before_allocating(tiny_model_path, kwargs, match):
+    before = _allocated()
+    with pytest.raises(errors.ConfigError, match=match):
+        tinyloop.load_model(tiny_model_path, backend="numpy", **kwargs)
+    assert _allocated() == before
+
+
+def test_bad_objects_get_clear_errors(tiny_model_path, tmp_path):
+    with pytest.raises(errors.ConfigError, match="path"):
+        tinyloop.load_model(None, backend="numpy")
+    with pytest.raises(errors.TinyLoopError, match="not a file"):
+        tinyloop.load_model(tmp_path, backend="numpy")
+    with pytest.raises(errors.ConfigError, match="Model"):
+        tinyloop.free_model(None)
+    with pytest.raises(errors.ConfigError, match="Model"):
+        tinyloop.vram_usage_bytes("x")
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        with pytest.raises(errors.TokenizerError, match="Unicode"):
+            m.generate("a\ud800b")
+        for bad in (dict(seed=-1), dict(seed="abc"), dict(seed=1.5), dict(stop=123),
+                    dict(temperature=True), dict(top_p=True)):
+            with pytest.raises(errors.ConfigError):
+                m.generate([1, 2], max_new_tokens=2, **bad)
+        r = m.generate([1, 2], max_new_tokens=np.int64(2), depth=np.int64(2),
+                       temperature=np.float32(0.5), seed=np.int64(3))
+        assert len(r.token_ids) == 2
     finally:
         tinyloop.free_model(m)
 

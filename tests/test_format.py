@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import struct
 
 import numpy as np
@@ -14,7 +15,7 @@ from tinyloop.format import ALIGN, MAGIC, PREFIX, VERSION_MAX, align, read_tlm
 
 
 def _split(path):
-    raw = open(path, "rb").read()
+    raw = pathlib.Path(path).read_bytes()
     magic, version, _, hlen = PREFIX.unpack(raw[:PREFIX.size])
     header = json.loads(raw[PREFIX.size:PREFIX.size + hlen])
     data = raw[align(PREFIX.size + hlen):]
@@ -129,7 +130,7 @@ def test_truncated_data(tmp_path, parts):
 
 
 def test_truncated_header(tmp_path, tiny_model_path):
-    raw = open(tiny_model_path, "rb").read()
+    raw = pathlib.Path(tiny_model_path).read_bytes()
     p = tmp_path / "th.tlm"
     p.write_bytes(raw[:PREFIX.size + 10])
     with pytest.raises(errors.TruncatedFileError, match="header"):

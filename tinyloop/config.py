@@ -8,6 +8,7 @@ function here that raises ``ConfigError`` (a ``ValueError``) naming the variable
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -75,8 +76,9 @@ class ModelConfig:
         """Resolve ``None`` to the default depth; raise ConfigError outside 1..max_depth."""
         if depth is None:
             return self.default_depth
-        if isinstance(depth, bool) or not isinstance(depth, int):
+        if isinstance(depth, bool) or not hasattr(depth, "__index__"):
             raise ConfigError(f"depth must be an int, got {depth!r}")
+        depth = depth.__index__()          # Python or NumPy integer
         if not 1 <= depth <= self.max_depth:
             raise ConfigError(f"depth={depth} is outside 1..max_depth={self.max_depth}")
         return depth
@@ -110,14 +112,20 @@ class ModelConfig:
                               f"1..max_depth={self.max_depth}")
         if self.max_depth > 4096:
             raise ConfigError(f"max_depth={self.max_depth} is unreasonably large (> 4096)")
-        if self.injection not in INJECTION_KINDS:
+        if not isinstance(self.injection, str) or self.injection not in INJECTION_KINDS:
             raise ConfigError(f"injection={self.injection!r} is not one of {INJECTION_KINDS}")
         if self.injection == "adapter" and self.n_recurrent == 0:
             raise ConfigError("injection='adapter' needs a recurrent block (n_recurrent > 0)")
-        if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name} must be a finite number, got {v!r}")
+        if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta!r}")
-        if not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < 1:
+        if not 0 < self.norm_eps < 1:
             raise ConfigError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        if not isinstance(self.tied_head, bool):
+            raise ConfigError(f"tied_head must be true or false, got {self.tied_head!r}")
         for name in ("bos_token_id", "eos_token_id"):
             v = getattr(self, name)
             if not -1 <= v < self.vocab_size:
@@ -144,6 +152,23 @@ class ModelConfig:
 # --- environment knobs -----------------------------------------------------------------------
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+MAX_SEQ_LEN_LIMIT = 1 << 24    # 16M positions: far past any model here, far below overflow
+
+
+def check_load_args(max_seq_len, prefill_chunk) -> tuple[int, int]:
+    """Validate ``load_model``'s sizes (Python or NumPy ints); return them as ints.
+
+    Raises ConfigError: max_seq_len outside 1..MAX_SEQ_LEN_LIMIT, prefill_chunk < 0 or above
+    the same limit.
+    """
+    for name, v, lo in (("max_seq_len", max_seq_len, 1), ("prefill_chunk", prefill_chunk, 0)):
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise ConfigError(f"{name} must be an int, got {v!r}")
+        if not lo <= v.__index__() <= MAX_SEQ_LEN_LIMIT:
+            raise ConfigError(f"{name}={v} is outside {lo}..{MAX_SEQ_LEN_LIMIT}")
+    return max_seq_len.__index__(), prefill_chunk.__index__()
 
 
 def parse_size(text: str, *, name: str = "size", total_bytes: int | None = None) -> int:

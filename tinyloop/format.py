@@ -201,8 +201,9 @@ class TLMFile:
             raw = f.read(header_len)
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{self.path}: header is not valid UTF-8 JSON: {e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise FormatError(f"{self.path}: header is not valid UTF-8 JSON: "
+                              f"{type(e).__name__}: {str(e)[:200]}") from None
         if not isinstance(header, dict):
             raise FormatError(f"{self.path}: header must be a JSON object")
         self.data_start = align(PREFIX.size + header_len)
@@ -236,7 +237,7 @@ class TLMFile:
             if name in entries:
                 raise FormatError(f"{self.path}: tensor {name!r} appears twice")
             dt, shape, off, nb = e.get("dtype"), e.get("shape"), e.get("offset"), e.get("nbytes")
-            if dt not in DTYPES:
+            if not isinstance(dt, str) or dt not in DTYPES:
                 raise TensorShapeError(f"{self.path}: tensor {name!r} has unknown dtype {dt!r}")
             if (not isinstance(shape, list) or not all(_is_int(s) for s in shape)
                     or not _is_int(off) or not _is_int(nb)):
@@ -349,7 +350,11 @@ class TLMFile:
     def tokenizer_json(self) -> str | None:
         if "tokenizer.json" not in self.entries:
             return None
-        return self.array("tokenizer.json").tobytes().decode("utf-8")
+        try:
+            return self.array("tokenizer.json").tobytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{self.path}: the embedded tokenizer.json is not UTF-8 "
+                              f"({e.reason} at byte {e.start}): file corrupted?") from None
 
     def quant_names(self) -> list[str]:
         return [n for n, (k, _) in expected_tensors(self.config).items() if k == "quant"]

@@ -46,17 +46,23 @@ class StreamToken:
     text: str
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p):
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-            or max_new_tokens < 0:
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float, np.integer, np.floating))
+            and not isinstance(v, (bool, np.bool_)))
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    """Raise ConfigError naming the first bad sampling argument (NumPy scalars are fine)."""
+    if (not _is_number(max_new_tokens) or not float(max_new_tokens).is_integer()
+            or max_new_tokens < 0):
         raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    if not _is_number(top_k) or not float(top_k).is_integer() or top_k < 0:
         raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    if not _is_number(top_p) or not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
+
 
 
 def _normalise_stop(stop) -> list[str]:
@@ -64,6 +70,8 @@ def _normalise_stop(stop) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
     stop = list(stop)
     if not all(isinstance(s, str) and s for s in stop):
         raise ConfigError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
@@ -78,12 +86,24 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
 
     Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
     contains a ``stop`` string. Raises ConfigError (bad arguments, prompt + max_new_tokens >
-    max_seq_len), TokenizerError (ids out of range / no tokenizer for text).
+    max_seq_len), TokenizerError (ids out of range / no tokenizer for text), ModelFreedError
+    (the model was freed while the stream was open).
+
+    The model's lock is held only while a token is computed, never across a ``yield``: each
+    step touches only this request's KV cache and the residual row of its own position, so
+    other callers may run between two steps of an open stream. The KV cache is released as
+    soon as the last token is known (before it is yielded), or when the stream is closed.
     """
     model._check_alive()
     cfg = model.config
-    depth = cfg.check_depth(depth)
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    depth = cfg.check_depth(_as_int(depth, "depth") if depth is not None else None)
+    max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
+    if seed is not None:
+        seed = _as_int(seed, "seed")
+        if seed < 0:
+            raise ConfigError(f"seed must be None or an int >= 0, got {seed}")
     stops = _normalise_stop(stop)
     ids = model.encode_prompt(prompt)
     total = len(ids) + max_new_tokens
@@ -97,57 +117,72 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
-    with model._lock:
-        model._check_alive()
-        ops = model._ops
-        with model.new_kv_cache(depth, total) as cache:
+    ops = model._ops
+    cache = model.new_kv_cache(depth, total)
+
+    def step(step_ids, pos0: int) -> int:
+        """Forward ``step_ids`` at ``pos0``, then head + sample, atomically under the lock."""
+        with model._lock:
+            model._check_alive()
             row = model.logit_row()
-            t0 = time.perf_counter()
-            model.forward(ids, 0, depth, cache)
-            pos = len(ids)
-            model.head(pos - 1, 1, row)
-            new: list[int] = []
-            text = ""
-            dec = tok.stream() if tok is not None else None
-            t1 = None
-            one = np.empty(1, dtype=np.int32)
-            while True:
-                u = float(rng.random()) if temperature > 0 else 0.0
-                nxt = int(ops.sample(row[0], temperature, top_k, top_p, u))
-                if t1 is None:
-                    t1 = time.perf_counter()
-                    res["prefill_ms"] = (t1 - t0) * 1e3
-                if nxt == cfg.eos_token_id:
-                    res["finish_reason"] = "eos"
-                    break
-                new.append(nxt)
-                piece = dec.push(nxt) if dec is not None else ""   # holds back split UTF-8
-                start = len(text)
-                text += piece
-                # a stop string may straddle pieces: search only where it could newly end
-                hit = next((s for s in stops if s in text[max(0, start - len(s) + 1):]), None)
-                if hit is not None:
-                    res["finish_reason"] = "stop"
-                    cut = text.find(hit, max(0, start - len(hit) + 1))
-                    text = text[:cut]
-                    piece = piece[:max(0, cut - start)]
-                    res.update(token_ids=list(new), text=text)
-                    if piece:
-                        yield StreamToken(nxt, piece)
-                    break
-                res.update(token_ids=list(new), text=text)
-                yield StreamToken(nxt, piece)
-                if len(new) >= max_new_tokens:
-                    break
-                one[0] = nxt
-                model.forward(one, pos, depth, cache)
-                model.head(pos, 1, row)
-                pos += 1
-            ops.synchronize()
-            res["decode_ms"] = (time.perf_counter() - (t1 or time.perf_counter())) * 1e3
-            res.update(token_ids=list(new))
-            if tok is not None and res["finish_reason"] != "stop":
-                res["text"] = tok.decode(new)
+            model.forward(step_ids, pos0, depth, cache)
+            model.head(pos0 + len(step_ids) - 1, 1, row)
+            u = float(rng.random()) if temperature > 0 else 0.0
+            return int(ops.sample(row[0], temperature, top_k, top_p, u))
+
+    try:
+        t0 = time.perf_counter()
+        nxt = step(ids, 0)
+        t1 = time.perf_counter()
+        res["prefill_ms"] = (t1 - t0) * 1e3
+        pos = len(ids)
+        new: list[int] = []
+        text = ""
+        dec = tok.stream() if tok is not None else None
+        one = np.empty(1, dtype=np.int32)
+        while True:
+            if nxt == cfg.eos_token_id:
+                res["finish_reason"] = "eos"
+                text += dec.flush() if dec is not None else ""
+                break
+            new.append(nxt)
+            piece = dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
+            start = len(text)
+            text += piece
+            # a stop string may straddle pieces: search only where it could newly end
+            hit = next((s for s in stops if s in text[max(0, start - len(s) + 1):]), None)
+            last = hit is not None or len(new) >= max_new_tokens
+            if hit is not None:
+                res["finish_reason"] = "stop"
+                cut = text.find(hit, max(0, start - len(hit) + 1))
+                text = text[:cut]
+                piece = piece[:max(0, cut - start)]
+            elif last and dec is not None:
+                tail = dec.flush()
+                text += tail
+                piece += tail
+            res.update(token_ids=list(new), text=text)
+            if last:
+                cache.release()              # free the request's memory before the last yield
+                res["decode_ms"] = (time.perf_counter() - t1) * 1e3
+                if piece or hit is None:
+                    yield StreamToken(nxt, piece)
+                return
+            yield StreamToken(nxt, piece)
+            one[0] = nxt
+            nxt = step(one, pos)
+            pos += 1
+        res.update(token_ids=list(new), text=text)
+        res["decode_ms"] = (time.perf_counter() - t1) * 1e3
+    finally:
+        cache.release()
+
+
+def _as_int(v, name: str) -> int:
+    """An int (Python or NumPy integer, not bool) or ConfigError naming ``name``."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ConfigError(f"{name} must be an int, got {v!r}")
+    return int(v)
 
 
 def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import ModelConfig, fp16_cache_enabled
+from .config import ModelConfig, check_load_args, fp16_cache_enabled
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .kvcache import RuntimeKVCache
@@ -85,17 +86,15 @@ class Model:
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
                  backend: str = "auto"):
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ConfigError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-        if (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                or prefill_chunk < 0):
-            raise ConfigError(f"prefill_chunk must be an int >= 0, got {prefill_chunk!r}")
+        self._freed = True           # until the load succeeds there is nothing to free
+        self._blocks: list = []      # every model-owned pool block; freed by free()
+        max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"path must be a str or os.PathLike, got {path!r}")
         self.path = os.fspath(path)
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self._lock = threading.RLock()
-        self._blocks: list = []      # every model-owned pool block; freed by free()
-        self._freed = False
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
@@ -109,6 +108,7 @@ class Model:
             self._release_blocks()
             self._stop_cupy_routing()
             raise
+        self._freed = False
 
     def _stop_cupy_routing(self) -> None:
         if self._routes_cupy:
@@ -120,6 +120,8 @@ class Model:
         # phase 1: header parse + validation (no device memory)
         if not os.path.exists(self.path):
             raise TinyLoopError(f"model file not found: {self.path}")
+        if not os.path.isfile(self.path):
+            raise TinyLoopError(f"model path is not a file: {self.path}")
         with read_tlm(self.path) as f:
             cfg = self.config = f.config
             self.chat_template = f.chat_template
@@ -137,6 +139,10 @@ class Model:
                 self.tokenizer = Tokenizer.from_json(tok_json, chat_template=self.chat_template,
                                                      bos_token_id=cfg.bos_token_id,
                                                      eos_token_id=cfg.eos_token_id)
+                if self.tokenizer.vocab_size > cfg.vocab_size:
+                    raise TokenizerError(
+                        f"{self.path}: the embedded tokenizer has {self.tokenizer.vocab_size} "
+                        f"tokens but the model's vocab_size is {cfg.vocab_size}")
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
             with tag_scope("weights"):
@@ -196,6 +202,15 @@ class Model:
             self._ops.synchronize()
             self._stop_cupy_routing()
 
+    def __del__(self):
+        # A Model dropped without free_model() would otherwise keep its blocks forever (the
+        # pool holds them, not the Model): free them, and say so, as an unclosed file does.
+        if not getattr(self, "_freed", True):
+            warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
+                          f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
+                          stacklevel=2)
+            self.free()
+
     def vram_usage_bytes(self) -> int:
         """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""
         return sum(b.nbytes for b in self._blocks)
@@ -224,6 +239,11 @@ class Model:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise TokenizerError("this model file has no tokenizer: pass token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TokenizerError(f"prompt is not valid Unicode text ({e.reason} at index "
+                                     f"{e.start})") from None
             ids = self.tokenizer.encode(prompt)
             if not ids and self.config.bos_token_id >= 0:
                 ids = [self.config.bos_token_id]
@@ -380,11 +400,19 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     return Model(path, max_seq_len, prefill_chunk, backend=backend)
 
 
+def _check_model(model) -> Model:
+    if not isinstance(model, Model):
+        raise ConfigError(f"expected a tinyloop Model, got {type(model).__name__}")
+    return model
+
+
 def free_model(model: Model) -> None:
-    """Free every byte the model owns (idempotent); the model is unusable afterwards."""
-    model.free()
+    """Free every byte the model owns (idempotent); the model is unusable afterwards.
+    Raises ConfigError when ``model`` is not a Model."""
+    _check_model(model).free()
 
 
 def vram_usage_bytes(model: Model) -> int:
-    """Bytes the model owns in the pool (0 after free_model)."""
-    return model.vram_usage_bytes()
+    """Bytes the model owns in the pool (0 after free_model). Raises ConfigError when
+    ``model`` is not a Model."""
+    return _check_model(model).vram_usage_bytes()

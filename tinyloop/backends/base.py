@@ -35,7 +35,11 @@ class Ops:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         blk = pool.allocate(max(nbytes, 1), tag)
-        return blk.array(shape, dtype), blk
+        try:
+            return blk.array(shape, dtype), blk
+        except BaseException:
+            pool.free(blk)
+            raise
 
     def upload_array(self, host: np.ndarray, pool):
         """Copy a host array into a new pool block (tag: the current tag_scope)."""
