@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import TinyLoopError
+from .config import ModelConfig
+from .errors import ConfigError, TinyLoopError
 
 DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
 
@@ -75,12 +76,28 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
     return 0
 
 
+def _check_request_args(a) -> None:
+    """Validate the sampling/size options before anything is loaded."""
+    from .config import check_load_args
+    from .generate import check_sampling
+    check_load_args(a.max_seq_len, a.prefill_chunk)
+    check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p)
+    if a.seed is not None and a.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {a.seed}")
+    if a.depth is not None and a.depth < 1:
+        raise ConfigError(f"--depth must be >= 1, got {a.depth}")
+
+
 def cmd_run(a) -> int:
     from .default import default_model_path
+    if a.prompt is not None and not a.prompt.strip():
+        raise ConfigError("--prompt is empty")
+    _check_request_args(a)
     return cmd_run_like(default_model_path(), a.prompt or DEFAULT_PROMPT, a)
 
 
 def cmd_generate(a) -> int:
+    _check_request_args(a)
     return cmd_run_like(a.model, a.prompt, a)
 
 
@@ -108,10 +125,15 @@ def _parse_dims(text: str) -> dict:
 
 def cmd_convert(a) -> int:
     if a.synthetic:
-        from .convert.synthetic import synthetic_config, write_synthetic
-        cfg = write_synthetic(a.dst or a.src, synthetic_config(**_parse_dims(a.dims)),
+        from .convert.synthetic import SMOLLM2_DIMS, write_synthetic
+        if a.dst:
+            raise ConfigError("with --synthetic give one path (the output), not SRC and DST")
+        if a.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {a.seed}")
+        cfg = write_synthetic(a.src, ModelConfig.from_dict({**SMOLLM2_DIMS,
+                                                            **_parse_dims(a.dims)}),
                               seed=a.seed, bits=a.bits, group_size=a.group_size)
-        print(f"wrote {a.dst or a.src}: {cfg}")
+        print(f"wrote {a.src}: {cfg}")
         return 0
     from .convert import convert
     start, _, end = a.recurrent.partition(":")
@@ -131,8 +153,15 @@ def cmd_inspect(a) -> int:
 
     from . import plan as planmod
     from .format import read_tlm
+    from .config import check_load_args
+    check_load_args(a.max_seq_len, a.prefill_chunk)
+    backend = a.backend
+    if backend == "auto":
+        from .backends import cuda_available
+        backend = "cuda" if cuda_available() else "numpy"
     with read_tlm(a.model) as f:
         cfg = f.config
+        depth = cfg.check_depth(a.depth)
         layout = {n: (f.quant_weight(n).bits, f.quant_weight(n).group_size)
                   for n in f.quant_names()}
         print(f"file      {a.model}  ({_fmt_bytes(f.file_size)}, .tlm version {f.version})")
@@ -144,15 +173,15 @@ def cmd_inspect(a) -> int:
         groups = sorted({g for _, g in layout.values()})
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
-    if a.backend == "cuda":
+    if backend == "cuda":
         act, kv = np.float16, np.float16
     else:
         act, kv = np.float32, np.float32
     from .config import fp16_cache_enabled
     p = planmod.load_plan(cfg, layout, a.max_seq_len, a.prefill_chunk, act,
-                          fp16_cache=fp16_cache_enabled(default=a.backend == "numpy"),
-                          backend=a.backend)
-    print(f"\nmemory plan for backend={a.backend} max_seq_len={a.max_seq_len} "
+                          fp16_cache=fp16_cache_enabled(default=backend == "numpy"),
+                          backend=backend)
+    print(f"\nmemory plan for backend={backend} max_seq_len={a.max_seq_len} "
           f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
     by = planmod.plan_bytes_by_phase(p)
     for ph, name in planmod.PHASES.items():
@@ -163,7 +192,6 @@ def cmd_inspect(a) -> int:
             print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
     total = sum(e.nbytes for e in p)
     print(f"  model total{'':<22}{total:>14,d}  {_fmt_bytes(total)}")
-    depth = a.depth or cfg.default_depth
     (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, kv)
     print(f"  per request: KV cache for {a.max_seq_len} positions at depth {depth} "
           f"({cfg.n_slots(depth)} slots): {kv_e.nbytes:,d}  {_fmt_bytes(kv_e.nbytes)}")
@@ -199,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--max-seq-len", type=int, default=2048)
     i.add_argument("--prefill-chunk", type=int, default=0)
     i.add_argument("--depth", type=int, default=None)
-    i.add_argument("--backend", choices=("cuda", "numpy"), default="cuda")
+    i.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
+                   help="whose dtypes to plan with (auto: cuda where CuPy sees a GPU)")
     i.set_defaults(fn=cmd_inspect)
     return ap
 

@@ -289,6 +289,11 @@ def render_chat_template(template: str, messages: list[dict], *,
     def raise_exception(message):
         raise TokenizerError(f"chat template error: {message}")
 
+    if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise TokenizerError("messages must be a list of {'role': str, 'content': str} dicts, "
+                             f"got {messages!r:.200}")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:

@@ -315,6 +315,9 @@ class MemoryPool:
         if isinstance(limit, str):
             limit = parse_size(limit, name="memory limit", total_bytes=self._raw.mem_info()[1])
         elif limit is not None:
+            if isinstance(limit, bool) or not hasattr(limit, "__index__"):
+                raise ConfigError(f"memory limit must be an int number of bytes, a size string "
+                                  f"like '2G' or '50%', or None; got {limit!r}")
             limit = operator.index(limit)
             if limit < 0:
                 raise ConfigError(f"memory limit must be >= 0 bytes, got {limit}")
