@@ -336,3 +336,12 @@ def test_cli_inspect_and_synthetic(tmp_path, capsys):
                  "numpy"]) == 0
     assert main(["inspect", str(tmp_path / "missing.tlm")]) == 1
     assert "missing.tlm" in capsys.readouterr().err
+    for argv, needle in ((["inspect", str(p), "--depth", "99"], "max_depth=3"),
+                         (["inspect", str(p), "--max-seq-len", "-5"], "max_seq_len=-5"),
+                         (["generate", str(p), "hi", "--seed", "-1"], "--seed"),
+                         (["generate", str(p), "hi", "--top-p", "0"], "top_p"),
+                         (["convert", "--synthetic", str(tmp_path / "x.tlm"), "--dims", "foo=1"],
+                          "foo"),
+                         (["convert", "--synthetic", str(p), str(p)], "one path")):
+        assert main(argv) == 1, argv
+        assert needle in capsys.readouterr().err, argv
