@@ -184,19 +184,20 @@ def test_bad_load_arguments(tiny_model_path, tmp_path):
 
 
 def test_concurrent_calls_are_serialized(tiny_model_path):
-    """Four threads on one Model get exactly the results of sequential calls, and no two
-    forward passes ever run at the same time (the per-model lock)."""
+    """Four threads on one Model get exactly the results of sequential calls; each call's
+    forward passes form one uninterrupted run (generate holds the per-model lock)."""
     m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
     try:
         prompts = [[1, 2, 3], [200, 100, 50, 25], [7] * 9, [42, 43]]
         want = [m.generate(p, max_new_tokens=20, depth=2).token_ids for p in prompts]
         got = [None] * 4
-        active, peak = [0], [0]
+        active, peak, order = [0], [0], []
         orig = m._forward_chunk
 
         def spy(*a, **k):
             active[0] += 1
             peak[0] = max(peak[0], active[0])
+            order.append(threading.get_ident())
             try:
                 return orig(*a, **k)
             finally:
@@ -216,6 +217,7 @@ def test_concurrent_calls_are_serialized(tiny_model_path):
             t.join(timeout=60)
         assert got == want
         assert peak[0] == 1
+        assert sum(1 for a, b in zip(order, order[1:]) if a != b) == 3   # 4 contiguous runs
     finally:
         tinyloop.free_model(m)
 

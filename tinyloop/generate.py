@@ -187,11 +187,17 @@ def _as_int(v, name: str) -> int:
 
 def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
              top_p=1.0, seed=None, stop=None) -> GenerationResult:
-    """Run :func:`stream` to completion and return a GenerationResult."""
+    """Run :func:`stream` to completion and return a GenerationResult.
+
+    Holds the model's lock for the whole call (the lock is re-entrant, so the stream's
+    per-token acquisitions nest): concurrent generate/logits/score calls on one Model run one
+    after another, never interleaved.
+    """
     res: dict = {}
-    for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                    stop, _result=res):
-        pass
+    with model._lock:
+        for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
+                        stop, _result=res):
+            pass
     n = len(res["token_ids"])
     tps = (n - 1) / (res["decode_ms"] / 1e3) if n > 1 and res["decode_ms"] > 0 else 0.0
     return GenerationResult(token_ids=res["token_ids"], text=res["text"],

@@ -81,7 +81,11 @@ class Model:
     Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
     ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
     PlanEntry). Calls on one Model are serialized by a per-model lock (the seed's
-    lock-per-model pattern): concurrent callers wait, they are never interleaved.
+    lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
+    so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
+    (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
+    a caller stops reading never blocks the model; a step touches only its own request's KV
+    cache and residual row, so whatever runs between two steps cannot disturb it.
     """
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
