@@ -331,22 +331,20 @@ class Model:
     def _layer(self, li: int, slot: int, x, pos0: int, v: dict, cache: RuntimeKVCache) -> None:
         cfg, ops, lw = self.config, self._ops, self._layers[li]
         norm, qkv = v["norm"], v["qkv"]
-        ops.rmsnorm(x, lw.attn_norm, cfg.norm_eps, norm)
-        ops.linear(norm, lw.attn_qkv, qkv)
+        ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
         kc, vc = cache.k(slot), cache.v(slot)
         ops.rope_kv(qkv, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kc, vc)
         ops.attention(qkv, kc, vc, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"])
         ops.linear_residual(v["att"], lw.attn_output, x)
-        ops.rmsnorm(x, lw.ffn_norm, cfg.norm_eps, norm)
-        ops.linear_swiglu(norm, lw.ffn_gate_up, v["gate_up"], v["h"])
+        ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
+                                  v["h"], norm)
         ops.linear_residual(v["h"], lw.ffn_down, x)
 
     def head(self, pos0: int, t: int, out) -> None:
         """Final RMSNorm + LM head of residual rows pos0..pos0+t into ``out`` f32 [t, vocab]."""
         cfg = self.config
-        norm = self._views(t)["norm"]
-        self._ops.rmsnorm(self._buf.main[pos0:pos0 + t], self._output_norm, cfg.norm_eps, norm)
-        self._ops.lm_head(norm, self._head, out)
+        self._ops.rmsnorm_lm_head(self._buf.main[pos0:pos0 + t], self._output_norm,
+                                  cfg.norm_eps, self._head, out, self._views(t)["norm"])
 
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None) -> np.ndarray:

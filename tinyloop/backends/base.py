@@ -99,5 +99,24 @@ class Ops:
     def lm_head(self, x, w, out):                   # x act [T, d]; out f32 [T, vocab]
         raise NotImplementedError
 
+    # --- fused pairs: RMSNorm feeding the next projection --------------------------------
+    # Defaults compose the two ops through the ``norm`` scratch rows; a backend may fuse them
+    # (the CUDA backend does at T = 1: one launch instead of two per pair, and ``norm`` is then
+    # left unwritten). Results must equal the composition at the backend's precision.
+    def rmsnorm_linear(self, x, weight, eps, w, out, norm):
+        """out act [T, n] = rmsnorm(x f32 [T, d]) @ W.T."""
+        self.rmsnorm(x, weight, eps, norm)
+        self.linear(norm, w, out)
+
+    def rmsnorm_linear_swiglu(self, x, weight, eps, w, tmp, out, norm):
+        """out act [T, F] = swiglu(rmsnorm(x) @ W.T) (gate rows then up rows)."""
+        self.rmsnorm(x, weight, eps, norm)
+        self.linear_swiglu(norm, w, tmp, out)
+
+    def rmsnorm_lm_head(self, x, weight, eps, w, out, norm):
+        """out f32 [T, vocab] = rmsnorm(x) @ W.T."""
+        self.rmsnorm(x, weight, eps, norm)
+        self.lm_head(norm, w, out)
+
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         raise NotImplementedError
