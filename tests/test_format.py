@@ -200,5 +200,16 @@ def test_writer_refuses_tensors_that_do_not_match(tmp_path):
     assert not (tmp_path / "w.tlm").exists()
 
 
+def test_writer_refuses_a_tokenizer_larger_than_the_vocab(tmp_path):
+    from tinyloop.convert.synthetic import (byte_level_tokenizer_json, synthetic_config,
+                                            synthetic_weights)
+    from tinyloop.format import write_tlm
+    from .conftest import TINY
+    cfg = synthetic_config(**TINY)                       # vocab 300
+    with pytest.raises(errors.TensorShapeError, match="ids up to 399"):
+        write_tlm(tmp_path / "t.tlm", cfg, synthetic_weights(cfg, 0),
+                  tokenizer_json=byte_level_tokenizer_json(400))
+
+
 def test_prefix_struct_is_24_bytes():
     assert PREFIX.size == 24 and struct.calcsize("<8sIIQ") == 24

@@ -121,6 +121,10 @@ def write_tlm(path, config: ModelConfig, tensors: dict, *, tokenizer_json: str |
                 raise TensorShapeError(f"{name} has shape {a.shape}, config needs {shape}")
             arrays.append((name, "f32", a))
     if tokenizer_json is not None:
+        n_tok = _tokenizer_json_size(tokenizer_json)
+        if n_tok > config.vocab_size:
+            raise TensorShapeError(f"the tokenizer has ids up to {n_tok - 1} but vocab_size is "
+                                   f"{config.vocab_size}")
         arrays.append(("tokenizer.json", "u8",
                        np.frombuffer(tokenizer_json.encode("utf-8"), dtype=np.uint8)))
 
@@ -148,6 +152,17 @@ def write_tlm(path, config: ModelConfig, tensors: dict, *, tokenizer_json: str |
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _tokenizer_json_size(text: str) -> int:
+    """1 + the largest token id in HF ``tokenizers`` JSON (model vocab and added tokens)."""
+    try:
+        spec = json.loads(text)
+        ids = list((spec.get("model") or {}).get("vocab", {}).values())
+        ids += [t["id"] for t in spec.get("added_tokens") or []]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise TensorShapeError(f"tokenizer_json is not HF tokenizers JSON: {e}") from None
+    return 1 + max((i for i in ids if isinstance(i, int)), default=-1)
 
 
 def _tensor_sort_key(name: str):
@@ -251,9 +266,10 @@ class TLMFile:
             for s in shape:
                 count *= s
             want = count * np.dtype(DTYPES[dt]).itemsize
-            if want >= 1 << 62 or nb >= 1 << 62 or off >= 1 << 62:
-                raise SizeOverflowError(f"{self.path}: tensor {name!r} declares an impossible "
-                                        f"size ({want} bytes from shape {shape})")
+            for what, v in (("size", want), ("nbytes", nb), ("offset", off)):
+                if v >= 1 << 62:
+                    raise SizeOverflowError(f"{self.path}: tensor {name!r} declares an "
+                                            f"impossible {what} ({v}; shape {shape})")
             if want != nb:
                 raise TensorShapeError(f"{self.path}: tensor {name!r} declares nbytes={nb} but "
                                        f"shape {shape} of {dt} needs {want}")
