@@ -5,7 +5,8 @@
 Times (CUDA events, median of repeats after warm-up, GPU time per launch):
   - the device-to-device copy bandwidth (bytes read + written), the ceiling for the GEMVs;
   - decode GEMVs (T = 1) for each layer matrix, the LM head and one large matrix, as GB/s of
-    weight bytes (codes + scales + zeros) against that ceiling;
+    weight bytes (codes + scales + zeros) against that ceiling, and the RMSNorm-fused ones
+    (rmsnorm_linear / _swiglu / rmsnorm_lm_head at T = 1: the f32 residual row in);
   - prefill GEMMs (T = 2048) for each layer matrix, as TFLOP/s, with and without the FP16 cache
     (cuBLAS); prefill and decode attention;
   - one whole synthetic layer stack (30 layers) for a 2048-token prefill, and host wall clock
@@ -135,13 +136,18 @@ def main() -> int:
     gemv = {}
     cases = [("qkv", 960, D, 4, "f16"), ("wo", D, D, 4, "resid"), ("gate_up", 2 * FFN, D, 4, "swiglu"),
              ("down", D, FFN, 4, "resid"), ("lm_head", VOCAB, D, 8, "f32"),
-             ("big_q4", 16384, 8192, 4, "f16"), ("big_q8", 8192, 8192, 8, "f16")]
+             ("big_q4", 16384, 8192, 4, "f16"), ("big_q8", 8192, 8192, 8, "f16"),
+             # RMSNorm fused in (T = 1): the input is the f32 residual row
+             ("norm+qkv", 960, D, 4, "norm_f16"), ("norm+gate_up", 2 * FFN, D, 4, "norm_swiglu"),
+             ("norm+lm_head", VOCAB, D, 8, "norm_f32")]
     for name, nout, k, bits, epi in cases:
         # several copies so small matrices are not timed out of L2 alone
         copies = max(1, int(256e6 // (nout * k)))
         ws = [rand_qw(rng, nout, k, bits) for _ in range(min(copies, 8))]
         x = cupy.asarray(rng.standard_normal((1, k)).astype(np.float16))
-        out16 = cupy.empty((1, nout // 2 if epi == "swiglu" else nout), cupy.float16)
+        x32 = cupy.asarray(rng.standard_normal((1, k)).astype(np.float32))
+        nw = cupy.ones(k, cupy.float32)
+        out16 = cupy.empty((1, nout // 2 if epi.endswith("swiglu") else nout), cupy.float16)
         out32 = cupy.zeros((1, nout), cupy.float32)
         state = {"i": 0}
 
@@ -154,6 +160,12 @@ def main() -> int:
                 ops.linear_residual(x, w, out32)
             elif epi == "swiglu":
                 ops.linear_swiglu(x, w, None, out16)
+            elif epi == "norm_f16":
+                ops.rmsnorm_linear(x32, nw, 1e-5, w, out16, None)
+            elif epi == "norm_swiglu":
+                ops.rmsnorm_linear_swiglu(x32, nw, 1e-5, w, None, out16, None)
+            elif epi == "norm_f32":
+                ops.rmsnorm_lm_head(x32, nw, 1e-5, w, out32, None)
             else:
                 ops.lm_head(x, w, out32)
         us = graph_us(run, n=max(8, len(ws)))
@@ -203,6 +215,8 @@ def main() -> int:
         "linear_T1": host_us(lambda: ops.linear(x1, w_small, o1)),
         "bare_cupy_launch": host_us(lambda: info.gemv["f16"]((120,), (256,), raw_args)),
         "rmsnorm_T1": host_us(lambda: ops.rmsnorm(main_h[:1], norm_h, 1e-5, n1)),
+        "rmsnorm_linear_T1": host_us(lambda: ops.rmsnorm_linear(main_h[:1], norm_h, 1e-5,
+                                                                w_small, o1, n1)),
         "attention_T1": host_us(lambda: ops.attention(qkv[:1], kc, vc, 100, H, HKV, HD,
                                                        att[:1])),
     }
@@ -228,14 +242,12 @@ def main() -> int:
         x = main_[pos0:pos0 + tt]
         nb, q = norm[:tt], rows(s1, tt, 960)
         a_, h = rows(ad, tt, D), rows(ad, tt, FFN)
-        for li, lw in enumerate(layers):
-            ops.rmsnorm(x, norm_w, 1e-5, nb)
-            ops.linear(nb, lw["qkv"], q)
+        for li, lw in enumerate(layers):   # as tinyloop.model: RMSNorm fused at T = 1
+            ops.rmsnorm_linear(x, norm_w, 1e-5, lw["qkv"], q, nb)
             ops.rope_kv(q, pos0, 1e4, H, HKV, HD, kcs[li], vcs[li])
             ops.attention(q, kcs[li], vcs[li], pos0, H, HKV, HD, a_)
             ops.linear_residual(a_, lw["wo"], x)
-            ops.rmsnorm(x, norm_w, 1e-5, nb)
-            ops.linear_swiglu(nb, lw["gu"], rows(s1, tt, 2 * FFN), h)
+            ops.rmsnorm_linear_swiglu(x, norm_w, 1e-5, lw["gu"], rows(s1, tt, 2 * FFN), h, nb)
             ops.linear_residual(h, lw["down"], x)
 
     def prefill():
@@ -245,8 +257,7 @@ def main() -> int:
 
     def decode_token(pos):
         forward(pos, 1)
-        ops.rmsnorm(main_[pos:pos + 1], norm_w, 1e-5, norm[:1])
-        ops.lm_head(norm[:1], head, logits)
+        ops.rmsnorm_lm_head(main_[pos:pos + 1], norm_w, 1e-5, head, logits, norm[:1])
         return ops.sample(logits, 0.0, 0, 1.0, 0.0)
     for p in range(t, t + 3):
         decode_token(p)
@@ -262,11 +273,10 @@ def main() -> int:
 
     def body():
         forward(pos_g, 1)
-        ops.rmsnorm(main_[pos_g:pos_g + 1], norm_w, 1e-5, norm[:1])
-        ops.lm_head(norm[:1], head, logits)
+        ops.rmsnorm_lm_head(main_[pos_g:pos_g + 1], norm_w, 1e-5, head, logits, norm[:1])
     graph_tok_us = graph_us(body, n=1)
     res["stack_decode"] = {"ms_per_token": per_tok * 1e3, "tok_per_s": 1 / per_tok,
-                           "launches_per_token": LAYERS * 8 + 3,
+                           "launches_per_token": LAYERS * 6 + 2,
                            "graph_ms_per_token": graph_tok_us / 1e3}
 
     if args.out:

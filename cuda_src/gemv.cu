@@ -1,13 +1,22 @@
 // Quantized GEMV for decode (T = 1): y = x @ W.T with W group-quantized (INT4 / INT8, g = 32/64/128).
 //
 // Checked against: NumpyOps.linear / linear_residual / linear_swiglu / lm_head / inject at T = 1
-// (tests/gpu/test_kernels.py::test_linear* with T=1, ::test_lm_head, ::test_inject).
+// (tests/gpu/test_kernels.py::test_linear* with T=1, ::test_lm_head, ::test_inject), and the
+// RMSNorm-fused entries gemv_norm_* against NumpyOps' rmsnorm + linear / linear_swiglu / lm_head
+// composition and against CudaOps' own unfused composition (::test_rmsnorm_fused*).
 //
 // Memory-bound: every weight byte is read once with a 16-byte load and dequantized in registers.
 // One warp per output row (two rows, gate and up, for SwiGLU); a lane takes 16-byte chunks
 // of the row: 32 INT4 codes or 16 INT8 codes, which never straddle a group since g >= 32.
 // Per group the dot product is factored: sum_k (q_k s + z) x_k = s * sum q_k x_k + z * sum x_k.
 // Needs K % 32 == 0 and 16-byte aligned rows (the host wrapper checks).
+//
+// RMSNorm fusion (gemv_norm_*, decode only): the input is the FP32 residual row instead of an
+// FP16 activation. Each block first normalizes the whole row into dynamic shared memory
+// (K halves, 16-byte aligned) with exactly rmsnorm.cu's arithmetic, then its warps run the
+// same per-row loop (gemv_row) reading x from shared memory, striding over rows by the grid
+// (the host caps the grid at about one resident wave, so the row is normalized at most that
+// many times). One launch replaces rmsnorm + GEMV; the FP16 normalized row never hits memory.
 #include "common.cuh"
 
 #define GEMV_WARPS 8
@@ -63,16 +72,15 @@ __device__ __forceinline__ float chunk_dot(const uint4 wv, const half_t* __restr
     return fmaf(s, dot, z * sx);
 }
 
-// x f16 [K]; W rows [N_w, K]; EPI_F16: out f16 [N]; EPI_RESID: out f32 [N] +=;
-// EPI_F32: out f32 [N]; EPI_SWIGLU: out f16 [F] = silu(x.W[r]) * (x.W[r+F]), N = F.
-// grid = ceil(N / GEMV_WARPS), block = 32 * GEMV_WARPS.
+// One warp computes output row `row` (and `row + F` for SwiGLU) of y = x @ W.T and writes its
+// epilogue. x f16 [K] (global or shared); W rows [N_w, K]; EPI_F16: out f16 [N];
+// EPI_RESID: out f32 [N] +=; EPI_F32: out f32 [N]; EPI_SWIGLU: out f16 [F] =
+// silu(x.W[r]) * (x.W[r+F]), N = F.
 template <int BITS, int EPI>
-__device__ void gemv_impl(const u8* __restrict__ qw, const half_t* __restrict__ sc,
-                          const half_t* __restrict__ zr, const half_t* __restrict__ x, i64 N,
-                          i64 K, i64 F, i64 log2g, void* __restrict__ out) {
-    const int lane = threadIdx.x & 31;
-    const i64 row = (i64)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= N) return;
+__device__ __forceinline__ void gemv_row(const u8* __restrict__ qw, const half_t* __restrict__ sc,
+                                         const half_t* __restrict__ zr,
+                                         const half_t* __restrict__ x, i64 row, i64 K, i64 F,
+                                         int log2g, void* __restrict__ out, int lane) {
     const i64 row_bytes = BITS == 4 ? K / 2 : K;
     const int chunks = (int)(row_bytes / 16);
     const int ngroups = (int)(K >> log2g);
@@ -83,21 +91,21 @@ __device__ void gemv_impl(const u8* __restrict__ qw, const half_t* __restrict__ 
         const uint4* w1 = (const uint4*)(qw + row1 * row_bytes);
         for (int c = lane; c < chunks; c += 32) {
             const uint4 a = w0[c], b = w1[c];
-            acc0 += chunk_dot<BITS>(a, x, c, sc, zr, row, ngroups, (int)log2g);
-            acc1 += chunk_dot<BITS>(b, x, c, sc, zr, row1, ngroups, (int)log2g);
+            acc0 += chunk_dot<BITS>(a, x, c, sc, zr, row, ngroups, log2g);
+            acc1 += chunk_dot<BITS>(b, x, c, sc, zr, row1, ngroups, log2g);
         }
         acc1 = warp_sum(acc1);
     } else {
         int c = lane;
         for (; c + 96 < chunks; c += 128) {       // four 16-byte loads in flight per lane
             const uint4 a0 = w0[c], a1 = w0[c + 32], a2 = w0[c + 64], a3 = w0[c + 96];
-            acc0 += chunk_dot<BITS>(a0, x, c, sc, zr, row, ngroups, (int)log2g);
-            acc0 += chunk_dot<BITS>(a1, x, c + 32, sc, zr, row, ngroups, (int)log2g);
-            acc0 += chunk_dot<BITS>(a2, x, c + 64, sc, zr, row, ngroups, (int)log2g);
-            acc0 += chunk_dot<BITS>(a3, x, c + 96, sc, zr, row, ngroups, (int)log2g);
+            acc0 += chunk_dot<BITS>(a0, x, c, sc, zr, row, ngroups, log2g);
+            acc0 += chunk_dot<BITS>(a1, x, c + 32, sc, zr, row, ngroups, log2g);
+            acc0 += chunk_dot<BITS>(a2, x, c + 64, sc, zr, row, ngroups, log2g);
+            acc0 += chunk_dot<BITS>(a3, x, c + 96, sc, zr, row, ngroups, log2g);
         }
         for (; c < chunks; c += 32)
-            acc0 += chunk_dot<BITS>(w0[c], x, c, sc, zr, row, ngroups, (int)log2g);
+            acc0 += chunk_dot<BITS>(w0[c], x, c, sc, zr, row, ngroups, log2g);
     }
     acc0 = warp_sum(acc0);
     if (lane != 0) return;
@@ -107,11 +115,66 @@ __device__ void gemv_impl(const u8* __restrict__ qw, const half_t* __restrict__ 
     if (EPI == EPI_SWIGLU) ((half_t*)out)[row] = f2h(acc0 / (1.0f + __expf(-acc0)) * acc1);
 }
 
+// x f16 [K] in global memory. grid = ceil(N / GEMV_WARPS), block = 32 * GEMV_WARPS.
+template <int BITS, int EPI>
+__device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
+                                          const half_t* __restrict__ sc,
+                                          const half_t* __restrict__ zr,
+                                          const half_t* __restrict__ x, i64 N, i64 K, i64 F,
+                                          i64 log2g, void* __restrict__ out) {
+    const i64 row = (i64)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row < N) gemv_row<BITS, EPI>(qw, sc, zr, x, row, K, F, (int)log2g, out, threadIdx.x & 31);
+}
+
+// The normalized row: xs[i] = f16(x[i] * inv_rms * weight[i]), computed exactly as
+// rmsnorm.cu's rmsnorm_f32_f16 does (the same per-thread fmaf order over a 256-thread block,
+// the same block_sum, the same double-precision rsqrt, the same two float products), so the
+// FP16 values are bit-identical to the unfused rmsnorm output. Ends with a barrier.
+static_assert(32 * GEMV_WARPS == 256, "bit-identity with rmsnorm.cu needs a 256-thread block");
+extern __shared__ __align__(16) unsigned char gemv_smem[];
+
+__device__ __forceinline__ void norm_row_to_shared(const float* __restrict__ xr,
+                                                   const float* __restrict__ weight, double eps,
+                                                   i64 d, half_t* xs) {
+    __shared__ float red[32];
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, red);
+    const float inv = (float)(1.0 / sqrt((double)ss / (double)d + eps));
+    for (int i = threadIdx.x; i < d; i += blockDim.x) xs[i] = f2h(xr[i] * inv * weight[i]);
+    __syncthreads();
+}
+
+// x f32 [K] (the residual row), weight f32 [K]; dynamic shared memory = 2 K bytes.
+// grid <= ceil(N / GEMV_WARPS) (grid-stride over rows), block = 32 * GEMV_WARPS.
+template <int BITS, int EPI>
+__device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
+                                               const float* __restrict__ weight, double eps,
+                                               const u8* __restrict__ qw,
+                                               const half_t* __restrict__ sc,
+                                               const half_t* __restrict__ zr, i64 N, i64 K,
+                                               i64 F, i64 log2g, void* __restrict__ out) {
+    half_t* xs = (half_t*)gemv_smem;
+    norm_row_to_shared(x, weight, eps, K, xs);
+    const int lane = threadIdx.x & 31;
+    // int row index (N < 2^30, the host checks): an i64 loop counter made ptxas spill here
+    const int step = gridDim.x * GEMV_WARPS;
+    for (int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5); row < N; row += step)
+        gemv_row<BITS, EPI>(qw, sc, zr, xs, row, K, F, (int)log2g, out, lane);
+}
+
 #define GEMV_ENTRY(NAME, BITS, EPI)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
              i64 F, i64 log2g, void* out) {                                                   \
         gemv_impl<BITS, EPI>(qw, sc, zr, x, N, K, F, log2g, out);                             \
+    }
+
+#define GEMV_NORM_ENTRY(NAME, BITS, EPI)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
+        NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
+             const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
+        gemv_norm_impl<BITS, EPI>(x, weight, eps, qw, sc, zr, N, K, F, log2g, out);           \
     }
 
 GEMV_ENTRY(gemv_q4_f16, 4, EPI_F16)
@@ -122,3 +185,11 @@ GEMV_ENTRY(gemv_q8_f16, 8, EPI_F16)
 GEMV_ENTRY(gemv_q8_resid, 8, EPI_RESID)
 GEMV_ENTRY(gemv_q8_swiglu, 8, EPI_SWIGLU)
 GEMV_ENTRY(gemv_q8_f32, 8, EPI_F32)
+
+// RMSNorm -> projection at T = 1 (CudaOps.rmsnorm_linear / _swiglu / rmsnorm_lm_head).
+GEMV_NORM_ENTRY(gemv_norm_q4_f16, 4, EPI_F16)
+GEMV_NORM_ENTRY(gemv_norm_q4_swiglu, 4, EPI_SWIGLU)
+GEMV_NORM_ENTRY(gemv_norm_q4_f32, 4, EPI_F32)
+GEMV_NORM_ENTRY(gemv_norm_q8_f16, 8, EPI_F16)
+GEMV_NORM_ENTRY(gemv_norm_q8_swiglu, 8, EPI_SWIGLU)
+GEMV_NORM_ENTRY(gemv_norm_q8_f32, 8, EPI_F32)

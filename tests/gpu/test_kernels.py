@@ -24,6 +24,7 @@ if not cuda_available():
 
 import cupy  # noqa: E402
 
+from tinyloop.backends.base import Ops  # noqa: E402
 from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
 from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
@@ -304,6 +305,179 @@ def test_inject(ops, ref, rng, bits, g, t, e_dtype, cache):
     assert_close(state, want, atol=2e-3 * rms(want), rtol=1e-3, what="inject")
 
 
+# --- RMSNorm fused into the next projection (T = 1: one gemv_norm_* launch) ----------------------
+# d: multiples of 32 (the GEMV's K rule) ragged against the 256-thread block, the 32 lanes and
+# the 4-chunk unroll, up to 8192; a g that does not divide d rounds d up to a multiple of g.
+NORM_D = [96, 576, 1504, 8192]
+EPS = 1e-5
+
+
+def _fit(d, g):
+    return -(-d // g) * g
+
+
+def resid_row(rng, t, d):
+    """A residual row f32 [t, d] (with one outlier per row) and a norm weight f32 [d]."""
+    x = (rng.standard_normal((t, d)) * 3).astype(np.float32)
+    x[np.arange(t), rng.integers(0, d, size=t)] = 40.0
+    wt = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    return x, wt
+
+
+def ref_normed(ref, x, wt):
+    """NumpyOps.rmsnorm, rounded to the CUDA activation dtype (FP16) the projection consumes:
+    the reference sees the same inputs as the unfused linear tests."""
+    n = np.empty_like(x)
+    ref.rmsnorm(x, wt, EPS, n)
+    return n.astype(np.float16).astype(np.float32)
+
+
+def assert_within_f16_rounding(fused, unfused, what, atol=2.0 ** -24):
+    """fused == unfused to within one FP16 ulp (the kernels are in fact bit-identical)."""
+    assert_close(fused, cupy.asnumpy(unfused).astype(np.float64), atol=atol, rtol=2.0 ** -10,
+                 what=what)
+
+
+def assert_unwritten(norm, what):
+    assert cupy.isnan(norm).all(), f"{what}: the fused path wrote the norm scratch"
+
+
+@pytest.mark.parametrize("bits,g", BITS_G)
+@pytest.mark.parametrize("d", NORM_D)
+@pytest.mark.parametrize("n", [960, 100])
+def test_rmsnorm_linear_fused(ops, ref, rng, bits, g, d, n):
+    d = _fit(d, g)
+    w = rand_weight(rng, n, d, bits, g)
+    dw = dev_weight(ops, w)
+    x, wt = resid_row(rng, 1, d)
+    want = np.empty((1, n), np.float32)
+    ref.linear(ref_normed(ref, x, wt), w, want)
+    xd, wtd = cupy.asarray(x), cupy.asarray(wt)
+    out, norm = poisoned((1, n), cupy.float16), poisoned((1, d), cupy.float16)
+    ops.rmsnorm_linear(xd, wtd, EPS, dw, out, norm)
+    assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL, what="rmsnorm_linear T=1")
+    assert_unwritten(norm, "rmsnorm_linear")
+    un, norm2 = poisoned((1, n), cupy.float16), poisoned((1, d), cupy.float16)
+    Ops.rmsnorm_linear(ops, xd, wtd, EPS, dw, un, norm2)          # unfused: rmsnorm + linear
+    assert_within_f16_rounding(out, un, "rmsnorm_linear fused vs unfused")
+
+
+@pytest.mark.parametrize("bits,g", BITS_G)
+@pytest.mark.parametrize("d,f", [(576, 1536), (96, 40), (1504, 200), (8192, 72)])
+def test_rmsnorm_linear_swiglu_fused(ops, ref, rng, bits, g, d, f):
+    d = _fit(d, g)
+    w = rand_weight(rng, 2 * f, d, bits, g)
+    dw = dev_weight(ops, w)
+    x, wt = resid_row(rng, 1, d)
+    want = np.empty((1, f), np.float32)
+    ref.linear_swiglu(ref_normed(ref, x, wt), w, None, want)
+    xd, wtd = cupy.asarray(x), cupy.asarray(wt)
+    out, norm = poisoned((1, f), cupy.float16), poisoned((1, d), cupy.float16)
+    tmp = poisoned((4, 2 * f), cupy.float16)
+    ops.rmsnorm_linear_swiglu(xd, wtd, EPS, dw, tmp, out, norm)
+    assert_close(out, want, atol=3e-3 * rms(want), rtol=F16_RTOL,
+                 what="rmsnorm_linear_swiglu T=1")
+    assert_unwritten(norm, "rmsnorm_linear_swiglu")
+    un, norm2 = poisoned((1, f), cupy.float16), poisoned((1, d), cupy.float16)
+    Ops.rmsnorm_linear_swiglu(ops, xd, wtd, EPS, dw, tmp, un, norm2)
+    assert_within_f16_rounding(out, un, "rmsnorm_linear_swiglu fused vs unfused")
+
+
+@pytest.mark.parametrize("bits,g,vocab,d", [(4, 32, 5003, 576), (8, 32, 5003, 576),
+                                            (4, 128, 1000, 8192), (8, 64, 1000, 8192),
+                                            (8, 32, 49157, 576)])
+def test_rmsnorm_lm_head_fused(ops, ref, rng, bits, g, vocab, d):
+    w = rand_weight(rng, vocab, d, bits, g)
+    dw = dev_weight(ops, w)
+    x, wt = resid_row(rng, 1, d)
+    want = np.empty((1, vocab), np.float32)
+    ref.lm_head(ref_normed(ref, x, wt), w, want)
+    xd, wtd = cupy.asarray(x), cupy.asarray(wt)
+    out, norm = poisoned((1, vocab), cupy.float32), poisoned((1, d), cupy.float16)
+    ops.rmsnorm_lm_head(xd, wtd, EPS, dw, out, norm)
+    assert_close(out, want, atol=2e-3 * rms(want), rtol=1e-3, what="rmsnorm_lm_head T=1")
+    assert_unwritten(norm, "rmsnorm_lm_head")
+    un, norm2 = poisoned((1, vocab), cupy.float32), poisoned((1, d), cupy.float16)
+    Ops.rmsnorm_lm_head(ops, xd, wtd, EPS, dw, un, norm2)
+    assert_within_f16_rounding(out, un, "rmsnorm_lm_head fused vs unfused",
+                               atol=2.0 ** -11 * rms(cupy.asnumpy(un)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rmsnorm_fused_grid_stride(ops, rng, monkeypatch, bits):
+    """A capped grid (blocks striding over rows, each normalizing the row itself) gives
+    bit-identical results."""
+    d, n, f = 576, 203, 77
+    x, wt = (cupy.asarray(a) for a in resid_row(rng, 1, d))
+    wl = dev_weight(ops, rand_weight(rng, n, d, bits, 32))
+    ws = dev_weight(ops, rand_weight(rng, 2 * f, d, bits, 64))
+    norm = poisoned((1, d), cupy.float16)
+
+    def run():
+        o1, o2 = poisoned((1, n), cupy.float16), poisoned((1, f), cupy.float16)
+        o3 = poisoned((1, n), cupy.float32)
+        ops.rmsnorm_linear(x, wt, EPS, wl, o1, norm)
+        ops.rmsnorm_linear_swiglu(x, wt, EPS, ws, None, o2, norm)
+        ops.rmsnorm_lm_head(x, wt, EPS, wl, o3, norm)
+        return [cupy.asnumpy(o) for o in (o1, o2, o3)]
+    full = run()
+    for cap in (1, 3):
+        monkeypatch.setattr(ops, "_norm_blocks", cap)
+        for a, b in zip(run(), full):
+            assert np.isfinite(a).all() and np.array_equal(a, b), f"grid cap {cap}"
+    assert_unwritten(norm, "grid stride")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rmsnorm_pairs_compose_for_prefill(ops, ref, rng, bits):
+    """T > 1: each pair is rmsnorm into ``norm`` then the projection (bit-identical to calling
+    the two ops; those are checked against NumPy above)."""
+    t, d, n, f, vocab = 5, 576, 70, 40, 300
+    x, wt = resid_row(rng, t, d)
+    xn = ref_normed(ref, x, wt)
+    xd, wtd = cupy.asarray(x), cupy.asarray(wt)
+    wl = dev_weight(ops, rand_weight(rng, n, d, bits, 32))
+    ws = dev_weight(ops, rand_weight(rng, 2 * f, d, bits, 32))
+    wh = dev_weight(ops, rand_weight(rng, vocab, d, bits, 32))
+    tmp = poisoned((t, 2 * f), cupy.float16)
+    cases = [
+        ("rmsnorm_linear", n, cupy.float16,
+         lambda o, nm: ops.rmsnorm_linear(xd, wtd, EPS, wl, o, nm),
+         lambda o, nm: ops.linear(nm, wl, o)),
+        ("rmsnorm_linear_swiglu", f, cupy.float16,
+         lambda o, nm: ops.rmsnorm_linear_swiglu(xd, wtd, EPS, ws, tmp, o, nm),
+         lambda o, nm: ops.linear_swiglu(nm, ws, tmp, o)),
+        ("rmsnorm_lm_head", vocab, cupy.float32,
+         lambda o, nm: ops.rmsnorm_lm_head(xd, wtd, EPS, wh, o, nm),
+         lambda o, nm: ops.lm_head(nm, wh, o)),
+    ]
+    for name, cols, dt, pair, proj in cases:
+        out, norm = poisoned((t, cols), dt), poisoned((t, d), cupy.float16)
+        pair(out, norm)
+        assert_close(norm, xn, atol=1e-3, rtol=F16_RTOL, what=f"{name} T={t} norm")
+        un, norm2 = poisoned((t, cols), dt), poisoned((t, d), cupy.float16)
+        ops.rmsnorm(xd, wtd, EPS, norm2)
+        proj(un, norm2)
+        a_, b_ = cupy.asnumpy(out), cupy.asnumpy(un)
+        assert np.isfinite(a_).all() and np.array_equal(a_, b_), f"{name} T={t}"
+
+
+def test_rmsnorm_fused_errors_name_the_bad_value(ops, rng):
+    dw = dev_weight(ops, rand_weight(rng, 64, 128, 4, 32))
+    x, wt = cupy.zeros((1, 128), cupy.float32), cupy.ones(128, cupy.float32)
+    out, norm = cupy.empty((1, 64), cupy.float16), cupy.empty((1, 128), cupy.float16)
+    with pytest.raises(ConfigError, match="x must be float32, got float16"):
+        ops.rmsnorm_linear(x.astype(cupy.float16), wt, EPS, dw, out, norm)
+    with pytest.raises(ConfigError, match="in_features=128, but the input has 96"):
+        ops.rmsnorm_linear(cupy.zeros((1, 96), cupy.float32), wt, EPS, dw, out, norm)
+    with pytest.raises(ConfigError, match=r"weight has shape \(127,\), expected \(128,\)"):
+        ops.rmsnorm_lm_head(x, wt[:127], EPS, dw, cupy.empty((1, 64), cupy.float32), norm)
+    with pytest.raises(ConfigError, match=r"out has shape \(1, 63\), expected \(1, 64\)"):
+        ops.rmsnorm_linear(x, wt, EPS, dw, cupy.empty((1, 63), cupy.float16), norm)
+    with pytest.raises(ConfigError, match="out must be float32, got float16"):
+        ops.rmsnorm_lm_head(x, wt, EPS, dw, out, norm)
+
+
 # --- RoPE and attention ------------------------------------------------------------------------
 HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 128), (3, 1, 16)]
 
@@ -453,7 +627,11 @@ def test_decode_sequence_allocates_nothing(ops, rng):
         ops.rmsnorm(resid, norm_w, 1e-5, xn)
         ops.linear_swiglu(xn, gu, None, act)
         ops.linear_residual(act, down, resid)
-        ops.lm_head(xn, head, logits)
+        # the model's fused pairs (one launch each at T = 1)
+        ops.rmsnorm_linear(resid, norm_w, 1e-5, qkv_w, qkv, xn)
+        ops.rmsnorm_linear_swiglu(resid, norm_w, 1e-5, gu, None, act, xn)
+        ops.linear_residual(act, down, resid)
+        ops.rmsnorm_lm_head(resid, norm_w, 1e-5, head, logits, xn)
         return ops.sample(logits, 0.0, 0, 1.0, 0.0)
 
     step(0)

@@ -11,6 +11,10 @@ Dtypes: activations float16, KV cache float16, residual stream and logits float3
 Dispatch: T == 1 -> memory-bound GEMV (``gemv.cu``); T > 1 -> tensor-core GEMM
 (``gemm.cu``), or cuBLAS (``cupy.matmul``) on the dense FP16 copy ``w.fp16`` when the
 weight carries one (``TINYLOOP_FP16_CACHE=1``; see ``make_fp16_cache``).
+The RMSNorm -> projection pairs (``rmsnorm_linear``, ``rmsnorm_linear_swiglu``,
+``rmsnorm_lm_head``) are one launch at T == 1 (``gemv_norm_*``: the GEMV normalizes the FP32
+residual row into shared memory first, bit-identically to ``rmsnorm``) and leave their
+``norm`` scratch unwritten; T > 1 composes ``rmsnorm`` with the projection through ``norm``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ _GEMV_ROWS = 8          # gemv.cu GEMV_WARPS
 _GEMM_TILE = 64         # gemm.cu BM = BN
 _PF_Q = 64              # attention.cu PF_Q
 _DC_THREADS = 1024      # attention.cu DC_THREADS
+_NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
+                        # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
+_NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
+_BLOCKS_PER_SM = 8      # 2048 resident threads per SM / 256-thread GEMV blocks
 
 
 # --- sources and modules -----------------------------------------------------------------------
@@ -164,7 +172,7 @@ def _fast_ok(a, dtype, cols) -> bool:
 class _WInfo:
     """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
 
-    __slots__ = ("n", "k", "args", "gemv", "gemm", "__weakref__")
+    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "__weakref__")
 
     def __init__(self, ops, w):
         _weight(w, "w")
@@ -172,10 +180,16 @@ class _WInfo:
             _dev(getattr(w, name), f"w.{name}", getattr(w, name).dtype, 2)
             _aligned(getattr(w, name), f"w.{name}")
         self.n, self.k = w.shape
+        self.lg = _log2g(w)
         self.args = (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr)
         b = w.bits
         self.gemv = {e: ops._fn("gemv", f"gemv_q{b}_{e}") for e in ("f16", "resid", "swiglu",
                                                                       "f32")}
+        # RMSNorm-fused GEMVs (T = 1); None when K or N is past what the kernel takes, and
+        # the pairs then compose rmsnorm + GEMV instead
+        self.gemv_norm = ({e: ops._fn("gemv", f"gemv_norm_q{b}_{e}") for e in ("f16", "swiglu",
+                                                                                "f32")}
+                          if self.k <= _NORM_MAX_K and self.n <= _NORM_MAX_N else None)
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
 
 
@@ -194,6 +208,14 @@ class CudaOps(Ops):
         self._fns: dict = {}
         self._winfo = weakref.WeakKeyDictionary()    # device QuantWeight -> _WInfo
         self._heads_seen: set = set()                # (H, Hkv, hd, qkv cols) already checked
+        # grid cap of the RMSNorm-fused GEMVs: about one resident wave, so each launch
+        # normalizes the row at most this many times (blocks stride over the rows)
+        try:
+            sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        except Exception:                                # an older CuPy: no .attributes
+            sms = int(cupy.cuda.runtime.getDeviceProperties(
+                cupy.cuda.Device().id)["multiProcessorCount"])
+        self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
         # The sampled id lands in 4 bytes of pinned, mapped host memory that the argmax kernel
         # writes directly (UVA: the host pointer is valid on the device), so greedy decode
         # allocates nothing and copies nothing back besides this one int.
@@ -533,6 +555,77 @@ class CudaOps(Ops):
         t = self._act_in(x, info)
         out = self._out(out, "out", _F32, t, info.n)
         self._matmul(x, w, info, out, "f32", info.n)
+
+    # --- RMSNorm fused into the next projection (decode) -----------------------------------------
+    # At T == 1 each pair is ONE launch of a gemv_norm_* kernel: every block normalizes the FP32
+    # residual row into shared memory exactly as ``rmsnorm`` would (same FP16 values), then runs
+    # the GEMV loop on it. ``norm`` is then NOT written (its contents stay whatever they were);
+    # callers must not read it after a T == 1 pair. T > 1, or a weight whose K / N the fused
+    # kernel does not take, composes ``rmsnorm`` (into ``norm``) with the projection (Ops').
+    def _norm_fused(self, x, weight, info) -> bool:
+        """True when the pair runs fused: x f32 [1, K], weight f32 [K] on the device and a
+        weight the fused kernel takes. T > 1 or a too-large weight: False (compose). A bad
+        argument at T == 1 raises with the detailed message."""
+        if (type(x) is cupy.ndarray and x.dtype == _F32 and x.ndim == 2 and x.shape[0] == 1
+                and x.shape[1] == info.k and x.flags.c_contiguous
+                and type(weight) is cupy.ndarray and weight.dtype == _F32
+                and weight.shape == (info.k,) and weight.flags.c_contiguous):
+            return info.gemv_norm is not None
+        _dev(x, "x", np.float32, 2)
+        if x.shape[0] != 1:
+            return False
+        if x.shape[1] != info.k:
+            raise ConfigError(f"w has in_features={info.k}, but the input has {x.shape[1]} "
+                              "columns")
+        _dev(weight, "weight", np.float32, 1)
+        _shape(weight, "weight", (info.k,))
+        return info.gemv_norm is not None
+
+    def _gemv_norm(self, info, epi: str, x, weight, eps, rows: int, f: int, out) -> None:
+        blocks = (rows + _GEMV_ROWS - 1) // _GEMV_ROWS
+        if blocks > self._norm_blocks:
+            blocks = self._norm_blocks
+        info.gemv_norm[epi]((blocks,), (32 * _GEMV_ROWS,),
+                            (x.data.ptr, weight.data.ptr, float(eps), *info.args, rows, info.k,
+                             f, info.lg, out.data.ptr), shared_mem=2 * info.k)
+
+    def rmsnorm_linear(self, x, weight, eps, w, out, norm):
+        """out f16 [T, n] = rmsnorm(x f32 [T, d], weight) @ W.T.
+
+        T == 1: one fused launch, ``norm`` left unwritten; T > 1: rmsnorm into ``norm``
+        f16 [>= T, d], then ``linear``."""
+        info = self._info(w)
+        if not self._norm_fused(x, weight, info):
+            return super().rmsnorm_linear(x, weight, eps, w, out, norm)
+        out = self._out(out, "out", _F16, 1, info.n)
+        self._gemv_norm(info, "f16", x, weight, eps, info.n, 0, out)
+
+    def rmsnorm_linear_swiglu(self, x, weight, eps, w, tmp, out, norm):
+        """out f16 [T, F] = swiglu(rmsnorm(x f32 [T, d], weight) @ W.T), W [2F, d] gate rows
+        then up rows.
+
+        T == 1: one fused launch (``tmp`` and ``norm`` unused, ``norm`` left unwritten);
+        T > 1: rmsnorm into ``norm``, then ``linear_swiglu`` through ``tmp``."""
+        info = self._info(w)
+        if not self._norm_fused(x, weight, info):
+            return super().rmsnorm_linear_swiglu(x, weight, eps, w, tmp, out, norm)
+        n2 = info.n
+        if n2 % 2:
+            raise ConfigError(f"linear_swiglu needs an even out_features (gate|up), got {n2}")
+        f = n2 // 2
+        out = self._out(out, "out", _F16, 1, f)
+        self._gemv_norm(info, "swiglu", x, weight, eps, f, f, out)
+
+    def rmsnorm_lm_head(self, x, weight, eps, w, out, norm):
+        """out f32 [T, vocab] = rmsnorm(x f32 [T, d], weight) @ W.T.
+
+        T == 1: one fused launch, ``norm`` left unwritten; T > 1: rmsnorm into ``norm``,
+        then ``lm_head``."""
+        info = self._info(w)
+        if not self._norm_fused(x, weight, info):
+            return super().rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        out = self._out(out, "out", _F32, 1, info.n)
+        self._gemv_norm(info, "f32", x, weight, eps, info.n, 0, out)
 
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
