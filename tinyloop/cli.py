@@ -16,26 +16,9 @@ import sys
 
 from .config import ModelConfig
 from .errors import ConfigError, TinyLoopError
+from .memory.stats import fmt_bytes
 
 DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _memory_summary(device: str) -> str:
-    from . import memory
-    report = getattr(memory, "memory_report", None)
-    if report is not None:
-        return report(device)
-    pool = memory.get_pool(device)
-    lines = [f"{tag:<14}{_fmt_bytes(b):>14}" for tag, b in sorted(pool.by_tag().items())]
-    return "\n".join(lines)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -53,7 +36,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def cmd_run_like(model_path: str, prompt: str, a) -> int:
     from .model import free_model, load_model
-    from .memory import get_pool
+    from .memory import memory_report
     model = load_model(model_path, a.max_seq_len, a.prefill_chunk, backend=a.backend)
     try:
         text = prompt
@@ -69,8 +52,8 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
               f"{len(res.token_ids)} new tokens at depth {res.depth}, "
               f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason}); "
               f"backend {model.backend}")
-        print(f"# model owns {_fmt_bytes(model.vram_usage_bytes())}")
-        print(_memory_summary(get_pool(model._ops.device).device))
+        print(f"# model owns {fmt_bytes(model.vram_usage_bytes())}")
+        print(memory_report(model._ops.device))
     finally:
         free_model(model)
     return 0
@@ -164,7 +147,7 @@ def cmd_inspect(a) -> int:
         depth = cfg.check_depth(a.depth)
         layout = {n: (f.quant_weight(n).bits, f.quant_weight(n).group_size)
                   for n in f.quant_names()}
-        print(f"file      {a.model}  ({_fmt_bytes(f.file_size)}, .tlm version {f.version})")
+        print(f"file      {a.model}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
         for k, v in cfg.to_dict().items():
             print(f"  {k:<15} {v}")
         print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
@@ -185,16 +168,16 @@ def cmd_inspect(a) -> int:
           f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
     by = planmod.plan_bytes_by_phase(p)
     for ph, name in planmod.PHASES.items():
-        print(f"  phase {ph} {name:<24}{by.get(ph, 0):>14,d}  {_fmt_bytes(by.get(ph, 0))}")
+        print(f"  phase {ph} {name:<24}{by.get(ph, 0):>14,d}  {fmt_bytes(by.get(ph, 0))}")
     for e in p:
         if e.phase == 4:
             lazy = " (lazy)" if e.lazy else ""
             print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
     total = sum(e.nbytes for e in p)
-    print(f"  model total{'':<22}{total:>14,d}  {_fmt_bytes(total)}")
+    print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}")
     (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, kv)
     print(f"  per request: KV cache for {a.max_seq_len} positions at depth {depth} "
-          f"({cfg.n_slots(depth)} slots): {kv_e.nbytes:,d}  {_fmt_bytes(kv_e.nbytes)}")
+          f"({cfg.n_slots(depth)} slots): {kv_e.nbytes:,d}  {fmt_bytes(kv_e.nbytes)}")
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..quant import QuantWeight
 
 
@@ -48,7 +49,12 @@ class Ops:
         return arr, blk
 
     def upload_weight(self, w, pool):
-        """Copy a host QuantWeight's parts into pool blocks; return (QuantWeight, [blocks])."""
+        """Copy a host QuantWeight's parts into pool blocks (tag: the current tag_scope);
+        return (QuantWeight, [blocks]). Raises ConfigError for anything but a consistent
+        QuantWeight; on any failure the blocks taken so far are freed."""
+        if not isinstance(w, QuantWeight):
+            raise ConfigError(f"upload_weight needs a QuantWeight, got {type(w).__name__}")
+        w.check()
         parts, blocks = [], []
         try:
             for a in (w.qweight, w.scales, w.zeros):

@@ -256,30 +256,15 @@ class CudaOps(Ops):
     def synchronize(self) -> None:
         cupy.cuda.get_current_stream().synchronize()
 
-    def upload_weight(self, w: QuantWeight, pool, tag: str | None = None):
-        """Copy a host QuantWeight into ``pool``; return (device QuantWeight, [blocks]).
-
-        Three blocks (codes, scales, zeros) under ``tag`` (None: the pool's current tag scope).
-        On any failure the blocks taken so far are freed and the error re-raised.
-        """
-        if not isinstance(w, QuantWeight):
-            raise ConfigError(f"upload_weight needs a QuantWeight, got {type(w).__name__}")
-        w.check()
-        blocks, parts = [], []
+    def upload_array(self, host: np.ndarray, pool):
+        """Base upload, plus the 16-byte alignment the vector loads need (block freed if not)."""
+        arr, blk = super().upload_array(host, pool)
         try:
-            for name in ("qweight", "scales", "zeros"):
-                host = np.ascontiguousarray(getattr(w, name))
-                blk = pool.allocate(max(host.nbytes, 1), tag)
-                blocks.append(blk)
-                arr = blk.array(host.shape, host.dtype)
-                self.from_host(host, arr)
-                _aligned(arr, f"{name} block")
-                parts.append(arr)
-        except BaseException:
-            for blk in blocks:
-                pool.free(blk)
+            _aligned(arr, "uploaded block")
+        except ConfigError:
+            pool.free(blk)
             raise
-        return QuantWeight(w.bits, w.group_size, *parts), blocks
+        return arr, blk
 
     def make_fp16_cache(self, w: QuantWeight, pool, tag: str = "fp16_cache"):
         """Dense FP16 ``[out, in]`` copy of a device QuantWeight, for cuBLAS prefill GEMMs.
