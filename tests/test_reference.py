@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+from tinyloop.convert.synthetic import synthetic_config
 from tinyloop.format import expected_tensors, read_tlm
 from tinyloop.quant import dequantize
 
@@ -27,7 +27,7 @@ def _unrolled_logits(path: str, ids: np.ndarray, depth: int) -> np.ndarray:
         W = {n: (dequantize(f.quant_weight(n)).astype(np.float64) if k == "quant"
                  else np.asarray(f.array(n), dtype=np.float64))
              for n, (k, _) in expected_tensors(cfg).items()}
-    T, d, H, Hk, hd = len(ids), cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    T, H, Hk, hd = len(ids), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
     def norm(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * w

@@ -145,8 +145,7 @@ def cmd_inspect(a) -> int:
     with read_tlm(a.model) as f:
         cfg = f.config
         depth = cfg.check_depth(a.depth)
-        layout = {n: (f.quant_weight(n).bits, f.quant_weight(n).group_size)
-                  for n in f.quant_names()}
+        layout = f.quant_layout()
         print(f"file      {a.model}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
         for k, v in cfg.to_dict().items():
             print(f"  {k:<15} {v}")

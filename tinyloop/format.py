@@ -372,6 +372,14 @@ class TLMFile:
             raise FormatError(f"{self.path}: the embedded tokenizer.json is not UTF-8 "
                               f"({e.reason} at byte {e.start}): file corrupted?") from None
 
+    def quant_layout(self) -> dict[str, tuple[int, int]]:
+        """Quantized tensor name -> (bits, group_size), as the memory plan needs it."""
+        out = {}
+        for n in self.quant_names():
+            q = self.quant_weight(n)
+            out[n] = (q.bits, q.group_size)
+        return out
+
     def quant_names(self) -> list[str]:
         return [n for n, (k, _) in expected_tensors(self.config).items() if k == "quant"]
 

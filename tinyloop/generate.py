@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ConfigError
-from .memory import tag_scope
 from .plan import LOGIT_BLOCK_ROWS
 
 
@@ -220,7 +219,7 @@ def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
         model._check_alive()
         ops = model._ops
         rows = min(LOGIT_BLOCK_ROWS, model._buf.capacity_rows, len(ids))
-        with model.new_kv_cache(depth, len(ids)) as cache, tag_scope("logits"):
+        with model.new_kv_cache(depth, len(ids)) as cache:
             block_arr, blk = ops.empty(model._pool, (rows, cfg.vocab_size), np.float32,
                                        "logits")
             try:

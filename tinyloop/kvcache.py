@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from .config import ModelConfig
 from .errors import ConfigError, HandleError
-from .memory import tag_scope
 from .plan import request_plan
 
 KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
@@ -45,8 +44,7 @@ class RuntimeKVCache:
         self.capacity = capacity
         self.n_slots = cfg.n_slots(depth)
         (entry,) = request_plan(cfg, capacity, depth, ops.kv_dtype)
-        with tag_scope("kv_cache"):
-            self._data, self._block = ops.empty(pool, entry.shape, entry.dtype, "kv_cache")
+        self._data, self._block = ops.empty(pool, entry.shape, entry.dtype, entry.tag)
         self._pool = pool
         # per-slot views made once, so the decode loop only indexes
         self._k = [self._data[s, 0] for s in range(self.n_slots)]   # [capacity, Hkv, hd]

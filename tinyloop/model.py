@@ -14,7 +14,7 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import ModelConfig, check_load_args, fp16_cache_enabled
+from .config import check_load_args, fp16_cache_enabled
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .kvcache import RuntimeKVCache
@@ -131,8 +131,7 @@ class Model:
             self.chat_template = f.chat_template
             self.metadata = dict(f.metadata)
             tok_json = f.tokenizer_json
-            layout = {n: (f.quant_weight(n).bits, f.quant_weight(n).group_size)
-                      for n in f.quant_names()}
+            layout = f.quant_layout()
             use_fp16 = fp16_cache_enabled(default=self._ops.name == "numpy")
             self.plan = planmod.load_plan(cfg, layout, self.max_seq_len, self.prefill_chunk,
                                           self._ops.act_dtype, fp16_cache=use_fp16,
@@ -175,11 +174,10 @@ class Model:
                                  "ffn_gate_up", "ffn_down"))) for i in range(cfg.n_layers)]
         # phase 4: the BufferPool (logit_row stays lazy)
         arrays = {}
-        with tag_scope("buffers"):
-            for e in self.plan:
-                if e.phase == 4 and not e.lazy:
-                    arrays[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
-                    self._blocks.append(blk)
+        for e in self.plan:
+            if e.phase == 4 and not e.lazy:
+                arrays[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+                self._blocks.append(blk)
         self._buf = BufferPool(arrays)
         self._view_cache: dict = {}
         self._logit_row = None
