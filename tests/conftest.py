@@ -6,7 +6,7 @@ import pytest
 
 from tinyloop import errors
 from tinyloop.backends import cuda_available
-from tinyloop.memory import current_tag
+from tinyloop.memory import _reset_pools_for_tests, current_tag
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 
 TINY = dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
@@ -38,6 +38,15 @@ def tiny_adapter_path(tmp_path_factory):
                                               "tied_head": False}),
                     seed=12, bits=8, group_size=64)
     return str(path)
+
+
+@pytest.fixture
+def fresh_pools(monkeypatch):
+    """The test starts and ends with no process pools and no memory limit."""
+    monkeypatch.delenv("TINYLOOP_MEMORY_LIMIT", raising=False)
+    _reset_pools_for_tests()
+    yield
+    _reset_pools_for_tests()
 
 
 def fail_nth_allocation(monkeypatch, pool, failing_tag: str, nth: int) -> dict:

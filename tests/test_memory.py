@@ -23,13 +23,7 @@ KiB, MiB = 1 << 10, 1 << 20
 B = 0x10_0000_0000          # FakeRawAllocator's first address
 
 
-@pytest.fixture(autouse=True)
-def fresh_pools(monkeypatch):
-    """Every test starts and ends with no process pools and no memory limit."""
-    monkeypatch.delenv("TINYLOOP_MEMORY_LIMIT", raising=False)
-    mem._reset_pools_for_tests()
-    yield
-    mem._reset_pools_for_tests()
+pytestmark = pytest.mark.usefixtures("fresh_pools")     # every test: no pools, no limit
 
 
 def fake_pool(**kw):

@@ -14,16 +14,8 @@ from tinyloop.errors import OutOfMemoryError
 
 MiB = 1 << 20
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_pools"),
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
-
-
-@pytest.fixture(autouse=True)
-def fresh_pools(monkeypatch):
-    monkeypatch.delenv("TINYLOOP_MEMORY_LIMIT", raising=False)
-    mem._reset_pools_for_tests()
-    yield
-    mem._reset_pools_for_tests()
 
 
 def test_cuda_blocks_are_cupy_views_of_their_own_bytes():

@@ -9,6 +9,8 @@ FP16-rounded inputs as the GPU, so the bounds measure the kernels alone:
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import zlib
 
@@ -97,18 +99,12 @@ def rand_weight(rng, n, k, bits, g) -> QuantWeight:
     return quantize(w, bits=bits, group_size=g)
 
 
-def dev_weight(ops, w: QuantWeight) -> QuantWeight:
+def dev_weight(ops, w: QuantWeight, fp16: bool = False) -> QuantWeight:
+    """``w`` uploaded through ``ops``; with ``fp16`` it also carries the dense FP16 cache."""
     dw, _blocks = ops.upload_weight(w, FakeCudaPool())
+    if fp16:
+        dw = dataclasses.replace(dw, fp16=ops.make_fp16_cache(dw, FakeCudaPool())[0])
     return dw
-
-
-def with_fp16(w: QuantWeight, arr) -> QuantWeight:
-    """``w`` carrying a dense FP16 copy (the optional ``fp16`` field the lead adds to QuantWeight)."""
-    import dataclasses
-    if any(f.name == "fp16" for f in dataclasses.fields(QuantWeight)):
-        return dataclasses.replace(w, fp16=arr)
-    object.__setattr__(w, "fp16", arr)
-    return w
 
 
 def f16(rng, *shape, scale=1.0):
@@ -199,9 +195,7 @@ def test_linear(ops, ref, rng, bits, g, t, n, k, cache):
     if cache and t == 1:
         pytest.skip("the FP16 cache is used only for T > 1")
     w = rand_weight(rng, n, k, bits, g)
-    dw = dev_weight(ops, w)
-    if cache:
-        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    dw = dev_weight(ops, w, fp16=cache)
     xh, x = f16(rng, t, k)
     want = np.empty((t, n), np.float32)
     ref.linear(x, w, want)
@@ -217,9 +211,7 @@ def test_linear_residual(ops, ref, rng, bits, g, t, n, k, cache):
     if cache and t == 1:
         pytest.skip("the FP16 cache is used only for T > 1")
     w = rand_weight(rng, n, k, bits, g)
-    dw = dev_weight(ops, w)
-    if cache:
-        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    dw = dev_weight(ops, w, fp16=cache)
     xh, x = f16(rng, t, k)
     res0 = rng.standard_normal((t, n)).astype(np.float32)
     want = res0.copy()
@@ -241,9 +233,7 @@ def test_linear_swiglu(ops, ref, rng, bits, g, t, f, k, cache):
     if k % g:
         k = 640
     w = rand_weight(rng, 2 * f, k, bits, g)
-    dw = dev_weight(ops, w)
-    if cache:
-        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    dw = dev_weight(ops, w, fp16=cache)
     xh, x = f16(rng, t, k, scale=3.0)
     want = np.empty((t, f), np.float32)
     ref.linear_swiglu(x, w, None, want)
@@ -290,9 +280,7 @@ def test_inject(ops, ref, rng, bits, g, t, e_dtype, cache):
     w = rand_weight(rng, d, 2 * d, bits, g) if (2 * d) % g == 0 else None
     if w is None:
         pytest.skip(f"2d={2 * d} is not a multiple of g={g}")
-    dw = dev_weight(ops, w)
-    if cache:
-        dw = with_fp16(dw, ops.make_fp16_cache(dw, FakeCudaPool())[0])
+    dw = dev_weight(ops, w, fp16=cache)
     # The GPU rounds both halves to FP16 on the way in; the reference gets those same values.
     state_h = rng.standard_normal((t, d)).astype(np.float16).astype(np.float32)
     e_h = rng.standard_normal((t, d)).astype(np.float16).astype(np.float32)
