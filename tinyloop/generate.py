@@ -14,6 +14,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .plan import LOGIT_BLOCK_ROWS
+from .prefix import check_prefix_args, prefill_request
 
 
 @dataclass
@@ -22,8 +23,9 @@ class GenerationResult:
 
     ``token_ids`` (new tokens only), ``text`` (their decoded text, cut before a stop string),
     ``prompt_token_ids``, ``finish_reason`` ("length" | "eos" | "stop"), ``depth``,
-    ``prefill_ms``, ``decode_ms``, and ``decode_tokens_per_s`` (new tokens after the first
-    over the decode time; 0.0 when fewer than 2 tokens).
+    ``prefill_ms``, ``decode_ms``, ``decode_tokens_per_s`` (new tokens after the first
+    over the decode time; 0.0 when fewer than 2 tokens), and ``cached_tokens`` (prompt
+    positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled).
     """
 
     token_ids: list
@@ -34,6 +36,7 @@ class GenerationResult:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
+    cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -78,7 +81,8 @@ def _normalise_stop(stop) -> list[str]:
 
 
 def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, stop=None, _result: dict | None = None):
+           seed=None, stop=None, *, kv_mode=None, prefix=None, prefix_pool=None,
+           _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
@@ -86,7 +90,12 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
     contains a ``stop`` string. Raises ConfigError (bad arguments, prompt + max_new_tokens >
     max_seq_len), TokenizerError (ids out of range / no tokenizer for text), ModelFreedError
-    (the model was freed while the stream was open).
+    (the model was freed while the stream was open), HandleError (a released prefix).
+
+    ``prefix`` (a PrefixCache / ResumeHandle the prompt's ids start with; it fixes depth and
+    kv_mode) or ``prefix_pool`` (a PrefixPool: the longest cached prefix is reused and the
+    prompt inserted): only the positions after the cached ones are prefilled
+    (:func:`tinyloop.prefix.prefill_request`); the tokens equal those of an uncached run.
 
     The model's lock is held only while a token is computed, never across a ``yield``: each
     step touches only this request's KV cache and the residual row of its own position, so
@@ -95,7 +104,8 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     """
     model._check_alive()
     cfg = model.config
-    depth = cfg.check_depth(_as_int(depth, "depth") if depth is not None else None)
+    if depth is not None:
+        cfg.check_depth(_as_int(depth, "depth"))
     max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
@@ -105,6 +115,7 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
             raise ConfigError(f"seed must be None or an int >= 0, got {seed}")
     stops = _normalise_stop(stop)
     ids = model.encode_prompt(prompt)
+    depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens
     if total > model.max_seq_len:
         raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
@@ -112,19 +123,24 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     rng = np.random.default_rng(seed)
     res = _result if _result is not None else {}
     res.update(prompt_token_ids=ids.tolist(), finish_reason="length", depth=depth,
-               token_ids=[], text="", prefill_ms=0.0, decode_ms=0.0)
+               token_ids=[], text="", prefill_ms=0.0, decode_ms=0.0, cached_tokens=0)
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
     ops = model._ops
-    cache = model.new_kv_cache(depth, total)
+    cache = model.new_kv_cache(depth, total, kv_mode)
 
     def step(step_ids, pos0: int) -> int:
-        """Forward ``step_ids`` at ``pos0``, then head + sample, atomically under the lock."""
+        """Forward ``step_ids`` at ``pos0`` (the prompt: from the cached prefix on), then
+        head + sample, atomically under the lock."""
         with model._lock:
             model._check_alive()
             row = model.logit_row()
-            model.forward(step_ids, pos0, depth, cache)
+            if pos0 == 0:
+                res["cached_tokens"] = prefill_request(model, step_ids, depth, kv_mode, cache,
+                                                       prefix, prefix_pool)
+            else:
+                model.forward(step_ids, pos0, depth, cache)
             model.head(pos0 + len(step_ids) - 1, 1, row)
             u = float(rng.random()) if temperature > 0 else 0.0
             return int(ops.sample(row[0], temperature, top_k, top_p, u))
@@ -185,7 +201,8 @@ def _as_int(v, name: str) -> int:
 
 
 def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
-             top_p=1.0, seed=None, stop=None) -> GenerationResult:
+             top_p=1.0, seed=None, stop=None, *, kv_mode=None, prefix=None,
+             prefix_pool=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 
     Holds the model's lock for the whole call (the lock is re-entrant, so the stream's
@@ -195,7 +212,8 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
     res: dict = {}
     with model._lock:
         for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                        stop, _result=res):
+                        stop, kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool,
+                        _result=res):
             pass
     n = len(res["token_ids"])
     tps = (n - 1) / (res["decode_ms"] / 1e3) if n > 1 and res["decode_ms"] > 0 else 0.0
@@ -203,23 +221,29 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
                             prompt_token_ids=res["prompt_token_ids"],
                             finish_reason=res["finish_reason"], depth=res["depth"],
                             prefill_ms=res["prefill_ms"], decode_ms=res["decode_ms"],
-                            decode_tokens_per_s=tps)
+                            decode_tokens_per_s=tps, cached_tokens=res["cached_tokens"])
 
 
-def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
-    """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits)."""
+def teacher_forced_logits(model, token_ids, depth=None, *, kv_mode=None, prefix=None,
+                          prefix_pool=None) -> np.ndarray:
+    """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits).
+
+    With ``prefix`` / ``prefix_pool`` the cached positions are restored, not recomputed: their
+    rows come from the cached final residuals through the head."""
     model._check_alive()
     cfg = model.config
-    depth = cfg.check_depth(depth)
+    if depth is not None:
+        cfg.check_depth(_as_int(depth, "depth"))
     ids = model._ids_from(token_ids)
     if len(ids) > model.max_seq_len:
         raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
+    depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
     with model._lock:
         model._check_alive()
         ops = model._ops
         rows = min(LOGIT_BLOCK_ROWS, model._buf.capacity_rows, len(ids))
-        with model.new_kv_cache(depth, len(ids)) as cache:
+        with model.new_kv_cache(depth, len(ids), kv_mode) as cache:
             block_arr, blk = ops.empty(model._pool, (rows, cfg.vocab_size), np.float32,
                                        "logits")
             try:
@@ -230,7 +254,8 @@ def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
                             n, cfg.vocab_size)
                         model.head(r0, n, view)
                         out[r0:r0 + n] = ops.to_host(view)
-                model.forward(ids, 0, depth, cache, on_rows=on_rows)
+                prefill_request(model, ids, depth, kv_mode, cache, prefix, prefix_pool,
+                                on_rows=on_rows)
             finally:
                 model._pool.free(blk)
     return out
@@ -243,10 +268,12 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def score(model, token_ids, depth=None) -> np.ndarray:
+def score(model, token_ids, depth=None, *, kv_mode=None, prefix=None,
+          prefix_pool=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
     ids = model._ids_from(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
-    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth)[:-1])
+    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode=kv_mode,
+                                                prefix=prefix, prefix_pool=prefix_pool)[:-1])
     return lp[np.arange(len(ids) - 1), ids[1:]]

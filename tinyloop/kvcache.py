@@ -22,6 +22,16 @@ KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
 IMPLEMENTED_KV_MODES = ("fp16",)
 
 
+def check_kv_mode(mode) -> str:
+    """Return ``mode`` if it is an implemented storage mode; else ConfigError listing them."""
+    if mode not in KV_MODES:
+        raise ConfigError(f"KV cache mode {mode!r} is not one of {KV_MODES}")
+    if mode not in IMPLEMENTED_KV_MODES:
+        raise ConfigError(f"KV cache mode {mode!r} is not implemented yet "
+                          f"(available: {IMPLEMENTED_KV_MODES})")
+    return mode
+
+
 class RuntimeKVCache:
     """K/V planes for ``n_slots`` slots x ``capacity`` positions, owned by one request.
 
@@ -31,12 +41,8 @@ class RuntimeKVCache:
     """
 
     def __init__(self, ops, pool, cfg: ModelConfig, depth: int, capacity: int,
-                 mode: str = "fp16"):
-        if mode not in KV_MODES:
-            raise ConfigError(f"KV cache mode {mode!r} is not one of {KV_MODES}")
-        if mode not in IMPLEMENTED_KV_MODES:
-            raise ConfigError(f"KV cache mode {mode!r} is not implemented yet "
-                              f"(available: {IMPLEMENTED_KV_MODES})")
+                 mode: str = "fp16", tag: str = "kv_cache"):
+        check_kv_mode(mode)
         if capacity < 1:
             raise ConfigError(f"KV cache capacity must be >= 1, got {capacity}")
         self.mode = mode
@@ -44,7 +50,7 @@ class RuntimeKVCache:
         self.capacity = capacity
         self.n_slots = cfg.n_slots(depth)
         (entry,) = request_plan(cfg, capacity, depth, ops.kv_dtype)
-        self._data, self._block = ops.empty(pool, entry.shape, entry.dtype, entry.tag)
+        self._data, self._block = ops.empty(pool, entry.shape, entry.dtype, tag)
         self._pool = pool
         # per-slot views made once, so the decode loop only indexes
         self._k = [self._data[s, 0] for s in range(self.n_slots)]   # [capacity, Hkv, hd]
@@ -63,6 +69,16 @@ class RuntimeKVCache:
         if self._block is None:
             raise HandleError("RuntimeKVCache used after release()")
         return self._v[slot]
+
+    def copy_prefix_from(self, src: "RuntimeKVCache", n_positions: int) -> None:
+        """Copy positions 0..n_positions-1 of every slot this cache has from ``src`` (which
+        must have at least as many slots and positions): a prefix's K/V into a request."""
+        if self._block is None or src._block is None:
+            raise HandleError("RuntimeKVCache used after release()")
+        if src.n_slots < self.n_slots or n_positions > min(src.capacity, self.capacity):
+            raise ConfigError(f"cannot copy {n_positions} positions x {self.n_slots} slots from "
+                              f"a cache of {src.capacity} x {src.n_slots}")
+        self._data[:, :, :n_positions] = src._data[:self.n_slots, :, :n_positions]
 
     def release(self) -> None:
         """Return the block to the pool (idempotent)."""

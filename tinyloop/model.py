@@ -5,9 +5,11 @@ Lifecycle contract: ../shared/seeds/001 (load_model / free_model / vram_usage_by
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,23 @@ class Layer:
     ffn_norm: object
     ffn_gate_up: object
     ffn_down: object
+
+
+def _fingerprint_start(cfg):
+    """SHA-256 over the model's identity: the recurrent layout and dims (the config), then
+    every weight tensor's name, dtype, shape and bytes (see ``Model.fingerprint``)."""
+    import json
+    h = hashlib.sha256(b"tinyloop-model-fingerprint-v1\0")
+    h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
+    return h
+
+
+def _fingerprint_add(h, name: str, *arrays) -> None:
+    h.update(b"\0" + name.encode() + b"\0")
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(memoryview(a).cast("B"))
 
 
 class BufferPool:
@@ -80,7 +99,9 @@ class Model:
 
     Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
     ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
-    PlanEntry). Calls on one Model are serialized by a per-model lock (the seed's
+    PlanEntry), ``fingerprint`` (32 bytes: SHA-256 of the config -- dims and recurrent layout
+    P/R/C, max_depth, injection -- and of every weight tensor's bytes, hashed at load; the
+    identity under which prefix caches are keyed and saved). Calls on one Model are serialized by a per-model lock (the seed's
     lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
     so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
     (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
@@ -99,6 +120,8 @@ class Model:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self._lock = threading.RLock()
+        self._handles = weakref.WeakSet()   # live PrefixCache / ResumeHandle / PrefixPool;
+                                            # released by free() (guarded by _lock)
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
@@ -148,15 +171,21 @@ class Model:
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
+            fp = _fingerprint_start(cfg)
             with tag_scope("weights"):
                 for name, (kind, _) in planmod.expected_tensors(cfg).items():
                     if kind == "quant":
-                        dev, blocks = self._ops.upload_weight(f.quant_weight(name), self._pool)
+                        host = f.quant_weight(name)
+                        _fingerprint_add(fp, name, host.qweight, host.scales, host.zeros)
+                        dev, blocks = self._ops.upload_weight(host, self._pool)
                         self._blocks.extend(blocks)
                     else:
-                        dev, blk = self._ops.upload_array(np.asarray(f.array(name)), self._pool)
+                        host = np.asarray(f.array(name))
+                        _fingerprint_add(fp, name, host)
+                        dev, blk = self._ops.upload_array(host, self._pool)
                         self._blocks.append(blk)
                     w[name] = dev
+            self.fingerprint = fp.digest()
         # phase 3: optional FP16 caches for the hot prefill GEMMs
         if use_fp16:
             import dataclasses
@@ -194,6 +223,8 @@ class Model:
             if self._freed:
                 return
             self._freed = True
+            for h in list(self._handles):      # prefix caches, resume handles, prefix pools
+                h._model_freed()
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -252,11 +283,11 @@ class Model:
             return self._ids_from(ids, "prompt")
         return self._ids_from(prompt, "prompt")
 
-    def new_kv_cache(self, depth: int, capacity: int) -> RuntimeKVCache:
+    def new_kv_cache(self, depth: int, capacity: int, kv_mode: str = "fp16") -> RuntimeKVCache:
         """A RuntimeKVCache sized for ``capacity`` positions at ``depth`` (tag kv_cache)."""
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
-        return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity)
+        return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, kv_mode)
 
     def logit_row(self):
         """The lazily allocated float32 [1, vocab] logit row (model-owned, tag logits)."""
@@ -268,17 +299,38 @@ class Model:
 
     # -- the forward --------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, pos0: int, depth: int, cache: RuntimeKVCache,
-                on_rows=None) -> None:
+                on_rows=None, snapshot=None) -> None:
         """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk.
 
         Writes K/V for every slot into ``cache`` and the final residual rows into
         ``buffers.main[pos0:pos0+T]``. After each chunk, ``on_rows(start, t)`` is called with
         the chunk's absolute start position and length (the residual rows are in ``main``).
+        ``snapshot`` (a ``prefix.ResidualSnapshot``) receives, for every position, the state
+        entering the recurrent block and the state after iteration ``depth`` (ResumeHandle).
         """
         r = self._buf.capacity_rows
         for c0 in range(0, len(ids), r):
             t = min(r, len(ids) - c0)
-            self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache)
+            self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache, snapshot)
+            if on_rows is not None:
+                on_rows(pos0 + c0, t)
+
+    def deepen(self, pos0: int, n: int, depth_from: int, depth_to: int, cache: RuntimeKVCache,
+               snapshot, on_rows=None) -> None:
+        """Continue positions pos0..pos0+n-1 from iteration ``depth_from`` to ``depth_to``.
+
+        Reads the state after iteration ``depth_from`` (and the state entering the recurrent
+        block, for the injection) from ``snapshot``, runs recurrent iterations
+        depth_from+1..depth_to (0-based depth_from..depth_to-1; their K/V go to slots
+        P + t*R + j of ``cache``) and the coda (slots P + R*depth_to + c), writes the state
+        after iteration ``depth_to`` back into ``snapshot`` and the final rows into ``main``.
+        Equal to a fresh forward at ``depth_to``: the prelude and iterations < depth_from
+        depend only on earlier positions' same-slot K/V, which ``cache`` already holds.
+        """
+        r = self._buf.capacity_rows
+        for c0 in range(0, n, r):
+            t = min(r, n - c0)
+            self._deepen_chunk(pos0 + c0, t, depth_from, depth_to, cache, snapshot)
             if on_rows is not None:
                 on_rows(pos0 + c0, t)
 
@@ -301,10 +353,9 @@ class Model:
             self._view_cache[t] = v
         return v
 
-    def _forward_chunk(self, ids, pos0: int, t: int, depth: int,
-                       cache: RuntimeKVCache) -> None:
+    def _forward_chunk(self, ids, pos0: int, t: int, depth: int, cache: RuntimeKVCache,
+                       snapshot=None) -> None:
         cfg, ops = self.config, self._ops
-        p, r = cfg.n_prelude, cfg.n_recurrent
         v = self._views(t)
         x = self._buf.main[pos0:pos0 + t]                           # [T, d] float32
         if t == 1:
@@ -312,17 +363,46 @@ class Model:
         else:
             ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
             ops.embed(self._embed, v["ids"], x)
-        for i in range(p):
+        for i in range(cfg.n_prelude):
             self._layer(i, i, x, pos0, v, cache)
-        if r:
+        if cfg.n_recurrent:
+            e = None
             if self._adapter is not None:
                 e = v["inject"]                                      # prelude output [T, d]
                 e[...] = x
-            for it in range(depth):
-                if self._adapter is not None:
-                    ops.inject(x, e, self._adapter, v["cat"], v["norm"])
-                for j in range(r):
-                    self._layer(p + j, p + it * r + j, x, pos0, v, cache)
+            if snapshot is not None:
+                snapshot.put_entry(pos0, x)
+            self._iterations(x, e, 0, depth, pos0, v, cache)
+            if snapshot is not None:
+                snapshot.put_state(pos0, x)
+        self._coda(x, depth, pos0, v, cache)
+
+    def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
+                      cache: RuntimeKVCache, snapshot) -> None:
+        v = self._views(t)
+        x = self._buf.main[pos0:pos0 + t]
+        snapshot.get_state(pos0, x)
+        e = None
+        if self._adapter is not None:
+            e = v["inject"]
+            snapshot.get_entry(pos0, e)
+        self._iterations(x, e, depth_from, depth_to, pos0, v, cache)
+        snapshot.put_state(pos0, x)
+        self._coda(x, depth_to, pos0, v, cache)
+
+    def _iterations(self, x, e, it0: int, it1: int, pos0: int, v: dict, cache) -> None:
+        """Recurrent iterations it0..it1-1 (0-based) over the rows ``x``; ``e`` is the prelude
+        output the adapter injects (None without injection)."""
+        p, r = self.config.n_prelude, self.config.n_recurrent
+        for it in range(it0, it1):
+            if e is not None:
+                self._ops.inject(x, e, self._adapter, v["cat"], v["norm"])
+            for j in range(r):
+                self._layer(p + j, p + it * r + j, x, pos0, v, cache)
+
+    def _coda(self, x, depth: int, pos0: int, v: dict, cache) -> None:
+        cfg = self.config
+        p, r = cfg.n_prelude, cfg.n_recurrent
         for c in range(cfg.n_coda):
             self._layer(p + r + c, p + r * depth + c, x, pos0, v, cache)
 
@@ -345,39 +425,76 @@ class Model:
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
 
     # -- public request API -------------------------------------------------------------------
-    def logits(self, token_ids, depth: int | None = None) -> np.ndarray:
+    def logits(self, token_ids, depth: int | None = None, *, kv_mode: str | None = None,
+               prefix=None, prefix_pool=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
 
         ``token_ids``: 1-D ints, 1 <= T <= max_seq_len. Returns float32 ``[T, vocab]``: row t
         is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
-        chunk). Raises ConfigError / TokenizerError on bad input, ModelFreedError after free.
+        chunk). ``prefix`` (PrefixCache / ResumeHandle the ids start with) or ``prefix_pool``
+        (PrefixPool): positions that come from the cache are not recomputed (their rows come
+        from the cached residuals through the head). Raises ConfigError / TokenizerError on
+        bad input, ModelFreedError after free, HandleError for a released handle.
         """
         from .generate import teacher_forced_logits
-        return teacher_forced_logits(self, token_ids, depth)
+        return teacher_forced_logits(self, token_ids, depth, kv_mode=kv_mode, prefix=prefix,
+                                     prefix_pool=prefix_pool)
 
-    def score(self, token_ids, depth: int | None = None) -> np.ndarray:
-        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
+    def score(self, token_ids, depth: int | None = None, *, kv_mode: str | None = None,
+              prefix=None, prefix_pool=None) -> np.ndarray:
+        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2).
+        ``kv_mode`` / ``prefix`` / ``prefix_pool`` as in :meth:`logits`."""
         from .generate import score
-        return score(self, token_ids, depth)
+        return score(self, token_ids, depth, kv_mode=kv_mode, prefix=prefix,
+                     prefix_pool=prefix_pool)
 
     def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop=None):
+                 seed: int | None = None, stop=None, *, kv_mode: str | None = None,
+                 prefix=None, prefix_pool=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
-        text, finish reason, timings). ``prompt`` is text or token ids. See
-        :func:`tinyloop.generate.generate` for the sampling rule and errors."""
+        text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids.
+        ``prefix`` / ``prefix_pool``: start from cached state (see :mod:`tinyloop.prefix`).
+        See :func:`tinyloop.generate.generate` for the sampling rule and errors."""
         from .generate import generate
         return generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
 
     def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop=None):
+               seed: int | None = None, stop=None, *, kv_mode: str | None = None,
+               prefix=None, prefix_pool=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
         token is sampled (``text`` is the newly decodable text, possibly empty)."""
         from .generate import stream
         return stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
-                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                      kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+
+    # -- cached state across calls (tinyloop.prefix) -------------------------------------------
+    def prefill(self, prompt, depth: int | None = None, kv_mode: str | None = None):
+        """Prefill ``prompt`` (text or ids) once and keep it: returns a
+        :class:`~tinyloop.prefix.PrefixCache` to pass as ``prefix=`` to generate / stream /
+        logits / score, which then prefill only the tokens after it. Raises ConfigError /
+        TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
+        from .prefix import make_prefix
+        return make_prefix(self, prompt, depth, kv_mode)
+
+    def resume_handle(self, prompt, depth: int | None = None, max_depth: int | None = None,
+                      kv_mode: str | None = None):
+        """Prefill ``prompt`` at ``depth`` keeping, for every position, the residual state the
+        recurrent block continues from and K/V room for ``max_depth`` iterations (default: the
+        model's): returns a :class:`~tinyloop.prefix.ResumeHandle`; ``rh.upgrade(d2)`` deepens
+        it by running only the added iterations and the coda."""
+        from .prefix import make_resume_handle
+        return make_resume_handle(self, prompt, depth, max_depth, kv_mode)
+
+    def load_prefix(self, path):
+        """Load a prefix saved with ``PrefixCache.save`` / ``ResumeHandle.save`` (see
+        :func:`tinyloop.prefix.load_prefix` for the checks and the errors)."""
+        from .prefix import load_prefix
+        return load_prefix(self, path)
 
     def __repr__(self) -> str:
         c = self.config

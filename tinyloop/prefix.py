@@ -1,0 +1,807 @@
+"""Prefix caching for looped models: PrefixCache, ResumeHandle and PrefixPool (seed 001,
+"opaque handles that own cache state across calls").
+
+- :class:`PrefixCache` (``model.prefill(prompt, depth, kv_mode)``): a prefilled prefix at a fixed
+  loop depth. It owns the prefix's K/V for every slot of that depth and the final residual rows
+  of its positions (float32 ``[n, d_model]``, so ``logits``/``score`` can give the prefix's own
+  rows through the head and a prompt equal to the prefix needs no forward), tag
+  ``prefix_cache``.
+- :class:`ResumeHandle` (``model.resume_handle(prompt, depth=d, max_depth=D)``): a PrefixCache
+  whose K/V has room for D iterations, plus a residual snapshot (tag ``resume``): for every
+  prompt position the state after iteration d and, when the model injects the prelude output
+  (``inject.adapter``), the state entering the recurrent block. ``upgrade(d2)`` runs only
+  iterations d+1..d2 and the coda (``Model.deepen``).
+- :class:`PrefixPool`: many prefix caches under one model, keyed by (model fingerprint, depth,
+  kv_mode, token ids), with LRU eviction of exactly the shortfall under ``max_bytes``.
+
+A request that starts from a cached prefix (``generate``/``stream``/``logits``/``score`` with
+``prefix=`` or ``prefix_pool=``) takes the prefix's K/V and residual rows for positions
+0..m-1 and prefills only positions m..T-1; equality with an uncached run follows because each
+position's K/V and residual depend only on positions <= it (causal attention), and the cached
+ones were computed by the same forward.
+
+Storage today: the request's RuntimeKVCache is one dense block per request, so the prefix's K/V
+is *copied* into it (a memcpy of m positions; no forward). The paged KV cache (issue 8) turns
+this copy into shared pages with a reference count and a copy-on-write partial last page; the
+handles' public surface does not change.
+
+The prefix file format (``PrefixCache.save`` / ``Model.load_prefix``) is specified in
+:func:`save_prefix`.
+
+Concurrency: every method that touches pool memory or the model's buffers holds the model's
+re-entrant lock; a PrefixPool's entries and counters are guarded by that same lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import warnings
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from .config import parse_size
+from .errors import (BadMagicError, ConfigError, FormatError, HandleError, OutOfMemoryError,
+                     SizeOverflowError, TokenizerError, TruncatedFileError,
+                     UnsupportedVersionError)
+from .kvcache import KV_MODES, RuntimeKVCache, check_kv_mode
+from .memory import round_size
+
+
+# -- shared helpers ---------------------------------------------------------------------------
+def resolve_kv_mode(model, kv_mode) -> str:
+    """``kv_mode`` (None = the model's default) checked against the implemented modes."""
+    if kv_mode is None:
+        kv_mode = getattr(model, "kv_mode", "fp16")
+    if not isinstance(kv_mode, str):
+        raise ConfigError(f"kv_mode must be a mode name, got {kv_mode!r}")
+    return check_kv_mode(kv_mode)
+
+
+def _depth_arg(model, depth) -> int:
+    from .generate import _as_int
+    return model.config.check_depth(_as_int(depth, "depth") if depth is not None else None)
+
+
+class ResidualSnapshot:
+    """Per-position residual states of a prompt for depth upgrades (tag ``resume``).
+
+    One pool block of float32 ``[k, n, d_model]``: plane 0 is the state after the last
+    recurrent iteration run; plane 1 (only when ``with_entry``, i.e. the model injects the
+    prelude output) is the state entering the recurrent block.
+    """
+
+    def __init__(self, ops, pool, n: int, d_model: int, with_entry: bool):
+        k = 2 if with_entry else 1
+        self._data, self._block = ops.empty(pool, (k, n, d_model), np.float32, "resume")
+        self.with_entry = with_entry
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._block is None else self._block.nbytes
+
+    def put_state(self, pos0: int, x) -> None:
+        self._data[0, pos0:pos0 + x.shape[0]] = x
+
+    def get_state(self, pos0: int, out) -> None:
+        out[...] = self._data[0, pos0:pos0 + out.shape[0]]
+
+    def put_entry(self, pos0: int, x) -> None:
+        if self.with_entry:
+            self._data[1, pos0:pos0 + x.shape[0]] = x
+
+    def get_entry(self, pos0: int, out) -> None:
+        out[...] = self._data[1, pos0:pos0 + out.shape[0]]
+
+    def release(self) -> None:
+        if self._block is not None:
+            blk, self._block, self._data = self._block, None, None
+            blk.pool.free(blk)
+
+
+def _free_on_gc(kind: str, n: int, blocks: list) -> None:
+    """weakref.finalize callback of a handle dropped without release(): free its blocks."""
+    live = [b for b in blocks if not b.freed]
+    if live:
+        warnings.warn(f"a {kind} of {n} tokens was garbage-collected without release(); "
+                      f"freeing its {sum(b.nbytes for b in live)} bytes now", ResourceWarning,
+                      stacklevel=2)
+        for b in live:
+            b.pool._free_from_finalizer(b)
+
+
+# -- PrefixCache ------------------------------------------------------------------------------
+class PrefixCache:
+    """A prefilled prefix at a fixed loop depth. Create with :meth:`Model.prefill` (or
+    :meth:`Model.load_prefix`); pass as ``prefix=`` to generate / stream / logits / score.
+
+    Attributes: ``tokens`` (tuple of int ids), ``depth`` (loop iterations it was prefilled
+    at), ``kv_mode`` (KV storage mode), ``nbytes`` (pool bytes it holds: K/V for
+    ``n_slots(depth)`` slots x ``len(tokens)`` positions plus float32 ``[n, d_model]`` final
+    residual rows, tag ``prefix_cache``). ``release()`` (idempotent) or ``with`` frees them;
+    any later use raises HandleError. Freeing the model releases its handles.
+    """
+
+    kind = "PrefixCache"
+
+    def __init__(self, model, ids: np.ndarray, depth: int, kv_mode: str,
+                 kv: RuntimeKVCache, rows, rows_block, snapshot: ResidualSnapshot | None = None):
+        self._model = model
+        self._ids = np.array(ids, dtype=np.int32)
+        self._ids.setflags(write=False)
+        self._tokens = tuple(int(t) for t in self._ids)
+        self._depth = int(depth)
+        self._kv_mode = kv_mode
+        self._kv = kv
+        self._rows, self._rows_block = rows, rows_block
+        self._snap = snapshot
+        blocks = [kv._block, rows_block] + ([snapshot._block] if snapshot else [])
+        self._finalizer = weakref.finalize(self, _free_on_gc, self.kind, len(self._ids), blocks)
+        model._handles.add(self)
+
+    # -- public surface ---------------------------------------------------------------------
+    @property
+    def tokens(self) -> tuple:
+        return self._tokens
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    @property
+    def kv_mode(self) -> str:
+        return self._kv_mode
+
+    @property
+    def nbytes(self) -> int:
+        """Pool bytes held (0 once released)."""
+        if self._kv is None:
+            return 0
+        return (self._kv.nbytes + self._rows_block.nbytes
+                + (self._snap.nbytes if self._snap is not None else 0))
+
+    @property
+    def released(self) -> bool:
+        return self._kv is None
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def release(self) -> None:
+        """Free the handle's pool memory (idempotent); later use raises HandleError."""
+        with self._model._lock:
+            if self._kv is None:
+                return
+            self._finalizer.detach()
+            kv, self._kv = self._kv, None
+            rows_block, self._rows_block, self._rows = self._rows_block, None, None
+            snap, self._snap = self._snap, None
+            kv.release()
+            rows_block.pool.free(rows_block)
+            if snap is not None:
+                snap.release()
+            self._model._handles.discard(self)
+
+    def _model_freed(self) -> None:
+        self.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def save(self, path) -> int:
+        """Write the prefix to ``path`` (format: :func:`save_prefix`); returns bytes written.
+        Raises HandleError after release, OSError from the file system."""
+        return save_prefix(self, path)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.nbytes} B"
+        return (f"{self.kind}({len(self._ids)} tokens, depth={self._depth}, "
+                f"kv_mode={self._kv_mode!r}, {state})")
+
+    # -- internal ---------------------------------------------------------------------------
+    def _check(self, model=None) -> None:
+        """Raise HandleError when released or tied to another model (call under the lock)."""
+        if self._kv is None:
+            raise HandleError(f"this {self.kind} was released; make a new one")
+        if model is not None and model is not self._model:
+            raise HandleError(f"this {self.kind} belongs to another Model "
+                              f"({self._model.path!r})")
+        self._model._check_alive()
+
+    def _restore(self, cache: RuntimeKVCache, m: int) -> None:
+        """Copy positions 0..m-1 (K/V of the slots ``cache`` has, and the final residual rows)
+        into a request's cache and the model's residual buffer. Holds the model lock."""
+        cache.copy_prefix_from(self._kv, m)
+        self._model._buf.main[:m] = self._rows[:m]
+
+
+def _allocate_handle_storage(model, depth_slots: int, n: int, kv_mode: str):
+    """(RuntimeKVCache of ``depth_slots`` iterations x n positions, rows, rows block), all tag
+    prefix_cache; nothing stays allocated on failure."""
+    kv = RuntimeKVCache(model._ops, model._pool, model.config, depth_slots, n, kv_mode,
+                        tag="prefix_cache")
+    try:
+        rows, rows_block = model._ops.empty(model._pool, (n, model.config.d_model), np.float32,
+                                            "prefix_cache")
+    except BaseException:
+        kv.release()
+        raise
+    return kv, rows, rows_block
+
+
+def _prompt_ids(model, prompt) -> np.ndarray:
+    ids = model.encode_prompt(prompt)
+    if len(ids) > model.max_seq_len:
+        raise ConfigError(f"prompt ({len(ids)} tokens) exceeds max_seq_len={model.max_seq_len}")
+    return ids
+
+
+def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
+    """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache."""
+    model._check_alive()
+    depth = _depth_arg(model, depth)
+    kv_mode = resolve_kv_mode(model, kv_mode)
+    ids = _prompt_ids(model, prompt)
+    with model._lock:
+        model._check_alive()
+        kv, rows, rows_block = _allocate_handle_storage(model, depth, len(ids), kv_mode)
+        try:
+            model.forward(ids, 0, depth, kv)
+            rows[...] = model._buf.main[:len(ids)]
+            return PrefixCache(model, ids, depth, kv_mode, kv, rows, rows_block)
+        except BaseException:
+            kv.release()
+            model._pool.free(rows_block)
+            raise
+
+
+# -- ResumeHandle -----------------------------------------------------------------------------
+class ResumeHandle(PrefixCache):
+    """A prefix prefilled at ``depth`` that can be deepened up to ``max_depth``. Create with
+    :meth:`Model.resume_handle`; pass as ``prefix=`` to continue from it at ``rh.depth``.
+
+    Besides a PrefixCache's storage it holds K/V room for ``n_slots(max_depth)`` slots and the
+    residual snapshot (tag ``resume``, float32 ``[1 or 2, n, d_model]``, see
+    :class:`ResidualSnapshot`). Using it as a prefix never changes it, so restore-and-decode
+    cycles repeat exactly.
+    """
+
+    kind = "ResumeHandle"
+
+    def __init__(self, model, ids, depth, kv_mode, kv, rows, rows_block, snapshot, max_depth):
+        super().__init__(model, ids, depth, kv_mode, kv, rows, rows_block, snapshot)
+        self._max_depth = int(max_depth)
+
+    @property
+    def max_depth(self) -> int:
+        return self._max_depth
+
+    def upgrade(self, depth: int) -> "ResumeHandle":
+        """Deepen to ``depth`` (current depth < depth <= max_depth): runs recurrent iterations
+        depth_now+1..depth and the coda over every position, nothing else; afterwards the
+        handle equals a fresh ``resume_handle(prompt, depth=depth)``. Returns self.
+
+        Raises ConfigError for a depth outside (depth, max_depth], HandleError after release.
+        If the forward fails part-way the handle is released (never left half-deepened).
+        """
+        from .generate import _as_int
+        depth = _as_int(depth, "depth")
+        with self._model._lock:
+            self._check()
+            if not self._depth < depth <= self._max_depth:
+                raise ConfigError(f"upgrade depth={depth} must be in {self._depth + 1}.."
+                                  f"{self._max_depth} (the handle is at depth {self._depth}, "
+                                  f"max_depth {self._max_depth})")
+            n = len(self._ids)
+            try:
+                self._model.deepen(0, n, self._depth, depth, self._kv, self._snap)
+                self._rows[...] = self._model._buf.main[:n]
+            except BaseException:
+                self.release()
+                raise
+            self._depth = depth
+        return self
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", max_depth={self._max_depth})"
+
+
+def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) -> ResumeHandle:
+    """:meth:`Model.resume_handle`: prefill at ``depth`` keeping what upgrades need."""
+    from .generate import _as_int
+    model._check_alive()
+    cfg = model.config
+    depth = _depth_arg(model, depth)
+    max_depth = cfg.max_depth if max_depth is None else _as_int(max_depth, "max_depth")
+    if not depth <= max_depth <= cfg.max_depth:
+        raise ConfigError(f"max_depth={max_depth} must be in {depth}..{cfg.max_depth} "
+                          f"(depth={depth}, the model's max_depth={cfg.max_depth})")
+    kv_mode = resolve_kv_mode(model, kv_mode)
+    ids = _prompt_ids(model, prompt)
+    n = len(ids)
+    with model._lock:
+        model._check_alive()
+        kv, rows, rows_block = _allocate_handle_storage(model, max_depth, n, kv_mode)
+        snap = None
+        try:
+            snap = ResidualSnapshot(model._ops, model._pool, n, cfg.d_model,
+                                    with_entry=model._adapter is not None)
+            model.forward(ids, 0, depth, kv, snapshot=snap)
+            rows[...] = model._buf.main[:n]
+            return ResumeHandle(model, ids, depth, kv_mode, kv, rows, rows_block, snap,
+                                max_depth)
+        except BaseException:
+            kv.release()
+            model._pool.free(rows_block)
+            if snap is not None:
+                snap.release()
+            raise
+
+
+# -- PrefixPool -------------------------------------------------------------------------------
+_KEY_MAGIC = b"TLPK\x01"
+
+
+def encode_key(fingerprint: bytes, depth: int, kv_mode: str, ids) -> bytes:
+    """The pool key as bytes: an injective encoding of (model fingerprint, depth, kv_mode,
+    token ids), so two different keys never compare equal.
+
+    Layout: ``b"TLPK\\x01"``, the 32-byte fingerprint, u32 depth, u8 length + ASCII kv_mode,
+    u32 token count, then the ids as little-endian u32. Every variable-length field is
+    length-prefixed and the rest are fixed-width, so the bytes decode back to one key only.
+    """
+    if len(fingerprint) != 32:
+        raise ConfigError(f"a model fingerprint has 32 bytes, got {len(fingerprint)}")
+    mode = kv_mode.encode("ascii")
+    ids = np.asarray(ids)
+    return b"".join([_KEY_MAGIC, fingerprint, struct.pack("<IB", depth, len(mode)), mode,
+                     struct.pack("<I", ids.size), ids.astype("<u4").tobytes()])
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixPool:
+    """Many prefix caches for one model, with LRU eviction under a byte budget.
+
+    ``PrefixPool(model, max_bytes=None)``: ``max_bytes`` is an int, a size string ("64M"), or
+    None (unbounded). Pass as ``prefix_pool=`` to generate / stream / logits / score: the
+    request reuses the longest cached prefix of its prompt among entries with the same key
+    (model fingerprint, depth, kv_mode; see :func:`encode_key`) -- token granular: with the
+    paged cache, full pages by reference and the partly matched last page copy-on-write --
+    and the finished prompt is inserted as a new entry (replacing entries it extends, which it
+    contains). Inserting evicts the least recently used entries whose bytes cover exactly the
+    shortfall (oldest first, stopping as soon as the new entry fits); an entry larger than
+    ``max_bytes`` is not inserted.
+
+    ``stats()`` gives hits, misses, hit_tokens, evictions, entries, bytes, max_bytes (and
+    inserts, replaced, rejected: entries over max_bytes or that did not fit the memory pool's
+    budget -- an insert never fails the request); ``bytes`` is what the memory pool holds under tag
+    ``prefix_cache`` for this pool's entries. ``clear()`` frees every entry; ``close()`` (or
+    ``with``, or freeing the model) clears it for good. Raises ConfigError for a bad budget or
+    a model that is not a live Model, HandleError when used with another model or after close.
+    """
+
+    def __init__(self, model, max_bytes=None):
+        from .model import Model
+        if not isinstance(model, Model):
+            raise ConfigError(f"PrefixPool needs a tinyloop Model, got {type(model).__name__}")
+        model._check_alive()
+        if max_bytes is not None:
+            if isinstance(max_bytes, str):
+                max_bytes = parse_size(max_bytes, name="max_bytes")
+            elif isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)):
+                raise ConfigError(f"max_bytes must be None, an int or a size string, "
+                                  f"got {max_bytes!r}")
+            max_bytes = int(max_bytes)
+            if max_bytes < 0:
+                raise ConfigError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._model = model
+        self._max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, PrefixCache] = OrderedDict()  # LRU: oldest first
+        self._bytes = 0          # sum of the entries' nbytes (guarded by model._lock)
+        self._closed = False
+        self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, inserts=0,
+                            replaced=0, rejected=0)
+        model._handles.add(self)
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def max_bytes(self):
+        return self._max_bytes
+
+    def key(self, tokens, depth: int, kv_mode: str = "fp16") -> bytes:
+        """This pool's key for ``tokens`` at ``depth``/``kv_mode`` (see :func:`encode_key`)."""
+        return encode_key(self._model.fingerprint, depth, kv_mode,
+                          self._model._ids_from(tokens, "tokens"))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> dict:
+        """Counters and holdings: hits, misses, hit_tokens, evictions, inserts, replaced,
+        rejected (entries over max_bytes), entries, bytes, max_bytes."""
+        with self._model._lock:
+            return dict(self._counts, entries=len(self._entries), bytes=self._bytes,
+                        max_bytes=self._max_bytes)
+
+    def clear(self) -> None:
+        """Release every entry (bytes back to 0); the counters stay."""
+        with self._model._lock:
+            entries, self._entries = list(self._entries.values()), OrderedDict()
+            self._bytes = 0
+            for e in entries:
+                e.release()
+
+    def close(self) -> None:
+        """Clear and refuse further use (idempotent)."""
+        with self._model._lock:
+            self.clear()
+            self._closed = True
+            self._model._handles.discard(self)
+
+    def _model_freed(self) -> None:
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PrefixPool({s['entries']} entries, {s['bytes']} B of "
+                f"{'unbounded' if s['max_bytes'] is None else s['max_bytes']}, "
+                f"{s['hits']} hits / {s['misses']} misses)")
+
+    # -- under the model lock ---------------------------------------------------------------
+    def _check(self, model) -> None:
+        if self._closed:
+            raise HandleError("this PrefixPool was closed (or its model freed)")
+        if model is not self._model:
+            raise HandleError(f"this PrefixPool belongs to another Model "
+                              f"({self._model.path!r}); make one per model")
+
+    def _lookup(self, ids: np.ndarray, depth: int, kv_mode: str):
+        """(entry, m): the entry sharing the longest prefix of ``ids`` at ``depth``/``kv_mode``
+        and that length (0 and None on a miss). Counts the hit or miss; refreshes its LRU."""
+        best, best_m = None, 0
+        for e in self._entries.values():
+            if e._depth == depth and e._kv_mode == kv_mode:
+                m = _common_prefix(e._ids, ids)
+                if m > best_m:
+                    best, best_m = e, m
+        if best is None:
+            self._counts["misses"] += 1
+            return None, 0
+        self._counts["hits"] += 1
+        self._counts["hit_tokens"] += best_m
+        self._entries.move_to_end(self._key_of(best))
+        return best, best_m
+
+    def _key_of(self, e: PrefixCache) -> bytes:
+        return encode_key(self._model.fingerprint, e._depth, e._kv_mode, e._ids)
+
+    def entry_bytes(self, n_tokens: int, depth: int) -> int:
+        """Pool bytes an entry of ``n_tokens`` positions at ``depth`` holds (K/V + rows)."""
+        cfg, ops = self._model.config, self._model._ops
+        kv = (cfg.n_slots(depth) * 2 * n_tokens * cfg.n_kv_heads * cfg.head_dim
+              * np.dtype(ops.kv_dtype).itemsize)
+        return round_size(kv) + round_size(n_tokens * cfg.d_model * 4)
+
+    def _evict(self, shortfall: int) -> None:
+        """Evict least recently used entries until their bytes cover ``shortfall``."""
+        freed = 0
+        while freed < shortfall and self._entries:
+            _, e = self._entries.popitem(last=False)
+            freed += e.nbytes
+            self._bytes -= e.nbytes
+            self._counts["evictions"] += 1
+            e.release()
+
+    def _insert(self, ids: np.ndarray, depth: int, kv_mode: str, cache: RuntimeKVCache) -> None:
+        """Insert the request's prompt (K/V in ``cache`` positions 0..T-1, final rows in the
+        model's residual buffer) unless an entry already holds all of it."""
+        key = encode_key(self._model.fingerprint, depth, kv_mode, ids)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        # entries the new one extends are contained in it: drop them (not counted as evictions)
+        for k, e in list(self._entries.items()):
+            if (e._depth == depth and e._kv_mode == kv_mode and len(e) <= len(ids)
+                    and _common_prefix(e._ids, ids) == len(e)):
+                del self._entries[k]
+                self._bytes -= e.nbytes
+                self._counts["replaced"] += 1
+                e.release()
+        need = self.entry_bytes(len(ids), depth)
+        if self._max_bytes is not None:
+            if need > self._max_bytes:
+                self._counts["rejected"] += 1
+                return
+            self._evict(self._bytes + need - self._max_bytes)
+        model = self._model
+        try:
+            kv, rows, rows_block = _allocate_handle_storage(model, depth, len(ids), kv_mode)
+        except OutOfMemoryError:
+            # a cache insert is best-effort: under a memory budget the request still succeeds
+            self._counts["rejected"] += 1
+            return
+        try:
+            kv.copy_prefix_from(cache, len(ids))
+            rows[...] = model._buf.main[:len(ids)]
+            entry = PrefixCache(model, ids, depth, kv_mode, kv, rows, rows_block)
+        except BaseException:
+            kv.release()
+            model._pool.free(rows_block)
+            raise
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
+        self._counts["inserts"] += 1
+
+
+# -- requests that start from a cache (called by generate.py) ---------------------------------
+def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_pool):
+    """Validate ``prefix=`` / ``prefix_pool=`` for a request of ``ids``; return the resolved
+    (depth, kv_mode). A prefix fixes both: a different explicit depth or kv_mode is a
+    ConfigError (never a silent re-prefill), as is a prompt that does not start with the
+    prefix's tokens (the message names the first position that differs)."""
+    if prefix is not None and prefix_pool is not None:
+        raise ConfigError("pass prefix= or prefix_pool=, not both")
+    if prefix is not None:
+        if not isinstance(prefix, PrefixCache):
+            raise ConfigError(f"prefix must be a PrefixCache or ResumeHandle, got "
+                              f"{type(prefix).__name__}")
+        with model._lock:
+            prefix._check(model)
+            p_depth, p_mode = prefix._depth, prefix._kv_mode
+        if depth is not None and _depth_arg(model, depth) != p_depth:
+            raise ConfigError(f"depth={depth} differs from the prefix's depth {p_depth}; "
+                              f"prefill the prefix at that depth (or upgrade a ResumeHandle)")
+        if kv_mode is not None and kv_mode != p_mode:
+            raise ConfigError(f"kv_mode={kv_mode!r} differs from the prefix's kv_mode "
+                              f"{p_mode!r}")
+        n = len(prefix)
+        if len(ids) < n:
+            raise ConfigError(f"the prompt ({len(ids)} tokens) is shorter than the prefix "
+                              f"({n} tokens); it must start with the prefix's tokens")
+        m = _common_prefix(prefix._ids, ids)
+        if m < n:
+            raise ConfigError(f"the prompt differs from the prefix at position {m} (prompt "
+                              f"token {int(ids[m])}, prefix token {int(prefix._ids[m])}); "
+                              f"it must start with the prefix's {n} tokens")
+        return p_depth, p_mode
+    depth = _depth_arg(model, depth)
+    kv_mode = resolve_kv_mode(model, kv_mode)
+    if prefix_pool is not None:
+        if not isinstance(prefix_pool, PrefixPool):
+            raise ConfigError(f"prefix_pool must be a PrefixPool, got "
+                              f"{type(prefix_pool).__name__}")
+        with model._lock:
+            prefix_pool._check(model)
+    return depth, kv_mode
+
+
+def prefill_request(model, ids: np.ndarray, depth: int, kv_mode: str, cache: RuntimeKVCache,
+                    prefix=None, prefix_pool=None, on_rows=None) -> int:
+    """Fill ``cache`` and the residual rows 0..T-1 for a request's prompt, starting from the
+    prefix (or the pool's longest match); insert the prompt into the pool. Returns the number
+    of positions that came from a cache. ``on_rows(start, t)`` is called for the restored
+    rows (once, start 0) and after each prefilled chunk. Call under the model's lock."""
+    m, src = 0, None
+    if prefix is not None:
+        prefix._check(model)
+        m, src = len(prefix), prefix
+    elif prefix_pool is not None:
+        prefix_pool._check(model)
+        src, m = prefix_pool._lookup(ids, depth, kv_mode)
+    if m:
+        src._restore(cache, m)
+        if on_rows is not None:
+            on_rows(0, m)
+    if m < len(ids):
+        model.forward(ids[m:], m, depth, cache, on_rows=on_rows)
+    if prefix_pool is not None and m < len(ids):
+        prefix_pool._insert(ids, depth, kv_mode, cache)
+    return m
+
+
+# -- prefix files -----------------------------------------------------------------------------
+PREFIX_MAGIC = b"TLPREFIX"
+PREFIX_VERSION = 1
+_HEADER = struct.Struct("<8sI32sBBHHH16sIIIIIII32sQ")
+# magic, version, fingerprint, kind (0 PrefixCache, 1 ResumeHandle), kv dtype (0 f32, 1 f16),
+# depth, max_depth, snapshot planes, kv_mode (ASCII, NUL padded), n_tokens, n_slots,
+# n_kv_heads, head_dim, d_model, vocab_size, reserved (0), SHA-256 of the payload, payload bytes
+_KV_DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
+
+
+def _payload_layout(cfg, kind: int, depth: int, max_depth: int, planes: int, n: int,
+                    kv_dtype: np.dtype) -> list[tuple[str, tuple, np.dtype]]:
+    """The payload's arrays in order (name, shape, dtype); sizes are exact Python ints."""
+    slots = cfg.n_slots(max_depth if kind == 1 else depth)
+    out = [("tokens", (n,), np.dtype("<u4")),
+           ("kv", (slots, 2, n, cfg.n_kv_heads, cfg.head_dim), kv_dtype),
+           ("rows", (n, cfg.d_model), np.dtype("<f4"))]
+    if kind == 1:
+        out.append(("snapshot", (planes, n, cfg.d_model), np.dtype("<f4")))
+    return out
+
+
+def _nbytes(shape, dtype) -> int:
+    size = dtype.itemsize
+    for s in shape:
+        size *= int(s)          # Python ints: no overflow
+    return size
+
+
+def save_prefix(handle: PrefixCache, path) -> int:
+    """Write ``handle`` to ``path``; returns the bytes written.
+
+    Format (little-endian): a fixed header ``_HEADER`` (magic ``TLPREFIX``, version 1, the
+    model's 32-byte fingerprint, the kind, the K/V dtype, depth, max_depth, snapshot planes,
+    kv_mode, token count, slots, n_kv_heads, head_dim, d_model, vocab_size, the SHA-256 of the
+    payload and its length), then the payload: token ids (u32 [n]), K/V ``[slots, 2, n,
+    n_kv_heads, head_dim]``, the final residual rows (f32 [n, d_model]) and, for a
+    ResumeHandle, the snapshot (f32 [planes, n, d_model]). Written to ``path.tmp`` and renamed,
+    so a crash never leaves a half-written file under ``path``.
+    """
+    model = handle._model
+    with model._lock:
+        handle._check()
+        ops, cfg = model._ops, model.config
+        kind = 1 if isinstance(handle, ResumeHandle) else 0
+        kv_host = np.ascontiguousarray(ops.to_host(handle._kv._data))
+        dt_code = next((c for c, d in _KV_DTYPES.items() if d == kv_host.dtype), None)
+        if dt_code is None:
+            raise ConfigError(f"cannot save K/V of dtype {kv_host.dtype}")
+        parts = [handle._ids.astype("<u4"), kv_host.astype(_KV_DTYPES[dt_code]),
+                 np.ascontiguousarray(ops.to_host(handle._rows)).astype("<f4")]
+        planes = 0
+        if kind == 1:
+            snap = np.ascontiguousarray(ops.to_host(handle._snap._data)).astype("<f4")
+            planes = snap.shape[0]
+            parts.append(snap)
+        max_depth = handle._max_depth if kind == 1 else handle._depth
+        n = len(handle)
+        slots = kv_host.shape[0]
+        mode = handle._kv_mode.encode("ascii")
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(memoryview(p).cast("B"))
+    payload_len = sum(p.nbytes for p in parts)
+    header = _HEADER.pack(PREFIX_MAGIC, PREFIX_VERSION, model.fingerprint, kind, dt_code,
+                          handle._depth, max_depth, planes, mode, n, slots, cfg.n_kv_heads,
+                          cfg.head_dim, cfg.d_model, cfg.vocab_size, 0, h.digest(), payload_len)
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for p in parts:
+            f.write(memoryview(p).cast("B"))
+    os.replace(tmp, path)
+    return _HEADER.size + payload_len
+
+
+def load_prefix(model, path) -> PrefixCache:
+    """:meth:`Model.load_prefix`: read a prefix file written by :func:`save_prefix`.
+
+    Every header field is checked against the model and against the file's length (Python
+    ints, so no overflow) before anything is allocated; the payload's SHA-256 is checked
+    before it is uploaded. Raises BadMagicError, UnsupportedVersionError, TruncatedFileError
+    (shorter than the header or its payload), SizeOverflowError (trailing bytes, absurd
+    counts), FormatError (another model's fingerprint, dims that differ from the model's, an
+    unknown kind/dtype/kv_mode, a depth outside the model's range, a checksum mismatch),
+    TokenizerError (ids outside the vocabulary). On any failure nothing stays allocated and no
+    other handle or pool entry is touched.
+    """
+    model._check_alive()
+    cfg = model.config
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _HEADER.size:
+            raise TruncatedFileError(f"{path}: {size} bytes is shorter than the "
+                                     f"{_HEADER.size}-byte prefix header")
+        (magic, version, fingerprint, kind, dt_code, depth, max_depth, planes, mode_raw, n,
+         slots, n_kv_heads, head_dim, d_model, vocab_size, reserved, digest,
+         payload_len) = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != PREFIX_MAGIC:
+            raise BadMagicError(f"{path}: not a TinyLoop prefix file (magic {magic!r})")
+        if version != PREFIX_VERSION:
+            raise UnsupportedVersionError(f"{path}: prefix file version {version}; this reader "
+                                          f"reads version {PREFIX_VERSION}")
+        if fingerprint != model.fingerprint:
+            raise FormatError(f"{path}: saved by another model (fingerprint "
+                              f"{fingerprint.hex()[:16]}..., this model's is "
+                              f"{model.fingerprint.hex()[:16]}...)")
+        if kind not in (0, 1) or dt_code not in _KV_DTYPES or reserved != 0:
+            raise FormatError(f"{path}: unknown kind {kind} / K/V dtype code {dt_code} / "
+                              f"reserved field {reserved}")
+        try:
+            kv_mode = mode_raw.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise FormatError(f"{path}: kv_mode field is not ASCII") from None
+        if kv_mode not in KV_MODES:
+            raise FormatError(f"{path}: unknown kv_mode {kv_mode!r}")
+        dims = dict(n_kv_heads=n_kv_heads, head_dim=head_dim, d_model=d_model,
+                    vocab_size=vocab_size)
+        for name, val in dims.items():
+            if val != getattr(cfg, name):
+                raise FormatError(f"{path}: {name}={val} but the model has "
+                                  f"{getattr(cfg, name)}")
+        if not 1 <= depth <= max_depth <= cfg.max_depth or (kind == 0 and max_depth != depth):
+            raise FormatError(f"{path}: depth {depth} / max_depth {max_depth} outside the "
+                              f"model's 1..{cfg.max_depth}")
+        if not 1 <= n <= model.max_seq_len:
+            raise SizeOverflowError(f"{path}: {n} tokens; this model takes 1.."
+                                    f"{model.max_seq_len} (max_seq_len)")
+        want_planes = (2 if model._adapter is not None else 1) if kind == 1 else 0
+        if planes != want_planes:
+            raise FormatError(f"{path}: {planes} snapshot planes, expected {want_planes}")
+        layout = _payload_layout(cfg, kind, depth, max_depth, planes, n, _KV_DTYPES[dt_code])
+        if slots != layout[1][1][0]:
+            raise FormatError(f"{path}: {slots} K/V slots, expected {layout[1][1][0]} at "
+                              f"max_depth {max_depth}")
+        want = sum(_nbytes(s, d) for _, s, d in layout)
+        if payload_len != want:
+            raise SizeOverflowError(f"{path}: header says {payload_len} payload bytes; its "
+                                    f"counts need {want}")
+        if size - _HEADER.size < want:
+            raise TruncatedFileError(f"{path}: {size} bytes; header and payload need "
+                                     f"{_HEADER.size + want}")
+        if size - _HEADER.size > want:
+            raise SizeOverflowError(f"{path}: {size - _HEADER.size - want} trailing bytes "
+                                    f"after the payload")
+        payload = f.read(want)
+    if len(payload) != want:
+        raise TruncatedFileError(f"{path}: the file shrank while being read")
+    if hashlib.sha256(payload).digest() != digest:
+        raise FormatError(f"{path}: payload checksum mismatch (the file is corrupted)")
+    arrays, off = {}, 0
+    for name, shape, dt in layout:
+        nb = _nbytes(shape, dt)
+        arrays[name] = np.frombuffer(payload, dtype=dt, count=nb // dt.itemsize,
+                                     offset=off).reshape(shape)
+        off += nb
+    ids = arrays["tokens"]
+    if (ids >= cfg.vocab_size).any():
+        i = int(np.argmax(ids >= cfg.vocab_size))
+        raise TokenizerError(f"{path}: token {i} = {int(ids[i])} is outside the vocabulary "
+                             f"of {cfg.vocab_size}")
+    ids = ids.astype(np.int32)
+    check_kv_mode(kv_mode)
+    ops = model._ops
+    with model._lock:
+        model._check_alive()
+        kv, rows, rows_block = _allocate_handle_storage(model, max_depth, n, kv_mode)
+        snap = None
+        try:
+            ops.from_host(np.ascontiguousarray(arrays["kv"].astype(ops.kv_dtype)), kv._data)
+            ops.from_host(np.ascontiguousarray(arrays["rows"]), rows)
+            if kind == 1:
+                snap = ResidualSnapshot(ops, model._pool, n, cfg.d_model,
+                                        with_entry=planes == 2)
+                ops.from_host(np.ascontiguousarray(arrays["snapshot"]), snap._data)
+                return ResumeHandle(model, ids, depth, kv_mode, kv, rows, rows_block, snap,
+                                    max_depth)
+            return PrefixCache(model, ids, depth, kv_mode, kv, rows, rows_block)
+        except BaseException:
+            kv.release()
+            model._pool.free(rows_block)
+            if snap is not None:
+                snap.release()
+            raise
