@@ -438,6 +438,7 @@ def test_every_corrupted_prefix_file_is_refused_with_nothing_changed(tiny_adapte
             pool_before = pool.stats()
             before = _allocated()
             tokens_before = m.generate(full, 8, prefix=h).token_ids
+            logits_before = m.logits(full, prefix=h)
             for name, data in _corruptions(raw, other.fingerprint):
                 bad = tmp_path / "bad.tlpx"
                 bad.write_bytes(data)
@@ -447,6 +448,7 @@ def test_every_corrupted_prefix_file_is_refused_with_nothing_changed(tiny_adapte
                 assert pool.stats() == pool_before, name
                 np.testing.assert_array_equal(h._kv._data, kv_before)
             assert m.generate(full, 8, prefix=h).token_ids == tokens_before
+            np.testing.assert_array_equal(m.logits(full, prefix=h), logits_before)
             with pytest.raises(errors.FormatError, match="another model"):
                 other.load_prefix(path)
             h.release()
