@@ -142,7 +142,7 @@ def chat_trace(model, args, rng) -> dict:
         tag = get_pool(model._ops.device).stats().by_tag.get("prefix_cache", 0) - tag0
         tag_matches &= tag == st["bytes"]
     st = pool.stats()
-    pool.close()
+    pool.release()
     return {"conversations": args.conversations, "turns": args.turns,
             "pool_max_bytes": args.pool_bytes, "hit_rate": hits / args.turns,
             "cached_token_share": cached_tokens / prompt_tokens, "stats": st,

@@ -97,7 +97,7 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
     finally:
         leak.release()
         if ppool is not None:
-            ppool.close()
+            ppool.release()
         if own:
             tinyloop.free_model(model)
 

@@ -184,9 +184,9 @@ def test_resume_upgrade_equals_fresh_prefill(model):
         fresh = model.resume_handle(prompt, depth=4, max_depth=4)
         try:
             # the handle's state equals a fresh prefill at depth 4, slot by slot
-            _close(rh._kv._data, fresh._kv._data)
-            _close(rh._rows, fresh._rows)
-            _close(rh._snap._data, fresh._snap._data)
+            a, b = rh._st.host_state(), fresh._st.host_state()
+            for part in ("kv", "rows", "snapshot"):
+                _close(a[part], b[part])
         finally:
             fresh.release()
         ref = model.logits(full, depth=4)
@@ -331,8 +331,8 @@ def test_pool_refuses_other_models_and_bad_budgets(plain, tiny_model_path):
         tinyloop.PrefixPool("model")
     with pytest.raises(errors.ConfigError, match="PrefixPool"):
         plain.generate([1, 2], 2, prefix_pool={})
-    pool.close()
-    with pytest.raises(errors.HandleError, match="closed"):
+    pool.release()
+    with pytest.raises(errors.HandleError, match="released"):
         plain.generate([1, 2], 2, prefix_pool=pool)
 
 
@@ -367,16 +367,17 @@ def test_save_load_round_trip_is_exact(model, tmp_path, kind):
         assert type(loaded) is type(h)
         assert (loaded.tokens, loaded.depth, loaded.kv_mode) == (h.tokens, h.depth, h.kv_mode)
         assert loaded.nbytes == h.nbytes
-        np.testing.assert_array_equal(loaded._kv._data, h._kv._data)
-        np.testing.assert_array_equal(loaded._rows, h._rows)
+        a, b = loaded._st.host_state(), h._st.host_state()
+        assert a.keys() == b.keys()
+        for part in a:
+            np.testing.assert_array_equal(a[part], b[part])
         assert (model.generate(full, 8, prefix=loaded).token_ids
                 == model.generate(full, 8, prefix=h).token_ids)
         if kind == "resume":
             assert loaded.max_depth == 4
-            np.testing.assert_array_equal(loaded._snap._data, h._snap._data)
             loaded.upgrade(4)
             h.upgrade(4)
-            np.testing.assert_array_equal(loaded._kv._data, h._kv._data)
+            np.testing.assert_array_equal(loaded._st.host_state()["kv"], h._st.host_state()["kv"])
     finally:
         loaded.release()
         h.release()
@@ -434,7 +435,7 @@ def test_every_corrupted_prefix_file_is_refused_with_nothing_changed(tiny_adapte
             path = tmp_path / f"{kind}.tlpx"
             h.save(path)
             raw = path.read_bytes()
-            kv_before = h._kv._data.copy()
+            state_before = h._st.host_state()
             pool_before = pool.stats()
             before = _allocated()
             tokens_before = m.generate(full, 8, prefix=h).token_ids
@@ -446,13 +447,14 @@ def test_every_corrupted_prefix_file_is_refused_with_nothing_changed(tiny_adapte
                     m.load_prefix(bad)
                 assert _allocated() == before, name
                 assert pool.stats() == pool_before, name
-                np.testing.assert_array_equal(h._kv._data, kv_before)
+                for part, arr in h._st.host_state().items():
+                    np.testing.assert_array_equal(arr, state_before[part])
             assert m.generate(full, 8, prefix=h).token_ids == tokens_before
             np.testing.assert_array_equal(m.logits(full, prefix=h), logits_before)
             with pytest.raises(errors.FormatError, match="another model"):
                 other.load_prefix(path)
             h.release()
-            pool.close()
+            pool.release()
         with pytest.raises(FileNotFoundError):
             m.load_prefix(tmp_path / "missing.tlpx")
     finally:
@@ -510,6 +512,19 @@ def test_threads_mixing_pool_inserts_evictions_and_upgrades(tiny_adapter_path):
         s = pool.stats()
         assert s["bytes"] == _tag("prefix_cache") <= pool.max_bytes
         assert s["hits"] > 0 and s["evictions"] > 0
-        pool.close()
+        pool.release()
     finally:
         tinyloop.free_model(m)
+
+
+def test_upgrade_between_a_calls_check_and_its_prefill_is_refused(plain):
+    """A ResumeHandle upgraded by another thread after a call validated it: the call's first
+    step refuses it rather than restoring slots of the wrong depth."""
+    from tinyloop.prefix import check_prefix_args, prefill_request
+    prompt = _ids(30, seed=31)
+    with plain.resume_handle(prompt[:20], depth=1, max_depth=3) as rh:
+        depth, mode = check_prefix_args(plain, prompt, None, None, rh, None)
+        rh.upgrade(3)
+        with plain._lock, plain.new_kv_cache(depth, len(prompt), mode) as cache:
+            with pytest.raises(errors.ConfigError, match="upgrade"):
+                prefill_request(plain, prompt, depth, mode, cache, prefix=rh)

@@ -102,6 +102,66 @@ class ResidualSnapshot:
             blk.pool.free(blk)
 
 
+class HandleStorage:
+    """What a handle holds in the pool: K/V for the slots of ``slot_depth`` iterations x n
+    positions (a RuntimeKVCache, tag ``prefix_cache``), the final residual rows (float32
+    ``[n, d_model]``, tag ``prefix_cache``) and, for a ResumeHandle, a ResidualSnapshot (tag
+    ``resume``). Nothing stays allocated when a part fails to allocate."""
+
+    def __init__(self, model, slot_depth: int, n: int, kv_mode: str, snapshot: bool = False):
+        ops, pool, cfg = model._ops, model._pool, model.config
+        self.kv = self.rows_block = self.snap = None
+        try:
+            self.kv = RuntimeKVCache(ops, pool, cfg, slot_depth, n, kv_mode, tag="prefix_cache")
+            self.rows, self.rows_block = ops.empty(pool, (n, cfg.d_model), np.float32,
+                                                   "prefix_cache")
+            if snapshot:
+                self.snap = ResidualSnapshot(ops, pool, n, cfg.d_model,
+                                             with_entry=model._adapter is not None)
+        except BaseException:
+            self.release()
+            raise
+        self._ops = ops
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.kv, self.rows_block, self.snap) if x is not None)
+
+    @property
+    def blocks(self) -> list:
+        return [self.kv._block, self.rows_block] + ([self.snap._block] if self.snap else [])
+
+    def host_state(self) -> dict:
+        """Host copies: ``kv`` ``[slots, 2, n, n_kv_heads, head_dim]`` (the backend's KV
+        dtype), ``rows`` float32 ``[n, d_model]``, and ``snapshot`` float32 ``[planes, n,
+        d_model]`` when there is one."""
+        to_host = self._ops.to_host
+        out = {"kv": np.ascontiguousarray(to_host(self.kv._data)),
+               "rows": np.ascontiguousarray(to_host(self.rows))}
+        if self.snap is not None:
+            out["snapshot"] = np.ascontiguousarray(to_host(self.snap._data))
+        return out
+
+    def load_host_state(self, state: dict) -> None:
+        """Upload arrays shaped as :meth:`host_state` gives them (K/V cast to the KV dtype)."""
+        from_host = self._ops.from_host
+        from_host(np.ascontiguousarray(state["kv"], dtype=self._ops.kv_dtype), self.kv._data)
+        from_host(np.ascontiguousarray(state["rows"], dtype=np.float32), self.rows)
+        if self.snap is not None:
+            from_host(np.ascontiguousarray(state["snapshot"], dtype=np.float32),
+                      self.snap._data)
+
+    def release(self) -> None:
+        kv, rows_block, snap = self.kv, self.rows_block, self.snap
+        self.kv = self.rows_block = self.snap = self.rows = None
+        if kv is not None:
+            kv.release()
+        if rows_block is not None:
+            rows_block.pool.free(rows_block)
+        if snap is not None:
+            snap.release()
+
+
 def _free_on_gc(kind: str, n: int, blocks: list) -> None:
     """weakref.finalize callback of a handle dropped without release(): free its blocks."""
     live = [b for b in blocks if not b.freed]
@@ -114,7 +174,17 @@ def _free_on_gc(kind: str, n: int, blocks: list) -> None:
 
 
 # -- PrefixCache ------------------------------------------------------------------------------
-class PrefixCache:
+class _Releasable:
+    """``with handle: ...`` releases it at the end."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class PrefixCache(_Releasable):
     """A prefilled prefix at a fixed loop depth. Create with :meth:`Model.prefill` (or
     :meth:`Model.load_prefix`); pass as ``prefix=`` to generate / stream / logits / score.
 
@@ -128,18 +198,16 @@ class PrefixCache:
     kind = "PrefixCache"
 
     def __init__(self, model, ids: np.ndarray, depth: int, kv_mode: str,
-                 kv: RuntimeKVCache, rows, rows_block, snapshot: ResidualSnapshot | None = None):
+                 storage: HandleStorage):
         self._model = model
         self._ids = np.array(ids, dtype=np.int32)
         self._ids.setflags(write=False)
         self._tokens = tuple(int(t) for t in self._ids)
         self._depth = int(depth)
         self._kv_mode = kv_mode
-        self._kv = kv
-        self._rows, self._rows_block = rows, rows_block
-        self._snap = snapshot
-        blocks = [kv._block, rows_block] + ([snapshot._block] if snapshot else [])
-        self._finalizer = weakref.finalize(self, _free_on_gc, self.kind, len(self._ids), blocks)
+        self._st = storage
+        self._finalizer = weakref.finalize(self, _free_on_gc, self.kind, len(self._ids),
+                                           storage.blocks)
         model._handles.add(self)
 
     # -- public surface ---------------------------------------------------------------------
@@ -158,14 +226,11 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Pool bytes held (0 once released)."""
-        if self._kv is None:
-            return 0
-        return (self._kv.nbytes + self._rows_block.nbytes
-                + (self._snap.nbytes if self._snap is not None else 0))
+        return 0 if self._st is None else self._st.nbytes
 
     @property
     def released(self) -> bool:
-        return self._kv is None
+        return self._st is None
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -173,25 +238,14 @@ class PrefixCache:
     def release(self) -> None:
         """Free the handle's pool memory (idempotent); later use raises HandleError."""
         with self._model._lock:
-            if self._kv is None:
+            if self._st is None:
                 return
             self._finalizer.detach()
-            kv, self._kv = self._kv, None
-            rows_block, self._rows_block, self._rows = self._rows_block, None, None
-            snap, self._snap = self._snap, None
-            kv.release()
-            rows_block.pool.free(rows_block)
-            if snap is not None:
-                snap.release()
+            st, self._st = self._st, None
+            st.release()
             self._model._handles.discard(self)
 
     def _model_freed(self) -> None:
-        self.release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
         self.release()
 
     def save(self, path) -> int:
@@ -207,7 +261,7 @@ class PrefixCache:
     # -- internal ---------------------------------------------------------------------------
     def _check(self, model=None) -> None:
         """Raise HandleError when released or tied to another model (call under the lock)."""
-        if self._kv is None:
+        if self._st is None:
             raise HandleError(f"this {self.kind} was released; make a new one")
         if model is not None and model is not self._model:
             raise HandleError(f"this {self.kind} belongs to another Model "
@@ -217,22 +271,8 @@ class PrefixCache:
     def _restore(self, cache: RuntimeKVCache, m: int) -> None:
         """Copy positions 0..m-1 (K/V of the slots ``cache`` has, and the final residual rows)
         into a request's cache and the model's residual buffer. Holds the model lock."""
-        cache.copy_prefix_from(self._kv, m)
-        self._model._buf.main[:m] = self._rows[:m]
-
-
-def _allocate_handle_storage(model, depth_slots: int, n: int, kv_mode: str):
-    """(RuntimeKVCache of ``depth_slots`` iterations x n positions, rows, rows block), all tag
-    prefix_cache; nothing stays allocated on failure."""
-    kv = RuntimeKVCache(model._ops, model._pool, model.config, depth_slots, n, kv_mode,
-                        tag="prefix_cache")
-    try:
-        rows, rows_block = model._ops.empty(model._pool, (n, model.config.d_model), np.float32,
-                                            "prefix_cache")
-    except BaseException:
-        kv.release()
-        raise
-    return kv, rows, rows_block
+        cache.copy_prefix_from(self._st.kv, m)
+        self._model._buf.main[:m] = self._st.rows[:m]
 
 
 def _prompt_ids(model, prompt) -> np.ndarray:
@@ -250,14 +290,13 @@ def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
     ids = _prompt_ids(model, prompt)
     with model._lock:
         model._check_alive()
-        kv, rows, rows_block = _allocate_handle_storage(model, depth, len(ids), kv_mode)
+        st = HandleStorage(model, depth, len(ids), kv_mode)
         try:
-            model.forward(ids, 0, depth, kv)
-            rows[...] = model._buf.main[:len(ids)]
-            return PrefixCache(model, ids, depth, kv_mode, kv, rows, rows_block)
+            model.forward(ids, 0, depth, st.kv)
+            st.rows[...] = model._buf.main[:len(ids)]
+            return PrefixCache(model, ids, depth, kv_mode, st)
         except BaseException:
-            kv.release()
-            model._pool.free(rows_block)
+            st.release()
             raise
 
 
@@ -274,8 +313,8 @@ class ResumeHandle(PrefixCache):
 
     kind = "ResumeHandle"
 
-    def __init__(self, model, ids, depth, kv_mode, kv, rows, rows_block, snapshot, max_depth):
-        super().__init__(model, ids, depth, kv_mode, kv, rows, rows_block, snapshot)
+    def __init__(self, model, ids, depth, kv_mode, storage: HandleStorage, max_depth: int):
+        super().__init__(model, ids, depth, kv_mode, storage)
         self._max_depth = int(max_depth)
 
     @property
@@ -300,8 +339,8 @@ class ResumeHandle(PrefixCache):
                                   f"max_depth {self._max_depth})")
             n = len(self._ids)
             try:
-                self._model.deepen(0, n, self._depth, depth, self._kv, self._snap)
-                self._rows[...] = self._model._buf.main[:n]
+                self._model.deepen(0, n, self._depth, depth, self._st.kv, self._st.snap)
+                self._st.rows[...] = self._model._buf.main[:n]
             except BaseException:
                 self.release()
                 raise
@@ -327,20 +366,13 @@ def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) 
     n = len(ids)
     with model._lock:
         model._check_alive()
-        kv, rows, rows_block = _allocate_handle_storage(model, max_depth, n, kv_mode)
-        snap = None
+        st = HandleStorage(model, max_depth, n, kv_mode, snapshot=True)
         try:
-            snap = ResidualSnapshot(model._ops, model._pool, n, cfg.d_model,
-                                    with_entry=model._adapter is not None)
-            model.forward(ids, 0, depth, kv, snapshot=snap)
-            rows[...] = model._buf.main[:n]
-            return ResumeHandle(model, ids, depth, kv_mode, kv, rows, rows_block, snap,
-                                max_depth)
+            model.forward(ids, 0, depth, st.kv, snapshot=st.snap)
+            st.rows[...] = model._buf.main[:n]
+            return ResumeHandle(model, ids, depth, kv_mode, st, max_depth)
         except BaseException:
-            kv.release()
-            model._pool.free(rows_block)
-            if snap is not None:
-                snap.release()
+            st.release()
             raise
 
 
@@ -370,7 +402,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class PrefixPool:
+class PrefixPool(_Releasable):
     """Many prefix caches for one model, with LRU eviction under a byte budget.
 
     ``PrefixPool(model, max_bytes=None)``: ``max_bytes`` is an int, a size string ("64M"), or
@@ -386,9 +418,9 @@ class PrefixPool:
     ``stats()`` gives hits, misses, hit_tokens, evictions, entries, bytes, max_bytes (and
     inserts, replaced, rejected: entries over max_bytes or that did not fit the memory pool's
     budget -- an insert never fails the request); ``bytes`` is what the memory pool holds under tag
-    ``prefix_cache`` for this pool's entries. ``clear()`` frees every entry; ``close()`` (or
+    ``prefix_cache`` for this pool's entries. ``clear()`` frees every entry; ``release()`` (or
     ``with``, or freeing the model) clears it for good. Raises ConfigError for a bad budget or
-    a model that is not a live Model, HandleError when used with another model or after close.
+    a model that is not a live Model, HandleError when used with another model or after release.
     """
 
     def __init__(self, model, max_bytes=None):
@@ -409,7 +441,7 @@ class PrefixPool:
         self._max_bytes = max_bytes
         self._entries: OrderedDict[bytes, PrefixCache] = OrderedDict()  # LRU: oldest first
         self._bytes = 0          # sum of the entries' nbytes (guarded by model._lock)
-        self._closed = False
+        self._released = False
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, inserts=0,
                             replaced=0, rejected=0)
         model._handles.add(self)
@@ -445,21 +477,15 @@ class PrefixPool:
             for e in entries:
                 e.release()
 
-    def close(self) -> None:
+    def release(self) -> None:
         """Clear and refuse further use (idempotent)."""
         with self._model._lock:
             self.clear()
-            self._closed = True
+            self._released = True
             self._model._handles.discard(self)
 
     def _model_freed(self) -> None:
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        self.release()
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -469,8 +495,8 @@ class PrefixPool:
 
     # -- under the model lock ---------------------------------------------------------------
     def _check(self, model) -> None:
-        if self._closed:
-            raise HandleError("this PrefixPool was closed (or its model freed)")
+        if self._released:
+            raise HandleError("this PrefixPool was released (or its model freed)")
         if model is not self._model:
             raise HandleError(f"this PrefixPool belongs to another Model "
                               f"({self._model.path!r}); make one per model")
@@ -535,18 +561,17 @@ class PrefixPool:
             self._evict(self._bytes + need - self._max_bytes)
         model = self._model
         try:
-            kv, rows, rows_block = _allocate_handle_storage(model, depth, len(ids), kv_mode)
+            st = HandleStorage(model, depth, len(ids), kv_mode)
         except OutOfMemoryError:
             # a cache insert is best-effort: under a memory budget the request still succeeds
             self._counts["rejected"] += 1
             return
         try:
-            kv.copy_prefix_from(cache, len(ids))
-            rows[...] = model._buf.main[:len(ids)]
-            entry = PrefixCache(model, ids, depth, kv_mode, kv, rows, rows_block)
+            st.kv.copy_prefix_from(cache, len(ids))
+            st.rows[...] = model._buf.main[:len(ids)]
+            entry = PrefixCache(model, ids, depth, kv_mode, st)
         except BaseException:
-            kv.release()
-            model._pool.free(rows_block)
+            st.release()
             raise
         self._entries[key] = entry
         self._bytes += entry.nbytes
@@ -604,6 +629,10 @@ def prefill_request(model, ids: np.ndarray, depth: int, kv_mode: str, cache: Run
     m, src = 0, None
     if prefix is not None:
         prefix._check(model)
+        if (prefix._depth, prefix._kv_mode) != (depth, kv_mode):
+            raise ConfigError(f"the {prefix.kind} changed to depth {prefix._depth} / kv_mode "
+                              f"{prefix._kv_mode!r} after this call began at depth {depth} / "
+                              f"{kv_mode!r} (an upgrade() ran in between)")
         m, src = len(prefix), prefix
     elif prefix_pool is not None:
         prefix_pool._check(model)
@@ -664,17 +693,17 @@ def save_prefix(handle: PrefixCache, path) -> int:
         handle._check()
         ops, cfg = model._ops, model.config
         kind = 1 if isinstance(handle, ResumeHandle) else 0
-        kv_host = np.ascontiguousarray(ops.to_host(handle._kv._data))
+        state = handle._st.host_state()
+        kv_host = state["kv"]
         dt_code = next((c for c, d in _KV_DTYPES.items() if d == kv_host.dtype), None)
         if dt_code is None:
             raise ConfigError(f"cannot save K/V of dtype {kv_host.dtype}")
         parts = [handle._ids.astype("<u4"), kv_host.astype(_KV_DTYPES[dt_code]),
-                 np.ascontiguousarray(ops.to_host(handle._rows)).astype("<f4")]
+                 state["rows"].astype("<f4")]
         planes = 0
         if kind == 1:
-            snap = np.ascontiguousarray(ops.to_host(handle._snap._data)).astype("<f4")
-            planes = snap.shape[0]
-            parts.append(snap)
+            planes = state["snapshot"].shape[0]
+            parts.append(state["snapshot"].astype("<f4"))
         max_depth = handle._max_depth if kind == 1 else handle._depth
         n = len(handle)
         slots = kv_host.shape[0]
@@ -784,24 +813,14 @@ def load_prefix(model, path) -> PrefixCache:
                              f"of {cfg.vocab_size}")
     ids = ids.astype(np.int32)
     check_kv_mode(kv_mode)
-    ops = model._ops
     with model._lock:
         model._check_alive()
-        kv, rows, rows_block = _allocate_handle_storage(model, max_depth, n, kv_mode)
-        snap = None
+        st = HandleStorage(model, max_depth, n, kv_mode, snapshot=kind == 1)
         try:
-            ops.from_host(np.ascontiguousarray(arrays["kv"].astype(ops.kv_dtype)), kv._data)
-            ops.from_host(np.ascontiguousarray(arrays["rows"]), rows)
+            st.load_host_state(arrays)
             if kind == 1:
-                snap = ResidualSnapshot(ops, model._pool, n, cfg.d_model,
-                                        with_entry=planes == 2)
-                ops.from_host(np.ascontiguousarray(arrays["snapshot"]), snap._data)
-                return ResumeHandle(model, ids, depth, kv_mode, kv, rows, rows_block, snap,
-                                    max_depth)
-            return PrefixCache(model, ids, depth, kv_mode, kv, rows, rows_block)
+                return ResumeHandle(model, ids, depth, kv_mode, st, max_depth)
+            return PrefixCache(model, ids, depth, kv_mode, st)
         except BaseException:
-            kv.release()
-            model._pool.free(rows_block)
-            if snap is not None:
-                snap.release()
+            st.release()
             raise

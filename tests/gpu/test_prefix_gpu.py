@@ -78,4 +78,4 @@ def test_cuda_pool_bytes_equal_tag(model):
         assert s["bytes"] == get_pool("cuda").stats().by_tag["prefix_cache"] - base
         assert s["bytes"] <= pool.max_bytes
     assert pool.stats()["hits"] >= 3 and pool.stats()["evictions"] > 0
-    pool.close()
+    pool.release()
