@@ -223,6 +223,35 @@ def test_resume_upgrade_in_steps_and_bad_depths(plain):
         assert rh.depth == 1
 
 
+def test_fingerprint_is_the_weights_and_layout(tiny_model_path, tiny_adapter_path, tmp_path):
+    import shutil
+    from tinyloop.format import read_tlm
+    from tinyloop.model import model_fingerprint
+    copy = tmp_path / "copy.tlm"
+    shutil.copy(tiny_model_path, copy)
+    a = tinyloop.load_model(tiny_model_path, max_seq_len=32, backend="numpy")
+    b = tinyloop.load_model(str(copy), max_seq_len=64, backend="numpy")
+    c = tinyloop.load_model(tiny_adapter_path, max_seq_len=32, backend="numpy")
+    try:
+        assert len(a.fingerprint) == 32
+        assert a.fingerprint == b.fingerprint != c.fingerprint     # bytes, not the path
+        with read_tlm(tiny_model_path) as f:
+            assert model_fingerprint(f) == a.fingerprint
+        d = tinyloop.load_model(str(copy), max_seq_len=32, backend="numpy")
+        try:
+            os.utime(copy, ns=(1, 1))                   # the file changed after the load
+            with pytest.raises(errors.FormatError, match="changed since it was loaded"):
+                d.fingerprint
+            with pytest.raises(errors.FormatError, match="changed"):
+                tinyloop.PrefixPool(d)
+        finally:
+            tinyloop.free_model(d)
+        assert b.fingerprint == a.fingerprint                       # kept once computed
+    finally:
+        for m in (a, b, c):
+            tinyloop.free_model(m)
+
+
 # -- PrefixPool -------------------------------------------------------------------------------
 def test_pool_key_is_injective_and_exact(plain):
     fp = plain.fingerprint

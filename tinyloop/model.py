@@ -17,7 +17,7 @@ import numpy as np
 from . import plan as planmod
 from .backends import get_ops
 from .config import check_load_args, fp16_cache_enabled
-from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
+from .errors import ConfigError, FormatError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .kvcache import RuntimeKVCache
 from .memory import get_pool, tag_scope
@@ -35,21 +35,30 @@ class Layer:
     ffn_down: object
 
 
-def _fingerprint_start(cfg):
-    """SHA-256 over the model's identity: the recurrent layout and dims (the config), then
-    every weight tensor's name, dtype, shape and bytes (see ``Model.fingerprint``)."""
+def _file_identity(path: str) -> tuple:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def model_fingerprint(f) -> bytes:
+    """SHA-256 over a .tlm file's model identity: its config (dims, recurrent layout P/R/C,
+    max_depth, injection) as sorted JSON, then every weight tensor's name, dtype, shape and
+    bytes in ``expected_tensors`` order. ``f``: an open TLMFile."""
     import json
     h = hashlib.sha256(b"tinyloop-model-fingerprint-v1\0")
-    h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
-    return h
-
-
-def _fingerprint_add(h, name: str, *arrays) -> None:
-    h.update(b"\0" + name.encode() + b"\0")
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        h.update(f"{a.dtype.str}{a.shape}".encode())
-        h.update(memoryview(a).cast("B"))
+    h.update(json.dumps(f.config.to_dict(), sort_keys=True).encode())
+    for name, (kind, _) in planmod.expected_tensors(f.config).items():
+        if kind == "quant":
+            q = f.quant_weight(name)
+            arrays = (q.qweight, q.scales, q.zeros)
+        else:
+            arrays = (f.array(name),)
+        h.update(b"\0" + name.encode() + b"\0")
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(memoryview(a).cast("B"))
+    return h.digest()
 
 
 class BufferPool:
@@ -99,9 +108,7 @@ class Model:
 
     Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
     ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
-    PlanEntry), ``fingerprint`` (32 bytes: SHA-256 of the config -- dims and recurrent layout
-    P/R/C, max_depth, injection -- and of every weight tensor's bytes, hashed at load; the
-    identity under which prefix caches are keyed and saved). Calls on one Model are serialized by a per-model lock (the seed's
+    PlanEntry), ``fingerprint`` (see the property). Calls on one Model are serialized by a per-model lock (the seed's
     lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
     so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
     (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
@@ -171,21 +178,19 @@ class Model:
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
-            fp = _fingerprint_start(cfg)
             with tag_scope("weights"):
                 for name, (kind, _) in planmod.expected_tensors(cfg).items():
                     if kind == "quant":
-                        host = f.quant_weight(name)
-                        _fingerprint_add(fp, name, host.qweight, host.scales, host.zeros)
-                        dev, blocks = self._ops.upload_weight(host, self._pool)
+                        dev, blocks = self._ops.upload_weight(f.quant_weight(name),
+                                                              self._pool)
                         self._blocks.extend(blocks)
                     else:
-                        host = np.asarray(f.array(name))
-                        _fingerprint_add(fp, name, host)
-                        dev, blk = self._ops.upload_array(host, self._pool)
+                        dev, blk = self._ops.upload_array(np.asarray(f.array(name)),
+                                                          self._pool)
                         self._blocks.append(blk)
                     w[name] = dev
-            self.fingerprint = fp.digest()
+            self._file_identity = _file_identity(self.path)
+            self._fingerprint = None
         # phase 3: optional FP16 caches for the hot prefill GEMMs
         if use_fp16:
             import dataclasses
@@ -243,6 +248,23 @@ class Model:
                           f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
                           stacklevel=2)
             self.free()
+
+    @property
+    def fingerprint(self) -> bytes:
+        """The model's identity, under which prefix caches are keyed and saved: 32 bytes of
+        SHA-256 over the config (dims, recurrent layout P/R/C, max_depth, injection) and
+        every weight tensor's bytes (:func:`model_fingerprint`). Hashed from the file on first
+        use (so loading pays nothing for it) and kept; raises FormatError when the file
+        changed since the load (its size, mtime or inode differ), since its bytes would then
+        not be this model's."""
+        with self._lock:
+            if self._fingerprint is None:
+                if _file_identity(self.path) != self._file_identity:
+                    raise FormatError(f"{self.path} changed since it was loaded; its "
+                                      f"fingerprint would not be this model's (load it again)")
+                with read_tlm(self.path) as f:
+                    self._fingerprint = model_fingerprint(f)
+            return self._fingerprint
 
     def vram_usage_bytes(self) -> int:
         """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""

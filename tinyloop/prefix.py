@@ -437,6 +437,7 @@ class PrefixPool(_Releasable):
             max_bytes = int(max_bytes)
             if max_bytes < 0:
                 raise ConfigError(f"max_bytes must be >= 0, got {max_bytes}")
+        model.fingerprint                # hashed now: a changed model file fails here, not later
         self._model = model
         self._max_bytes = max_bytes
         self._entries: OrderedDict[bytes, PrefixCache] = OrderedDict()  # LRU: oldest first
