@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-bytes", default="256M", help="the chat trace's pool budget")
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--skip", default="", help="comma list of ttft,upgrade,chat to skip")
+    ap.add_argument("--depths", default="1,4", help="depths of the TTFT figures")
+    ap.add_argument("--upgrades", default="1-2,1-4,2-4", help="from-to depth pairs")
     args = ap.parse_args(argv)
     from tinyloop.config import parse_size
     args.pool_bytes = parse_size(args.pool_bytes, name="--pool-bytes")
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
     print(f"{model}")
     try:
         if "ttft" not in skip:
-            depths = [d for d in (1, 4) if d <= model.config.max_depth]
+            depths = [int(d) for d in args.depths.split(",") if int(d) <= model.config.max_depth]
             out["ttft"] = ttft(model, system, user, depths, args.repeats)
             print(f"\ntime to first token, {args.system_tokens}-token system prompt + "
                   f"{args.user_tokens}-token user turn (median, min..max of {args.repeats})")
@@ -196,9 +198,11 @@ def main(argv=None) -> int:
                       f"{_fmt(r['cached'])} | x{r['speedup']:.1f} | prefilling the system "
                       f"prompt once {r['prefill_system_once']['median_ms']:.1f} ms | same "
                       f"tokens: {r['same_greedy_tokens']}")
-        if "upgrade" not in skip and model.config.max_depth >= 4:
+        pairs = [tuple(int(x) for x in p.split("-")) for p in args.upgrades.split(",")]
+        pairs = [(a, b) for a, b in pairs if a < b <= model.config.max_depth]
+        if "upgrade" not in skip and pairs:
             prompt = np.concatenate([system, user]).astype(np.int32)
-            out["upgrade"] = upgrades(model, prompt, [(1, 2), (1, 4), (2, 4)], args.repeats)
+            out["upgrade"] = upgrades(model, prompt, pairs, args.repeats)
             print(f"\nResumeHandle.upgrade vs a fresh prefill at the target depth "
                   f"({len(prompt)} tokens)")
             for r in out["upgrade"]:

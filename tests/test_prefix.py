@@ -16,13 +16,14 @@ import pytest
 
 import tinyloop
 from tinyloop import errors
-from tinyloop.kvcache import IMPLEMENTED_KV_MODES, KV_MODES
+from tinyloop.config import KV_MODES
+from tinyloop.kvcache import DEFAULT_PAGE_SIZE
 from tinyloop.memory import get_pool
 from tinyloop.prefix import _HEADER, encode_key
 
 from .conftest import TINY, fail_nth_allocation
 
-PAGE = 16                 # KV page positions (the paged cache's P); prefixes end on / inside one
+PAGE = DEFAULT_PAGE_SIZE  # KV page positions (the paged cache's P); prefixes end on / inside one
 RTOL = 1e-5
 
 
@@ -41,6 +42,15 @@ def _close(a, b, rtol=RTOL):
     scale = float(np.abs(b).max())
     err = float(np.abs(a - b).max())
     assert err <= rtol * scale, f"max |diff| {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def _state(handle) -> dict:
+    """A handle's storage as flat host arrays: kv.<slot>.<part>, rows, snapshot."""
+    st = handle._st.host_state()
+    out = {k: v for k, v in st.items() if k != "kv"}
+    for s, parts in enumerate(st["kv"]):
+        out.update({f"kv.{s}.{name}": a for name, a in parts.items()})
+    return out
 
 
 def _ids(n, seed):
@@ -63,13 +73,23 @@ def plain(tiny_model_path):
 
 
 # -- PrefixCache ------------------------------------------------------------------------------
-@pytest.mark.parametrize("kv_mode", IMPLEMENTED_KV_MODES)
+@pytest.mark.parametrize("kv_mode", KV_MODES)
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("n_prefix", [2 * PAGE, 2 * PAGE + 5])       # on / inside a page
 def test_prefix_reuse_equals_no_reuse(model, depth, kv_mode, n_prefix):
+    """Reuse is bit-identical to a prefill chunked at the prefix's end (the same computation),
+    and within 1e-5 x max|logit| of an unchunked prefill in fp16 (quantized modes: as close as
+    chunking itself gets, since a ~1e-6 difference can move a value across a rounding step);
+    greedy tokens equal in every mode."""
     prompt = _ids(n_prefix + 11, seed=n_prefix + depth)
     ref_logits = model.logits(prompt, depth=depth, kv_mode=kv_mode)
     ref = model.generate(prompt, max_new_tokens=12, depth=depth, kv_mode=kv_mode)
+    chunked = tinyloop.load_model(model.path, max_seq_len=256, prefill_chunk=n_prefix,
+                                  backend="numpy")
+    try:
+        chunked_logits = chunked.logits(prompt, depth=depth, kv_mode=kv_mode)
+    finally:
+        tinyloop.free_model(chunked)
     before = _tag("prefix_cache")
     with model.prefill(prompt[:n_prefix], depth=depth, kv_mode=kv_mode) as pc:
         assert pc.tokens == tuple(int(t) for t in prompt[:n_prefix])
@@ -79,15 +99,27 @@ def test_prefix_reuse_equals_no_reuse(model, depth, kv_mode, n_prefix):
         assert got.token_ids == ref.token_ids
         assert got.cached_tokens == n_prefix and ref.cached_tokens == 0
         assert got.depth == depth
-        _close(model.logits(prompt, prefix=pc), ref_logits)
-        _close(model.score(prompt, prefix=pc), model.score(prompt, depth=depth), rtol=1e-4)
-        streamed = [t.token_id for t in model.stream(prompt, max_new_tokens=12, prefix=pc)]
-        assert streamed == ref.token_ids
+        reused = model.logits(prompt, prefix=pc)
+        np.testing.assert_array_equal(reused, chunked_logits)
+        if kv_mode == "fp16":
+            _close(reused, ref_logits)
+        else:
+            assert (np.abs(reused - ref_logits).max()
+                    <= max(RTOL * np.abs(ref_logits).max(),
+                           np.abs(chunked_logits - ref_logits).max()))
+        assert (reused.argmax(-1) == ref_logits.argmax(-1)).all()
+        _close(model.score(prompt, prefix=pc),
+               model.score(prompt, depth=depth, kv_mode=kv_mode), rtol=1e-3)
+        if kv_mode == "fp16":
+            streamed = [t.token_id for t in model.stream(prompt, max_new_tokens=12, prefix=pc)]
+            assert streamed == ref.token_ids
         # a prompt equal to the prefix: nothing left to prefill, the cached last row samples
         whole = model.generate(prompt[:n_prefix], max_new_tokens=6, prefix=pc)
         assert whole.token_ids == model.generate(prompt[:n_prefix], max_new_tokens=6,
-                                                 depth=depth).token_ids
+                                                 depth=depth, kv_mode=kv_mode).token_ids
         assert whole.cached_tokens == n_prefix
+        # the request shared the prefix's full pages and freed only its own
+        assert _tag("prefix_cache") - before == pc.nbytes
     assert pc.released and pc.nbytes == 0
     assert _tag("prefix_cache") == before
 
@@ -139,7 +171,7 @@ def test_prefix_misuse_is_refused(plain, tiny_model_path):
             call()
     with pytest.raises(errors.ConfigError, match="depth"):
         plain.prefill(prompt, depth=TINY["max_depth"] + 1)
-    with pytest.raises(errors.ConfigError, match="not one of"):
+    with pytest.raises(errors.ConfigError, match="unknown KV cache mode"):
         plain.prefill(prompt, kv_mode="fp8")
     with pytest.raises(errors.ConfigError, match="max_seq_len"):
         plain.prefill(_ids(300, seed=1))
@@ -165,6 +197,7 @@ def test_free_model_releases_handles_and_gc_frees_with_warning(tiny_model_path):
         with pytest.warns(ResourceWarning, match="PrefixCache of 3 tokens"):
             m.prefill([1, 2, 3])                         # dropped at once
             gc.collect()
+        m.generate([4, 5], 1)                            # the next request frees it
         assert _tag("prefix_cache") == base
     finally:
         tinyloop.free_model(m)
@@ -184,8 +217,9 @@ def test_resume_upgrade_equals_fresh_prefill(model):
         fresh = model.resume_handle(prompt, depth=4, max_depth=4)
         try:
             # the handle's state equals a fresh prefill at depth 4, slot by slot
-            a, b = rh._st.host_state(), fresh._st.host_state()
-            for part in ("kv", "rows", "snapshot"):
+            a, b = _state(rh), _state(fresh)
+            assert a.keys() == b.keys()
+            for part in a:
                 _close(a[part], b[part])
         finally:
             fresh.release()
@@ -269,12 +303,16 @@ def test_pool_key_is_injective_and_exact(plain):
     assert (s["hits"], s["misses"], s["entries"]) == (0, 2, 2)
     r = plain.generate(prompt, 2, depth=2, prefix_pool=pool)
     assert r.cached_tokens == len(prompt)
-    assert pool._lookup(prompt, 2, "int8") == (None, 0)               # another mode misses
-    assert pool.key(prompt, 2) == encode_key(plain.fingerprint, 2, "fp16", prompt)
+    r = plain.generate(prompt, 2, depth=2, kv_mode="int8", prefix_pool=pool)  # another mode
+    assert r.cached_tokens == 0 and pool.stats()["misses"] == 3
+    assert plain.generate(prompt, 2, depth=2, kv_mode="int8", prefix_pool=pool).cached_tokens
+    assert pool.key(prompt, 2) == encode_key(plain.fingerprint, 2,
+                                             ("fp16",) * plain.config.n_layers, prompt)
+    assert pool.key(prompt, 2, "int8") != pool.key(prompt, 2)
 
 
 def test_pool_lru_evicts_exactly_the_shortfall(plain):
-    L = 2 * PAGE + 3
+    L = PAGE + 3
     pool = tinyloop.PrefixPool(plain, max_bytes=3 * tinyloop.PrefixPool(plain).entry_bytes(L, 2))
     one = pool.entry_bytes(L, 2)
     prompts = [_ids(L, seed=100 + i) for i in range(6)]
@@ -288,7 +326,8 @@ def test_pool_lru_evicts_exactly_the_shortfall(plain):
     plain.generate(prompts[3], 1, depth=2, prefix_pool=pool)
     s = pool.stats()
     assert (s["evictions"], s["entries"], s["bytes"]) == (1, 3, 3 * one)
-    assert pool._lookup(prompts[1], 2, "fp16") == (None, 0)
+    fp16 = plain.resolve_kv_modes("fp16")
+    assert pool._lookup(prompts[1], 2, fp16) == (None, 0)
     # an entry twice as long needs exactly two evictions: the two oldest (2, then 0)
     big = np.concatenate([prompts[4], _ids(L, seed=7)]).astype(np.int32)
     need = pool.entry_bytes(len(big), 2)
@@ -297,10 +336,11 @@ def test_pool_lru_evicts_exactly_the_shortfall(plain):
     s = pool.stats()
     assert s["evictions"] == 3 and s["entries"] == 2
     assert s["bytes"] == _tag("prefix_cache") <= pool.max_bytes
-    assert pool._lookup(prompts[3], 2, "fp16")[1] == L
-    assert pool._lookup(prompts[0], 2, "fp16") == (None, 0)
+    assert pool._lookup(prompts[3], 2, fp16)[1] == L
+    assert pool._lookup(prompts[0], 2, fp16) == (None, 0)
     # larger than the whole budget: refused, nothing evicted
-    huge = _ids(4 * L, seed=9)
+    huge = _ids(7 * PAGE, seed=9)
+    assert pool.entry_bytes(len(huge), 2) > pool.max_bytes
     plain.generate(huge, 1, depth=2, prefix_pool=pool)
     assert pool.stats()["rejected"] == 1 and pool.stats()["entries"] == 2
     pool.clear()
@@ -365,13 +405,18 @@ def test_pool_refuses_other_models_and_bad_budgets(plain, tiny_model_path):
         plain.generate([1, 2], 2, prefix_pool=pool)
 
 
-@pytest.mark.parametrize("nth", [1, 2])                      # the K/V block, the rows block
-def test_pool_insert_out_of_memory_does_not_fail_the_request(plain, monkeypatch, nth):
+@pytest.mark.parametrize("what", ["rows", "block table", "copied page"])
+def test_pool_insert_out_of_memory_does_not_fail_the_request(plain, monkeypatch, what):
     pool = tinyloop.PrefixPool(plain)
-    prompt = _ids(60, seed=77)
+    prompt = _ids(60, seed=77)                        # 60 % PAGE != 0: a partly filled page
     ref = plain.generate(prompt, 3, depth=2).token_ids
     before = _allocated()
-    fail_nth_allocation(monkeypatch, get_pool("host"), "prefix_cache", nth)
+    # the request's kv_cache allocations: its block table, then its pages; the insert's: the
+    # entry's block table, then a copy of each slot's partly filled page
+    request_allocs = 1 + plain.config.n_slots(2) * -(-len(prompt) // PAGE)
+    tag, nth = {"rows": ("prefix_cache", 1), "block table": ("kv_cache", request_allocs + 1),
+                "copied page": ("kv_cache", request_allocs + 3)}[what]
+    fail_nth_allocation(monkeypatch, get_pool("host"), tag, nth)
     got = plain.generate(prompt, 3, depth=2, prefix_pool=pool)
     assert got.token_ids == ref
     s = pool.stats()
@@ -396,7 +441,7 @@ def test_save_load_round_trip_is_exact(model, tmp_path, kind):
         assert type(loaded) is type(h)
         assert (loaded.tokens, loaded.depth, loaded.kv_mode) == (h.tokens, h.depth, h.kv_mode)
         assert loaded.nbytes == h.nbytes
-        a, b = loaded._st.host_state(), h._st.host_state()
+        a, b = _state(loaded), _state(h)
         assert a.keys() == b.keys()
         for part in a:
             np.testing.assert_array_equal(a[part], b[part])
@@ -406,7 +451,9 @@ def test_save_load_round_trip_is_exact(model, tmp_path, kind):
             assert loaded.max_depth == 4
             loaded.upgrade(4)
             h.upgrade(4)
-            np.testing.assert_array_equal(loaded._st.host_state()["kv"], h._st.host_state()["kv"])
+            a, b = _state(loaded), _state(h)
+            for part in a:
+                np.testing.assert_array_equal(a[part], b[part])
     finally:
         loaded.release()
         h.release()
@@ -430,17 +477,20 @@ def _corruptions(raw: bytes, other_fp: bytes):
            ("depth > max", with_field(5, 99)), ("max_depth", with_field(6, 4096)),
            ("planes", with_field(7, 3)), ("kv_mode", with_field(8, b"fp99")),
            ("kv_mode bytes", with_field(8, b"\xff" * 16)),
-           ("n_tokens huge", with_field(9, 2 ** 32 - 1)), ("n_tokens+1", with_field(9, fields[9] + 1)),
+           ("n_tokens huge", with_field(9, 2 ** 32 - 1)),
+           ("n_tokens+1", with_field(9, fields[9] + 1)),
            ("slots", with_field(10, fields[10] + 1)), ("head_dim", with_field(12, 32)),
            ("d_model", with_field(13, 65)), ("vocab", with_field(14, 301)),
-           ("reserved", with_field(15, 1)), ("digest", with_field(16, bytes(32))),
+           ("n_layers", with_field(15, fields[15] + 1)), ("digest", with_field(16, bytes(32))),
            ("payload_len huge", with_field(17, 2 ** 64 - 1))]
-    for off in (hs, hs + 4 * 37 + 100, len(raw) - 1):                 # a token, K/V, the rows
+    for off in (hs, hs + 8 * fields[15] + 1, hs + 8 * fields[15] + 4 * 37 + 100,
+                len(raw) - 1):                        # the modes, a token, K/V, the rows
         b = bytearray(raw)
         b[off] ^= 0x40
         out.append((f"flipped byte {off}", bytes(b)))
     b = bytearray(raw)                                        # a token id past the vocabulary,
-    b[hs:hs + 4] = struct.pack("<I", 5000)                    # checksum made consistent
+    tok = hs + 8 * fields[15]                                 # checksum made consistent
+    b[tok:tok + 4] = struct.pack("<I", 5000)
     import hashlib
     f = list(fields)
     f[16] = hashlib.sha256(bytes(b[hs:])).digest()
@@ -464,7 +514,7 @@ def test_every_corrupted_prefix_file_is_refused_with_nothing_changed(tiny_adapte
             path = tmp_path / f"{kind}.tlpx"
             h.save(path)
             raw = path.read_bytes()
-            state_before = h._st.host_state()
+            state_before = _state(h)
             pool_before = pool.stats()
             before = _allocated()
             tokens_before = m.generate(full, 8, prefix=h).token_ids
@@ -476,7 +526,7 @@ def test_every_corrupted_prefix_file_is_refused_with_nothing_changed(tiny_adapte
                     m.load_prefix(bad)
                 assert _allocated() == before, name
                 assert pool.stats() == pool_before, name
-                for part, arr in h._st.host_state().items():
+                for part, arr in _state(h).items():
                     np.testing.assert_array_equal(arr, state_before[part])
             assert m.generate(full, 8, prefix=h).token_ids == tokens_before
             np.testing.assert_array_equal(m.logits(full, prefix=h), logits_before)
@@ -557,3 +607,69 @@ def test_upgrade_between_a_calls_check_and_its_prefill_is_refused(plain):
         with plain._lock, plain.new_kv_cache(depth, len(prompt), mode) as cache:
             with pytest.raises(errors.ConfigError, match="upgrade"):
                 prefill_request(plain, prompt, depth, mode, cache, prefix=rh)
+
+
+# -- pages shared by reference ----------------------------------------------------------------
+def _page_nbytes(model):
+    from tinyloop.memory import round_size
+    return round_size(model.kv_page_layout("fp16").page_bytes)
+
+
+@pytest.mark.parametrize("n_prefix", [2 * PAGE, 2 * PAGE + 5])
+def test_a_request_shares_the_prefix_full_pages(plain, n_prefix):
+    """While a request from a prefix runs, it holds the prefix's full pages by reference: its
+    own kv_cache bytes are smaller by exactly those pages (a partly filled one is copied)."""
+    prompt = _ids(n_prefix + 40, seed=n_prefix)
+    slots = plain.config.n_slots(2)
+    base = _tag("kv_cache")
+    it = plain.stream(prompt, 4, depth=2)
+    next(it)
+    plain_bytes = _tag("kv_cache") - base
+    it.close()
+    with plain.prefill(prompt[:n_prefix], depth=2) as pc:
+        held = _tag("prefix_cache")
+        it = plain.stream(prompt, 4, prefix=pc)
+        next(it)
+        shared = slots * (n_prefix // PAGE) * _page_nbytes(plain)
+        assert _tag("kv_cache") - base == plain_bytes - shared
+        assert _tag("prefix_cache") == held                   # shared pages counted once
+        it.close()
+        assert _tag("kv_cache") == base
+    assert _tag("prefix_cache") == 0
+
+
+def test_pool_entries_share_pages_and_count_them_once(plain):
+    system = _ids(2 * PAGE, seed=40)
+    a = np.concatenate([system, _ids(9, seed=41)]).astype(np.int32)
+    b = np.concatenate([system, _ids(13, seed=42)]).astype(np.int32)
+    pool = tinyloop.PrefixPool(plain)
+    plain.generate(a, 2, depth=1, prefix_pool=pool)
+    assert plain.generate(b, 2, depth=1, prefix_pool=pool).cached_tokens == 2 * PAGE
+    shared = plain.config.n_slots(1) * 2 * _page_nbytes(plain)
+    s = pool.stats()
+    assert s["entries"] == 2
+    assert s["bytes"] == (pool.entry_bytes(len(a), 1) + pool.entry_bytes(len(b), 1) - shared)
+    assert s["bytes"] == _tag("prefix_cache")
+    pool.clear()
+    assert pool.stats()["bytes"] == _tag("prefix_cache") == 0
+
+
+def test_upgrade_while_a_stream_shares_the_handle_pages(tiny_adapter_path):
+    """A stream restored from a ResumeHandle keeps decoding at its depth while the handle is
+    upgraded between two of its steps (copy-on-write of the shared pages the upgrade
+    rewrites); the handle then equals a fresh prefill at the new depth."""
+    m = tinyloop.load_model(tiny_adapter_path, max_seq_len=256, backend="numpy")
+    try:
+        prompt = _ids(2 * PAGE, seed=50)               # ends on a page boundary: all shared
+        full = np.concatenate([prompt, _ids(3, seed=51)]).astype(np.int32)
+        want_1 = m.generate(full, 10, depth=1).token_ids
+        want_3 = m.generate(full, 10, depth=3).token_ids
+        with m.resume_handle(prompt, depth=1, max_depth=3) as rh:
+            it = m.stream(full, 10, prefix=rh)
+            got = [next(it).token_id for _ in range(4)]
+            rh.upgrade(3)
+            got += [t.token_id for t in it]
+            assert got == want_1
+            assert m.generate(full, 10, prefix=rh).token_ids == want_3
+    finally:
+        tinyloop.free_model(m)

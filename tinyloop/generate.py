@@ -81,7 +81,7 @@ def _normalise_stop(stop) -> list[str]:
 
 
 def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, stop=None, *, kv_mode=None, prefix=None, prefix_pool=None,
+           seed=None, stop=None, kv_mode=None, *, prefix=None, prefix_pool=None,
            _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
@@ -114,6 +114,7 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
         if seed < 0:
             raise ConfigError(f"seed must be None or an int >= 0, got {seed}")
     stops = _normalise_stop(stop)
+    model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
     ids = model.encode_prompt(prompt)
     depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens
@@ -128,7 +129,7 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
         return
     tok = model.tokenizer
     ops = model._ops
-    cache = model.new_kv_cache(depth, total, kv_mode)
+    cache = model.new_kv_cache(depth, total, kv_mode=kv_mode)
 
     def step(step_ids, pos0: int) -> int:
         """Forward ``step_ids`` at ``pos0`` (the prompt: from the cached prefix on), then
@@ -201,7 +202,7 @@ def _as_int(v, name: str) -> int:
 
 
 def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
-             top_p=1.0, seed=None, stop=None, *, kv_mode=None, prefix=None,
+             top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
              prefix_pool=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 
@@ -212,7 +213,7 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
     res: dict = {}
     with model._lock:
         for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                        stop, kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool,
+                        stop, kv_mode, prefix=prefix, prefix_pool=prefix_pool,
                         _result=res):
             pass
     n = len(res["token_ids"])
@@ -224,7 +225,7 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
                             decode_tokens_per_s=tps, cached_tokens=res["cached_tokens"])
 
 
-def teacher_forced_logits(model, token_ids, depth=None, *, kv_mode=None, prefix=None,
+def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
                           prefix_pool=None) -> np.ndarray:
     """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits).
 
@@ -243,7 +244,7 @@ def teacher_forced_logits(model, token_ids, depth=None, *, kv_mode=None, prefix=
         model._check_alive()
         ops = model._ops
         rows = min(LOGIT_BLOCK_ROWS, model._buf.capacity_rows, len(ids))
-        with model.new_kv_cache(depth, len(ids), kv_mode) as cache:
+        with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode) as cache:
             block_arr, blk = ops.empty(model._pool, (rows, cfg.vocab_size), np.float32,
                                        "logits")
             try:
@@ -268,12 +269,12 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def score(model, token_ids, depth=None, *, kv_mode=None, prefix=None,
+def score(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
           prefix_pool=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
     ids = model._ids_from(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
-    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode=kv_mode,
-                                                prefix=prefix, prefix_pool=prefix_pool)[:-1])
+    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode, prefix=prefix,
+                                                prefix_pool=prefix_pool)[:-1])
     return lp[np.arange(len(ids) - 1), ids[1:]]

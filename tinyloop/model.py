@@ -16,11 +16,13 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import check_load_args, fp16_cache_enabled
+from .config import check_load_args, fp16_cache_enabled, kv_mode_from_env
 from .errors import ConfigError, FormatError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
-from .kvcache import RuntimeKVCache
+from .kvcache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
+                      RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
 from .memory import get_pool, tag_scope
+from .quant import QuantWeight
 
 
 @dataclass
@@ -33,6 +35,14 @@ class Layer:
     ffn_norm: object
     ffn_gate_up: object
     ffn_down: object
+    attn_kv: object = None      # the K and V rows of attn_qkv (views): store-h reconstruction
+
+
+def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
+    """Views of the K and V output rows (``q_dim`` onwards) of a fused QKV QuantWeight."""
+    fp16 = None if w.fp16 is None else w.fp16[q_dim:]
+    return QuantWeight(w.bits, w.group_size, w.qweight[q_dim:], w.scales[q_dim:],
+                       w.zeros[q_dim:], fp16)
 
 
 def _file_identity(path: str) -> tuple:
@@ -108,8 +118,8 @@ class Model:
 
     Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
     ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
-    PlanEntry), ``fingerprint`` (see the property). Calls on one Model are serialized by a per-model lock (the seed's
-    lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
+    PlanEntry), ``fingerprint`` (see the property). Calls on one Model are serialized by a
+    per-model lock (the seed's lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
     so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
     (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
     a caller stops reading never blocks the model; a step touches only its own request's KV
@@ -117,7 +127,7 @@ class Model:
     """
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-                 backend: str = "auto"):
+                 backend: str = "auto", kv_mode=None):
         self._freed = True           # until the load succeeds there is nothing to free
         self._blocks: list = []      # every model-owned pool block; freed by free()
         max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
@@ -126,9 +136,12 @@ class Model:
         self.path = os.fspath(path)
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
+        self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
         self._lock = threading.RLock()
         self._handles = weakref.WeakSet()   # live PrefixCache / ResumeHandle / PrefixPool;
                                             # released by free() (guarded by _lock)
+        self._prefix_holds: dict = {}       # page addr -> prefix handles holding it (_lock)
+        self._prefix_orphans: list = []     # storage of handles collected unreleased
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
@@ -163,9 +176,12 @@ class Model:
             tok_json = f.tokenizer_json
             layout = f.quant_layout()
             use_fp16 = fp16_cache_enabled(default=self._ops.name == "numpy")
+            self.kv_modes = resolve_kv_modes(self._kv_mode_spec, cfg)
+            self._check_kv_modes(self.kv_modes)
+            store_h = any(m in H_MODES for m in self.kv_modes)
             self.plan = planmod.load_plan(cfg, layout, self.max_seq_len, self.prefill_chunk,
                                           self._ops.act_dtype, fp16_cache=use_fp16,
-                                          backend=self._ops.name)
+                                          backend=self._ops.name, store_h=store_h)
             self.tokenizer = None
             if tok_json is not None:
                 from .tokenizer import Tokenizer
@@ -205,7 +221,9 @@ class Model:
         self._adapter = w.get("inject.adapter")
         self._layers = [Layer(*(w[f"blk.{i}.{n}"] for n in
                                 ("attn_norm", "attn_qkv", "attn_output", "ffn_norm",
-                                 "ffn_gate_up", "ffn_down"))) for i in range(cfg.n_layers)]
+                                 "ffn_gate_up", "ffn_down")),
+                              attn_kv=kv_rows_of(w[f"blk.{i}.attn_qkv"], cfg.q_dim))
+                        for i in range(cfg.n_layers)]
         # phase 4: the BufferPool (logit_row stays lazy)
         arrays = {}
         for e in self.plan:
@@ -215,7 +233,12 @@ class Model:
         self._buf = BufferPool(arrays)
         self._view_cache: dict = {}
         self._logit_row = None
-        # phase 5: reconstruction scratch is only needed by store-h KV modes (not yet built)
+        # phase 5: reconstruction scratch of the store-h KV modes (lazy when no default
+        # mode stores h: a per-call kv_mode may still ask for one)
+        self._recon_scratch = None
+        if store_h:
+            self._recon_scratch = self._alloc_recon()
+        self._pages = PageAllocator(self._ops, self._pool)
 
     def _release_blocks(self) -> None:
         blocks, self._blocks = self._blocks, []
@@ -228,14 +251,18 @@ class Model:
             if self._freed:
                 return
             self._freed = True
+            from .prefix import drain_orphans
             for h in list(self._handles):      # prefix caches, resume handles, prefix pools
                 h._model_freed()
+            drain_orphans(self)
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
             self._buf = None
             self._view_cache = {}
             self._logit_row = None
+            self._recon_scratch = None
+            self._recons = []
             self._release_blocks()
             self._ops.synchronize()
             self._stop_cupy_routing()
@@ -305,11 +332,59 @@ class Model:
             return self._ids_from(ids, "prompt")
         return self._ids_from(prompt, "prompt")
 
-    def new_kv_cache(self, depth: int, capacity: int, kv_mode: str = "fp16") -> RuntimeKVCache:
-        """A RuntimeKVCache sized for ``capacity`` positions at ``depth`` (tag kv_cache)."""
+    def _check_kv_modes(self, modes) -> None:
+        if self._ops.name == "cuda":
+            missing = sorted(set(modes) - set(self._ops.kv_modes))
+            if missing:
+                raise ConfigError(f"kv mode(s) {missing} have no CUDA kernels yet; this backend "
+                                  f"runs {self._ops.kv_modes}")
+
+    def resolve_kv_modes(self, kv_mode=None) -> tuple[str, ...]:
+        """One KV mode per physical layer: ``kv_mode`` (a name, "auto", a dict by slot kind,
+        or a sequence per layer; see kvcache.resolve_kv_modes), or the load's default when
+        None. Raises ConfigError naming the bad value."""
+        if kv_mode is None:
+            return self.kv_modes
+        modes = resolve_kv_modes(kv_mode, self.config)
+        self._check_kv_modes(modes)
+        return modes
+
+    def kv_bytes_per_token(self, depth: int | None = None, kv_mode=None) -> int:
+        """Bytes a request's KV cache holds per position at ``depth`` (default: the model's),
+        over all slots, scales and zeros included, page rounding excluded."""
+        depth = self.config.check_depth(depth)
+        return kv_bytes_per_token(self.config, depth, self.resolve_kv_modes(kv_mode),
+                                  self._ops.kv_dtype)
+
+    def kv_page_layout(self, mode: str, page_size: int = DEFAULT_PAGE_SIZE) -> PageLayout:
+        """The PageLayout of ``mode`` pages on this model's backend."""
+        return PageLayout.for_config(self.config, mode, page_size, self._ops.kv_dtype)
+
+    def new_kv_cache(self, depth: int, capacity: int, kv_mode=None,
+                     page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
+        """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
+        kv_cache; pages are gained as positions are written). ``kv_mode``: see
+        :meth:`resolve_kv_modes`."""
+        self._check_alive()
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
-        return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, kv_mode)
+        modes = self.resolve_kv_modes(kv_mode)
+        if any(m in H_MODES for m in modes) and self._recon_scratch is None:
+            self._recon_scratch = self._alloc_recon()
+        return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
+                              self._pages, page_size)
+
+    def _alloc_recon(self) -> dict:
+        """Phase 5: the reconstruction scratch (model-owned, tag scratch)."""
+        out = {}
+        for e in self.plan:
+            if e.phase == 5:
+                out[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+                self._blocks.append(blk)
+        chunk = planmod.recon_rows(self.max_seq_len)
+        self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
+                        for lw in self._layers]
+        return out
 
     def logit_row(self):
         """The lazily allocated float32 [1, vocab] logit row (model-owned, tag logits)."""
@@ -333,6 +408,7 @@ class Model:
         r = self._buf.capacity_rows
         for c0 in range(0, len(ids), r):
             t = min(r, len(ids) - c0)
+            cache.ensure(pos0 + c0 + t)
             self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache, snapshot)
             if on_rows is not None:
                 on_rows(pos0 + c0, t)
@@ -352,6 +428,7 @@ class Model:
         r = self._buf.capacity_rows
         for c0 in range(0, n, r):
             t = min(r, n - c0)
+            cache.ensure(pos0 + c0 + t)
             self._deepen_chunk(pos0 + c0, t, depth_from, depth_to, cache, snapshot)
             if on_rows is not None:
                 on_rows(pos0 + c0, t)
@@ -431,10 +508,19 @@ class Model:
     def _layer(self, li: int, slot: int, x, pos0: int, v: dict, cache: RuntimeKVCache) -> None:
         cfg, ops, lw = self.config, self._ops, self._layers[li]
         norm, qkv = v["norm"], v["qkv"]
-        ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
-        kc, vc = cache.k(slot), cache.v(slot)
-        ops.rope_kv(qkv, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kc, vc)
-        ops.attention(qkv, kc, vc, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"])
+        kv = cache.slot(slot)
+        recon = None
+        if kv.layout.stores_h:
+            # the normed rows are what the slot stores, so the pair runs unfused
+            ops.rmsnorm(x, lw.attn_norm, cfg.norm_eps, norm)
+            ops.linear(norm, lw.attn_qkv, qkv)
+            recon = self._recons[li]
+        else:
+            ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
+        ops.kv_write(qkv, norm, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                     cfg.head_dim, kv)
+        ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"],
+                         recon)
         ops.linear_residual(v["att"], lw.attn_output, x)
         ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
                                   v["h"], norm)
@@ -447,33 +533,34 @@ class Model:
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
 
     # -- public request API -------------------------------------------------------------------
-    def logits(self, token_ids, depth: int | None = None, *, kv_mode: str | None = None,
-               prefix=None, prefix_pool=None) -> np.ndarray:
+    def logits(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
+               prefix_pool=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
 
         ``token_ids``: 1-D ints, 1 <= T <= max_seq_len. Returns float32 ``[T, vocab]``: row t
         is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
-        chunk). ``prefix`` (PrefixCache / ResumeHandle the ids start with) or ``prefix_pool``
-        (PrefixPool): positions that come from the cache are not recomputed (their rows come
-        from the cached residuals through the head). Raises ConfigError / TokenizerError on
-        bad input, ModelFreedError after free, HandleError for a released handle.
+        chunk). Attention reads what the KV cache stores (``kv_mode``: this call's storage
+        mode, default the load's), so the logits show a mode's true quality. ``prefix``
+        (PrefixCache / ResumeHandle the ids start with) or ``prefix_pool`` (PrefixPool):
+        positions that come from the cache are not recomputed (their rows come from the cached
+        residuals through the head). Raises ConfigError / TokenizerError on bad input,
+        ModelFreedError after free, HandleError for a released handle.
         """
         from .generate import teacher_forced_logits
-        return teacher_forced_logits(self, token_ids, depth, kv_mode=kv_mode, prefix=prefix,
+        return teacher_forced_logits(self, token_ids, depth, kv_mode, prefix=prefix,
                                      prefix_pool=prefix_pool)
 
-    def score(self, token_ids, depth: int | None = None, *, kv_mode: str | None = None,
-              prefix=None, prefix_pool=None) -> np.ndarray:
+    def score(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
+              prefix_pool=None) -> np.ndarray:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2).
         ``kv_mode`` / ``prefix`` / ``prefix_pool`` as in :meth:`logits`."""
         from .generate import score
-        return score(self, token_ids, depth, kv_mode=kv_mode, prefix=prefix,
-                     prefix_pool=prefix_pool)
+        return score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool)
 
     def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop=None, *, kv_mode: str | None = None,
-                 prefix=None, prefix_pool=None):
+                 seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
+                 prefix_pool=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids.
         ``prefix`` / ``prefix_pool``: start from cached state (see :mod:`tinyloop.prefix`).
@@ -485,8 +572,8 @@ class Model:
 
     def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop=None, *, kv_mode: str | None = None,
-               prefix=None, prefix_pool=None):
+               seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
+               prefix_pool=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
         token is sampled (``text`` is the newly decodable text, possibly empty)."""
         from .generate import stream
@@ -527,16 +614,19 @@ class Model:
 
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-               backend: str = "auto") -> Model:
+               backend: str = "auto", kv_mode=None) -> Model:
     """Load a .tlm model, phase by phase (seed 001).
 
     Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
     scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);
-    ``backend`` "auto" | "cuda" | "numpy".
+    ``backend`` "auto" | "cuda" | "numpy"; ``kv_mode``: the KV cache storage mode of every
+    request (a name from ``tinyloop.kvcache.KV_MODES``, "auto", a dict ``{"prelude": m,
+    "recurrent": m, "coda": m}`` or one mode per physical layer; default
+    ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
     """
-    return Model(path, max_seq_len, prefill_chunk, backend=backend)
+    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode)
 
 
 def _check_model(model) -> Model:

@@ -20,10 +20,12 @@ A request that starts from a cached prefix (``generate``/``stream``/``logits``/`
 position's K/V and residual depend only on positions <= it (causal attention), and the cached
 ones were computed by the same forward.
 
-Storage today: the request's RuntimeKVCache is one dense block per request, so the prefix's K/V
-is *copied* into it (a memcpy of m positions; no forward). The paged KV cache (issue 8) turns
-this copy into shared pages with a reference count and a copy-on-write partial last page; the
-handles' public surface does not change.
+Pages are shared by reference, never copied (issue 8's paged KV cache): a request that starts
+from a prefix takes a reference to each of the prefix's full pages (``RuntimeKVCache.
+share_prefix``) and copies only a partly filled last page (copy-on-write), and a PrefixPool
+entry takes the finished prompt's full pages the same way. A page is tagged ``prefix_cache``
+while any prefix handle holds it and ``kv_cache`` otherwise (``MemoryPool.retag``), so the
+memory pool counts a shared page once, under the tag of what keeps it alive longest.
 
 The prefix file format (``PrefixCache.save`` / ``Model.load_prefix``) is specified in
 :func:`save_prefix`.
@@ -47,18 +49,37 @@ from .config import parse_size
 from .errors import (BadMagicError, ConfigError, FormatError, HandleError, OutOfMemoryError,
                      SizeOverflowError, TokenizerError, TruncatedFileError,
                      UnsupportedVersionError)
-from .kvcache import KV_MODES, RuntimeKVCache, check_kv_mode
+from .config import KV_MODES
+from .kvcache import DEFAULT_PAGE_SIZE, PageLayout, RuntimeKVCache, slot_layers
 from .memory import round_size
 
 
 # -- shared helpers ---------------------------------------------------------------------------
-def resolve_kv_mode(model, kv_mode) -> str:
-    """``kv_mode`` (None = the model's default) checked against the implemented modes."""
-    if kv_mode is None:
-        kv_mode = getattr(model, "kv_mode", "fp16")
-    if not isinstance(kv_mode, str):
-        raise ConfigError(f"kv_mode must be a mode name, got {kv_mode!r}")
-    return check_kv_mode(kv_mode)
+def mode_name(modes: tuple):
+    """A handle's public ``kv_mode``: the mode name when every layer uses one, else the
+    per-layer tuple."""
+    return modes[0] if len(set(modes)) == 1 else tuple(modes)
+
+
+def _hold(model, page) -> None:
+    """A prefix handle takes hold of ``page``: the first holder moves it to prefix_cache."""
+    holds = model._prefix_holds
+    n = holds.get(page.addr, 0)
+    if n == 0:
+        model._pool.retag(page.block, "prefix_cache")
+    holds[page.addr] = n + 1
+
+
+def _drop(model, page) -> None:
+    """A prefix handle lets go of ``page`` (still live): with no holder left it is a request's
+    page again (kv_cache), or freed when the handle's unref is the last."""
+    holds = model._prefix_holds
+    n = holds[page.addr] - 1
+    if n:
+        holds[page.addr] = n
+    else:
+        del holds[page.addr]
+        model._pool.retag(page.block, "kv_cache")
 
 
 def _depth_arg(model, depth) -> int:
@@ -103,16 +124,20 @@ class ResidualSnapshot:
 
 
 class HandleStorage:
-    """What a handle holds in the pool: K/V for the slots of ``slot_depth`` iterations x n
-    positions (a RuntimeKVCache, tag ``prefix_cache``), the final residual rows (float32
-    ``[n, d_model]``, tag ``prefix_cache``) and, for a ResumeHandle, a ResidualSnapshot (tag
-    ``resume``). Nothing stays allocated when a part fails to allocate."""
+    """What a handle holds in the pool: a paged RuntimeKVCache for the slots of ``slot_depth``
+    iterations x n positions (its block tables and the pages it holds: tag ``prefix_cache``),
+    the final residual rows (float32 ``[n, d_model]``, tag ``prefix_cache``) and, for a
+    ResumeHandle, a ResidualSnapshot (tag ``resume``). Nothing stays allocated when a part
+    fails to allocate. Call :meth:`hold_pages` once the pages are written."""
 
-    def __init__(self, model, slot_depth: int, n: int, kv_mode: str, snapshot: bool = False):
+    def __init__(self, model, slot_depth: int, n: int, modes: tuple, snapshot: bool = False):
         ops, pool, cfg = model._ops, model._pool, model.config
-        self.kv = self.rows_block = self.snap = None
+        self._model = model
+        self.kv = self.rows_block = self.snap = self.rows = None
+        self._held: dict = {}                  # addr -> Page this storage holds
         try:
-            self.kv = RuntimeKVCache(ops, pool, cfg, slot_depth, n, kv_mode, tag="prefix_cache")
+            self.kv = model.new_kv_cache(slot_depth, n, kv_mode=modes)
+            pool.retag(self.kv._table_block, "prefix_cache")
             self.rows, self.rows_block = ops.empty(pool, (n, cfg.d_model), np.float32,
                                                    "prefix_cache")
             if snapshot:
@@ -121,39 +146,86 @@ class HandleStorage:
         except BaseException:
             self.release()
             raise
-        self._ops = ops
+
+    def hold_pages(self) -> None:
+        """Hold every page of the cache not held yet (tags them prefix_cache)."""
+        for s in range(self.kv.n_slots):
+            for page in self.kv.page_list(s):
+                if page.addr not in self._held:
+                    _hold(self._model, page)
+                    self._held[page.addr] = page
+
+    def pages(self) -> dict:
+        """addr -> Page of every page this storage holds."""
+        return dict(self._held)
+
+    def fixed_bytes(self) -> int:
+        """Bytes that are this storage's alone: block tables, rows, snapshot."""
+        return sum(b.nbytes for b in self.blocks)
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in (self.kv, self.rows_block, self.snap) if x is not None)
+        """Pool bytes held: tables, rows, snapshot and every page (shared ones in full)."""
+        return self.fixed_bytes() + sum(p.block.nbytes for p in self._held.values())
 
     @property
     def blocks(self) -> list:
-        return [self.kv._block, self.rows_block] + ([self.snap._block] if self.snap else [])
+        """The pool blocks this storage owns alone (pages are reference counted)."""
+        out = [self.kv._table_block, self.rows_block]
+        return out + ([self.snap._block] if self.snap is not None else [])
+
+    def make_private(self, first_slot: int) -> None:
+        """Copy-on-write before rewriting slots first_slot..: shared pages become private."""
+        for old in self.kv.make_private(first_slot):
+            del self._held[old.addr]
+            _drop(self._model, old)
+        self.hold_pages()
 
     def host_state(self) -> dict:
-        """Host copies: ``kv`` ``[slots, 2, n, n_kv_heads, head_dim]`` (the backend's KV
-        dtype), ``rows`` float32 ``[n, d_model]``, and ``snapshot`` float32 ``[planes, n,
-        d_model]`` when there is one."""
-        to_host = self._ops.to_host
-        out = {"kv": np.ascontiguousarray(to_host(self.kv._data)),
-               "rows": np.ascontiguousarray(to_host(self.rows))}
+        """Host copies: ``kv``, one dict per slot of part name -> array ``[n, ...]`` (each
+        part's dtype, see ``kvcache.PageLayout``), ``rows`` float32 ``[n, d_model]``, and
+        ``snapshot`` float32 ``[planes, n, d_model]`` when there is one."""
+        to_host = self._model._ops.to_host
+        n = self.kv.capacity
+        kv = []
+        for s in range(self.kv.n_slots):
+            pages = self.kv.page_list(s)
+            kv.append({part.name: np.concatenate([to_host(pg.parts[part.name])
+                                                  for pg in pages])[:n]
+                       for part in self.kv.layouts[s].parts})
+        out = {"kv": kv, "rows": np.ascontiguousarray(to_host(self.rows))}
         if self.snap is not None:
             out["snapshot"] = np.ascontiguousarray(to_host(self.snap._data))
         return out
 
     def load_host_state(self, state: dict) -> None:
-        """Upload arrays shaped as :meth:`host_state` gives them (K/V cast to the KV dtype)."""
-        from_host = self._ops.from_host
-        from_host(np.ascontiguousarray(state["kv"], dtype=self._ops.kv_dtype), self.kv._data)
-        from_host(np.ascontiguousarray(state["rows"], dtype=np.float32), self.rows)
+        """Write arrays shaped as :meth:`host_state` gives them into fresh pages (cast to
+        each part's dtype), then hold the pages."""
+        ops = self._model._ops
+        n = self.kv.capacity
+        self.kv.ensure(n)
+        p = self.kv.page_size
+        for s in range(self.kv.n_slots):
+            for k, page in enumerate(self.kv.page_list(s)):
+                lo, hi = k * p, min(n, (k + 1) * p)
+                for part in self.kv.layouts[s].parts:
+                    dst = page.parts[part.name]
+                    src = np.asarray(state["kv"][s][part.name][lo:hi], dtype=dst.dtype)
+                    host = np.zeros(dst.shape, dtype=dst.dtype)
+                    host[:hi - lo] = src
+                    ops.from_host(host, dst)
+        ops.from_host(np.ascontiguousarray(state["rows"], dtype=np.float32), self.rows)
         if self.snap is not None:
-            from_host(np.ascontiguousarray(state["snapshot"], dtype=np.float32),
-                      self.snap._data)
+            ops.from_host(np.ascontiguousarray(state["snapshot"], dtype=np.float32),
+                          self.snap._data)
+        self.hold_pages()
 
     def release(self) -> None:
         kv, rows_block, snap = self.kv, self.rows_block, self.snap
         self.kv = self.rows_block = self.snap = self.rows = None
+        held, self._held = self._held, {}
+        for page in held.values():              # before the unref: the pages are still live
+            _drop(self._model, page)
         if kv is not None:
             kv.release()
         if rows_block is not None:
@@ -162,18 +234,24 @@ class HandleStorage:
             snap.release()
 
 
-def _free_on_gc(kind: str, n: int, blocks: list) -> None:
-    """weakref.finalize callback of a handle dropped without release(): free its blocks."""
-    live = [b for b in blocks if not b.freed]
-    if live:
-        warnings.warn(f"a {kind} of {n} tokens was garbage-collected without release(); "
-                      f"freeing its {sum(b.nbytes for b in live)} bytes now", ResourceWarning,
-                      stacklevel=2)
-        for b in live:
-            b.pool._free_from_finalizer(b)
+def _orphaned(model, kind: str, n: int, storage: HandleStorage) -> None:
+    """weakref.finalize callback of a handle dropped without release(). It may run inside any
+    allocation (the garbage collector's choice), so it only queues the storage; the model
+    releases queued storage at its next prefix operation or at free (:func:`drain_orphans`)."""
+    if storage.kv is not None:
+        warnings.warn(f"a {kind} of {n} tokens was garbage-collected without release(); its "
+                      f"{storage.nbytes} bytes are freed at the model's next prefix operation",
+                      ResourceWarning, stacklevel=2)
+        model._prefix_orphans.append(storage)
 
 
-# -- PrefixCache ------------------------------------------------------------------------------
+def drain_orphans(model) -> None:
+    """Release the storage of handles that were garbage-collected unreleased (call under the
+    model's lock)."""
+    while model._prefix_orphans:
+        model._prefix_orphans.pop().release()
+
+
 class _Releasable:
     """``with handle: ...`` releases it at the end."""
 
@@ -189,25 +267,27 @@ class PrefixCache(_Releasable):
     :meth:`Model.load_prefix`); pass as ``prefix=`` to generate / stream / logits / score.
 
     Attributes: ``tokens`` (tuple of int ids), ``depth`` (loop iterations it was prefilled
-    at), ``kv_mode`` (KV storage mode), ``nbytes`` (pool bytes it holds: K/V for
-    ``n_slots(depth)`` slots x ``len(tokens)`` positions plus float32 ``[n, d_model]`` final
-    residual rows, tag ``prefix_cache``). ``release()`` (idempotent) or ``with`` frees them;
-    any later use raises HandleError. Freeing the model releases its handles.
+    at), ``kv_mode`` (the KV storage mode name, or a per-layer tuple when layers differ),
+    ``nbytes`` (pool bytes it holds: the pages of ``n_slots(depth)`` slots x ``len(tokens)``
+    positions -- shared pages counted in full -- its block tables, and float32 ``[n,
+    d_model]`` final residual rows; tag ``prefix_cache``). ``release()`` (idempotent) or
+    ``with`` frees them; any later use raises HandleError. Freeing the model releases its
+    handles.
     """
 
     kind = "PrefixCache"
 
-    def __init__(self, model, ids: np.ndarray, depth: int, kv_mode: str,
+    def __init__(self, model, ids: np.ndarray, depth: int, modes: tuple,
                  storage: HandleStorage):
         self._model = model
         self._ids = np.array(ids, dtype=np.int32)
         self._ids.setflags(write=False)
         self._tokens = tuple(int(t) for t in self._ids)
         self._depth = int(depth)
-        self._kv_mode = kv_mode
+        self._modes = tuple(modes)
         self._st = storage
-        self._finalizer = weakref.finalize(self, _free_on_gc, self.kind, len(self._ids),
-                                           storage.blocks)
+        self._finalizer = weakref.finalize(self, _orphaned, model, self.kind, len(self._ids),
+                                           storage)
         model._handles.add(self)
 
     # -- public surface ---------------------------------------------------------------------
@@ -220,8 +300,8 @@ class PrefixCache(_Releasable):
         return self._depth
 
     @property
-    def kv_mode(self) -> str:
-        return self._kv_mode
+    def kv_mode(self):
+        return mode_name(self._modes)
 
     @property
     def nbytes(self) -> int:
@@ -256,7 +336,7 @@ class PrefixCache(_Releasable):
     def __repr__(self) -> str:
         state = "released" if self.released else f"{self.nbytes} B"
         return (f"{self.kind}({len(self._ids)} tokens, depth={self._depth}, "
-                f"kv_mode={self._kv_mode!r}, {state})")
+                f"kv_mode={self.kv_mode!r}, {state})")
 
     # -- internal ---------------------------------------------------------------------------
     def _check(self, model=None) -> None:
@@ -269,9 +349,10 @@ class PrefixCache(_Releasable):
         self._model._check_alive()
 
     def _restore(self, cache: RuntimeKVCache, m: int) -> None:
-        """Copy positions 0..m-1 (K/V of the slots ``cache`` has, and the final residual rows)
-        into a request's cache and the model's residual buffer. Holds the model lock."""
-        cache.copy_prefix_from(self._st.kv, m)
+        """Start a request's (empty) cache with positions 0..m-1 of the slots it has (full
+        pages by reference, a partly filled last page copied) and copy the final residual rows
+        into the model's residual buffer. Call under the model lock."""
+        cache.share_prefix(self._st.kv, m)
         self._model._buf.main[:m] = self._st.rows[:m]
 
 
@@ -286,15 +367,17 @@ def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
     """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache."""
     model._check_alive()
     depth = _depth_arg(model, depth)
-    kv_mode = resolve_kv_mode(model, kv_mode)
+    modes = model.resolve_kv_modes(kv_mode)
     ids = _prompt_ids(model, prompt)
     with model._lock:
         model._check_alive()
-        st = HandleStorage(model, depth, len(ids), kv_mode)
+        drain_orphans(model)
+        st = HandleStorage(model, depth, len(ids), modes)
         try:
             model.forward(ids, 0, depth, st.kv)
             st.rows[...] = model._buf.main[:len(ids)]
-            return PrefixCache(model, ids, depth, kv_mode, st)
+            st.hold_pages()
+            return PrefixCache(model, ids, depth, modes, st)
         except BaseException:
             st.release()
             raise
@@ -313,8 +396,8 @@ class ResumeHandle(PrefixCache):
 
     kind = "ResumeHandle"
 
-    def __init__(self, model, ids, depth, kv_mode, storage: HandleStorage, max_depth: int):
-        super().__init__(model, ids, depth, kv_mode, storage)
+    def __init__(self, model, ids, depth, modes, storage: HandleStorage, max_depth: int):
+        super().__init__(model, ids, depth, modes, storage)
         self._max_depth = int(max_depth)
 
     @property
@@ -338,7 +421,10 @@ class ResumeHandle(PrefixCache):
                                   f"{self._max_depth} (the handle is at depth {self._depth}, "
                                   f"max_depth {self._max_depth})")
             n = len(self._ids)
+            cfg = self._model.config
             try:
+                # requests restored from this handle share its pages: rewrite private copies
+                self._st.make_private(cfg.n_prelude + cfg.n_recurrent * self._depth)
                 self._model.deepen(0, n, self._depth, depth, self._st.kv, self._st.snap)
                 self._st.rows[...] = self._model._buf.main[:n]
             except BaseException:
@@ -361,39 +447,46 @@ def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) 
     if not depth <= max_depth <= cfg.max_depth:
         raise ConfigError(f"max_depth={max_depth} must be in {depth}..{cfg.max_depth} "
                           f"(depth={depth}, the model's max_depth={cfg.max_depth})")
-    kv_mode = resolve_kv_mode(model, kv_mode)
+    modes = model.resolve_kv_modes(kv_mode)
     ids = _prompt_ids(model, prompt)
     n = len(ids)
     with model._lock:
         model._check_alive()
-        st = HandleStorage(model, max_depth, n, kv_mode, snapshot=True)
+        drain_orphans(model)
+        st = HandleStorage(model, max_depth, n, modes, snapshot=True)
         try:
             model.forward(ids, 0, depth, st.kv, snapshot=st.snap)
             st.rows[...] = model._buf.main[:n]
-            return ResumeHandle(model, ids, depth, kv_mode, st, max_depth)
+            st.hold_pages()
+            return ResumeHandle(model, ids, depth, modes, st, max_depth)
         except BaseException:
             st.release()
             raise
 
 
 # -- PrefixPool -------------------------------------------------------------------------------
-_KEY_MAGIC = b"TLPK\x01"
+_KEY_MAGIC = b"TLPK\x02"
 
 
-def encode_key(fingerprint: bytes, depth: int, kv_mode: str, ids) -> bytes:
-    """The pool key as bytes: an injective encoding of (model fingerprint, depth, kv_mode,
+def encode_key(fingerprint: bytes, depth: int, modes, ids) -> bytes:
+    """The pool key as bytes: an injective encoding of (model fingerprint, depth, KV modes,
     token ids), so two different keys never compare equal.
 
-    Layout: ``b"TLPK\\x01"``, the 32-byte fingerprint, u32 depth, u8 length + ASCII kv_mode,
-    u32 token count, then the ids as little-endian u32. Every variable-length field is
-    length-prefixed and the rest are fixed-width, so the bytes decode back to one key only.
+    Layout: ``b"TLPK\x02"``, the 32-byte fingerprint, u32 depth, u16 count of modes, each
+    mode as u8 length + ASCII (one per physical layer, or one name), u32 token count, then the
+    ids as little-endian u32. Every variable-length field is length-prefixed and the rest are
+    fixed-width, so the bytes decode back to one key only.
     """
     if len(fingerprint) != 32:
         raise ConfigError(f"a model fingerprint has 32 bytes, got {len(fingerprint)}")
-    mode = kv_mode.encode("ascii")
+    modes = (modes,) if isinstance(modes, str) else tuple(modes)
+    parts = [_KEY_MAGIC, fingerprint, struct.pack("<IH", depth, len(modes))]
+    for m in modes:
+        b = m.encode("ascii")
+        parts += [struct.pack("<B", len(b)), b]
     ids = np.asarray(ids)
-    return b"".join([_KEY_MAGIC, fingerprint, struct.pack("<IB", depth, len(mode)), mode,
-                     struct.pack("<I", ids.size), ids.astype("<u4").tobytes()])
+    parts += [struct.pack("<I", ids.size), ids.astype("<u4").tobytes()]
+    return b"".join(parts)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -417,10 +510,13 @@ class PrefixPool(_Releasable):
 
     ``stats()`` gives hits, misses, hit_tokens, evictions, entries, bytes, max_bytes (and
     inserts, replaced, rejected: entries over max_bytes or that did not fit the memory pool's
-    budget -- an insert never fails the request); ``bytes`` is what the memory pool holds under tag
-    ``prefix_cache`` for this pool's entries. ``clear()`` frees every entry; ``release()`` (or
-    ``with``, or freeing the model) clears it for good. Raises ConfigError for a bad budget or
-    a model that is not a live Model, HandleError when used with another model or after release.
+    budget -- an insert never fails the request). ``bytes`` is what the memory pool holds
+    under tag ``prefix_cache`` for this pool's entries: their block tables and rows, and every
+    page they hold counted once however many entries share it. Eviction counts bytes the same
+    way: an evicted entry frees only the pages no remaining entry (nor the new one) holds.
+    ``clear()`` frees every entry; ``release()`` (or ``with``, or freeing the model) clears it
+    for good. Raises ConfigError for a bad budget or a model that is not a live Model,
+    HandleError when used with another model or after release.
     """
 
     def __init__(self, model, max_bytes=None):
@@ -441,7 +537,8 @@ class PrefixPool(_Releasable):
         self._model = model
         self._max_bytes = max_bytes
         self._entries: OrderedDict[bytes, PrefixCache] = OrderedDict()  # LRU: oldest first
-        self._bytes = 0          # sum of the entries' nbytes (guarded by model._lock)
+        self._bytes = 0          # tables + rows of the entries + their distinct pages
+        self._page_refs: dict = {}   # addr -> entries holding that page (guarded by model._lock)
         self._released = False
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, inserts=0,
                             replaced=0, rejected=0)
@@ -455,9 +552,11 @@ class PrefixPool(_Releasable):
     def max_bytes(self):
         return self._max_bytes
 
-    def key(self, tokens, depth: int, kv_mode: str = "fp16") -> bytes:
-        """This pool's key for ``tokens`` at ``depth``/``kv_mode`` (see :func:`encode_key`)."""
-        return encode_key(self._model.fingerprint, depth, kv_mode,
+    def key(self, tokens, depth: int, kv_mode=None) -> bytes:
+        """This pool's key for ``tokens`` at ``depth``/``kv_mode`` (None: the model's default;
+        see :func:`encode_key`)."""
+        return encode_key(self._model.fingerprint, depth,
+                          self._model.resolve_kv_modes(kv_mode),
                           self._model._ids_from(tokens, "tokens"))
 
     def __len__(self) -> int:
@@ -475,8 +574,10 @@ class PrefixPool(_Releasable):
         with self._model._lock:
             entries, self._entries = list(self._entries.values()), OrderedDict()
             self._bytes = 0
+            self._page_refs = {}
             for e in entries:
                 e.release()
+            drain_orphans(self._model)
 
     def release(self) -> None:
         """Clear and refuse further use (idempotent)."""
@@ -502,12 +603,12 @@ class PrefixPool(_Releasable):
             raise HandleError(f"this PrefixPool belongs to another Model "
                               f"({self._model.path!r}); make one per model")
 
-    def _lookup(self, ids: np.ndarray, depth: int, kv_mode: str):
-        """(entry, m): the entry sharing the longest prefix of ``ids`` at ``depth``/``kv_mode``
+    def _lookup(self, ids: np.ndarray, depth: int, modes: tuple):
+        """(entry, m): the entry sharing the longest prefix of ``ids`` at ``depth``/``modes``
         and that length (0 and None on a miss). Counts the hit or miss; refreshes its LRU."""
         best, best_m = None, 0
         for e in self._entries.values():
-            if e._depth == depth and e._kv_mode == kv_mode:
+            if e._depth == depth and e._modes == modes:
                 m = _common_prefix(e._ids, ids)
                 if m > best_m:
                     best, best_m = e, m
@@ -520,71 +621,113 @@ class PrefixPool(_Releasable):
         return best, best_m
 
     def _key_of(self, e: PrefixCache) -> bytes:
-        return encode_key(self._model.fingerprint, e._depth, e._kv_mode, e._ids)
+        return encode_key(self._model.fingerprint, e._depth, e._modes, e._ids)
 
-    def entry_bytes(self, n_tokens: int, depth: int) -> int:
-        """Pool bytes an entry of ``n_tokens`` positions at ``depth`` holds (K/V + rows)."""
-        cfg, ops = self._model.config, self._model._ops
-        kv = (cfg.n_slots(depth) * 2 * n_tokens * cfg.n_kv_heads * cfg.head_dim
-              * np.dtype(ops.kv_dtype).itemsize)
-        return round_size(kv) + round_size(n_tokens * cfg.d_model * 4)
+    def entry_bytes(self, n_tokens: int, depth: int, kv_mode=None) -> int:
+        """Pool bytes an entry of ``n_tokens`` positions at ``depth`` holds when it shares no
+        page with another entry: its pages, its block tables, its final residual rows."""
+        model = self._model
+        cfg = model.config
+        modes = model.resolve_kv_modes(kv_mode)
+        cache_slots = slot_layers(cfg, depth)
+        pages = -(-n_tokens // _page_size(model))
+        page_bytes = sum(round_size(_layout(model, modes[li]).page_bytes) for li in cache_slots)
+        return (pages * page_bytes + round_size(len(cache_slots) * pages * 8)
+                + round_size(n_tokens * cfg.d_model * 4))
 
-    def _evict(self, shortfall: int) -> None:
-        """Evict least recently used entries until their bytes cover ``shortfall``."""
-        freed = 0
-        while freed < shortfall and self._entries:
-            _, e = self._entries.popitem(last=False)
-            freed += e.nbytes
-            self._bytes -= e.nbytes
-            self._counts["evictions"] += 1
-            e.release()
+    def _add(self, key: bytes, e: PrefixCache) -> None:
+        self._entries[key] = e
+        self._bytes += e._st.fixed_bytes()
+        for addr, page in e._st.pages().items():
+            n = self._page_refs.get(addr, 0)
+            if n == 0:
+                self._bytes += page.block.nbytes
+            self._page_refs[addr] = n + 1
 
-    def _insert(self, ids: np.ndarray, depth: int, kv_mode: str, cache: RuntimeKVCache) -> None:
-        """Insert the request's prompt (K/V in ``cache`` positions 0..T-1, final rows in the
-        model's residual buffer) unless an entry already holds all of it."""
-        key = encode_key(self._model.fingerprint, depth, kv_mode, ids)
+    def _remove(self, key: bytes) -> PrefixCache:
+        e = self._entries.pop(key)
+        self._bytes -= e._st.fixed_bytes()
+        for addr, page in e._st.pages().items():
+            n = self._page_refs[addr] - 1
+            if n:
+                self._page_refs[addr] = n
+            else:
+                del self._page_refs[addr]
+                self._bytes -= page.block.nbytes
+        e.release()
+        return e
+
+    def _insert(self, ids: np.ndarray, depth: int, modes: tuple, cache: RuntimeKVCache) -> None:
+        """Insert the request's prompt (its K/V in ``cache`` positions 0..T-1, its final rows in
+        the model's residual buffer): the entry takes the full pages by reference and copies
+        a partly filled last page. Entries it extends are dropped (it contains them); then the
+        least recently used entries go, oldest first, until their bytes cover the shortfall."""
+        model = self._model
+        key = encode_key(model.fingerprint, depth, modes, ids)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        # entries the new one extends are contained in it: drop them (not counted as evictions)
         for k, e in list(self._entries.items()):
-            if (e._depth == depth and e._kv_mode == kv_mode and len(e) <= len(ids)
+            if (e._depth == depth and e._modes == modes and len(e) <= len(ids)
                     and _common_prefix(e._ids, ids) == len(e)):
-                del self._entries[k]
-                self._bytes -= e.nbytes
+                self._remove(k)
                 self._counts["replaced"] += 1
-                e.release()
-        need = self.entry_bytes(len(ids), depth)
+        n = len(ids)
+        full = n // cache.page_size
+        shared = {}                           # the request's full pages the entry will share
+        for s in range(cache.n_slots):
+            for page in cache.page_list(s)[:full]:
+                shared[page.addr] = page
+        alone = self.entry_bytes(n, depth, modes)
+        own = alone - sum(p.block.nbytes for p in shared.values())   # tables, rows, copies
+
+        def need() -> int:                    # what the insert adds to this pool's bytes
+            return own + sum(p.block.nbytes for a, p in shared.items()
+                             if a not in self._page_refs)
+
         if self._max_bytes is not None:
-            if need > self._max_bytes:
-                self._counts["rejected"] += 1
+            if alone > self._max_bytes:
+                self._counts["rejected"] += 1          # larger than the whole budget
                 return
-            self._evict(self._bytes + need - self._max_bytes)
-        model = self._model
+            while self._bytes + need() > self._max_bytes and self._entries:
+                self._remove(next(iter(self._entries)))
+                self._counts["evictions"] += 1
         try:
-            st = HandleStorage(model, depth, len(ids), kv_mode)
+            st = HandleStorage(model, depth, n, modes)
+            try:
+                st.kv.share_prefix(cache, n)
+            except BaseException:
+                st.release()
+                raise
         except OutOfMemoryError:
             # a cache insert is best-effort: under a memory budget the request still succeeds
             self._counts["rejected"] += 1
             return
         try:
-            st.kv.copy_prefix_from(cache, len(ids))
-            st.rows[...] = model._buf.main[:len(ids)]
-            entry = PrefixCache(model, ids, depth, kv_mode, st)
+            st.rows[...] = model._buf.main[:n]
+            st.hold_pages()
+            entry = PrefixCache(model, ids, depth, modes, st)
         except BaseException:
             st.release()
             raise
-        self._entries[key] = entry
-        self._bytes += entry.nbytes
+        self._add(key, entry)
         self._counts["inserts"] += 1
+
+
+def _page_size(model) -> int:
+    return DEFAULT_PAGE_SIZE
+
+
+def _layout(model, mode: str) -> PageLayout:
+    return model.kv_page_layout(mode, _page_size(model))
 
 
 # -- requests that start from a cache (called by generate.py) ---------------------------------
 def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_pool):
     """Validate ``prefix=`` / ``prefix_pool=`` for a request of ``ids``; return the resolved
-    (depth, kv_mode). A prefix fixes both: a different explicit depth or kv_mode is a
-    ConfigError (never a silent re-prefill), as is a prompt that does not start with the
-    prefix's tokens (the message names the first position that differs)."""
+    (depth, modes: one KV mode per physical layer). A prefix fixes both: a different explicit
+    depth or kv_mode is a ConfigError (never a silent re-prefill), as is a prompt that does
+    not start with the prefix's tokens (the message names the first position that differs)."""
     if prefix is not None and prefix_pool is not None:
         raise ConfigError("pass prefix= or prefix_pool=, not both")
     if prefix is not None:
@@ -593,13 +736,13 @@ def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_poo
                               f"{type(prefix).__name__}")
         with model._lock:
             prefix._check(model)
-            p_depth, p_mode = prefix._depth, prefix._kv_mode
+            p_depth, p_modes = prefix._depth, prefix._modes
         if depth is not None and _depth_arg(model, depth) != p_depth:
             raise ConfigError(f"depth={depth} differs from the prefix's depth {p_depth}; "
                               f"prefill the prefix at that depth (or upgrade a ResumeHandle)")
-        if kv_mode is not None and kv_mode != p_mode:
+        if kv_mode is not None and model.resolve_kv_modes(kv_mode) != p_modes:
             raise ConfigError(f"kv_mode={kv_mode!r} differs from the prefix's kv_mode "
-                              f"{p_mode!r}")
+                              f"{mode_name(p_modes)!r}")
         n = len(prefix)
         if len(ids) < n:
             raise ConfigError(f"the prompt ({len(ids)} tokens) is shorter than the prefix "
@@ -609,35 +752,35 @@ def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_poo
             raise ConfigError(f"the prompt differs from the prefix at position {m} (prompt "
                               f"token {int(ids[m])}, prefix token {int(prefix._ids[m])}); "
                               f"it must start with the prefix's {n} tokens")
-        return p_depth, p_mode
+        return p_depth, p_modes
     depth = _depth_arg(model, depth)
-    kv_mode = resolve_kv_mode(model, kv_mode)
+    modes = model.resolve_kv_modes(kv_mode)
     if prefix_pool is not None:
         if not isinstance(prefix_pool, PrefixPool):
             raise ConfigError(f"prefix_pool must be a PrefixPool, got "
                               f"{type(prefix_pool).__name__}")
         with model._lock:
             prefix_pool._check(model)
-    return depth, kv_mode
+    return depth, modes
 
 
-def prefill_request(model, ids: np.ndarray, depth: int, kv_mode: str, cache: RuntimeKVCache,
+def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache: RuntimeKVCache,
                     prefix=None, prefix_pool=None, on_rows=None) -> int:
     """Fill ``cache`` and the residual rows 0..T-1 for a request's prompt, starting from the
     prefix (or the pool's longest match); insert the prompt into the pool. Returns the number
     of positions that came from a cache. ``on_rows(start, t)`` is called for the restored
     rows (once, start 0) and after each prefilled chunk. Call under the model's lock."""
     m, src = 0, None
+    drain_orphans(model)
     if prefix is not None:
         prefix._check(model)
-        if (prefix._depth, prefix._kv_mode) != (depth, kv_mode):
-            raise ConfigError(f"the {prefix.kind} changed to depth {prefix._depth} / kv_mode "
-                              f"{prefix._kv_mode!r} after this call began at depth {depth} / "
-                              f"{kv_mode!r} (an upgrade() ran in between)")
+        if (prefix._depth, prefix._modes) != (depth, tuple(modes)):
+            raise ConfigError(f"the {prefix.kind} changed to depth {prefix._depth} after this "
+                              f"call began at depth {depth} (an upgrade() ran in between)")
         m, src = len(prefix), prefix
     elif prefix_pool is not None:
         prefix_pool._check(model)
-        src, m = prefix_pool._lookup(ids, depth, kv_mode)
+        src, m = prefix_pool._lookup(ids, depth, tuple(modes))
     if m:
         src._restore(cache, m)
         if on_rows is not None:
@@ -645,27 +788,39 @@ def prefill_request(model, ids: np.ndarray, depth: int, kv_mode: str, cache: Run
     if m < len(ids):
         model.forward(ids[m:], m, depth, cache, on_rows=on_rows)
     if prefix_pool is not None and m < len(ids):
-        prefix_pool._insert(ids, depth, kv_mode, cache)
+        prefix_pool._insert(ids, depth, tuple(modes), cache)
     return m
 
 
 # -- prefix files -----------------------------------------------------------------------------
 PREFIX_MAGIC = b"TLPREFIX"
-PREFIX_VERSION = 1
+PREFIX_VERSION = 2
 _HEADER = struct.Struct("<8sI32sBBHHH16sIIIIIII32sQ")
-# magic, version, fingerprint, kind (0 PrefixCache, 1 ResumeHandle), kv dtype (0 f32, 1 f16),
-# depth, max_depth, snapshot planes, kv_mode (ASCII, NUL padded), n_tokens, n_slots,
-# n_kv_heads, head_dim, d_model, vocab_size, reserved (0), SHA-256 of the payload, payload bytes
+# magic, version, fingerprint, kind (0 PrefixCache, 1 ResumeHandle), fp16-mode K/V dtype (0 f32,
+# 1 f16), depth, max_depth, snapshot planes, kv_mode (ASCII name or "mixed", NUL padded),
+# n_tokens, n_slots, n_kv_heads, head_dim, d_model, vocab_size, n_layers, SHA-256 of the
+# modes table and the payload, payload bytes. Then the modes table: n_layers x 8 bytes (ASCII,
+# NUL padded), one KV mode per physical layer. Then the payload.
+_MODE_BYTES = 8
 _KV_DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 
 
 def _payload_layout(cfg, kind: int, depth: int, max_depth: int, planes: int, n: int,
-                    kv_dtype: np.dtype) -> list[tuple[str, tuple, np.dtype]]:
-    """The payload's arrays in order (name, shape, dtype); sizes are exact Python ints."""
-    slots = cfg.n_slots(max_depth if kind == 1 else depth)
-    out = [("tokens", (n,), np.dtype("<u4")),
-           ("kv", (slots, 2, n, cfg.n_kv_heads, cfg.head_dim), kv_dtype),
-           ("rows", (n, cfg.d_model), np.dtype("<f4"))]
+                    modes: tuple, kv_dtype: np.dtype) -> list[tuple[str, tuple, np.dtype]]:
+    """The payload's arrays in order (name, shape, dtype); sizes are exact Python ints.
+
+    tokens (u32 [n]); for every slot s of the K/V (``n_slots(max_depth)`` for a ResumeHandle,
+    else ``n_slots(depth)``), every part of its layer's page layout (``kvcache.PageLayout``)
+    for positions 0..n-1 (``[n, ...]``); rows (f32 [n, d_model]); for a ResumeHandle the
+    snapshot (f32 [planes, n, d_model]).
+    """
+    out = [("tokens", (n,), np.dtype("<u4"))]
+    for s, li in enumerate(slot_layers(cfg, max_depth if kind == 1 else depth)):
+        lay = PageLayout.for_config(cfg, modes[li], 1, kv_dtype)
+        for part in lay.parts:
+            out.append((f"kv.{s}.{part.name}", (n,) + tuple(part.shape[1:]),
+                        np.dtype(part.dtype).newbyteorder("<")))
+    out.append(("rows", (n, cfg.d_model), np.dtype("<f4")))
     if kind == 1:
         out.append(("snapshot", (planes, n, cfg.d_model), np.dtype("<f4")))
     return out
@@ -678,65 +833,77 @@ def _nbytes(shape, dtype) -> int:
     return size
 
 
+def _modes_table(modes: tuple) -> bytes:
+    return b"".join(m.encode("ascii").ljust(_MODE_BYTES, b"\0") for m in modes)
+
+
 def save_prefix(handle: PrefixCache, path) -> int:
     """Write ``handle`` to ``path``; returns the bytes written.
 
-    Format (little-endian): a fixed header ``_HEADER`` (magic ``TLPREFIX``, version 1, the
-    model's 32-byte fingerprint, the kind, the K/V dtype, depth, max_depth, snapshot planes,
-    kv_mode, token count, slots, n_kv_heads, head_dim, d_model, vocab_size, the SHA-256 of the
-    payload and its length), then the payload: token ids (u32 [n]), K/V ``[slots, 2, n,
-    n_kv_heads, head_dim]``, the final residual rows (f32 [n, d_model]) and, for a
-    ResumeHandle, the snapshot (f32 [planes, n, d_model]). Written to ``path.tmp`` and renamed,
-    so a crash never leaves a half-written file under ``path``.
+    Format (little-endian): the fixed header ``_HEADER`` (magic ``TLPREFIX``, version 2, the
+    model's 32-byte fingerprint, the kind, the fp16-mode K/V dtype, depth, max_depth, snapshot
+    planes, kv_mode, token count, slots, n_kv_heads, head_dim, d_model, vocab_size, n_layers,
+    the SHA-256 of what follows the header and the payload's length), the modes table (one KV
+    mode per physical layer), then the payload of :func:`_payload_layout`: every page part of
+    every slot for the prefix's positions, gathered through the block tables. Written to
+    ``path.tmp`` and renamed, so a crash never leaves a half-written file under ``path``.
     """
     model = handle._model
     with model._lock:
         handle._check()
-        ops, cfg = model._ops, model.config
+        cfg = model.config
         kind = 1 if isinstance(handle, ResumeHandle) else 0
+        dt_code = next(c for c, d in _KV_DTYPES.items() if d == np.dtype(model._ops.kv_dtype))
         state = handle._st.host_state()
-        kv_host = state["kv"]
-        dt_code = next((c for c, d in _KV_DTYPES.items() if d == kv_host.dtype), None)
-        if dt_code is None:
-            raise ConfigError(f"cannot save K/V of dtype {kv_host.dtype}")
-        parts = [handle._ids.astype("<u4"), kv_host.astype(_KV_DTYPES[dt_code]),
-                 state["rows"].astype("<f4")]
-        planes = 0
-        if kind == 1:
-            planes = state["snapshot"].shape[0]
-            parts.append(state["snapshot"].astype("<f4"))
+        modes = handle._modes
         max_depth = handle._max_depth if kind == 1 else handle._depth
         n = len(handle)
-        slots = kv_host.shape[0]
-        mode = handle._kv_mode.encode("ascii")
-    h = hashlib.sha256()
+        planes = state["snapshot"].shape[0] if kind == 1 else 0
+        layout = _payload_layout(cfg, kind, handle._depth, max_depth, planes, n, modes,
+                                 _KV_DTYPES[dt_code])
+        arrays = {"tokens": handle._ids, "rows": state["rows"],
+                  "snapshot": state.get("snapshot")}
+        for s, parts in enumerate(state["kv"]):
+            for name, arr in parts.items():
+                arrays[f"kv.{s}.{name}"] = arr
+        parts = [np.ascontiguousarray(arrays[name], dtype=dt) for name, _, dt in layout]
+        for (name, shape, _), arr in zip(layout, parts):
+            assert arr.shape == shape, (name, arr.shape, shape)
+        depth, slots = handle._depth, len(state["kv"])
+    table = _modes_table(modes)
+    h = hashlib.sha256(table)
     for p in parts:
         h.update(memoryview(p).cast("B"))
     payload_len = sum(p.nbytes for p in parts)
+    mode = mode_name(modes)
+    mode = (mode if isinstance(mode, str) else "mixed").encode("ascii")
     header = _HEADER.pack(PREFIX_MAGIC, PREFIX_VERSION, model.fingerprint, kind, dt_code,
-                          handle._depth, max_depth, planes, mode, n, slots, cfg.n_kv_heads,
-                          cfg.head_dim, cfg.d_model, cfg.vocab_size, 0, h.digest(), payload_len)
+                          depth, max_depth, planes, mode, n, slots, cfg.n_kv_heads,
+                          cfg.head_dim, cfg.d_model, cfg.vocab_size, cfg.n_layers, h.digest(),
+                          payload_len)
     path = os.fspath(path)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(header)
+        f.write(table)
         for p in parts:
             f.write(memoryview(p).cast("B"))
     os.replace(tmp, path)
-    return _HEADER.size + payload_len
+    return _HEADER.size + len(table) + payload_len
 
 
 def load_prefix(model, path) -> PrefixCache:
     """:meth:`Model.load_prefix`: read a prefix file written by :func:`save_prefix`.
 
     Every header field is checked against the model and against the file's length (Python
-    ints, so no overflow) before anything is allocated; the payload's SHA-256 is checked
-    before it is uploaded. Raises BadMagicError, UnsupportedVersionError, TruncatedFileError
-    (shorter than the header or its payload), SizeOverflowError (trailing bytes, absurd
-    counts), FormatError (another model's fingerprint, dims that differ from the model's, an
-    unknown kind/dtype/kv_mode, a depth outside the model's range, a checksum mismatch),
-    TokenizerError (ids outside the vocabulary). On any failure nothing stays allocated and no
-    other handle or pool entry is touched.
+    ints, so no overflow) before anything is allocated; the SHA-256 of the modes table and the
+    payload is checked before anything is uploaded. Raises BadMagicError,
+    UnsupportedVersionError, TruncatedFileError (shorter than the header or its payload),
+    SizeOverflowError (trailing bytes, absurd counts), FormatError (another model's
+    fingerprint, dims that differ from the model's, an unknown kind/dtype/KV mode, a depth
+    outside the model's range, a checksum mismatch), ConfigError (a KV mode this backend cannot
+    run), TokenizerError (ids outside the vocabulary). On any failure nothing stays allocated
+    and no other handle or pool entry is touched.
     """
     model._check_alive()
     cfg = model.config
@@ -747,7 +914,7 @@ def load_prefix(model, path) -> PrefixCache:
             raise TruncatedFileError(f"{path}: {size} bytes is shorter than the "
                                      f"{_HEADER.size}-byte prefix header")
         (magic, version, fingerprint, kind, dt_code, depth, max_depth, planes, mode_raw, n,
-         slots, n_kv_heads, head_dim, d_model, vocab_size, reserved, digest,
+         slots, n_kv_heads, head_dim, d_model, vocab_size, n_layers, digest,
          payload_len) = _HEADER.unpack(f.read(_HEADER.size))
         if magic != PREFIX_MAGIC:
             raise BadMagicError(f"{path}: not a TinyLoop prefix file (magic {magic!r})")
@@ -758,17 +925,10 @@ def load_prefix(model, path) -> PrefixCache:
             raise FormatError(f"{path}: saved by another model (fingerprint "
                               f"{fingerprint.hex()[:16]}..., this model's is "
                               f"{model.fingerprint.hex()[:16]}...)")
-        if kind not in (0, 1) or dt_code not in _KV_DTYPES or reserved != 0:
-            raise FormatError(f"{path}: unknown kind {kind} / K/V dtype code {dt_code} / "
-                              f"reserved field {reserved}")
-        try:
-            kv_mode = mode_raw.rstrip(b"\0").decode("ascii")
-        except UnicodeDecodeError:
-            raise FormatError(f"{path}: kv_mode field is not ASCII") from None
-        if kv_mode not in KV_MODES:
-            raise FormatError(f"{path}: unknown kv_mode {kv_mode!r}")
+        if kind not in (0, 1) or dt_code not in _KV_DTYPES:
+            raise FormatError(f"{path}: unknown kind {kind} / K/V dtype code {dt_code}")
         dims = dict(n_kv_heads=n_kv_heads, head_dim=head_dim, d_model=d_model,
-                    vocab_size=vocab_size)
+                    vocab_size=vocab_size, n_layers=n_layers)
         for name, val in dims.items():
             if val != getattr(cfg, name):
                 raise FormatError(f"{path}: {name}={val} but the model has "
@@ -782,25 +942,43 @@ def load_prefix(model, path) -> PrefixCache:
         want_planes = (2 if model._adapter is not None else 1) if kind == 1 else 0
         if planes != want_planes:
             raise FormatError(f"{path}: {planes} snapshot planes, expected {want_planes}")
-        layout = _payload_layout(cfg, kind, depth, max_depth, planes, n, _KV_DTYPES[dt_code])
-        if slots != layout[1][1][0]:
-            raise FormatError(f"{path}: {slots} K/V slots, expected {layout[1][1][0]} at "
-                              f"max_depth {max_depth}")
+        want_slots = cfg.n_slots(max_depth if kind == 1 else depth)
+        if slots != want_slots:
+            raise FormatError(f"{path}: {slots} K/V slots, expected {want_slots}")
+        if size - _HEADER.size < n_layers * _MODE_BYTES:
+            raise TruncatedFileError(f"{path}: the file ends inside its KV modes table")
+        table = f.read(n_layers * _MODE_BYTES)
+        try:
+            modes = tuple(table[i:i + _MODE_BYTES].rstrip(b"\0").decode("ascii")
+                          for i in range(0, len(table), _MODE_BYTES))
+        except UnicodeDecodeError:
+            raise FormatError(f"{path}: the KV modes table is not ASCII") from None
+        bad = [m for m in modes if m not in KV_MODES]
+        if bad:
+            raise FormatError(f"{path}: unknown KV mode(s) {sorted(set(bad))}")
+        try:
+            mode_field = mode_raw.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise FormatError(f"{path}: kv_mode field is not ASCII") from None
+        if mode_field != (modes[0] if len(set(modes)) == 1 else "mixed"):
+            raise FormatError(f"{path}: kv_mode {mode_field!r} contradicts the modes table")
+        layout = _payload_layout(cfg, kind, depth, max_depth, planes, n, modes,
+                                 _KV_DTYPES[dt_code])
         want = sum(_nbytes(s, d) for _, s, d in layout)
         if payload_len != want:
             raise SizeOverflowError(f"{path}: header says {payload_len} payload bytes; its "
                                     f"counts need {want}")
-        if size - _HEADER.size < want:
-            raise TruncatedFileError(f"{path}: {size} bytes; header and payload need "
-                                     f"{_HEADER.size + want}")
-        if size - _HEADER.size > want:
-            raise SizeOverflowError(f"{path}: {size - _HEADER.size - want} trailing bytes "
-                                    f"after the payload")
+        rest = size - _HEADER.size - len(table)
+        if rest < want:
+            raise TruncatedFileError(f"{path}: {size} bytes; header, modes and payload need "
+                                     f"{_HEADER.size + len(table) + want}")
+        if rest > want:
+            raise SizeOverflowError(f"{path}: {rest - want} trailing bytes after the payload")
         payload = f.read(want)
     if len(payload) != want:
         raise TruncatedFileError(f"{path}: the file shrank while being read")
-    if hashlib.sha256(payload).digest() != digest:
-        raise FormatError(f"{path}: payload checksum mismatch (the file is corrupted)")
+    if hashlib.sha256(table + payload).digest() != digest:
+        raise FormatError(f"{path}: checksum mismatch (the file is corrupted)")
     arrays, off = {}, 0
     for name, shape, dt in layout:
         nb = _nbytes(shape, dt)
@@ -813,15 +991,21 @@ def load_prefix(model, path) -> PrefixCache:
         raise TokenizerError(f"{path}: token {i} = {int(ids[i])} is outside the vocabulary "
                              f"of {cfg.vocab_size}")
     ids = ids.astype(np.int32)
-    check_kv_mode(kv_mode)
+    modes = model.resolve_kv_modes(modes)           # ConfigError: a mode this backend lacks
+    state = {"rows": arrays["rows"], "snapshot": arrays.get("snapshot"),
+             "kv": [{part.name: arrays[f"kv.{s}.{part.name}"]
+                     for part in PageLayout.for_config(cfg, modes[li], 1).parts}
+                    for s, li in enumerate(slot_layers(cfg, max_depth if kind == 1
+                                                       else depth))]}
     with model._lock:
         model._check_alive()
-        st = HandleStorage(model, max_depth, n, kv_mode, snapshot=kind == 1)
+        drain_orphans(model)
+        st = HandleStorage(model, max_depth, n, modes, snapshot=kind == 1)
         try:
-            st.load_host_state(arrays)
+            st.load_host_state(state)
             if kind == 1:
-                return ResumeHandle(model, ids, depth, kv_mode, st, max_depth)
-            return PrefixCache(model, ids, depth, kv_mode, st)
+                return ResumeHandle(model, ids, depth, modes, st, max_depth)
+            return PrefixCache(model, ids, depth, modes, st)
         except BaseException:
             st.release()
             raise
