@@ -96,6 +96,8 @@ class PageLayout:
     d_model: int
     kv_dtype: str = "float16"
     group_size: int = H_GROUP
+    rotate: int = 0      # h modes: block size of the Hadamard rotation applied before
+                         # quantizing (0 = none); see hadamard_rotate
 
     def __post_init__(self):
         check_mode(self.mode)
@@ -110,8 +112,11 @@ class PageLayout:
     @classmethod
     def for_config(cls, cfg: ModelConfig, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
                    kv_dtype="float16") -> "PageLayout":
+        rotate = H_ROTATE.get(mode, 0)
+        if rotate and cfg.d_model % rotate:
+            rotate = 0
         return cls(mode, page_size, cfg.n_kv_heads, cfg.head_dim, cfg.d_model,
-                   np.dtype(kv_dtype).name)
+                   np.dtype(kv_dtype).name, rotate=rotate)
 
     @cached_property
     def parts(self) -> tuple[Part, ...]:
@@ -171,6 +176,31 @@ class PageLayout:
         """Typed views of each part of a page given as a flat uint8 array (NumPy or CuPy)."""
         return {p.name: page_u8[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
                 for p in self.parts}
+
+
+# Hadamard rotation before quantizing h (QuaRot, Ashkboos et al. 2024): blocks of this many
+# channels, per mode; measured in docs/kv_modes.md.
+H_ROTATE = {"h_int4": 32}
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The orthonormal Sylvester Hadamard matrix of order n (a power of two), float64."""
+    if n < 1 or n & (n - 1):
+        raise ConfigError(f"Hadamard order must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def hadamard_rotate(x: np.ndarray, block: int) -> np.ndarray:
+    """Rotate float rows ``x`` [n, d] by a block-diagonal orthonormal Hadamard (blocks of
+    ``block`` channels). The Sylvester matrix is symmetric and orthonormal, so the same call
+    undoes it. float32 out."""
+    n, d = x.shape
+    h = hadamard_matrix(block)
+    y = np.asarray(x, np.float64).reshape(n, d // block, block) @ h
+    return y.reshape(n, d).astype(np.float32)
 
 
 def check_mode(mode) -> str:
@@ -509,3 +539,5 @@ class Recon:
     theta: float
     chunk: int
     scratch: object = None
+    norm: tuple | None = None     # (weight, eps): the stored h is the raw residual (measured
+                                  # alternative, NumPy only: docs/kv_modes.md), RMSNorm first

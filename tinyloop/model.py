@@ -5,6 +5,7 @@ Lifecycle contract: ../shared/seeds/001 (load_model / free_model / vram_usage_by
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -384,6 +385,9 @@ class Model:
         chunk = planmod.recon_rows(self.max_seq_len)
         self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
                         for lw in self._layers]
+        if getattr(self, "_h_source", "normed") == "residual":   # measurement only
+            self._recons = [dataclasses.replace(r, norm=(lw.attn_norm, self.config.norm_eps))
+                            for r, lw in zip(self._recons, self._layers)]
         return out
 
     def logit_row(self):
@@ -517,7 +521,10 @@ class Model:
             recon = self._recons[li]
         else:
             ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
-        ops.kv_write(qkv, norm, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+        h = norm
+        if recon is not None and recon.norm is not None:
+            h = x                                   # the residual-source measurement
+        ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                      cfg.head_dim, kv)
         ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"],
                          recon)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant import QuantWeight, dequantize, quantize, quantize_rows_int8
+from ..kvcache import hadamard_rotate
 from .base import Ops
 
 
@@ -44,6 +45,8 @@ def encode_h(h: np.ndarray, layout) -> dict:
     (``quant.quantize``: INT8 symmetric, INT4 asymmetric min/max with FP16 scale and zero)."""
     if layout.mode == "h_fp16":
         return {"h": h.astype(np.float16)}
+    if layout.rotate:
+        h = hadamard_rotate(h, layout.rotate)
     qw = quantize(h, 8 if layout.mode == "h_int8" else 4, layout.group_size)
     parts = {"h": np.asarray(qw.qweight), "h_scale": np.asarray(qw.scales)}
     if layout.mode == "h_int4":
@@ -59,7 +62,8 @@ def decode_h(rows: dict, layout) -> np.ndarray:
     zeros = rows.get("h_zero")
     if zeros is None:
         zeros = np.zeros_like(rows["h_scale"])
-    return dequantize(QuantWeight(bits, layout.group_size, rows["h"], rows["h_scale"], zeros))
+    h = dequantize(QuantWeight(bits, layout.group_size, rows["h"], rows["h_scale"], zeros))
+    return hadamard_rotate(h, layout.rotate) if layout.rotate else h
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -245,6 +249,10 @@ class NumpyOps(Ops):
             raise ConfigError(f"kv mode {lay.mode!r} stores h: attention needs the layer's "
                               "reconstruction (its QKV weight and RoPE theta)")
         h = decode_h(rows, lay)                                    # float32 [n, d]
+        if recon.norm is not None:                                 # raw residual stored
+            hn = np.empty_like(h)
+            self.rmsnorm(h, recon.norm[0], recon.norm[1], hn)
+            h = hn
         kvd = n_kv_heads * head_dim
         kv_rows = self._matmul(h, recon.w_kv)                      # [n, 2 kv_dim]
         cos, sin = rope_tables(np.arange(c0, c1), head_dim, recon.theta)
