@@ -667,18 +667,21 @@ class PrefixPool(_Releasable):
         if key in self._entries:
             self._entries.move_to_end(key)
             return
+        n = len(ids)
+        alone = self.entry_bytes(n, depth, modes)
+        if self._max_bytes is not None and alone > self._max_bytes:
+            self._counts["rejected"] += 1              # larger than the whole budget
+            return
         for k, e in list(self._entries.items()):
             if (e._depth == depth and e._modes == modes and len(e) <= len(ids)
                     and _common_prefix(e._ids, ids) == len(e)):
                 self._remove(k)
                 self._counts["replaced"] += 1
-        n = len(ids)
         full = n // cache.page_size
         shared = {}                           # the request's full pages the entry will share
         for s in range(cache.n_slots):
             for page in cache.page_list(s)[:full]:
                 shared[page.addr] = page
-        alone = self.entry_bytes(n, depth, modes)
         own = alone - sum(p.block.nbytes for p in shared.values())   # tables, rows, copies
 
         def need() -> int:                    # what the insert adds to this pool's bytes
@@ -686,9 +689,6 @@ class PrefixPool(_Releasable):
                              if a not in self._page_refs)
 
         if self._max_bytes is not None:
-            if alone > self._max_bytes:
-                self._counts["rejected"] += 1          # larger than the whole budget
-                return
             while self._bytes + need() > self._max_bytes and self._entries:
                 self._remove(next(iter(self._entries)))
                 self._counts["evictions"] += 1
