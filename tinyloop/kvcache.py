@@ -36,6 +36,7 @@ rebuilding from it costs one more RMSNorm per chunk).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -43,6 +44,7 @@ import numpy as np
 
 from .config import KV_MODES, ModelConfig
 from .errors import ConfigError, HandleError
+from .memory import packed_scope
 
 H_MODES = ("h_fp16", "h_int8", "h_int4")
 SLOT_KINDS = ("prelude", "recurrent", "coda")
@@ -67,7 +69,7 @@ class Part:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -172,10 +174,15 @@ class PageLayout:
     def stores_h(self) -> bool:
         return self.mode in H_MODES
 
+    @cached_property
+    def _view_spec(self) -> tuple:
+        return tuple((p.name, p.offset, p.offset + p.nbytes, np.dtype(p.dtype), p.shape)
+                     for p in self.parts)
+
     def views(self, page_u8) -> dict:
         """Typed views of each part of a page given as a flat uint8 array (NumPy or CuPy)."""
-        return {p.name: page_u8[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
-                for p in self.parts}
+        return {name: page_u8[a:b].view(dt).reshape(shape)
+                for name, a, b, dt, shape in self._view_spec}
 
 
 # Hadamard rotation before quantizing h (QuaRot, Ashkboos et al. 2024): blocks of this many
@@ -271,14 +278,25 @@ class Page:
     the page goes back to the pool when it drops to 0.
     """
 
-    __slots__ = ("block", "addr", "layout", "refs", "parts")
+    __slots__ = ("block", "addr", "layout", "refs", "_u8", "_parts")
 
-    def __init__(self, block, layout: PageLayout, parts: dict):
+    def __init__(self, block, layout: PageLayout, u8):
         self.block = block
         self.addr = block.ptr
         self.layout = layout
         self.refs = 1
-        self.parts = parts
+        self._u8 = u8
+        self._parts = None
+
+    @property
+    def parts(self) -> dict:
+        """Typed views of the page's parts, made on first use (the CUDA kernels read pages by
+        address and never need them; the NumPy reference and the tests do)."""
+        if self._parts is None:
+            if self._u8 is None:
+                raise HandleError("page was released")
+            self._parts = self.layout.views(self._u8)
+        return self._parts
 
 
 class PageAllocator:
@@ -294,10 +312,11 @@ class PageAllocator:
 
     def alloc(self, layout: PageLayout, tag: str = "kv_cache") -> Page:
         """A fresh zeroed page (refs = 1); raises the pool's OutOfMemoryError."""
-        u8, blk = self._ops.empty(self._pool, (layout.page_bytes,), np.uint8, tag)
+        with packed_scope():                    # pages share segments with the model's
+            u8, blk = self._ops.empty(self._pool, (layout.page_bytes,), np.uint8, tag)
         try:
             self._ops.zero(u8)
-            page = Page(blk, layout, layout.views(u8))
+            page = Page(blk, layout, u8)
         except BaseException:
             self._pool.free(blk)
             raise
@@ -316,7 +335,7 @@ class PageAllocator:
         page.refs -= 1
         if page.refs == 0:
             del self._pages[page.addr]
-            page.parts = None
+            page._u8 = page._parts = None
             self._pool.free(page.block)
 
     def page(self, addr: int) -> Page:

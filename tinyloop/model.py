@@ -22,7 +22,8 @@ from .errors import ConfigError, FormatError, ModelFreedError, TinyLoopError, To
 from .format import read_tlm
 from .kvcache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
                       RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
-from .memory import get_pool, tag_scope
+from .memory import get_pool, packed_scope, tag_scope
+from .memory.arena import round_size
 from .quant import QuantWeight
 
 
@@ -151,7 +152,8 @@ class Model:
             if self._ops.name == "cuda":
                 _cuda_model_started()
                 self._routes_cupy = True
-            self._load()
+            with packed_scope():
+                self._load()
         except BaseException:
             self._release_blocks()
             self._stop_cupy_routing()
@@ -193,6 +195,10 @@ class Model:
                     raise TokenizerError(
                         f"{self.path}: the embedded tokenizer has {self.tokenizer.vocab_size} "
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
+            # every model-owned block the plan knows goes into one reserved segment (the
+            # caller's packed_scope), so only that segment has a rounding tail
+            self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan if not e.lazy),
+                               "weights")
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
             with tag_scope("weights"):
@@ -372,15 +378,17 @@ class Model:
         modes = self.resolve_kv_modes(kv_mode)
         if any(m in H_MODES for m in modes) and self._recon_scratch is None:
             self._recon_scratch = self._alloc_recon()
-        return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
-                              self._pages, page_size)
+        with packed_scope():
+            return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
+                                  self._pages, page_size)
 
     def _alloc_recon(self) -> dict:
         """Phase 5: the reconstruction scratch (model-owned, tag scratch)."""
         out = {}
         for e in self.plan:
             if e.phase == 5:
-                out[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+                with packed_scope():
+                    out[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
                 self._blocks.append(blk)
         chunk = planmod.recon_rows(self.max_seq_len)
         self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
@@ -394,7 +402,8 @@ class Model:
         """The lazily allocated float32 [1, vocab] logit row (model-owned, tag logits)."""
         if self._logit_row is None:
             (e,) = [e for e in self.plan if e.name == "logit_row"]
-            self._logit_row, blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+            with packed_scope():
+                self._logit_row, blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
             self._blocks.append(blk)
         return self._logit_row
 

@@ -257,6 +257,14 @@ class CudaOps(Ops):
     def synchronize(self) -> None:
         cupy.cuda.get_current_stream().synchronize()
 
+    def zero(self, arr) -> None:
+        """Zero a contiguous device array with one cudaMemsetAsync on the current stream (no
+        kernel launch: KV pages are zeroed one by one as a request gains them)."""
+        if not (type(arr) is cupy.ndarray and arr.flags.c_contiguous):
+            _dev(arr, "arr", arr.dtype)
+        cupy.cuda.runtime.memsetAsync(arr.data.ptr, 0, arr.nbytes,
+                                      cupy.cuda.get_current_stream().ptr)
+
     def upload_array(self, host: np.ndarray, pool):
         """Base upload, plus the 16-byte alignment the vector loads need (block freed if not)."""
         arr, blk = super().upload_array(host, pool)
