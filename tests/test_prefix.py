@@ -592,7 +592,8 @@ def test_threads_mixing_pool_inserts_evictions_and_upgrades(tiny_adapter_path):
         assert got == solo
         s = pool.stats()
         assert s["bytes"] == _tag("prefix_cache") <= pool.max_bytes
-        assert s["hits"] > 0 and s["evictions"] > 0
+        # 6 pooled threads x 3 streams; 6 distinct prompts through a pool of under 3 entries
+        assert s["hits"] + s["misses"] == 18 and s["inserts"] >= 6 and s["evictions"] >= 4
         pool.release()
     finally:
         tinyloop.free_model(m)
