@@ -629,3 +629,31 @@ def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
     assert ei.value.limit_bytes == start.reserved_bytes + 4 * KiB
     after = mem.memory_stats("host")
     assert after.allocated_bytes == start.allocated_bytes and after.num_ooms == 1
+
+
+# --- a limit that is not a multiple of 512 B (issue 11, fault 5) --------------------------
+@pytest.mark.parametrize("limit", [100_000_000, 1000, 512 * 7 + 1, 3 * MiB + 1])
+def test_allocation_of_exactly_a_100_000_000_byte_limit_fits_an_empty_pool(limit):
+    pool, raw = fake_pool(limit_bytes=limit)
+    want = -(-limit // ALIGNMENT) * ALIGNMENT             # the limit in whole 512-byte blocks
+    assert pool.limit_bytes == want
+    blk = pool.allocate(limit, "weights")
+    assert blk.nbytes == round_size(limit) == want
+    s = pool.stats()
+    assert s.reserved_bytes <= s.limit_bytes == want
+    with pytest.raises(OutOfMemoryError):                 # and not a byte more
+        pool.allocate(1)
+    blk.free()
+    pool._check()
+
+
+def test_percentage_limit_is_rounded_to_blocks_and_fits_an_allocation_of_itself():
+    total = 1000 * MiB + 123                              # 7% of it is not a multiple of 512
+    pool, _ = fake_pool(total_bytes=total)
+    pool.set_limit("7%")
+    exact = int(total * 7 / 100)
+    assert exact % ALIGNMENT and pool.limit_bytes == round_size(exact)
+    pool.allocate(exact).free()
+    mem.set_memory_limit(100_000_001, device="host")
+    assert mem.get_pool("host").limit_bytes == round_size(100_000_001)
+    mem.get_pool("host").allocate(100_000_001).free()

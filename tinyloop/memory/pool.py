@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import parse_size
 from ..errors import ConfigError, OutOfMemoryError
-from .arena import SMALL_REQUEST_MAX, Arena, round_size, segment_size
+from .arena import ALIGNMENT, SMALL_REQUEST_MAX, Arena, round_size, segment_size
 from .stats import MemoryStats, fmt_bytes
 from .tags import TAGS, check_tag, current_tag
 
@@ -309,8 +309,13 @@ class MemoryPool:
     def set_limit(self, limit) -> None:
         """Cap reserved_bytes at ``limit`` (bytes; a "2G" / "50%" string; or None for none).
 
-        A limit below what is reserved now first returns the cached free segments; live blocks
-        stay, and later allocations that need a new segment fail until enough is freed.
+        The pool counts memory in blocks of ALIGNMENT = 512 bytes, so the limit is rounded up
+        to a multiple of 512 (``limit_bytes`` reports the rounded value): a single request of
+        exactly the limit then fits an empty pool (its block is the limit rounded up the same
+        way, and a request that cannot have its whole 2 MiB segment gets a segment of exactly
+        its rounded size). A limit below what is reserved now first returns the cached free
+        segments; live blocks stay, and later allocations that need a new segment fail until
+        enough is freed.
         """
         if isinstance(limit, str):
             limit = parse_size(limit, name="memory limit", total_bytes=self._raw.mem_info()[1])
@@ -321,6 +326,8 @@ class MemoryPool:
             limit = operator.index(limit)
             if limit < 0:
                 raise ConfigError(f"memory limit must be >= 0 bytes, got {limit}")
+        if limit is not None:
+            limit = -(-limit // ALIGNMENT) * ALIGNMENT     # up to whole 512-byte blocks
         with self._lock:
             self._limit_bytes = limit
             if limit is not None and self._reserved_bytes > limit:
