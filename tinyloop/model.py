@@ -5,9 +5,12 @@ Lifecycle contract: ../shared/seeds/001 (load_model / free_model / vram_usage_by
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +21,7 @@ from .config import check_load_args, fp16_cache_enabled
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .kvcache import RuntimeKVCache
-from .memory import get_pool, tag_scope
+from .memory import get_pool, install_cupy_allocator, tag_scope, uninstall_cupy_allocator
 
 
 @dataclass
@@ -59,7 +62,6 @@ _cuda_models = 0     # guarded by _cuda_models_lock: live CUDA models; CuPy's al
 
 def _cuda_model_started() -> None:
     global _cuda_models
-    from .memory import install_cupy_allocator
     with _cuda_models_lock:
         if _cuda_models == 0:
             install_cupy_allocator()
@@ -67,12 +69,36 @@ def _cuda_model_started() -> None:
 
 
 def _cuda_model_stopped() -> None:
+    # imports nothing: it may run while the interpreter shuts down
     global _cuda_models
-    from .memory import uninstall_cupy_allocator
     with _cuda_models_lock:
         _cuda_models -= 1
         if _cuda_models == 0:
             uninstall_cupy_allocator()
+
+
+# Models loaded and not yet freed. At interpreter exit they are freed by an atexit hook, while
+# imports, CuPy and the CUDA context still work: ending the program is a normal way to be done
+# with a model, so that gives no ResourceWarning (a Model garbage-collected while the program
+# runs does). The hook is registered at the first load, after the backend imported CuPy, so it
+# runs before any exit hook CuPy registered (atexit runs hooks last-in, first-out).
+_live_models: "weakref.WeakSet[Model]" = weakref.WeakSet()
+_exit_hook_registered = False           # guarded by _cuda_models_lock
+
+
+def _track(model: "Model") -> None:
+    global _exit_hook_registered
+    with _cuda_models_lock:
+        _live_models.add(model)
+        if not _exit_hook_registered:
+            atexit.register(_free_live_models)
+            _exit_hook_registered = True
+
+
+def _free_live_models() -> None:
+    """Free every model still loaded (the atexit hook)."""
+    for model in list(_live_models):
+        model.free()
 
 
 class Model:
@@ -113,6 +139,7 @@ class Model:
             self._stop_cupy_routing()
             raise
         self._freed = False
+        _track(self)
 
     def _stop_cupy_routing(self) -> None:
         if self._routes_cupy:
@@ -194,6 +221,7 @@ class Model:
             if self._freed:
                 return
             self._freed = True
+            _live_models.discard(self)
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -206,12 +234,17 @@ class Model:
 
     def __del__(self):
         # A Model dropped without free_model() would otherwise keep its blocks forever (the
-        # pool holds them, not the Model): free them, and say so, as an unclosed file does.
-        if not getattr(self, "_freed", True):
+        # pool holds them, not the Model): free them, and say so, as an unclosed file does
+        # (but not once the interpreter is finalizing: the exit hook frees live models first,
+        # so a model reaching this then is one the hook could not see, and a warning could
+        # not be shown anyway).
+        if getattr(self, "_freed", True):
+            return
+        if not sys.is_finalizing():
             warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
                           f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
                           stacklevel=2)
-            self.free()
+        self.free()
 
     def vram_usage_bytes(self) -> int:
         """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""

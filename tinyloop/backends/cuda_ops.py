@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant import QuantWeight
-from .base import Ops
+from .base import LOGIT_FAULTS, Ops, non_finite_logits
 
 try:
     import cupy
@@ -216,11 +216,12 @@ class CudaOps(Ops):
             sms = int(cupy.cuda.runtime.getDeviceProperties(
                 cupy.cuda.Device().id)["multiProcessorCount"])
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
-        # The sampled id lands in 4 bytes of pinned, mapped host memory that the argmax kernel
-        # writes directly (UVA: the host pointer is valid on the device), so greedy decode
-        # allocates nothing and copies nothing back besides this one int.
-        self._id_ptr = cupy.cuda.runtime.hostAlloc(4, 0x01 | 0x02)   # portable | mapped
-        self._id_view = (ctypes.c_int32 * 1).from_address(self._id_ptr)
+        # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
+        # pinned, mapped host memory that the argmax kernel writes directly (UVA: the host
+        # pointer is valid on the device), so greedy decode allocates nothing and copies
+        # nothing back besides these two ints.
+        self._id_ptr = cupy.cuda.runtime.hostAlloc(8, 0x01 | 0x02)   # portable | mapped
+        self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
         self._free_host = cupy.cuda.runtime.freeHost
 
     def __del__(self):
@@ -618,19 +619,38 @@ class CudaOps(Ops):
 
         temperature <= 0: the argmax kernel writes the id straight to pinned host memory
         (no allocation; one stream synchronisation). Otherwise CuPy sorts on the device.
+        Either way the argmax kernel also writes the row's fault code beside the id, so a
+        row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError as on NumPy
+        (checked once the stream has synchronised; no extra pass over the row).
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
             logits = logits[0]
         if logits.ndim != 1 or logits.shape[0] == 0:
             raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
-        n = logits.shape[0]
-        if temperature <= 0.0:
-            self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
-            cupy.cuda.get_current_stream().synchronize()
-            return int(self._id_view[0])
-        if not 0.0 <= u < 1.0:
+        if temperature > 0.0 and not 0.0 <= u < 1.0:
             raise ConfigError(f"u must lie in [0, 1), got {u}")
+        n = logits.shape[0]
+        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
+        if temperature <= 0.0:
+            cupy.cuda.get_current_stream().synchronize()
+            self._raise_on_fault()
+            return int(self._id_view[0])
+        picked = self._sample_nongreedy(logits, n, temperature, top_k, top_p, u)
+        cupy.cuda.get_current_stream().synchronize()     # idle already: int() copied the id
+        self._raise_on_fault()
+        return picked
+
+    def _raise_on_fault(self) -> None:
+        """Raise NonFiniteLogitsError for the fault code the argmax kernel wrote (after a
+        synchronisation)."""
+        code = int(self._id_view[1])
+        if code:
+            raise non_finite_logits(LOGIT_FAULTS[code])
+
+    @staticmethod
+    def _sample_nongreedy(logits, n, temperature, top_k, top_p, u) -> int:
+        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code."""
         z = logits.astype(cupy.float64) / float(temperature)
         idx = cupy.arange(n, dtype=cupy.float64)
         order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc

@@ -18,7 +18,8 @@ from ..errors import BackendUnavailableError
 from .tags import check_tag
 
 _lock = threading.Lock()
-_stack: list = []          # guarded by _lock: (our allocator, the allocator it replaced), in order
+_stack: list = []          # guarded by _lock: (our allocator, the allocator it replaced, the
+                           # cupy module), in install order
 
 
 class _BlockOwner:
@@ -72,20 +73,20 @@ def install_cupy_allocator(pool=None, tag: str = "cupy") -> CupyAllocatorInstall
     with _lock:
         previous = cupy.cuda.get_allocator()
         cupy.cuda.set_allocator(allocate)
-        _stack.append((allocate, previous))
+        _stack.append((allocate, previous, cupy))
     return CupyAllocatorInstall(pool, tag)
 
 
 def uninstall_cupy_allocator() -> bool:
     """Restore the allocator the latest install replaced; False if none is installed.
 
-    Blocks CuPy still holds stay live and return to the pool when CuPy drops them.
+    Blocks CuPy still holds stay live and return to the pool when CuPy drops them. Imports
+    nothing (the entry keeps the cupy module), so it is safe while the interpreter shuts down.
     """
     with _lock:
         if not _stack:
             return False
-        import cupy
-        _, previous = _stack.pop()
+        _, previous, cupy = _stack.pop()
         cupy.cuda.set_allocator(previous)
         return True
 
