@@ -225,7 +225,8 @@ def main(argv=None) -> int:
     try:
         return a.fn(a)
     except (TinyLoopError, OSError) as e:
-        print(f"tinyloop {a.cmd}: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split("\n"))          # one line, whatever the message holds
+        print(f"tinyloop {a.cmd}: error: {msg}", file=sys.stderr)
         return 1
 
 

@@ -82,10 +82,10 @@ def build_tokenizer_json_from_gguf(reader) -> str:
 
     Supports ``tokenizer.ggml.model == "gpt2"`` with the pre-tokenizers listed in
     ``_PRE_TOKENIZERS``. Raises TokenizerError for anything else (SentencePiece "llama" vocabs,
-    unknown pre-tokenizers, missing fields, duplicate tokens).
+    unknown pre-tokenizers, missing or mistyped fields, duplicate tokens, a merge whose
+    parts or result are not in the vocab), naming the field.
     """
     tk = _tokenizers()
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -96,14 +96,21 @@ def build_tokenizer_json_from_gguf(reader) -> str:
         raise TokenizerError(f"tokenizer.ggml.model={kind!r} is not supported (only byte-level "
                              "BPE, 'gpt2')")
     pre = field("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
         raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; known: "
                              f"{sorted(_PRE_TOKENIZERS)}")
     tokens = field("tokenizer.ggml.tokens")
     merges = field("tokenizer.ggml.merges")
     if not tokens or merges is None:
         raise TokenizerError("the GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
+    for key, v, kind in (("tokenizer.ggml.tokens", tokens, str),
+                         ("tokenizer.ggml.merges", merges, str)):
+        if not isinstance(v, list) or not all(isinstance(x, kind) for x in v):
+            raise TokenizerError(f"{key} must be an array of strings")
     types = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(y, int) and not isinstance(y, bool)
+                                              for y in types):
+        raise TokenizerError("tokenizer.ggml.token_type must be an array of integers")
     if len(types) != len(tokens):
         raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -111,12 +118,25 @@ def build_tokenizer_json_from_gguf(reader) -> str:
         raise TokenizerError("the GGUF vocab has duplicate token strings; their ids cannot be "
                              "kept")
     pairs = []
-    for m in merges:
+    for k, m in enumerate(merges):
         a, sep, b = m.partition(" ")
         if not sep:
-            raise TokenizerError(f"malformed merge {m!r}")
+            raise TokenizerError(f"tokenizer.ggml.merges[{k}] = {m!r} is not two tokens "
+                                 "separated by a space")
+        missing = next((t for t in (a, b, a + b) if t not in vocab), None)
+        if missing is not None:      # a BPE merge must join two tokens into a third
+            raise TokenizerError(f"tokenizer.ggml.merges[{k}] = {m!r}: {missing!r} is not in "
+                                 "tokenizer.ggml.tokens")
         pairs.append((a, b))
 
+    try:
+        return _bpe_json(tk, vocab, pairs, pre, tokens, types)
+    except Exception as e:             # tokenizers raises plain Exception
+        raise TokenizerError(f"the GGUF vocab cannot make a BPE tokenizer: {e}") from None
+
+
+def _bpe_json(tk, vocab, pairs, pre, tokens, types) -> str:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
                                   byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
