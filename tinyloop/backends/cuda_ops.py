@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import threading
 import weakref
 from importlib import resources
@@ -228,7 +229,8 @@ class CudaOps(Ops):
         ptr = getattr(self, "_id_ptr", None)
         if ptr:
             self._id_ptr = None
-            self._free_host(ptr)
+            if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
+                self._free_host(ptr)
 
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)
