@@ -519,3 +519,32 @@ def test_stream_stop_never_yields_a_stop_prefix_too_early(tiny_model_path, monke
             assert seen == want, (text, stops)
     finally:
         tinyloop.free_model(m)
+
+
+def test_exit_while_a_daemon_thread_holds_the_model_does_not_hang(tiny_model_path):
+    """The exit hook waits a bounded time for a request a daemon thread holds, then leaves
+    that model to the process's end; finalization never blocks on the model's lock."""
+    import os
+    import subprocess
+    import sys
+    script = r"""
+import sys, threading, time
+import tinyloop
+m = tinyloop.load_model(sys.argv[1], max_seq_len=32, backend="numpy")
+other = tinyloop.load_model(sys.argv[1], max_seq_len=32, backend="numpy")
+held = threading.Event()
+def hold():
+    with m._lock:
+        held.set()
+        time.sleep(3600)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+print("exiting", flush=True)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-W", "always", "-c", script, tiny_model_path],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == "exiting\n", p.stderr
+    assert "Exception ignored" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "ResourceWarning" not in p.stderr, p.stderr

@@ -95,10 +95,18 @@ def _track(model: "Model") -> None:
             _exit_hook_registered = True
 
 
+_EXIT_LOCK_WAIT_S = 2.0     # how long the exit hook waits for a request (a daemon thread's)
+
+
 def _free_live_models() -> None:
-    """Free every model still loaded (the atexit hook)."""
+    """Free every model still loaded (the atexit hook). A model whose lock a (daemon) thread
+    holds past _EXIT_LOCK_WAIT_S is left to the process's end rather than waited for."""
     for model in list(_live_models):
-        model.free()
+        if model._lock.acquire(timeout=_EXIT_LOCK_WAIT_S):
+            try:
+                model.free()
+            finally:
+                model._lock.release()
 
 
 class Model:
@@ -234,16 +242,22 @@ class Model:
 
     def __del__(self):
         # A Model dropped without free_model() would otherwise keep its blocks forever (the
-        # pool holds them, not the Model): free them, and say so, as an unclosed file does
-        # (but not once the interpreter is finalizing: the exit hook frees live models first,
-        # so a model reaching this then is one the hook could not see, and a warning could
-        # not be shown anyway).
+        # pool holds them, not the Model): free them, and say so, as an unclosed file does.
+        # Not so once the interpreter is finalizing: the exit hook has freed every model it
+        # could, a warning could not be shown, and a lock held by a daemon thread (frozen by
+        # now) would never be released, so free only if the lock is free this instant.
         if getattr(self, "_freed", True):
             return
-        if not sys.is_finalizing():
-            warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
-                          f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
-                          stacklevel=2)
+        if sys.is_finalizing():
+            if self._lock.acquire(blocking=False):
+                try:
+                    self.free()
+                finally:
+                    self._lock.release()
+            return
+        warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
+                      f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
+                      stacklevel=2)
         self.free()
 
     def vram_usage_bytes(self) -> int:
