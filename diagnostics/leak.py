@@ -17,13 +17,14 @@ import os
 import time
 
 import tinyloop
+from tinyloop.backends import resolve_backend
 from tinyloop.memory import reset_peak_memory_stats, round_size
 
 from . import plots
 from .faults import PlantedCache, PlantedLeak
 from .records import fmt_bytes, take_record, write_csv, write_json
 from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT, load_timed,
-                      pool_of, progress, resolve_backend, resolve_model)
+                      progress, resolve_model)
 from .verdict import classify
 
 
@@ -51,7 +52,7 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
     else:
         backend, model_path, max_seq_len, load_s = (model.backend, model.path,
                                                     model.max_seq_len, 0.0)
-    pool = pool_of(model)
+    pool = model.pool
     leak = PlantedLeak(pool, plant_leak)
     cache = PlantedCache(pool, plant_cache)
     records = [take_record(pool, request=0, step="loaded", duration_ms=load_s * 1e3,

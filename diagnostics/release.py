@@ -21,12 +21,13 @@ import os
 import time
 
 import tinyloop
-from tinyloop.memory import empty_cache, get_pool, reset_peak_memory_stats
+from tinyloop.backends import resolve_backend
+from tinyloop.memory import empty_cache, reset_peak_memory_stats
 
 from . import plots
 from .records import fmt_bytes, take_record, write_csv, write_json
-from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT, load_timed,
-                      resolve_backend, resolve_model)
+from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT,
+                      backend_pool, load_timed, resolve_model)
 
 FIGURES = ("allocated_bytes", "reserved_bytes", "pool_free_bytes", "device_free_bytes",
            "process_bytes", "nvml_process_bytes")
@@ -62,7 +63,7 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
     os.makedirs(out_dir, exist_ok=True)
     backend = resolve_backend(backend)
     model_path = resolve_model(model_path)
-    pool = get_pool("cuda" if backend == "cuda" else "host")
+    pool = backend_pool(backend)
     records, steps = [], []
 
     def rec(step: str, **extra) -> dict:

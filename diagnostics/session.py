@@ -7,18 +7,11 @@ import sys
 import time
 
 import tinyloop
-from tinyloop.backends import cuda_available
+from tinyloop.backends import ops_class
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_MAX_NEW_TOKENS = 8
 DEFAULT_MAX_SEQ_LEN = 512
-
-
-def resolve_backend(backend: str) -> str:
-    """"auto" -> "cuda" where CuPy sees a GPU, else "numpy"; other names unchanged."""
-    if backend == "auto":
-        return "cuda" if cuda_available() else "numpy"
-    return backend
 
 
 def resolve_model(path: str | None) -> str:
@@ -33,10 +26,11 @@ def load_timed(path: str, max_seq_len: int, backend: str):
     return model, time.perf_counter() - t0
 
 
-def pool_of(model):
-    """The pool the model allocates from (host for numpy, cuda for cuda)."""
+def backend_pool(backend: str):
+    """The process pool a model of ``backend`` ("auto" | "cuda" | "numpy") allocates from,
+    before any model is loaded (a loaded model's is ``model.pool``)."""
     from tinyloop.memory import get_pool
-    return get_pool("cuda" if model.backend == "cuda" else "host")
+    return get_pool(ops_class(backend).device)
 
 
 def progress(iterable, *, total: int | None = None, desc: str = "", enabled: bool = True):

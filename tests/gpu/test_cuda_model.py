@@ -163,7 +163,7 @@ def test_synthetic_decode_logits_match_reference(small_path):
             cu.forward(np.array(seq, np.int32), 0, 3, cache)
             for step in range(20):
                 cu.head(len(seq) - 1, 1, row)
-                got = cu._ops.to_host(row)[0]
+                got = cu.ops.to_host(row)[0]
                 want = ref.logits(seq, depth=3)[-1]
                 rel = np.linalg.norm(got - want) / np.linalg.norm(want)
                 assert rel < 2e-2, (step, rel)
@@ -188,7 +188,7 @@ def test_sampling_matches_reference_rule(small_path):
                        (1.3, 50, 0.95)][trial % 5]
             u = float(rng.random())
             want = sample_from_logits(logits, t, k, p, u)
-            got = cu._ops.sample(cupy.asarray(logits), t, k, p, u)
+            got = cu.ops.sample(cupy.asarray(logits), t, k, p, u)
             assert got == want, (trial, t, k, p, u)
     finally:
         tinyloop.free_model(cu)

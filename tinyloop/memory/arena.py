@@ -48,13 +48,15 @@ def round_size(nbytes: int) -> int:
 
 
 def size_kind(rounded: int) -> str:
-    """"small" (packed into shared segments) or "large" (a segment of its own)."""
+    """The size class of a ``rounded`` request: "small" (packed into shared segments) or
+    "large" (a segment of its own). The one definition of the rule; the pool, the arena's
+    segments and ``diagnostics.fragment`` all ask here."""
     return "small" if rounded <= SMALL_REQUEST_MAX else "large"
 
 
 def segment_size(rounded: int) -> int:
     """The segment size the pool asks the raw allocator for, to serve a ``rounded`` request."""
-    if rounded <= SMALL_REQUEST_MAX:
+    if size_kind(rounded) == "small":
         return SMALL_SEGMENT_BYTES
     return (rounded + LARGE_SEGMENT_ROUND - 1) // LARGE_SEGMENT_ROUND * LARGE_SEGMENT_ROUND
 

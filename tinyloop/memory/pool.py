@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import parse_size
 from ..errors import ConfigError, OutOfMemoryError
-from .arena import SMALL_REQUEST_MAX, Arena, round_size, segment_size
+from .arena import Arena, round_size, segment_size, size_kind
 from .stats import MemoryStats, fmt_bytes
 from .tags import TAGS, check_tag, current_tag
 
@@ -163,7 +163,7 @@ class MemoryPool:
         elif tag not in _TAG_SET:
             check_tag(tag)                                  # raises ConfigError
         rounded = round_size(nbytes)
-        kind = "small" if rounded <= SMALL_REQUEST_MAX else "large"
+        kind = size_kind(rounded)
         with self._lock:
             if self._deferred:
                 self._drain_deferred()
