@@ -15,8 +15,15 @@ import pytest
 from tinyloop.backends import cuda_ops
 from tinyloop.backends.cuda_ops import ATTN_HEAD_DIMS, GEOMETRY, load_source, nvrtc_options
 
+SRC = Path(__file__).resolve().parents[1] / "cuda_src"
 NVCC = shutil.which("nvcc") or next(
     (str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None)
+
+
+@pytest.fixture(autouse=True)
+def this_checkouts_sources(monkeypatch):
+    # the sources beside these tests (an installed tinyloop.cuda_src may be another checkout's)
+    monkeypatch.setattr(cuda_ops, "source_dir", lambda: SRC)
 
 
 def cu_defaults(family: str) -> dict[str, str]:
