@@ -211,6 +211,18 @@ class Arena:
     def free_bytes(self) -> int:
         return sum(size for lst in self._free.values() for size, _ in lst)
 
+    def layout(self) -> list[dict]:
+        """Every segment in address order with the chunks that tile it (``MemoryPool.layout``'s
+        format; a live chunk's ``owner`` gives its ``requested_bytes`` and ``tag``)."""
+        out = []
+        for ptr in sorted(self.segments):
+            seg = self.segments[ptr]
+            blocks = [{"address": c.ptr, "size": c.size, "live": not c.free,
+                       "requested_bytes": 0 if c.free else c.owner.requested_bytes,
+                       "tag": None if c.free else c.owner.tag} for c in seg.chunks()]
+            out.append({"address": ptr, "size": seg.size, "kind": seg.kind, "blocks": blocks})
+        return out
+
     def check(self) -> None:
         """Assert every invariant listed in the class docstring (for tests; O(chunks))."""
         seen_free = set()
