@@ -27,13 +27,12 @@ import time
 import numpy as np
 
 import tinyloop
-from tinyloop.backends import resolve_backend
 from tinyloop.memory import FakeRawAllocator, MemoryPool, reset_peak_memory_stats, size_kind
 
 from . import plots
-from .records import fmt_bytes, take_record, write_csv, write_json
+from .records import fmt_bytes, take_record, write_csv, write_result
 from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, backend_pool, load_timed, progress,
-                      resolve_model)
+                      settle_run)
 
 TIMELINE_POINTS = 2000          # the per-event timeline is downsampled to at most this many
 
@@ -339,15 +338,8 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
     fragment.json's content. ``model``: a loaded Model to use and leave loaded (the trace then
     starts after its load); else ``model_path`` is loaded and freed. Raises ValueError for
     ``requests`` < 1."""
-    if requests < 1:
-        raise ValueError(f"--requests must be >= 1, got {requests}")
-    os.makedirs(out_dir, exist_ok=True)
-    own = model is None
-    if own:
-        backend = resolve_backend(backend)
-        model_path = resolve_model(model_path)
-    else:
-        backend, model_path, max_seq_len = model.backend, model.path, model.max_seq_len
+    own, backend, model_path, max_seq_len = settle_run(out_dir, requests, model, model_path,
+                                                       backend, max_seq_len)
     pool = backend_pool(backend) if own else model.pool
     start = layout_state(pool)
     collector = EventCollector(pool).start()
@@ -452,9 +444,7 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
             files.append(plots.policy_comparison(
                 policies, os.path.join(out_dir, "fragment_policies.png"),
                 title="fragment: the recorded trace replayed against allocator policies"))
-    result["files"] = [os.path.basename(f) for f in files] + ["fragment.json"]
-    write_json(os.path.join(out_dir, "fragment.json"), result)
-    return result
+    return write_result(out_dir, "fragment", result, files)
 
 
 def summary(result: dict) -> str:

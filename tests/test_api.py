@@ -1,4 +1,4 @@
-"""The public lifecycle and request API on the NumPy backend (seed 001's contract)."""
+"""The public lifecycle and request API on the NumPy backend (the lifecycle and memory contract)."""
 
 from __future__ import annotations
 

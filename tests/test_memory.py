@@ -437,7 +437,7 @@ def test_snapshot_loads_back_and_blocks_tile_segments(tmp_path):
 def test_cupy_hook_without_cupy_raises_backend_unavailable():
     import importlib.util
     if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("CuPy is installed; tests/test_memory_gpu.py covers the hook")
+        pytest.skip("CuPy is installed; tests/gpu/test_memory.py covers the hook on a GPU")
     from tinyloop.errors import BackendUnavailableError
     with pytest.raises(BackendUnavailableError):
         mem.install_cupy_allocator()

@@ -1,6 +1,7 @@
 """Model: the load phases, the BufferPool, and the looped forward written once over the ops.
 
-Lifecycle contract: ../shared/seeds/001 (load_model / free_model / vram_usage_bytes).
+Implements the TinyLoop lifecycle and memory contract (docs/architecture.md): load_model /
+free_model / vram_usage_bytes and the five load phases.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Layer:
 
 
 class BufferPool:
-    """The Model's reusable activation buffers (seed 001 phase 4): contiguous row views.
+    """The Model's reusable activation buffers (the contract's load phase 4): contiguous row views.
 
     ``rows(name, t, cols)`` returns a C-contiguous ``[t, cols]`` view of the first t*cols
     elements of buffer ``name``, so every op sees contiguous arrays whatever the width.
@@ -62,7 +63,7 @@ class Model:
 
     Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
     ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
-    PlanEntry). Calls on one Model are serialized by a per-model lock (the seed's
+    PlanEntry). Calls on one Model are serialized by a per-model lock (the contract's
     lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
     so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
     (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
@@ -395,7 +396,8 @@ class Model:
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
                backend: str = "auto") -> Model:
-    """Load a .tlm model, phase by phase (seed 001).
+    """Load a .tlm model, phase by phase (the lifecycle and memory contract,
+    docs/architecture.md).
 
     Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
     scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);

@@ -3,7 +3,8 @@
 The same plan feeds ``tinyloop inspect`` and ``load_model`` (llm.c's ``fill_in_parameter_sizes``
 then one allocation per entry), so the prediction and the truth cannot drift apart.
 
-Load phases (seed 001, "Internal allocation phases"):
+Load phases (the lifecycle and memory contract, "Internal allocation phases";
+docs/architecture.md):
   1. header parse + format validation      (no device memory)
   2. quantized weight upload               tag "weights"
   3. optional FP16 caches for hot GEMMs    tag "fp16_cache"   (TINYLOOP_FP16_CACHE=1)

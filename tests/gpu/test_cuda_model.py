@@ -219,6 +219,27 @@ def test_cuda_lifecycle_returns_every_byte(small_path):
     assert pool.stats().allocated_bytes == before
 
 
+def test_freeing_cuda_models_keeps_a_users_own_cupy_install(small_path):
+    """Two models share one reference-counted routing; a user's install made while they live
+    stays CuPy's allocator after both are freed (the old stack popped it)."""
+    import cupy
+    from tinyloop.memory.cupy_hook import cupy_allocator_installed
+    previous = cupy.cuda.get_allocator()
+    m1 = tinyloop.load_model(small_path, max_seq_len=32, backend="cuda")
+    m2 = tinyloop.load_model(small_path, max_seq_len=32, backend="cuda")
+    user = tinyloop.memory.install_cupy_allocator(tag="scratch")
+    try:
+        tinyloop.free_model(m1)
+        tinyloop.free_model(m2)
+        assert user.installed and cupy.cuda.get_allocator() == user.allocate
+        x = cupy.ones(1 << 16, dtype=cupy.float32)
+        assert get_pool("cuda").by_tag()["scratch"] >= x.nbytes
+        del x
+    finally:
+        user.uninstall()
+    assert cupy.cuda.get_allocator() == previous and not cupy_allocator_installed()
+
+
 @pytest.mark.parametrize("failing_tag", ["weights", "fp16_cache", "buffers"])
 def test_cuda_failed_load_each_phase_leaves_nothing(small_path, monkeypatch, failing_tag):
     """An out-of-memory failure injected part-way through each load phase frees everything."""
