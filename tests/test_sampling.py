@@ -109,12 +109,12 @@ def check_non_finite_generation(path: str, backend: str) -> None:
     raise NonFiniteLogitsError naming step and position; the request's KV cache is released,
     and the model generates as before once the fault is gone."""
     m = tinyloop.load_model(path, max_seq_len=64, backend=backend)
-    pool = get_pool(m._ops.device)
+    pool = m.pool
     try:
         prompt = [5, 6, 7]
         want = m.generate(prompt, max_new_tokens=5).token_ids
         kv0 = pool.by_tag()["kv_cache"]
-        good = m._ops.to_host(m._output_norm).copy()
+        good = m.ops.to_host(m._output_norm).copy()
         m._output_norm[...] = np.nan            # as a stray write or a bad kernel would leave it
         for temperature in (0.0, 1.0):
             with pytest.raises(errors.NonFiniteLogitsError) as ei:
@@ -123,7 +123,7 @@ def check_non_finite_generation(path: str, backend: str) -> None:
             assert (e.kind, e.step, e.position) == ("nan", 0, 2)
             assert "at step 0 (position 2)" in str(e)
             assert pool.by_tag()["kv_cache"] == kv0
-        m._ops.from_host(good, m._output_norm)
+        m.ops.from_host(good, m._output_norm)
 
         real_head = m.head
         for bad_call, value, kind in ((3, np.inf, "+inf"), (2, -np.inf, "all -inf"),
