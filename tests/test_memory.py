@@ -724,3 +724,34 @@ def test_percentage_limit_is_rounded_to_blocks_and_fits_an_allocation_of_itself(
     mem.set_memory_limit(100_000_001, device="host")
     assert mem.get_pool("host").limit_bytes == round_size(100_000_001)
     mem.get_pool("host").allocate(100_000_001).free()
+
+
+# --- releasing at interpreter exit (issue 11, fault 7) -------------------------------------
+def _imports_fail(monkeypatch):
+    """Make every import statement fail as it does once ``sys.meta_path`` is None."""
+    import builtins
+
+    def no_import(*args, **kwargs):
+        raise ImportError("sys.meta_path is None, Python is likely shutting down")
+    monkeypatch.setattr(builtins, "__import__", no_import)
+
+
+def test_cupy_routing_release_imports_nothing_as_at_exit(fake_cupy, monkeypatch):
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    user = mem.install_cupy_allocator(pool, tag="other")
+    routing = mem.route_cupy_allocations(pool)
+    with monkeypatch.context() as m:
+        _imports_fail(m)
+        routing.release()                  # the CUDA model's release path
+        assert user.uninstall()
+    assert fake_cupy.current == "cupy-default"
+
+
+def test_model_free_imports_nothing_as_at_exit(tiny_model_path, monkeypatch):
+    import tinyloop
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=32, backend="numpy")
+    m.generate([1, 2, 3], max_new_tokens=2)
+    with monkeypatch.context() as mp:
+        _imports_fail(mp)
+        m.free()
+    assert tinyloop.vram_usage_bytes(m) == 0 and mem.get_pool("host").allocated_bytes == 0
