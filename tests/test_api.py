@@ -437,9 +437,9 @@ def check_exit_output(rc: int, out: str, err: str) -> None:
     assert base == 0
     assert "after drop 0" in lines and "live at end True" in lines
     assert lines[-1] == "allocated at exit 0 routing False"
-    # exactly one ResourceWarning, for the model dropped while the program ran; nothing at exit
-    assert err.count("ResourceWarning") == 1, err
-    assert "garbage-collected without free_model()" in err
+    # exactly one ResourceWarning about a Model, for the one dropped while the program ran;
+    # nothing at exit (other libraries' warnings, e.g. CuPy's, are not this test's business)
+    assert err.count("garbage-collected without free_model()") == 1, err
     assert "Exception ignored" not in err and "Traceback" not in err, err
 
 
