@@ -41,11 +41,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tinyloop  # noqa: E402
-from tinyloop.memory import get_pool  # noqa: E402
 
 
 def _sync(model) -> None:
-    model._ops.synchronize()
+    model.ops.synchronize()
 
 
 def _timed(model, fn, repeats: int) -> dict:
@@ -117,7 +116,7 @@ def chat_trace(model, args, rng) -> dict:
     limit = model.max_seq_len - args.reply_tokens
     pool = tinyloop.PrefixPool(model, max_bytes=args.pool_bytes)
     convs = [list(s) for s in systems]
-    tag0 = get_pool(model._ops.device).stats().by_tag.get("prefix_cache", 0)
+    tag0 = model.pool.stats().by_tag.get("prefix_cache", 0)
     hits = prompt_tokens = cached_tokens = 0
     t_pool = t_plain = 0.0
     max_bytes_seen = 0
@@ -139,7 +138,7 @@ def chat_trace(model, args, rng) -> dict:
         convs[c] = prompt.tolist() + res.token_ids
         st = pool.stats()
         max_bytes_seen = max(max_bytes_seen, st["bytes"])
-        tag = get_pool(model._ops.device).stats().by_tag.get("prefix_cache", 0) - tag0
+        tag = model.pool.stats().by_tag.get("prefix_cache", 0) - tag0
         tag_matches &= tag == st["bytes"]
     st = pool.stats()
     pool.release()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .backends import BACKENDS
 from .config import ModelConfig
 from .errors import ConfigError, TinyLoopError
 from .memory.stats import fmt_bytes
@@ -29,7 +30,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--prefill-chunk", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -43,7 +44,9 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
         text = prompt
         tok = model.tokenizer
         if not a.raw and tok is not None and tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            # ids, not text: special-token text typed in the prompt stays plain text
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                           tokenize=True)
         print(f"# {model!r}", file=sys.stderr)
         res = model.generate(text, max_new_tokens=a.max_new_tokens, depth=a.depth,
                              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -54,7 +57,7 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
               f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason}); "
               f"backend {model.backend}")
         print(f"# model owns {fmt_bytes(model.vram_usage_bytes())}")
-        print(memory_report(model._ops.device))
+        print(memory_report(model.device))
     finally:
         free_model(model)
     return 0
@@ -133,16 +136,13 @@ def cmd_convert(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    import numpy as np
-
     from . import plan as planmod
+    from .backends import ops_class
     from .format import read_tlm
     from .config import check_load_args
     check_load_args(a.max_seq_len, a.prefill_chunk)
-    backend = a.backend
-    if backend == "auto":
-        from .backends import cuda_available
-        backend = "cuda" if cuda_available() else "numpy"
+    ops = ops_class(a.backend)          # the backend's dtypes; no device needed
+    backend = ops.name
     with read_tlm(a.model) as f:
         cfg = f.config
         depth = cfg.check_depth(a.depth)
@@ -156,17 +156,12 @@ def cmd_inspect(a) -> int:
         groups = sorted({g for _, g in layout.values()})
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
-    if backend == "cuda":
-        act, kv = np.float16, np.float16
-    else:
-        act, kv = np.float32, np.float32
-    from .config import fp16_cache_enabled, kv_mode_from_env, parse_size
+    from .config import kv_mode_from_env, parse_size
     from .kvcache import H_MODES, resolve_kv_modes
     modes = resolve_kv_modes(a.kv_mode or kv_mode_from_env(), cfg)
     budget = parse_size(a.kv_budget, name="--kv-budget")
-    p = planmod.load_plan(cfg, layout, a.max_seq_len, a.prefill_chunk, act,
-                          fp16_cache=fp16_cache_enabled(default=backend == "numpy"),
-                          backend=backend, store_h=any(m in H_MODES for m in modes))
+    p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk,
+                                  store_h=any(m in H_MODES for m in modes))
     print(f"\nmemory plan for backend={backend} max_seq_len={a.max_seq_len} "
           f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
     by = planmod.plan_bytes_by_phase(p)
@@ -178,12 +173,12 @@ def cmd_inspect(a) -> int:
             print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
     total = sum(e.nbytes for e in p if not e.lazy)
     print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}  (lazy entries excluded)")
-    kv_plan = planmod.request_plan(cfg, a.max_seq_len, depth, kv, modes=modes)
+    kv_plan = planmod.request_plan(cfg, a.max_seq_len, depth, ops.kv_dtype, modes=modes)
     kv_total = sum(e.nbytes for e in kv_plan)
     print(f"  per request: paged KV cache ({'/'.join(sorted(set(modes)))}) for "
           f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
           f"{kv_total:,d}  {fmt_bytes(kv_total)}")
-    print(kv_mode_table(cfg, kv, budget))
+    print(kv_mode_table(cfg, ops.kv_dtype, budget))
     return 0
 
 
@@ -240,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--max-seq-len", type=int, default=2048)
     i.add_argument("--prefill-chunk", type=int, default=0)
     i.add_argument("--depth", type=int, default=None)
-    i.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
+    i.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="whose dtypes to plan with (auto: cuda where CuPy sees a GPU)")
     i.add_argument("--kv-mode", default=None,
                    help="KV storage mode to plan with (default: TINYLOOP_KV_MODE or fp16)")
@@ -258,7 +253,8 @@ def main(argv=None) -> int:
     try:
         return a.fn(a)
     except (TinyLoopError, OSError) as e:
-        print(f"tinyloop {a.cmd}: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split("\n"))          # one line, whatever the message holds
+        print(f"tinyloop {a.cmd}: error: {msg}", file=sys.stderr)
         return 1
 
 

@@ -45,7 +45,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .config import parse_size
+from .config import as_int, parse_size
 from .errors import (BadMagicError, ConfigError, FormatError, HandleError, OutOfMemoryError,
                      SizeOverflowError, TokenizerError, TruncatedFileError,
                      UnsupportedVersionError)
@@ -66,7 +66,7 @@ def _hold(model, page) -> None:
     holds = model._prefix_holds
     n = holds.get(page.addr, 0)
     if n == 0:
-        model._pool.retag(page.block, "prefix_cache")
+        model.pool.retag(page.block, "prefix_cache")
     holds[page.addr] = n + 1
 
 
@@ -79,12 +79,11 @@ def _drop(model, page) -> None:
         holds[page.addr] = n
     else:
         del holds[page.addr]
-        model._pool.retag(page.block, "kv_cache")
+        model.pool.retag(page.block, "kv_cache")
 
 
 def _depth_arg(model, depth) -> int:
-    from .generate import _as_int
-    return model.config.check_depth(_as_int(depth, "depth") if depth is not None else None)
+    return model.config.check_depth(as_int(depth, "depth") if depth is not None else None)
 
 
 class ResidualSnapshot:
@@ -131,7 +130,7 @@ class HandleStorage:
     fails to allocate. Call :meth:`hold_pages` once the pages are written."""
 
     def __init__(self, model, slot_depth: int, n: int, modes: tuple, snapshot: bool = False):
-        ops, pool, cfg = model._ops, model._pool, model.config
+        ops, pool, cfg = model.ops, model.pool, model.config
         self._model = model
         self.kv = self.rows_block = self.snap = self.rows = None
         self._held: dict = {}                  # addr -> Page this storage holds
@@ -142,7 +141,7 @@ class HandleStorage:
                                                    "prefix_cache")
             if snapshot:
                 self.snap = ResidualSnapshot(ops, pool, n, cfg.d_model,
-                                             with_entry=model._adapter is not None)
+                                             with_entry=model.injects)
         except BaseException:
             self.release()
             raise
@@ -185,7 +184,7 @@ class HandleStorage:
         """Host copies: ``kv``, one dict per slot of part name -> array ``[n, ...]`` (each
         part's dtype, see ``kvcache.PageLayout``), ``rows`` float32 ``[n, d_model]``, and
         ``snapshot`` float32 ``[planes, n, d_model]`` when there is one."""
-        to_host = self._model._ops.to_host
+        to_host = self._model.ops.to_host
         n = self.kv.capacity
         kv = []
         for s in range(self.kv.n_slots):
@@ -201,7 +200,7 @@ class HandleStorage:
     def load_host_state(self, state: dict) -> None:
         """Write arrays shaped as :meth:`host_state` gives them into fresh pages (cast to
         each part's dtype), then hold the pages."""
-        ops = self._model._ops
+        ops = self._model.ops
         n = self.kv.capacity
         self.kv.ensure(n)
         p = self.kv.page_size
@@ -317,7 +316,7 @@ class PrefixCache(_Releasable):
 
     def release(self) -> None:
         """Free the handle's pool memory (idempotent); later use raises HandleError."""
-        with self._model._lock:
+        with self._model.lock:
             if self._st is None:
                 return
             self._finalizer.detach()
@@ -346,14 +345,14 @@ class PrefixCache(_Releasable):
         if model is not None and model is not self._model:
             raise HandleError(f"this {self.kind} belongs to another Model "
                               f"({self._model.path!r})")
-        self._model._check_alive()
+        self._model.check_alive()
 
     def _restore(self, cache: RuntimeKVCache, m: int) -> None:
         """Start a request's (empty) cache with positions 0..m-1 of the slots it has (full
         pages by reference, a partly filled last page copied) and copy the final residual rows
         into the model's residual buffer. Call under the model lock."""
         cache.share_prefix(self._st.kv, m)
-        self._model._buf.main[:m] = self._st.rows[:m]
+        self._model.residual_rows(0, m)[...] = self._st.rows[:m]
 
 
 def _prompt_ids(model, prompt) -> np.ndarray:
@@ -365,17 +364,17 @@ def _prompt_ids(model, prompt) -> np.ndarray:
 
 def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
     """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache."""
-    model._check_alive()
+    model.check_alive()
     depth = _depth_arg(model, depth)
     modes = model.resolve_kv_modes(kv_mode)
     ids = _prompt_ids(model, prompt)
-    with model._lock:
-        model._check_alive()
+    with model.lock:
+        model.check_alive()
         drain_orphans(model)
         st = HandleStorage(model, depth, len(ids), modes)
         try:
             model.forward(ids, 0, depth, st.kv)
-            st.rows[...] = model._buf.main[:len(ids)]
+            st.rows[...] = model.residual_rows(0, len(ids))
             st.hold_pages()
             return PrefixCache(model, ids, depth, modes, st)
         except BaseException:
@@ -412,9 +411,8 @@ class ResumeHandle(PrefixCache):
         Raises ConfigError for a depth outside (depth, max_depth], HandleError after release.
         If the forward fails part-way the handle is released (never left half-deepened).
         """
-        from .generate import _as_int
-        depth = _as_int(depth, "depth")
-        with self._model._lock:
+        depth = as_int(depth, "depth")
+        with self._model.lock:
             self._check()
             if not self._depth < depth <= self._max_depth:
                 raise ConfigError(f"upgrade depth={depth} must be in {self._depth + 1}.."
@@ -426,7 +424,7 @@ class ResumeHandle(PrefixCache):
                 # requests restored from this handle share its pages: rewrite private copies
                 self._st.make_private(cfg.n_prelude + cfg.n_recurrent * self._depth)
                 self._model.deepen(0, n, self._depth, depth, self._st.kv, self._st.snap)
-                self._st.rows[...] = self._model._buf.main[:n]
+                self._st.rows[...] = self._model.residual_rows(0, n)
             except BaseException:
                 self.release()
                 raise
@@ -439,24 +437,23 @@ class ResumeHandle(PrefixCache):
 
 def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) -> ResumeHandle:
     """:meth:`Model.resume_handle`: prefill at ``depth`` keeping what upgrades need."""
-    from .generate import _as_int
-    model._check_alive()
+    model.check_alive()
     cfg = model.config
     depth = _depth_arg(model, depth)
-    max_depth = cfg.max_depth if max_depth is None else _as_int(max_depth, "max_depth")
+    max_depth = cfg.max_depth if max_depth is None else as_int(max_depth, "max_depth")
     if not depth <= max_depth <= cfg.max_depth:
         raise ConfigError(f"max_depth={max_depth} must be in {depth}..{cfg.max_depth} "
                           f"(depth={depth}, the model's max_depth={cfg.max_depth})")
     modes = model.resolve_kv_modes(kv_mode)
     ids = _prompt_ids(model, prompt)
     n = len(ids)
-    with model._lock:
-        model._check_alive()
+    with model.lock:
+        model.check_alive()
         drain_orphans(model)
         st = HandleStorage(model, max_depth, n, modes, snapshot=True)
         try:
             model.forward(ids, 0, depth, st.kv, snapshot=st.snap)
-            st.rows[...] = model._buf.main[:n]
+            st.rows[...] = model.residual_rows(0, n)
             st.hold_pages()
             return ResumeHandle(model, ids, depth, modes, st, max_depth)
         except BaseException:
@@ -520,10 +517,10 @@ class PrefixPool(_Releasable):
     """
 
     def __init__(self, model, max_bytes=None):
-        from .model import Model
-        if not isinstance(model, Model):
+        if not (callable(getattr(model, "resolve_kv_modes", None))
+                and isinstance(getattr(model, "_handles", None), weakref.WeakSet)):
             raise ConfigError(f"PrefixPool needs a tinyloop Model, got {type(model).__name__}")
-        model._check_alive()
+        model.check_alive()
         if max_bytes is not None:
             if isinstance(max_bytes, str):
                 max_bytes = parse_size(max_bytes, name="max_bytes")
@@ -538,7 +535,7 @@ class PrefixPool(_Releasable):
         self._max_bytes = max_bytes
         self._entries: OrderedDict[bytes, PrefixCache] = OrderedDict()  # LRU: oldest first
         self._bytes = 0          # tables + rows of the entries + their distinct pages
-        self._page_refs: dict = {}   # addr -> entries holding that page (guarded by model._lock)
+        self._page_refs: dict = {}   # addr -> entries holding that page (guarded by model.lock)
         self._released = False
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, inserts=0,
                             replaced=0, rejected=0)
@@ -557,7 +554,7 @@ class PrefixPool(_Releasable):
         see :func:`encode_key`)."""
         return encode_key(self._model.fingerprint, depth,
                           self._model.resolve_kv_modes(kv_mode),
-                          self._model._ids_from(tokens, "tokens"))
+                          self._model.check_token_ids(tokens, "tokens"))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -565,13 +562,13 @@ class PrefixPool(_Releasable):
     def stats(self) -> dict:
         """Counters and holdings: hits, misses, hit_tokens, evictions, inserts, replaced,
         rejected (entries over max_bytes), entries, bytes, max_bytes."""
-        with self._model._lock:
+        with self._model.lock:
             return dict(self._counts, entries=len(self._entries), bytes=self._bytes,
                         max_bytes=self._max_bytes)
 
     def clear(self) -> None:
         """Release every entry (bytes back to 0); the counters stay."""
-        with self._model._lock:
+        with self._model.lock:
             entries, self._entries = list(self._entries.values()), OrderedDict()
             self._bytes = 0
             self._page_refs = {}
@@ -581,7 +578,7 @@ class PrefixPool(_Releasable):
 
     def release(self) -> None:
         """Clear and refuse further use (idempotent)."""
-        with self._model._lock:
+        with self._model.lock:
             self.clear()
             self._released = True
             self._model._handles.discard(self)
@@ -704,7 +701,7 @@ class PrefixPool(_Releasable):
             self._counts["rejected"] += 1
             return
         try:
-            st.rows[...] = model._buf.main[:n]
+            st.rows[...] = model.residual_rows(0, n)
             st.hold_pages()
             entry = PrefixCache(model, ids, depth, modes, st)
         except BaseException:
@@ -734,7 +731,7 @@ def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_poo
         if not isinstance(prefix, PrefixCache):
             raise ConfigError(f"prefix must be a PrefixCache or ResumeHandle, got "
                               f"{type(prefix).__name__}")
-        with model._lock:
+        with model.lock:
             prefix._check(model)
             p_depth, p_modes = prefix._depth, prefix._modes
         if depth is not None and _depth_arg(model, depth) != p_depth:
@@ -759,7 +756,7 @@ def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_poo
         if not isinstance(prefix_pool, PrefixPool):
             raise ConfigError(f"prefix_pool must be a PrefixPool, got "
                               f"{type(prefix_pool).__name__}")
-        with model._lock:
+        with model.lock:
             prefix_pool._check(model)
     return depth, modes
 
@@ -849,11 +846,11 @@ def save_prefix(handle: PrefixCache, path) -> int:
     ``path.tmp`` and renamed, so a crash never leaves a half-written file under ``path``.
     """
     model = handle._model
-    with model._lock:
+    with model.lock:
         handle._check()
         cfg = model.config
         kind = 1 if isinstance(handle, ResumeHandle) else 0
-        dt_code = next(c for c, d in _KV_DTYPES.items() if d == np.dtype(model._ops.kv_dtype))
+        dt_code = next(c for c, d in _KV_DTYPES.items() if d == np.dtype(model.ops.kv_dtype))
         state = handle._st.host_state()
         modes = handle._modes
         max_depth = handle._max_depth if kind == 1 else handle._depth
@@ -905,7 +902,7 @@ def load_prefix(model, path) -> PrefixCache:
     run), TokenizerError (ids outside the vocabulary). On any failure nothing stays allocated
     and no other handle or pool entry is touched.
     """
-    model._check_alive()
+    model.check_alive()
     cfg = model.config
     path = os.fspath(path)
     with open(path, "rb") as f:
@@ -939,7 +936,7 @@ def load_prefix(model, path) -> PrefixCache:
         if not 1 <= n <= model.max_seq_len:
             raise SizeOverflowError(f"{path}: {n} tokens; this model takes 1.."
                                     f"{model.max_seq_len} (max_seq_len)")
-        want_planes = (2 if model._adapter is not None else 1) if kind == 1 else 0
+        want_planes = (2 if model.injects else 1) if kind == 1 else 0
         if planes != want_planes:
             raise FormatError(f"{path}: {planes} snapshot planes, expected {want_planes}")
         want_slots = cfg.n_slots(max_depth if kind == 1 else depth)
@@ -997,8 +994,8 @@ def load_prefix(model, path) -> PrefixCache:
                      for part in PageLayout.for_config(cfg, modes[li], 1).parts}
                     for s, li in enumerate(slot_layers(cfg, max_depth if kind == 1
                                                        else depth))]}
-    with model._lock:
-        model._check_alive()
+    with model.lock:
+        model.check_alive()
         drain_orphans(model)
         st = HandleStorage(model, max_depth, n, modes, snapshot=kind == 1)
         try:
