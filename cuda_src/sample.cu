@@ -2,15 +2,10 @@
 //
 // Checked against: numpy_ops.sample_from_logits with temperature 0 (np.argmax: the first NaN
 // wins if any, else the first maximum) (tests/gpu/test_kernels.py::test_sample_greedy).
-// The temperature / top-k / top-p path is CuPy array code in cuda_ops.py.
+// The LM head's own fused argmax (gemv2_norm_q*_argmax in gemv.cu) uses the same order
+// (common.cuh argmax_before). The temperature / top-k / top-p path is CuPy array code in
+// cuda_ops.py.
 #include "common.cuh"
-
-// True when (v, i) ranks before (w, j): NaN first, then larger value, then lower id.
-__device__ __forceinline__ bool before(float v, int i, float w, int j) {
-    const bool vn = v != v, wn = w != w;
-    if (vn || wn) return vn && (!wn || i < j);
-    return v > w || (v == w && i < j);
-}
 
 // logits f32 [n]; writes the chosen id to *result (device or mapped pinned host memory).
 // grid = 1, block = 1024.
@@ -22,27 +17,8 @@ extern "C" __global__ void __launch_bounds__(1024)
     int bi = 0x7fffffff;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = logits[i];
-        if (before(v, i, bv, bi)) { bv = v; bi = i; }
+        if (argmax_before(v, i, bv, bi)) { bv = v; bi = i; }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (before(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        bv = lane < nw ? sv[lane] : TL_NEG_INF;
-        bi = lane < nw ? si[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (before(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) *result = bi;
-    }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) *result = bi;
 }
