@@ -116,7 +116,6 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
-    ops = model._ops
     cache = model.new_kv_cache(depth, total)
 
     def step(step_ids, pos0: int) -> int:
@@ -125,9 +124,9 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
             model._check_alive()
             row = model.logit_row()
             model.forward(step_ids, pos0, depth, cache)
-            model.head(pos0 + len(step_ids) - 1, 1, row)
             u = float(rng.random()) if temperature > 0 else 0.0
-            return int(ops.sample(row[0], temperature, top_k, top_p, u))
+            return model.head_sample(pos0 + len(step_ids) - 1, row, temperature, top_k, top_p,
+                                     u)
 
     try:
         t0 = time.perf_counter()
