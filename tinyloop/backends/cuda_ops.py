@@ -59,28 +59,31 @@ _MAX_BLOCKS_PER_SM = 32
 GEMV_VERSIONS = ("v1", "v2")
 
 
-def gemv_settings() -> dict:
-    """The decode GEMV choice from the environment, validated.
+def gemv_settings(version: str | None = None, lpr: int | None = None,
+                  threads: int | None = None) -> dict:
+    """The decode GEMV choice: the arguments, else the environment; validated.
 
-    ``TINYLOOP_GEMV`` = v2 (default) | v1 (the original one-warp-per-row kernels);
-    ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row (default: per shape,
-    see ``gemv2_geometry``); ``TINYLOOP_GEMV_THREADS`` = 64 | 128 | 256 forces its block size.
-    Raises ConfigError naming the variable on any other value.
+    ``version`` / ``TINYLOOP_GEMV`` = v2 (default) | v1 (the original one-warp-per-row
+    kernels); ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
+    (default: per shape, see ``gemv2_geometry``); ``threads`` / ``TINYLOOP_GEMV_THREADS`` =
+    64 | 128 | 256 forces its block size. Raises ConfigError naming the bad setting.
     """
-    ver = os.environ.get("TINYLOOP_GEMV", "v2") or "v2"
+    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "v2"
     if ver not in GEMV_VERSIONS:
-        raise ConfigError(f"TINYLOOP_GEMV={ver!r}: expected one of {GEMV_VERSIONS}")
+        raise ConfigError(f"GEMV version (TINYLOOP_GEMV) {ver!r}: expected one of "
+                          f"{GEMV_VERSIONS}")
     out = {"version": ver, "lpr": None, "threads": None}
-    for var, key, allowed in (("TINYLOOP_GEMV_LPR", "lpr", _GEMV2_LPR),
-                              ("TINYLOOP_GEMV_THREADS", "threads", _GEMV2_THREADS)):
-        raw = os.environ.get(var, "")
-        if raw:
+    for var, key, given, allowed in (("TINYLOOP_GEMV_LPR", "lpr", lpr, _GEMV2_LPR),
+                                     ("TINYLOOP_GEMV_THREADS", "threads", threads,
+                                      _GEMV2_THREADS)):
+        raw = given if given is not None else os.environ.get(var, "")
+        if raw != "":
             try:
                 val = int(raw)
-            except ValueError:
+            except (TypeError, ValueError):
                 val = None
             if val not in allowed:
-                raise ConfigError(f"{var}={raw!r}: expected one of {allowed}")
+                raise ConfigError(f"GEMV {key} ({var}) {raw!r}: expected one of {allowed}")
             out[key] = val
     return out
 
@@ -284,7 +287,10 @@ class CudaOps(Ops):
     kv_dtype = np.float16
     xp = cupy
 
-    def __init__(self):
+    def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
+                 gemv_threads: int | None = None):
+        """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
+        ``gemv_settings``; None reads the environment)."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -299,7 +305,7 @@ class CudaOps(Ops):
                 cupy.cuda.Device().id)["multiProcessorCount"])
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
         self.sms = sms
-        self.gemv = gemv_settings()                      # v1 | v2 and v2's forced geometry
+        self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
         self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
         # The sampled id lands in 4 bytes of pinned, mapped host memory that the argmax kernel
         # writes directly (UVA: the host pointer is valid on the device), so greedy decode
