@@ -744,6 +744,33 @@ def test_sample_nongreedy(ops, rng, temperature, top_k, top_p):
         assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want, f"u={u}"
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 7, 2003, 49152])
+def test_sample_device_matches_rule(ops, rng, vocab):
+    """sample.cu's one-block sampler (temperature > 0) picks sample_from_logits's token, for
+    ties (equal logits ranked by id), +0 / -0, top_k 1 / k / >= vocab, top_p tiny / mid / off;
+    the CuPy sort path (device_sampling = False) agrees. u stays below 1 - 2^-30: within
+    ~2^-40 of 1 the fixed-point kernel may pick another zero-mass tail token (documented)."""
+    for trial in range(12):
+        logits = (rng.standard_normal(vocab) * rng.choice([0.5, 3.0, 10.0])).astype(np.float32)
+        if trial % 3 == 0 and vocab > 10:
+            logits[rng.integers(0, vocab, vocab // 3)] = logits[rng.integers(0, vocab)]
+        if trial % 4 == 1 and vocab > 3:
+            logits[:3] = np.array([0.0, -0.0, 0.0], np.float32)
+        temperature = float(rng.choice([0.3, 0.7, 1.0, 2.0]))
+        top_k = int(rng.choice([0, 1, 5, 40, vocab, vocab + 3]))
+        top_p = float(rng.choice([1.0, 0.95, 0.5, 1e-6]))
+        dev = cupy.asarray(logits)
+        for u in list(rng.random(4)) + [0.0]:
+            want = sample_from_logits(logits, temperature, top_k, top_p, float(u))
+            got = ops.sample(dev, temperature, top_k, top_p, float(u))
+            assert got == want, (vocab, trial, temperature, top_k, top_p, u, got, want)
+            ops.device_sampling = False
+            try:
+                assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want
+            finally:
+                ops.device_sampling = True
+
+
 # --- boundary checks and weight upload ----------------------------------------------------------
 def test_wrapper_errors_name_the_bad_value(ops, rng):
     dw = dev_weight(ops, rand_weight(rng, 64, 128, 4, 32))
@@ -784,7 +811,8 @@ def test_upload_weight_frees_on_failure(ops, rng):
 @ALL_GEMVS
 
 def test_decode_sequence_allocates_nothing(ops, rng):
-    """One decode layer's launches + greedy sample leave CuPy's pool untouched."""
+    """One decode layer's launches, the fused greedy head and both samplers leave CuPy's pool
+    untouched."""
     d, h, hkv, hd, f = 576, 9, 3, 64, 1536
     qkv_w = dev_weight(ops, rand_weight(rng, (h + 2 * hkv) * hd, d, 4, 32))
     wo = dev_weight(ops, rand_weight(rng, d, h * hd, 4, 32))
@@ -817,6 +845,8 @@ def test_decode_sequence_allocates_nothing(ops, rng):
         ops.rmsnorm_linear_swiglu(resid, norm_w, 1e-5, gu, None, act, xn)
         ops.linear_residual(act, down, resid)
         ops.rmsnorm_lm_head(resid, norm_w, 1e-5, head, logits, xn)
+        ops.sample(logits, 0.8, 40, 0.9, 0.3)                      # the device sampler
+        ops.rmsnorm_lm_head_sample(resid, norm_w, 1e-5, head, logits, xn, 0.0, 0, 1.0, 0.0)
         return ops.sample(logits, 0.0, 0, 1.0, 0.0)
 
     step(0)

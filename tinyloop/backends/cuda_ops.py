@@ -57,6 +57,8 @@ _GEMV2_THREADS = (64, 128, 256)   # v2 block sizes (norm_row_v256 needs a diviso
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
 GEMV_VERSIONS = ("v1", "v2")
+_SAMPLE_THREADS = 1024  # sample.cu SMP_THREADS
+_SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
 
 
 def gemv_settings(version: str | None = None, lpr: int | None = None,
@@ -327,12 +329,18 @@ class CudaOps(Ops):
         self._ticket = self._scratch_ptr + self._part_cap * 8
         self._id_dev = self._ticket + 8
         self._free_dev = cupy.cuda.runtime.free
+        self._wq_ptr, self._wq_cap = 0, 0   # sample_topk_topp's u64 [vocab] scratch
+        self.device_sampling = True         # False: temperature > 0 through _sample_cupy
 
     def __del__(self):
         ptr = getattr(self, "_id_ptr", None)
         if ptr:
             self._id_ptr = None
             self._free_host(ptr)
+        ptr = getattr(self, "_wq_ptr", None)
+        if ptr:
+            self._wq_ptr = None
+            self._free_dev(ptr)
         ptr = getattr(self, "_scratch_ptr", None)
         if ptr:
             self._scratch_ptr = None
@@ -786,7 +794,10 @@ class CudaOps(Ops):
         ``numpy_ops.sample_from_logits``'s rule; only the id crosses to the host.
 
         temperature <= 0: the argmax kernel writes the id straight to pinned host memory
-        (no allocation; one stream synchronisation). Otherwise CuPy sorts on the device.
+        (no allocation; one stream synchronisation). Otherwise ``sample.cu``'s one-block
+        sampler (fixed-point weights, radix selects: no sort, no CuPy temporaries), or, with
+        ``device_sampling = False`` or a vocabulary past 2^22, the CuPy sort path. Raises
+        ConfigError for u outside [0, 1) or top_k < 0.
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
@@ -800,6 +811,37 @@ class CudaOps(Ops):
             return int(self._id_view[0])
         if not 0.0 <= u < 1.0:
             raise ConfigError(f"u must lie in [0, 1), got {u}")
+        if top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if not self.device_sampling or n > _SAMPLE_MAX_N:
+            return self._sample_cupy(logits, temperature, top_k, top_p, u)
+        self.sample_launch(logits, temperature, top_k, top_p, u, self._id_ptr)
+        cupy.cuda.get_current_stream().synchronize()
+        return int(self._id_view[0])
+
+    def sample_launch(self, logits, temperature, top_k, top_p, u, id_host) -> None:
+        """Queue ``sample.cu``'s one-block top-k / top-p sampler (temperature > 0) on f32
+        logits [n] (validated by ``sample``); the id goes to the device int ``self._id_dev``
+        and, when ``id_host`` is non-zero, to that mapped pinned int. Its u64 [n] scratch is
+        taken once (cudaMalloc, outside the pool) and grown only for a larger vocabulary."""
+        n = logits.shape[0]
+        if n > self._wq_cap:
+            if self._wq_ptr:
+                cupy.cuda.get_current_stream().synchronize()
+                self._free_dev(self._wq_ptr)
+                self._wq_ptr, self._wq_cap = 0, 0
+            self._wq_ptr = cupy.cuda.runtime.malloc(8 * n)
+            self._wq_cap = n
+        self._fn("sample", "sample_topk_topp")(
+            (1,), (_SAMPLE_THREADS,), (logits.data.ptr, n, float(temperature), int(top_k),
+                                       float(top_p), float(u), self._wq_ptr, self._id_dev,
+                                       id_host))
+
+    @staticmethod
+    def _sample_cupy(logits, temperature, top_k, top_p, u) -> int:
+        """The previous temperature > 0 path (CuPy sort and scans, several temporaries):
+        kept as a second implementation of the rule (``device_sampling = False``)."""
+        n = logits.shape[0]
         z = logits.astype(cupy.float64) / float(temperature)
         idx = cupy.arange(n, dtype=cupy.float64)
         order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc
