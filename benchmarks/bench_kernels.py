@@ -462,6 +462,22 @@ def main() -> int:
     res["stack_decode"] = stack
     res["decode_kernel_table"] = tables
 
+    # --- sampling at temperature > 0 over a 49,152 logit row: device sampler vs CuPy sort ------
+    lg = cupy.asarray((rng.standard_normal(VOCAB) * 3).astype(np.float32))
+    samp = {}
+    for cfg in ((0.8, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.95)):
+        row = {}
+        for how in ("device", "cupy"):
+            ops.device_sampling = how == "device"
+            try:
+                row[f"{how}_wall_us"] = host_us(lambda: ops.sample(lg, *cfg, 0.37), 200)
+                row[f"{how}_id"] = ops.sample(lg, *cfg, 0.37)
+            finally:
+                ops.device_sampling = True
+        row["gpu_us"] = graph_us(lambda: ops.sample_launch(lg, *cfg, 0.37, 0), n=10)
+        samp["T={} top_k={} top_p={}".format(*cfg)] = row
+    res["sample_nongreedy"] = samp
+
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
@@ -497,6 +513,11 @@ def main() -> int:
     print(f"30-layer stack: prefill 2048 = {ms_prefill:.1f} ms ({t / ms_prefill * 1e3:.0f} tok/s)")
     for vname, tab in tables.items():
         print_kernel_table(f"one decode step, GEMV {vname}, ctx {ctx0 + 62}", tab, copy_gbs)
+    print("\nsampling (temperature > 0, 49,152 logits): device sampler vs the CuPy sort path")
+    for k_, v in samp.items():
+        print(f"  {k_:<26} device {v['device_wall_us']:8.1f} us wall ({v['gpu_us']:.1f} us GPU)"
+              f"   cupy {v['cupy_wall_us']:8.1f} us wall   same id: "
+              f"{v['device_id'] == v['cupy_id']}")
     print(f"\n30-layer decode step + head + greedy pick, ctx ~{ctx0}:")
     print(f"{'GEMV':<6}{'eager wall ms/tok (min-max)':>30}{'tok/s':>8}{'eager GPU us':>14}"
           f"{'graph GPU us':>14}{'graph tok/s bound':>19}{'launches':>10}")
