@@ -44,7 +44,9 @@ extern "C" __global__ void __launch_bounds__(1024)
 //
 // Scratch: wq u64 [n] (device, preallocated by the host). grid = 1, block = 1024.
 // ================================================================================================
+#ifndef SMP_THREADS
 #define SMP_THREADS 1024
+#endif
 #define SMP_FIX 1099511627776.0          // 2^40
 
 typedef unsigned long long u64;

@@ -1,4 +1,5 @@
-"""The public lifecycle and request API on the NumPy backend (seed 001's contract)."""
+"""The public lifecycle and request API on the NumPy backend (the lifecycle and memory
+contract)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,30 @@ def test_kv_cache_is_per_request_and_released(tiny_model_path):
         want = cfg.n_slots(3) * 2 * (4 + 5) * cfg.n_kv_heads * cfg.head_dim * 4
         assert max(peak_seen) - kv0 >= want
         assert _live_by_tag("kv_cache") == kv0
+    finally:
+        tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("max_seq_len,chunk,n,rows", [(64, 0, 40, 40), (64, 16, 40, 16),
+                                                      (300, 0, 200, 128), (300, 0, 5, 5)])
+def test_logits_block_is_what_the_request_plan_says(tiny_model_path, max_seq_len, chunk, n,
+                                                    rows):
+    """logits() takes one float32 [rows, vocab] block, rows = min(128, scratch rows, T), and
+    Model.request_plan names exactly that block (so inspect-style predictions cannot drift)."""
+    from tinyloop.memory import round_size
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=max_seq_len, prefill_chunk=chunk,
+                            backend="numpy")
+    try:
+        pool = get_pool("host")
+        vocab = m.config.vocab_size
+        plan = {e.name: e for e in m.request_plan(n, 1, logits=True)}
+        assert plan["logits"].shape == (rows, vocab) and plan["logits"].dtype == "float32"
+        assert "logits" not in {e.name for e in m.request_plan(n, 1)}
+        live = _live_by_tag("logits")
+        pool.reset_peak_stats()
+        m.logits(np.arange(n) % vocab, depth=1)
+        assert pool.stats().peak_by_tag["logits"] - live == round_size(rows * vocab * 4)
+        assert _live_by_tag("logits") == live
     finally:
         tinyloop.free_model(m)
 

@@ -437,7 +437,7 @@ def test_snapshot_loads_back_and_blocks_tile_segments(tmp_path):
 def test_cupy_hook_without_cupy_raises_backend_unavailable():
     import importlib.util
     if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("CuPy is installed; tests/test_memory_gpu.py covers the hook")
+        pytest.skip("CuPy is installed; tests/gpu/test_memory.py covers the hook on a GPU")
     from tinyloop.errors import BackendUnavailableError
     with pytest.raises(BackendUnavailableError):
         mem.install_cupy_allocator()
@@ -629,3 +629,70 @@ def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
     assert ei.value.limit_bytes == start.reserved_bytes + 4 * KiB
     after = mem.memory_stats("host")
     assert after.allocated_bytes == start.allocated_bytes and after.num_ooms == 1
+
+
+class _FakeCupy:
+    """Just enough of ``cupy.cuda`` for the allocator hook: get/set_allocator and the two
+    memory wrappers (the hook's bookkeeping is pure Python, so it is tested without a GPU)."""
+
+    def __init__(self):
+        import types
+        self.current = "cupy-default"
+        cuda = types.SimpleNamespace()
+        cuda.get_allocator = lambda: self.current
+        cuda.set_allocator = self._set
+        cuda.UnownedMemory = lambda ptr, size, owner, dev: (ptr, size, owner, dev)
+        cuda.MemoryPointer = lambda mem, off: mem
+        self.cuda = cuda
+
+    def _set(self, fn):
+        self.current = fn
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    import sys
+    from tinyloop.memory import cupy_hook
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    yield fake
+    cupy_hook._reset_for_tests()
+
+
+def test_cupy_installs_are_tokens_removing_one_keeps_the_others(fake_cupy):
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    a = mem.install_cupy_allocator(pool)
+    b = mem.install_cupy_allocator(pool, tag="scratch")
+    assert fake_cupy.current is b.allocate
+    assert a.uninstall() is True                 # not on top: b now restores the default
+    assert fake_cupy.current is b.allocate and not a.installed and b.installed
+    assert a.uninstall() is False
+    ptr, size, owner, _ = fake_cupy.current(1000)
+    assert pool.by_tag()["scratch"] == size == 1024
+    del owner
+    assert pool.by_tag()["scratch"] == 0         # CuPy dropping the memory frees the block
+    with b:
+        pass
+    assert fake_cupy.current == "cupy-default"
+    assert mem.uninstall_cupy_allocator() is False
+
+
+def test_cupy_routing_is_counted_and_never_removes_a_users_install(fake_cupy):
+    from tinyloop.memory.cupy_hook import cupy_allocator_installed
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    first = mem.route_cupy_allocations(pool)         # a first CUDA model
+    routed = fake_cupy.current
+    user = mem.install_cupy_allocator(pool, tag="other")   # the user's own install on top
+    second = mem.route_cupy_allocations(pool)        # a second model shares the routing
+    assert fake_cupy.current is user.allocate
+    first.release()
+    first.release()                                  # idempotent: counts once
+    assert second.active and not first.active
+    second.release()                                 # the last holder: routing removed...
+    assert user.installed and fake_cupy.current is user.allocate   # ...the user's stays
+    user.uninstall()
+    assert fake_cupy.current == "cupy-default" and not cupy_allocator_installed()
+    again = mem.route_cupy_allocations(pool)         # a fresh routing after the last release
+    assert fake_cupy.current is not routed and fake_cupy.current != "cupy-default"
+    again.release()
+    assert fake_cupy.current == "cupy-default"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .backends import BACKENDS
 from .config import ModelConfig
 from .errors import ConfigError, TinyLoopError
 from .memory.stats import fmt_bytes
@@ -28,7 +29,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--prefill-chunk", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -53,7 +54,7 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
               f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason}); "
               f"backend {model.backend}")
         print(f"# model owns {fmt_bytes(model.vram_usage_bytes())}")
-        print(memory_report(model._ops.device))
+        print(memory_report(model.device))
     finally:
         free_model(model)
     return 0
@@ -132,16 +133,13 @@ def cmd_convert(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    import numpy as np
-
     from . import plan as planmod
+    from .backends import ops_class
     from .format import read_tlm
     from .config import check_load_args
     check_load_args(a.max_seq_len, a.prefill_chunk)
-    backend = a.backend
-    if backend == "auto":
-        from .backends import cuda_available
-        backend = "cuda" if cuda_available() else "numpy"
+    ops = ops_class(a.backend)          # the backend's dtypes; no device needed
+    backend = ops.name
     with read_tlm(a.model) as f:
         cfg = f.config
         depth = cfg.check_depth(a.depth)
@@ -155,14 +153,7 @@ def cmd_inspect(a) -> int:
         groups = sorted({g for _, g in layout.values()})
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
-    if backend == "cuda":
-        act, kv = np.float16, np.float16
-    else:
-        act, kv = np.float32, np.float32
-    from .config import fp16_cache_enabled
-    p = planmod.load_plan(cfg, layout, a.max_seq_len, a.prefill_chunk, act,
-                          fp16_cache=fp16_cache_enabled(default=backend == "numpy"),
-                          backend=backend)
+    p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk)
     print(f"\nmemory plan for backend={backend} max_seq_len={a.max_seq_len} "
           f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
     by = planmod.plan_bytes_by_phase(p)
@@ -174,7 +165,7 @@ def cmd_inspect(a) -> int:
             print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
     total = sum(e.nbytes for e in p)
     print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}")
-    (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, kv)
+    (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, ops.kv_dtype)
     print(f"  per request: KV cache for {a.max_seq_len} positions at depth {depth} "
           f"({cfg.n_slots(depth)} slots): {kv_e.nbytes:,d}  {fmt_bytes(kv_e.nbytes)}")
     return 0
@@ -209,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--max-seq-len", type=int, default=2048)
     i.add_argument("--prefill-chunk", type=int, default=0)
     i.add_argument("--depth", type=int, default=None)
-    i.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
+    i.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="whose dtypes to plan with (auto: cuda where CuPy sees a GPU)")
     i.set_defaults(fn=cmd_inspect)
     return ap

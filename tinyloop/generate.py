@@ -1,7 +1,11 @@
 """Sampling loops over a Model: generate / stream / teacher-forced logits / score.
 
-Each call takes the model's lock for its whole duration, allocates its RuntimeKVCache (tag
-``kv_cache``) sized for the call, and releases it when the call ends, however it ends.
+The request side of ``model.Model``: these functions use only the Model's public surface
+(``lock``, ``check_alive``, ``check_token_ids``, ``encode_prompt``, ``request_plan``,
+``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``ops``, ``pool``); ``model.py``
+imports this module, never the reverse. Each call takes the model's lock for its whole
+duration, allocates its RuntimeKVCache (tag ``kv_cache``) sized for the call, and releases it
+when the call ends, however it ends.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ConfigError
-from .plan import LOGIT_BLOCK_ROWS
 
 
 @dataclass
@@ -93,7 +96,7 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     other callers may run between two steps of an open stream. The KV cache is released as
     soon as the last token is known (before it is yielded), or when the stream is closed.
     """
-    model._check_alive()
+    model.check_alive()
     cfg = model.config
     depth = cfg.check_depth(_as_int(depth, "depth") if depth is not None else None)
     max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
@@ -120,8 +123,8 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
 
     def step(step_ids, pos0: int) -> int:
         """Forward ``step_ids`` at ``pos0``, then head + sample, atomically under the lock."""
-        with model._lock:
-            model._check_alive()
+        with model.lock:
+            model.check_alive()
             row = model.logit_row()
             model.forward(step_ids, pos0, depth, cache)
             u = float(rng.random()) if temperature > 0 else 0.0
@@ -192,7 +195,7 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
     after another, never interleaved.
     """
     res: dict = {}
-    with model._lock:
+    with model.lock:
         for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                         stop, _result=res):
             pass
@@ -207,20 +210,20 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
 
 def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
     """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits)."""
-    model._check_alive()
+    model.check_alive()
     cfg = model.config
     depth = cfg.check_depth(depth)
-    ids = model._ids_from(token_ids)
+    ids = model.check_token_ids(token_ids)
     if len(ids) > model.max_seq_len:
         raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
     out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
-    with model._lock:
-        model._check_alive()
-        ops = model._ops
-        rows = min(LOGIT_BLOCK_ROWS, model._buf.capacity_rows, len(ids))
+    with model.lock:
+        model.check_alive()
+        ops = model.ops
+        block = {e.name: e for e in model.request_plan(len(ids), depth, logits=True)}["logits"]
+        rows = block.shape[0]
         with model.new_kv_cache(depth, len(ids)) as cache:
-            block_arr, blk = ops.empty(model._pool, (rows, cfg.vocab_size), np.float32,
-                                       "logits")
+            block_arr, blk = ops.empty(model.pool, block.shape, block.dtype, block.tag)
             try:
                 def on_rows(start, t):
                     for r0 in range(start, start + t, rows):
@@ -231,7 +234,7 @@ def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
                         out[r0:r0 + n] = ops.to_host(view)
                 model.forward(ids, 0, depth, cache, on_rows=on_rows)
             finally:
-                model._pool.free(blk)
+                model.pool.free(blk)
     return out
 
 
@@ -244,7 +247,7 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
 
 def score(model, token_ids, depth=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
-    ids = model._ids_from(token_ids)
+    ids = model.check_token_ids(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
     lp = log_softmax_rows(teacher_forced_logits(model, ids, depth)[:-1])

@@ -26,8 +26,10 @@ class Ops:
 
     name: str = "abstract"
     device: str = "host"          # memory pool device: "host" | "cuda"
-    act_dtype = np.float32
-    kv_dtype = np.float32
+    act_dtype = np.float32        # activations (the scratch buffers)
+    kv_dtype = np.float32         # the KV cache
+    fp16_cache_default = False    # whether load keeps dense weight caches unless
+                                  # TINYLOOP_FP16_CACHE says otherwise
     xp = np
 
     # --- memory ---------------------------------------------------------------------------
@@ -66,6 +68,13 @@ class Ops:
                 pool.free(blk)
             raise
         return QuantWeight(w.bits, w.group_size, *parts), blocks
+
+    def make_fp16_cache(self, w, pool, tag: str | None = "fp16_cache"):
+        """A dense ``[out, in]`` copy of the device QuantWeight ``w`` for the prefill GEMMs
+        (float16 on CUDA, float32 on the NumPy reference), in a block taken from ``pool``
+        under ``tag`` (None: the current tag_scope). Returns (array, block); on failure the
+        block is freed."""
+        raise NotImplementedError
 
     def to_host(self, arr) -> np.ndarray:
         return np.asarray(arr)

@@ -76,6 +76,7 @@ class NumpyOps(Ops):
     device = "host"
     act_dtype = np.float32
     kv_dtype = np.float32
+    fp16_cache_default = True     # otherwise every call dequantizes its weight again
     xp = np
 
     def embed(self, w, ids, out):
@@ -87,11 +88,15 @@ class NumpyOps(Ops):
         ms = np.mean(x64 * x64, axis=-1, keepdims=True)
         out[...] = (x64 / np.sqrt(ms + eps) * np.asarray(weight, dtype=np.float64))
 
-    def make_fp16_cache(self, w: QuantWeight, pool):
+    def make_fp16_cache(self, w: QuantWeight, pool, tag: str | None = "fp16_cache"):
         """The NumPy backend's weight cache: the dequantized float32 ``[out, in]`` matrix in a
-        pool block (tag: the current tag_scope, "fp16_cache"); returns (array, block)."""
-        arr, blk = self.empty(pool, w.shape, np.float32, None)
-        arr[...] = dequantize(w)
+        pool block under ``tag`` (None: the current tag_scope); returns (array, block)."""
+        arr, blk = self.empty(pool, w.shape, np.float32, tag)
+        try:
+            arr[...] = dequantize(w)
+        except BaseException:
+            pool.free(blk)
+            raise
         return arr, blk
 
     @staticmethod

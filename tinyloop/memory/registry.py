@@ -109,13 +109,10 @@ def export_snapshot(path, device: str | None = None) -> dict:
     return write_snapshot(_pool_for(device), path)
 
 
-def _reset_pools_for_tests() -> None:
-    """Forget every process pool (returning their cached segments) and every limit default;
-    uninstall the CuPy hook if installed. Blocks still live keep their old pool."""
+def _reset_for_tests() -> None:
+    """Forget every process pool (returning their cached segments) and every limit default.
+    Blocks still live keep their old pool."""
     global _default_limit
-    from .cupy_hook import uninstall_cupy_allocator, cupy_allocator_installed
-    while cupy_allocator_installed():
-        uninstall_cupy_allocator()
     with _lock:
         pools = list(_pools.values())
         _pools.clear()

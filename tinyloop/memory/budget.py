@@ -1,0 +1,51 @@
+"""The pool's budget: what a memory limit may be, and the out-of-memory error it raises.
+
+Wraps the arena the way RMM's limiting adaptor wraps a resource: the pool asks here only on the
+slow path (a new segment, ``set_limit``), never per allocation.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from ..config import parse_size
+from ..errors import ConfigError, OutOfMemoryError
+from .stats import fmt_bytes
+
+
+def check_limit(limit, total_bytes: int | None) -> int | None:
+    """``limit`` as bytes: an int >= 0, a size string ("2G", "50%" of ``total_bytes``), or None
+    (no cap). Raises ConfigError naming the bad value."""
+    if isinstance(limit, str):
+        return parse_size(limit, name="memory limit", total_bytes=total_bytes)
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not hasattr(limit, "__index__"):
+        raise ConfigError(f"memory limit must be an int number of bytes, a size string "
+                          f"like '2G' or '50%', or None; got {limit!r}")
+    limit = operator.index(limit)
+    if limit < 0:
+        raise ConfigError(f"memory limit must be >= 0 bytes, got {limit}")
+    return limit
+
+
+def crosses(limit: int | None, reserved_bytes: int, segment_bytes: int) -> bool:
+    """Whether a new ``segment_bytes`` segment would take reserved bytes past ``limit``."""
+    return limit is not None and reserved_bytes + segment_bytes > limit
+
+
+def out_of_memory(device: str, nbytes: int, rounded: int, tag: str, reasons: list[str], *,
+                  allocated_bytes: int, reserved_bytes: int, limit_bytes: int | None,
+                  device_free_bytes: int | None) -> OutOfMemoryError:
+    """The OutOfMemoryError for a request of ``nbytes`` (``rounded`` in the pool) under ``tag``:
+    the message names the request, each refusal in ``reasons`` and the pool's figures."""
+    return OutOfMemoryError(
+        f"out of memory on {device}: cannot allocate {rounded} bytes "
+        f"({fmt_bytes(rounded)}; requested {nbytes}) for tag {tag!r}: {'; '.join(reasons)}. "
+        f"allocated {fmt_bytes(allocated_bytes)}, reserved {fmt_bytes(reserved_bytes)}, "
+        f"limit {'none' if limit_bytes is None else fmt_bytes(limit_bytes)}, "
+        f"device free "
+        f"{'unknown' if device_free_bytes is None else fmt_bytes(device_free_bytes)}",
+        requested_bytes=nbytes, tag=tag, allocated_bytes=allocated_bytes,
+        reserved_bytes=reserved_bytes, limit_bytes=limit_bytes,
+        device_free_bytes=device_free_bytes, device=device)
