@@ -112,3 +112,10 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
     }
     __syncthreads();
 }
+
+// Why a logit row cannot be sampled, from its argmax winner (argmax_before's order puts NaN
+// first, then +inf; the winner is -inf only when every logit is): 0 = it can, 1 = a NaN,
+// 2 = a +inf, 3 = all -inf. The codes of base.LOGIT_FAULTS.
+__device__ __forceinline__ int logit_fault_code(float top) {
+    return top != top ? 1 : (top == -TL_NEG_INF ? 2 : (top == TL_NEG_INF ? 3 : 0));
+}

@@ -232,8 +232,9 @@ GEMV_NORM_ENTRY(gemv_norm_q8_f32, 8, EPI_F32)
 // - gemv2_norm_q*_argmax adds the greedy pick: each block reduces its rows' logits to a
 //   (value, id) pair by numpy.argmax's order, writes it to part_v / part_i[blockIdx.x], and the
 //   last block to finish (an atomic ticket after a __threadfence, CUDA's threadFenceReduction
-//   pattern) reduces the partials, writes the id to *id_dev and, when non-null, *id_host
-//   (mapped pinned memory), and re-arms the ticket to 0 for the next launch (graph replay safe).
+//   pattern) reduces the partials, writes the id and the row's fault code (logit_fault_code,
+//   as argmax_f32) to id_dev[0..1] and, when non-null, id_host[0..1] (mapped pinned memory),
+//   and re-arms the ticket to 0 for the next launch (graph replay safe).
 //
 // Block = blockDim.x threads, 64, 128 or 256 (runtime; the RMSNorm prologue emulates rmsnorm.cu's
 // 256-thread order, so its FP16 row is bit-identical for each). Dynamic shared memory = 2 K bytes.
@@ -403,8 +404,10 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
         }
         block_argmax(best_v, best_i, sv, si);
         if (threadIdx.x == 0) {
-            *id_dev = best_i;
-            if (id_host) *id_host = best_i;
+            const int code = logit_fault_code(best_v);    // as argmax_f32 writes it
+            id_dev[0] = best_i;
+            id_dev[1] = code;
+            if (id_host) { id_host[0] = best_i; id_host[1] = code; }
             *ticket = 0u;                                 // re-armed for the next launch
         }
     }
@@ -429,7 +432,7 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
     }
 
 // out f32 [N] logits (written too: the API keeps the row); part_v / part_i [>= grid];
-// ticket: one u32, 0 before the first launch; id_dev: int [1]; id_host: mapped int or null.
+// ticket: one u32, 0 before the first launch; id_dev: int [2]; id_host: mapped int [2] or null.
 #define GEMV2_ARGMAX_ENTRY(NAME, BITS, LPR)                                                   \
     extern "C" __global__ void __launch_bounds__(256)                                        \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \

@@ -1,14 +1,17 @@
-// Greedy sampling on the device: argmax of one logit row, lowest id on ties.
+// Greedy sampling on the device: argmax of one logit row, lowest id on ties; and the row's
+// fault code, found by the same reduction at no extra cost: the winner is NaN if any logit is
+// NaN, else +inf if any is +inf, and -inf only if every logit is -inf (common.cuh
+// logit_fault_code; base.LOGIT_FAULTS).
 //
 // Checked against: numpy_ops.sample_from_logits with temperature 0 (np.argmax: the first NaN
-// wins if any, else the first maximum) (tests/gpu/test_kernels.py::test_sample_greedy).
+// wins if any, else the first maximum) and base.logit_fault / LOGIT_FAULTS for the code
+// (tests/gpu/test_kernels.py::test_sample_greedy, ::test_sample_non_finite_logits_raise).
 // The LM head's own fused argmax (gemv2_norm_q*_argmax in gemv.cu) uses the same order
-// (common.cuh argmax_before). The temperature / top-k / top-p path is CuPy array code in
-// cuda_ops.py.
+// (common.cuh argmax_before) and codes.
 #include "common.cuh"
 
-// logits f32 [n]; writes the chosen id to *result (device or mapped pinned host memory).
-// grid = 1, block = 1024.
+// logits f32 [n]; writes the chosen id to result[0] and the fault code to result[1] (device or
+// mapped pinned host memory). grid = 1, block = 1024.
 extern "C" __global__ void __launch_bounds__(1024)
     argmax_f32(const float* __restrict__ logits, i64 n, int* __restrict__ result) {
     __shared__ float sv[32];
@@ -20,7 +23,10 @@ extern "C" __global__ void __launch_bounds__(1024)
         if (argmax_before(v, i, bv, bi)) { bv = v; bi = i; }
     }
     block_argmax(bv, bi, sv, si);
-    if (threadIdx.x == 0) *result = bi;
+    if (threadIdx.x == 0) {
+        result[0] = bi;
+        result[1] = logit_fault_code(bv);
+    }
 }
 
 // ================================================================================================
@@ -40,7 +46,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 // count-based radix select of the k-th key. Integer sums are exact, so the pick equals the
 // rule's whenever u * (kept mass) is not within ~n * 2^-40 of a cumulative boundary (a
 // probability of about 1e-8 per draw), and tokens with w < 2^-41 (p below ~1e-12) are never
-// picked. NaN logits give an unspecified (in-range) id.
+// picked (a -inf logit, a masked token, has w = 0). A row with a NaN or +inf logit, or only
+// -inf, is not sampled: id 0 and its fault code (logit_fault_code) are written instead.
 //
 // Scratch: wq u64 [n] (device, preallocated by the host). grid = 1, block = 1024.
 // ================================================================================================
@@ -213,7 +220,7 @@ __device__ RankCut smp_select(const float* __restrict__ logits, const u64* wq,
 }
 
 // logits f32 [n]; temp > 0; top_k (0 = all); top_p (>= 1: off); u in [0, 1); wq: u64 [n]
-// scratch. Writes the id to *id_dev and, if non-null, *id_host.
+// scratch. Writes the id and the fault code to id_dev[0..1] and, if non-null, id_host[0..1].
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     sample_topk_topp(const float* __restrict__ logits, i64 n64, double temp, i64 top_k,
                      double top_p, double u, u64* wq, int* __restrict__ id_dev,
@@ -221,10 +228,25 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     __shared__ SmpShared sh;
     __shared__ float red[32];
     const int n = (int)n64;
-    // 1. the maximum logit (NaN-free input assumed) and the fixed-point weights
+    // 1. the maximum logit and the row's fault code (a row with a NaN, a +inf, or only -inf
+    //    cannot be sampled: id 0 and the code, which the host raises on), then the weights
     float m = TL_NEG_INF;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
+    int nan_seen = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = logits[i];
+        if (v != v) nan_seen = 1;
+        else m = fmaxf(m, v);
+    }
     m = block_max(m, red);
+    const int code = __syncthreads_or(nan_seen) ? 1 : logit_fault_code(m);
+    if (code) {
+        if (threadIdx.x == 0) {
+            id_dev[0] = 0;
+            id_dev[1] = code;
+            if (id_host) { id_host[0] = 0; id_host[1] = code; }
+        }
+        return;
+    }
     const double z0 = (double)m / temp;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const double w = exp((double)logits[i] / temp - z0);
@@ -283,7 +305,8 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
         id = best;
     }
     if (threadIdx.x == 0) {
-        *id_dev = id;
-        if (id_host) *id_host = id;
+        id_dev[0] = id;
+        id_dev[1] = 0;
+        if (id_host) { id_host[0] = id; id_host[1] = 0; }
     }
 }

@@ -29,7 +29,7 @@ import cupy  # noqa: E402
 from tinyloop.backends.base import Ops  # noqa: E402
 from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
 from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
-from tinyloop.errors import ConfigError  # noqa: E402
+from tinyloop.errors import ConfigError, NonFiniteLogitsError  # noqa: E402
 from tinyloop.quant import QuantWeight, dequantize, quantize  # noqa: E402
 
 BITS_G = [(b, g) for b in (4, 8) for g in (32, 64, 128)]
@@ -571,10 +571,12 @@ def test_gemv2_geometries(ref, rng, lpr, threads, bits, g, n, k):
         assert np.array_equal(a, cupy.asnumpy(b)), f"{what}: fused {name} != rmsnorm + {name}"
 
 
-def _device_id(ops) -> int:
-    """The device copy of the fused argmax's id (what a captured step would feed back)."""
-    mem = cupy.cuda.UnownedMemory(ops._id_dev, 4, ops)
-    return int(cupy.ndarray((1,), cupy.int32, cupy.cuda.MemoryPointer(mem, 0)).get()[0])
+def _device_id(ops) -> tuple:
+    """The device copy of the fused argmax's (id, fault code) (what a captured step would
+    feed back)."""
+    mem = cupy.cuda.UnownedMemory(ops._id_dev, 8, ops)
+    got = cupy.ndarray((2,), cupy.int32, cupy.cuda.MemoryPointer(mem, 0)).get()
+    return int(got[0]), int(got[1])
 
 
 def _copy_row(w: QuantWeight, src: int, dst: int) -> None:
@@ -588,7 +590,8 @@ def _copy_row(w: QuantWeight, src: int, dst: int) -> None:
 @pytest.mark.parametrize("case", ["plain", "ties", "nan"])
 def test_lm_head_argmax(ops, ref, rng, bits, g, vocab, d, case):
     """rmsnorm_lm_head_sample at temperature 0: one launch whose id is numpy.argmax of the
-    logits it wrote (first NaN, else the lowest id among equal maxima), also under grid caps
+    logits it wrote (the lowest id among equal maxima; a NaN row raises NonFiniteLogitsError as
+    sample does, with the first NaN's id and code 1 on the device), also under grid caps
     1 / 3 and on repeated launches (the last-block ticket re-arms); the logits match NumPy,
     and the id is NumPy's argmax wherever the top-2 margin exceeds the tolerance."""
     w = rand_weight(rng, vocab, d, bits, g)
@@ -618,17 +621,26 @@ def test_lm_head_argmax(ops, ref, rng, bits, g, vocab, d, case):
         ops._grid_cap = cap
         try:
             out = poisoned((1, vocab), cupy.float32)
-            ids.append(ops.rmsnorm_lm_head_sample(xd, wtd, EPS, dw, out, norm, 0.0, 0, 1.0, 0.0))
+            if case == "nan":                 # refused as sample refuses it (fault code 1)
+                with pytest.raises(NonFiniteLogitsError) as err:
+                    ops.rmsnorm_lm_head_sample(xd, wtd, EPS, dw, out, norm, 0.0, 0, 1.0, 0.0)
+                assert err.value.kind == "nan"
+                ids.append(_device_id(ops)[0])
+            else:
+                ids.append(ops.rmsnorm_lm_head_sample(xd, wtd, EPS, dw, out, norm, 0.0, 0,
+                                                      1.0, 0.0))
             rows.append(cupy.asnumpy(out)[0])
         finally:
             ops._grid_cap = None
-        assert _device_id(ops) == ids[-1]
+        assert _device_id(ops) == (ids[-1], 1 if case == "nan" else 0)
     logits = rows[0]
     for r in rows[1:]:
         assert np.array_equal(r, logits, equal_nan=True)
     assert len(set(ids)) == 1, f"ids differ across grid caps / launches: {ids}"
     got = ids[0]
-    assert got == int(np.argmax(logits)) == sample_from_logits(logits, 0.0, 0, 1.0, 0.5)
+    assert got == int(np.argmax(logits))
+    if case != "nan":
+        assert got == sample_from_logits(logits, 0.0, 0, 1.0, 0.5)
     assert_unwritten(norm, "rmsnorm_lm_head_sample")
     if expect_id is not None:
         assert got == expect_id, f"{case}: got id {got}, expected {expect_id}"
@@ -772,6 +784,51 @@ def test_sample_device_matches_rule(ops, rng, vocab):
                 assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want
             finally:
                 ops.device_sampling = True
+
+
+def test_sample_top_p_0_is_greedy(ops, rng):
+    logits = (rng.standard_normal(2003) * 3).astype(np.float32)
+    logits[[5, 900]] = logits.max() + 1.0                       # a tie: the lower id
+    dev = cupy.asarray(logits)
+    for u in (0.0, 0.5, 0.999):
+        assert ops.sample(dev, 1.0, 0, 0.0, u) == 5 == sample_from_logits(logits, 1.0, 0, 0.0, u)
+
+
+def _faulty_rows(vocab: int) -> list:
+    """(logits, kind) rows no token can be sampled from, as issue 11 reported them."""
+    base = np.linspace(-3, 3, vocab, dtype=np.float32)
+    nan_one, pinf, ninf_some = base.copy(), base.copy(), base.copy()
+    nan_one[vocab - 1] = np.nan                                 # the last element: the
+    pinf[vocab // 3] = np.inf                                   # reduction must see it
+    ninf_some[: vocab // 2] = -np.inf                           # a masked half is fine
+    return [(np.full(vocab, np.nan, np.float32), "nan"), (nan_one, "nan"),
+            (np.array([0, np.inf] + [0] * (vocab - 2), np.float32), "+inf"), (pinf, "+inf"),
+            (np.full(vocab, -np.inf, np.float32), "all -inf"), (ninf_some, None)]
+
+
+@pytest.mark.parametrize("vocab", [2, 1000, 49152])
+@pytest.mark.parametrize("temperature,device_sampling", [(0.0, True), (1.0, True),
+                                                         (1.0, False)])
+def test_sample_non_finite_logits_raise(ops, vocab, temperature, device_sampling, monkeypatch):
+    """Both temperature > 0 samplers (sample.cu's, and the CuPy path) and the argmax."""
+    from tinyloop.errors import NonFiniteLogitsError
+    monkeypatch.setattr(ops, "device_sampling", device_sampling)
+    for logits, kind in _faulty_rows(vocab):
+        dev = cupy.asarray(logits)
+        if kind is None:                                        # -inf marks a masked token
+            got = ops.sample(dev, temperature, 0, 1.0, 0.3)
+            assert got == sample_from_logits(logits, temperature, 0, 1.0, 0.3)
+            assert got >= vocab // 2
+            continue
+        with pytest.raises(NonFiniteLogitsError) as want:
+            sample_from_logits(logits, temperature, 0, 1.0, 0.3)
+        with pytest.raises(NonFiniteLogitsError) as got:
+            ops.sample(dev, temperature, 0, 1.0, 0.3)
+        assert got.value.kind == want.value.kind == kind
+        assert str(got.value) == str(want.value)
+    # the flag does not stick: a clean row afterwards samples normally
+    clean = np.arange(vocab, dtype=np.float32)
+    assert ops.sample(cupy.asarray(clean), 0.0, 0, 1.0, 0.0) == vocab - 1
 
 
 # --- boundary checks and weight upload ----------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import sys
 import threading
 import weakref
 from importlib import resources
@@ -31,7 +32,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant import QuantWeight
-from .base import Ops
+from .base import LOGIT_FAULTS, Ops, non_finite_logits
 
 try:
     import cupy
@@ -336,11 +337,12 @@ class CudaOps(Ops):
         self.sms = sms
         self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
         self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
-        # The sampled id lands in 4 bytes of pinned, mapped host memory that the argmax kernel
-        # writes directly (UVA: the host pointer is valid on the device), so greedy decode
-        # allocates nothing and copies nothing back besides this one int.
-        self._id_ptr = cupy.cuda.runtime.hostAlloc(4, 0x01 | 0x02)   # portable | mapped
-        self._id_view = (ctypes.c_int32 * 1).from_address(self._id_ptr)
+        # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
+        # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
+        # pointer is valid on the device), so greedy decode allocates nothing and copies
+        # nothing back besides these two ints.
+        self._id_ptr = cupy.cuda.runtime.hostAlloc(8, 0x01 | 0x02)   # portable | mapped
+        self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
         self._free_host = cupy.cuda.runtime.freeHost
         # Device scratch of the LM head's fused argmax (gemv2_norm_*_argmax): one (value, id)
         # partial per block (at most one resident wave of the smallest blocks), the last-block
@@ -363,15 +365,14 @@ class CudaOps(Ops):
         ptr = getattr(self, "_id_ptr", None)
         if ptr:
             self._id_ptr = None
-            self._free_host(ptr)
-        ptr = getattr(self, "_wq_ptr", None)
-        if ptr:
-            self._wq_ptr = None
-            self._free_dev(ptr)
-        ptr = getattr(self, "_scratch_ptr", None)
-        if ptr:
-            self._scratch_ptr = None
-            self._free_dev(ptr)
+            if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
+                self._free_host(ptr)
+        for name in ("_wq_ptr", "_scratch_ptr"):   # device scratch: likewise at exit
+            ptr = getattr(self, name, None)
+            if ptr:
+                setattr(self, name, None)
+                if not sys.is_finalizing():
+                    self._free_dev(ptr)
 
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)
@@ -781,9 +782,10 @@ class CudaOps(Ops):
 
         Greedy (temperature <= 0) with the v2 GEMV: ONE launch: the LM head's blocks each
         reduce their logits to an argmax partial and the last block picks the id (numpy.argmax's
-        rule: first NaN, else first maximum) and writes it to pinned host memory, so only
-        4 bytes cross per step (one stream synchronisation). Otherwise ``rmsnorm_lm_head``
-        then ``sample``. Raises ConfigError on bad arguments (as those two do).
+        rule: first NaN, else first maximum) and writes it with the row's fault code to pinned
+        host memory, so only 8 bytes cross per step (one stream synchronisation). Otherwise
+        ``rmsnorm_lm_head`` then ``sample``. Raises ConfigError on bad arguments (as those two
+        do) and NonFiniteLogitsError for a row ``sample`` would refuse.
         """
         info = self._info(w)
         if temperature > 0.0 or not info.v2 or not self._norm_fused(x, weight, info):
@@ -792,12 +794,14 @@ class CudaOps(Ops):
         out = self._out(out, "out", _F32, 1, info.n)
         self.head_argmax_launch(info, x, weight, eps, out, self._id_ptr)
         cupy.cuda.get_current_stream().synchronize()
+        self._raise_on_fault()
         return int(self._id_view[0])
 
     def head_argmax_launch(self, info, x, weight, eps, out, id_host) -> None:
-        """Queue the fused RMSNorm + LM head + argmax (no synchronisation): the id goes to the
-        device int at ``self._id_dev`` and, when ``id_host`` (a mapped pinned pointer) is
-        non-zero, there too. Arguments already validated; ``info.v2`` must hold."""
+        """Queue the fused RMSNorm + LM head + argmax (no synchronisation): the id and the
+        row's fault code go to the device ints at ``self._id_dev`` and, when ``id_host`` (a
+        mapped pinned int [2]) is non-zero, there too. Arguments already validated;
+        ``info.v2`` must hold."""
         nt, nb = self._geo(info, info.n, True)
         if nb > self._part_cap:
             nb = self._part_cap
@@ -813,34 +817,51 @@ class CudaOps(Ops):
         temperature <= 0: the argmax kernel writes the id straight to pinned host memory
         (no allocation; one stream synchronisation). Otherwise ``sample.cu``'s one-block
         sampler (fixed-point weights, radix selects: no sort, no CuPy temporaries), or, with
-        ``device_sampling = False`` or a vocabulary past 2^22, the CuPy sort path. Raises
-        ConfigError for u outside [0, 1) or top_k < 0.
+        ``device_sampling = False`` or a vocabulary past 2^22, the CuPy sort path (after the
+        argmax kernel, for the fault code). Either way the kernel writes the row's fault code
+        beside the id, so a row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError
+        as on NumPy (checked once the stream has synchronised; no extra pass over the row).
+        Raises ConfigError for u outside [0, 1) or top_k < 0.
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
             logits = logits[0]
         if logits.ndim != 1 or logits.shape[0] == 0:
             raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
+        if temperature > 0.0 and not 0.0 <= u < 1.0:
+            raise ConfigError(f"u must lie in [0, 1), got {u}")
+        if temperature > 0.0 and top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
         n = logits.shape[0]
         if temperature <= 0.0:
             self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
             cupy.cuda.get_current_stream().synchronize()
+            self._raise_on_fault()
             return int(self._id_view[0])
-        if not 0.0 <= u < 1.0:
-            raise ConfigError(f"u must lie in [0, 1), got {u}")
-        if top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not self.device_sampling or n > _SAMPLE_MAX_N:
-            return self._sample_cupy(logits, temperature, top_k, top_p, u)
-        self.sample_launch(logits, temperature, top_k, top_p, u, self._id_ptr)
-        cupy.cuda.get_current_stream().synchronize()
-        return int(self._id_view[0])
+        if self.device_sampling and n <= _SAMPLE_MAX_N:
+            self.sample_launch(logits, temperature, top_k, top_p, u, self._id_ptr)
+            cupy.cuda.get_current_stream().synchronize()
+            self._raise_on_fault()
+            return int(self._id_view[0])
+        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
+        picked = self._sample_nongreedy(logits, n, temperature, top_k, top_p, u)
+        cupy.cuda.get_current_stream().synchronize()     # idle already: int() copied the id
+        self._raise_on_fault()
+        return picked
+
+    def _raise_on_fault(self) -> None:
+        """Raise NonFiniteLogitsError for the fault code an argmax / sampler kernel wrote
+        (after a synchronisation)."""
+        code = int(self._id_view[1])
+        if code:
+            raise non_finite_logits(LOGIT_FAULTS[code])
 
     def sample_launch(self, logits, temperature, top_k, top_p, u, id_host) -> None:
         """Queue ``sample.cu``'s one-block top-k / top-p sampler (temperature > 0) on f32
-        logits [n] (validated by ``sample``); the id goes to the device int ``self._id_dev``
-        and, when ``id_host`` is non-zero, to that mapped pinned int. Its u64 [n] scratch is
-        taken once (cudaMalloc, outside the pool) and grown only for a larger vocabulary."""
+        logits [n] (validated by ``sample``); the id and the row's fault code go to the
+        device ints ``self._id_dev[0..1]`` and, when ``id_host`` is non-zero, to that mapped
+        pinned int [2]. Its u64 [n] scratch is taken once (cudaMalloc, outside the pool) and
+        grown only for a larger vocabulary."""
         n = logits.shape[0]
         if n > self._wq_cap:
             if self._wq_ptr:
@@ -855,10 +876,10 @@ class CudaOps(Ops):
                                        id_host))
 
     @staticmethod
-    def _sample_cupy(logits, temperature, top_k, top_p, u) -> int:
-        """The previous temperature > 0 path (CuPy sort and scans, several temporaries):
-        kept as a second implementation of the rule (``device_sampling = False``)."""
-        n = logits.shape[0]
+    def _sample_nongreedy(logits, n, temperature, top_k, top_p, u) -> int:
+        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code (sort and
+        scans, several temporaries): the path with ``device_sampling = False``, kept as a
+        second implementation of the rule."""
         z = logits.astype(cupy.float64) / float(temperature)
         idx = cupy.arange(n, dtype=cupy.float64)
         order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc
