@@ -441,7 +441,8 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
     timeline = trace["timeline"][::step]
     files = [write_csv(os.path.join(out_dir, "fragment.csv"), records),
              write_csv(os.path.join(out_dir, "fragment_trace.csv"), timeline)]
-    if plot:
+    note = plots.unavailable() if plot else None
+    if plot and note is None:
         files += [
             plots.timeline_by_tag(records, os.path.join(out_dir, "fragment_timeline_by_tag.png"),
                                   title="fragment: memory by tag after each request"),
@@ -458,6 +459,7 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
                 policies, os.path.join(out_dir, "fragment_policies.png"),
                 title="fragment: the recorded trace replayed against allocator policies"))
     result["files"] = [os.path.basename(f) for f in files] + ["fragment.json"]
+    result["plots_note"] = note
     write_json(os.path.join(out_dir, "fragment.json"), result)
     return result
 

@@ -173,7 +173,8 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
                          "depth": res.depth, "max_seq_len": max_seq_len},
               "steps": steps, "records": records}
     files = [write_csv(os.path.join(out_dir, "release.csv"), records)]
-    if plot:
+    note = plots.unavailable() if plot else None
+    if plot and note is None:
         files += [
             plots.timeline_by_tag(records, os.path.join(out_dir, "release_timeline_by_tag.png"),
                                   x_key="step", title="release: memory by tag at each step"),
@@ -184,6 +185,7 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
                                 x_key="step", title="release: fragmentation at each step"),
         ]
     result["files"] = [os.path.basename(f) for f in files] + ["release.json"]
+    result["plots_note"] = note
     write_json(os.path.join(out_dir, "release.json"), result)
     return result
 
