@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .config import DEFAULT_MAX_NEW_TOKENS
 from .errors import ConfigError
 from .plan import LOGIT_BLOCK_ROWS
 
@@ -77,7 +78,7 @@ def _normalise_stop(stop) -> list[str]:
     return stop
 
 
-def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0, top_p=1.0,
+def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0, top_k=0, top_p=1.0,
            seed=None, stop=None, _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
@@ -184,7 +185,7 @@ def _as_int(v, name: str) -> int:
     return int(v)
 
 
-def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
+def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0, top_k=0,
              top_p=1.0, seed=None, stop=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import check_load_args, fp16_cache_enabled
+from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, fp16_cache_enabled
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .kvcache import RuntimeKVCache
@@ -360,7 +360,7 @@ class Model:
         from .generate import score
         return score(self, token_ids, depth)
 
-    def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
@@ -370,7 +370,7 @@ class Model:
         return generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
-    def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
