@@ -25,7 +25,7 @@ from ..config import parse_size
 from ..errors import ConfigError, OutOfMemoryError
 from .arena import SMALL_REQUEST_MAX, Arena, round_size, segment_size
 from .stats import MemoryStats, fmt_bytes
-from .tags import TAGS, check_tag, current_tag
+from .tags import TAGS, check_tag, current_tag, oom_hint
 
 _TAG_SET = frozenset(TAGS)
 _now = time.time
@@ -226,13 +226,16 @@ class MemoryPool:
         self._log("oom", 0, rounded, tag)
         device_free = self._raw.mem_info()[0]
         limit = self._limit_bytes
+        hint = oom_hint(tag, self._by_tag)
         raise OutOfMemoryError(
             f"out of memory on {self.device}: cannot allocate {rounded} bytes "
             f"({fmt_bytes(rounded)}; requested {nbytes}) for tag {tag!r}: {'; '.join(reasons)}. "
             f"allocated {fmt_bytes(self._allocated_bytes)}, "
             f"reserved {fmt_bytes(self._reserved_bytes)}, "
             f"limit {'none' if limit is None else fmt_bytes(limit)}, "
-            f"device free {'unknown' if device_free is None else fmt_bytes(device_free)}",
+            f"{'device' if self.device == 'cuda' else 'host memory'} free "
+            f"{'unknown' if device_free is None else fmt_bytes(device_free)}"
+            + (f". Cause: {hint}" if hint else ""),
             requested_bytes=nbytes, tag=tag, allocated_bytes=self._allocated_bytes,
             reserved_bytes=self._reserved_bytes, limit_bytes=limit,
             device_free_bytes=device_free, device=self.device)

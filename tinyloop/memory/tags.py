@@ -10,6 +10,14 @@ from ..errors import ConfigError
 TAGS = ("weights", "fp16_cache", "buffers", "logits", "kv_cache", "prefix_cache", "resume",
         "scratch", "cupy", "other")
 
+# What a tag's bytes are and how to go without them, for the out-of-memory error and
+# memory_report(): the tags a user can switch off.
+TAG_CAUSES = {
+    "fp16_cache": "dequantized weight copies for the GEMMs (float32 on the NumPy backend, where "
+                  "they are on by default and take several times the quantized weights); set "
+                  "TINYLOOP_FP16_CACHE=0 to load without them (slower GEMMs)",
+}
+
 _tls = threading.local()      # per thread: .tags, the stack of active tag_scope tags
 
 
@@ -38,3 +46,16 @@ def tag_scope(tag: str):
         yield
     finally:
         stack.pop()
+
+
+def oom_hint(tag: str, by_tag: dict) -> str:
+    """The sentence an out-of-memory error adds when a tag of :data:`TAG_CAUSES` is the one
+    being allocated or holds bytes: what those bytes are and the setting that avoids them;
+    "" otherwise. ``by_tag``: tag -> live bytes."""
+    from .stats import fmt_bytes
+    parts = []
+    for t, cause in TAG_CAUSES.items():
+        if t == tag or by_tag.get(t, 0):
+            parts.append(f"tag {t!r} holds {fmt_bytes(by_tag.get(t, 0))}"
+                         + (" and asked for more" if t == tag else "") + f": {cause}")
+    return "; ".join(parts)
