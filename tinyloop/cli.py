@@ -27,8 +27,8 @@ from .memory.stats import fmt_bytes
 DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
 DEFAULT_MODEL = "default"       # MODEL argument naming the embedded default model
 DEFAULT_MAX_SEQ_LEN = 2048
-MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-Instruct "
-              f"(converted once into the cache folder; default: {DEFAULT_MODEL})")
+MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}': the embedded SmolLM2-135M-Instruct, "
+              f"converted once into the cache folder (the default when MODEL is left out)")
 
 
 def resolve_model_arg(model: str | None) -> str:
@@ -40,12 +40,25 @@ def resolve_model_arg(model: str | None) -> str:
     return model
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                   help="tokens to generate at most (default: %(default)s)")
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """The options that size a load: depth, backend, max_seq_len, prefill_chunk."""
     p.add_argument("--depth", type=int, default=None, metavar="D",
                    help="recurrent depth: times the recurrent block runs (default: the model's "
                         "default depth)")
+    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
+                   help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
+                   help="positions the KV cache holds: prompt + new tokens (default: "
+                        "%(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="C",
+                   help="prefill the prompt C tokens at a time; 0 prefills it in one pass "
+                        "(default: %(default)s)")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help="tokens to generate at most (default: %(default)s)")
+    _add_load_args(p)
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, metavar="K",
@@ -55,14 +68,6 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "reaches P; 1 keeps all (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="seed of the sampler's random draws (default: a fresh seed per run)")
-    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
-                   help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
-                   help="positions the KV cache holds: prompt + new tokens (default: "
-                        "%(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=0, metavar="C",
-                   help="prefill the prompt C tokens at a time; 0 prefills it in one pass "
-                        "(default: %(default)s)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template (default: "
                         "apply the template)")
@@ -280,17 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print a .tlm file's header and dims and the bytes of each "
                                    "load phase and of one request's KV cache.")
     i.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
-    i.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
-                   help="positions the plan is made for (default: %(default)s)")
-    i.add_argument("--prefill-chunk", type=int, default=0, metavar="C",
-                   help="prefill chunk the plan is made for; 0 is one pass (default: "
-                        "%(default)s)")
-    i.add_argument("--depth", type=int, default=None, metavar="D",
-                   help="depth of the per-request KV cache figure (default: the model's "
-                        "default depth)")
-    i.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
-                   help="whose dtypes to plan with; auto: cuda where CuPy sees a GPU "
-                        "(default: %(default)s)")
+    _add_load_args(i)
     i.set_defaults(fn=cmd_inspect)
     return ap
 
