@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         path = os.path.join(tempfile.mkdtemp(), "smollm2_dims.tlm")
         smollm2_like(path)
     m = tinyloop.load_model(path, max_seq_len=a.max_seq_len, backend="cuda")
-    ops, n = m._ops, a.tokens
+    ops, n = m.ops, a.tokens
     prompt = list(range(10, 26))
     m.generate(prompt, max_new_tokens=16, depth=a.depth)
     t = time.perf_counter()

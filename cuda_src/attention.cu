@@ -14,7 +14,12 @@
 // bank-conflict free across the 4 parts. K/V tiles of 32 keys are staged in shared memory as
 // float. grid = (ceil(T / 64), n_heads); q tiles are taken in reverse so the longest (last)
 // causal rows start first.
+// Launch geometry shared with the host: the host passes these as -D options from
+// tinyloop/backends/cuda_ops.py GEOMETRY (the one definition); the values below are defaults
+// for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
+#ifndef PF_Q
 #define PF_Q 64
+#endif
 #define PF_KV 32
 
 template <int HD>
@@ -126,7 +131,9 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
 // key per thread for the score (a full 16-byte-load dot product over the K row); then
 // thread (slice, dim pair) accumulates p * V over the chunk's keys of its slice; the slices
 // are summed at the end. grid = n_heads.
+#ifndef DC_THREADS
 #define DC_THREADS 1024
+#endif
 
 template <int HD>
 __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
@@ -204,10 +211,10 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
         attn_decode_impl<HD>(qkv, ctx, kc, vc, n_heads, n_kv, (float)scale_log2, out);         \
     }
 
-ATTN_ENTRIES(16)
-ATTN_ENTRIES(32)
-ATTN_ENTRIES(48)
-ATTN_ENTRIES(64)
-ATTN_ENTRIES(80)
-ATTN_ENTRIES(96)
-ATTN_ENTRIES(128)
+// The supported head dims (ATTN_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
+#ifndef ATTN_HEAD_DIM_ENTRIES
+#define ATTN_HEAD_DIM_ENTRIES                                                                  \
+    ATTN_ENTRIES(16) ATTN_ENTRIES(32) ATTN_ENTRIES(48) ATTN_ENTRIES(64) ATTN_ENTRIES(80)       \
+    ATTN_ENTRIES(96) ATTN_ENTRIES(128)
+#endif
+ATTN_HEAD_DIM_ENTRIES

@@ -11,8 +11,20 @@
 // buffers, one barrier per K step). Ragged M and N are zero-filled on load and masked on store.
 #include "common.cuh"
 
+// Launch geometry shared with the host: the host passes these as -D options from
+// tinyloop/backends/cuda_ops.py GEOMETRY (the one definition); the values below are defaults
+// for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
+#ifndef BM
 #define BM 64
+#endif
+#ifndef BN
 #define BN 64
+#endif
+#ifndef GEMM_THREADS
+#define GEMM_THREADS 128
+#endif
+static_assert(BM == 64 && BN == 64 && GEMM_THREADS == 128,
+              "gemm_impl's load and MMA loops are written for a 64 x 64 tile and 4 warps");
 #define BK 32
 #define LDS 40   // shared row pitch in halves: 80 bytes keeps fragment reads conflict-free
 
@@ -178,7 +190,7 @@ __device__ void gemm_impl(const u8* __restrict__ qw, const half_t* __restrict__ 
 }
 
 #define GEMM_ENTRY(NAME, BITS, EPI)                                                           \
-    extern "C" __global__ void __launch_bounds__(128)                                        \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                               \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* X, i64 M, i64 N, \
              i64 K, i64 log2g, void* out, i64 ldo) {                                          \
         gemm_impl<BITS, EPI>(qw, sc, zr, X, M, N, K, log2g, out, ldo);                        \

@@ -19,7 +19,12 @@
 // many times). One launch replaces rmsnorm + GEMV; the FP16 normalized row never hits memory.
 #include "common.cuh"
 
+// Launch geometry shared with the host: the host passes these as -D options from
+// tinyloop/backends/cuda_ops.py GEOMETRY (the one definition); the values below are defaults
+// for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
+#ifndef GEMV_WARPS
 #define GEMV_WARPS 8
+#endif
 
 enum { EPI_F16 = 0, EPI_RESID = 1, EPI_SWIGLU = 2, EPI_F32 = 3 };
 

@@ -1,5 +1,6 @@
 """TinyLoop diagnostics: is the memory a process keeps after a request a leak, a cache, or
-fragmentation? Measured, not guessed (seed 004).
+fragmentation? Measured, not guessed (docs/architecture.md, "why a runtime keeps memory after
+a request").
 
     python -m diagnostics leak     [--requests N] [--out DIR] [--backend B] [--plant-leak BYTES]
                                    [--plant-cache BYTES] [--model PATH] [--max-new-tokens M]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tinyloop.backends import BACKENDS
 from tinyloop.config import parse_size
 from tinyloop.errors import TinyLoopError
 
@@ -41,7 +42,7 @@ def _common(p: argparse.ArgumentParser, *, requests: int | None, max_new_tokens:
                        help=f"number of requests (default {requests})")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"where JSON, CSV and PNG files go (default ./{DEFAULT_OUT})")
-    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: CUDA where CuPy sees a GPU, else NumPy (default auto)")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="a .tlm model (default: tinyloop.default_model_path(), the embedded "

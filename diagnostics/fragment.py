@@ -27,19 +27,14 @@ import time
 import numpy as np
 
 import tinyloop
-from tinyloop.memory import (SMALL_REQUEST_MAX, FakeRawAllocator, MemoryPool,
-                             reset_peak_memory_stats)
+from tinyloop.memory import FakeRawAllocator, MemoryPool, reset_peak_memory_stats, size_kind
 
 from . import plots
-from .records import fmt_bytes, take_record, write_csv, write_json
-from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, load_timed, pool_of, progress,
-                      resolve_backend, resolve_model)
+from .records import fmt_bytes, take_record, write_csv, write_result
+from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, backend_pool, load_timed, progress,
+                      settle_run)
 
 TIMELINE_POINTS = 2000          # the per-event timeline is downsampled to at most this many
-
-
-def _kind(rounded: int) -> str:
-    return "small" if rounded <= SMALL_REQUEST_MAX else "large"
 
 
 def layout_state(pool) -> dict:
@@ -94,7 +89,7 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
     reserved = sum(s for s, _ in segs.values())
     alloc_kind = {"small": 0, "large": 0}
     for s, _ in blocks.values():
-        alloc_kind[_kind(s)] += s
+        alloc_kind[size_kind(s)] += s
     seg_kind = {"small": 0, "large": 0}
     for s, k in segs.values():
         seg_kind[k] += s
@@ -109,7 +104,7 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
             n_seg += 1
             reserved += size
         elif action == "alloc":
-            k = _kind(size)
+            k = size_kind(size)
             if pending is not None:
                 j, pt, saddr, ssize, a0, r0 = pending
                 segs[saddr] = (ssize, k)
@@ -133,7 +128,7 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
             old = blocks.pop(addr, None)
             size = old[0] if old is not None else size
             allocated -= size
-            alloc_kind[_kind(size)] -= size
+            alloc_kind[size_kind(size)] -= size
             n_free += 1
         elif action == "segment_free":
             old = segs.pop(addr, None)
@@ -142,7 +137,7 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
                 seg_kind[old[1]] -= size
             n_segfree += 1
         elif action == "oom":
-            k = _kind(size)
+            k = size_kind(size)
             ooms.append({"event": i, "time": t, "size": size, "tag": tag, "kind": k,
                          "pool_free_bytes": reserved - allocated,
                          "free_same_kind_bytes": seg_kind[k] - alloc_kind[k],
@@ -343,24 +338,16 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
     fragment.json's content. ``model``: a loaded Model to use and leave loaded (the trace then
     starts after its load); else ``model_path`` is loaded and freed. Raises ValueError for
     ``requests`` < 1."""
-    if requests < 1:
-        raise ValueError(f"--requests must be >= 1, got {requests}")
-    os.makedirs(out_dir, exist_ok=True)
-    own = model is None
-    if own:
-        backend = resolve_backend(backend)
-        model_path = resolve_model(model_path)
-    else:
-        backend, model_path, max_seq_len = model.backend, model.path, model.max_seq_len
-    from tinyloop.memory import get_pool
-    pool = get_pool("cuda" if backend == "cuda" else "host")
+    own, backend, model_path, max_seq_len = settle_run(out_dir, requests, model, model_path,
+                                                       backend, max_seq_len)
+    pool = backend_pool(backend) if own else model.pool
     start = layout_state(pool)
     collector = EventCollector(pool).start()
     if own:
         model, load_s = load_timed(model_path, max_seq_len, backend)
     else:
         load_s = 0.0
-    assert pool_of(model) is pool
+    assert model.pool is pool
     collector.collect()
     reset_peak_memory_stats()
     records = [take_record(pool, request=0, step="loaded", device=pool.device,
@@ -458,10 +445,8 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
             files.append(plots.policy_comparison(
                 policies, os.path.join(out_dir, "fragment_policies.png"),
                 title="fragment: the recorded trace replayed against allocator policies"))
-    result["files"] = [os.path.basename(f) for f in files] + ["fragment.json"]
     result["plots_note"] = note
-    write_json(os.path.join(out_dir, "fragment.json"), result)
-    return result
+    return write_result(out_dir, "fragment", result, files)
 
 
 def summary(result: dict) -> str:

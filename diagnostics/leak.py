@@ -1,11 +1,12 @@
 """``python -m diagnostics leak``: N identical greedy requests, a record after each, a verdict.
 
-The test from seed 004: run the same fixed request again and again and record, after each,
-allocated and reserved bytes, the bytes of every tag, the driver's device-free figure and the
-process's NVML usage. A high-water mark that stops rising is caching; allocated bytes that grow
-with every identical request are a leak; reserved bytes that grow while allocated stays flat
-are an unbounded cache. The verdict itself is ``diagnostics.verdict.classify`` (a pure function
-of the records, so it can be re-run on a saved leak.json).
+The test from docs/architecture.md ("why a runtime keeps memory after a request"): run the same
+fixed request again and again and record, after each, allocated and reserved bytes, the bytes
+of every tag, the driver's device-free figure and the process's NVML usage. A high-water mark
+that stops rising is caching; allocated bytes that grow with every identical request are a
+leak; reserved bytes that grow while allocated stays flat are an unbounded cache. The verdict
+itself is ``diagnostics.verdict.classify`` (a pure function of the records, so it can be re-run
+on a saved leak.json).
 
 Writes DIR/leak.json (``verdict``, ``leak_bytes_per_request``, the evidence and the records),
 DIR/leak.csv and the plots DIR/leak_*.png.
@@ -21,9 +22,9 @@ from tinyloop.memory import reset_peak_memory_stats, round_size
 
 from . import plots
 from .faults import PlantedCache, PlantedLeak
-from .records import fmt_bytes, take_record, write_csv, write_json
+from .records import fmt_bytes, take_record, write_csv, write_result
 from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT, load_timed,
-                      pool_of, progress, resolve_backend, resolve_model)
+                      progress, settle_run)
 from .verdict import classify
 
 
@@ -40,18 +41,10 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
     of a planted fault (see ``diagnostics.faults``). Raises ValueError for ``requests`` < 1 and
     whatever ``tinyloop.load_model`` / ``Model.generate`` raise (TinyLoopError family).
     """
-    if requests < 1:
-        raise ValueError(f"--requests must be >= 1, got {requests}")
-    os.makedirs(out_dir, exist_ok=True)
-    own = model is None
-    if own:
-        backend = resolve_backend(backend)
-        model_path = resolve_model(model_path)
-        model, load_s = load_timed(model_path, max_seq_len, backend)
-    else:
-        backend, model_path, max_seq_len, load_s = (model.backend, model.path,
-                                                    model.max_seq_len, 0.0)
-    pool = pool_of(model)
+    own, backend, model_path, max_seq_len = settle_run(out_dir, requests, model, model_path,
+                                                       backend, max_seq_len)
+    model, load_s = load_timed(model_path, max_seq_len, backend) if own else (model, 0.0)
+    pool = model.pool
     leak = PlantedLeak(pool, plant_leak)
     cache = PlantedCache(pool, plant_cache)
     records = [take_record(pool, request=0, step="loaded", duration_ms=load_s * 1e3,
@@ -113,10 +106,8 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
             plots.fragmentation(records, os.path.join(out_dir, "leak_fragmentation.png"),
                                 title="leak: fragmentation after each request"),
         ]
-    result["files"] = [os.path.basename(f) for f in files] + ["leak.json"]
     result["plots_note"] = note
-    write_json(os.path.join(out_dir, "leak.json"), result)
-    return result
+    return write_result(out_dir, "leak", result, files)
 
 
 def summary(result: dict) -> str:

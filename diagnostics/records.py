@@ -77,6 +77,25 @@ def write_json(path, obj) -> str:
     return path
 
 
+def write_result(out_dir, command: str, result: dict, files: list) -> dict:
+    """Finish a command's run: list ``files`` (paths of what it wrote) and ``<command>.json`` in
+    ``result["files"]``, write ``result`` to ``out_dir/<command>.json``, return it."""
+    result["files"] = [os.path.basename(f) for f in files] + [f"{command}.json"]
+    write_json(os.path.join(out_dir, f"{command}.json"), result)
+    return result
+
+
+RELEASE_FIGURES = ("allocated_bytes", "reserved_bytes", "process_bytes", "device_free_bytes")
+
+
+def release_step_cells(step: dict) -> tuple[list[str], list[str]]:
+    """The figures a release step's table row shows: ``fmt_bytes`` of its ``after`` figures
+    (RELEASE_FIGURES, in order) and of what it freed (allocated, reserved, process)."""
+    after = [fmt_bytes(step["after"][k]) for k in RELEASE_FIGURES]
+    freed = [fmt_bytes(step["freed"][k]) for k in RELEASE_FIGURES[:3]]
+    return after, freed
+
+
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -1,8 +1,8 @@
 """``python -m diagnostics release``: what each release step frees, in the pool's and the
 driver's figures, before and after.
 
-The steps (seed 004: emptying the allocator's cache does not unload the weights; unloading
-makes the next request a cold start):
+The steps (docs/architecture.md, "why a runtime keeps memory after a request": emptying the
+allocator's cache does not unload the weights; unloading makes the next request a cold start):
 
 1. load the model; 2. a first request; 3. a warm request -- the *end of a request* frees its
 KV cache (peak during the request vs allocated after); 4. ``empty_cache()`` -- returns the
@@ -21,12 +21,13 @@ import os
 import time
 
 import tinyloop
-from tinyloop.memory import empty_cache, get_pool, reset_peak_memory_stats
+from tinyloop.backends import resolve_backend
+from tinyloop.memory import empty_cache, reset_peak_memory_stats
 
 from . import plots
-from .records import fmt_bytes, take_record, write_csv, write_json
-from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT, load_timed,
-                      resolve_backend, resolve_model)
+from .records import fmt_bytes, release_step_cells, take_record, write_csv, write_result
+from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT,
+                      backend_pool, load_timed, resolve_model)
 
 FIGURES = ("allocated_bytes", "reserved_bytes", "pool_free_bytes", "device_free_bytes",
            "process_bytes", "nvml_process_bytes")
@@ -62,7 +63,7 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
     os.makedirs(out_dir, exist_ok=True)
     backend = resolve_backend(backend)
     model_path = resolve_model(model_path)
-    pool = get_pool("cuda" if backend == "cuda" else "host")
+    pool = backend_pool(backend)
     records, steps = [], []
 
     def rec(step: str, **extra) -> dict:
@@ -184,10 +185,8 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
             plots.fragmentation(records, os.path.join(out_dir, "release_fragmentation.png"),
                                 x_key="step", title="release: fragmentation at each step"),
         ]
-    result["files"] = [os.path.basename(f) for f in files] + ["release.json"]
     result["plots_note"] = note
-    write_json(os.path.join(out_dir, "release.json"), result)
-    return result
+    return write_result(out_dir, "release", result, files)
 
 
 def summary(result: dict) -> str:
@@ -197,12 +196,9 @@ def summary(result: dict) -> str:
              f"  {'step':<30}{'allocated':>12}{'reserved':>12}{'proc (drv)':>12}"
              f"{'dev free':>12}   freed (- = grew): alloc / reserved / proc"]
     for s in result["steps"]:
-        a, f = s["after"], s["freed"]
-        lines.append(f"  {s['step']:<30}{fmt_bytes(a['allocated_bytes']):>12}"
-                     f"{fmt_bytes(a['reserved_bytes']):>12}{fmt_bytes(a['process_bytes']):>12}"
-                     f"{fmt_bytes(a['device_free_bytes']):>12}   "
-                     f"{fmt_bytes(f['allocated_bytes'])} / {fmt_bytes(f['reserved_bytes'])} / "
-                     f"{fmt_bytes(f['process_bytes'])}")
+        after, freed = release_step_cells(s)
+        lines.append(f"  {s['step']:<30}" + "".join(f"{c:>12}" for c in after) + "   "
+                     + " / ".join(freed))
     lines.append("")
     lines += [f"  check {k}: {v}" for k, v in result["checks"].items()]
     return "\n".join(lines)

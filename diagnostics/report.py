@@ -9,7 +9,7 @@ import glob
 import html
 import os
 
-from .records import fmt_bytes, read_json
+from .records import fmt_bytes, read_json, release_step_cells
 
 COMMANDS = ("leak", "fragment", "release")
 
@@ -103,14 +103,10 @@ def _release_section(r: dict) -> str:
            "<th>action</th><th>allocated</th><th>reserved</th><th>process (driver)</th>"
            "<th>device free</th><th>freed alloc / reserved</th></tr>"]
     for s in r["steps"]:
-        a, f = s["after"], s["freed"]
+        after, freed = release_step_cells(s)
         out.append(f"<tr><td>{_e(s['step'])}</td><td>{_e(s['action'])}</td>"
-                   f"<td class=n>{_e(fmt_bytes(a['allocated_bytes']))}</td>"
-                   f"<td class=n>{_e(fmt_bytes(a['reserved_bytes']))}</td>"
-                   f"<td class=n>{_e(fmt_bytes(a['process_bytes']))}</td>"
-                   f"<td class=n>{_e(fmt_bytes(a['device_free_bytes']))}</td>"
-                   f"<td class=n>{_e(fmt_bytes(f['allocated_bytes']))} / "
-                   f"{_e(fmt_bytes(f['reserved_bytes']))}</td></tr>")
+                   + "".join(f"<td class=n>{_e(c)}</td>" for c in after)
+                   + f"<td class=n>{_e(freed[0])} / {_e(freed[1])}</td></tr>")
     out.append("</table>")
     out.append(_kv_table({**r["checks"], **{k: (f"{v:.3f}" if isinstance(v, float) else v)
                                              for k, v in r["timings"].items()}}))

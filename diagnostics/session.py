@@ -3,27 +3,36 @@ bars, and a loss-free copy of the pool's event log."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import tinyloop
-from tinyloop.backends import cuda_available
+from tinyloop.backends import ops_class, resolve_backend
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_MAX_NEW_TOKENS = 8
 DEFAULT_MAX_SEQ_LEN = 512
 
 
-def resolve_backend(backend: str) -> str:
-    """"auto" -> "cuda" where CuPy sees a GPU, else "numpy"; other names unchanged."""
-    if backend == "auto":
-        return "cuda" if cuda_available() else "numpy"
-    return backend
-
-
 def resolve_model(path: str | None) -> str:
     """``path``, or the embedded default model (converted on first use)."""
     return path if path else tinyloop.default_model_path()
+
+
+def settle_run(out_dir, requests: int, model, model_path: str | None, backend: str,
+               max_seq_len: int):
+    """The common start of a repeated-request run: check ``requests`` (ValueError when < 1),
+    make ``out_dir``, and settle the model. Returns ``(own, backend, model_path, max_seq_len)``:
+    own=True when the run loads (and frees) ``model_path`` itself (backend resolved, default
+    model path filled in); False when it uses the given loaded ``model``, whose backend, path
+    and max_seq_len are returned."""
+    if requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {requests}")
+    os.makedirs(out_dir, exist_ok=True)
+    if model is None:
+        return True, resolve_backend(backend), resolve_model(model_path), max_seq_len
+    return False, model.backend, model.path, model.max_seq_len
 
 
 def load_timed(path: str, max_seq_len: int, backend: str):
@@ -33,10 +42,11 @@ def load_timed(path: str, max_seq_len: int, backend: str):
     return model, time.perf_counter() - t0
 
 
-def pool_of(model):
-    """The pool the model allocates from (host for numpy, cuda for cuda)."""
+def backend_pool(backend: str):
+    """The process pool a model of ``backend`` ("auto" | "cuda" | "numpy") allocates from,
+    before any model is loaded (a loaded model's is ``model.pool``)."""
     from tinyloop.memory import get_pool
-    return get_pool("cuda" if model.backend == "cuda" else "host")
+    return get_pool(ops_class(backend).device)
 
 
 def progress(iterable, *, total: int | None = None, desc: str = "", enabled: bool = True):

@@ -5,8 +5,9 @@ Input: the records of N identical requests, in order, each a mapping with at lea
 ``peak_reserved_bytes`` (the request's own high-water mark), ``by_tag`` (tag -> bytes) and
 ``request`` (its number, 1-based; the position in the list otherwise).
 
-The rule (seed 004: a stable high-water mark is caching, a footprint that grows with every
-identical request is a leak or an unbounded cache):
+The rule (docs/architecture.md, "why a runtime keeps memory after a request": a stable
+high-water mark is caching, a footprint that grows with every identical request is a leak or
+an unbounded cache):
 
 1. The first ``warmup`` requests (default: max(1, N // 10)) are skipped by the fits: the first
    request allocates what the model makes lazily (the logit row) and reserves its KV segment.

@@ -437,7 +437,7 @@ def test_snapshot_loads_back_and_blocks_tile_segments(tmp_path):
 def test_cupy_hook_without_cupy_raises_backend_unavailable():
     import importlib.util
     if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("CuPy is installed; tests/test_memory_gpu.py covers the hook")
+        pytest.skip("CuPy is installed; tests/gpu/test_memory.py covers the hook on a GPU")
     from tinyloop.errors import BackendUnavailableError
     with pytest.raises(BackendUnavailableError):
         mem.install_cupy_allocator()
@@ -629,3 +629,129 @@ def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
     assert ei.value.limit_bytes == start.reserved_bytes + 4 * KiB
     after = mem.memory_stats("host")
     assert after.allocated_bytes == start.allocated_bytes and after.num_ooms == 1
+
+
+class _FakeCupy:
+    """Just enough of ``cupy.cuda`` for the allocator hook: get/set_allocator and the two
+    memory wrappers (the hook's bookkeeping is pure Python, so it is tested without a GPU)."""
+
+    def __init__(self):
+        import types
+        self.current = "cupy-default"
+        cuda = types.SimpleNamespace()
+        cuda.get_allocator = lambda: self.current
+        cuda.set_allocator = self._set
+        cuda.UnownedMemory = lambda ptr, size, owner, dev: (ptr, size, owner, dev)
+        cuda.MemoryPointer = lambda mem, off: mem
+        self.cuda = cuda
+
+    def _set(self, fn):
+        self.current = fn
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    import sys
+    from tinyloop.memory import cupy_hook
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    yield fake
+    cupy_hook._reset_for_tests()
+
+
+def test_cupy_installs_are_tokens_removing_one_keeps_the_others(fake_cupy):
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    a = mem.install_cupy_allocator(pool)
+    b = mem.install_cupy_allocator(pool, tag="scratch")
+    assert fake_cupy.current is b.allocate
+    assert a.uninstall() is True                 # not on top: b now restores the default
+    assert fake_cupy.current is b.allocate and not a.installed and b.installed
+    assert a.uninstall() is False
+    ptr, size, owner, _ = fake_cupy.current(1000)
+    assert pool.by_tag()["scratch"] == size == 1024
+    del owner
+    assert pool.by_tag()["scratch"] == 0         # CuPy dropping the memory frees the block
+    with b:
+        pass
+    assert fake_cupy.current == "cupy-default"
+    assert mem.uninstall_cupy_allocator() is False
+
+
+def test_cupy_routing_is_counted_and_never_removes_a_users_install(fake_cupy):
+    from tinyloop.memory.cupy_hook import cupy_allocator_installed
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    first = mem.route_cupy_allocations(pool)         # a first CUDA model
+    routed = fake_cupy.current
+    user = mem.install_cupy_allocator(pool, tag="other")   # the user's own install on top
+    second = mem.route_cupy_allocations(pool)        # a second model shares the routing
+    assert fake_cupy.current is user.allocate
+    first.release()
+    first.release()                                  # idempotent: counts once
+    assert second.active and not first.active
+    second.release()                                 # the last holder: routing removed...
+    assert user.installed and fake_cupy.current is user.allocate   # ...the user's stays
+    user.uninstall()
+    assert fake_cupy.current == "cupy-default" and not cupy_allocator_installed()
+    again = mem.route_cupy_allocations(pool)         # a fresh routing after the last release
+    assert fake_cupy.current is not routed and fake_cupy.current != "cupy-default"
+    again.release()
+    assert fake_cupy.current == "cupy-default"
+
+
+# --- a limit that is not a multiple of 512 B (issue 11, fault 5) --------------------------
+@pytest.mark.parametrize("limit", [100_000_000, 1000, 512 * 7 + 1, 3 * MiB + 1])
+def test_allocation_of_exactly_a_100_000_000_byte_limit_fits_an_empty_pool(limit):
+    pool, raw = fake_pool(limit_bytes=limit)
+    want = -(-limit // ALIGNMENT) * ALIGNMENT             # the limit in whole 512-byte blocks
+    assert pool.limit_bytes == want
+    blk = pool.allocate(limit, "weights")
+    assert blk.nbytes == round_size(limit) == want
+    s = pool.stats()
+    assert s.reserved_bytes <= s.limit_bytes == want
+    with pytest.raises(OutOfMemoryError):                 # and not a byte more
+        pool.allocate(1)
+    blk.free()
+    pool._check()
+
+
+def test_percentage_limit_is_rounded_to_blocks_and_fits_an_allocation_of_itself():
+    total = 1000 * MiB + 123                              # 7% of it is not a multiple of 512
+    pool, _ = fake_pool(total_bytes=total)
+    pool.set_limit("7%")
+    exact = int(total * 7 / 100)
+    assert exact % ALIGNMENT and pool.limit_bytes == round_size(exact)
+    pool.allocate(exact).free()
+    mem.set_memory_limit(100_000_001, device="host")
+    assert mem.get_pool("host").limit_bytes == round_size(100_000_001)
+    mem.get_pool("host").allocate(100_000_001).free()
+
+
+# --- releasing at interpreter exit (issue 11, fault 7) -------------------------------------
+def _imports_fail(monkeypatch):
+    """Make every import statement fail as it does once ``sys.meta_path`` is None."""
+    import builtins
+
+    def no_import(*args, **kwargs):
+        raise ImportError("sys.meta_path is None, Python is likely shutting down")
+    monkeypatch.setattr(builtins, "__import__", no_import)
+
+
+def test_cupy_routing_release_imports_nothing_as_at_exit(fake_cupy, monkeypatch):
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    user = mem.install_cupy_allocator(pool, tag="other")
+    routing = mem.route_cupy_allocations(pool)
+    with monkeypatch.context() as m:
+        _imports_fail(m)
+        routing.release()                  # the CUDA model's release path
+        assert user.uninstall()
+    assert fake_cupy.current == "cupy-default"
+
+
+def test_model_free_imports_nothing_as_at_exit(tiny_model_path, monkeypatch):
+    import tinyloop
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=32, backend="numpy")
+    m.generate([1, 2, 3], max_new_tokens=2)
+    with monkeypatch.context() as mp:
+        _imports_fail(mp)
+        m.free()
+    assert tinyloop.vram_usage_bytes(m) == 0 and mem.get_pool("host").allocated_bytes == 0

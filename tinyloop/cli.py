@@ -20,6 +20,7 @@ import argparse
 import sys
 
 from . import __version__
+from .backends import BACKENDS
 from .config import DEFAULT_MAX_NEW_TOKENS, ModelConfig
 from .errors import ConfigError, TinyLoopError
 from .memory.stats import fmt_bytes
@@ -45,7 +46,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None, metavar="D",
                    help="recurrent depth: times the recurrent block runs (default: the model's "
                         "default depth)")
-    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
                    help="positions the KV cache holds: prompt + new tokens (default: "
@@ -81,7 +82,9 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
         text = prompt
         tok = model.tokenizer
         if not a.raw and tok is not None and tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            # ids, not text: special-token text typed in the prompt stays plain text
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                           tokenize=True)
         print(f"# {model!r}", file=sys.stderr)
         res = model.generate(text, max_new_tokens=a.max_new_tokens, depth=a.depth,
                              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -92,7 +95,7 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
               f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason}); "
               f"backend {model.backend}")
         print(f"# model {model_path}: owns {fmt_bytes(model.vram_usage_bytes())}")
-        print(memory_report(model._ops.device))
+        print(memory_report(model.device))
     finally:
         free_model(model)
     return 0
@@ -177,17 +180,14 @@ def cmd_convert(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    import numpy as np
-
     from . import plan as planmod
+    from .backends import ops_class
     from .format import read_tlm
     from .config import check_load_args
     check_load_args(a.max_seq_len, a.prefill_chunk)
     a.model = resolve_model_arg(a.model)
-    backend = a.backend
-    if backend == "auto":
-        from .backends import cuda_available
-        backend = "cuda" if cuda_available() else "numpy"
+    ops = ops_class(a.backend)          # the backend's dtypes; no device needed
+    backend = ops.name
     with read_tlm(a.model) as f:
         cfg = f.config
         depth = cfg.check_depth(a.depth)
@@ -201,14 +201,7 @@ def cmd_inspect(a) -> int:
         groups = sorted({g for _, g in layout.values()})
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
-    if backend == "cuda":
-        act, kv = np.float16, np.float16
-    else:
-        act, kv = np.float32, np.float32
-    from .config import fp16_cache_enabled
-    p = planmod.load_plan(cfg, layout, a.max_seq_len, a.prefill_chunk, act,
-                          fp16_cache=fp16_cache_enabled(default=backend == "numpy"),
-                          backend=backend)
+    p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk)
     print(f"\nmemory plan for backend={backend} max_seq_len={a.max_seq_len} "
           f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
     by = planmod.plan_bytes_by_phase(p)
@@ -220,7 +213,7 @@ def cmd_inspect(a) -> int:
             print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
     total = sum(e.nbytes for e in p)
     print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}")
-    (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, kv)
+    (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, ops.kv_dtype)
     print(f"  per request: KV cache for {a.max_seq_len} positions at depth {depth} "
           f"({cfg.n_slots(depth)} slots): {kv_e.nbytes:,d}  {fmt_bytes(kv_e.nbytes)}")
     return 0
@@ -298,7 +291,8 @@ def main(argv=None) -> int:
     try:
         return a.fn(a)
     except (TinyLoopError, OSError) as e:
-        print(f"tinyloop {a.cmd}: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split("\n"))          # one line, whatever the message holds
+        print(f"tinyloop {a.cmd}: error: {msg}", file=sys.stderr)
         return 1
 
 

@@ -1,7 +1,11 @@
 """Sampling loops over a Model: generate / stream / teacher-forced logits / score.
 
-Each call takes the model's lock for its whole duration, allocates its RuntimeKVCache (tag
-``kv_cache``) sized for the call, and releases it when the call ends, however it ends.
+The request side of ``model.Model``: these functions use only the Model's public surface
+(``lock``, ``check_alive``, ``check_token_ids``, ``encode_prompt``, ``request_plan``,
+``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``ops``, ``pool``); ``model.py``
+imports this module, never the reverse. Each call takes the model's lock for its whole
+duration, allocates its RuntimeKVCache (tag ``kv_cache``) sized for the call, and releases it
+when the call ends, however it ends.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .backends.base import non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS
-from .errors import ConfigError
-from .plan import LOGIT_BLOCK_ROWS
+from .errors import ConfigError, NonFiniteLogitsError
 
 
 @dataclass
@@ -60,9 +64,8 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
         raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not _is_number(top_k) or not float(top_k).is_integer() or top_k < 0:
         raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
-
+    if not _is_number(top_p) or not 0 <= top_p <= 1:
+        raise ConfigError(f"top_p must be in [0, 1] (0 = greedy), got {top_p!r}")
 
 
 def _normalise_stop(stop) -> list[str]:
@@ -78,23 +81,30 @@ def _normalise_stop(stop) -> list[str]:
     return stop
 
 
-def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, stop=None, _result: dict | None = None):
+def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+           top_k=0, top_p=1.0, seed=None, stop=None, _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
 
     Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
-    contains a ``stop`` string. Raises ConfigError (bad arguments, prompt + max_new_tokens >
-    max_seq_len), TokenizerError (ids out of range / no tokenizer for text), ModelFreedError
-    (the model was freed while the stream was open).
+    contains a ``stop`` string (the text is cut before the earliest one). The texts of the
+    yielded tokens joined equal :func:`generate`'s ``text``: a token's text leaves out the
+    tail that could still grow into a stop string (or is part of a UTF-8 character split
+    across tokens); that tail comes with a later token once it cannot, and such a token is
+    yielded only after the next one is known, so a tail left at EOS still arrives with it.
+
+    Raises ConfigError (bad arguments, prompt + max_new_tokens > max_seq_len),
+    TokenizerError (ids out of range / no tokenizer for text), ModelFreedError (the model was
+    freed while the stream was open), NonFiniteLogitsError (logits with NaN or +inf, or all
+    -inf: names the step, 0 for the first new token, and the position sampled from).
 
     The model's lock is held only while a token is computed, never across a ``yield``: each
     step touches only this request's KV cache and the residual row of its own position, so
     other callers may run between two steps of an open stream. The KV cache is released as
     soon as the last token is known (before it is yielded), or when the stream is closed.
     """
-    model._check_alive()
+    model.check_alive()
     cfg = model.config
     depth = cfg.check_depth(_as_int(depth, "depth") if depth is not None else None)
     max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
@@ -112,23 +122,28 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
                           f"{total} exceeds max_seq_len={model.max_seq_len}")
     rng = np.random.default_rng(seed)
     res = _result if _result is not None else {}
+    new: list[int] = []
     res.update(prompt_token_ids=ids.tolist(), finish_reason="length", depth=depth,
-               token_ids=[], text="", prefill_ms=0.0, decode_ms=0.0)
+               token_ids=new, text="", prefill_ms=0.0, decode_ms=0.0)
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
-    ops = model._ops
+    ops = model.ops
     cache = model.new_kv_cache(depth, total)
 
     def step(step_ids, pos0: int) -> int:
         """Forward ``step_ids`` at ``pos0``, then head + sample, atomically under the lock."""
-        with model._lock:
-            model._check_alive()
+        with model.lock:
+            model.check_alive()
             row = model.logit_row()
             model.forward(step_ids, pos0, depth, cache)
-            model.head(pos0 + len(step_ids) - 1, 1, row)
+            pos = pos0 + len(step_ids) - 1
+            model.head(pos, 1, row)
             u = float(rng.random()) if temperature > 0 else 0.0
-            return int(ops.sample(row[0], temperature, top_k, top_p, u))
+            try:
+                return int(ops.sample(row[0], temperature, top_k, top_p, u))
+            except NonFiniteLogitsError as e:
+                raise non_finite_logits(e.kind, step=len(new), position=pos) from None
 
     try:
         t0 = time.perf_counter()
@@ -136,46 +151,74 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
         t1 = time.perf_counter()
         res["prefill_ms"] = (t1 - t0) * 1e3
         pos = len(ids)
-        new: list[int] = []
-        text = ""
+        text = ""          # decoded text of ``new`` (cut before a stop string once one is hit)
+        sent = 0           # characters of ``text`` already yielded
+        pending = None     # (id, text) of a token whose yield waits for the next token: its
+                           # text ends in what may become a stop string or a split character,
+                           # and if the next token is EOS that tail must travel with it
         dec = tok.stream() if tok is not None else None
         one = np.empty(1, dtype=np.int32)
         while True:
             if nxt == cfg.eos_token_id:
                 res["finish_reason"] = "eos"
                 text += dec.flush() if dec is not None else ""
-                break
-            new.append(nxt)
-            piece = dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
-            start = len(text)
-            text += piece
-            # a stop string may straddle pieces: search only where it could newly end
-            hit = next((s for s in stops if s in text[max(0, start - len(s) + 1):]), None)
-            last = hit is not None or len(new) >= max_new_tokens
-            if hit is not None:
-                res["finish_reason"] = "stop"
-                cut = text.find(hit, max(0, start - len(hit) + 1))
-                text = text[:cut]
-                piece = piece[:max(0, cut - start)]
-            elif last and dec is not None:
-                tail = dec.flush()
-                text += tail
-                piece += tail
-            res.update(token_ids=list(new), text=text)
-            if last:
-                cache.release()              # free the request's memory before the last yield
-                res["decode_ms"] = (time.perf_counter() - t1) * 1e3
-                if piece or hit is None:
-                    yield StreamToken(nxt, piece)
+                cache.release()
+                res.update(text=text, decode_ms=(time.perf_counter() - t1) * 1e3)
+                if pending is not None:
+                    yield StreamToken(pending[0], pending[1] + text[sent:])
                 return
-            yield StreamToken(nxt, piece)
+            new.append(nxt)
+            start = len(text)
+            text += dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
+            cut = _first_stop(text, stops, start)
+            if cut is not None or len(new) >= max_new_tokens:
+                if cut is not None:
+                    res["finish_reason"] = "stop"
+                    text = text[:cut]
+                elif dec is not None:
+                    text += dec.flush()
+                cache.release()              # free the request's memory before the last yield
+                res.update(text=text, decode_ms=(time.perf_counter() - t1) * 1e3)
+                if pending is not None:
+                    yield StreamToken(*pending)
+                if cut is None or len(text) > sent:
+                    yield StreamToken(nxt, text[sent:])
+                return
+            # yield only text no stop string can still claim: hold back the longest tail that
+            # is the start of a stop string
+            held = _stop_prefix_len(text, stops)
+            safe = max(sent, len(text) - held)
+            piece, sent = text[sent:safe], safe
+            res["text"] = text
+            if pending is not None:
+                yield StreamToken(*pending)
+                pending = None
+            if held or (dec is not None and dec.holding):
+                pending = (nxt, piece)
+            else:
+                yield StreamToken(nxt, piece)
             one[0] = nxt
             nxt = step(one, pos)
             pos += 1
-        res.update(token_ids=list(new), text=text)
-        res["decode_ms"] = (time.perf_counter() - t1) * 1e3
     finally:
         cache.release()
+
+
+def _first_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string occurrence that ends past ``text[:start]`` begins."""
+    hits = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 def _as_int(v, name: str) -> int:
@@ -185,8 +228,8 @@ def _as_int(v, name: str) -> int:
     return int(v)
 
 
-def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0, top_k=0,
-             top_p=1.0, seed=None, stop=None) -> GenerationResult:
+def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+             top_k=0, top_p=1.0, seed=None, stop=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 
     Holds the model's lock for the whole call (the lock is re-entrant, so the stream's
@@ -194,7 +237,7 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
     after another, never interleaved.
     """
     res: dict = {}
-    with model._lock:
+    with model.lock:
         for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                         stop, _result=res):
             pass
@@ -209,20 +252,20 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
 
 def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
     """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits)."""
-    model._check_alive()
+    model.check_alive()
     cfg = model.config
     depth = cfg.check_depth(depth)
-    ids = model._ids_from(token_ids)
+    ids = model.check_token_ids(token_ids)
     if len(ids) > model.max_seq_len:
         raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
     out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
-    with model._lock:
-        model._check_alive()
-        ops = model._ops
-        rows = min(LOGIT_BLOCK_ROWS, model._buf.capacity_rows, len(ids))
+    with model.lock:
+        model.check_alive()
+        ops = model.ops
+        block = {e.name: e for e in model.request_plan(len(ids), depth, logits=True)}["logits"]
+        rows = block.shape[0]
         with model.new_kv_cache(depth, len(ids)) as cache:
-            block_arr, blk = ops.empty(model._pool, (rows, cfg.vocab_size), np.float32,
-                                       "logits")
+            block_arr, blk = ops.empty(model.pool, block.shape, block.dtype, block.tag)
             try:
                 def on_rows(start, t):
                     for r0 in range(start, start + t, rows):
@@ -233,7 +276,7 @@ def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
                         out[r0:r0 + n] = ops.to_host(view)
                 model.forward(ids, 0, depth, cache, on_rows=on_rows)
             finally:
-                model._pool.free(blk)
+                model.pool.free(blk)
     return out
 
 
@@ -246,7 +289,7 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
 
 def score(model, token_ids, depth=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
-    ids = model._ids_from(token_ids)
+    ids = model.check_token_ids(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
     lp = log_softmax_rows(teacher_forced_logits(model, ids, depth)[:-1])

@@ -1,12 +1,13 @@
-"""RuntimeKVCache: the per-request attention cache (seed 001, "Per-request memory").
+"""RuntimeKVCache: the per-request attention cache (the lifecycle and memory contract,
+"Per-request memory"; docs/architecture.md).
 
 One pool block (tag ``kv_cache``) holds ``[n_slots, 2, capacity, n_kv_heads, head_dim]``:
 for every attention slot (layer, iteration) a K and a V plane of ``capacity`` rows. Slot
 indices follow ``docs/architecture.md`` (prelude i -> i; recurrent j at iteration t ->
 P + t*R + j; coda c -> P + R*depth + c).
 
-Storage modes (seed 001): ``"fp16"`` (dense K/V at the backend's KV dtype: float16 on CUDA,
-float32 on the NumPy reference) is implemented; ``"int8"``, ``"h_fp16"``, ``"h_int8"`` and
+Storage modes (the contract's five): ``"fp16"`` (dense K/V at the backend's KV dtype: float16
+on CUDA, float32 on the NumPy reference) is implemented; ``"int8"``, ``"h_fp16"``, ``"h_int8"`` and
 ``"h_int4"`` are reserved names a later issue implements — asking for them raises ConfigError.
 The layout keeps a slot's K and V contiguous so quantized planes (codes + per-row scales) and
 store-h planes (the residual ``h`` of a slot instead of K/V) fit as other per-slot views.

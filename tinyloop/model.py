@@ -1,24 +1,33 @@
 """Model: the load phases, the BufferPool, and the looped forward written once over the ops.
 
-Lifecycle contract: ../shared/seeds/001 (load_model / free_model / vram_usage_bytes).
+Implements the TinyLoop lifecycle and memory contract (docs/architecture.md): load_model /
+free_model / vram_usage_bytes and the five load phases.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
+import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, fp16_cache_enabled
+from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
+from .generate import generate as _generate
+from .generate import score as _score
+from .generate import stream as _stream
+from .generate import teacher_forced_logits
 from .kvcache import RuntimeKVCache
-from .memory import get_pool, tag_scope
+from .memory import get_pool, route_cupy_allocations, tag_scope
 
 
 @dataclass
@@ -34,7 +43,7 @@ class Layer:
 
 
 class BufferPool:
-    """The Model's reusable activation buffers (seed 001 phase 4): contiguous row views.
+    """The Model's reusable activation buffers (the contract's load phase 4): contiguous row views.
 
     ``rows(name, t, cols)`` returns a C-contiguous ``[t, cols]`` view of the first t*cols
     elements of buffer ``name``, so every op sees contiguous arrays whatever the width.
@@ -52,27 +61,39 @@ class BufferPool:
         return self._flat[name]
 
 
-_cuda_models_lock = threading.Lock()
-_cuda_models = 0     # guarded by _cuda_models_lock: live CUDA models; CuPy's allocator is routed
-                     # through the pool (tag "cupy") while it is > 0, and restored at 0
+# Models loaded and not yet freed. At interpreter exit they are freed by an atexit hook, while
+# imports, CuPy and the CUDA context still work: ending the program is a normal way to be done
+# with a model, so that gives no ResourceWarning (a Model garbage-collected while the program
+# runs does). The hook is registered at the first load, after the backend imported CuPy, so it
+# runs before any exit hook CuPy registered (atexit runs hooks last-in, first-out).
+_live_lock = threading.RLock()      # re-entrant: a collection inside add() may free a model
+_live_models: "weakref.WeakSet[Model]" = weakref.WeakSet()   # guarded by _live_lock
+_exit_hook_registered = False                                  # guarded by _live_lock
 
 
-def _cuda_model_started() -> None:
-    global _cuda_models
-    from .memory import install_cupy_allocator
-    with _cuda_models_lock:
-        if _cuda_models == 0:
-            install_cupy_allocator()
-        _cuda_models += 1
+def _track(model: "Model") -> None:
+    global _exit_hook_registered
+    with _live_lock:
+        _live_models.add(model)
+        if not _exit_hook_registered:
+            atexit.register(_free_live_models)
+            _exit_hook_registered = True
 
 
-def _cuda_model_stopped() -> None:
-    global _cuda_models
-    from .memory import uninstall_cupy_allocator
-    with _cuda_models_lock:
-        _cuda_models -= 1
-        if _cuda_models == 0:
-            uninstall_cupy_allocator()
+_EXIT_LOCK_WAIT_S = 2.0     # how long the exit hook waits for a request (a daemon thread's)
+
+
+def _free_live_models() -> None:
+    """Free every model still loaded (the atexit hook). A model whose lock a (daemon) thread
+    holds past _EXIT_LOCK_WAIT_S is left to the process's end rather than waited for."""
+    with _live_lock:
+        models = list(_live_models)
+    for model in models:
+        if model._lock.acquire(timeout=_EXIT_LOCK_WAIT_S):
+            try:
+                model.free()
+            finally:
+                model._lock.release()
 
 
 class Model:
@@ -80,7 +101,7 @@ class Model:
 
     Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
     ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
-    PlanEntry). Calls on one Model are serialized by a per-model lock (the seed's
+    PlanEntry). Calls on one Model are serialized by a per-model lock (the contract's
     lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
     so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
     (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
@@ -102,22 +123,21 @@ class Model:
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
-        self._routes_cupy = False
+        # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
+        self._cupy_routing = (route_cupy_allocations(self._pool) if self._ops.name == "cuda"
+                              else None)
         try:
-            if self._ops.name == "cuda":
-                _cuda_model_started()
-                self._routes_cupy = True
             self._load()
         except BaseException:
             self._release_blocks()
             self._stop_cupy_routing()
             raise
         self._freed = False
+        _track(self)
 
     def _stop_cupy_routing(self) -> None:
-        if self._routes_cupy:
-            self._routes_cupy = False
-            _cuda_model_stopped()
+        if self._cupy_routing is not None:
+            self._cupy_routing.release()
 
     # -- load phases --------------------------------------------------------------------------
     def _load(self) -> None:
@@ -132,10 +152,8 @@ class Model:
             self.metadata = dict(f.metadata)
             tok_json = f.tokenizer_json
             layout = f.quant_layout()
-            use_fp16 = fp16_cache_enabled(default=self._ops.name == "numpy")
-            self.plan = planmod.load_plan(cfg, layout, self.max_seq_len, self.prefill_chunk,
-                                          self._ops.act_dtype, fp16_cache=use_fp16,
-                                          backend=self._ops.name)
+            self.plan = planmod.backend_load_plan(self._ops, cfg, layout, self.max_seq_len,
+                                                  self.prefill_chunk)
             self.tokenizer = None
             if tok_json is not None:
                 from .tokenizer import Tokenizer
@@ -157,14 +175,13 @@ class Model:
                         dev, blk = self._ops.upload_array(np.asarray(f.array(name)), self._pool)
                         self._blocks.append(blk)
                     w[name] = dev
-        # phase 3: optional FP16 caches for the hot prefill GEMMs
-        if use_fp16:
-            import dataclasses
-            with tag_scope("fp16_cache"):
-                for name in planmod.fp16_cache_names(cfg, self._ops.name):
-                    arr, blk = self._ops.make_fp16_cache(w[name], self._pool)
-                    self._blocks.append(blk)
-                    w[name] = dataclasses.replace(w[name], fp16=arr)
+        # phase 3: optional FP16 caches for the hot prefill GEMMs (the plan's phase-3 entries)
+        for e in self.plan:
+            if e.phase == 3:
+                name = e.name.removesuffix(".fp16")
+                arr, blk = self._ops.make_fp16_cache(w[name], self._pool, e.tag)
+                self._blocks.append(blk)
+                w[name] = dataclasses.replace(w[name], fp16=arr)
         self._embed = w["token_embd"]
         self._head = w["token_embd"] if cfg.tied_head else w["output"]
         self._output_norm = w["output_norm"]
@@ -194,6 +211,8 @@ class Model:
             if self._freed:
                 return
             self._freed = True
+            with _live_lock:
+                _live_models.discard(self)
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -207,22 +226,66 @@ class Model:
     def __del__(self):
         # A Model dropped without free_model() would otherwise keep its blocks forever (the
         # pool holds them, not the Model): free them, and say so, as an unclosed file does.
-        if not getattr(self, "_freed", True):
-            warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
-                          f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
-                          stacklevel=2)
-            self.free()
+        # Not so once the interpreter is finalizing: the exit hook has freed every model it
+        # could, a warning could not be shown, and a lock held by a daemon thread (frozen by
+        # now) would never be released, so free only if the lock is free this instant.
+        if getattr(self, "_freed", True):
+            return
+        if sys.is_finalizing():
+            if self._lock.acquire(blocking=False):
+                try:
+                    self.free()
+                finally:
+                    self._lock.release()
+            return
+        warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
+                      f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
+                      stacklevel=2)
+        self.free()
 
     def vram_usage_bytes(self) -> int:
         """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""
         return sum(b.nbytes for b in self._blocks)
 
-    def _check_alive(self) -> None:
+    # -- the surface request code uses (generate.py, diagnostics, benchmarks) -----------------
+    @property
+    def ops(self):
+        """The backend's Ops instance (``base.Ops``): ``act_dtype``, ``kv_dtype``, ``empty``,
+        ``to_host``, ``sample``, ..."""
+        return self._ops
+
+    @property
+    def pool(self):
+        """The MemoryPool every block of this model and its requests comes from."""
+        return self._pool
+
+    @property
+    def device(self) -> str:
+        """The pool's device: "host" (NumPy backend) or "cuda"."""
+        return self._pool.device
+
+    @property
+    def lock(self):
+        """The per-model re-entrant lock every request holds while it runs the forward."""
+        return self._lock
+
+    def check_alive(self) -> None:
+        """Raise ModelFreedError once the model was freed."""
         if self._freed:
             raise ModelFreedError("this Model was freed with free_model(); load it again")
 
-    # -- request helpers ----------------------------------------------------------------------
-    def _ids_from(self, token_ids, what: str = "token_ids") -> np.ndarray:
+    def request_plan(self, n_tokens: int, depth: int, logits: bool = False) -> list:
+        """``plan.request_plan`` for this model: the KV cache of ``n_tokens`` positions at
+        ``depth`` (at the backend's kv_dtype) and, with ``logits``, the logits block of a
+        logits()/score() call (``plan.logits_block_rows`` rows)."""
+        rows = (planmod.logits_block_rows(n_tokens, self.max_seq_len, self.prefill_chunk)
+                if logits else 0)
+        return planmod.request_plan(self.config, n_tokens, depth, self._ops.kv_dtype,
+                                    logits_rows=rows)
+
+    def check_token_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
+        """``token_ids`` as int32 [T] after checking it is a non-empty 1-D sequence of ints
+        in 0..vocab_size-1. Raises ConfigError (shape/dtype/empty), TokenizerError (range)."""
         ids = np.asarray(token_ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise ConfigError(f"{what} must be a 1-D sequence of ints, got shape {ids.shape} "
@@ -249,8 +312,8 @@ class Model:
             ids = self.tokenizer.encode(prompt)
             if not ids and self.config.bos_token_id >= 0:
                 ids = [self.config.bos_token_id]
-            return self._ids_from(ids, "prompt")
-        return self._ids_from(prompt, "prompt")
+            return self.check_token_ids(ids, "prompt")
+        return self.check_token_ids(prompt, "prompt")
 
     def new_kv_cache(self, depth: int, capacity: int) -> RuntimeKVCache:
         """A RuntimeKVCache sized for ``capacity`` positions at ``depth`` (tag kv_cache)."""
@@ -352,32 +415,30 @@ class Model:
         is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
         chunk). Raises ConfigError / TokenizerError on bad input, ModelFreedError after free.
         """
-        from .generate import teacher_forced_logits
         return teacher_forced_logits(self, token_ids, depth)
 
     def score(self, token_ids, depth: int | None = None) -> np.ndarray:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
-        from .generate import score
-        return score(self, token_ids, depth)
+        return _score(self, token_ids, depth)
 
-    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, depth: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings). ``prompt`` is text or token ids. See
         :func:`tinyloop.generate.generate` for the sampling rule and errors."""
-        from .generate import generate
-        return generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+        return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
-    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, depth: int | None = None,
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
         token is sampled (``text`` is the newly decodable text, possibly empty)."""
-        from .generate import stream
-        return stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
-                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+        return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
     def __repr__(self) -> str:
         c = self.config
@@ -389,7 +450,8 @@ class Model:
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
                backend: str = "auto") -> Model:
-    """Load a .tlm model, phase by phase (seed 001).
+    """Load a .tlm model, phase by phase (the lifecycle and memory contract,
+    docs/architecture.md).
 
     Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
     scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);

@@ -3,7 +3,8 @@
 The same plan feeds ``tinyloop inspect`` and ``load_model`` (llm.c's ``fill_in_parameter_sizes``
 then one allocation per entry), so the prediction and the truth cannot drift apart.
 
-Load phases (seed 001, "Internal allocation phases"):
+Load phases (the lifecycle and memory contract, "Internal allocation phases";
+docs/architecture.md):
   1. header parse + format validation      (no device memory)
   2. quantized weight upload               tag "weights"
   3. optional FP16 caches for hot GEMMs    tag "fp16_cache"   (TINYLOOP_FP16_CACHE=1)
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, fp16_cache_enabled
 from .format import expected_tensors
 
 PHASES = {2: "weights", 3: "fp16 caches", 4: "buffer pool", 5: "reconstruction scratch"}
@@ -124,7 +125,23 @@ def load_plan(cfg: ModelConfig, quant_layout: dict, max_seq_len: int, prefill_ch
     return plan
 
 
-LOGIT_BLOCK_ROWS = 128
+def backend_load_plan(ops, cfg: ModelConfig, quant_layout: dict, max_seq_len: int,
+                      prefill_chunk: int) -> list[PlanEntry]:
+    """``load_plan`` with a backend's facts: ``ops`` (an Ops instance or class) gives
+    ``name``, ``act_dtype`` and ``fp16_cache_default`` (which ``TINYLOOP_FP16_CACHE``
+    overrides). What ``load_model`` allocates and ``tinyloop inspect`` prints."""
+    return load_plan(cfg, quant_layout, max_seq_len, prefill_chunk, ops.act_dtype,
+                     fp16_cache=fp16_cache_enabled(default=ops.fp16_cache_default),
+                     backend=ops.name)
+
+
+LOGIT_BLOCK_ROWS = 128     # rows of the logits block of logits()/score(): 128 x vocab float32
+
+
+def logits_block_rows(n_tokens: int, max_seq_len: int, prefill_chunk: int) -> int:
+    """Rows of the logits block a logits()/score() call over ``n_tokens`` tokens takes: at
+    most LOGIT_BLOCK_ROWS, at most one chunk of scratch rows, at most ``n_tokens``."""
+    return min(LOGIT_BLOCK_ROWS, scratch_rows(max_seq_len, prefill_chunk), n_tokens)
 
 
 def request_plan(cfg: ModelConfig, n_tokens: int, depth: int, kv_dtype,

@@ -163,7 +163,7 @@ def test_synthetic_decode_logits_match_reference(small_path):
             cu.forward(np.array(seq, np.int32), 0, 3, cache)
             for step in range(20):
                 cu.head(len(seq) - 1, 1, row)
-                got = cu._ops.to_host(row)[0]
+                got = cu.ops.to_host(row)[0]
                 want = ref.logits(seq, depth=3)[-1]
                 rel = np.linalg.norm(got - want) / np.linalg.norm(want)
                 assert rel < 2e-2, (step, rel)
@@ -188,7 +188,7 @@ def test_sampling_matches_reference_rule(small_path):
                        (1.3, 50, 0.95)][trial % 5]
             u = float(rng.random())
             want = sample_from_logits(logits, t, k, p, u)
-            got = cu._ops.sample(cupy.asarray(logits), t, k, p, u)
+            got = cu.ops.sample(cupy.asarray(logits), t, k, p, u)
             assert got == want, (trial, t, k, p, u)
     finally:
         tinyloop.free_model(cu)
@@ -219,6 +219,27 @@ def test_cuda_lifecycle_returns_every_byte(small_path):
     assert pool.stats().allocated_bytes == before
 
 
+def test_freeing_cuda_models_keeps_a_users_own_cupy_install(small_path):
+    """Two models share one reference-counted routing; a user's install made while they live
+    stays CuPy's allocator after both are freed (the old stack popped it)."""
+    import cupy
+    from tinyloop.memory.cupy_hook import cupy_allocator_installed
+    previous = cupy.cuda.get_allocator()
+    m1 = tinyloop.load_model(small_path, max_seq_len=32, backend="cuda")
+    m2 = tinyloop.load_model(small_path, max_seq_len=32, backend="cuda")
+    user = tinyloop.memory.install_cupy_allocator(tag="scratch")
+    try:
+        tinyloop.free_model(m1)
+        tinyloop.free_model(m2)
+        assert user.installed and cupy.cuda.get_allocator() == user.allocate
+        x = cupy.ones(1 << 16, dtype=cupy.float32)
+        assert get_pool("cuda").by_tag()["scratch"] >= x.nbytes
+        del x
+    finally:
+        user.uninstall()
+    assert cupy.cuda.get_allocator() == previous and not cupy_allocator_installed()
+
+
 @pytest.mark.parametrize("failing_tag", ["weights", "fp16_cache", "buffers"])
 def test_cuda_failed_load_each_phase_leaves_nothing(small_path, monkeypatch, failing_tag):
     """An out-of-memory failure injected part-way through each load phase frees everything."""
@@ -247,3 +268,16 @@ def test_cuda_budget_out_of_memory_leaves_nothing(small_path):
     finally:
         tinyloop.set_memory_limit(old, device="cuda")
     assert pool.stats().allocated_bytes == before
+
+
+def test_cuda_non_finite_logits_name_step_and_position(small_path):
+    """Issue 11, fault 3 on the CUDA sampler (greedy kernel flag and the CuPy path)."""
+    from ..test_sampling import check_non_finite_generation
+    check_non_finite_generation(small_path, "cuda")
+
+
+def test_cuda_exit_with_live_model_is_clean(small_path):
+    """Issue 11, fault 7: a script that ends with a live CUDA model exits without "Exception
+    ignored ... sys.meta_path is None"; only the model dropped mid-run warns."""
+    from ..test_api import check_exit_output, run_exit_script
+    check_exit_output(*run_exit_script(small_path, "cuda"))

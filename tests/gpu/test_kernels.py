@@ -548,6 +548,48 @@ def test_sample_nongreedy(ops, rng, temperature, top_k, top_p):
         assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want, f"u={u}"
 
 
+def test_sample_top_p_0_is_greedy(ops, rng):
+    logits = (rng.standard_normal(2003) * 3).astype(np.float32)
+    logits[[5, 900]] = logits.max() + 1.0                       # a tie: the lower id
+    dev = cupy.asarray(logits)
+    for u in (0.0, 0.5, 0.999):
+        assert ops.sample(dev, 1.0, 0, 0.0, u) == 5 == sample_from_logits(logits, 1.0, 0, 0.0, u)
+
+
+def _faulty_rows(vocab: int) -> list:
+    """(logits, kind) rows no token can be sampled from, as issue 11 reported them."""
+    base = np.linspace(-3, 3, vocab, dtype=np.float32)
+    nan_one, pinf, ninf_some = base.copy(), base.copy(), base.copy()
+    nan_one[vocab - 1] = np.nan                                 # the last element: the
+    pinf[vocab // 3] = np.inf                                   # reduction must see it
+    ninf_some[: vocab // 2] = -np.inf                           # a masked half is fine
+    return [(np.full(vocab, np.nan, np.float32), "nan"), (nan_one, "nan"),
+            (np.array([0, np.inf] + [0] * (vocab - 2), np.float32), "+inf"), (pinf, "+inf"),
+            (np.full(vocab, -np.inf, np.float32), "all -inf"), (ninf_some, None)]
+
+
+@pytest.mark.parametrize("vocab", [2, 1000, 49152])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sample_non_finite_logits_raise(ops, vocab, temperature):
+    from tinyloop.errors import NonFiniteLogitsError
+    for logits, kind in _faulty_rows(vocab):
+        dev = cupy.asarray(logits)
+        if kind is None:                                        # -inf marks a masked token
+            got = ops.sample(dev, temperature, 0, 1.0, 0.3)
+            assert got == sample_from_logits(logits, temperature, 0, 1.0, 0.3)
+            assert got >= vocab // 2
+            continue
+        with pytest.raises(NonFiniteLogitsError) as want:
+            sample_from_logits(logits, temperature, 0, 1.0, 0.3)
+        with pytest.raises(NonFiniteLogitsError) as got:
+            ops.sample(dev, temperature, 0, 1.0, 0.3)
+        assert got.value.kind == want.value.kind == kind
+        assert str(got.value) == str(want.value)
+    # the flag does not stick: a clean row afterwards samples normally
+    clean = np.arange(vocab, dtype=np.float32)
+    assert ops.sample(cupy.asarray(clean), 0.0, 0, 1.0, 0.0) == vocab - 1
+
+
 # --- boundary checks and weight upload ----------------------------------------------------------
 def test_wrapper_errors_name_the_bad_value(ops, rng):
     dw = dev_weight(ops, rand_weight(rng, 64, 128, 4, 32))

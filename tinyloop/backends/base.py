@@ -17,8 +17,37 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteLogitsError
 from ..quant import QuantWeight
+
+# Why a logit row cannot be sampled, by code (the CUDA argmax kernel writes the same codes):
+# 1 = some logit is NaN, 2 = some logit is +inf (and none is NaN), 3 = every logit is -inf.
+LOGIT_FAULTS = {1: "nan", 2: "+inf", 3: "all -inf"}
+_FAULT_TEXT = {"nan": "contain NaN", "+inf": "contain +inf", "all -inf": "are all -inf"}
+
+
+def logit_fault(top: float) -> str | None:
+    """Why a row whose NaN-propagating maximum is ``top`` cannot be sampled (a LOGIT_FAULTS
+    value), or None when it can. NaN wins that maximum, then +inf; it is -inf only when every
+    logit is."""
+    if top != top:
+        return "nan"
+    if top == float("inf"):
+        return "+inf"
+    if top == float("-inf"):
+        return "all -inf"
+    return None
+
+
+def non_finite_logits(kind: str, step: int | None = None,
+                      position: int | None = None) -> NonFiniteLogitsError:
+    """The error both samplers raise for a row with fault ``kind`` (a LOGIT_FAULTS value);
+    ``generate`` re-raises it with the ``step`` and ``position`` it was sampling."""
+    where = "" if step is None else f"at step {step} (position {position}) "
+    return NonFiniteLogitsError(
+        f"the logits {where}{_FAULT_TEXT[kind]}, so no token can be sampled: the model's "
+        "weights or activations are not finite (NaN/inf norm weights or scales, or an "
+        "overflow in the forward)", kind=kind, step=step, position=position)
 
 
 class Ops:
@@ -26,8 +55,10 @@ class Ops:
 
     name: str = "abstract"
     device: str = "host"          # memory pool device: "host" | "cuda"
-    act_dtype = np.float32
-    kv_dtype = np.float32
+    act_dtype = np.float32        # activations (the scratch buffers)
+    kv_dtype = np.float32         # the KV cache
+    fp16_cache_default = False    # whether load keeps dense weight caches unless
+                                  # TINYLOOP_FP16_CACHE says otherwise
     xp = np
 
     # --- memory ---------------------------------------------------------------------------
@@ -66,6 +97,13 @@ class Ops:
                 pool.free(blk)
             raise
         return QuantWeight(w.bits, w.group_size, *parts), blocks
+
+    def make_fp16_cache(self, w, pool, tag: str | None = "fp16_cache"):
+        """A dense ``[out, in]`` copy of the device QuantWeight ``w`` for the prefill GEMMs
+        (float16 on CUDA, float32 on the NumPy reference), in a block taken from ``pool``
+        under ``tag`` (None: the current tag_scope). Returns (array, block); on failure the
+        block is freed."""
+        raise NotImplementedError
 
     def to_host(self, arr) -> np.ndarray:
         return np.asarray(arr)
@@ -125,4 +163,7 @@ class Ops:
         self.lm_head(norm, w, out)
 
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
+        """The next token id from f32 logits [vocab] (``numpy_ops.sample_from_logits``'s rule).
+        Raises NonFiniteLogitsError (``non_finite_logits``) when a logit is NaN or +inf or all
+        are -inf."""
         raise NotImplementedError

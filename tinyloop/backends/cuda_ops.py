@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import threading
 import weakref
 from importlib import resources
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant import QuantWeight
-from .base import Ops
+from .base import LOGIT_FAULTS, Ops, non_finite_logits
 
 try:
     import cupy
@@ -38,14 +39,37 @@ except ImportError:  # the module still imports (for docs / source checks) witho
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "elementwise", "sample")
-ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
 _INCLUDE = '#include "common.cuh"'
 
+# Kernel geometry: the one definition of every launch constant the host and a kernel share.
+# ``get_module`` hands a family's entries to NVRTC as ``-DNAME=value``; each .cu file repeats
+# the value only as an ``#ifndef NAME`` default so nvcc compiles it standalone
+# (.ci/compile_cuda.sh), and tests/test_kernel_geometry.py fails if a default drifts from here.
+ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)   # attention.cu instantiates one kernel pair each
+GEOMETRY = {
+    "gemv": {"GEMV_WARPS": 8},                   # warps (= output rows) per 32*W-thread block
+    "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
+             "GEMM_THREADS": 128},               # 4 warps in 2 x 2
+    "attention": {"PF_Q": 64,                    # prefill: query rows per block (4 threads each)
+                  "DC_THREADS": 1024,            # decode: threads per block (one query head)
+                  "ATTN_HEAD_DIM_ENTRIES": "".join(f"ATTN_ENTRIES({hd})"
+                                                   for hd in ATTN_HEAD_DIMS)},
+}
+
+
+def nvrtc_options(family: str) -> tuple:
+    """The NVRTC options ``family`` compiles with: C++17 and its ``GEOMETRY`` as -D macros
+    (part of CuPy's cache key, so a change recompiles)."""
+    return ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in GEOMETRY.get(family, {}).items())
+
+
 _DECODE_NAMES = {hd: f"attn_decode_hd{hd}" for hd in ATTN_HEAD_DIMS}
-_GEMV_ROWS = 8          # gemv.cu GEMV_WARPS
-_GEMM_TILE = 64         # gemm.cu BM = BN
-_PF_Q = 64              # attention.cu PF_Q
-_DC_THREADS = 1024      # attention.cu DC_THREADS
+_PREFILL_NAMES = {hd: f"attn_prefill_hd{hd}" for hd in ATTN_HEAD_DIMS}
+_GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
+_GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
+_GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
+_PF_Q = GEOMETRY["attention"]["PF_Q"]
+_DC_THREADS = GEOMETRY["attention"]["DC_THREADS"]
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
@@ -101,7 +125,7 @@ def get_module(family: str):
         with _modules_lock:
             mod = _modules.get(key)
             if mod is None:
-                mod = cupy.RawModule(code=load_source(family), options=("--std=c++17",))
+                mod = cupy.RawModule(code=load_source(family), options=nvrtc_options(family))
                 mod.compile()
                 _modules[key] = mod
     return mod
@@ -162,11 +186,14 @@ def _fp16_of(w: QuantWeight):
 _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
 
 
-def _fast_ok(a, dtype, cols) -> bool:
-    """The hot-path check: device, dtype, 2-D, ``cols`` columns, C-contiguous, 16-byte aligned.
-    On False the caller re-runs the detailed checks, which raise with a precise message."""
-    return (type(a) is cupy.ndarray and a.dtype == dtype and a.ndim == 2 and a.shape[1] == cols
-            and a.flags.c_contiguous and not a.data.ptr & 15)
+def _fast_ok(a, dtype, ndim: int, cols=None, rows=None, aligned: bool = False) -> bool:
+    """The hot-path check, one cheap expression: a cupy.ndarray of ``dtype`` with ``ndim``
+    dims, C-contiguous; with ``cols`` / ``rows``, that many in the last / first dim; with
+    ``aligned``, starting on a 16-byte boundary. On False the caller re-runs the detailed
+    checks (``_dev``, ``_shape``, ``_aligned``), which raise with a precise message."""
+    return (type(a) is cupy.ndarray and a.dtype == dtype and a.ndim == ndim
+            and a.flags.c_contiguous and (cols is None or a.shape[-1] == cols)
+            and (rows is None or a.shape[0] == rows) and (not aligned or not a.data.ptr & 15))
 
 
 class _WInfo:
@@ -200,6 +227,7 @@ class CudaOps(Ops):
     device = "cuda"
     act_dtype = np.float16
     kv_dtype = np.float16
+    fp16_cache_default = False    # the GEMV / GEMM kernels read the packed weights directly
     xp = cupy
 
     def __init__(self):
@@ -216,18 +244,20 @@ class CudaOps(Ops):
             sms = int(cupy.cuda.runtime.getDeviceProperties(
                 cupy.cuda.Device().id)["multiProcessorCount"])
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
-        # The sampled id lands in 4 bytes of pinned, mapped host memory that the argmax kernel
-        # writes directly (UVA: the host pointer is valid on the device), so greedy decode
-        # allocates nothing and copies nothing back besides this one int.
-        self._id_ptr = cupy.cuda.runtime.hostAlloc(4, 0x01 | 0x02)   # portable | mapped
-        self._id_view = (ctypes.c_int32 * 1).from_address(self._id_ptr)
+        # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
+        # pinned, mapped host memory that the argmax kernel writes directly (UVA: the host
+        # pointer is valid on the device), so greedy decode allocates nothing and copies
+        # nothing back besides these two ints.
+        self._id_ptr = cupy.cuda.runtime.hostAlloc(8, 0x01 | 0x02)   # portable | mapped
+        self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
         self._free_host = cupy.cuda.runtime.freeHost
 
     def __del__(self):
         ptr = getattr(self, "_id_ptr", None)
         if ptr:
             self._id_ptr = None
-            self._free_host(ptr)
+            if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
+                self._free_host(ptr)
 
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)
@@ -266,10 +296,11 @@ class CudaOps(Ops):
             raise
         return arr, blk
 
-    def make_fp16_cache(self, w: QuantWeight, pool, tag: str = "fp16_cache"):
+    def make_fp16_cache(self, w: QuantWeight, pool, tag: str | None = "fp16_cache"):
         """Dense FP16 ``[out, in]`` copy of a device QuantWeight, for cuBLAS prefill GEMMs.
 
-        Returns (array, block); the block is taken from ``pool`` under ``tag``.
+        Returns (array, block); the block is taken from ``pool`` under ``tag`` (None: the
+        current tag_scope).
         """
         _weight(w, "w")
         n, k = w.shape
@@ -320,12 +351,10 @@ class CudaOps(Ops):
 
     def rmsnorm(self, x, weight, eps, out):
         """out f16 [T, d] = x / sqrt(mean(x^2) + eps) * weight; x f32 [T, d], weight f32 [d]."""
-        if not (type(x) is cupy.ndarray and x.dtype == _F32 and x.ndim == 2
-                and x.flags.c_contiguous):
+        if not _fast_ok(x, _F32, 2):
             _dev(x, "x", np.float32, 2)
         t, d = x.shape
-        if not (type(weight) is cupy.ndarray and weight.dtype == _F32 and weight.shape == (d,)
-                and weight.flags.c_contiguous):
+        if not _fast_ok(weight, _F32, 1, d):
             _dev(weight, "weight", np.float32, 1)
             _shape(weight, "weight", (d,))
         out = self._out(out, "out", _F16, t, d)
@@ -341,7 +370,7 @@ class CudaOps(Ops):
 
     def _act_in(self, x, info, name="x") -> int:
         """Validate activation input x f16 [T, in] against the weight; return T."""
-        if not _fast_ok(x, _F16, info.k):
+        if not _fast_ok(x, _F16, 2, info.k, None, True):
             _dev(x, name, np.float16, 2)
             _aligned(x, name)
             raise ConfigError(f"w has in_features={info.k}, but the input has {x.shape[1]} "
@@ -351,8 +380,7 @@ class CudaOps(Ops):
     @staticmethod
     def _out(out, name, dtype, t, cols):
         """Validate an output [>= T, cols] buffer; return its first T rows."""
-        if not (type(out) is cupy.ndarray and out.dtype == dtype and out.ndim == 2
-                and out.flags.c_contiguous):
+        if not _fast_ok(out, dtype, 2):
             _dev(out, name, dtype, 2)
         if out.shape[0] != t:
             out = _rows(out, name, t)
@@ -373,8 +401,8 @@ class CudaOps(Ops):
         if w16 is not None:
             self._cublas(x, w16, out, epi)
             return
-        info.gemm[epi](((n + _GEMM_TILE - 1) // _GEMM_TILE, (t + _GEMM_TILE - 1) // _GEMM_TILE),
-                       (128,), (*info.args, x.data.ptr, t, n, k, lg, out.data.ptr, ldo))
+        info.gemm[epi](((n + _GEMM_BN - 1) // _GEMM_BN, (t + _GEMM_BM - 1) // _GEMM_BM),
+                       (_GEMM_THREADS,), (*info.args, x.data.ptr, t, n, k, lg, out.data.ptr, ldo))
 
     def _cublas(self, x, w16, out, epi: str):
         # Prefill only (T > 1): cuBLAS through CuPy on the FP16 cache (FP32 accumulation).
@@ -399,8 +427,7 @@ class CudaOps(Ops):
         """residual f32 [T, out] += x f16 [T, in] @ W.T."""
         info = self._info(w)
         t = self._act_in(x, info)
-        if not (type(residual) is cupy.ndarray and residual.dtype == _F32
-                and residual.shape == (t, info.n) and residual.flags.c_contiguous):
+        if not _fast_ok(residual, _F32, 2, info.n, t):
             _dev(residual, "residual", np.float32, 2)
             _shape(residual, "residual", (t, info.n))
         self._matmul(x, w, info, residual, "resid", info.n)
@@ -431,8 +458,7 @@ class CudaOps(Ops):
     def rope_kv(self, qkv, pos0, theta, n_heads, n_kv_heads, head_dim, k_cache, v_cache):
         """Rotate Q in place in ``qkv`` f16 [T, >= (H + 2 Hkv) hd]; write rotated K and V rows
         pos0..pos0+T-1 of ``k_cache`` / ``v_cache`` f16 [L, Hkv, hd] (or [L, Hkv * hd])."""
-        if not (type(qkv) is cupy.ndarray and qkv.dtype == _F16 and qkv.ndim == 2
-                and qkv.flags.c_contiguous):
+        if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
         self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
@@ -463,22 +489,19 @@ class CudaOps(Ops):
 
     @staticmethod
     def _check_cache(c, name, ctx, n_kv_heads, head_dim):
-        shp = c.shape if type(c) is cupy.ndarray else None
-        if not (shp is not None and c.dtype == _F16 and c.flags.c_contiguous
-                and not c.data.ptr & 15
-                and (shp[1:] == (n_kv_heads, head_dim) or shp[1:] == (n_kv_heads * head_dim,))):
+        if not ((_fast_ok(c, _F16, 3, head_dim, None, True) and c.shape[1] == n_kv_heads)
+                or _fast_ok(c, _F16, 2, n_kv_heads * head_dim, None, True)):
             _dev(c, name, np.float16)
             _aligned(c, name)
             raise ConfigError(f"{name} has shape {tuple(c.shape)}, expected [L, {n_kv_heads}, "
                               f"{head_dim}] or [L, {n_kv_heads * head_dim}]")
-        if shp[0] < ctx:
-            raise ConfigError(f"{name} holds {shp[0]} positions, need {ctx}")
+        if c.shape[0] < ctx:
+            raise ConfigError(f"{name} holds {c.shape[0]} positions, need {ctx}")
 
     def attention(self, qkv, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, out):
         """out f16 [T, H hd]: causal GQA attention of the (rotated) Q rows of ``qkv`` over
         cache positions 0..pos0+T-1. T = 1: decode kernel; T > 1: flash-style prefill."""
-        if not (type(qkv) is cupy.ndarray and qkv.dtype == _F16 and qkv.ndim == 2
-                and qkv.flags.c_contiguous):
+        if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
         self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
@@ -496,7 +519,7 @@ class CudaOps(Ops):
                                           int(n_heads), int(n_kv_heads), scale_log2,
                                           out.data.ptr))
         else:
-            self._fn("attention", f"attn_prefill_hd{int(head_dim)}")(
+            self._fn("attention", _PREFILL_NAMES[head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
                 (qkv.data.ptr, ld, t, int(pos0), k_cache.data.ptr, v_cache.data.ptr,
                  int(n_heads), int(n_kv_heads), scale_log2, out.data.ptr))
@@ -551,10 +574,7 @@ class CudaOps(Ops):
         """True when the pair runs fused: x f32 [1, K], weight f32 [K] on the device and a
         weight the fused kernel takes. T > 1 or a too-large weight: False (compose). A bad
         argument at T == 1 raises with the detailed message."""
-        if (type(x) is cupy.ndarray and x.dtype == _F32 and x.ndim == 2 and x.shape[0] == 1
-                and x.shape[1] == info.k and x.flags.c_contiguous
-                and type(weight) is cupy.ndarray and weight.dtype == _F32
-                and weight.shape == (info.k,) and weight.flags.c_contiguous):
+        if _fast_ok(x, _F32, 2, info.k, 1) and _fast_ok(weight, _F32, 1, info.k):
             return info.gemv_norm is not None
         _dev(x, "x", np.float32, 2)
         if x.shape[0] != 1:
@@ -618,19 +638,38 @@ class CudaOps(Ops):
 
         temperature <= 0: the argmax kernel writes the id straight to pinned host memory
         (no allocation; one stream synchronisation). Otherwise CuPy sorts on the device.
+        Either way the argmax kernel also writes the row's fault code beside the id, so a
+        row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError as on NumPy
+        (checked once the stream has synchronised; no extra pass over the row).
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
             logits = logits[0]
         if logits.ndim != 1 or logits.shape[0] == 0:
             raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
-        n = logits.shape[0]
-        if temperature <= 0.0:
-            self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
-            cupy.cuda.get_current_stream().synchronize()
-            return int(self._id_view[0])
-        if not 0.0 <= u < 1.0:
+        if temperature > 0.0 and not 0.0 <= u < 1.0:
             raise ConfigError(f"u must lie in [0, 1), got {u}")
+        n = logits.shape[0]
+        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
+        if temperature <= 0.0:
+            cupy.cuda.get_current_stream().synchronize()
+            self._raise_on_fault()
+            return int(self._id_view[0])
+        picked = self._sample_nongreedy(logits, n, temperature, top_k, top_p, u)
+        cupy.cuda.get_current_stream().synchronize()     # idle already: int() copied the id
+        self._raise_on_fault()
+        return picked
+
+    def _raise_on_fault(self) -> None:
+        """Raise NonFiniteLogitsError for the fault code the argmax kernel wrote (after a
+        synchronisation)."""
+        code = int(self._id_view[1])
+        if code:
+            raise non_finite_logits(LOGIT_FAULTS[code])
+
+    @staticmethod
+    def _sample_nongreedy(logits, n, temperature, top_k, top_p, u) -> int:
+        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code."""
         z = logits.astype(cupy.float64) / float(temperature)
         idx = cupy.arange(n, dtype=cupy.float64)
         order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..quant import QuantWeight, dequantize
-from .base import Ops
+from .base import Ops, logit_fault, non_finite_logits
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float):
@@ -47,10 +47,17 @@ def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p
 
     temperature == 0: argmax (lowest id on ties). Otherwise: divide by temperature; keep the
     ``top_k`` largest (0 = all); softmax; keep the smallest prefix of tokens sorted by
-    (probability desc, id asc) whose mass reaches ``top_p``; renormalise; return the token whose
-    cumulative mass interval contains ``u`` (uniform in [0, 1), drawn on the host).
+    (probability desc, id asc) whose mass reaches ``top_p`` (at least one token, so top_p = 0
+    or top_k = 1 is greedy); renormalise; return the token whose cumulative mass interval
+    contains ``u`` (uniform in [0, 1), drawn on the host).
+
+    Raises NonFiniteLogitsError when a logit is NaN or +inf, or every logit is -inf (-inf
+    alone is a masked token and is never sampled).
     """
     logits = np.asarray(logits, dtype=np.float32)
+    fault = logit_fault(float(np.max(logits)))
+    if fault:
+        raise non_finite_logits(fault)
     if temperature <= 0.0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / float(temperature)
@@ -76,6 +83,7 @@ class NumpyOps(Ops):
     device = "host"
     act_dtype = np.float32
     kv_dtype = np.float32
+    fp16_cache_default = True     # otherwise every call dequantizes its weight again
     xp = np
 
     def embed(self, w, ids, out):
@@ -87,11 +95,15 @@ class NumpyOps(Ops):
         ms = np.mean(x64 * x64, axis=-1, keepdims=True)
         out[...] = (x64 / np.sqrt(ms + eps) * np.asarray(weight, dtype=np.float64))
 
-    def make_fp16_cache(self, w: QuantWeight, pool):
+    def make_fp16_cache(self, w: QuantWeight, pool, tag: str | None = "fp16_cache"):
         """The NumPy backend's weight cache: the dequantized float32 ``[out, in]`` matrix in a
-        pool block (tag: the current tag_scope, "fp16_cache"); returns (array, block)."""
-        arr, blk = self.empty(pool, w.shape, np.float32, None)
-        arr[...] = dequantize(w)
+        pool block under ``tag`` (None: the current tag_scope); returns (array, block)."""
+        arr, blk = self.empty(pool, w.shape, np.float32, tag)
+        try:
+            arr[...] = dequantize(w)
+        except BaseException:
+            pool.free(blk)
+            raise
         return arr, blk
 
     @staticmethod

@@ -13,19 +13,22 @@
 
 Modules: ``arena`` (offset arithmetic and the size classes, with their reasons), ``pool``
 (MemoryPool, Block), ``raw`` (host / cuda / fake raw allocators), ``stats`` (MemoryStats and
-the report), ``snapshot`` (PyTorch memory-viz export), ``cupy_hook``, ``registry`` (one pool
-per device and the module-level functions), ``tags``.
+the report), ``snapshot`` (PyTorch memory-viz export), ``cupy_hook`` (CuPy's allocator through
+a pool: a token per install, and the reference-counted routing a CUDA model holds),
+``registry`` (one pool per device and the module-level functions), ``tags``.
 """
 
 from __future__ import annotations
 
 from ..errors import OutOfMemoryError
-from .arena import ALIGNMENT, SMALL_REQUEST_MAX, SMALL_SEGMENT_BYTES, round_size
-from .cupy_hook import install_cupy_allocator, uninstall_cupy_allocator
+from .arena import ALIGNMENT, SMALL_REQUEST_MAX, SMALL_SEGMENT_BYTES, round_size, size_kind
+from . import cupy_hook, registry
+from .cupy_hook import (CupyAllocatorInstall, CupyRouting, install_cupy_allocator,
+                        route_cupy_allocations, uninstall_cupy_allocator)
 from .pool import Block, MemoryEvent, MemoryPool
 from .raw import CudaRawAllocator, FakeRawAllocator, HostRawAllocator
-from .registry import (_reset_pools_for_tests, empty_cache, export_snapshot, get_pool,
-                       memory_report, memory_stats, reset_peak_memory_stats, set_memory_limit)
+from .registry import (empty_cache, export_snapshot, get_pool, memory_report,
+                       memory_stats, reset_peak_memory_stats, set_memory_limit)
 from .snapshot import pool_snapshot
 from .stats import MemoryStats
 from .tags import TAGS, current_tag, tag_scope
@@ -34,7 +37,16 @@ __all__ = [
     "TAGS", "current_tag", "tag_scope", "Block", "MemoryPool", "MemoryEvent", "MemoryStats",
     "get_pool", "memory_stats", "memory_report", "reset_peak_memory_stats", "empty_cache",
     "set_memory_limit", "export_snapshot", "pool_snapshot", "install_cupy_allocator",
-    "uninstall_cupy_allocator", "OutOfMemoryError", "HostRawAllocator", "CudaRawAllocator",
+    "uninstall_cupy_allocator", "route_cupy_allocations", "CupyAllocatorInstall", "CupyRouting",
+    "OutOfMemoryError", "HostRawAllocator", "CudaRawAllocator",
     "FakeRawAllocator", "ALIGNMENT", "SMALL_REQUEST_MAX", "SMALL_SEGMENT_BYTES", "round_size",
+    "size_kind",
     "_reset_pools_for_tests",
 ]
+
+
+def _reset_pools_for_tests() -> None:
+    """Tests only: remove every CuPy install and routing, then forget every process pool
+    (returning their cached segments) and every limit default. Live blocks keep their pool."""
+    cupy_hook._reset_for_tests()
+    registry._reset_for_tests()

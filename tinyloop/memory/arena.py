@@ -48,13 +48,15 @@ def round_size(nbytes: int) -> int:
 
 
 def size_kind(rounded: int) -> str:
-    """"small" (packed into shared segments) or "large" (a segment of its own)."""
+    """The size class of a ``rounded`` request: "small" (packed into shared segments) or
+    "large" (a segment of its own). The one definition of the rule; the pool, the arena's
+    segments and ``diagnostics.fragment`` all ask here."""
     return "small" if rounded <= SMALL_REQUEST_MAX else "large"
 
 
 def segment_size(rounded: int) -> int:
     """The segment size the pool asks the raw allocator for, to serve a ``rounded`` request."""
-    if rounded <= SMALL_REQUEST_MAX:
+    if size_kind(rounded) == "small":
         return SMALL_SEGMENT_BYTES
     return (rounded + LARGE_SEGMENT_ROUND - 1) // LARGE_SEGMENT_ROUND * LARGE_SEGMENT_ROUND
 
@@ -208,6 +210,18 @@ class Arena:
 
     def free_bytes(self) -> int:
         return sum(size for lst in self._free.values() for size, _ in lst)
+
+    def layout(self) -> list[dict]:
+        """Every segment in address order with the chunks that tile it (``MemoryPool.layout``'s
+        format; a live chunk's ``owner`` gives its ``requested_bytes`` and ``tag``)."""
+        out = []
+        for ptr in sorted(self.segments):
+            seg = self.segments[ptr]
+            blocks = [{"address": c.ptr, "size": c.size, "live": not c.free,
+                       "requested_bytes": 0 if c.free else c.owner.requested_bytes,
+                       "tag": None if c.free else c.owner.tag} for c in seg.chunks()]
+            out.append({"address": ptr, "size": seg.size, "kind": seg.kind, "blocks": blocks})
+        return out
 
     def check(self) -> None:
         """Assert every invariant listed in the class docstring (for tests; O(chunks))."""

@@ -1,9 +1,12 @@
 """``MemoryPool``: the arena (offset arithmetic) wrapped with a raw allocator, tags, statistics,
-a budget, an event log and a lock. ``Block`` is what ``allocate`` returns.
+a budget, an event log and a lock. ``Block`` (``block.py``) is what ``allocate`` returns.
 
 The layering follows RMM's resource adaptors: ``arena.Arena`` only splits and merges integer
-ranges; this module decides when to ask the raw allocator for a segment, when to give one
-back, what to count, what to log and when to refuse.
+ranges; ``budget`` says what a limit is and builds the out-of-memory error; ``events`` holds the
+event log; this module decides when to ask the raw allocator for a segment, when to give one
+back, and keeps the counters, all under one lock. The counters stay here, in the pool's own
+fields: they are updated on every allocation, and a separate object would add an attribute
+load per update to the hot path.
 
 Streams: the pool hands a freed block to the next request at once, which is safe because every
 TinyLoop kernel and every CuPy operation runs on one stream per device (the current stream),
@@ -17,77 +20,19 @@ import collections
 import operator
 import threading
 import time
-from typing import NamedTuple
 
-import numpy as np
-
-from ..config import parse_size
-from ..errors import ConfigError, OutOfMemoryError
-from .arena import SMALL_REQUEST_MAX, Arena, round_size, segment_size
+from ..errors import ConfigError
+from .arena import Arena, round_size, segment_size, size_kind
+from .block import Block
+from .budget import check_limit, crosses, out_of_memory
+from .events import DEFAULT_EVENT_CAPACITY, EventLog, MemoryEvent, events_logged
 from .stats import MemoryStats, fmt_bytes
-from .tags import TAGS, check_tag, current_tag, oom_hint
+from .tags import TAGS, check_tag, current_tag
 
 _TAG_SET = frozenset(TAGS)
 _now = time.time
-DEFAULT_EVENT_CAPACITY = 16384        # ~1.5 MB of tuples; a decode step logs a handful
 
-
-class MemoryEvent(NamedTuple):
-    """One entry of the pool's event log. ``time`` is ``time.time()`` seconds."""
-    time: float
-    action: str       # alloc | free_requested | free_completed | segment_alloc | segment_free | oom
-    address: int
-    size: int         # bytes (the rounded block size; the segment size for segment events)
-    tag: str | None   # the block's tag; for segment events, the tag of the request that caused it
-
-
-class Block:
-    """A live allocation of ``nbytes`` (``requested_bytes`` rounded up to 512) at ``ptr``.
-
-    ``array(shape, dtype)`` views its bytes (NumPy on the host arena, CuPy on the cuda arena);
-    ``free()`` returns it to the pool (a second ``free`` raises ValueError).
-    """
-
-    __slots__ = ("pool", "ptr", "nbytes", "requested_bytes", "tag", "freed", "_chunk",
-                 "__weakref__")
-
-    def __init__(self, pool: "MemoryPool", chunk, requested_bytes: int, tag: str):
-        self.pool = pool
-        self.ptr = chunk.ptr
-        self.nbytes = chunk.size
-        self.requested_bytes = requested_bytes
-        self.tag = tag
-        self.freed = False
-        self._chunk = chunk
-
-    @property
-    def device(self) -> str:
-        return self.pool.device
-
-    def array(self, shape, dtype):
-        """A ``shape``/``dtype`` array over the first bytes of this block.
-
-        Raises ValueError when the view needs more than ``requested_bytes`` or the block was
-        freed. The array does not keep the block live: free the block only once it is unused.
-        """
-        if self.freed:
-            raise ValueError(f"{self!r} was freed; it has no bytes to view")
-        dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if n > self.requested_bytes:
-            raise ValueError(f"a {shape} {dtype} view needs {n} bytes but the block was "
-                             f"requested with {self.requested_bytes}")
-        seg = self._chunk.segment
-        return self.pool._raw.array(seg.handle, self.ptr - seg.ptr, n, shape, dtype, self)
-
-    def free(self) -> None:
-        self.pool.free(self)
-
-    def __repr__(self):
-        state = "freed" if self.freed else "live"
-        return (f"Block({self.pool.device}, ptr=0x{self.ptr:x}, nbytes={self.nbytes}, "
-                f"requested={self.requested_bytes}, tag={self.tag!r}, {state})")
+__all__ = ["MemoryPool", "Block", "MemoryEvent", "DEFAULT_EVENT_CAPACITY"]
 
 
 class MemoryPool:
@@ -120,7 +65,10 @@ class MemoryPool:
         #   every arena segment is one live raw allocation, and every raw allocation the pool
         #   made and did not free is an arena segment;
         # - _peak_* >= the current figure; counters only grow (reset_peak touches peaks only);
-        # - _limit_bytes is None or _reserved_bytes only crosses it if it was set below it.
+        # - _limit_bytes is None or _reserved_bytes only crosses it if it was set below it;
+        # - the event log holds the last events_logged(_num_allocs, _num_frees,
+        #   _num_segment_allocs, _num_segment_releases, _num_ooms) events: every _log_event
+        #   call comes with its counter step (see events.py).
         self._lock = threading.Lock()
         self._arena = Arena()
         self._allocated_bytes = 0
@@ -138,8 +86,8 @@ class MemoryPool:
         self._num_ooms = 0
         self._num_alloc_retries = 0
         self._limit_bytes: int | None = None
-        self._events: collections.deque = collections.deque(maxlen=max(1, event_capacity))
-        self._num_events = 0
+        self._event_log = EventLog(event_capacity)
+        self._log_event = self._event_log.append       # (time, action, address, size, tag)
         # Frees requested by finalizers (a CuPy temporary dropped by the garbage collector)
         # while _lock was taken, possibly by this very thread: drained under _lock by the next
         # call. deque.append / popleft are atomic, so this needs no lock of its own.
@@ -163,7 +111,7 @@ class MemoryPool:
         elif tag not in _TAG_SET:
             check_tag(tag)                                  # raises ConfigError
         rounded = round_size(nbytes)
-        kind = "small" if rounded <= SMALL_REQUEST_MAX else "large"
+        kind = size_kind(rounded)
         with self._lock:
             if self._deferred:
                 self._drain_deferred()
@@ -184,8 +132,7 @@ class MemoryPool:
                 self._peak_allocated_bytes = self._allocated_bytes
             if by_tag > self._peak_by_tag[tag]:
                 self._peak_by_tag[tag] = by_tag
-            self._events.append((_now(), "alloc", chunk.ptr, rounded, tag))
-            self._num_events += 1
+            self._log_event((_now(), "alloc", chunk.ptr, rounded, tag))
         return blk
 
     def _grow(self, nbytes: int, rounded: int, kind: str, tag: str) -> None:
@@ -202,8 +149,7 @@ class MemoryPool:
         for attempt in range(2):
             reasons.clear()
             for size in sizes:
-                limit = self._limit_bytes
-                if limit is not None and self._reserved_bytes + size > limit:
+                if crosses(self._limit_bytes, self._reserved_bytes, size):
                     reasons.append(f"a {fmt_bytes(size)} segment would cross the "
                                    f"{fmt_bytes(self._limit_bytes)} limit")
                     continue
@@ -216,29 +162,19 @@ class MemoryPool:
                 self._reserved_bytes += size
                 self._num_segment_allocs += 1
                 self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
-                self._log("segment_alloc", ptr, size, tag)
+                self._log_event((_now(), "segment_alloc", ptr, size, tag))
                 return
             if attempt == 0:
                 if not self._release_free_segments():
                     break                           # nothing cached: a retry cannot help
                 self._num_alloc_retries += 1
         self._num_ooms += 1
-        self._log("oom", 0, rounded, tag)
-        device_free = self._raw.mem_info()[0]
-        limit = self._limit_bytes
-        hint = oom_hint(tag, self._by_tag)
-        raise OutOfMemoryError(
-            f"out of memory on {self.device}: cannot allocate {rounded} bytes "
-            f"({fmt_bytes(rounded)}; requested {nbytes}) for tag {tag!r}: {'; '.join(reasons)}. "
-            f"allocated {fmt_bytes(self._allocated_bytes)}, "
-            f"reserved {fmt_bytes(self._reserved_bytes)}, "
-            f"limit {'none' if limit is None else fmt_bytes(limit)}, "
-            f"{'device' if self.device == 'cuda' else 'host memory'} free "
-            f"{'unknown' if device_free is None else fmt_bytes(device_free)}"
-            + (f". Cause: {hint}" if hint else ""),
-            requested_bytes=nbytes, tag=tag, allocated_bytes=self._allocated_bytes,
-            reserved_bytes=self._reserved_bytes, limit_bytes=limit,
-            device_free_bytes=device_free, device=self.device)
+        self._log_event((_now(), "oom", 0, rounded, tag))
+        raise out_of_memory(self.device, nbytes, rounded, tag, reasons,
+                            allocated_bytes=self._allocated_bytes,
+                            reserved_bytes=self._reserved_bytes, limit_bytes=self._limit_bytes,
+                            device_free_bytes=self._raw.mem_info()[0],
+                            by_tag=self._by_tag)
 
     # --- free -------------------------------------------------------------------------------
     def free(self, blk: Block) -> None:
@@ -255,7 +191,8 @@ class MemoryPool:
         if blk.freed:
             raise ValueError(f"double free of {blk!r}")
         chunk = blk._chunk
-        self._events.append((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
+        log = self._log_event
+        log((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
         self._arena.give_back(chunk)
         blk.freed = True
         blk._chunk = None
@@ -264,8 +201,7 @@ class MemoryPool:
         self._by_tag[blk.tag] -= blk.nbytes
         self._live_blocks -= 1
         self._num_frees += 1
-        self._events.append((_now(), "free_completed", blk.ptr, blk.nbytes, blk.tag))
-        self._num_events += 2
+        log((_now(), "free_completed", blk.ptr, blk.nbytes, blk.tag))
 
     def _free_from_finalizer(self, blk: Block) -> None:
         """Free ``blk`` from a finalizer, which may run while this thread holds _lock."""
@@ -295,7 +231,7 @@ class MemoryPool:
             self._reserved_bytes -= seg.size
             self._num_segment_releases += 1
             released += seg.size
-            self._log("segment_free", seg.ptr, seg.size, None)
+            self._log_event((_now(), "segment_free", seg.ptr, seg.size, None))
         return released
 
     def empty_cache(self) -> int:
@@ -312,18 +248,14 @@ class MemoryPool:
     def set_limit(self, limit) -> None:
         """Cap reserved_bytes at ``limit`` (bytes; a "2G" / "50%" string; or None for none).
 
-        A limit below what is reserved now first returns the cached free segments; live blocks
-        stay, and later allocations that need a new segment fail until enough is freed.
+        The limit is rounded up to whole 512-byte blocks (``budget.check_limit``;
+        ``limit_bytes`` reports the rounded value), so one request of exactly the limit fits an
+        empty pool. A limit below what is reserved now first returns the cached free segments;
+        live blocks stay, and later allocations that need a new segment fail until enough is
+        freed.
         """
-        if isinstance(limit, str):
-            limit = parse_size(limit, name="memory limit", total_bytes=self._raw.mem_info()[1])
-        elif limit is not None:
-            if isinstance(limit, bool) or not hasattr(limit, "__index__"):
-                raise ConfigError(f"memory limit must be an int number of bytes, a size string "
-                                  f"like '2G' or '50%', or None; got {limit!r}")
-            limit = operator.index(limit)
-            if limit < 0:
-                raise ConfigError(f"memory limit must be >= 0 bytes, got {limit}")
+        total = self._raw.mem_info()[1] if isinstance(limit, str) else None
+        limit = check_limit(limit, total)
         with self._lock:
             self._limit_bytes = limit
             if limit is not None and self._reserved_bytes > limit:
@@ -377,19 +309,17 @@ class MemoryPool:
                            nvml_process_bytes=self._raw.nvml_process_bytes(), **fields)
 
     # --- introspection: event log and layout ------------------------------------------------
-    def _log(self, action: str, address: int, size: int, tag: str | None) -> None:
-        self._events.append((_now(), action, address, size, tag))   # plain tuples: cheap
-        self._num_events += 1
-
     def events(self) -> list[MemoryEvent]:
         """The event log, oldest first (a ring buffer: at most ``event_capacity`` entries)."""
         with self._lock:
-            return [MemoryEvent(*e) for e in self._events]
+            return self._event_log.events()
 
     @property
     def events_dropped(self) -> int:
         """Events pushed out of the ring buffer since the pool was made."""
-        return self._num_events - len(self._events)
+        with self._lock:
+            return events_logged(self._num_allocs, self._num_frees, self._num_segment_allocs,
+                                 self._num_segment_releases, self._num_ooms) - len(self._event_log)
 
     def layout(self) -> list[dict]:
         """Every segment in address order, with the blocks that tile it::
@@ -399,18 +329,7 @@ class MemoryPool:
         """
         with self._lock:
             self._drain_deferred()
-            out = []
-            for ptr in sorted(self._arena.segments):
-                seg = self._arena.segments[ptr]
-                blocks = []
-                for c in seg.chunks():
-                    b = c.owner
-                    blocks.append({"address": c.ptr, "size": c.size, "live": not c.free,
-                                   "requested_bytes": 0 if c.free else b.requested_bytes,
-                                   "tag": None if c.free else b.tag})
-                out.append({"address": ptr, "size": seg.size, "kind": seg.kind,
-                            "blocks": blocks})
-            return out
+            return self._arena.layout()
 
     def _check(self) -> None:
         """Assert the arena's and the counters' invariants (for tests; O(blocks))."""

@@ -89,6 +89,9 @@ def empty_cache(device: str | None = None) -> int:
 def set_memory_limit(limit, device: str | None = None) -> None:
     """Cap the pool's reserved bytes: an int, a string like "2G" or "50%", or None (no cap).
 
+    The cap is rounded up to a multiple of 512 bytes, the pool's block size, so one request
+    of exactly the cap fits an empty pool (``MemoryPool.set_limit``).
+
     An allocation that would cross the cap first returns cached segments and retries, then
     raises ``tinyloop.OutOfMemoryError``. Raises ConfigError on a bad value.
     """
@@ -109,13 +112,10 @@ def export_snapshot(path, device: str | None = None) -> dict:
     return write_snapshot(_pool_for(device), path)
 
 
-def _reset_pools_for_tests() -> None:
-    """Forget every process pool (returning their cached segments) and every limit default;
-    uninstall the CuPy hook if installed. Blocks still live keep their old pool."""
+def _reset_for_tests() -> None:
+    """Forget every process pool (returning their cached segments) and every limit default.
+    Blocks still live keep their old pool."""
     global _default_limit
-    from .cupy_hook import uninstall_cupy_allocator, cupy_allocator_installed
-    while cupy_allocator_installed():
-        uninstall_cupy_allocator()
     with _lock:
         pools = list(_pools.values())
         _pools.clear()

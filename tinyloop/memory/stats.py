@@ -1,6 +1,7 @@
 """``MemoryStats``: one pool's figures at one moment, and the report table that renders them.
 
-The three figures a user must not confuse (see docs and ../shared/seeds/README.md):
+The three figures a user must not confuse (docs/architecture.md, "why a runtime
+keeps memory after a request"):
 allocated bytes (live blocks), reserved bytes (segments the pool holds: live or cached for
 reuse), and the driver's device-free bytes. A footprint whose *reserved* high-water mark is
 stable across identical requests is caching; one whose *allocated* bytes grow with every

@@ -1,0 +1,104 @@
+"""Kernel geometry has one definition: ``cuda_ops.GEOMETRY``. The .cu files repeat each value
+only as an ``#ifndef`` default for standalone nvcc builds; these tests fail when a default
+drifts from the table, when a table entry has no ``#ifndef`` in its family's source, and (where
+nvcc exists) when the -D options NVRTC gets do not control what is compiled."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tinyloop.backends import cuda_ops
+from tinyloop.backends.cuda_ops import ATTN_HEAD_DIMS, GEOMETRY, load_source, nvrtc_options
+
+SRC = Path(__file__).resolve().parents[1] / "cuda_src"
+NVCC = shutil.which("nvcc") or next(
+    (str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None)
+
+
+@pytest.fixture(autouse=True)
+def this_checkouts_sources(monkeypatch):
+    # the sources beside these tests (an installed tinyloop.cuda_src may be another checkout's)
+    monkeypatch.setattr(cuda_ops, "source_dir", lambda: SRC)
+
+
+def cu_defaults(family: str) -> dict[str, str]:
+    """NAME -> default text of every ``#ifndef NAME / #define NAME value / #endif`` in
+    cuda_src/<family>.cu (line continuations joined, whitespace collapsed)."""
+    text = (cuda_ops.source_dir() / f"{family}.cu").read_text(encoding="utf-8")
+    text = text.replace("\\\n", " ")
+    out = {}
+    for m in re.finditer(r"^#ifndef (\w+)\n#define \1[ \t]+(.*?)\n#endif", text, re.M):
+        out[m.group(1)] = " ".join(m.group(2).split())
+    return out
+
+
+def test_cu_defaults_parser_reads_a_planted_default(tmp_path, monkeypatch):
+    (tmp_path / "x.cu").write_text("#ifndef A\n#define A   7\n#endif\n"
+                                   "#ifndef B\n#define B f(1) \\\n    f(2)\n#endif\n"
+                                   "#define C 3\n")
+    monkeypatch.setattr(cuda_ops, "source_dir", lambda: tmp_path)
+    assert cu_defaults("x") == {"A": "7", "B": "f(1) f(2)"}
+
+
+@pytest.mark.parametrize("family", sorted(GEOMETRY))
+def test_cu_defaults_equal_the_table(family):
+    got = cu_defaults(family)
+    for name, value in GEOMETRY[family].items():
+        assert name in got, f"cuda_src/{family}.cu has no #ifndef {name} default"
+        if name == "ATTN_HEAD_DIM_ENTRIES":
+            assert [int(h) for h in re.findall(r"ATTN_ENTRIES\((\d+)\)", got[name])] == \
+                list(ATTN_HEAD_DIMS)
+        else:
+            assert int(got[name]) == value, (family, name, got[name], value)
+
+
+def test_every_shared_constant_is_in_the_table():
+    # a launch constant the host uses must come from GEOMETRY, not a literal of its own
+    for family in ("gemv", "gemm", "attention"):
+        assert set(cu_defaults(family)) == set(GEOMETRY[family]), family
+
+
+def test_nvrtc_options_carry_the_table():
+    opts = nvrtc_options("attention")
+    assert opts[0] == "--std=c++17"
+    assert "-DPF_Q=64" in opts and "-DDC_THREADS=1024" in opts
+    assert ("-DATTN_HEAD_DIM_ENTRIES=" + "".join(f"ATTN_ENTRIES({h})" for h in ATTN_HEAD_DIMS)
+            in opts)
+    assert nvrtc_options("rope") == ("--std=c++17",)
+
+
+def _compile(tmp_path, family: str, options) -> bytes:
+    src = tmp_path / f"{family}.cu"
+    src.write_text(load_source(family))
+    out = tmp_path / f"{family}.cubin"
+    opts = [o.replace("--std=", "-std=") for o in options]
+    proc = subprocess.run([NVCC, "-arch=sm_90", "-cubin", *opts, "-o", str(out), str(src)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out.read_bytes()
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_head_dim_option_controls_the_attention_kernels(tmp_path):
+    full = _compile(tmp_path, "attention", nvrtc_options("attention"))
+    for hd in ATTN_HEAD_DIMS:
+        assert f"attn_decode_hd{hd}".encode() in full and f"attn_prefill_hd{hd}".encode() in full
+    only64 = [o for o in nvrtc_options("attention") if "ATTN_HEAD_DIM_ENTRIES" not in o]
+    only64.append("-DATTN_HEAD_DIM_ENTRIES=ATTN_ENTRIES(64)")
+    one = _compile(tmp_path, "attention", only64)
+    assert b"attn_decode_hd64" in one and b"attn_decode_hd48" not in one
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_gemm_refuses_a_tile_it_was_not_written_for(tmp_path):
+    src = tmp_path / "gemm.cu"
+    src.write_text(load_source("gemm"))
+    proc = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-std=c++17", "-DBM=32", "-o",
+                           str(tmp_path / "g.cubin"), str(src)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "64 x 64 tile" in proc.stderr
