@@ -47,15 +47,3 @@ def tag_scope(tag: str):
     finally:
         stack.pop()
 
-
-def oom_hint(tag: str, by_tag: dict) -> str:
-    """The sentence an out-of-memory error adds when a tag of :data:`TAG_CAUSES` is the one
-    being allocated or holds bytes: what those bytes are and the setting that avoids them;
-    "" otherwise. ``by_tag``: tag -> live bytes."""
-    from .stats import fmt_bytes
-    parts = []
-    for t, cause in TAG_CAUSES.items():
-        if t == tag or by_tag.get(t, 0):
-            parts.append(f"tag {t!r} holds {fmt_bytes(by_tag.get(t, 0))}"
-                         + (" and asked for more" if t == tag else "") + f": {cause}")
-    return "; ".join(parts)
