@@ -19,7 +19,7 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import check_load_args
+from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .generate import generate as _generate
@@ -431,7 +431,8 @@ class Model:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
         return _score(self, token_ids, depth)
 
-    def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
@@ -440,7 +441,8 @@ class Model:
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
-    def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
