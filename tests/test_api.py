@@ -10,6 +10,7 @@ import pytest
 
 import tinyloop
 from tinyloop import errors
+from tinyloop.backends.base import Ops
 from tinyloop.memory import get_pool
 from tinyloop.plan import plan_bytes_by_phase
 
@@ -165,7 +166,9 @@ def test_eos_stops_generation(tiny_model_path, monkeypatch):
     (dict(max_new_tokens=-1), "max_new_tokens"),
     (dict(temperature=-0.5), "temperature"),
     (dict(top_k=-1), "top_k"),
-    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=-0.1), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
     (dict(stop=[""]), "stop"),
     (dict(max_new_tokens=100), "max_seq_len"),
 ])
@@ -366,9 +369,214 @@ def test_cli_inspect_and_synthetic(tmp_path, capsys):
     for argv, needle in ((["inspect", str(p), "--depth", "99"], "max_depth=3"),
                          (["inspect", str(p), "--max-seq-len", "-5"], "max_seq_len=-5"),
                          (["generate", str(p), "hi", "--seed", "-1"], "--seed"),
-                         (["generate", str(p), "hi", "--top-p", "0"], "top_p"),
+                         (["generate", str(p), "hi", "--top-p", "-0.1"], "top_p"),
                          (["convert", "--synthetic", str(tmp_path / "x.tlm"), "--dims", "foo=1"],
                           "foo"),
                          (["convert", "--synthetic", str(p), str(p)], "one path")):
         assert main(argv) == 1, argv
         assert needle in capsys.readouterr().err, argv
+
+
+# --- exit with a live model (issue 11, fault 7) --------------------------------------------
+EXIT_SCRIPT = r"""
+import atexit, gc, sys, warnings
+warnings.simplefilter("always")                  # every ResourceWarning is printed
+path, backend = sys.argv[1], sys.argv[2]
+
+def after_tinyloop_hook():                       # registered first, so it runs last
+    from tinyloop.memory import get_pool
+    from tinyloop.memory.cupy_hook import cupy_allocator_installed
+    device = "cuda" if backend == "cuda" else "host"
+    print("allocated at exit", get_pool(device).stats().allocated_bytes,
+          "routing", cupy_allocator_installed(), flush=True)
+
+atexit.register(after_tinyloop_hook)
+import tinyloop
+from tinyloop.memory import get_pool
+device = "cuda" if backend == "cuda" else "host"
+base = get_pool(device).stats().allocated_bytes
+print("base", base, flush=True)
+
+dropped = tinyloop.load_model(path, max_seq_len=32, backend=backend)
+dropped.generate([1, 2, 3], max_new_tokens=2)
+del dropped                                      # dropped while the program runs: warns
+gc.collect()
+print("after drop", get_pool(device).stats().allocated_bytes - base, flush=True)
+
+freed = tinyloop.load_model(path, max_seq_len=32, backend=backend)
+tinyloop.free_model(freed)                       # freed: no warning, ever
+
+class Holder:                                    # a model kept in a reference cycle
+    def __init__(self):
+        self.me = self
+        self.model = tinyloop.load_model(path, max_seq_len=32, backend=backend)
+
+cycle = Holder()
+live = tinyloop.load_model(path, max_seq_len=32, backend=backend)   # alive at exit
+live.generate([1, 2, 3], max_new_tokens=2)
+print("live at end", tinyloop.vram_usage_bytes(live) > 0, flush=True)
+"""
+
+
+def run_exit_script(path: str, backend: str):
+    """Run EXIT_SCRIPT in a fresh interpreter; return (returncode, stdout, stderr)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TINYLOOP_MEMORY_LIMIT", None)
+    p = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, path, backend], env=env,
+                       capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def check_exit_output(rc: int, out: str, err: str) -> None:
+    assert rc == 0, err
+    lines = out.splitlines()
+    base = int(lines[0].split()[1])
+    assert base == 0
+    assert "after drop 0" in lines and "live at end True" in lines
+    assert lines[-1] == "allocated at exit 0 routing False"
+    # exactly one ResourceWarning about a Model, for the one dropped while the program ran;
+    # nothing at exit (other libraries' warnings, e.g. CuPy's, are not this test's business)
+    assert err.count("garbage-collected without free_model()") == 1, err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+
+
+def test_exit_with_live_numpy_model_frees_it_cleanly(tiny_model_path):
+    check_exit_output(*run_exit_script(tiny_model_path, "numpy"))
+
+
+# --- stop strings while streaming (issue 11, fault 4) --------------------------------------
+class ScriptedOps:
+    """The model's ops with ``sample`` replaced by a fixed script of token ids."""
+
+    def __init__(self, ops, script):
+        self._ops, self._script = ops, list(script)
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def sample(self, logits, temperature, top_k, top_p, u):
+        return self._script.pop(0)
+
+    def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
+                               u):
+        # the composition (head, then this object's scripted sample), not a fused backend's
+        return Ops.rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature,
+                                          top_k, top_p, u)
+
+
+def _reference_text(tok, ids, stops, max_new_tokens, eos):
+    """generate's text by its definition, token by token with whole-prefix decodes: stop at
+    EOS, at max_new_tokens, or at the first token after which the text holds a stop string,
+    cut before the earliest one held."""
+    new = []
+    for i in ids:
+        if i == eos:
+            break
+        new.append(i)
+        text = tok.decode(new)
+        found = [text.find(s) for s in stops if s in text]
+        if found:
+            return text[:min(found)], "stop"
+        if len(new) == max_new_tokens:
+            break
+    return tok.decode(new), "eos" if len(new) < max_new_tokens else "length"
+
+
+def _run_script(m, monkeypatch, script, stops, max_new_tokens=40):
+    real = m._ops
+    monkeypatch.setattr(m, "_ops", ScriptedOps(real, script))
+    pieces = list(m.stream([1, 2], max_new_tokens=max_new_tokens, stop=stops))
+    monkeypatch.setattr(m, "_ops", ScriptedOps(real, script))
+    res = m.generate([1, 2], max_new_tokens=max_new_tokens, stop=stops)
+    monkeypatch.setattr(m, "_ops", real)
+    return pieces, res
+
+
+@pytest.mark.parametrize("text, stops, ends_with_eos", [
+    ("Hello! world", ["! "], True),                  # the issue's case: "Hello" then "!"
+    ("Hello!", ["! "], True),                        # "!" held, then EOS: it must arrive
+    ("Hello!", ["! "], False),                       # ... or the length limit
+    ("xab", ["b", "a"], True),                       # the earliest stop, not the first listed
+    ("abcd", ["abcd", "c"], True),                   # "c" completes first
+    ("a\n\nb", ["\n\n\n", "\n\nb"], True),           # overlapping prefixes
+    ("tick 😀!", ["😀?"], True),                     # a held emoji split over tokens
+    ("caf\u00e9 ok", ["\u00e9 ok"], True),
+])
+def test_stream_stop_pieces_join_to_generate_text(tiny_model_path, monkeypatch, text, stops,
+                                                  ends_with_eos):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
+    try:
+        tok, eos = m.tokenizer, m.config.eos_token_id
+        ids = tok.encode(text, parse_special=False)
+        script = ids + [eos] if ends_with_eos else ids + [ord("z")]   # "z" never comes
+        limit = len(ids) + (1 if ends_with_eos else 0)
+        pieces, res = _run_script(m, monkeypatch, script, stops, max_new_tokens=limit)
+        want, reason = _reference_text(tok, script, stops, limit, eos)
+        assert res.text == want and res.finish_reason == reason
+        assert "".join(p.text for p in pieces) == want
+        got_ids = [p.token_id for p in pieces]
+        assert got_ids == res.token_ids[:len(got_ids)]     # every yield is a real new token
+        assert eos not in got_ids
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_stream_stop_never_yields_a_stop_prefix_too_early(tiny_model_path, monkeypatch):
+    """Random texts over a small alphabet and random stops: the joined pieces equal
+    generate's text, which equals the definition, and no piece ever shows text that a later
+    stop cut away."""
+    import random
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
+    rng = random.Random(7)
+    try:
+        tok, eos = m.tokenizer, m.config.eos_token_id
+        for trial in range(150):
+            text = "".join(rng.choice("ab! \n\u00e9") for _ in range(rng.randint(1, 24)))
+            stops = ["".join(rng.choice("ab! \n\u00e9") for _ in range(rng.randint(1, 4)))
+                     for _ in range(rng.randint(1, 3))]
+            ids = tok.encode(text, parse_special=False)
+            script = ids + ([eos] if trial % 2 else [ord("b")] * 4)
+            limit = len(ids) + (1 if trial % 2 else rng.randint(0, 2)) or 1
+            pieces, res = _run_script(m, monkeypatch, script, stops, max_new_tokens=limit)
+            want, reason = _reference_text(tok, script, stops, limit, eos)
+            assert res.text == want and res.finish_reason == reason, (text, stops)
+            seen = ""
+            for p in pieces:
+                seen += p.text
+                assert want.startswith(seen), (text, stops, seen)
+            assert seen == want, (text, stops)
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_exit_while_a_daemon_thread_holds_the_model_does_not_hang(tiny_model_path):
+    """The exit hook waits a bounded time for a request a daemon thread holds, then leaves
+    that model to the process's end; finalization never blocks on the model's lock."""
+    import os
+    import subprocess
+    import sys
+    script = r"""
+import sys, threading, time
+import tinyloop
+m = tinyloop.load_model(sys.argv[1], max_seq_len=32, backend="numpy")
+other = tinyloop.load_model(sys.argv[1], max_seq_len=32, backend="numpy")
+held = threading.Event()
+def hold():
+    with m._lock:
+        held.set()
+        time.sleep(3600)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+print("exiting", flush=True)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-W", "always", "-c", script, tiny_model_path],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == "exiting\n", p.stderr
+    assert "Exception ignored" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "ResourceWarning" not in p.stderr, p.stderr

@@ -181,9 +181,10 @@ def _byte_tokens() -> list[str]:
 
 def write_tiny_gguf(path, *, arch="llama", n_layers=4, d=64, n_heads=4, n_kv_heads=2,
                     ffn=256, types=None, untied=True, extra_tensor=None, drop_tensor=None,
-                    seed=0) -> dict:
+                    seed=0, edit=None) -> dict:
     """A tiny llama GGUF with a byte-level vocab; ``types`` maps a tensor-name suffix to the
-    GGML type used for it. Returns {name: float32 source matrix} (before GGUF quantization)."""
+    GGML type used for it; ``edit(writer)`` runs last (to override a key or add a tensor).
+    Returns {name: float32 source matrix} (before GGUF quantization)."""
     rng = np.random.default_rng(seed)
     types = types or {}
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_tokens() + [
@@ -249,6 +250,8 @@ def write_tiny_gguf(path, *, arch="llama", n_layers=4, d=64, n_heads=4, n_kv_hea
     for name in norm_names:
         if name != drop_tensor:
             w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -696,3 +696,62 @@ def test_cupy_routing_is_counted_and_never_removes_a_users_install(fake_cupy):
     assert fake_cupy.current is not routed and fake_cupy.current != "cupy-default"
     again.release()
     assert fake_cupy.current == "cupy-default"
+
+
+# --- a limit that is not a multiple of 512 B (issue 11, fault 5) --------------------------
+@pytest.mark.parametrize("limit", [100_000_000, 1000, 512 * 7 + 1, 3 * MiB + 1])
+def test_allocation_of_exactly_a_100_000_000_byte_limit_fits_an_empty_pool(limit):
+    pool, raw = fake_pool(limit_bytes=limit)
+    want = -(-limit // ALIGNMENT) * ALIGNMENT             # the limit in whole 512-byte blocks
+    assert pool.limit_bytes == want
+    blk = pool.allocate(limit, "weights")
+    assert blk.nbytes == round_size(limit) == want
+    s = pool.stats()
+    assert s.reserved_bytes <= s.limit_bytes == want
+    with pytest.raises(OutOfMemoryError):                 # and not a byte more
+        pool.allocate(1)
+    blk.free()
+    pool._check()
+
+
+def test_percentage_limit_is_rounded_to_blocks_and_fits_an_allocation_of_itself():
+    total = 1000 * MiB + 123                              # 7% of it is not a multiple of 512
+    pool, _ = fake_pool(total_bytes=total)
+    pool.set_limit("7%")
+    exact = int(total * 7 / 100)
+    assert exact % ALIGNMENT and pool.limit_bytes == round_size(exact)
+    pool.allocate(exact).free()
+    mem.set_memory_limit(100_000_001, device="host")
+    assert mem.get_pool("host").limit_bytes == round_size(100_000_001)
+    mem.get_pool("host").allocate(100_000_001).free()
+
+
+# --- releasing at interpreter exit (issue 11, fault 7) -------------------------------------
+def _imports_fail(monkeypatch):
+    """Make every import statement fail as it does once ``sys.meta_path`` is None."""
+    import builtins
+
+    def no_import(*args, **kwargs):
+        raise ImportError("sys.meta_path is None, Python is likely shutting down")
+    monkeypatch.setattr(builtins, "__import__", no_import)
+
+
+def test_cupy_routing_release_imports_nothing_as_at_exit(fake_cupy, monkeypatch):
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    user = mem.install_cupy_allocator(pool, tag="other")
+    routing = mem.route_cupy_allocations(pool)
+    with monkeypatch.context() as m:
+        _imports_fail(m)
+        routing.release()                  # the CUDA model's release path
+        assert user.uninstall()
+    assert fake_cupy.current == "cupy-default"
+
+
+def test_model_free_imports_nothing_as_at_exit(tiny_model_path, monkeypatch):
+    import tinyloop
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=32, backend="numpy")
+    m.generate([1, 2, 3], max_new_tokens=2)
+    with monkeypatch.context() as mp:
+        _imports_fail(mp)
+        m.free()
+    assert tinyloop.vram_usage_bytes(m) == 0 and mem.get_pool("host").allocated_bytes == 0

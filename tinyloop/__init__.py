@@ -12,8 +12,9 @@ Public API (pinned; see README.md):
 from __future__ import annotations
 
 from .config import ModelConfig
-from .errors import (BackendUnavailableError, ConfigError, FormatError, ModelFreedError,
-                     OutOfMemoryError, TinyLoopError, TokenizerError)
+from .errors import (BackendUnavailableError, ConfigError, ConversionError, FormatError,
+                     ModelFreedError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError,
+                     TokenizerError)
 from .generate import GenerationResult, StreamToken
 from .memory import (empty_cache, export_snapshot, memory_report, memory_stats,
                      reset_peak_memory_stats, set_memory_limit)
@@ -33,4 +34,4 @@ __all__ = ["load_model", "free_model", "vram_usage_bytes", "default_model_path",
            "set_memory_limit", "export_snapshot",
            "ModelConfig", "GenerationResult", "StreamToken", "TinyLoopError", "ConfigError",
            "FormatError", "TokenizerError", "OutOfMemoryError", "BackendUnavailableError",
-           "ModelFreedError", "__version__"]
+           "ModelFreedError", "ConversionError", "NonFiniteLogitsError", "__version__"]

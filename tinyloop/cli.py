@@ -43,7 +43,9 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
         text = prompt
         tok = model.tokenizer
         if not a.raw and tok is not None and tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            # ids, not text: special-token text typed in the prompt stays plain text
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                           tokenize=True)
         print(f"# {model!r}", file=sys.stderr)
         res = model.generate(text, max_new_tokens=a.max_new_tokens, depth=a.depth,
                              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -214,7 +216,8 @@ def main(argv=None) -> int:
     try:
         return a.fn(a)
     except (TinyLoopError, OSError) as e:
-        print(f"tinyloop {a.cmd}: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split("\n"))          # one line, whatever the message holds
+        print(f"tinyloop {a.cmd}: error: {msg}", file=sys.stderr)
         return 1
 
 

@@ -53,6 +53,10 @@ class SizeOverflowError(FormatError):
     """A size read from the file is absurd (overflows, negative, or larger than any file)."""
 
 
+class NonFiniteWeightError(FormatError):
+    """A norm weight, quantization scale or zero in the file is NaN or infinite."""
+
+
 # --- conversion / tokenizer ------------------------------------------------------------------
 class ConversionError(TinyLoopError, ValueError):
     """A source checkpoint (GGUF, safetensors, ...) cannot be converted."""
@@ -73,6 +77,23 @@ class ModelFreedError(TinyLoopError, RuntimeError):
 
 class HandleError(TinyLoopError, RuntimeError):
     """An opaque handle (PrefixCache, ResumeHandle, PrefixPool) was misused."""
+
+
+class NonFiniteLogitsError(TinyLoopError, FloatingPointError):
+    """The logits to sample from are not usable: some are NaN or +inf, or all are -inf.
+
+    Attributes: ``kind`` ("nan" | "+inf" | "all -inf"); ``step`` (int: 0 for the token
+    sampled after the prompt, k for the (k+1)-th new token) and ``position`` (int: the
+    sequence position whose next-token logits these are), both None when the sampler was
+    called directly.
+    """
+
+    def __init__(self, message: str, *, kind: str, step: int | None = None,
+                 position: int | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.step = step
+        self.position = position
 
 
 class OutOfMemoryError(TinyLoopError, MemoryError):

@@ -30,9 +30,10 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import (BadMagicError, ConfigError, FormatError, InconsistentDimsError,
-                     SizeOverflowError, TensorBoundsError, TensorOverlapError, TensorShapeError,
-                     TruncatedFileError, UnsupportedVersionError)
-from .quant import QuantWeight, check_quant_parts
+                     NonFiniteWeightError, SizeOverflowError, TensorBoundsError,
+                     TensorOverlapError, TensorShapeError, TruncatedFileError,
+                     UnsupportedVersionError)
+from .quant import QuantWeight, check_quant_parts, non_finite_message
 
 MAGIC = b"TINYLOOP"
 VERSION = 1
@@ -93,7 +94,8 @@ def write_tlm(path, config: ModelConfig, tensors: dict, *, tokenizer_json: str |
     as f32) or a :class:`QuantWeight` (stored as ``name.qweight``/``.scales``/``.zeros``).
     ``tokenizer_json`` (HF ``tokenizers`` JSON) is stored as the u8 entry ``tokenizer.json``.
     The file is validated against ``config`` before it is written (ConfigError /
-    TensorShapeError on mismatch) and written atomically (temp file + rename).
+    TensorShapeError on mismatch; NonFiniteWeightError for a NaN or inf norm weight, scale or
+    zero) and written atomically (temp file + rename).
     """
     arrays: list[tuple[str, str, np.ndarray]] = []
     want = expected_tensors(config)
@@ -120,6 +122,10 @@ def write_tlm(path, config: ModelConfig, tensors: dict, *, tokenizer_json: str |
             if a.shape != shape:
                 raise TensorShapeError(f"{name} has shape {a.shape}, config needs {shape}")
             arrays.append((name, "f32", a))
+    for name, dt, a in arrays:
+        bad = non_finite_message(name, a) if dt in ("f32", "f16") else None
+        if bad:
+            raise NonFiniteWeightError(f"refusing to write {path}: {bad}")
     if tokenizer_json is not None:
         n_tok = _tokenizer_json_size(tokenizer_json)
         if n_tok > config.vocab_size:
@@ -185,7 +191,8 @@ class TLMFile:
 
     Raises (all FormatError subclasses, each naming the cause): BadMagicError,
     UnsupportedVersionError, TruncatedFileError, SizeOverflowError, InconsistentDimsError,
-    TensorBoundsError, TensorOverlapError, TensorShapeError.
+    TensorBoundsError, TensorOverlapError, TensorShapeError; and NonFiniteWeightError from
+    ``array`` / ``quant_weight`` / ``weight`` when a norm weight, scale or zero is NaN or inf.
     """
 
     def __init__(self, path):
@@ -342,13 +349,21 @@ class TLMFile:
 
     # -- access --------------------------------------------------------------------------------
     def array(self, name: str) -> np.ndarray:
-        """A read-only NumPy view (memory-mapped) of tensor ``name``."""
+        """A read-only NumPy view (memory-mapped) of tensor ``name``.
+
+        Float entries (norm weights, scales, zeros) are checked to be finite first: raises
+        NonFiniteWeightError naming the first NaN or inf element."""
         e = self._entry(name)
         if self._mm is None:
             raise FormatError(f"{self.path}: file is closed")
-        return np.frombuffer(self._mm, dtype=DTYPES[e.dtype], count=e.nbytes //
-                             np.dtype(DTYPES[e.dtype]).itemsize,
-                             offset=self.data_start + e.offset).reshape(e.shape)
+        a = np.frombuffer(self._mm, dtype=DTYPES[e.dtype], count=e.nbytes //
+                          np.dtype(DTYPES[e.dtype]).itemsize,
+                          offset=self.data_start + e.offset).reshape(e.shape)
+        if e.dtype in ("f32", "f16"):
+            bad = non_finite_message(name, a)
+            if bad:
+                raise NonFiniteWeightError(f"{self.path}: {bad}")
+        return a
 
     def quant_weight(self, name: str) -> QuantWeight:
         q = self._entry(name + ".qweight")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ConfigError
+from .backends.base import non_finite_logits
+from .errors import ConfigError, NonFiniteLogitsError
 
 
 @dataclass
@@ -62,9 +63,8 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
         raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not _is_number(top_k) or not float(top_k).is_integer() or top_k < 0:
         raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
-
+    if not _is_number(top_p) or not 0 <= top_p <= 1:
+        raise ConfigError(f"top_p must be in [0, 1] (0 = greedy), got {top_p!r}")
 
 
 def _normalise_stop(stop) -> list[str]:
@@ -87,9 +87,16 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
 
     Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
-    contains a ``stop`` string. Raises ConfigError (bad arguments, prompt + max_new_tokens >
-    max_seq_len), TokenizerError (ids out of range / no tokenizer for text), ModelFreedError
-    (the model was freed while the stream was open).
+    contains a ``stop`` string (the text is cut before the earliest one). The texts of the
+    yielded tokens joined equal :func:`generate`'s ``text``: a token's text leaves out the
+    tail that could still grow into a stop string (or is part of a UTF-8 character split
+    across tokens); that tail comes with a later token once it cannot, and such a token is
+    yielded only after the next one is known, so a tail left at EOS still arrives with it.
+
+    Raises ConfigError (bad arguments, prompt + max_new_tokens > max_seq_len),
+    TokenizerError (ids out of range / no tokenizer for text), ModelFreedError (the model was
+    freed while the stream was open), NonFiniteLogitsError (logits with NaN or +inf, or all
+    -inf: names the step, 0 for the first new token, and the position sampled from).
 
     The model's lock is held only while a token is computed, never across a ``yield``: each
     step touches only this request's KV cache and the residual row of its own position, so
@@ -114,12 +121,12 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
                           f"{total} exceeds max_seq_len={model.max_seq_len}")
     rng = np.random.default_rng(seed)
     res = _result if _result is not None else {}
+    new: list[int] = []
     res.update(prompt_token_ids=ids.tolist(), finish_reason="length", depth=depth,
-               token_ids=[], text="", prefill_ms=0.0, decode_ms=0.0)
+               token_ids=new, text="", prefill_ms=0.0, decode_ms=0.0)
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
-    ops = model.ops
     cache = model.new_kv_cache(depth, total)
 
     def step(step_ids, pos0: int) -> int:
@@ -128,9 +135,12 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
             model.check_alive()
             row = model.logit_row()
             model.forward(step_ids, pos0, depth, cache)
-            model.head(pos0 + len(step_ids) - 1, 1, row)
+            pos = pos0 + len(step_ids) - 1
             u = float(rng.random()) if temperature > 0 else 0.0
-            return int(ops.sample(row[0], temperature, top_k, top_p, u))
+            try:
+                return model.head_sample(pos, row, temperature, top_k, top_p, u)
+            except NonFiniteLogitsError as e:
+                raise non_finite_logits(e.kind, step=len(new), position=pos) from None
 
     try:
         t0 = time.perf_counter()
@@ -138,46 +148,74 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
         t1 = time.perf_counter()
         res["prefill_ms"] = (t1 - t0) * 1e3
         pos = len(ids)
-        new: list[int] = []
-        text = ""
+        text = ""          # decoded text of ``new`` (cut before a stop string once one is hit)
+        sent = 0           # characters of ``text`` already yielded
+        pending = None     # (id, text) of a token whose yield waits for the next token: its
+                           # text ends in what may become a stop string or a split character,
+                           # and if the next token is EOS that tail must travel with it
         dec = tok.stream() if tok is not None else None
         one = np.empty(1, dtype=np.int32)
         while True:
             if nxt == cfg.eos_token_id:
                 res["finish_reason"] = "eos"
                 text += dec.flush() if dec is not None else ""
-                break
-            new.append(nxt)
-            piece = dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
-            start = len(text)
-            text += piece
-            # a stop string may straddle pieces: search only where it could newly end
-            hit = next((s for s in stops if s in text[max(0, start - len(s) + 1):]), None)
-            last = hit is not None or len(new) >= max_new_tokens
-            if hit is not None:
-                res["finish_reason"] = "stop"
-                cut = text.find(hit, max(0, start - len(hit) + 1))
-                text = text[:cut]
-                piece = piece[:max(0, cut - start)]
-            elif last and dec is not None:
-                tail = dec.flush()
-                text += tail
-                piece += tail
-            res.update(token_ids=list(new), text=text)
-            if last:
-                cache.release()              # free the request's memory before the last yield
-                res["decode_ms"] = (time.perf_counter() - t1) * 1e3
-                if piece or hit is None:
-                    yield StreamToken(nxt, piece)
+                cache.release()
+                res.update(text=text, decode_ms=(time.perf_counter() - t1) * 1e3)
+                if pending is not None:
+                    yield StreamToken(pending[0], pending[1] + text[sent:])
                 return
-            yield StreamToken(nxt, piece)
+            new.append(nxt)
+            start = len(text)
+            text += dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
+            cut = _first_stop(text, stops, start)
+            if cut is not None or len(new) >= max_new_tokens:
+                if cut is not None:
+                    res["finish_reason"] = "stop"
+                    text = text[:cut]
+                elif dec is not None:
+                    text += dec.flush()
+                cache.release()              # free the request's memory before the last yield
+                res.update(text=text, decode_ms=(time.perf_counter() - t1) * 1e3)
+                if pending is not None:
+                    yield StreamToken(*pending)
+                if cut is None or len(text) > sent:
+                    yield StreamToken(nxt, text[sent:])
+                return
+            # yield only text no stop string can still claim: hold back the longest tail that
+            # is the start of a stop string
+            held = _stop_prefix_len(text, stops)
+            safe = max(sent, len(text) - held)
+            piece, sent = text[sent:safe], safe
+            res["text"] = text
+            if pending is not None:
+                yield StreamToken(*pending)
+                pending = None
+            if held or (dec is not None and dec.holding):
+                pending = (nxt, piece)
+            else:
+                yield StreamToken(nxt, piece)
             one[0] = nxt
             nxt = step(one, pos)
             pos += 1
-        res.update(token_ids=list(new), text=text)
-        res["decode_ms"] = (time.perf_counter() - t1) * 1e3
     finally:
         cache.release()
+
+
+def _first_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string occurrence that ends past ``text[:start]`` begins."""
+    hits = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 def _as_int(v, name: str) -> int:

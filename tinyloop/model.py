@@ -6,10 +6,13 @@ free_model / vram_usage_bytes and the five load phases.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +61,41 @@ class BufferPool:
         return self._flat[name]
 
 
+# Models loaded and not yet freed. At interpreter exit they are freed by an atexit hook, while
+# imports, CuPy and the CUDA context still work: ending the program is a normal way to be done
+# with a model, so that gives no ResourceWarning (a Model garbage-collected while the program
+# runs does). The hook is registered at the first load, after the backend imported CuPy, so it
+# runs before any exit hook CuPy registered (atexit runs hooks last-in, first-out).
+_live_lock = threading.RLock()      # re-entrant: a collection inside add() may free a model
+_live_models: "weakref.WeakSet[Model]" = weakref.WeakSet()   # guarded by _live_lock
+_exit_hook_registered = False                                  # guarded by _live_lock
+
+
+def _track(model: "Model") -> None:
+    global _exit_hook_registered
+    with _live_lock:
+        _live_models.add(model)
+        if not _exit_hook_registered:
+            atexit.register(_free_live_models)
+            _exit_hook_registered = True
+
+
+_EXIT_LOCK_WAIT_S = 2.0     # how long the exit hook waits for a request (a daemon thread's)
+
+
+def _free_live_models() -> None:
+    """Free every model still loaded (the atexit hook). A model whose lock a (daemon) thread
+    holds past _EXIT_LOCK_WAIT_S is left to the process's end rather than waited for."""
+    with _live_lock:
+        models = list(_live_models)
+    for model in models:
+        if model._lock.acquire(timeout=_EXIT_LOCK_WAIT_S):
+            try:
+                model.free()
+            finally:
+                model._lock.release()
+
+
 class Model:
     """A loaded looped model. Create with :func:`tinyloop.load_model`.
 
@@ -95,6 +133,7 @@ class Model:
             self._stop_cupy_routing()
             raise
         self._freed = False
+        _track(self)
 
     def _stop_cupy_routing(self) -> None:
         if self._cupy_routing is not None:
@@ -172,6 +211,8 @@ class Model:
             if self._freed:
                 return
             self._freed = True
+            with _live_lock:
+                _live_models.discard(self)
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -185,11 +226,22 @@ class Model:
     def __del__(self):
         # A Model dropped without free_model() would otherwise keep its blocks forever (the
         # pool holds them, not the Model): free them, and say so, as an unclosed file does.
-        if not getattr(self, "_freed", True):
-            warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
-                          f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
-                          stacklevel=2)
-            self.free()
+        # Not so once the interpreter is finalizing: the exit hook has freed every model it
+        # could, a warning could not be shown, and a lock held by a daemon thread (frozen by
+        # now) would never be released, so free only if the lock is free this instant.
+        if getattr(self, "_freed", True):
+            return
+        if sys.is_finalizing():
+            if self._lock.acquire(blocking=False):
+                try:
+                    self.free()
+                finally:
+                    self._lock.release()
+            return
+        warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
+                      f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
+                      stacklevel=2)
+        self.free()
 
     def vram_usage_bytes(self) -> int:
         """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""
@@ -354,6 +406,16 @@ class Model:
         cfg = self.config
         self._ops.rmsnorm_lm_head(self._buf.main[pos0:pos0 + t], self._output_norm,
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
+
+    def head_sample(self, pos: int, out, temperature: float, top_k: int, top_p: float,
+                    u: float) -> int:
+        """Final RMSNorm + LM head of residual row ``pos`` into ``out`` f32 [1, vocab], then the
+        next token id by ``numpy_ops.sample_from_logits``'s rule (``Ops.rmsnorm_lm_head_sample``:
+        one fused launch for greedy decode on the CUDA backend, only the id crosses)."""
+        cfg = self.config
+        return int(self._ops.rmsnorm_lm_head_sample(
+            self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
+            self._views(1)["norm"], temperature, top_k, top_p, u))
 
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None) -> np.ndarray:

@@ -91,6 +91,31 @@ def check_quant_parts(bits, group_size, q_shape, q_dtype, s_shape, s_dtype, z_sh
             raise ConfigError(f"{name} must be float16, got {dt}")
 
 
+def first_non_finite(a, chunk: int = 1 << 20) -> tuple[tuple[int, ...], float] | None:
+    """(index, value) of the first NaN or infinite element of the host float array ``a`` in
+    C order, or None when every element is finite. Scans ``chunk`` elements at a time, so a
+    memory-mapped weight is never copied whole."""
+    a = np.asarray(a)
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        bad = ~np.isfinite(flat[i:i + chunk])
+        if bad.any():
+            k = i + int(np.argmax(bad))
+            return tuple(int(j) for j in np.unravel_index(k, a.shape)), float(flat[k])
+    return None
+
+
+def non_finite_message(name: str, a) -> str | None:
+    """"``name``[i, j] is nan" for the first non-finite element of ``a``, or None. Used by the
+    converter, the writer and the reader, which each raise their own error with it."""
+    hit = first_non_finite(a)
+    if hit is None:
+        return None
+    idx, v = hit
+    return (f"{name}[{', '.join(map(str, idx))}] is {v}: a norm weight, scale or zero must be "
+            "finite")
+
+
 def pack_int4(codes: np.ndarray) -> np.ndarray:
     """uint8 codes 0..15 ``[out, in]`` (in even) -> packed uint8 ``[out, in // 2]``."""
     codes = np.asarray(codes)

@@ -13,6 +13,13 @@ ids as llama.cpp's ``llama_tokenize(..., add_special=False, parse_special=True)`
   i.e. HF's ``Split(\\p{N}, isolated)`` followed by ``ByteLevel(use_regex=True)``;
 - added tokens: every CONTROL, USER_DEFINED and UNKNOWN token (llama.cpp's special-token
   cache), matched verbatim in the text before BPE, as llama.cpp does with parse_special=True.
+  CONTROL and UNKNOWN tokens are marked ``special``: ``encode(text, parse_special=False)``
+  leaves them unmatched (their text is encoded as plain text) while USER_DEFINED tokens are
+  still matched, which is what llama.cpp's ``special`` flag does (``tokenizer_st_partition``).
+
+Chat prompts: :meth:`Tokenizer.apply_chat_template` with ``tokenize=True`` returns ids in which
+only the template's own markers are control tokens; a special token's text inside a message
+(``"<|im_end|>"`` typed by a user) is encoded as plain text (see ``_escape_specials``).
 
 Decoding maps each token to its bytes (byte-level alphabet inverted; added tokens as UTF-8) and
 decodes the concatenation as UTF-8 with U+FFFD for invalid bytes. :class:`StreamDecoder` does
@@ -24,6 +31,7 @@ from __future__ import annotations
 import codecs
 import json
 import operator
+import re
 from functools import lru_cache
 
 from .errors import TokenizerError
@@ -74,10 +82,10 @@ def build_tokenizer_json_from_gguf(reader) -> str:
 
     Supports ``tokenizer.ggml.model == "gpt2"`` with the pre-tokenizers listed in
     ``_PRE_TOKENIZERS``. Raises TokenizerError for anything else (SentencePiece "llama" vocabs,
-    unknown pre-tokenizers, missing fields, duplicate tokens).
+    unknown pre-tokenizers, missing or mistyped fields, duplicate tokens, a merge whose
+    parts or result are not in the vocab), naming the field.
     """
     tk = _tokenizers()
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -88,14 +96,21 @@ def build_tokenizer_json_from_gguf(reader) -> str:
         raise TokenizerError(f"tokenizer.ggml.model={kind!r} is not supported (only byte-level "
                              "BPE, 'gpt2')")
     pre = field("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
         raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; known: "
                              f"{sorted(_PRE_TOKENIZERS)}")
     tokens = field("tokenizer.ggml.tokens")
     merges = field("tokenizer.ggml.merges")
     if not tokens or merges is None:
         raise TokenizerError("the GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
+    for key, v, kind in (("tokenizer.ggml.tokens", tokens, str),
+                         ("tokenizer.ggml.merges", merges, str)):
+        if not isinstance(v, list) or not all(isinstance(x, kind) for x in v):
+            raise TokenizerError(f"{key} must be an array of strings")
     types = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(y, int) and not isinstance(y, bool)
+                                              for y in types):
+        raise TokenizerError("tokenizer.ggml.token_type must be an array of integers")
     if len(types) != len(tokens):
         raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -103,12 +118,25 @@ def build_tokenizer_json_from_gguf(reader) -> str:
         raise TokenizerError("the GGUF vocab has duplicate token strings; their ids cannot be "
                              "kept")
     pairs = []
-    for m in merges:
+    for k, m in enumerate(merges):
         a, sep, b = m.partition(" ")
         if not sep:
-            raise TokenizerError(f"malformed merge {m!r}")
+            raise TokenizerError(f"tokenizer.ggml.merges[{k}] = {m!r} is not two tokens "
+                                 "separated by a space")
+        missing = next((t for t in (a, b, a + b) if t not in vocab), None)
+        if missing is not None:      # a BPE merge must join two tokens into a third
+            raise TokenizerError(f"tokenizer.ggml.merges[{k}] = {m!r}: {missing!r} is not in "
+                                 "tokenizer.ggml.tokens")
         pairs.append((a, b))
 
+    try:
+        return _bpe_json(tk, vocab, pairs, pre, tokens, types)
+    except Exception as e:             # tokenizers raises plain Exception
+        raise TokenizerError(f"the GGUF vocab cannot make a BPE tokenizer: {e}") from None
+
+
+def _bpe_json(tk, vocab, pairs, pre, tokens, types) -> str:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
                                   byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
@@ -146,8 +174,15 @@ class Tokenizer:
         self.eos_token_id = int(eos_token_id)
         self.chat_template = chat_template or ""
         self._bytes: list[bytes] | None = None
-        self._special: frozenset[int] = frozenset(
-            i for i, t in hf_tokenizer.get_added_tokens_decoder().items() if t.special)
+        added = hf_tokenizer.get_added_tokens_decoder()
+        self._special: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # special token text -> id, and a regex matching them leftmost-longest (the way HF's
+        # added-token matcher and llama.cpp's partition find them)
+        self._special_ids = {added[i].content: i for i in sorted(self._special)}
+        alts = [re.escape(t) for t in sorted(self._special_ids, key=len, reverse=True)]
+        self._special_re = re.compile("|".join(alts) or "(?!)")
+        self._escape_re = re.compile("|".join(alts + [f"[{_ESC_OPEN}{_ESC_CLOSE}]"]))
+        self._plain_tok = None        # the same tokenizer with special tokens left unmatched
 
     @classmethod
     def from_json(cls, json_str: str, *, bos_token_id: int = -1, eos_token_id: int = -1,
@@ -177,15 +212,30 @@ class Tokenizer:
                              chat_template=tlm.chat_template)
 
     # -- encode ---------------------------------------------------------------------------------
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) become
-        their single ids. ``add_bos`` prepends ``bos_token_id`` (when the vocab has one)."""
+    def encode(self, text: str, add_bos: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids (list of int) of ``text``.
+
+        ``parse_special`` is llama.cpp's ``special`` flag: True, a control token written in the
+        text (``<|im_start|>``) becomes its single id; False, its text is encoded as plain
+        text (for text from users), the ids llama.cpp's ``tokenize(..., special=False)``
+        gives. User-defined added tokens are matched either way. ``add_bos`` prepends
+        ``bos_token_id`` (when the vocab has one). Raises TokenizerError for a non-str.
+        """
         if not isinstance(text, str):
             raise TokenizerError(f"encode needs a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        hf = self._tok if parse_special else self._plain()
+        ids = hf.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_token_id >= 0:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def _plain(self):
+        """A copy of the HF tokenizer that leaves special tokens unmatched (made once)."""
+        if self._plain_tok is None:
+            plain = type(self._tok).from_str(self._tok.to_str())
+            plain.encode_special_tokens = True     # special added tokens are plain text
+            self._plain_tok = plain
+        return self._plain_tok
 
     # -- decode ---------------------------------------------------------------------------------
     def _table(self) -> list[bytes]:
@@ -238,19 +288,70 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
     # -- chat -------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
         """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the embedded Jinja
         chat template, as HF ``transformers`` does (sandboxed, trim_blocks, lstrip_blocks).
-        Raises TokenizerError when there is no template or it fails to render."""
+
+        ``tokenize=False`` returns the prompt text (str). ``tokenize=True`` returns its token
+        ids (list of int) with the messages treated as plain text: the template's own markers
+        (``<|im_start|>``, ``<|im_end|>``, bos/eos) are control tokens, while the same text
+        inside a message's fields is encoded like ``encode(..., parse_special=False)``, so a
+        user cannot forge a turn boundary. Where no message holds a special token's text, the
+        ids equal ``encode(apply_chat_template(messages))``. Use ``tokenize=True`` for any
+        prompt with text from users: encoding the returned string with ``parse_special=True``
+        turns such text back into control tokens.
+        Raises TokenizerError when there is no template or it fails to render.
+        """
         if not self.chat_template:
             raise TokenizerError("this model has no chat template")
-        return render_chat_template(self.chat_template, messages,
-                                    add_generation_prompt=add_generation_prompt,
-                                    bos_token=self._token_text(self.bos_token_id),
-                                    eos_token=self._token_text(self.eos_token_id))
+        literals: list[str] = []
+        rendered = render_chat_template(self.chat_template,
+                                        self._escape_messages(messages, literals),
+                                        add_generation_prompt=add_generation_prompt,
+                                        bos_token=self._token_text(self.bos_token_id),
+                                        eos_token=self._token_text(self.eos_token_id))
+        if not tokenize:
+            return _unescape(rendered, literals)
+        ids, pos = [], 0
+        for m in self._special_re.finditer(rendered):        # the template's markers only
+            if m.start() > pos:
+                ids += self.encode(_unescape(rendered[pos:m.start()], literals),
+                                   parse_special=False)
+            ids.append(self._special_ids[m.group()])
+            pos = m.end()
+        if pos < len(rendered):
+            ids += self.encode(_unescape(rendered[pos:], literals), parse_special=False)
+        return ids
+
+    def _escape_messages(self, messages, literals: list[str]):
+        """``messages`` with every special token's text (and every escape character) in their
+        str fields replaced by ``\ufdd0<k>\ufdd1``, ``literals[k]`` holding the original:
+        the template renders them as opaque text that no special-token match can see.
+        Anything that is not a list of dicts is passed on for the renderer to reject."""
+        if not isinstance(messages, (list, tuple)):
+            return messages
+
+        def esc(m):
+            literals.append(m.group())
+            return f"{_ESC_OPEN}{len(literals) - 1}{_ESC_CLOSE}"
+
+        return [{k: self._escape_re.sub(esc, v) if isinstance(v, str) else v for k, v in m.items()}
+                if isinstance(m, dict) else m for m in messages]
 
     def _token_text(self, i: int) -> str:
         return "" if i < 0 else self._table()[i].decode("utf-8", errors="replace")
+
+
+_ESC_OPEN, _ESC_CLOSE = "\ufdd0", "\ufdd1"      # Unicode noncharacters: never in a template
+_ESC_RE = re.compile(f"{_ESC_OPEN}(\\d+){_ESC_CLOSE}")
+
+
+def _unescape(text: str, literals: list[str]) -> str:
+    """Undo ``Tokenizer._escape_messages`` in rendered text."""
+    if not literals:
+        return text
+    return _ESC_RE.sub(lambda m: literals[int(m.group(1))], text)
 
 
 class StreamDecoder:
@@ -268,6 +369,11 @@ class StreamDecoder:
         if self._skip and self._tok.is_special(token_id):
             return ""
         return self._dec.decode(self._tok.token_bytes(token_id))
+
+    @property
+    def holding(self) -> bool:
+        """True while the bytes of an incomplete UTF-8 character are held back."""
+        return bool(self._dec.getstate()[0])
 
     def flush(self) -> str:
         """Whatever is held back (an incomplete character becomes U+FFFD); resets the state."""

@@ -175,6 +175,28 @@ def test_synthetic_decode_logits_match_reference(small_path):
         tinyloop.free_model(ref)
 
 
+def test_fused_greedy_head_matches_head_then_sample(small_path):
+    """generate's greedy step (the fused RMSNorm + LM head + argmax launch, only the id read
+    back) picks exactly the ids that ``head`` + ``sample`` pick from the same cache."""
+    cu = tinyloop.load_model(small_path, max_seq_len=64, backend="cuda")
+    try:
+        prompt = [5, 17, 250, 3, 99]
+        r = cu.generate(prompt, max_new_tokens=24, depth=2)
+        assert r.token_ids
+        seq = list(prompt)
+        with cu.new_kv_cache(2, 64) as cache:
+            row = cu.logit_row()
+            cu.forward(np.array(seq, np.int32), 0, 2, cache)
+            for i, tok in enumerate(r.token_ids):
+                cu.head(len(seq) - 1, 1, row)
+                nxt = int(cu._ops.sample(row[0], 0.0, 0, 1.0, 0.0))
+                assert nxt == tok, (i, nxt, tok)
+                seq.append(nxt)
+                cu.forward(np.array([nxt], np.int32), len(seq) - 1, 2, cache)
+    finally:
+        tinyloop.free_model(cu)
+
+
 def test_sampling_matches_reference_rule(small_path):
     """Same logits + same uniform draws -> same token, for the device sampler and the rule."""
     from tinyloop.backends.numpy_ops import sample_from_logits
@@ -268,3 +290,16 @@ def test_cuda_budget_out_of_memory_leaves_nothing(small_path):
     finally:
         tinyloop.set_memory_limit(old, device="cuda")
     assert pool.stats().allocated_bytes == before
+
+
+def test_cuda_non_finite_logits_name_step_and_position(small_path):
+    """Issue 11, fault 3 on the CUDA sampler (greedy kernel flag and the CuPy path)."""
+    from ..test_sampling import check_non_finite_generation
+    check_non_finite_generation(small_path, "cuda")
+
+
+def test_cuda_exit_with_live_model_is_clean(small_path):
+    """Issue 11, fault 7: a script that ends with a live CUDA model exits without "Exception
+    ignored ... sys.meta_path is None"; only the model dropped mid-run warns."""
+    from ..test_api import check_exit_output, run_exit_script
+    check_exit_output(*run_exit_script(small_path, "cuda"))

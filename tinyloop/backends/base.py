@@ -17,8 +17,37 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteLogitsError
 from ..quant import QuantWeight
+
+# Why a logit row cannot be sampled, by code (the CUDA argmax kernel writes the same codes):
+# 1 = some logit is NaN, 2 = some logit is +inf (and none is NaN), 3 = every logit is -inf.
+LOGIT_FAULTS = {1: "nan", 2: "+inf", 3: "all -inf"}
+_FAULT_TEXT = {"nan": "contain NaN", "+inf": "contain +inf", "all -inf": "are all -inf"}
+
+
+def logit_fault(top: float) -> str | None:
+    """Why a row whose NaN-propagating maximum is ``top`` cannot be sampled (a LOGIT_FAULTS
+    value), or None when it can. NaN wins that maximum, then +inf; it is -inf only when every
+    logit is."""
+    if top != top:
+        return "nan"
+    if top == float("inf"):
+        return "+inf"
+    if top == float("-inf"):
+        return "all -inf"
+    return None
+
+
+def non_finite_logits(kind: str, step: int | None = None,
+                      position: int | None = None) -> NonFiniteLogitsError:
+    """The error both samplers raise for a row with fault ``kind`` (a LOGIT_FAULTS value);
+    ``generate`` re-raises it with the ``step`` and ``position`` it was sampling."""
+    where = "" if step is None else f"at step {step} (position {position}) "
+    return NonFiniteLogitsError(
+        f"the logits {where}{_FAULT_TEXT[kind]}, so no token can be sampled: the model's "
+        "weights or activations are not finite (NaN/inf norm weights or scales, or an "
+        "overflow in the forward)", kind=kind, step=step, position=position)
 
 
 class Ops:
@@ -133,5 +162,17 @@ class Ops:
         self.rmsnorm(x, weight, eps, norm)
         self.lm_head(norm, w, out)
 
+    def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
+                               u) -> int:
+        """The next token id: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out`` f32 [1, vocab],
+        then ``sample`` of that row (the rule of ``numpy_ops.sample_from_logits``). A backend
+        may fuse the two (the CUDA backend does for greedy decode: only the id leaves the
+        device)."""
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        return int(self.sample(out[0], temperature, top_k, top_p, u))
+
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
+        """The next token id from f32 logits [vocab] (``numpy_ops.sample_from_logits``'s rule).
+        Raises NonFiniteLogitsError (``non_finite_logits``) when a logit is NaN or +inf or all
+        are -inf."""
         raise NotImplementedError

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..quant import QuantWeight, dequantize
-from .base import Ops
+from .base import Ops, logit_fault, non_finite_logits
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float):
@@ -47,10 +47,17 @@ def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p
 
     temperature == 0: argmax (lowest id on ties). Otherwise: divide by temperature; keep the
     ``top_k`` largest (0 = all); softmax; keep the smallest prefix of tokens sorted by
-    (probability desc, id asc) whose mass reaches ``top_p``; renormalise; return the token whose
-    cumulative mass interval contains ``u`` (uniform in [0, 1), drawn on the host).
+    (probability desc, id asc) whose mass reaches ``top_p`` (at least one token, so top_p = 0
+    or top_k = 1 is greedy); renormalise; return the token whose cumulative mass interval
+    contains ``u`` (uniform in [0, 1), drawn on the host).
+
+    Raises NonFiniteLogitsError when a logit is NaN or +inf, or every logit is -inf (-inf
+    alone is a masked token and is never sampled).
     """
     logits = np.asarray(logits, dtype=np.float32)
+    fault = logit_fault(float(np.max(logits)))
+    if fault:
+        raise non_finite_logits(fault)
     if temperature <= 0.0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / float(temperature)

@@ -10,23 +10,29 @@ import operator
 
 from ..config import parse_size
 from ..errors import ConfigError, OutOfMemoryError
+from .arena import ALIGNMENT
 from .stats import fmt_bytes
 
 
 def check_limit(limit, total_bytes: int | None) -> int | None:
     """``limit`` as bytes: an int >= 0, a size string ("2G", "50%" of ``total_bytes``), or None
-    (no cap). Raises ConfigError naming the bad value."""
+    (no cap). Raises ConfigError naming the bad value.
+
+    The pool counts memory in blocks of ALIGNMENT = 512 bytes, so the limit is rounded up to a
+    multiple of 512: a single request of exactly the limit then fits an empty pool (its block
+    is the limit rounded up the same way, and a request that cannot have its whole 2 MiB
+    segment gets a segment of exactly its rounded size)."""
     if isinstance(limit, str):
-        return parse_size(limit, name="memory limit", total_bytes=total_bytes)
-    if limit is None:
+        limit = parse_size(limit, name="memory limit", total_bytes=total_bytes)
+    elif limit is None:
         return None
-    if isinstance(limit, bool) or not hasattr(limit, "__index__"):
+    elif isinstance(limit, bool) or not hasattr(limit, "__index__"):
         raise ConfigError(f"memory limit must be an int number of bytes, a size string "
                           f"like '2G' or '50%', or None; got {limit!r}")
     limit = operator.index(limit)
     if limit < 0:
         raise ConfigError(f"memory limit must be >= 0 bytes, got {limit}")
-    return limit
+    return -(-limit // ALIGNMENT) * ALIGNMENT          # up to whole 512-byte blocks
 
 
 def crosses(limit: int | None, reserved_bytes: int, segment_bytes: int) -> bool:

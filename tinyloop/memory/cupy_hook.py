@@ -62,11 +62,12 @@ class CupyAllocatorInstall:
     ``with`` it to uninstall on exit. ``pool`` and ``tag`` say where CuPy's memory goes.
     """
 
-    def __init__(self, pool, tag: str, allocate, previous):
+    def __init__(self, pool, tag: str, allocate, previous, cupy_module):
         self.pool = pool
         self.tag = tag
         self.allocate = allocate      # the function CuPy calls
         self.previous = previous      # the allocator restored when this install is removed
+        self._cupy = cupy_module      # kept, so removing imports nothing (see _remove_locked)
 
     @property
     def installed(self) -> bool:
@@ -92,7 +93,7 @@ def _install_locked(cupy, pool, tag: str) -> CupyAllocatorInstall:
         mem = cupy.cuda.UnownedMemory(blk.ptr, blk.nbytes, _BlockOwner(blk), device_index)
         return cupy.cuda.MemoryPointer(mem, 0)
 
-    inst = CupyAllocatorInstall(pool, tag, allocate, cupy.cuda.get_allocator())
+    inst = CupyAllocatorInstall(pool, tag, allocate, cupy.cuda.get_allocator(), cupy)
     cupy.cuda.set_allocator(allocate)
     _stack.append(inst)
     return inst
@@ -100,15 +101,15 @@ def _install_locked(cupy, pool, tag: str) -> CupyAllocatorInstall:
 
 def _remove_locked(inst: CupyAllocatorInstall) -> bool:
     """Take ``inst`` out of the stack: restore its ``previous`` if it is on top, else hand its
-    ``previous`` to the install just above it. False if it is not installed."""
+    ``previous`` to the install just above it. False if it is not installed. Imports nothing:
+    a CUDA model freed while the interpreter shuts down releases its routing through here."""
     for i, cur in enumerate(_stack):
         if cur is inst:
             break
     else:
         return False
     if i == len(_stack) - 1:
-        import cupy
-        cupy.cuda.set_allocator(inst.previous)
+        inst._cupy.cuda.set_allocator(inst.previous)
     else:
         _stack[i + 1].previous = inst.previous
     del _stack[i]

@@ -247,8 +247,11 @@ class MemoryPool:
     def set_limit(self, limit) -> None:
         """Cap reserved_bytes at ``limit`` (bytes; a "2G" / "50%" string; or None for none).
 
-        A limit below what is reserved now first returns the cached free segments; live blocks
-        stay, and later allocations that need a new segment fail until enough is freed.
+        The limit is rounded up to whole 512-byte blocks (``budget.check_limit``;
+        ``limit_bytes`` reports the rounded value), so one request of exactly the limit fits an
+        empty pool. A limit below what is reserved now first returns the cached free segments;
+        live blocks stay, and later allocations that need a new segment fail until enough is
+        freed.
         """
         total = self._raw.mem_info()[1] if isinstance(limit, str) else None
         limit = check_limit(limit, total)

@@ -89,6 +89,9 @@ def empty_cache(device: str | None = None) -> int:
 def set_memory_limit(limit, device: str | None = None) -> None:
     """Cap the pool's reserved bytes: an int, a string like "2G" or "50%", or None (no cap).
 
+    The cap is rounded up to a multiple of 512 bytes, the pool's block size, so one request
+    of exactly the cap fits an empty pool (``MemoryPool.set_limit``).
+
     An allocation that would cross the cap first returns cached segments and retries, then
     raises ``tinyloop.OutOfMemoryError``. Raises ConfigError on a bad value.
     """
