@@ -136,7 +136,13 @@ def check_non_finite_generation(path: str, backend: str) -> None:
                 if len(calls) == bad_call:
                     out[...] = value
 
-            m.head = head
+            def head_sample(pos, out, temperature, top_k, top_p, u, head=head):
+                # generate samples through head_sample (one fused launch on CUDA): compose it
+                # from the faulty head and the backend's sample instead
+                head(pos, 1, out)
+                return int(m.ops.sample(out[0], temperature, top_k, top_p, u))
+
+            m.head, m.head_sample = head, head_sample
             step, position = bad_call - 1, len(prompt) - 1 + bad_call - 1
             for temperature in (0.0, 0.8):
                 calls.clear()
@@ -151,7 +157,7 @@ def check_non_finite_generation(path: str, backend: str) -> None:
                         got.append(t.token_id)
                 assert got == want[:len(got)] and len(got) <= step
                 assert pool.by_tag()["kv_cache"] == kv0
-            del m.head
+            del m.head, m.head_sample
         assert m.generate(prompt, max_new_tokens=5).token_ids == want
     finally:
         tinyloop.free_model(m)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends.base import non_finite_logits
+from .config import DEFAULT_MAX_NEW_TOKENS
 from .errors import ConfigError, NonFiniteLogitsError
 
 
@@ -80,8 +81,9 @@ def _normalise_stop(stop) -> list[str]:
     return stop
 
 
-def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, stop=None, kv_mode=None, _result: dict | None = None):
+def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+           top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None,
+           _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
@@ -128,7 +130,6 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
-    ops = model.ops
     cache = model.new_kv_cache(depth, total, kv_mode=kv_mode)
 
     def step(step_ids, pos0: int) -> int:
@@ -138,10 +139,9 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
             row = model.logit_row()
             model.forward(step_ids, pos0, depth, cache)
             pos = pos0 + len(step_ids) - 1
-            model.head(pos, 1, row)
             u = float(rng.random()) if temperature > 0 else 0.0
             try:
-                return int(ops.sample(row[0], temperature, top_k, top_p, u))
+                return model.head_sample(pos, row, temperature, top_k, top_p, u)
             except NonFiniteLogitsError as e:
                 raise non_finite_logits(e.kind, step=len(new), position=pos) from None
 
@@ -228,8 +228,8 @@ def _as_int(v, name: str) -> int:
     return int(v)
 
 
-def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
-             top_p=1.0, seed=None, stop=None, kv_mode=None) -> GenerationResult:
+def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+             top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 
     Holds the model's lock for the whole call (the lock is re-entrant, so the stream's

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import check_load_args, kv_mode_from_env
+from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .generate import generate as _generate
@@ -505,6 +505,16 @@ class Model:
         self._ops.rmsnorm_lm_head(self._buf.main[pos0:pos0 + t], self._output_norm,
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
 
+    def head_sample(self, pos: int, out, temperature: float, top_k: int, top_p: float,
+                    u: float) -> int:
+        """Final RMSNorm + LM head of residual row ``pos`` into ``out`` f32 [1, vocab], then the
+        next token id by ``numpy_ops.sample_from_logits``'s rule (``Ops.rmsnorm_lm_head_sample``:
+        one fused launch for greedy decode on the CUDA backend, only the id crosses)."""
+        cfg = self.config
+        return int(self._ops.rmsnorm_lm_head_sample(
+            self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
+            self._views(1)["norm"], temperature, top_k, top_p, u))
+
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None, kv_mode=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
@@ -521,7 +531,8 @@ class Model:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
         return _score(self, token_ids, depth, kv_mode=kv_mode)
 
-    def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None, kv_mode=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
@@ -531,7 +542,8 @@ class Model:
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode)
 
-    def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
