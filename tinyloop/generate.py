@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends.base import non_finite_logits
+from .config import DEFAULT_MAX_NEW_TOKENS
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError
 from .prefix import check_prefix_args, prefill_request
@@ -84,8 +85,9 @@ def _normalise_stop(stop) -> list[str]:
     return stop
 
 
-def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, stop=None, kv_mode=None, *, prefix=None, prefix_pool=None,
+def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+           top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
+           prefix_pool=None,
            _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
@@ -237,8 +239,8 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return best
 
 
-def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
-             top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
+def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+             top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
              prefix_pool=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 

@@ -678,9 +678,6 @@ def test_gemv_settings_errors_name_the_setting(monkeypatch):
 
 
 # --- RoPE and attention ------------------------------------------------------------------------
-
-
-# --- RoPE, the paged KV write and paged attention -------------------------------------------------
 HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 128), (3, 1, 16)]
 
 
