@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(\"unbounded\" for no budget; default: no pool)")
     lk.add_argument("--unique-prompts", action="store_true",
                     help="give each request a prompt of its own (two trailing tokens), so a "
-                         "prefix pool gains an entry per request")
+                         "prefix pool gains an entry per request (default: off)")
     lk.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     fr = sub.add_parser("fragment", help="seeded requests of varying length: fragmentation, "
                         "misses, allocator policies side by side")

@@ -231,6 +231,20 @@ def test_limit_error_carries_the_figures_and_nothing_stays_allocated():
     assert ok.ptr == B + 2 * MiB
 
 
+def test_reserve_past_the_limit_is_a_probe_not_an_out_of_memory():
+    pool, raw = fake_pool(limit_bytes=4 * MiB)
+    assert pool.reserve(3 * MiB, "weights") is True            # one 4 MiB segment
+    assert raw.log == [("malloc", B, 4 * MiB)]
+    assert pool.reserve(3 * MiB, "weights") is True            # already there: no new segment
+    held = pool.allocate(3 * MiB, "weights")
+    assert pool.reserve(3 * MiB, "weights") is False           # would cross the limit
+    s = pool.stats()
+    assert (s.num_ooms, s.reserved_bytes, s.allocated_bytes) == (0, 4 * MiB, 3 * MiB)
+    assert "oom" not in [e.action for e in pool.events()]
+    held.free()
+    pool._check()
+
+
 def test_limit_below_a_segment_falls_back_to_an_exact_segment():
     pool, raw = fake_pool(limit_bytes=MiB)
     a = pool.allocate(1000)

@@ -21,7 +21,7 @@ import numpy as np
 from . import plan as planmod
 from .backends import get_ops
 from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
-from .errors import (ConfigError, FormatError, ModelFreedError, OutOfMemoryError, TinyLoopError,
+from .errors import (ConfigError, FormatError, ModelFreedError, TinyLoopError,
                      TokenizerError)
 from .format import read_tlm
 from .generate import generate as _generate
@@ -216,12 +216,10 @@ class Model:
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
             # every model-owned block the plan knows goes into one reserved segment (the
             # caller's packed_scope), so only that segment has a rounding tail
-            try:
-                self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan
-                                       if not e.lazy), "weights")
-            except OutOfMemoryError:
-                pass        # no room for one segment: each tensor's own allocation below
-                            # then fits or raises naming its own tag
+            # (best effort: with no room for one segment, each tensor's own allocation below
+            # fits or raises naming its own tag)
+            self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan if not e.lazy),
+                               "weights")
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
             with tag_scope("weights"):

@@ -135,21 +135,26 @@ class MemoryPool:
             self._log_event((_now(), "alloc", chunk.ptr, rounded, tag))
         return blk
 
-    def reserve(self, nbytes: int, tag: str | None = None) -> None:
+    def reserve(self, nbytes: int, tag: str | None = None) -> bool:
         """Make sure one free "large" chunk of at least ``nbytes`` (rounded to 512) exists,
         adding one segment (rounded up to 2 MiB) if not: a load that knows its total asks for
         it once, so its tensors (allocated inside ``packed_scope``) share one segment and leave
-        one rounding tail instead of one per tensor. Raises OutOfMemoryError like allocate."""
+        one rounding tail instead of one per tensor. Best effort: returns False (nothing
+        raised, no out-of-memory counted or logged) when no such segment can be had, so the
+        caller's own allocations then fit or raise naming their own tags; True otherwise."""
         rounded = round_size(operator.index(nbytes))
         tag = current_tag() if tag is None else check_tag(tag)
         with self._lock:
             if self._deferred:
                 self._drain_deferred()
             if self._arena.largest_free_of("large") < rounded:
-                self._grow(nbytes, rounded, "large", tag)
+                return self._grow(nbytes, rounded, "large", tag, probe=True)
+            return True
 
-    def _grow(self, nbytes: int, rounded: int, kind: str, tag: str) -> None:
-        """Add a segment that fits ``rounded`` bytes, or raise OutOfMemoryError. Holds _lock.
+    def _grow(self, nbytes: int, rounded: int, kind: str, tag: str,
+              probe: bool = False) -> bool:
+        """Add a segment that fits ``rounded`` bytes, or raise OutOfMemoryError (``probe``:
+        return False instead, counting and logging nothing). Holds _lock.
 
         Tries the class's segment size, then a segment of exactly ``rounded`` bytes (when the
         budget or the device has room for the request but not for the whole segment). If both
@@ -176,11 +181,13 @@ class MemoryPool:
                 self._num_segment_allocs += 1
                 self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
                 self._log_event((_now(), "segment_alloc", ptr, size, tag))
-                return
+                return True
             if attempt == 0:
                 if not self._release_free_segments():
                     break                           # nothing cached: a retry cannot help
                 self._num_alloc_retries += 1
+        if probe:
+            return False
         self._num_ooms += 1
         self._log_event((_now(), "oom", 0, rounded, tag))
         raise out_of_memory(self.device, nbytes, rounded, tag, reasons,
