@@ -11,6 +11,8 @@ warm-up):
   - prefill time and tokens/s for 512- and 2048-token prompts;
   - weight bytes read per decoded token against the device-to-device copy bandwidth measured
     in the same run (bytes read + written per second);
+  - per KV storage mode (``--kv-modes``): KV bytes per token at depth 1 and 4, decode
+    tokens/s at depth 1 and 4, prefill of 2,048 tokens;
   - the pool's stats after the run;
   - a peer figure: the same token counts through PyTorch + transformers (LlamaForCausalLM with
     the same dims, FP16, eager attention, random weights) on the same GPU.
@@ -88,28 +90,28 @@ def sm_clock_mhz() -> int | None:
 
 
 def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
-                 warmup_s: float = 2.0) -> dict:
+                 warmup_s: float = 2.0, kv_mode=None) -> dict:
     """Median decode tokens/s over ``reps`` generations, after ``warmup_s`` seconds of
     sustained decoding (a launch-bound loop leaves the GPU mostly idle, and an idle H200 sits
     at a low clock: timing before it has ramped up measures the clock, not the code)."""
     prompt = list(range(10, 26))
     t = time.perf_counter()
     while time.perf_counter() - t < warmup_s:
-        model.generate(prompt, max_new_tokens=new_tokens, depth=depth)
+        model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode)
     clock = sm_clock_mhz()
-    tps = sorted(model.generate(prompt, max_new_tokens=new_tokens, depth=depth)
-                 .decode_tokens_per_s for _ in range(reps))
+    tps = sorted(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
+                                kv_mode=kv_mode).decode_tokens_per_s for _ in range(reps))
     return {"median": statistics.median(tps), "min": tps[0], "max": tps[-1],
             "sm_clock_mhz": clock}
 
 
-def bench_prefill(model, n: int, reps: int = 5) -> float:
+def bench_prefill(model, n: int, reps: int = 5, kv_mode=None) -> float:
     rng = np.random.default_rng(n)
     ids = rng.integers(3, model.config.vocab_size, n).tolist()
-    model.generate(ids, max_new_tokens=1)                           # warm-up
+    model.generate(ids, max_new_tokens=1, kv_mode=kv_mode)          # warm-up
     ms = []
     for _ in range(reps):
-        r = model.generate(ids, max_new_tokens=1)
+        r = model.generate(ids, max_new_tokens=1, kv_mode=kv_mode)
         ms.append(r.prefill_ms)
     return statistics.median(ms)
 
@@ -147,12 +149,32 @@ def peer_transformers(cfg, new_tokens: int = 128, prefill: int = 2048) -> dict:
     return {"decode_tokens_per_s": dec, "prefill_2048_ms": pre_ms}
 
 
+def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
+    """Per KV storage mode: KV bytes per token at depth 1 and 4 (all slots), decode tokens/s
+    at depth 1 and 4 (bench_decode), prefill of 2,048 tokens (ms, median of 5)."""
+    names = model._ops.kv_modes if modes == "all" else tuple(modes.split(","))
+    out = {}
+    for mode in names:
+        r = {}
+        for depth in (1, 4):
+            if depth > model.config.max_depth:
+                continue
+            r[f"kv_bytes_per_token_depth{depth}"] = model.kv_bytes_per_token(depth, mode)
+            r[f"decode_depth{depth}"] = bench_decode(model, depth, new_tokens, kv_mode=mode)
+        r["prefill_2048_ms"] = bench_prefill(model, 2048, kv_mode=mode)
+        out[mode] = r
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--kv-modes", default="all",
+                    help="KV storage modes to measure per mode (comma list; all = every mode "
+                         "the CUDA backend runs); the headline figures use fp16")
     a = ap.parse_args(argv)
     tmp = None
     path = a.model
@@ -180,6 +202,7 @@ def main(argv=None) -> int:
             ms = bench_prefill(model, n)
             res[f"prefill_{n}_ms"] = ms
             res[f"prefill_{n}_tokens_per_s"] = n / (ms / 1e3)
+        res["kv_modes"] = bench_kv_modes(model, a.kv_modes, a.new_tokens)
         st = tinyloop.memory_stats("cuda")
         res["pool"] = {"allocated_bytes": st.allocated_bytes, "reserved_bytes": st.reserved_bytes,
                        "peak_allocated_bytes": st.peak_allocated_bytes,
@@ -228,6 +251,16 @@ def main(argv=None) -> int:
                          f"{peer['prefill_2048_ms']:.1f} ms"))
     for k, v in rows:
         print(f"  {k:<34}{v}")
+    print("\n  KV storage modes: bytes/token (all slots) | decode tok/s (median, min-max) | "
+          "prefill 2048")
+    for mode, r in res.get("kv_modes", {}).items():
+        parts = []
+        for d in (1, 4):
+            if f"decode_depth{d}" in r:
+                dec = r[f"decode_depth{d}"]
+                parts.append(f"d{d}: {r[f'kv_bytes_per_token_depth{d}']:,d} B, "
+                             f"{dec['median']:,.1f} ({dec['min']:,.0f}-{dec['max']:,.0f}) tok/s")
+        print(f"  {mode:<8}" + " | ".join(parts) + f" | {r['prefill_2048_ms']:.1f} ms")
     sys.stdout.flush()
     return 0
 

@@ -1,12 +1,64 @@
-// Causal attention with grouped-query heads over the FP16 KV cache: prefill and decode.
+// Causal attention with grouped-query heads over the paged KV cache: prefill and decode.
 //
-// Checked against: NumpyOps.attention (tests/gpu/test_kernels.py::test_attention_prefill,
-// ::test_attention_decode).
+// Checked against: NumpyOps.kv_attention (tests/gpu/test_kernels.py::test_paged_attention_*),
+// which reads the same page layout (tinyloop/kvcache.py PageLayout) through the same block table.
 // Query head h reads KV head h / (n_heads / n_kv); query row i (absolute position pos0 + i)
 // sees keys 0..pos0+i; scale 1/sqrt(head_dim). Online softmax (Milakov & Gimelshein 2018;
 // FlashAttention, Dao et al. 2022): no [T, ctx] scratch. Scores are kept in log2 units
 // (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
+//
+// Paged KV (vLLM's PagedAttention, Kwon et al. 2023): key j of a slot lives in page
+// table[j / P], row j % P. Page parts sit at byte offsets k_off / v_off (codes) and ks_off /
+// vs_off (int8 mode: one FP16 scale per (position, KV head)); rows are [P, n_kv, HD].
+// MODE 0 = fp16 (K/V FP16), MODE 1 = int8 (K/V = float(q) * float(scale), the product rounded
+// once in float32 as the NumPy reference does).
 #include "common.cuh"
+
+#define KV_FP16 0
+#define KV_INT8 1
+
+// The page holding key j and j's row inside it.
+__device__ __forceinline__ const char* kv_page(const i64* __restrict__ table, i64 P, i64 j,
+                                              i64* row) {
+    const i64 pg = j / P;
+    *row = j - pg * P;
+    return (const char*)table[pg];
+}
+
+// 8 consecutive values (dims c..c+7, c % 8 == 0) of row r = row * n_kv + hk of a K or V part.
+template <int MODE, int HD>
+__device__ __forceinline__ void kv_load8(const char* base, i64 off, i64 soff, i64 r, int c,
+                                         float* x) {
+    if (MODE == KV_FP16) {
+        const uint4 w4 = *(const uint4*)((const half_t*)(base + off) + r * HD + c);
+        const unsigned w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) { x[2 * j] = h2_lo(w[j]); x[2 * j + 1] = h2_hi(w[j]); }
+    } else {
+        const uint2 w2 = *(const uint2*)((const i8*)(base + off) + r * HD + c);
+        const float s = h2f(((const half_t*)(base + soff))[r]);
+        const unsigned w[2] = {w2.x, w2.y};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            x[j] = __fmul_rn((float)(i8)((w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s);
+    }
+}
+
+// 2 consecutive values (dims c, c+1; c even) of row r of a K or V part.
+template <int MODE, int HD>
+__device__ __forceinline__ void kv_load2(const char* base, i64 off, i64 soff, i64 r, int c,
+                                         float* x) {
+    if (MODE == KV_FP16) {
+        const unsigned w = *(const unsigned*)((const half_t*)(base + off) + r * HD + c);
+        x[0] = h2_lo(w);
+        x[1] = h2_hi(w);
+    } else {
+        const unsigned short w = *(const unsigned short*)((const i8*)(base + off) + r * HD + c);
+        const float s = h2f(((const half_t*)(base + soff))[r]);
+        x[0] = __fmul_rn((float)(i8)(w & 0xFFu), s);
+        x[1] = __fmul_rn((float)(i8)(w >> 8), s);
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Prefill: block = 64 query rows of one head, 4 threads per row (256 threads); thread part p of
@@ -22,11 +74,11 @@
 #endif
 #define PF_KV 32
 
-template <int HD>
+template <int MODE, int HD>
 __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 pos0,
-                                  const half_t* __restrict__ kc, const half_t* __restrict__ vc,
-                                  i64 n_heads, i64 n_kv, float scale_log2,
-                                  half_t* __restrict__ out) {
+                                  const i64* __restrict__ table, i64 P, i64 k_off, i64 v_off,
+                                  i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,
+                                  float scale_log2, half_t* __restrict__ out) {
     constexpr int U = HD / 16;                   // float4 slices per thread
     __shared__ __align__(16) float Ks[PF_KV * HD];
     __shared__ __align__(16) float Vs[PF_KV * HD];
@@ -60,15 +112,13 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
             float* kd = Ks + kr * HD + c;
             float* vd = Vs + kr * HD + c;
             if (key < kv_end) {
-                const uint4 kv4 = *(const uint4*)(kc + (key * n_kv + hk) * HD + c);
-                const uint4 vv4 = *(const uint4*)(vc + (key * n_kv + hk) * HD + c);
-                const unsigned kw[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
-                const unsigned vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
+                i64 row;
+                const char* base = kv_page(table, P, key, &row);
+                float k8[8], v8[8];
+                kv_load8<MODE, HD>(base, k_off, ks_off, row * n_kv + hk, c, k8);
+                kv_load8<MODE, HD>(base, v_off, vs_off, row * n_kv + hk, c, v8);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    kd[2 * j] = h2_lo(kw[j]); kd[2 * j + 1] = h2_hi(kw[j]);
-                    vd[2 * j] = h2_lo(vw[j]); vd[2 * j + 1] = h2_hi(vw[j]);
-                }
+                for (int j = 0; j < 8; ++j) { kd[j] = k8[j]; vd[j] = v8[j]; }
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) { kd[j] = 0.0f; vd[j] = 0.0f; }
@@ -135,11 +185,11 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
 #define DC_THREADS 1024
 #endif
 
-template <int HD>
+template <int MODE, int HD>
 __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
-                                 const half_t* __restrict__ kc, const half_t* __restrict__ vc,
-                                 i64 n_heads, i64 n_kv, float scale_log2,
-                                 half_t* __restrict__ out) {
+                                 const i64* __restrict__ table, i64 P, i64 k_off, i64 v_off,
+                                 i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,
+                                 float scale_log2, half_t* __restrict__ out) {
     constexpr int PAIRS = HD / 2, NSL = DC_THREADS / PAIRS;
     __shared__ __align__(16) float qs[HD];
     __shared__ float ps[DC_THREADS];
@@ -155,17 +205,15 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
         const i64 j = c0 + tid;
         float s = TL_NEG_INF;
         if (j < ctx) {
-            const uint4* kr = (const uint4*)(kc + (j * n_kv + hk) * HD);
+            i64 row;
+            const char* base = kv_page(table, P, j, &row);
             float d = 0.0f;
 #pragma unroll
             for (int u = 0; u < HD / 8; ++u) {
-                const uint4 k4 = kr[u];
-                const unsigned kw[4] = {k4.x, k4.y, k4.z, k4.w};
+                float k8[8];
+                kv_load8<MODE, HD>(base, k_off, ks_off, row * n_kv + hk, 8 * u, k8);
 #pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    d = fmaf(qs[8 * u + 2 * w], h2_lo(kw[w]), d);
-                    d = fmaf(qs[8 * u + 2 * w + 1], h2_hi(kw[w]), d);
-                }
+                for (int w = 0; w < 8; ++w) d = fmaf(qs[8 * u + w], k8[w], d);
             }
             s = d;
         }
@@ -180,10 +228,13 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
         m = m_new;
         const int nk = (int)(ctx - c0 < DC_THREADS ? ctx - c0 : DC_THREADS);
         for (int jj = sl; jj < nk; jj += NSL) {
-            const unsigned v2 = *(const unsigned*)(vc + ((c0 + jj) * n_kv + hk) * HD + 2 * dp);
+            i64 row;
+            const char* base = kv_page(table, P, c0 + jj, &row);
+            float v2[2];
+            kv_load2<MODE, HD>(base, v_off, vs_off, row * n_kv + hk, 2 * dp, v2);
             const float pj = ps[jj];
-            o0 = fmaf(pj, h2_lo(v2), o0);
-            o1 = fmaf(pj, h2_hi(v2), o1);
+            o0 = fmaf(pj, v2[0], o0);
+            o1 = fmaf(pj, v2[1], o1);
         }
         __syncthreads();                                    // ps is rewritten next chunk
     }
@@ -198,18 +249,25 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
     }
 }
 
-#define ATTN_ENTRIES(HD)                                                                       \
+// Entry points: attn_{prefill,decode}_{fp16,int8}_hd{HD}. The block table and page offsets are
+// kernel arguments (the table sits at a fixed device address for a request's life).
+#define ATTN_ENTRIES_MODE(MODE, NAME, HD)                                                      \
     extern "C" __global__ void __launch_bounds__(PF_Q * 4)                                    \
-        attn_prefill_hd##HD(const half_t* qkv, i64 ld, i64 T, i64 pos0, const half_t* kc,      \
-                            const half_t* vc, i64 n_heads, i64 n_kv, double scale_log2,        \
-                            half_t* out) {                                                     \
-        attn_prefill_impl<HD>(qkv, ld, T, pos0, kc, vc, n_heads, n_kv, (float)scale_log2, out);\
+        attn_prefill_##NAME##_hd##HD(const half_t* qkv, i64 ld, i64 T, i64 pos0,               \
+                                     const i64* table, i64 P, i64 k_off, i64 v_off,            \
+                                     i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,            \
+                                     double scale_log2, half_t* out) {                         \
+        attn_prefill_impl<MODE, HD>(qkv, ld, T, pos0, table, P, k_off, v_off, ks_off, vs_off,  \
+                                    n_heads, n_kv, (float)scale_log2, out);                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(DC_THREADS)                                  \
-        attn_decode_hd##HD(const half_t* qkv, i64 ctx, const half_t* kc, const half_t* vc,     \
-                           i64 n_heads, i64 n_kv, double scale_log2, half_t* out) {            \
-        attn_decode_impl<HD>(qkv, ctx, kc, vc, n_heads, n_kv, (float)scale_log2, out);         \
+        attn_decode_##NAME##_hd##HD(const half_t* qkv, i64 ctx, const i64* table, i64 P,       \
+                                    i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,              \
+                                    i64 n_heads, i64 n_kv, double scale_log2, half_t* out) {   \
+        attn_decode_impl<MODE, HD>(qkv, ctx, table, P, k_off, v_off, ks_off, vs_off, n_heads,  \
+                                   n_kv, (float)scale_log2, out);                              \
     }
+#define ATTN_ENTRIES(HD) ATTN_ENTRIES_MODE(KV_FP16, fp16, HD) ATTN_ENTRIES_MODE(KV_INT8, int8, HD)
 
 // The supported head dims (ATTN_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
 #ifndef ATTN_HEAD_DIM_ENTRIES

@@ -1,18 +1,40 @@
-// RoPE on the fused QKV rows, and the KV-cache write.
+// RoPE on the fused QKV rows, and the paged KV-cache write (fp16 / int8 modes; Q-only for the
+// store-h modes, whose h rows kvcache.cu writes).
 //
-// Checked against: NumpyOps.rope_kv with numpy_ops.rope_tables / apply_rope
-// (tests/gpu/test_kernels.py::test_rope_kv).
+// Checked against: NumpyOps.kv_write with numpy_ops.rope_tables / apply_rope and
+// quant.quantize_rows_int8 (tests/gpu/test_kernels.py::test_kv_write_*).
 // Interleaved pairs (GGML "normal" / GPT-J): pair i of each head, (x[2i], x[2i+1]), rotates by
 // angle pos * theta^(-2i/head_dim). The angle and its cos/sin are computed in double, as the
 // reference does, so large positions stay accurate; the rotation itself is float.
+//
+// Pages (tinyloop/kvcache.py PageLayout): position p of the slot lives in page table[p / P],
+// row p % P; K / V rows [P, n_kv, hd] at byte offsets k_off / v_off; int8 mode: FP16 scales
+// [P, n_kv] at ks_off / vs_off.
+// INT8 (symmetric, one scale per (position, KV head) row; quant.quantize_rows_int8 bit for bit):
+// s = fp16(amax / 127) with the division in float32 (round to nearest), q = rint(x / s) with
+// the division in float32 against the FP16-rounded s, clipped to +-127; s = 0 -> codes 0. The
+// value quantized is the float32 rotated K (not rounded to FP16 first) and the FP16 V.
 #include "common.cuh"
 
-// qkv f16 [T, ld] (Q at 0, K at n_heads*hd, V at (n_heads+n_kv)*hd): Q rotated in place;
-// k_cache / v_cache f16 [L, n_kv, hd]: rows pos0..pos0+T-1 written (K rotated, V copied).
-// grid = T, block = 128; dynamic shared memory = hd * sizeof(float).
-extern "C" __global__ void rope_kv(half_t* __restrict__ qkv, i64 ld, i64 pos0, double theta,
-                                   i64 n_heads, i64 n_kv, i64 hd, half_t* __restrict__ k_cache,
-                                   half_t* __restrict__ v_cache) {
+#define KV_FP16 0
+#define KV_INT8 1
+#define KV_QONLY 2
+#define MAX_PAIRS_PER_LANE 4            // head_dim <= 256
+
+__device__ __forceinline__ char* kv_page_w(const i64* __restrict__ table, i64 P, i64 pos,
+                                           i64* row) {
+    const i64 pg = pos / P;
+    *row = pos - pg * P;
+    return (char*)table[pg];
+}
+
+// qkv f16 [T, ld] (Q at 0, K at n_heads*hd, V at (n_heads+n_kv)*hd): Q rotated in place; the
+// slot's pages get rows pos0..pos0+T-1 (MODE fp16: rotated K and V as FP16; int8: codes and
+// scales; qonly: nothing). grid = T, block = 128 (4 warps); dynamic shared memory = hd floats.
+template <int MODE>
+__device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double theta,
+                              i64 n_heads, i64 n_kv, i64 hd, const i64* __restrict__ table,
+                              i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off) {
     extern __shared__ float cs[];               // cos at [0, hd/2), sin at [hd/2, hd)
     const i64 t = blockIdx.x;
     const int half = (int)(hd / 2);
@@ -26,7 +48,10 @@ extern "C" __global__ void rope_kv(half_t* __restrict__ qkv, i64 ld, i64 pos0, d
     }
     __syncthreads();
     half_t* row = qkv + t * ld;
-    const i64 n_rot = (n_heads + n_kv) * half;   // Q pairs, then K pairs
+    // Q (all modes) and, in fp16 mode, K: rotate pair by pair
+    const i64 n_rot = (MODE == KV_FP16 ? n_heads + n_kv : n_heads) * half;
+    i64 prow = 0;
+    char* base = (MODE == KV_QONLY) ? nullptr : kv_page_w(table, P, pos, &prow);
     for (i64 idx = threadIdx.x; idx < n_rot; idx += blockDim.x) {
         const int i = (int)(idx % half);
         const i64 e = 2 * idx;                    // element offset of the pair in Q|K
@@ -37,11 +62,72 @@ extern "C" __global__ void rope_kv(half_t* __restrict__ qkv, i64 ld, i64 pos0, d
             row[e] = r0;
             row[e + 1] = r1;
         } else {
-            half_t* k = k_cache + pos * n_kv * hd + (e - n_heads * hd);
+            half_t* k = (half_t*)(base + k_off) + prow * n_kv * hd + (e - n_heads * hd);
             k[0] = r0;
             k[1] = r1;
         }
     }
-    const half_t* v = row + (n_heads + n_kv) * hd;
-    for (i64 j = threadIdx.x; j < n_kv * hd; j += blockDim.x) v_cache[pos * n_kv * hd + j] = v[j];
+    if (MODE == KV_FP16) {
+        const half_t* v = row + (n_heads + n_kv) * hd;
+        half_t* vdst = (half_t*)(base + v_off) + prow * n_kv * hd;
+        for (i64 j = threadIdx.x; j < n_kv * hd; j += blockDim.x) vdst[j] = v[j];
+    }
+    if (MODE != KV_INT8) return;
+    // int8: one warp per (K or V, KV head) row; lane l holds pairs l, l + 32, ...
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (i64 r = warp; r < 2 * n_kv; r += nwarps) {
+        const bool is_k = r < n_kv;
+        const i64 hk = is_k ? r : r - n_kv;
+        const half_t* src = row + (n_heads + (is_k ? 0 : n_kv)) * hd + hk * hd;
+        float x[MAX_PAIRS_PER_LANE][2];
+        float amax = 0.0f;
+#pragma unroll
+        for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
+            const int i = lane + 32 * u;
+            x[u][0] = x[u][1] = 0.0f;
+            if (i < half) {
+                const float x0 = h2f(src[2 * i]), x1 = h2f(src[2 * i + 1]);
+                if (is_k) {
+                    const float c = cs[i], s = cs[half + i];
+                    x[u][0] = x0 * c - x1 * s;
+                    x[u][1] = x0 * s + x1 * c;
+                } else {
+                    x[u][0] = x0;
+                    x[u][1] = x1;
+                }
+                amax = fmaxf(amax, fmaxf(fabsf(x[u][0]), fabsf(x[u][1])));
+            }
+        }
+        amax = warp_max(amax);
+        const half_t s16 = f2h(__fdiv_rn(amax, 127.0f));
+        const float sc = h2f(s16);
+        i8* dst = (i8*)(base + (is_k ? k_off : v_off)) + (prow * n_kv + hk) * hd;
+#pragma unroll
+        for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
+            const int i = lane + 32 * u;
+            if (i < half) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    float q = sc > 0.0f ? rintf(__fdiv_rn(x[u][j], sc)) : 0.0f;
+                    q = fminf(fmaxf(q, -127.0f), 127.0f);
+                    dst[2 * i + j] = (i8)(int)q;
+                }
+            }
+        }
+        if (lane == 0)
+            ((half_t*)(base + (is_k ? ks_off : vs_off)))[prow * n_kv + hk] = s16;
+    }
 }
+
+#define KV_WRITE_ENTRY(MODE, NAME)                                                             \
+    extern "C" __global__ void kv_write_##NAME(half_t* qkv, i64 ld, i64 pos0, double theta,    \
+                                               i64 n_heads, i64 n_kv, i64 hd,                  \
+                                               const i64* table, i64 P, i64 k_off, i64 v_off,  \
+                                               i64 ks_off, i64 vs_off) {                       \
+        kv_write_impl<MODE>(qkv, ld, pos0, theta, n_heads, n_kv, hd, table, P, k_off, v_off,   \
+                            ks_off, vs_off);                                                   \
+    }
+
+KV_WRITE_ENTRY(KV_FP16, fp16)
+KV_WRITE_ENTRY(KV_INT8, int8)
+KV_WRITE_ENTRY(KV_QONLY, qonly)

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "free_model() each free; the cold start after unloading")
     _common(rl, requests=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
     rl.add_argument("--prompt", default=DEFAULT_PROMPT)
+    kv = sub.add_parser("kvmodes", help="KV cache bytes per token for every storage mode "
+                        "(table + plot; no model load)")
+    kv.add_argument("--model", default=None, help="a .tlm model (default: the embedded one)")
+    kv.add_argument("--out", default="tinyloop-diagnostics")
+    kv.add_argument("--no-plots", action="store_true")
     rp = sub.add_parser("report", help="render DIR's results as one HTML page")
     rp.add_argument("dir", metavar="DIR")
     rp.add_argument("--html", default=None, metavar="PATH",
@@ -111,6 +116,9 @@ def main(argv=None) -> int:
             r = run_release(a.out, model_path=a.model, backend=a.backend, prompt=a.prompt,
                             max_new_tokens=a.max_new_tokens, depth=a.depth,
                             max_seq_len=a.max_seq_len, plot=not a.no_plots)
+        elif a.cmd == "kvmodes":
+            from .kvmodes import run_kvmodes, summary
+            r = run_kvmodes(a.out, model_path=a.model, plot=not a.no_plots)
         else:
             from .report import write_report
             print(f"wrote {write_report(a.dir, a.html)}")

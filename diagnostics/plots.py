@@ -161,3 +161,37 @@ def policy_comparison(policies, path, *, title="one trace, three allocators") ->
     FigureCanvasAgg(fig)
     fig.savefig(os.fspath(path), dpi=100)
     return os.fspath(path)
+
+
+KV_MODE_COLORS = {"fp16": "#4c72b0", "int8": "#55a868", "h_fp16": "#8172b2",
+                  "h_int8": "#ccb974", "h_int4": "#c44e52"}
+
+
+def kv_bytes_by_mode(table, path, *, title="KV cache bytes by storage mode") -> str:
+    """Two panels from ``kv_mode_table`` rows: bytes per token (all slots) at each depth, per
+    mode (bars), and KV bytes against context length at the deepest depth (lines, MiB)."""
+    modes = [r["mode"] for r in table["rows"]]
+    depths = table["depths"]
+    fig = Figure(figsize=(10, 4.2))
+    ax = fig.add_subplot(1, 2, 1)
+    w = 0.8 / len(depths)
+    for j, d in enumerate(depths):
+        ax.bar([i + j * w for i in range(len(modes))],
+               [r["bytes_per_token"][str(d)] / 1024 for r in table["rows"]], w,
+               label=f"depth {d}")
+    ax.set_xticks([i + w * (len(depths) - 1) / 2 for i in range(len(modes))])
+    ax.set_xticklabels(modes)
+    ax.set_ylabel("KiB per token (all slots)")
+    ax.set_title("bytes per token")
+    ax.legend(fontsize=8)
+    ax2 = fig.add_subplot(1, 2, 2)
+    ctx = table["context"]
+    d = str(depths[-1])
+    for r in table["rows"]:
+        ax2.plot(ctx, [r["bytes_per_token"][d] * c / MIB for c in ctx], label=r["mode"],
+                 color=KV_MODE_COLORS.get(r["mode"]))
+    ax2.set_ylabel("MiB")
+    ax2.set_title(f"KV bytes vs context (depth {d})")
+    ax2.legend(fontsize=8)
+    fig.suptitle(title)
+    return _finish(fig, ax2, None, "context length (positions)", path)

@@ -6,7 +6,8 @@
     tinyloop generate MODEL PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
     tinyloop convert --synthetic DST.tlm [--seed S] [--dims k=v,...]
-    tinyloop inspect MODEL [--max-seq-len N] [--prefill-chunk C] [--backend B]
+    tinyloop inspect MODEL [--max-seq-len N] [--prefill-chunk C] [--backend B] [--kv-mode M]
+        [--kv-budget BYTES]
 """
 
 from __future__ import annotations
@@ -155,22 +156,54 @@ def cmd_inspect(a) -> int:
         groups = sorted({g for _, g in layout.values()})
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
-    p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk)
+    from .config import kv_mode_from_env, parse_size
+    from .kvcache import H_MODES, resolve_kv_modes
+    modes = resolve_kv_modes(a.kv_mode or kv_mode_from_env(), cfg)
+    budget = parse_size(a.kv_budget, name="--kv-budget")
+    p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk,
+                                  store_h=any(m in H_MODES for m in modes))
     print(f"\nmemory plan for backend={backend} max_seq_len={a.max_seq_len} "
           f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
     by = planmod.plan_bytes_by_phase(p)
     for ph, name in planmod.PHASES.items():
         print(f"  phase {ph} {name:<24}{by.get(ph, 0):>14,d}  {fmt_bytes(by.get(ph, 0))}")
     for e in p:
-        if e.phase == 4:
+        if e.phase in (4, 5):
             lazy = " (lazy)" if e.lazy else ""
             print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
-    total = sum(e.nbytes for e in p)
-    print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}")
-    (kv_e,) = planmod.request_plan(cfg, a.max_seq_len, depth, ops.kv_dtype)
-    print(f"  per request: KV cache for {a.max_seq_len} positions at depth {depth} "
-          f"({cfg.n_slots(depth)} slots): {kv_e.nbytes:,d}  {fmt_bytes(kv_e.nbytes)}")
+    total = sum(e.nbytes for e in p if not e.lazy)
+    print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}  (lazy entries excluded)")
+    kv_plan = planmod.request_plan(cfg, a.max_seq_len, depth, ops.kv_dtype, modes=modes)
+    kv_total = sum(e.nbytes for e in kv_plan)
+    print(f"  per request: paged KV cache ({'/'.join(sorted(set(modes)))}) for "
+          f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
+          f"{kv_total:,d}  {fmt_bytes(kv_total)}")
+    print(kv_mode_table(cfg, ops.kv_dtype, budget))
     return 0
+
+
+def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int) -> str:
+    """The KV storage modes side by side: bytes per token per slot, per token over all slots
+    at depth 1 and at max_depth, and the positions that fit in ``budget_bytes`` at each."""
+    import numpy as np
+    from .config import KV_MODES
+    from .kvcache import PageLayout, kv_bytes_per_token
+    d1, dm = 1, cfg.max_depth
+    lines = [f"\nKV cache storage modes (kv dtype {np.dtype(kv_dtype).name} for fp16; page "
+             f"rounding excluded; budget {fmt_bytes(budget_bytes)})",
+             f"  {'mode':<8}{'B/token/slot':>13}{'B/token d=1':>13}{'B/token d=' + str(dm):>14}"
+             f"{'pos @ d=1':>12}{'pos @ d=' + str(dm):>12}"]
+    for mode in KV_MODES:
+        per_slot = PageLayout.for_config(cfg, mode, 1, kv_dtype).bytes_per_token \
+            if (mode not in ("h_int8", "h_int4") or cfg.d_model % 32 == 0) else None
+        if per_slot is None:
+            lines.append(f"  {mode:<8}  (d_model={cfg.d_model} is not a multiple of 32)")
+            continue
+        b1 = kv_bytes_per_token(cfg, d1, (mode,) * cfg.n_layers, kv_dtype)
+        bm = kv_bytes_per_token(cfg, dm, (mode,) * cfg.n_layers, kv_dtype)
+        lines.append(f"  {mode:<8}{per_slot:>13,d}{b1:>13,d}{bm:>14,d}"
+                     f"{budget_bytes // b1:>12,d}{budget_bytes // bm:>12,d}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--depth", type=int, default=None)
     i.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="whose dtypes to plan with (auto: cuda where CuPy sees a GPU)")
+    i.add_argument("--kv-mode", default=None,
+                   help="KV storage mode to plan with (default: TINYLOOP_KV_MODE or fp16)")
+    i.add_argument("--kv-budget", default="1G",
+                   help="bytes for the 'positions that fit' columns (e.g. 512M, 2G)")
     i.set_defaults(fn=cmd_inspect)
     return ap
 

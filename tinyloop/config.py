@@ -217,6 +217,21 @@ def fp16_cache_enabled(default: bool = False) -> bool:
     return _env_flag("TINYLOOP_FP16_CACHE", default)
 
 
+KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
+
+
+def kv_mode_from_env() -> str:
+    """``TINYLOOP_KV_MODE``: the default KV cache storage mode of ``load_model`` (one of
+    KV_MODES or "auto"; unset or empty: "fp16"). Raises ConfigError naming the variable."""
+    raw = os.environ.get("TINYLOOP_KV_MODE")
+    if raw is None or raw.strip() == "":
+        return "fp16"
+    v = raw.strip().lower()
+    if v not in KV_MODES + ("auto",):
+        raise ConfigError(f"TINYLOOP_KV_MODE={raw!r}: expected one of {KV_MODES} or 'auto'")
+    return v
+
+
 def memory_limit_from_env(total_bytes: int | None) -> int | None:
     """``TINYLOOP_MEMORY_LIMIT``: the pool's hard budget in bytes (None when unset)."""
     raw = os.environ.get("TINYLOOP_MEMORY_LIMIT")

@@ -81,7 +81,7 @@ def _normalise_stop(stop) -> list[str]:
 
 
 def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0, top_p=1.0,
-           seed=None, stop=None, _result: dict | None = None):
+           seed=None, stop=None, kv_mode=None, _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
@@ -114,6 +114,7 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
         if seed < 0:
             raise ConfigError(f"seed must be None or an int >= 0, got {seed}")
     stops = _normalise_stop(stop)
+    model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
     ids = model.encode_prompt(prompt)
     total = len(ids) + max_new_tokens
     if total > model.max_seq_len:
@@ -128,7 +129,7 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
         return
     tok = model.tokenizer
     ops = model.ops
-    cache = model.new_kv_cache(depth, total)
+    cache = model.new_kv_cache(depth, total, kv_mode=kv_mode)
 
     def step(step_ids, pos0: int) -> int:
         """Forward ``step_ids`` at ``pos0``, then head + sample, atomically under the lock."""
@@ -228,7 +229,7 @@ def _as_int(v, name: str) -> int:
 
 
 def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=0,
-             top_p=1.0, seed=None, stop=None) -> GenerationResult:
+             top_p=1.0, seed=None, stop=None, kv_mode=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 
     Holds the model's lock for the whole call (the lock is re-entrant, so the stream's
@@ -238,7 +239,7 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
     res: dict = {}
     with model.lock:
         for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                        stop, _result=res):
+                        stop, kv_mode, _result=res):
             pass
     n = len(res["token_ids"])
     tps = (n - 1) / (res["decode_ms"] / 1e3) if n > 1 and res["decode_ms"] > 0 else 0.0
@@ -249,7 +250,7 @@ def generate(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_
                             decode_tokens_per_s=tps)
 
 
-def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
+def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None) -> np.ndarray:
     """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits)."""
     model.check_alive()
     cfg = model.config
@@ -263,7 +264,7 @@ def teacher_forced_logits(model, token_ids, depth=None) -> np.ndarray:
         ops = model.ops
         block = {e.name: e for e in model.request_plan(len(ids), depth, logits=True)}["logits"]
         rows = block.shape[0]
-        with model.new_kv_cache(depth, len(ids)) as cache:
+        with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode) as cache:
             block_arr, blk = ops.empty(model.pool, block.shape, block.dtype, block.tag)
             try:
                 def on_rows(start, t):
@@ -286,10 +287,10 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def score(model, token_ids, depth=None) -> np.ndarray:
+def score(model, token_ids, depth=None, kv_mode=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
     ids = model.check_token_ids(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
-    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth)[:-1])
+    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode)[:-1])
     return lp[np.arange(len(ids) - 1), ids[1:]]

@@ -1,76 +1,473 @@
-"""RuntimeKVCache: the per-request attention cache (the lifecycle and memory contract,
-"Per-request memory"; docs/architecture.md).
+"""The paged KV cache: page layouts, the page allocator, and RuntimeKVCache (the lifecycle and
+memory contract, "Per-request memory"; docs/architecture.md; issue 8).
 
-One pool block (tag ``kv_cache``) holds ``[n_slots, 2, capacity, n_kv_heads, head_dim]``:
-for every attention slot (layer, iteration) a K and a V plane of ``capacity`` rows. Slot
-indices follow ``docs/architecture.md`` (prelude i -> i; recurrent j at iteration t ->
-P + t*R + j; coda c -> P + R*depth + c).
+A request's attention state lives in fixed-size **pages** of ``P`` positions (``page_size``)
+for one attention slot (layer, iteration). Slot indices follow ``docs/architecture.md``
+(prelude i -> i; recurrent j at iteration t -> P + t*R + j; coda c -> P + R*depth + c). A
+request holds one **block table** per slot (the page addresses of positions 0..P-1, P..2P-1,
+...) and gains pages as it grows, so it owns at most one partly filled page per slot
+(vLLM's PagedAttention, Kwon et al. 2023). Every page is one pool block of the same size for a
+given layout (tag ``kv_cache``), so pages of finished requests are reused exactly and the pool's
+figures count the cache page by page. Each page carries a reference count, so a prefix's pages
+can be shared by reference (issue 9) and are freed when the last holder lets go.
 
-Storage modes (the contract's five): ``"fp16"`` (dense K/V at the backend's KV dtype: float16
-on CUDA, float32 on the NumPy reference) is implemented; ``"int8"``, ``"h_fp16"``, ``"h_int8"`` and
-``"h_int4"`` are reserved names a later issue implements — asking for them raises ConfigError.
-The layout keeps a slot's K and V contiguous so quantized planes (codes + per-row scales) and
-store-h planes (the residual ``h`` of a slot instead of K/V) fit as other per-slot views.
+Storage modes (one per physical layer; ``PageLayout`` gives every part's byte offset):
+
+=========  ==============================================================================
+``fp16``    K and V rows at the backend's KV dtype (float16 on CUDA, float32 on the NumPy
+            reference) ``[P, n_kv_heads, head_dim]`` each.
+``int8``    K and V as int8 codes ``[P, n_kv_heads, head_dim]`` plus one float16 scale per
+            (position, KV head) ``[P, n_kv_heads]``: symmetric, ``s = fp16(max|x| / 127)``
+            (the division in float32, then one rounding to FP16), ``q = clip(rint(x / s),
+            -127, 127)`` against the rounded ``s`` (``quant.quantize_rows_int8``); a row of
+            zeros gets ``s = 0`` and codes 0. Read as ``float32(q) * float32(s)``.
+``h_fp16``  the RMS-normed input of the layer's QKV projection ``h`` (float16 ``[P, d_model]``);
+            attention rebuilds K = RoPE(h Wk^T) and V = h Wv^T from it, chunk by chunk.
+``h_int8``  h quantized per token in groups of ``H_GROUP`` (int8 codes + float16 scales,
+            symmetric, as the INT8 weights: ``quant.quantize``).
+``h_int4``  h quantized per token in groups of ``H_GROUP`` (packed 4-bit codes + float16
+            scales and zeros, asymmetric min/max, as the INT4 weights: ``quant.quantize``).
+=========  ==============================================================================
+
+Why the normed input rather than the raw residual: see ``docs/kv_modes.md`` (measured on the
+embedded model: the residual's outlier channels make its INT8/INT4 codes far worse, and
+rebuilding from it costs one more RMSNorm per chunk).
 """
 
 from __future__ import annotations
 
-from .config import ModelConfig
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .config import KV_MODES, ModelConfig
 from .errors import ConfigError, HandleError
-from .plan import request_plan
+from .memory import packed_scope
 
-KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
-IMPLEMENTED_KV_MODES = ("fp16",)
+H_MODES = ("h_fp16", "h_int8", "h_int4")
+SLOT_KINDS = ("prelude", "recurrent", "coda")
+DEFAULT_PAGE_SIZE = 32      # positions per page: see docs/kv_modes.md "Page size"
+H_GROUP = 32                # group size of the h_int8 / h_int4 per-token quantization
+PART_ALIGN = 16             # every part of a page starts on a 16-byte boundary (vector loads)
 
 
-class RuntimeKVCache:
-    """K/V planes for ``n_slots`` slots x ``capacity`` positions, owned by one request.
+def _align(n: int, a: int = PART_ALIGN) -> int:
+    return (n + a - 1) // a * a
 
-    Use as a context manager or call :meth:`release`; after release any access raises
-    HandleError. Raises ConfigError for an unknown or not-yet-implemented ``mode``, and the
-    pool's OutOfMemoryError when it does not fit (nothing stays allocated).
-    """
 
-    def __init__(self, ops, pool, cfg: ModelConfig, depth: int, capacity: int,
-                 mode: str = "fp16"):
-        if mode not in KV_MODES:
-            raise ConfigError(f"KV cache mode {mode!r} is not one of {KV_MODES}")
-        if mode not in IMPLEMENTED_KV_MODES:
-            raise ConfigError(f"KV cache mode {mode!r} is not implemented yet "
-                              f"(available: {IMPLEMENTED_KV_MODES})")
-        if capacity < 1:
-            raise ConfigError(f"KV cache capacity must be >= 1, got {capacity}")
-        self.mode = mode
-        self.depth = depth
-        self.capacity = capacity
-        self.n_slots = cfg.n_slots(depth)
-        (entry,) = request_plan(cfg, capacity, depth, ops.kv_dtype)
-        self._data, self._block = ops.empty(pool, entry.shape, entry.dtype, entry.tag)
-        self._pool = pool
-        # per-slot views made once, so the decode loop only indexes
-        self._k = [self._data[s, 0] for s in range(self.n_slots)]   # [capacity, Hkv, hd]
-        self._v = [self._data[s, 1] for s in range(self.n_slots)]
+@dataclass(frozen=True)
+class Part:
+    """One array inside a page: ``name``, byte ``offset`` from the page start, ``shape``
+    (leading axis = the page's P positions), numpy ``dtype`` name."""
+
+    name: str
+    offset: int
+    shape: tuple
+    dtype: str
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._block is None else self._block.nbytes
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
-    def k(self, slot: int):
-        if self._block is None:
-            raise HandleError("RuntimeKVCache used after release()")
-        return self._k[slot]
 
-    def v(self, slot: int):
-        if self._block is None:
+@dataclass(frozen=True)
+class PageLayout:
+    """The byte layout of one page of ``page_size`` positions for storage ``mode``.
+
+    Identical on both backends except the ``fp16`` mode's K/V dtype (``kv_dtype``: float16 on
+    CUDA, float32 on the NumPy reference), so stored codes compare byte for byte. Parts, in
+    order, each 16-byte aligned:
+
+    - fp16:   ``k``, ``v``   kv_dtype ``[P, Hkv, hd]``
+    - int8:   ``k``, ``v``   int8 ``[P, Hkv, hd]``; ``k_scale``, ``v_scale`` float16 ``[P, Hkv]``
+    - h_fp16: ``h``          float16 ``[P, d]``
+    - h_int8: ``h``          int8 ``[P, d]``; ``h_scale`` float16 ``[P, d / g]``
+    - h_int4: ``h``          uint8 ``[P, d / 2]`` (two codes a byte, low nibble first);
+      ``h_scale``, ``h_zero`` float16 ``[P, d / g]``
+
+    Raises ConfigError for an unknown mode, a page size < 1, or (h_int*) a d_model that is not
+    a multiple of the group size.
+    """
+
+    mode: str
+    page_size: int
+    n_kv_heads: int
+    head_dim: int
+    d_model: int
+    kv_dtype: str = "float16"
+    group_size: int = H_GROUP
+    rotate: int = 0      # h modes: block size of the Hadamard rotation applied before
+                         # quantizing (0 = none); see hadamard_rotate
+
+    def __post_init__(self):
+        check_mode(self.mode)
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) \
+                or self.page_size < 1:
+            raise ConfigError(f"page_size must be an int >= 1, got {self.page_size!r}")
+        if self.mode in ("h_int8", "h_int4") and self.d_model % self.group_size:
+            raise ConfigError(f"kv mode {self.mode!r} quantizes h in groups of "
+                              f"{self.group_size}, but d_model={self.d_model} is not a "
+                              "multiple of it")
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
+                   kv_dtype="float16") -> "PageLayout":
+        rotate = H_ROTATE.get(mode, 0)
+        if rotate and cfg.d_model % rotate:
+            rotate = 0
+        return cls(mode, page_size, cfg.n_kv_heads, cfg.head_dim, cfg.d_model,
+                   np.dtype(kv_dtype).name, rotate=rotate)
+
+    @cached_property
+    def parts(self) -> tuple[Part, ...]:
+        p, hk, hd, d, g = self.page_size, self.n_kv_heads, self.head_dim, self.d_model, \
+            self.group_size
+        if self.mode == "fp16":
+            spec = [("k", (p, hk, hd), self.kv_dtype), ("v", (p, hk, hd), self.kv_dtype)]
+        elif self.mode == "int8":
+            spec = [("k", (p, hk, hd), "int8"), ("v", (p, hk, hd), "int8"),
+                    ("k_scale", (p, hk), "float16"), ("v_scale", (p, hk), "float16")]
+        elif self.mode == "h_fp16":
+            spec = [("h", (p, d), "float16")]
+        elif self.mode == "h_int8":
+            spec = [("h", (p, d), "int8"), ("h_scale", (p, d // g), "float16")]
+        else:  # h_int4
+            spec = [("h", (p, d // 2), "uint8"), ("h_scale", (p, d // g), "float16"),
+                    ("h_zero", (p, d // g), "float16")]
+        out, off = [], 0
+        for name, shape, dtype in spec:
+            part = Part(name, off, shape, dtype)
+            out.append(part)
+            off = _align(off + part.nbytes)
+        return tuple(out)
+
+    def part(self, name: str) -> Part:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise ConfigError(f"kv mode {self.mode!r} pages have no part {name!r}; parts: "
+                          f"{[p.name for p in self.parts]}")
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (parts plus alignment padding)."""
+        last = self.parts[-1]
+        return _align(last.offset + last.nbytes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position occupies in one slot: codes, scales and zeros, no padding."""
+        return sum(p.nbytes for p in self.parts) // self.page_size
+
+    @cached_property
+    def kernel_offsets(self) -> tuple[int, int, int, int]:
+        """Byte offsets the CUDA kernels take: (K codes, V codes, K scales, V scales) for the
+        K/V modes (0 where a part is absent); (h codes, h scales, h zeros, 0) for h modes."""
+        names = (("h", "h_scale", "h_zero", None) if self.stores_h
+                 else ("k", "v", "k_scale", "v_scale"))
+        have = {p.name: p.offset for p in self.parts}
+        return tuple(have.get(n, 0) if n else 0 for n in names)
+
+    @property
+    def stores_h(self) -> bool:
+        return self.mode in H_MODES
+
+    @cached_property
+    def _view_spec(self) -> tuple:
+        return tuple((p.name, p.offset, p.offset + p.nbytes, np.dtype(p.dtype), p.shape)
+                     for p in self.parts)
+
+    def views(self, page_u8) -> dict:
+        """Typed views of each part of a page given as a flat uint8 array (NumPy or CuPy)."""
+        return {name: page_u8[a:b].view(dt).reshape(shape)
+                for name, a, b, dt, shape in self._view_spec}
+
+
+# Hadamard rotation before quantizing h (QuaRot, Ashkboos et al. 2024): blocks of this many
+# channels, per mode; measured in docs/kv_modes.md.
+H_ROTATE = {"h_int4": 32}
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The orthonormal Sylvester Hadamard matrix of order n (a power of two), float64."""
+    if n < 1 or n & (n - 1):
+        raise ConfigError(f"Hadamard order must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def hadamard_rotate(x: np.ndarray, block: int) -> np.ndarray:
+    """Rotate float rows ``x`` [n, d] by a block-diagonal orthonormal Hadamard (blocks of
+    ``block`` channels). The Sylvester matrix is symmetric and orthonormal, so the same call
+    undoes it. float32 out."""
+    n, d = x.shape
+    h = hadamard_matrix(block)
+    y = np.asarray(x, np.float64).reshape(n, d // block, block) @ h
+    return y.reshape(n, d).astype(np.float32)
+
+
+def check_mode(mode) -> str:
+    if not isinstance(mode, str) or mode not in KV_MODES:
+        raise ConfigError(f"unknown KV cache mode {mode!r}; expected one of {KV_MODES} "
+                          "(or 'auto' for load_model / per-call kv_mode)")
+    return mode
+
+
+def resolve_kv_modes(spec, cfg: ModelConfig) -> tuple[str, ...]:
+    """One mode per physical layer (``cfg.n_layers``) from a user's ``kv_mode``.
+
+    ``spec``: a mode name (every layer), a dict ``{"prelude": m, "recurrent": m, "coda": m}``
+    (missing kinds default to ``"fp16"``), or a sequence of one mode per physical layer.
+    ``"auto"`` (alone or as a dict value) picks per slot kind from ``AUTO_TABLE``. Raises
+    ConfigError naming the bad value.
+    """
+    kinds = (["prelude"] * cfg.n_prelude + ["recurrent"] * cfg.n_recurrent
+             + ["coda"] * cfg.n_coda)
+    if isinstance(spec, str):
+        if spec == "auto":
+            return tuple(AUTO_TABLE[k] for k in kinds)
+        return (check_mode(spec),) * cfg.n_layers
+    if isinstance(spec, dict):
+        unknown = set(spec) - set(SLOT_KINDS)
+        if unknown:
+            raise ConfigError(f"kv_mode dict keys must be among {SLOT_KINDS}, got "
+                              f"{sorted(map(str, unknown))}")
+        by_kind = {k: spec.get(k, "fp16") for k in SLOT_KINDS}
+        for k, m in by_kind.items():
+            by_kind[k] = AUTO_TABLE[k] if m == "auto" else check_mode(m)
+        return tuple(by_kind[k] for k in kinds)
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != cfg.n_layers:
+            raise ConfigError(f"kv_mode sequence has {len(spec)} entries, the model has "
+                              f"{cfg.n_layers} physical layers")
+        return tuple(check_mode(m) for m in spec)
+    raise ConfigError(f"kv_mode must be a mode name, a dict by slot kind or a sequence of "
+                      f"modes, got {spec!r}; modes: {KV_MODES} or 'auto'")
+
+
+# kv_mode="auto": per slot kind, the mode with the fewest bytes per token whose measured mean
+# KL against fp16 on the embedded model stays within AUTO_KL_BOUND (docs/kv_modes.md has the
+# table of measurements this is read from).
+AUTO_KL_BOUND = 5e-3
+AUTO_TABLE = {"prelude": "int8", "recurrent": "int8", "coda": "int8"}
+
+
+def slot_layers(cfg: ModelConfig, depth: int) -> list[int]:
+    """The physical layer of every slot at ``depth`` (slot order of docs/architecture.md)."""
+    p, r = cfg.n_prelude, cfg.n_recurrent
+    return (list(range(p)) + [p + j for _ in range(depth) for j in range(r)]
+            + [p + r + c for c in range(cfg.n_coda)])
+
+
+def kv_bytes_per_token(cfg: ModelConfig, depth: int, modes, kv_dtype="float16") -> int:
+    """Bytes one position occupies over all slots at ``depth`` (page rounding excluded)."""
+    per_layer = [PageLayout.for_config(cfg, m, 1, kv_dtype).bytes_per_token for m in modes]
+    return sum(per_layer[li] for li in slot_layers(cfg, depth))
+
+
+# --- pages ------------------------------------------------------------------------------------
+class Page:
+    """One page: a pool block of ``layout.page_bytes`` and its reference count.
+
+    ``addr`` is the device (or host) address the block tables hold; ``parts`` are typed views
+    of the page's parts (see PageLayout). ``refs`` counts holders (requests, prefix caches);
+    the page goes back to the pool when it drops to 0.
+    """
+
+    __slots__ = ("block", "addr", "layout", "refs", "_u8", "_parts")
+
+    def __init__(self, block, layout: PageLayout, u8):
+        self.block = block
+        self.addr = block.ptr
+        self.layout = layout
+        self.refs = 1
+        self._u8 = u8
+        self._parts = None
+
+    @property
+    def parts(self) -> dict:
+        """Typed views of the page's parts, made on first use (the CUDA kernels read pages by
+        address and never need them; the NumPy reference and the tests do)."""
+        if self._parts is None:
+            if self._u8 is None:
+                raise HandleError("page was released")
+            self._parts = self.layout.views(self._u8)
+        return self._parts
+
+
+class PageAllocator:
+    """Hands out pages as pool blocks (one block per page, tag ``kv_cache`` unless given),
+    zeroed at allocation, with a reference count each. One per Model (pages may outlive the
+    request that wrote them when shared). ``page(addr)`` maps a block-table entry back to its
+    Page (how the NumPy reference reads through the block table)."""
+
+    def __init__(self, ops, pool):
+        self._ops = ops
+        self._pool = pool
+        self._pages: dict[int, Page] = {}       # addr -> live Page
+
+    def alloc(self, layout: PageLayout, tag: str = "kv_cache") -> Page:
+        """A fresh zeroed page (refs = 1); raises the pool's OutOfMemoryError."""
+        with packed_scope():                    # pages share segments with the model's
+            u8, blk = self._ops.empty(self._pool, (layout.page_bytes,), np.uint8, tag)
+        try:
+            self._ops.zero(u8)
+            page = Page(blk, layout, u8)
+        except BaseException:
+            self._pool.free(blk)
+            raise
+        self._pages[page.addr] = page
+        return page
+
+    def ref(self, page: Page) -> Page:
+        if page.refs <= 0:
+            raise HandleError("page was already released")
+        page.refs += 1
+        return page
+
+    def unref(self, page: Page) -> None:
+        if page.refs <= 0:
+            raise HandleError("page released twice")
+        page.refs -= 1
+        if page.refs == 0:
+            del self._pages[page.addr]
+            page._u8 = page._parts = None
+            self._pool.free(page.block)
+
+    def page(self, addr: int) -> Page:
+        try:
+            return self._pages[int(addr)]
+        except KeyError:
+            raise HandleError(f"block table entry {int(addr):#x} is not a live page") from None
+
+    @property
+    def live_pages(self) -> int:
+        return len(self._pages)
+
+
+class SlotKV:
+    """What the attention ops receive for one slot: the page ``layout``, the block ``table``
+    (int64 page addresses ``[max_pages]``, on the backend's device, at a fixed address for the
+    request's life), its host mirror ``table_host``, and the ``allocator`` resolving addresses
+    (NumPy reference)."""
+
+    __slots__ = ("layout", "table", "table_host", "allocator")
+
+    def __init__(self, layout, table, table_host, allocator):
+        self.layout = layout
+        self.table = table
+        self.table_host = table_host
+        self.allocator = allocator
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def page_parts(self, i: int) -> dict:
+        """The typed part views of page ``i`` of this slot, through the block table."""
+        return self.allocator.page(self.table_host[i]).parts
+
+
+class RuntimeKVCache:
+    """A request's paged KV cache over ``n_slots`` slots for up to ``capacity`` positions.
+
+    ``modes``: one storage mode per physical layer (see ``resolve_kv_modes``). Pages are gained
+    by :meth:`ensure` as positions are written; the block tables (one pool block, tag
+    ``kv_cache``, int64 ``[n_slots, ceil(capacity / P)]``) are made once and never move.
+    Use as a context manager or call :meth:`release`; after release any access raises
+    HandleError. Raises ConfigError for a bad mode / capacity, and the pool's
+    OutOfMemoryError when a page does not fit (pages taken so far stay owned and are freed by
+    release).
+    """
+
+    def __init__(self, ops, pool, cfg: ModelConfig, depth: int, capacity: int, modes,
+                 allocator: PageAllocator, page_size: int = DEFAULT_PAGE_SIZE):
+        if capacity < 1:
+            raise ConfigError(f"KV cache capacity must be >= 1, got {capacity}")
+        if len(modes) != cfg.n_layers:
+            raise ConfigError(f"need one kv mode per physical layer ({cfg.n_layers}), got "
+                              f"{len(modes)}")
+        self.depth = depth
+        self.capacity = capacity
+        self.page_size = page_size
+        self.modes = tuple(modes)
+        self.layer_of_slot = slot_layers(cfg, depth)
+        self.n_slots = len(self.layer_of_slot)
+        kv_dtype = np.dtype(ops.kv_dtype).name
+        layouts = {m: PageLayout.for_config(cfg, m, page_size, kv_dtype) for m in set(modes)}
+        self.layouts = [layouts[modes[li]] for li in self.layer_of_slot]
+        self.max_pages = -(-capacity // page_size)
+        self._ops, self._pool, self._alloc = ops, pool, allocator
+        self.table_host = np.zeros((self.n_slots, self.max_pages), np.int64)
+        self._table, self._table_block = ops.empty(pool, self.table_host.shape, np.int64,
+                                                   "kv_cache")
+        self._pages: list[list[Page]] = [[] for _ in range(self.n_slots)]
+        self.length = 0               # positions with pages (a multiple of P, or capacity)
+        try:
+            self._ops.from_host(self.table_host, self._table)
+            self._slots = [SlotKV(self.layouts[s], self._table[s], self.table_host[s],
+                                  allocator) for s in range(self.n_slots)]
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def mode(self) -> str:
+        """The mode name when every layer uses one mode, else "mixed"."""
+        return self.modes[0] if len(set(self.modes)) == 1 else "mixed"
+
+    @property
+    def nbytes(self) -> int:
+        """Pool bytes this cache holds: its block tables and its pages."""
+        if self._table_block is None:
+            return 0
+        return self._table_block.nbytes + sum(p.block.nbytes for ps in self._pages for p in ps)
+
+    def _alive(self) -> None:
+        if self._table_block is None:
             raise HandleError("RuntimeKVCache used after release()")
-        return self._v[slot]
+
+    def ensure(self, n_positions: int) -> None:
+        """Own pages for positions 0..n_positions-1 in every slot (gains whole pages; the
+        device block table is refreshed once if anything changed)."""
+        self._alive()
+        if n_positions > self.capacity:
+            raise ConfigError(f"{n_positions} positions exceed the cache's capacity "
+                              f"{self.capacity}")
+        need = -(-n_positions // self.page_size)
+        if need <= len(self._pages[-1]):          # slots fill in order: the last is last
+            return
+        for s in range(self.n_slots):
+            pages, lay = self._pages[s], self.layouts[s]
+            while len(pages) < need:
+                page = self._alloc.alloc(lay)
+                self.table_host[s, len(pages)] = page.addr
+                pages.append(page)
+        self.length = min(need * self.page_size, self.capacity)
+        self._ops.from_host(self.table_host, self._table)
+
+    def slot(self, s: int) -> SlotKV:
+        self._alive()
+        return self._slots[s]
 
     def release(self) -> None:
-        """Return the block to the pool (idempotent)."""
-        if self._block is not None:
-            self._k = self._v = []
-            self._data = None
-            blk, self._block = self._block, None
+        """Drop this request's reference to every page and free the block tables
+        (idempotent)."""
+        if self._table_block is None:
+            return
+        pages, self._pages = self._pages, []
+        self._slots = []
+        self._table = None
+        blk, self._table_block = self._table_block, None
+        try:
+            for ps in pages:
+                for p in ps:
+                    self._alloc.unref(p)
+        finally:
             self._pool.free(blk)
 
     def __enter__(self):
@@ -78,3 +475,18 @@ class RuntimeKVCache:
 
     def __exit__(self, *exc):
         self.release()
+
+
+@dataclass(frozen=True)
+class Recon:
+    """What a store-h slot's attention needs to rebuild K and V: ``w_kv`` (the K and V rows of
+    the layer's QKV weight, a QuantWeight ``[2 kv_dim, d]``), RoPE ``theta``, the
+    reconstruction ``chunk`` (positions rebuilt at a time; bounds the scratch), and ``scratch``
+    (the backend's reconstruction buffers, or None on the NumPy reference)."""
+
+    w_kv: object
+    theta: float
+    chunk: int
+    scratch: object = None
+    norm: tuple | None = None     # (weight, eps): the stored h is the raw residual (measured
+                                  # alternative, NumPy only: docs/kv_modes.md), RMSNorm first

@@ -19,15 +19,18 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import check_load_args
+from .config import check_load_args, kv_mode_from_env
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
 from .generate import stream as _stream
 from .generate import teacher_forced_logits
-from .kvcache import RuntimeKVCache
-from .memory import get_pool, route_cupy_allocations, tag_scope
+from .kvcache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
+                      RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
+from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
+from .memory.arena import round_size
+from .quant import QuantWeight
 
 
 @dataclass
@@ -40,6 +43,14 @@ class Layer:
     ffn_norm: object
     ffn_gate_up: object
     ffn_down: object
+    attn_kv: object = None      # the K and V rows of attn_qkv (views): store-h reconstruction
+
+
+def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
+    """Views of the K and V output rows (``q_dim`` onwards) of a fused QKV QuantWeight."""
+    fp16 = None if w.fp16 is None else w.fp16[q_dim:]
+    return QuantWeight(w.bits, w.group_size, w.qweight[q_dim:], w.scales[q_dim:],
+                       w.zeros[q_dim:], fp16)
 
 
 class BufferPool:
@@ -110,7 +121,7 @@ class Model:
     """
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-                 backend: str = "auto"):
+                 backend: str = "auto", kv_mode=None):
         self._freed = True           # until the load succeeds there is nothing to free
         self._blocks: list = []      # every model-owned pool block; freed by free()
         max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
@@ -119,6 +130,7 @@ class Model:
         self.path = os.fspath(path)
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
+        self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
         self._lock = threading.RLock()
         self._ops = get_ops(backend)
         self.backend = self._ops.name
@@ -127,7 +139,8 @@ class Model:
         self._cupy_routing = (route_cupy_allocations(self._pool) if self._ops.name == "cuda"
                               else None)
         try:
-            self._load()
+            with packed_scope():
+                self._load()
         except BaseException:
             self._release_blocks()
             self._stop_cupy_routing()
@@ -152,8 +165,11 @@ class Model:
             self.metadata = dict(f.metadata)
             tok_json = f.tokenizer_json
             layout = f.quant_layout()
+            self.kv_modes = resolve_kv_modes(self._kv_mode_spec, cfg)
+            self._check_kv_modes(self.kv_modes)
+            store_h = any(m in H_MODES for m in self.kv_modes)
             self.plan = planmod.backend_load_plan(self._ops, cfg, layout, self.max_seq_len,
-                                                  self.prefill_chunk)
+                                                  self.prefill_chunk, store_h=store_h)
             self.tokenizer = None
             if tok_json is not None:
                 from .tokenizer import Tokenizer
@@ -164,6 +180,10 @@ class Model:
                     raise TokenizerError(
                         f"{self.path}: the embedded tokenizer has {self.tokenizer.vocab_size} "
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
+            # every model-owned block the plan knows goes into one reserved segment (the
+            # caller's packed_scope), so only that segment has a rounding tail
+            self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan if not e.lazy),
+                               "weights")
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
             with tag_scope("weights"):
@@ -188,7 +208,9 @@ class Model:
         self._adapter = w.get("inject.adapter")
         self._layers = [Layer(*(w[f"blk.{i}.{n}"] for n in
                                 ("attn_norm", "attn_qkv", "attn_output", "ffn_norm",
-                                 "ffn_gate_up", "ffn_down"))) for i in range(cfg.n_layers)]
+                                 "ffn_gate_up", "ffn_down")),
+                              attn_kv=kv_rows_of(w[f"blk.{i}.attn_qkv"], cfg.q_dim))
+                        for i in range(cfg.n_layers)]
         # phase 4: the BufferPool (logit_row stays lazy)
         arrays = {}
         for e in self.plan:
@@ -198,7 +220,12 @@ class Model:
         self._buf = BufferPool(arrays)
         self._view_cache: dict = {}
         self._logit_row = None
-        # phase 5: reconstruction scratch is only needed by store-h KV modes (not yet built)
+        # phase 5: reconstruction scratch of the store-h KV modes (lazy when no default
+        # mode stores h: a per-call kv_mode may still ask for one)
+        self._recon_scratch = None
+        if store_h:
+            self._recon_scratch = self._alloc_recon()
+        self._pages = PageAllocator(self._ops, self._pool)
 
     def _release_blocks(self) -> None:
         blocks, self._blocks = self._blocks, []
@@ -219,6 +246,8 @@ class Model:
             self._buf = None
             self._view_cache = {}
             self._logit_row = None
+            self._recon_scratch = None
+            self._recons = []
             self._release_blocks()
             self._ops.synchronize()
             self._stop_cupy_routing()
@@ -274,14 +303,16 @@ class Model:
         if self._freed:
             raise ModelFreedError("this Model was freed with free_model(); load it again")
 
-    def request_plan(self, n_tokens: int, depth: int, logits: bool = False) -> list:
-        """``plan.request_plan`` for this model: the KV cache of ``n_tokens`` positions at
-        ``depth`` (at the backend's kv_dtype) and, with ``logits``, the logits block of a
-        logits()/score() call (``plan.logits_block_rows`` rows)."""
+    def request_plan(self, n_tokens: int, depth: int, logits: bool = False,
+                     kv_mode=None) -> list:
+        """``plan.request_plan`` for this model: the paged KV cache of ``n_tokens`` positions
+        at ``depth`` (``kv_mode``: see :meth:`resolve_kv_modes`; at the backend's kv_dtype)
+        and, with ``logits``, the logits block of a logits()/score() call
+        (``plan.logits_block_rows`` rows)."""
         rows = (planmod.logits_block_rows(n_tokens, self.max_seq_len, self.prefill_chunk)
                 if logits else 0)
         return planmod.request_plan(self.config, n_tokens, depth, self._ops.kv_dtype,
-                                    logits_rows=rows)
+                                    logits_rows=rows, modes=self.resolve_kv_modes(kv_mode))
 
     def check_token_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
         """``token_ids`` as int32 [T] after checking it is a non-empty 1-D sequence of ints
@@ -315,17 +346,71 @@ class Model:
             return self.check_token_ids(ids, "prompt")
         return self.check_token_ids(prompt, "prompt")
 
-    def new_kv_cache(self, depth: int, capacity: int) -> RuntimeKVCache:
-        """A RuntimeKVCache sized for ``capacity`` positions at ``depth`` (tag kv_cache)."""
+    def _check_kv_modes(self, modes) -> None:
+        if self._ops.name == "cuda":
+            missing = sorted(set(modes) - set(self._ops.kv_modes))
+            if missing:
+                raise ConfigError(f"kv mode(s) {missing} have no CUDA kernels yet; this backend "
+                                  f"runs {self._ops.kv_modes}")
+
+    def resolve_kv_modes(self, kv_mode=None) -> tuple[str, ...]:
+        """One KV mode per physical layer: ``kv_mode`` (a name, "auto", a dict by slot kind,
+        or a sequence per layer; see kvcache.resolve_kv_modes), or the load's default when
+        None. Raises ConfigError naming the bad value."""
+        if kv_mode is None:
+            return self.kv_modes
+        modes = resolve_kv_modes(kv_mode, self.config)
+        self._check_kv_modes(modes)
+        return modes
+
+    def kv_bytes_per_token(self, depth: int | None = None, kv_mode=None) -> int:
+        """Bytes a request's KV cache holds per position at ``depth`` (default: the model's),
+        over all slots, scales and zeros included, page rounding excluded."""
+        depth = self.config.check_depth(depth)
+        return kv_bytes_per_token(self.config, depth, self.resolve_kv_modes(kv_mode),
+                                  self._ops.kv_dtype)
+
+    def kv_page_layout(self, mode: str, page_size: int = DEFAULT_PAGE_SIZE) -> PageLayout:
+        """The PageLayout of ``mode`` pages on this model's backend."""
+        return PageLayout.for_config(self.config, mode, page_size, self._ops.kv_dtype)
+
+    def new_kv_cache(self, depth: int, capacity: int, kv_mode=None,
+                     page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
+        """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
+        kv_cache; pages are gained as positions are written). ``kv_mode``: see
+        :meth:`resolve_kv_modes`."""
+        self.check_alive()
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
-        return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity)
+        modes = self.resolve_kv_modes(kv_mode)
+        if any(m in H_MODES for m in modes) and self._recon_scratch is None:
+            self._recon_scratch = self._alloc_recon()
+        with packed_scope():
+            return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
+                                  self._pages, page_size)
+
+    def _alloc_recon(self) -> dict:
+        """Phase 5: the reconstruction scratch (model-owned, tag scratch)."""
+        out = {}
+        for e in self.plan:
+            if e.phase == 5:
+                with packed_scope():
+                    out[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+                self._blocks.append(blk)
+        chunk = planmod.recon_rows(self.max_seq_len)
+        self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
+                        for lw in self._layers]
+        if getattr(self, "_h_source", "normed") == "residual":   # measurement only
+            self._recons = [dataclasses.replace(r, norm=(lw.attn_norm, self.config.norm_eps))
+                            for r, lw in zip(self._recons, self._layers)]
+        return out
 
     def logit_row(self):
         """The lazily allocated float32 [1, vocab] logit row (model-owned, tag logits)."""
         if self._logit_row is None:
             (e,) = [e for e in self.plan if e.name == "logit_row"]
-            self._logit_row, blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+            with packed_scope():
+                self._logit_row, blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
             self._blocks.append(blk)
         return self._logit_row
 
@@ -341,6 +426,7 @@ class Model:
         r = self._buf.capacity_rows
         for c0 in range(0, len(ids), r):
             t = min(r, len(ids) - c0)
+            cache.ensure(pos0 + c0 + t)
             self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache)
             if on_rows is not None:
                 on_rows(pos0 + c0, t)
@@ -392,10 +478,22 @@ class Model:
     def _layer(self, li: int, slot: int, x, pos0: int, v: dict, cache: RuntimeKVCache) -> None:
         cfg, ops, lw = self.config, self._ops, self._layers[li]
         norm, qkv = v["norm"], v["qkv"]
-        ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
-        kc, vc = cache.k(slot), cache.v(slot)
-        ops.rope_kv(qkv, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kc, vc)
-        ops.attention(qkv, kc, vc, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"])
+        kv = cache.slot(slot)
+        recon = None
+        if kv.layout.stores_h:
+            # the normed rows are what the slot stores, so the pair runs unfused
+            ops.rmsnorm(x, lw.attn_norm, cfg.norm_eps, norm)
+            ops.linear(norm, lw.attn_qkv, qkv)
+            recon = self._recons[li]
+        else:
+            ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
+        h = norm
+        if recon is not None and recon.norm is not None:
+            h = x                                   # the residual-source measurement
+        ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                     cfg.head_dim, kv)
+        ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"],
+                         recon)
         ops.linear_residual(v["att"], lw.attn_output, x)
         ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
                                   v["h"], norm)
@@ -408,35 +506,39 @@ class Model:
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
 
     # -- public request API -------------------------------------------------------------------
-    def logits(self, token_ids, depth: int | None = None) -> np.ndarray:
+    def logits(self, token_ids, depth: int | None = None, kv_mode=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
 
         ``token_ids``: 1-D ints, 1 <= T <= max_seq_len. Returns float32 ``[T, vocab]``: row t
         is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
-        chunk). Raises ConfigError / TokenizerError on bad input, ModelFreedError after free.
+        chunk). Attention reads what the KV cache stores (``kv_mode``: this call's storage
+        mode, default the load's), so the logits show a mode's true quality. Raises
+        ConfigError / TokenizerError on bad input, ModelFreedError after free.
         """
-        return teacher_forced_logits(self, token_ids, depth)
+        return teacher_forced_logits(self, token_ids, depth, kv_mode=kv_mode)
 
-    def score(self, token_ids, depth: int | None = None) -> np.ndarray:
+    def score(self, token_ids, depth: int | None = None, kv_mode=None) -> np.ndarray:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
-        return _score(self, token_ids, depth)
+        return _score(self, token_ids, depth, kv_mode=kv_mode)
 
     def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop=None):
+                 seed: int | None = None, stop=None, kv_mode=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings). ``prompt`` is text or token ids. See
         :func:`tinyloop.generate.generate` for the sampling rule and errors."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                         kv_mode=kv_mode)
 
     def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop=None):
+               seed: int | None = None, stop=None, kv_mode=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
         token is sampled (``text`` is the newly decodable text, possibly empty)."""
         return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
-                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                       kv_mode=kv_mode)
 
     def __repr__(self) -> str:
         c = self.config
@@ -447,17 +549,20 @@ class Model:
 
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-               backend: str = "auto") -> Model:
+               backend: str = "auto", kv_mode=None) -> Model:
     """Load a .tlm model, phase by phase (the lifecycle and memory contract,
     docs/architecture.md).
 
     Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
     scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);
-    ``backend`` "auto" | "cuda" | "numpy".
+    ``backend`` "auto" | "cuda" | "numpy"; ``kv_mode``: the KV cache storage mode of every
+    request (a name from ``tinyloop.kvcache.KV_MODES``, "auto", a dict ``{"prelude": m,
+    "recurrent": m, "coda": m}`` or one mode per physical layer; default
+    ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
     """
-    return Model(path, max_seq_len, prefill_chunk, backend=backend)
+    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode)
 
 
 def _check_model(model) -> Model:

@@ -9,7 +9,8 @@ docs/architecture.md):
   2. quantized weight upload               tag "weights"
   3. optional FP16 caches for hot GEMMs    tag "fp16_cache"   (TINYLOOP_FP16_CACHE=1)
   4. BufferPool                            tag "buffers" (+ the lazy ``logit_row``, tag "logits")
-  5. optional reconstruction scratch       tag "scratch"      (store-h KV modes; none yet)
+  5. optional reconstruction scratch       tag "scratch"      (store-h KV modes: the h rows and
+                                                                the rebuilt K|V of one chunk)
 """
 
 from __future__ import annotations
@@ -115,24 +116,48 @@ def buffer_plan(cfg: ModelConfig, max_seq_len: int, prefill_chunk: int,
     return out
 
 
+RECON_CHUNK = 256     # positions a store-h attention rebuilds at a time (a multiple of P)
+
+
+def recon_rows(max_seq_len: int) -> int:
+    """Rows of the reconstruction scratch: RECON_CHUNK, or fewer for a short max_seq_len."""
+    return min(RECON_CHUNK, max_seq_len)
+
+
+def recon_plan(cfg: ModelConfig, max_seq_len: int, act_dtype,
+               lazy: bool = False) -> list[PlanEntry]:
+    """Phase 5 (store-h KV modes): ``recon_h`` act ``[C, d_model]`` (dequantized h of one
+    chunk) and ``recon_kv`` act ``[C, 2 kv_dim]`` (its rebuilt K|V), C = ``recon_rows``; so
+    the scratch is bounded whatever the context length. ``lazy``: allocated at the first
+    store-h request (the model was loaded without a store-h mode)."""
+    act = np.dtype(act_dtype).name
+    c = recon_rows(max_seq_len)
+    return [PlanEntry("recon_h", (c, cfg.d_model), act, "scratch", 5, lazy),
+            PlanEntry("recon_kv", (c, 2 * cfg.kv_dim), act, "scratch", 5, lazy)]
+
+
 def load_plan(cfg: ModelConfig, quant_layout: dict, max_seq_len: int, prefill_chunk: int,
-              act_dtype, fp16_cache: bool = False, backend: str = "cuda") -> list[PlanEntry]:
-    """All model-owned allocations, in load order (phases 2..5)."""
+              act_dtype, fp16_cache: bool = False, backend: str = "cuda",
+              store_h: bool = False) -> list[PlanEntry]:
+    """All model-owned allocations, in load order (phases 2..5). ``store_h``: some layer's
+    default KV mode stores h (phase 5 allocated at load; else planned lazy)."""
     plan = weight_plan(cfg, quant_layout)
     if fp16_cache:
         plan += fp16_cache_plan(cfg, backend)
     plan += buffer_plan(cfg, max_seq_len, prefill_chunk, act_dtype)
+    plan += recon_plan(cfg, max_seq_len, act_dtype, lazy=not store_h)
     return plan
 
 
 def backend_load_plan(ops, cfg: ModelConfig, quant_layout: dict, max_seq_len: int,
-                      prefill_chunk: int) -> list[PlanEntry]:
+                      prefill_chunk: int, store_h: bool = False) -> list[PlanEntry]:
     """``load_plan`` with a backend's facts: ``ops`` (an Ops instance or class) gives
     ``name``, ``act_dtype`` and ``fp16_cache_default`` (which ``TINYLOOP_FP16_CACHE``
-    overrides). What ``load_model`` allocates and ``tinyloop inspect`` prints."""
+    overrides). ``store_h``: as in ``load_plan``. What ``load_model`` allocates and
+    ``tinyloop inspect`` prints."""
     return load_plan(cfg, quant_layout, max_seq_len, prefill_chunk, ops.act_dtype,
                      fp16_cache=fp16_cache_enabled(default=ops.fp16_cache_default),
-                     backend=ops.name)
+                     backend=ops.name, store_h=store_h)
 
 
 LOGIT_BLOCK_ROWS = 128     # rows of the logits block of logits()/score(): 128 x vocab float32
@@ -145,12 +170,26 @@ def logits_block_rows(n_tokens: int, max_seq_len: int, prefill_chunk: int) -> in
 
 
 def request_plan(cfg: ModelConfig, n_tokens: int, depth: int, kv_dtype,
-                 logits_rows: int = 0) -> list[PlanEntry]:
-    """Per-request allocations: the RuntimeKVCache ``[slots, 2, n_tokens, n_kv_heads,
-    head_dim]`` (tag "kv_cache") and, for logits()/score(), a float32 logits block
-    ``[logits_rows, vocab]`` (tag "logits")."""
-    out = [PlanEntry("kv_cache", (cfg.n_slots(depth), 2, n_tokens, cfg.n_kv_heads,
-                                  cfg.head_dim), np.dtype(kv_dtype).name, "kv_cache", 0)]
+                 logits_rows: int = 0, modes=None, page_size: int | None = None
+                 ) -> list[PlanEntry]:
+    """Per-request allocations: the paged KV cache (tag "kv_cache": the block tables, int64
+    ``[slots, pages]``, and ``pages`` pages per slot, uint8 ``[slots * pages, page_bytes]`` for
+    a single-mode cache, else one entry per mode) and, for logits()/score(), a float32 logits
+    block ``[logits_rows, vocab]`` (tag "logits"). ``modes``: one KV mode per physical layer
+    (default all "fp16")."""
+    from .kvcache import DEFAULT_PAGE_SIZE, PageLayout, slot_layers
+    page_size = page_size or DEFAULT_PAGE_SIZE
+    modes = modes or ("fp16",) * cfg.n_layers
+    pages = -(-n_tokens // page_size)
+    layers = slot_layers(cfg, depth)
+    out = [PlanEntry("kv_block_tables", (len(layers), pages), "int64", "kv_cache", 0)]
+    counts: dict = {}
+    for li in layers:
+        counts[modes[li]] = counts.get(modes[li], 0) + 1
+    for mode, n_slots in counts.items():
+        lay = PageLayout.for_config(cfg, mode, page_size, kv_dtype)
+        out.append(PlanEntry(f"kv_pages_{mode}", (n_slots * pages, lay.page_bytes), "uint8",
+                             "kv_cache", 0))
     if logits_rows:
         out.append(PlanEntry("logits", (logits_rows, cfg.vocab_size), "float32", "logits", 0))
     return out

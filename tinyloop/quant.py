@@ -183,13 +183,26 @@ def quantize(w: np.ndarray, bits: int = 4, group_size: int = 32) -> QuantWeight:
             q = np.where(s32 > 0, np.rint((grp - z32) / s32), 0.0)
         q = np.clip(q, 0, 15).astype(np.uint8).reshape(n_out, n_in)
         return QuantWeight(4, group_size, pack_int4(q), scale, zero)
-    amax = np.abs(grp).max(axis=2)
-    scale = (amax / 127.0).astype(np.float16)
-    s32 = scale.astype(np.float32)[:, :, None]
+    q, scale = quantize_rows_int8(grp)
+    return QuantWeight(8, group_size, q.reshape(n_out, n_in), scale, np.zeros_like(scale))
+
+
+def quantize_rows_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric absmax INT8 over the last axis: ``(codes int8 [..., n], scales f16 [...])``.
+
+    ``s = fp16(float32(max|x|) / 127)`` (the division in float32, then one rounding to FP16);
+    ``q = clip(rint(float32(x) / float32(s)), -127, 127)``, chosen against the rounded ``s``
+    (rint: round half to even); a row of zeros gets ``s = 0`` and codes 0. Read back as
+    ``float32(q) * float32(s)``. The INT8 weights (GGUF Q8_0) and the ``int8`` KV cache mode
+    (``cuda_src/kvcache.cu`` computes the same, bit for bit) both use it.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    amax = np.abs(x).max(axis=-1)
+    scale = (amax / np.float32(127.0)).astype(np.float16)
+    s32 = scale.astype(np.float32)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(s32 > 0, np.rint(grp / s32), 0.0)
-    q = np.clip(q, -127, 127).astype(np.int8).reshape(n_out, n_in)
-    return QuantWeight(8, group_size, q, scale, np.zeros_like(scale))
+        q = np.where(s32 > 0, np.rint(x / s32), np.float32(0.0))
+    return np.clip(q, -127, 127).astype(np.int8), scale
 
 
 def int4_to_int8(w: QuantWeight) -> QuantWeight:

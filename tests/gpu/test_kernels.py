@@ -466,7 +466,7 @@ def test_rmsnorm_fused_errors_name_the_bad_value(ops, rng):
         ops.rmsnorm_lm_head(x, wt, EPS, dw, out, norm)
 
 
-# --- RoPE and attention ------------------------------------------------------------------------
+# --- RoPE, the paged KV write and paged attention -------------------------------------------------
 HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 128), (3, 1, 16)]
 
 
@@ -474,56 +474,138 @@ def qkv_rows(rng, t, h, hkv, hd, extra=0):
     return f16(rng, t, (h + 2 * hkv) * hd + extra)
 
 
+def kv_pair(ops, ref, mode, h, hkv, hd, capacity, page_size):
+    """The same one-slot paged cache on both backends: (numpy cache, cuda cache)."""
+    from tinyloop.config import ModelConfig
+    from tinyloop.kvcache import PageAllocator, RuntimeKVCache
+    from tinyloop.memory import MemoryPool
+    cfg = ModelConfig(vocab_size=8, d_model=64, n_heads=h, n_kv_heads=hkv, head_dim=hd,
+                      ffn_dim=8, n_prelude=1, n_recurrent=0, n_coda=0)
+    host = MemoryPool("host")
+    c_ref = RuntimeKVCache(ref, host, cfg, 1, capacity, (mode,), PageAllocator(ref, host),
+                           page_size)
+    dev = FakeCudaPool()
+    c_dev = RuntimeKVCache(ops, dev, cfg, 1, capacity, (mode,), PageAllocator(ops, dev),
+                           page_size)
+    c_ref.ensure(capacity)
+    c_dev.ensure(capacity)
+    return c_ref, c_dev
+
+
+def gather(kv, n, dev: bool) -> dict:
+    """Every part of positions 0..n-1 of a slot, on the host, read through its block table."""
+    p = kv.page_size
+    out = {}
+    for part in kv.layout.parts:
+        rows = [kv.page_parts(i)[part.name] for i in range(-(-n // p))]
+        rows = [cupy.asnumpy(r) if dev else np.asarray(r) for r in rows]
+        out[part.name] = np.concatenate(rows)[:n]
+    return out
+
+
+PAGES = [1, 16, 32, 48]
+
+
 @pytest.mark.parametrize("h,hkv,hd", HEADS)
 @pytest.mark.parametrize("t,pos0", [(1, 0), (1, 4097), (17, 0), (70, 5), (3, 100000)])
-def test_rope_kv(ops, ref, rng, h, hkv, hd, t, pos0):
+@pytest.mark.parametrize("p", [16, 32])
+def test_kv_write_fp16(ops, ref, rng, h, hkv, hd, t, pos0, p):
     theta = 10000.0 if hd != 128 else 500000.0
     qh, q = qkv_rows(rng, t, h, hkv, hd)
-    cap = pos0 + t + 2
-    kc_ref = np.full((cap, hkv, hd), np.nan, np.float32)
-    vc_ref = kc_ref.copy()
+    c_ref, c_dev = kv_pair(ops, ref, "fp16", h, hkv, hd, pos0 + t + 2, p)
     qkv_ref = q.copy()
-    ref.rope_kv(qkv_ref, pos0, theta, h, hkv, hd, kc_ref, vc_ref)
+    ref.kv_write(qkv_ref, None, pos0, theta, h, hkv, hd, c_ref.slot(0))
     qkv = cupy.asarray(qh)
-    kc = poisoned((cap, hkv, hd), cupy.float16)
-    vc = poisoned((cap, hkv, hd), cupy.float16)
-    ops.rope_kv(qkv, pos0, theta, h, hkv, hd, kc, vc)
+    ops.kv_write(qkv, None, pos0, theta, h, hkv, hd, c_dev.slot(0))
     assert_close(qkv, qkv_ref, atol=1e-3, rtol=F16_RTOL, what="rope q (+ untouched k|v)")
+    n = pos0 + t + 2
+    got, want = gather(c_dev.slot(0), n, True), gather(c_ref.slot(0), n, False)
     rows = slice(pos0, pos0 + t)
-    assert_close(kc[rows], kc_ref[rows], atol=1e-3, rtol=F16_RTOL, what="rope k_cache")
-    assert_close(vc[rows], vc_ref[rows], atol=0, rtol=0, what="v_cache")
-    for c, name in ((kc, "k_cache"), (vc, "v_cache")):
-        others = cupy.asnumpy(c).copy()
-        others[rows] = np.nan
-        assert np.isnan(others).all(), f"rope_kv wrote {name} rows outside {pos0}..{pos0 + t - 1}"
+    assert_close(got["k"][rows], want["k"][rows], atol=1e-3, rtol=F16_RTOL, what="paged k")
+    assert_close(got["v"][rows], want["v"][rows], atol=0, rtol=0, what="paged v")
+    for name in ("k", "v"):                 # pages are zeroed at allocation; nothing else written
+        others = got[name].copy()
+        others[rows] = 0
+        assert not others.any(), f"kv_write wrote {name} rows outside {pos0}..{pos0 + t - 1}"
 
 
-def _attention_case(ops, ref, rng, h, hkv, hd, t, pos0):
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("scale", [300.0, 1.0, 0.02])
+def test_kv_write_int8_codes_match_numpy(ops, ref, rng, h, hkv, hd, scale):
+    """Position 0 (RoPE is the identity there): K and V codes and scales byte-identical to
+    the NumPy reference. Later positions: V identical, K within one code (the rotation is
+    float32 here, float64 there)."""
+    t = 40
+    qh, q = qkv_rows(rng, t, h, hkv, hd)
+    qh = (q * scale).astype(np.float16)
+    q = qh.astype(np.float32)
+    qh[5, h * hd:] = 0                                    # a zero row: s = 0, codes 0
+    q[5, h * hd:] = 0
+    c_ref, c_dev = kv_pair(ops, ref, "int8", h, hkv, hd, t, 16)
+    ref.kv_write(q.copy(), None, 0, 1e4, h, hkv, hd, c_ref.slot(0))
+    ops.kv_write(cupy.asarray(qh), None, 0, 1e4, h, hkv, hd, c_dev.slot(0))
+    got, want = gather(c_dev.slot(0), t, True), gather(c_ref.slot(0), t, False)
+    for name in ("v", "v_scale"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for name in ("k", "k_scale"):
+        np.testing.assert_array_equal(got[name][0], want[name][0], err_msg=name + " at pos 0")
+    assert np.abs(got["k"].astype(int) - want["k"].astype(int)).max() <= 1
+    np.testing.assert_allclose(got["k_scale"].astype(np.float32),
+                               want["k_scale"].astype(np.float32), rtol=2e-3)
+    assert not got["v"][5].any() and not got["v_scale"][5].any()
+    # read back within half a quantization step: neither clipped nor zeroed
+    v = q[:, (h + hkv) * hd:].reshape(t, hkv, hd)
+    deq = got["v"].astype(np.float32) * got["v_scale"].astype(np.float32)[..., None]
+    step = np.abs(v).max(-1, keepdims=True) / 127
+    assert (np.abs(deq - v) <= 0.5 * step * (1 + 2e-3) + 1e-12).all()
+
+
+def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
+    """The NumPy cache is filled by its kv_write; its pages are copied byte for byte into the
+    CUDA pages (fp16 mode: rounded to FP16 first, on both sides), so both attentions read the
+    same stored values through their own block tables."""
     ctx = pos0 + t
-    cap = ctx + 5
-    qh, q = qkv_rows(rng, t, h, hkv, hd, extra=8)     # extra columns: a padded qkv row
-    kh, k = f16(rng, cap, hkv, hd)
-    vh, v = f16(rng, cap, hkv, hd)
-    kh[ctx:] = np.nan                                   # past the context: must never be read
-    vh[ctx:] = np.nan
+    c_ref, c_dev = kv_pair(ops, ref, mode, h, hkv, hd, ctx, p)
+    _, allq = qkv_rows(rng, ctx, h, hkv, hd, extra=8)   # extra columns: a padded qkv row
+    ref.kv_write(allq.copy(), None, 0, 1e4, h, hkv, hd, c_ref.slot(0))
+    for i in range(-(-ctx // p)):
+        src, dst = c_ref.slot(0).page_parts(i), c_dev.slot(0).page_parts(i)
+        for name, arr in src.items():
+            if mode == "fp16":
+                arr[...] = arr.astype(np.float16)        # the stored values, as FP16
+            dst[name].set(np.ascontiguousarray(arr).astype(dst[name].dtype))
+    qh = allq[pos0:].astype(np.float16)
+    q = qh.astype(np.float32)
     want = np.empty((t, h * hd), np.float32)
-    ref.attention(q, k, v, pos0, h, hkv, hd, want)
+    ref.kv_attention(q, c_ref.slot(0), pos0, h, hkv, hd, want)
     out = poisoned((t, h * hd), cupy.float16)
-    ops.attention(cupy.asarray(qh), cupy.asarray(kh), cupy.asarray(vh), pos0, h, hkv, hd, out)
+    ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out)
     assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL,
-                 what=f"attention T={t} pos0={pos0} (seed {SESSION_SEED})")
+                 what=f"{mode} attention T={t} pos0={pos0} P={p} (seed {SESSION_SEED})")
 
 
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
 @pytest.mark.parametrize("h,hkv,hd", HEADS)
 @pytest.mark.parametrize("t,pos0", [(2, 0), (67, 0), (200, 0), (64, 37), (33, 300)])
-def test_attention_prefill(ops, ref, rng, h, hkv, hd, t, pos0):
-    _attention_case(ops, ref, rng, h, hkv, hd, t, pos0)
+@pytest.mark.parametrize("p", [16, 32, 48])
+def test_paged_attention_prefill(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
+    _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p)
 
 
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
 @pytest.mark.parametrize("h,hkv,hd", HEADS)
-@pytest.mark.parametrize("ctx", [1, 2, 255, 256, 257, 1000, 3000])
-def test_attention_decode(ops, ref, rng, h, hkv, hd, ctx):
-    _attention_case(ops, ref, rng, h, hkv, hd, 1, ctx - 1)
+@pytest.mark.parametrize("ctx", [1, 2, 31, 32, 33, 255, 256, 257, 1000, 3000])
+def test_paged_attention_decode(ops, ref, rng, mode, h, hkv, hd, ctx):
+    _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, ctx - 1, 32)
+
+
+def test_paged_ops_refuse_a_missing_page_and_an_unbuilt_mode(ops, ref, rng):
+    c_ref, c_dev = kv_pair(ops, ref, "fp16", 4, 2, 16, 64, 16)
+    c_dev.table_host[0, 2] = 0                           # as if position 32.. had no page
+    qh, _ = qkv_rows(rng, 1, 4, 2, 16)
+    with pytest.raises(ConfigError, match="position 40 has no page"):
+        ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), 40, 4, 2, 16,
+                         cupy.empty((1, 64), cupy.float16))
 
 
 # --- sampling ---------------------------------------------------------------------------------------
@@ -606,13 +688,13 @@ def test_wrapper_errors_name_the_bad_value(ops, rng):
     with pytest.raises(ConfigError, match="cupy.ndarray"):
         ops.rmsnorm(np.zeros((1, 8), np.float32), cupy.ones(8, cupy.float32), 1e-5,
                     cupy.empty((1, 8), cupy.float16))
+    _, c40 = kv_pair(ops, NumpyOps(), "fp16", 1, 1, 40, 4, 16)
     with pytest.raises(ConfigError, match="head_dim=40 has no attention kernel"):
-        ops.attention(cupy.zeros((1, 120), cupy.float16), cupy.zeros((4, 1, 40), cupy.float16),
-                      cupy.zeros((4, 1, 40), cupy.float16), 0, 1, 1, 40,
-                      cupy.empty((1, 40), cupy.float16))
-    with pytest.raises(ConfigError, match="k_cache holds 4 positions, need 5"):
-        ops.rope_kv(cupy.zeros((2, 192), cupy.float16), 3, 1e4, 1, 1, 64,
-                    cupy.zeros((4, 1, 64), cupy.float16), cupy.zeros((4, 1, 64), cupy.float16))
+        ops.kv_attention(cupy.zeros((1, 120), cupy.float16), c40.slot(0), 0, 1, 1, 40,
+                         cupy.empty((1, 40), cupy.float16))
+    _, c64 = kv_pair(ops, NumpyOps(), "fp16", 1, 1, 64, 4, 16)
+    with pytest.raises(ConfigError, match="kv.table has 1 pages of 16 positions, need 17"):
+        ops.kv_write(cupy.zeros((2, 192), cupy.float16), None, 15, 1e4, 1, 1, 64, c64.slot(0))
 
 
 def test_upload_weight_frees_on_failure(ops, rng):
@@ -642,8 +724,8 @@ def test_decode_sequence_allocates_nothing(ops, rng):
     qkv = cupy.empty((1, (h + 2 * hkv) * hd), cupy.float16)
     att = cupy.empty((1, h * hd), cupy.float16)
     act = cupy.empty((1, f), cupy.float16)
-    kc = cupy.zeros((64, hkv, hd), cupy.float16)
-    vc = cupy.zeros((64, hkv, hd), cupy.float16)
+    _, cache = kv_pair(ops, NumpyOps(), "int8", h, hkv, hd, 64, 32)   # pages made up front
+    kv = cache.slot(0)
     logits = cupy.empty((1, 1000), cupy.float32)
     emb = cupy.empty((1, d), cupy.float32)
 
@@ -651,8 +733,8 @@ def test_decode_sequence_allocates_nothing(ops, rng):
         ops.embed(head, [pos % 1000], emb)
         ops.rmsnorm(resid, norm_w, 1e-5, xn)
         ops.linear(xn, qkv_w, qkv)
-        ops.rope_kv(qkv, pos, 1e4, h, hkv, hd, kc, vc)
-        ops.attention(qkv, kc, vc, pos, h, hkv, hd, att)
+        ops.kv_write(qkv, None, pos, 1e4, h, hkv, hd, kv)
+        ops.kv_attention(qkv, kv, pos, h, hkv, hd, att)
         ops.linear_residual(att, wo, resid)
         ops.rmsnorm(resid, norm_w, 1e-5, xn)
         ops.linear_swiglu(xn, gu, None, act)

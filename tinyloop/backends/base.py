@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import KV_MODES
 from ..errors import ConfigError, NonFiniteLogitsError
 from ..quant import QuantWeight
 
@@ -59,6 +60,7 @@ class Ops:
     kv_dtype = np.float32         # the KV cache
     fp16_cache_default = False    # whether load keeps dense weight caches unless
                                   # TINYLOOP_FP16_CACHE says otherwise
+    kv_modes = KV_MODES           # KV cache storage modes this backend runs
     xp = np
 
     # --- memory ---------------------------------------------------------------------------
@@ -105,6 +107,10 @@ class Ops:
         block is freed."""
         raise NotImplementedError
 
+    def zero(self, arr) -> None:
+        """Set every element of a device array to 0."""
+        arr.fill(0)
+
     def to_host(self, arr) -> np.ndarray:
         return np.asarray(arr)
 
@@ -135,6 +141,16 @@ class Ops:
         raise NotImplementedError
 
     def attention(self, qkv, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, out):
+        raise NotImplementedError
+
+    # --- the paged KV cache: ``kv`` is a kvcache.SlotKV (layout + block table) ---------------
+    def kv_write(self, qkv, h, pos0, theta, n_heads, n_kv_heads, head_dim, kv):
+        """Rotate Q in place; store positions pos0.. of the slot in its mode (K/V or h)."""
+        raise NotImplementedError
+
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """Causal GQA attention over the slot's positions 0..pos0+T-1, read through its block
+        table as stored (dequantized / rebuilt from h with ``recon``, a kvcache.Recon)."""
         raise NotImplementedError
 
     def inject(self, state, e, w, tmp2, tmp1):      # state f32 [T, d] = [state, e] @ W.T

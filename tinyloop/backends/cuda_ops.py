@@ -7,7 +7,8 @@ wrapper that validates dtype, shape and contiguity (errors name the bad value) a
 launches with raw pointers and plain Python ints/floats, so the decode path does no
 allocation and no host synchronisation except ``sample``'s one chosen id.
 
-Dtypes: activations float16, KV cache float16, residual stream and logits float32.
+Dtypes: activations float16, residual stream and logits float32; the KV cache is paged
+(``kvcache.py``): FP16 K/V, or INT8 codes + FP16 scales, read through a device block table.
 Dispatch: T == 1 -> memory-bound GEMV (``gemv.cu``); T > 1 -> tensor-core GEMM
 (``gemm.cu``), or cuBLAS (``cupy.matmul``) on the dense FP16 copy ``w.fp16`` when the
 weight carries one (``TINYLOOP_FP16_CACHE=1``; see ``make_fp16_cache``).
@@ -63,8 +64,6 @@ def nvrtc_options(family: str) -> tuple:
     return ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in GEOMETRY.get(family, {}).items())
 
 
-_DECODE_NAMES = {hd: f"attn_decode_hd{hd}" for hd in ATTN_HEAD_DIMS}
-_PREFILL_NAMES = {hd: f"attn_prefill_hd{hd}" for hd in ATTN_HEAD_DIMS}
 _GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
 _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 _GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
@@ -228,6 +227,7 @@ class CudaOps(Ops):
     act_dtype = np.float16
     kv_dtype = np.float16
     fp16_cache_default = False    # the GEMV / GEMM kernels read the packed weights directly
+    kv_modes = ("fp16", "int8")
     xp = cupy
 
     def __init__(self):
@@ -285,6 +285,14 @@ class CudaOps(Ops):
 
     def synchronize(self) -> None:
         cupy.cuda.get_current_stream().synchronize()
+
+    def zero(self, arr) -> None:
+        """Zero a contiguous device array with one cudaMemsetAsync on the current stream (no
+        kernel launch: KV pages are zeroed one by one as a request gains them)."""
+        if not (type(arr) is cupy.ndarray and arr.flags.c_contiguous):
+            _dev(arr, "arr", arr.dtype)
+        cupy.cuda.runtime.memsetAsync(arr.data.ptr, 0, arr.nbytes,
+                                      cupy.cuda.get_current_stream().ptr)
 
     def upload_array(self, host: np.ndarray, pool):
         """Base upload, plus the 16-byte alignment the vector loads need (block freed if not)."""
@@ -455,18 +463,41 @@ class CudaOps(Ops):
         self._fn("elementwise", "swiglu_f16")(
             ((f + 255) // 256, t), (256,), (tmp.data.ptr, f, out.data.ptr))
 
-    def rope_kv(self, qkv, pos0, theta, n_heads, n_kv_heads, head_dim, k_cache, v_cache):
-        """Rotate Q in place in ``qkv`` f16 [T, >= (H + 2 Hkv) hd]; write rotated K and V rows
-        pos0..pos0+T-1 of ``k_cache`` / ``v_cache`` f16 [L, Hkv, hd] (or [L, Hkv * hd])."""
+    # --- the paged KV cache (kvcache.py): ``kv`` is a SlotKV (layout + device block table) -----
+    def _kv_table(self, kv, ctx: int):
+        """Validate a SlotKV for ``ctx`` positions; return (table ptr, P, part offsets)."""
+        lay = kv.layout
+        if lay.mode not in self.kv_modes:
+            raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
+                              f"runs {self.kv_modes}")
+        tab = kv.table
+        if not (type(tab) is cupy.ndarray and tab.dtype == np.int64 and tab.ndim == 1
+                and tab.flags.c_contiguous):
+            _dev(tab, "kv.table", np.int64, 1)
+        p = lay.page_size
+        if tab.shape[0] * p < ctx:
+            raise ConfigError(f"kv.table has {tab.shape[0]} pages of {p} positions, need "
+                              f"{ctx} positions")
+        if ctx > 0 and not kv.table_host[(ctx - 1) // p]:
+            raise ConfigError(f"position {ctx - 1} has no page: call RuntimeKVCache.ensure "
+                              "first")
+        return tab.data.ptr, p, lay.kernel_offsets
+
+    def kv_write(self, qkv, h, pos0, theta, n_heads, n_kv_heads, head_dim, kv):
+        """Rotate Q in place in ``qkv`` f16 [T, >= (H + 2 Hkv) hd] and store positions
+        pos0..pos0+T-1 of slot ``kv`` through its block table: rotated K and V (fp16), or
+        int8 codes with one FP16 scale per (position, KV head) (``quant.quantize_rows_int8``'s
+        rule, bit for bit). ``h`` is unused in these modes."""
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
         self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
-        self._check_cache(k_cache, "k_cache", pos0 + t, n_kv_heads, head_dim)
-        self._check_cache(v_cache, "v_cache", pos0 + t, n_kv_heads, head_dim)
-        self._fn("rope", "rope_kv")(
+        if head_dim > 256:
+            raise ConfigError(f"head_dim={head_dim} > 256: kv_write keeps <= 4 pairs per lane")
+        table, p, offs = self._kv_table(kv, int(pos0) + t)
+        self._fn("rope", f"kv_write_{kv.layout.mode}")(
             (t,), (128,), (qkv.data.ptr, ld, int(pos0), float(theta), int(n_heads),
-                           int(n_kv_heads), int(head_dim), k_cache.data.ptr, v_cache.data.ptr),
+                           int(n_kv_heads), int(head_dim), table, p, *offs),
             shared_mem=int(head_dim) * 4)
 
     def _heads_ok(self, n_heads, n_kv_heads, head_dim, ld):
@@ -487,20 +518,11 @@ class CudaOps(Ops):
             raise ConfigError(f"qkv has {ld} columns, need (n_heads + 2*n_kv_heads)*head_dim "
                               f"= {need}")
 
-    @staticmethod
-    def _check_cache(c, name, ctx, n_kv_heads, head_dim):
-        if not ((_fast_ok(c, _F16, 3, head_dim, None, True) and c.shape[1] == n_kv_heads)
-                or _fast_ok(c, _F16, 2, n_kv_heads * head_dim, None, True)):
-            _dev(c, name, np.float16)
-            _aligned(c, name)
-            raise ConfigError(f"{name} has shape {tuple(c.shape)}, expected [L, {n_kv_heads}, "
-                              f"{head_dim}] or [L, {n_kv_heads * head_dim}]")
-        if c.shape[0] < ctx:
-            raise ConfigError(f"{name} holds {c.shape[0]} positions, need {ctx}")
-
-    def attention(self, qkv, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, out):
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
         """out f16 [T, H hd]: causal GQA attention of the (rotated) Q rows of ``qkv`` over
-        cache positions 0..pos0+T-1. T = 1: decode kernel; T > 1: flash-style prefill."""
+        positions 0..pos0+T-1 of slot ``kv``, read through its device block table (fp16, or
+        int8 dequantized in the inner loop). T = 1: decode kernel; T > 1: flash-style
+        prefill."""
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -509,20 +531,20 @@ class CudaOps(Ops):
             raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
                               f"{ATTN_HEAD_DIMS}")
         ctx = int(pos0) + t
-        self._check_cache(k_cache, "k_cache", ctx, n_kv_heads, head_dim)
-        self._check_cache(v_cache, "v_cache", ctx, n_kv_heads, head_dim)
+        table, p, offs = self._kv_table(kv, ctx)
         out = self._out(out, "out", _F16, t, n_heads * head_dim)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        mode = kv.layout.mode
         if t == 1:
-            self._fn("attention", _DECODE_NAMES[head_dim])(
-                (int(n_heads),), (_DC_THREADS,), (qkv.data.ptr, ctx, k_cache.data.ptr, v_cache.data.ptr,
-                                          int(n_heads), int(n_kv_heads), scale_log2,
-                                          out.data.ptr))
+            self._fn("attention", f"attn_decode_{mode}_hd{int(head_dim)}")(
+                (int(n_heads),), (_DC_THREADS,),
+                (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
+                 scale_log2, out.data.ptr))
         else:
-            self._fn("attention", _PREFILL_NAMES[head_dim])(
+            self._fn("attention", f"attn_prefill_{mode}_hd{int(head_dim)}")(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
-                (qkv.data.ptr, ld, t, int(pos0), k_cache.data.ptr, v_cache.data.ptr,
-                 int(n_heads), int(n_kv_heads), scale_log2, out.data.ptr))
+                (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
+                 int(n_kv_heads), scale_log2, out.data.ptr))
 
     def inject(self, state, e, w, tmp2, tmp1):
         """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].

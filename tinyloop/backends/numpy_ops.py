@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant import QuantWeight, dequantize
+from ..errors import ConfigError
+from ..kvcache import hadamard_rotate
+from ..quant import QuantWeight, dequantize, quantize, quantize_rows_int8
 from .base import Ops, logit_fault, non_finite_logits
 
 
@@ -35,6 +37,33 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     out[..., 0::2] = x0 * c - x1 * s
     out[..., 1::2] = x0 * s + x1 * c
     return out
+
+
+def encode_h(h: np.ndarray, layout) -> dict:
+    """Store-h page parts for float32 rows ``h`` [T, d] in ``layout``'s mode: float16
+    (h_fp16); per-token groups of ``layout.group_size`` quantized as the weights are
+    (``quant.quantize``: INT8 symmetric, INT4 asymmetric min/max with FP16 scale and zero)."""
+    if layout.mode == "h_fp16":
+        return {"h": h.astype(np.float16)}
+    if layout.rotate:
+        h = hadamard_rotate(h, layout.rotate)
+    qw = quantize(h, 8 if layout.mode == "h_int8" else 4, layout.group_size)
+    parts = {"h": np.asarray(qw.qweight), "h_scale": np.asarray(qw.scales)}
+    if layout.mode == "h_int4":
+        parts["h_zero"] = np.asarray(qw.zeros)
+    return parts
+
+
+def decode_h(rows: dict, layout) -> np.ndarray:
+    """float32 ``[n, d]`` rows of h from store-h page parts (``quant.dequantize``)."""
+    if layout.mode == "h_fp16":
+        return rows["h"].astype(np.float32)
+    bits = 8 if layout.mode == "h_int8" else 4
+    zeros = rows.get("h_zero")
+    if zeros is None:
+        zeros = np.zeros_like(rows["h_scale"])
+    h = dequantize(QuantWeight(bits, layout.group_size, rows["h"], rows["h_scale"], zeros))
+    return hadamard_rotate(h, layout.rotate) if layout.rotate else h
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -158,6 +187,123 @@ class NumpyOps(Ops):
             p /= p.sum(axis=1, keepdims=True)
             res[:, h, :] = p @ v[:, h // group, :]
         out[...] = res.reshape(t, n_heads * head_dim)
+
+    # --- the paged KV cache (kvcache.py) -------------------------------------------------------
+    def kv_write(self, qkv, h, pos0, theta, n_heads, n_kv_heads, head_dim, kv):
+        """Rotate Q in place in ``qkv`` [T, >= (H + 2 Hkv) hd] and store positions
+        pos0..pos0+T-1 of slot ``kv`` (a kvcache.SlotKV) through its block table, in its
+        layout's mode: rotated K and V (fp16; int8 with per-(position, KV head) scales,
+        ``quant.quantize_rows_int8``), or the rows of ``h`` [T, d] (h modes: float16, or
+        quantized per token in groups by ``quant.quantize``). The pages must exist
+        (RuntimeKVCache.ensure)."""
+        t = qkv.shape[0]
+        lay = kv.layout
+        qd, kd = n_heads * head_dim, n_kv_heads * head_dim
+        cos, sin = rope_tables(np.arange(pos0, pos0 + t), head_dim, theta)
+        q = qkv[:, :qd].reshape(t, n_heads, head_dim)            # [T, H, hd]
+        qkv[:, :qd] = apply_rope(q, cos, sin).reshape(t, qd)
+        if lay.mode == "fp16":
+            k = qkv[:, qd:qd + kd].reshape(t, n_kv_heads, head_dim)  # [T, Hkv, hd]
+            parts = {"k": apply_rope(k, cos, sin),
+                     "v": qkv[:, qd + kd:qd + 2 * kd].reshape(t, n_kv_heads, head_dim)}
+        elif lay.mode == "int8":
+            k = qkv[:, qd:qd + kd].reshape(t, n_kv_heads, head_dim)
+            kq, ks = quantize_rows_int8(apply_rope(k, cos, sin))
+            vq, vs = quantize_rows_int8(qkv[:, qd + kd:qd + 2 * kd].reshape(
+                t, n_kv_heads, head_dim))
+            parts = {"k": kq, "v": vq, "k_scale": ks, "v_scale": vs}
+        else:
+            parts = encode_h(np.asarray(h, dtype=np.float32)[:t], lay)
+        self._store_rows(kv, pos0, parts)
+
+    @staticmethod
+    def _store_rows(kv, pos0, parts: dict) -> None:
+        p = kv.page_size
+        t = next(iter(parts.values())).shape[0]
+        pos = pos0
+        while pos < pos0 + t:
+            i, r = divmod(pos, p)
+            n = min(p - r, pos0 + t - pos)
+            page = kv.page_parts(i)
+            for name, rows in parts.items():
+                page[name][r:r + n] = rows[pos - pos0:pos - pos0 + n]
+            pos += n
+
+    def _load_rows(self, kv, c0: int, c1: int) -> dict:
+        """Parts of positions c0..c1-1 of slot ``kv`` gathered through its block table."""
+        p = kv.page_size
+        names = [part.name for part in kv.layout.parts]
+        chunks = {n: [] for n in names}
+        pos = c0
+        while pos < c1:
+            i, r = divmod(pos, p)
+            n = min(p - r, c1 - pos)
+            page = kv.page_parts(i)
+            for name in names:
+                chunks[name].append(page[name][r:r + n])
+            pos += n
+        return {n: np.concatenate(v) for n, v in chunks.items()}
+
+    def kv_rows(self, kv, c0: int, c1: int, n_kv_heads: int, head_dim: int, recon=None):
+        """K and V (float64 ``[c1 - c0, Hkv, hd]``) of positions c0..c1-1 as attention reads
+        them: dequantized codes, or (h modes) rebuilt from the stored h through ``recon``
+        (K = RoPE(h Wk^T), V = h Wv^T)."""
+        lay = kv.layout
+        rows = self._load_rows(kv, c0, c1)
+        n = c1 - c0
+        if lay.mode == "fp16":
+            return (rows["k"].astype(np.float64), rows["v"].astype(np.float64))
+        if lay.mode == "int8":
+            k = rows["k"].astype(np.float32) * rows["k_scale"].astype(np.float32)[..., None]
+            v = rows["v"].astype(np.float32) * rows["v_scale"].astype(np.float32)[..., None]
+            return k.astype(np.float64), v.astype(np.float64)
+        if recon is None:
+            raise ConfigError(f"kv mode {lay.mode!r} stores h: attention needs the layer's "
+                              "reconstruction (its QKV weight and RoPE theta)")
+        h = decode_h(rows, lay)                                    # float32 [n, d]
+        if recon.norm is not None:                                 # raw residual stored
+            hn = np.empty_like(h)
+            self.rmsnorm(h, recon.norm[0], recon.norm[1], hn)
+            h = hn
+        kvd = n_kv_heads * head_dim
+        kv_rows = self._matmul(h, recon.w_kv)                      # [n, 2 kv_dim]
+        cos, sin = rope_tables(np.arange(c0, c1), head_dim, recon.theta)
+        k = apply_rope(kv_rows[:, :kvd].reshape(n, n_kv_heads, head_dim), cos, sin)
+        v = kv_rows[:, kvd:2 * kvd].reshape(n, n_kv_heads, head_dim)
+        return k.astype(np.float64), v.astype(np.float64)
+
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """Causal GQA attention of the (rotated) Q rows of ``qkv`` [T, ...] over positions
+        0..pos0+T-1 of slot ``kv``, read through its block table chunk by chunk (chunks of
+        ``recon.chunk`` positions for h modes, else of one page) with an online-softmax merge
+        across chunks (Milakov & Gimelshein 2018), in float64. out [T, H hd]."""
+        t = qkv.shape[0]
+        q = qkv[:, :n_heads * head_dim].reshape(t, n_heads, head_dim).astype(np.float64)
+        q *= 1.0 / np.sqrt(head_dim)
+        ctx = pos0 + t
+        group = n_heads // n_kv_heads
+        qg = q.reshape(t, n_kv_heads, group, head_dim)             # [T, Hkv, G, hd]
+        m = np.full((t, n_kv_heads, group), -np.inf)
+        l = np.zeros((t, n_kv_heads, group))
+        acc = np.zeros((t, n_kv_heads, group, head_dim))
+        qpos = pos0 + np.arange(t)
+        step = recon.chunk if (kv.layout.stores_h and recon is not None) else \
+            max(kv.page_size, 256 // kv.page_size * kv.page_size)
+        for c0 in range(0, ctx, step):
+            c1 = min(ctx, c0 + step)
+            k, v = self.kv_rows(kv, c0, c1, n_kv_heads, head_dim, recon)  # [n, Hkv, hd]
+            s = np.einsum("tkgd,nkd->tkgn", qg, k)                 # [T, Hkv, G, n]
+            future = np.arange(c0, c1)[None, :] > qpos[:, None]    # [T, n]
+            s = np.where(future[:, None, None, :], -np.inf, s)
+            m_new = np.maximum(m, s.max(axis=-1))
+            # rows whose every key so far is masked keep m = -inf: no contribution yet
+            safe = np.where(np.isfinite(m_new), m_new, 0.0)
+            alpha = np.where(np.isfinite(m), np.exp(m - safe), 0.0)
+            p = np.exp(s - safe[..., None])
+            l = l * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + np.einsum("tkgn,nkd->tkgd", p, v)
+            m = m_new
+        out[...] = (acc / l[..., None]).reshape(t, n_heads * head_dim)
 
     def inject(self, state, e, w, tmp2, tmp1):
         cat = np.concatenate([state, e], axis=1)                       # [T, 2d]

@@ -5,6 +5,7 @@
     arr = blk.array(shape, dtype)            # numpy (host) / cupy (cuda) view of the block
     pool.free(blk)                           # or blk.free(); a double free raises ValueError
     with tag_scope("weights"): ...           # default tag for allocations inside
+    pool.reserve(nbytes); with packed_scope(): ...   # one segment for a planned set of blocks
 
     memory_stats() / memory_report() / reset_peak_memory_stats() / empty_cache()
     set_memory_limit("4G")                   # or TINYLOOP_MEMORY_LIMIT=4G / 80%
@@ -31,10 +32,10 @@ from .registry import (empty_cache, export_snapshot, get_pool, memory_report,
                        memory_stats, reset_peak_memory_stats, set_memory_limit)
 from .snapshot import pool_snapshot
 from .stats import MemoryStats
-from .tags import TAGS, current_tag, tag_scope
+from .tags import TAGS, current_tag, packed_scope, tag_scope
 
 __all__ = [
-    "TAGS", "current_tag", "tag_scope", "Block", "MemoryPool", "MemoryEvent", "MemoryStats",
+    "TAGS", "current_tag", "tag_scope", "packed_scope", "Block", "MemoryPool", "MemoryEvent", "MemoryStats",
     "get_pool", "memory_stats", "memory_report", "reset_peak_memory_stats", "empty_cache",
     "set_memory_limit", "export_snapshot", "pool_snapshot", "install_cupy_allocator",
     "uninstall_cupy_allocator", "route_cupy_allocations", "CupyAllocatorInstall", "CupyRouting",

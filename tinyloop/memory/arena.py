@@ -208,6 +208,10 @@ class Arena:
     def largest_free(self) -> int:
         return max((lst[-1][0] for lst in self._free.values() if lst), default=0)
 
+    def largest_free_of(self, kind: str) -> int:
+        lst = self._free[kind]
+        return lst[-1][0] if lst else 0
+
     def free_bytes(self) -> int:
         return sum(size for lst in self._free.values() for size, _ in lst)
 

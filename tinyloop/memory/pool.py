@@ -27,7 +27,7 @@ from .block import Block
 from .budget import check_limit, crosses, out_of_memory
 from .events import DEFAULT_EVENT_CAPACITY, EventLog, MemoryEvent, events_logged
 from .stats import MemoryStats, fmt_bytes
-from .tags import TAGS, check_tag, current_tag
+from .tags import TAGS, check_tag, current_tag, packed
 
 _TAG_SET = frozenset(TAGS)
 _now = time.time
@@ -111,7 +111,7 @@ class MemoryPool:
         elif tag not in _TAG_SET:
             check_tag(tag)                                  # raises ConfigError
         rounded = round_size(nbytes)
-        kind = size_kind(rounded)
+        kind = "large" if packed() else size_kind(rounded)
         with self._lock:
             if self._deferred:
                 self._drain_deferred()
@@ -134,6 +134,19 @@ class MemoryPool:
                 self._peak_by_tag[tag] = by_tag
             self._log_event((_now(), "alloc", chunk.ptr, rounded, tag))
         return blk
+
+    def reserve(self, nbytes: int, tag: str | None = None) -> None:
+        """Make sure one free "large" chunk of at least ``nbytes`` (rounded to 512) exists,
+        adding one segment (rounded up to 2 MiB) if not: a load that knows its total asks for
+        it once, so its tensors (allocated inside ``packed_scope``) share one segment and leave
+        one rounding tail instead of one per tensor. Raises OutOfMemoryError like allocate."""
+        rounded = round_size(operator.index(nbytes))
+        tag = current_tag() if tag is None else check_tag(tag)
+        with self._lock:
+            if self._deferred:
+                self._drain_deferred()
+            if self._arena.largest_free_of("large") < rounded:
+                self._grow(nbytes, rounded, "large", tag)
 
     def _grow(self, nbytes: int, rounded: int, kind: str, tag: str) -> None:
         """Add a segment that fits ``rounded`` bytes, or raise OutOfMemoryError. Holds _lock.

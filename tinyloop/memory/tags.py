@@ -38,3 +38,23 @@ def tag_scope(tag: str):
         yield
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def packed_scope():
+    """Allocations in this thread go to the pool's "large" size class whatever their size
+    (exact splits in shared segments), inside the block.
+
+    The model's own tensors and the paged KV cache use it: all of them are made in sizes the
+    plan knows (whole segments reserved at load, fixed-size pages after), so packing them in
+    one class leaves one partly used segment instead of one per class and per tensor."""
+    depth = getattr(_tls, "packed", 0)
+    _tls.packed = depth + 1
+    try:
+        yield
+    finally:
+        _tls.packed = depth
+
+
+def packed() -> bool:
+    return getattr(_tls, "packed", 0) > 0
