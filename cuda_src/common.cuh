@@ -78,3 +78,44 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     r = warp_max(r);
     return r;
 }
+
+// Argmax order (numpy.argmax's rule): (v, i) ranks before (w, j) when v is NaN and w is not, or
+// both NaN and i < j, or v > w, or v == w and i < j. So the first NaN wins, else the first maximum.
+__device__ __forceinline__ bool argmax_before(float v, int i, float w, int j) {
+    const bool vn = v != v, wn = w != w;
+    if (vn || wn) return vn && (!wn || i < j);
+    return v > w || (v == w && i < j);
+}
+
+// Warp-wide argmax: every lane ends with the warp's best (v, i) by argmax_before.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (argmax_before(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+// Block-wide argmax for blockDim.x a multiple of 32; sv / si hold >= 32 entries. Thread 0
+// gets the block's best (v, i) (the others a partial). Ends with a barrier.
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    warp_argmax(v, i);
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < nw ? sv[lane] : TL_NEG_INF;
+        i = lane < nw ? si[lane] : 0x7fffffff;
+        warp_argmax(v, i);
+    }
+    __syncthreads();
+}
+
+// Why a logit row cannot be sampled, from its argmax winner (argmax_before's order puts NaN
+// first, then +inf; the winner is -inf only when every logit is): 0 = it can, 1 = a NaN,
+// 2 = a +inf, 3 = all -inf. The codes of base.LOGIT_FAULTS.
+__device__ __forceinline__ int logit_fault_code(float top) {
+    return top != top ? 1 : (top == -TL_NEG_INF ? 2 : (top == TL_NEG_INF ? 3 : 0));
+}

@@ -128,7 +128,6 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
-    ops = model.ops
     cache = model.new_kv_cache(depth, total, kv_mode=kv_mode)
 
     def step(step_ids, pos0: int) -> int:
@@ -138,10 +137,9 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
             row = model.logit_row()
             model.forward(step_ids, pos0, depth, cache)
             pos = pos0 + len(step_ids) - 1
-            model.head(pos, 1, row)
             u = float(rng.random()) if temperature > 0 else 0.0
             try:
-                return int(ops.sample(row[0], temperature, top_k, top_p, u))
+                return model.head_sample(pos, row, temperature, top_k, top_p, u)
             except NonFiniteLogitsError as e:
                 raise non_finite_logits(e.kind, step=len(new), position=pos) from None
 

@@ -505,6 +505,16 @@ class Model:
         self._ops.rmsnorm_lm_head(self._buf.main[pos0:pos0 + t], self._output_norm,
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
 
+    def head_sample(self, pos: int, out, temperature: float, top_k: int, top_p: float,
+                    u: float) -> int:
+        """Final RMSNorm + LM head of residual row ``pos`` into ``out`` f32 [1, vocab], then the
+        next token id by ``numpy_ops.sample_from_logits``'s rule (``Ops.rmsnorm_lm_head_sample``:
+        one fused launch for greedy decode on the CUDA backend, only the id crosses)."""
+        cfg = self.config
+        return int(self._ops.rmsnorm_lm_head_sample(
+            self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
+            self._views(1)["norm"], temperature, top_k, top_p, u))
+
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None, kv_mode=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).

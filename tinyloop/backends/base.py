@@ -178,6 +178,15 @@ class Ops:
         self.rmsnorm(x, weight, eps, norm)
         self.lm_head(norm, w, out)
 
+    def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
+                               u) -> int:
+        """The next token id: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out`` f32 [1, vocab],
+        then ``sample`` of that row (the rule of ``numpy_ops.sample_from_logits``). A backend
+        may fuse the two (the CUDA backend does for greedy decode: only the id leaves the
+        device)."""
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        return int(self.sample(out[0], temperature, top_k, top_p, u))
+
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (``numpy_ops.sample_from_logits``'s rule).
         Raises NonFiniteLogitsError (``non_finite_logits``) when a logit is NaN or +inf or all

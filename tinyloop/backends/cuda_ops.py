@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 import threading
 import weakref
@@ -55,6 +56,7 @@ GEOMETRY = {
                   "DC_THREADS": 1024,            # decode: threads per block (one query head)
                   "ATTN_HEAD_DIM_ENTRIES": "".join(f"ATTN_ENTRIES({hd})"
                                                    for hd in ATTN_HEAD_DIMS)},
+    "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
 }
 
 
@@ -73,6 +75,69 @@ _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dy
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
 _BLOCKS_PER_SM = 8      # 2048 resident threads per SM / 256-thread GEMV blocks
+_GEMV2_LPR = (4, 8, 16, 32)       # lanes per row the v2 kernels are built for
+_GEMV2_THREADS = (64, 128, 256)   # v2 block sizes (norm_row_v256 needs a divisor of 256)
+_THREADS_PER_SM = 2048
+_MAX_BLOCKS_PER_SM = 32
+GEMV_VERSIONS = ("v1", "v2")
+_SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
+_SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
+
+
+def gemv_settings(version: str | None = None, lpr: int | None = None,
+                  threads: int | None = None) -> dict:
+    """The decode GEMV choice: the arguments, else the environment; validated.
+
+    ``version`` / ``TINYLOOP_GEMV`` = v2 (default) | v1 (the original one-warp-per-row
+    kernels); ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
+    (default: per shape, see ``gemv2_geometry``); ``threads`` / ``TINYLOOP_GEMV_THREADS`` =
+    64 | 128 | 256 forces its block size. Raises ConfigError naming the bad setting.
+    """
+    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "v2"
+    if ver not in GEMV_VERSIONS:
+        raise ConfigError(f"GEMV version (TINYLOOP_GEMV) {ver!r}: expected one of "
+                          f"{GEMV_VERSIONS}")
+    out = {"version": ver, "lpr": None, "threads": None}
+    for var, key, given, allowed in (("TINYLOOP_GEMV_LPR", "lpr", lpr, _GEMV2_LPR),
+                                     ("TINYLOOP_GEMV_THREADS", "threads", threads,
+                                      _GEMV2_THREADS)):
+        raw = given if given is not None else os.environ.get(var, "")
+        if raw != "":
+            try:
+                val = int(raw)
+            except (TypeError, ValueError):
+                val = None
+            if val not in allowed:
+                raise ConfigError(f"GEMV {key} ({var}) {raw!r}: expected one of {allowed}")
+            out[key] = val
+    return out
+
+
+def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
+                   threads: int | None = None, cap_wave: bool = False) -> tuple:
+    """(lanes per row, threads per block, blocks) of a v2 GEMV over ``n`` rows of ``k`` inputs.
+
+    Lanes per row: enough that each lane takes at most two 16-byte chunks of the row (the
+    loads of a row are then all in flight at once), between 4 and 32. Threads: the largest of
+    256 / 128 / 64 that still gives every SM a block (small matrices spread over all ``sms``).
+    ``cap_wave``: at most one resident wave of blocks (the RMSNorm-fused kernels, which
+    normalize the row once per block and stride over the rest).
+    """
+    cpr = (k // 2 if bits == 4 else k) // 16
+    if lpr is None:
+        want = max(1, -(-cpr // 2))
+        lpr = min(32, max(4, 1 << (want - 1).bit_length()))
+    if threads is None:
+        threads = _GEMV2_THREADS[0]
+        for nt in reversed(_GEMV2_THREADS):
+            if -(-n * lpr // nt) >= sms:
+                threads = nt
+                break
+    blocks = max(1, -(-n * lpr // threads))
+    if cap_wave:
+        per_sm = min(_MAX_BLOCKS_PER_SM, _THREADS_PER_SM // threads)
+        blocks = min(blocks, sms * per_sm)
+    return lpr, threads, blocks
 
 
 # --- sources and modules -----------------------------------------------------------------------
@@ -198,7 +263,8 @@ def _fast_ok(a, dtype, ndim: int, cols=None, rows=None, aligned: bool = False) -
 class _WInfo:
     """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
 
-    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "__weakref__")
+    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "v2", "lpr", "g2",
+                 "g2_norm", "g2_argmax", "geo", "__weakref__")
 
     def __init__(self, ops, w):
         _weight(w, "w")
@@ -217,6 +283,27 @@ class _WInfo:
                                                                                 "f32")}
                           if self.k <= _NORM_MAX_K and self.n <= _NORM_MAX_N else None)
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
+        # GEMV v2 (the default decode kernels): needs x in shared memory (K <= _NORM_MAX_K)
+        # and int row arithmetic (N * 32 < 2^31)
+        st = ops.gemv
+        self.v2 = (st["version"] == "v2" and self.k <= _NORM_MAX_K
+                   and self.n * 32 < _NORM_MAX_N)
+        self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
+        self.geo: dict = {}                       # (rows, cap_wave) -> (threads, blocks)
+        if self.v2:
+            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, st["lpr"], st["threads"])[0]
+            sfx = f"_l{self.lpr}"
+            self.g2 = {e: ops._fn("gemv", f"gemv2_q{b}_{e}{sfx}") for e in ("f16", "resid",
+                                                                            "swiglu", "f32")}
+            self.g2_norm = {e: ops._fn("gemv", f"gemv2_norm_q{b}_{e}{sfx}")
+                            for e in ("f16", "swiglu", "f32")}
+            self.g2_argmax = ops._fn("gemv", f"gemv2_norm_q{b}_argmax{sfx}")
+
+    def geometry(self, ops, rows: int, cap_wave: bool = False) -> tuple:
+        """(threads, blocks) of a v2 launch over ``rows`` output rows."""
+        _, nt, nb = gemv2_geometry(rows, self.k, 8, ops.sms, self.lpr, ops.gemv["threads"],
+                                   cap_wave)
+        return nt, nb
 
 
 class CudaOps(Ops):
@@ -230,7 +317,10 @@ class CudaOps(Ops):
     kv_modes = ("fp16", "int8")
     xp = cupy
 
-    def __init__(self):
+    def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
+                 gemv_threads: int | None = None):
+        """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
+        ``gemv_settings``; None reads the environment)."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -244,13 +334,32 @@ class CudaOps(Ops):
             sms = int(cupy.cuda.runtime.getDeviceProperties(
                 cupy.cuda.Device().id)["multiProcessorCount"])
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
+        self.sms = sms
+        self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
+        self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
-        # pinned, mapped host memory that the argmax kernel writes directly (UVA: the host
+        # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
         # pointer is valid on the device), so greedy decode allocates nothing and copies
         # nothing back besides these two ints.
         self._id_ptr = cupy.cuda.runtime.hostAlloc(8, 0x01 | 0x02)   # portable | mapped
         self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
         self._free_host = cupy.cuda.runtime.freeHost
+        # Device scratch of the LM head's fused argmax (gemv2_norm_*_argmax): one (value, id)
+        # partial per block (at most one resident wave of the smallest blocks), the last-block
+        # ticket (0 between launches: the kernel re-arms it) and the device copy of the chosen
+        # id (what a captured step's next embedding would read). 35 KB on a 132-SM H200, taken
+        # once with cudaMalloc beside the pinned id, outside the tagged pool.
+        self._part_cap = sms * _MAX_BLOCKS_PER_SM
+        nbytes = self._part_cap * 8 + 16
+        self._scratch_ptr = cupy.cuda.runtime.malloc(nbytes)
+        cupy.cuda.runtime.memset(self._scratch_ptr, 0, nbytes)
+        self._part_v = self._scratch_ptr
+        self._part_i = self._scratch_ptr + self._part_cap * 4
+        self._ticket = self._scratch_ptr + self._part_cap * 8
+        self._id_dev = self._ticket + 8
+        self._free_dev = cupy.cuda.runtime.free
+        self._wq_ptr, self._wq_cap = 0, 0   # sample_topk_topp's u64 [vocab] scratch
+        self.device_sampling = True         # False: temperature > 0 through _sample_cupy
 
     def __del__(self):
         ptr = getattr(self, "_id_ptr", None)
@@ -258,6 +367,12 @@ class CudaOps(Ops):
             self._id_ptr = None
             if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
                 self._free_host(ptr)
+        for name in ("_wq_ptr", "_scratch_ptr"):   # device scratch: likewise at exit
+            ptr = getattr(self, name, None)
+            if ptr:
+                setattr(self, name, None)
+                if not sys.is_finalizing():
+                    self._free_dev(ptr)
 
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)
@@ -402,6 +517,9 @@ class CudaOps(Ops):
         n, k = info.n, info.k
         lg = w.group_size.bit_length() - 1
         if t == 1:
+            if info.v2:
+                self._gemv2(info, info.g2[epi], n, 0, x, out)
+                return
             info.gemv[epi](((n + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                            (*info.args, x.data.ptr, n, k, 0, lg, out.data.ptr))
             return
@@ -411,6 +529,22 @@ class CudaOps(Ops):
             return
         info.gemm[epi](((n + _GEMM_BN - 1) // _GEMM_BN, (t + _GEMM_BM - 1) // _GEMM_BM),
                        (_GEMM_THREADS,), (*info.args, x.data.ptr, t, n, k, lg, out.data.ptr, ldo))
+
+    def _geo(self, info, rows: int, cap_wave: bool) -> tuple:
+        """(threads, blocks) of a v2 launch, cached per weight; ``_grid_cap`` applied."""
+        geo = info.geo.get((rows, cap_wave))
+        if geo is None:
+            geo = info.geo[(rows, cap_wave)] = info.geometry(self, rows, cap_wave)
+        nt, nb = geo
+        if self._grid_cap is not None and nb > self._grid_cap:
+            nb = self._grid_cap
+        return nt, nb
+
+    def _gemv2(self, info, fn, rows: int, f: int, x, out) -> None:
+        """Launch a v2 GEMV (x f16 [1, K] staged into shared memory) over ``rows`` rows."""
+        nt, nb = self._geo(info, rows, False)
+        fn((nb,), (nt,), (*info.args, x.data.ptr, rows, info.k, f, info.lg, out.data.ptr),
+           shared_mem=2 * info.k)
 
     def _cublas(self, x, w16, out, epi: str):
         # Prefill only (T > 1): cuBLAS through CuPy on the FP16 cache (FP32 accumulation).
@@ -454,6 +588,9 @@ class CudaOps(Ops):
         f = n2 // 2
         out = self._out(out, "out", _F16, t, f)
         if t == 1:
+            if info.v2:
+                self._gemv2(info, info.g2["swiglu"], f, f, x, out)
+                return
             info.gemv["swiglu"](((f + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                                 (*info.args, x.data.ptr, f, info.k, f,
                                  w.group_size.bit_length() - 1, out.data.ptr))
@@ -609,6 +746,12 @@ class CudaOps(Ops):
         return info.gemv_norm is not None
 
     def _gemv_norm(self, info, epi: str, x, weight, eps, rows: int, f: int, out) -> None:
+        if info.v2:
+            nt, nb = self._geo(info, rows, True)
+            info.g2_norm[epi]((nb,), (nt,),
+                              (x.data.ptr, weight.data.ptr, float(eps), *info.args, rows,
+                               info.k, f, info.lg, out.data.ptr), shared_mem=2 * info.k)
+            return
         blocks = (rows + _GEMV_ROWS - 1) // _GEMV_ROWS
         if blocks > self._norm_blocks:
             blocks = self._norm_blocks
@@ -654,15 +797,53 @@ class CudaOps(Ops):
         out = self._out(out, "out", _F32, 1, info.n)
         self._gemv_norm(info, "f32", x, weight, eps, info.n, 0, out)
 
+    def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
+                               u) -> int:
+        """The next token id from rmsnorm(x f32 [1, d], weight) @ W.T; the logits land in
+        ``out`` f32 [1, vocab] as ``rmsnorm_lm_head`` writes them.
+
+        Greedy (temperature <= 0) with the v2 GEMV: ONE launch: the LM head's blocks each
+        reduce their logits to an argmax partial and the last block picks the id (numpy.argmax's
+        rule: first NaN, else first maximum) and writes it with the row's fault code to pinned
+        host memory, so only 8 bytes cross per step (one stream synchronisation). Otherwise
+        ``rmsnorm_lm_head`` then ``sample``. Raises ConfigError on bad arguments (as those two
+        do) and NonFiniteLogitsError for a row ``sample`` would refuse.
+        """
+        info = self._info(w)
+        if temperature > 0.0 or not info.v2 or not self._norm_fused(x, weight, info):
+            return super().rmsnorm_lm_head_sample(x, weight, eps, w, out, norm, temperature,
+                                                  top_k, top_p, u)
+        out = self._out(out, "out", _F32, 1, info.n)
+        self.head_argmax_launch(info, x, weight, eps, out, self._id_ptr)
+        cupy.cuda.get_current_stream().synchronize()
+        self._raise_on_fault()
+        return int(self._id_view[0])
+
+    def head_argmax_launch(self, info, x, weight, eps, out, id_host) -> None:
+        """Queue the fused RMSNorm + LM head + argmax (no synchronisation): the id and the
+        row's fault code go to the device ints at ``self._id_dev`` and, when ``id_host`` (a
+        mapped pinned int [2]) is non-zero, there too. Arguments already validated;
+        ``info.v2`` must hold."""
+        nt, nb = self._geo(info, info.n, True)
+        if nb > self._part_cap:
+            nb = self._part_cap
+        info.g2_argmax((nb,), (nt,),
+                       (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k,
+                        info.lg, out.data.ptr, self._part_v, self._part_i, self._ticket,
+                        self._id_dev, id_host), shared_mem=2 * info.k)
+
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
         ``numpy_ops.sample_from_logits``'s rule; only the id crosses to the host.
 
         temperature <= 0: the argmax kernel writes the id straight to pinned host memory
-        (no allocation; one stream synchronisation). Otherwise CuPy sorts on the device.
-        Either way the argmax kernel also writes the row's fault code beside the id, so a
-        row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError as on NumPy
-        (checked once the stream has synchronised; no extra pass over the row).
+        (no allocation; one stream synchronisation). Otherwise ``sample.cu``'s one-block
+        sampler (fixed-point weights, radix selects: no sort, no CuPy temporaries), or, with
+        ``device_sampling = False`` or a vocabulary past 2^22, the CuPy sort path (after the
+        argmax kernel, for the fault code). Either way the kernel writes the row's fault code
+        beside the id, so a row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError
+        as on NumPy (checked once the stream has synchronised; no extra pass over the row).
+        Raises ConfigError for u outside [0, 1) or top_k < 0.
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
@@ -671,27 +852,56 @@ class CudaOps(Ops):
             raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
         if temperature > 0.0 and not 0.0 <= u < 1.0:
             raise ConfigError(f"u must lie in [0, 1), got {u}")
+        if temperature > 0.0 and top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
         n = logits.shape[0]
-        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
         if temperature <= 0.0:
+            self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
             cupy.cuda.get_current_stream().synchronize()
             self._raise_on_fault()
             return int(self._id_view[0])
+        if self.device_sampling and n <= _SAMPLE_MAX_N:
+            self.sample_launch(logits, temperature, top_k, top_p, u, self._id_ptr)
+            cupy.cuda.get_current_stream().synchronize()
+            self._raise_on_fault()
+            return int(self._id_view[0])
+        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
         picked = self._sample_nongreedy(logits, n, temperature, top_k, top_p, u)
         cupy.cuda.get_current_stream().synchronize()     # idle already: int() copied the id
         self._raise_on_fault()
         return picked
 
     def _raise_on_fault(self) -> None:
-        """Raise NonFiniteLogitsError for the fault code the argmax kernel wrote (after a
-        synchronisation)."""
+        """Raise NonFiniteLogitsError for the fault code an argmax / sampler kernel wrote
+        (after a synchronisation)."""
         code = int(self._id_view[1])
         if code:
             raise non_finite_logits(LOGIT_FAULTS[code])
 
+    def sample_launch(self, logits, temperature, top_k, top_p, u, id_host) -> None:
+        """Queue ``sample.cu``'s one-block top-k / top-p sampler (temperature > 0) on f32
+        logits [n] (validated by ``sample``); the id and the row's fault code go to the
+        device ints ``self._id_dev[0..1]`` and, when ``id_host`` is non-zero, to that mapped
+        pinned int [2]. Its u64 [n] scratch is taken once (cudaMalloc, outside the pool) and
+        grown only for a larger vocabulary."""
+        n = logits.shape[0]
+        if n > self._wq_cap:
+            if self._wq_ptr:
+                cupy.cuda.get_current_stream().synchronize()
+                self._free_dev(self._wq_ptr)
+                self._wq_ptr, self._wq_cap = 0, 0
+            self._wq_ptr = cupy.cuda.runtime.malloc(8 * n)
+            self._wq_cap = n
+        self._fn("sample", "sample_topk_topp")(
+            (1,), (_SAMPLE_THREADS,), (logits.data.ptr, n, float(temperature), int(top_k),
+                                       float(top_p), float(u), self._wq_ptr, self._id_dev,
+                                       id_host))
+
     @staticmethod
     def _sample_nongreedy(logits, n, temperature, top_k, top_p, u) -> int:
-        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code."""
+        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code (sort and
+        scans, several temporaries): the path with ``device_sampling = False``, kept as a
+        second implementation of the rule."""
         z = logits.astype(cupy.float64) / float(temperature)
         idx = cupy.arange(n, dtype=cupy.float64)
         order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc
