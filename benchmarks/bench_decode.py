@@ -171,7 +171,7 @@ def peer_transformers(cfg, new_tokens: int = 128, prefill: int = 2048) -> dict:
 def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
     """Per KV storage mode: KV bytes per token at DEPTHS (all slots), decode tokens/s there
     with graphs on and off (bench_decode), prefill of 2,048 tokens (ms, median of 5)."""
-    names = model._ops.kv_modes if modes == "all" else tuple(modes.split(","))
+    names = model.ops.kv_modes if modes == "all" else tuple(modes.split(","))
     out = {}
     for mode in names:
         r = {}

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tinyloop.backends import cuda_ops
-from tinyloop.backends.cuda_ops import ATTN_HEAD_DIMS, GEOMETRY, load_source, nvrtc_options
+from tinyloop.backends.cuda_ops import (ATTN_HEAD_DIMS, GEOMETRY, KV_KERNEL_MODES, load_source,
+                                         nvrtc_options)
 
 SRC = Path(__file__).resolve().parents[1] / "cuda_src"
 NVCC = shutil.which("nvcc") or next(
@@ -87,13 +88,13 @@ def _compile(tmp_path, family: str, options) -> bytes:
 def test_head_dim_option_controls_the_attention_kernels(tmp_path):
     full = _compile(tmp_path, "attention", nvrtc_options("attention"))
     for hd in ATTN_HEAD_DIMS:
-        for mode in ("fp16", "int8"):
-            assert (f"attn_decode_{mode}_hd{hd}".encode() in full
-                    and f"attn_prefill_{mode}_hd{hd}".encode() in full)
+        for mode in KV_KERNEL_MODES:
+            assert f"attn_decode_{mode}_hd{hd}".encode() in full
+            assert f"attn_prefill_{mode}_hd{hd}".encode() in full
     only64 = [o for o in nvrtc_options("attention") if "ATTN_HEAD_DIM_ENTRIES" not in o]
     only64.append("-DATTN_HEAD_DIM_ENTRIES=ATTN_ENTRIES(64)")
     one = _compile(tmp_path, "attention", only64)
-    assert b"attn_decode_fp16_hd64" in one and b"attn_decode_fp16_hd48" not in one
+    assert b"attn_decode_int8_hd64" in one and b"attn_decode_fp16_hd48" not in one
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -296,7 +296,7 @@ def test_mixed_mode_dict_and_per_call_override(tiny):
 
 
 def test_kv_bytes_per_token_matches_the_pool(tiny):
-    pool = tiny._pool
+    pool = tiny.pool
     for mode in KV_MODES:
         for t in (5, 32, 45):
             before = pool.by_tag()["kv_cache"]

@@ -20,7 +20,7 @@ import numpy as np
 from . import plan as planmod
 from .backends import get_ops
 from .backends.base import LOGIT_FAULTS, non_finite_logits
-from .config import check_load_args, kv_mode_from_env
+from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
 from .generate import generate as _generate
@@ -311,8 +311,8 @@ class Model:
     def request_plan(self, n_tokens: int, depth: int, logits: bool = False,
                      kv_mode=None) -> list:
         """``plan.request_plan`` for this model: the paged KV cache of ``n_tokens`` positions
-        at ``depth`` (``kv_mode``: see :meth:`resolve_kv_modes`; at the backend's kv_dtype)
-        and, with ``logits``, the logits block of a logits()/score() call
+        at ``depth`` in ``kv_mode`` (default the load's; block tables and pages at the
+        backend's kv_dtype) and, with ``logits``, the logits block of a logits()/score() call
         (``plan.logits_block_rows`` rows)."""
         rows = (planmod.logits_block_rows(n_tokens, self.max_seq_len, self.prefill_chunk)
                 if logits else 0)
@@ -596,7 +596,8 @@ class Model:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
         return _score(self, token_ids, depth, kv_mode=kv_mode)
 
-    def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None, kv_mode=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
@@ -606,7 +607,8 @@ class Model:
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode)
 
-    def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each

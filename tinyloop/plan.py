@@ -153,8 +153,8 @@ def backend_load_plan(ops, cfg: ModelConfig, quant_layout: dict, max_seq_len: in
                       prefill_chunk: int, store_h: bool = False) -> list[PlanEntry]:
     """``load_plan`` with a backend's facts: ``ops`` (an Ops instance or class) gives
     ``name``, ``act_dtype`` and ``fp16_cache_default`` (which ``TINYLOOP_FP16_CACHE``
-    overrides). ``store_h``: as in ``load_plan``. What ``load_model`` allocates and
-    ``tinyloop inspect`` prints."""
+    overrides). What ``load_model`` allocates and ``tinyloop inspect`` prints. ``store_h``:
+    a default KV mode stores h (phase 5 allocated at load)."""
     return load_plan(cfg, quant_layout, max_seq_len, prefill_chunk, ops.act_dtype,
                      fp16_cache=fp16_cache_enabled(default=ops.fp16_cache_default),
                      backend=ops.name, store_h=store_h)

@@ -100,16 +100,16 @@ class Ops:
             raise
         return QuantWeight(w.bits, w.group_size, *parts), blocks
 
+    def zero(self, arr) -> None:
+        """Set every element of a device array to 0."""
+        arr.fill(0)
+
     def make_fp16_cache(self, w, pool, tag: str | None = "fp16_cache"):
         """A dense ``[out, in]`` copy of the device QuantWeight ``w`` for the prefill GEMMs
         (float16 on CUDA, float32 on the NumPy reference), in a block taken from ``pool``
         under ``tag`` (None: the current tag_scope). Returns (array, block); on failure the
         block is freed."""
         raise NotImplementedError
-
-    def zero(self, arr) -> None:
-        """Set every element of a device array to 0."""
-        arr.fill(0)
 
     def to_host(self, arr) -> np.ndarray:
         return np.asarray(arr)

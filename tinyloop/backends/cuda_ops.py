@@ -66,6 +66,11 @@ def nvrtc_options(family: str) -> tuple:
     return ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in GEOMETRY.get(family, {}).items())
 
 
+KV_KERNEL_MODES = ("fp16", "int8")           # attention.cu / rope.cu instantiate each
+_DECODE_NAMES = {(m, hd): f"attn_decode_{m}_hd{hd}" for m in KV_KERNEL_MODES
+                 for hd in ATTN_HEAD_DIMS}
+_PREFILL_NAMES = {(m, hd): f"attn_prefill_{m}_hd{hd}" for m in KV_KERNEL_MODES
+                  for hd in ATTN_HEAD_DIMS}
 _GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
 _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 _GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
@@ -313,8 +318,8 @@ class CudaOps(Ops):
     device = "cuda"
     act_dtype = np.float16
     kv_dtype = np.float16
+    kv_modes = KV_KERNEL_MODES
     fp16_cache_default = False    # the GEMV / GEMM kernels read the packed weights directly
-    kv_modes = ("fp16", "int8")
     xp = cupy
 
     def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
@@ -675,12 +680,12 @@ class CudaOps(Ops):
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         mode = kv.layout.mode
         if t == 1:
-            self._fn("attention", f"attn_decode_{mode}_hd{int(head_dim)}")(
+            self._fn("attention", _DECODE_NAMES[mode, head_dim])(
                 (int(n_heads),), (_DC_THREADS,),
                 (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
                  scale_log2, out.data.ptr))
         else:
-            self._fn("attention", f"attn_prefill_{mode}_hd{int(head_dim)}")(
+            self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
                  int(n_kv_heads), scale_log2, out.data.ptr))
