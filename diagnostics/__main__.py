@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--model", default=None, help="a .tlm model (default: the embedded one)")
     kv.add_argument("--out", default="tinyloop-diagnostics",
                     help="where JSON and PNG files go (default tinyloop-diagnostics)")
-    kv.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    kv.add_argument("--no-plots", action="store_true",
+                    help="skip the PNG plot (default: draw it)")
     rp = sub.add_parser("report", help="render DIR's results as one HTML page")
     rp.add_argument("dir", metavar="DIR",
                     help="a folder the leak / fragment / release runs wrote (their --out)")

@@ -10,6 +10,7 @@ FINAL=${OUT:-$PWD/device_out}
 W=/tmp/device_run; rm -rf "$W"; mkdir -p "$W"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 M=/root/tlc/smollm2.tlm
+SITE=""; [[ -d /root/site ]] && SITE=/root/site
 if [[ -f .model_parts/smollm2.tlm.part01 && -f /root/tlc/smollm2.tlm.part00 ]]; then
     cat /root/tlc/smollm2.tlm.part00 .model_parts/smollm2.tlm.part01 > "$M"
 fi
@@ -29,7 +30,9 @@ if [[ -n "$M" ]]; then
     x diag_release python3 -m diagnostics release --backend cuda --model "$M" --out "$W/diag"
     x diag_report python3 -m diagnostics report "$W/diag"
     echo "== notebook"    # the executed notebook to commit: $OUT/vram_report.ipynb
-    OUT="$FINAL" timeout 300 bash scripts/execute_notebook.sh > "$W/notebook.log" 2>&1
+    # nbclient/ipykernel may be missing there: the call before installs carried wheels into
+    # /root/site (only for this step, so they never shadow the image's packages elsewhere)
+    OUT="$FINAL" PYTHONPATH="$PWD${SITE:+:$SITE}" timeout 300 bash scripts/execute_notebook.sh > "$W/notebook.log" 2>&1
     echo "rc=$?" >> "$W/notebook.log"
 fi
 tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null

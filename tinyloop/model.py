@@ -21,7 +21,8 @@ from . import plan as planmod
 from .backends import get_ops
 from .backends.base import LOGIT_FAULTS, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
-from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
+from .errors import (ConfigError, ModelFreedError, OutOfMemoryError, TinyLoopError,
+                     TokenizerError)
 from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
@@ -184,8 +185,12 @@ class Model:
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
             # every model-owned block the plan knows goes into one reserved segment (the
             # caller's packed_scope), so only that segment has a rounding tail
-            self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan if not e.lazy),
-                               "weights")
+            try:
+                self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan
+                                       if not e.lazy), "weights")
+            except OutOfMemoryError:
+                pass        # no room for one segment: each tensor's own allocation below
+                            # then fits or raises naming its own tag
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
             with tag_scope("weights"):
