@@ -2,7 +2,8 @@
 
 The request side of ``model.Model``: these functions use only the Model's public surface
 (``lock``, ``check_alive``, ``check_token_ids``, ``encode_prompt``, ``request_plan``,
-``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``ops``, ``pool``); ``model.py``
+``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``head_sample``, ``decode_step``,
+``ops``, ``pool``); ``model.py``
 imports this module, never the reverse. Each call takes the model's lock for its whole
 duration, allocates its RuntimeKVCache (tag ``kv_cache``) sized for the call, and releases it
 when the call ends, however it ends.
