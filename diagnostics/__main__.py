@@ -26,6 +26,13 @@ def _bytes(text: str) -> int:
     return n
 
 
+def _budget(text: str):
+    """argparse type of --prefix-pool: bytes, or "unbounded" / "none" (no budget: None)."""
+    if text.strip().lower() in ("unbounded", "none"):
+        return None
+    return _bytes(text)
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -74,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     lk.add_argument("--plant-cache", type=_bytes, default=0, metavar="BYTES",
                     help="plant an unbounded cache: grow a cached-but-free reservation by "
                          "BYTES per request (default 0: none)")
+    lk.add_argument("--prefix-pool", type=_budget, default=False, metavar="BYTES",
+                    help="run every request through a tinyloop.PrefixPool of BYTES "
+                         "(\"unbounded\" for no budget; default: no pool)")
+    lk.add_argument("--unique-prompts", action="store_true",
+                    help="give each request a prompt of its own (two trailing tokens), so a "
+                         "prefix pool gains an entry per request")
     lk.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     fr = sub.add_parser("fragment", help="seeded requests of varying length: fragmentation, "
                         "misses, allocator policies side by side")
@@ -114,7 +127,8 @@ def main(argv=None) -> int:
             r = run_leak(a.out, model_path=a.model, requests=a.requests, backend=a.backend,
                          prompt=a.prompt, max_new_tokens=a.max_new_tokens, depth=a.depth,
                          max_seq_len=a.max_seq_len, plant_leak=a.plant_leak,
-                         plant_cache=a.plant_cache, show_progress=not a.no_progress,
+                         plant_cache=a.plant_cache, prefix_pool=a.prefix_pool,
+                         unique_prompts=a.unique_prompts, show_progress=not a.no_progress,
                          plot=not a.no_plots)
         elif a.cmd == "fragment":
             from .fragment import run_fragment, summary

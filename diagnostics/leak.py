@@ -8,6 +8,13 @@ leak; reserved bytes that grow while allocated stays flat are an unbounded cache
 itself is ``diagnostics.verdict.classify`` (a pure function of the records, so it can be re-run
 on a saved leak.json).
 
+With a prefix pool (``--prefix-pool BYTES``, or ``unbounded``) every request goes through a
+``tinyloop.PrefixPool``; with ``--unique-prompts`` each request's prompt ends in two tokens of its
+own (same length), so each one inserts a new entry. Each record then carries the pool's
+``stats()`` and ``cache_bytes`` / ``cache_tag`` ("prefix_cache"), which is how the verdict tells a
+pool without a budget (UNBOUNDED CACHE, naming the tag and its growth per request) from a leak;
+under a budget the pool fills, evicts, and the verdict is STABLE.
+
 Writes DIR/leak.json (``verdict``, ``leak_bytes_per_request``, the evidence and the records),
 DIR/leak.csv and the plots DIR/leak_*.png.
 """
@@ -32,13 +39,16 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
              backend: str = "auto", prompt: str = DEFAULT_PROMPT,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, depth: int | None = None,
              max_seq_len: int = DEFAULT_MAX_SEQ_LEN, plant_leak: int = 0, plant_cache: int = 0,
+             prefix_pool=False, unique_prompts: bool = False,
              show_progress: bool = True, plot: bool = True) -> dict:
     """Run the leak test and write its files into ``out_dir``; returns leak.json's content.
 
     ``model``: a loaded Model to use (left loaded; ``model_path``, ``backend`` and
     ``max_seq_len`` are then taken from it); else the run loads ``model_path`` (default: the
     embedded model) and frees it at the end. ``plant_leak`` / ``plant_cache``: bytes per request
-    of a planted fault (see ``diagnostics.faults``). Raises ValueError for ``requests`` < 1 and
+    of a planted fault (see ``diagnostics.faults``). ``prefix_pool``: False (no pool), None (a
+    PrefixPool without a budget) or its ``max_bytes``; ``unique_prompts``: give each request a
+    prompt of its own (two trailing tokens; same length). Raises ValueError for ``requests`` < 1 and
     whatever ``tinyloop.load_model`` / ``Model.generate`` raise (TinyLoopError family).
     """
     own, backend, model_path, max_seq_len = settle_run(out_dir, requests, model, model_path,
@@ -47,6 +57,7 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
     pool = model.pool
     leak = PlantedLeak(pool, plant_leak)
     cache = PlantedCache(pool, plant_cache)
+    ppool = None if prefix_pool is False else tinyloop.PrefixPool(model, max_bytes=prefix_pool)
     records = [take_record(pool, request=0, step="loaded", duration_ms=load_s * 1e3,
                            new_tokens=0, device=pool.device)]
     texts = set()
@@ -55,20 +66,31 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
                           enabled=show_progress):
             reset_peak_memory_stats()
             t0 = time.perf_counter()
-            res = model.generate(prompt, max_new_tokens=max_new_tokens, depth=depth,
-                                 temperature=0.0)
+            req = unique_prompt(model, prompt, i) if unique_prompts else prompt
+            res = model.generate(req, max_new_tokens=max_new_tokens, depth=depth,
+                                 temperature=0.0, prefix_pool=ppool)
             leak.after_request()
             cache.after_request()
             dt = time.perf_counter() - t0
             texts.add(res.text)
+            extra = {}
+            if ppool is not None:
+                st = ppool.stats()
+                extra = dict(cache_bytes=st["bytes"], cache_tag="prefix_cache",
+                             cached_tokens=res.cached_tokens,
+                             prefix_pool={k: st[k] for k in ("hits", "misses", "evictions",
+                                                            "entries", "bytes")})
             records.append(take_record(pool, request=i, step="request",
                                        duration_ms=dt * 1e3, new_tokens=len(res.token_ids),
                                        device=pool.device, planted_leak_bytes=leak.held_bytes,
-                                       planted_cache_bytes=cache.grown_bytes))
+                                       planted_cache_bytes=cache.grown_bytes, **extra))
         vram = tinyloop.vram_usage_bytes(model)
         depth_used = res.depth
+        pool_stats = ppool.stats() if ppool is not None else None
     finally:
         leak.release()
+        if ppool is not None:
+            ppool.release()
         if own:
             tinyloop.free_model(model)
 
@@ -88,9 +110,13 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
                     "cache_bytes_per_request": plant_cache},
         "config": {"model": model_path, "backend": backend, "device": pool.device,
                    "requests": requests, "prompt": prompt, "max_new_tokens": max_new_tokens,
-                   "depth": depth_used, "max_seq_len": max_seq_len},
+                   "depth": depth_used, "max_seq_len": max_seq_len,
+                   "prefix_pool": prefix_pool is not False,
+                   "prefix_pool_max_bytes": None if prefix_pool is False else prefix_pool,
+                   "unique_prompts": unique_prompts},
         "model": {"load_s": load_s, "vram_usage_bytes": vram,
-                  "identical_outputs": len(texts) == 1},
+                  "identical_outputs": None if unique_prompts else len(texts) == 1},
+        "prefix_pool": pool_stats,
         "verdict_detail": verdict.to_dict(),
         "records": records,
     }
@@ -110,12 +136,28 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
     return write_result(out_dir, "leak", result, files)
 
 
+def unique_prompt(model, prompt: str, i: int):
+    """Request ``i``'s own prompt: ``prompt``'s ids and two tokens that encode ``i`` (every
+    request the same length, so a pool's entries are all one size)."""
+    ids = [int(t) for t in model.encode_prompt(prompt)]
+    base = min(1000, model.config.vocab_size // 4)
+    span = model.config.vocab_size - base
+    return ids + [base + i % span, base + (i // span) % span]
+
+
 def summary(result: dict) -> str:
     """The lines the CLI prints for a leak run."""
     c = result["config"]
-    lines = [f"leak: {c['requests']} identical requests ({c['max_new_tokens']} new tokens, "
+    kind = "unique-prompt" if c.get("unique_prompts") else "identical"
+    lines = [f"leak: {c['requests']} {kind} requests ({c['max_new_tokens']} new tokens, "
              f"greedy, depth {c['depth']}) on {c['backend']} ({c['device']} pool)",
              f"VERDICT: {result['verdict']}: {result['reason']}"]
+    ps = result.get("prefix_pool")
+    if ps is not None:
+        budget = ("unbounded" if ps["max_bytes"] is None else fmt_bytes(ps["max_bytes"]))
+        lines.append(f"  prefix pool (budget {budget}): {ps['entries']} entries, "
+                     f"{fmt_bytes(ps['bytes'])} held; {ps['hits']} hits / {ps['misses']} "
+                     f"misses, {ps['evictions']} evictions")
     if result["requests_needed"]:
         lines.append(f"  about {result['requests_needed']} requests would decide "
                      f"(--requests {result['requests_needed']})")

@@ -18,7 +18,11 @@ an unbounded cache):
    growth that keeps going).
 3. LEAK: allocated bytes at request end grow. The rate is the slope over the window; the tag is
    the one whose bytes grow fastest.
-4. UNBOUNDED CACHE: allocated does not grow, reserved (the high-water mark) does.
+4. UNBOUNDED CACHE: allocated does not grow, reserved (the high-water mark) does. Or: allocated
+   grows, but records carry ``cache_bytes`` -- the bytes a cache says it holds on purpose (a
+   PrefixPool's ``stats()["bytes"]``, equal to its tag ``cache_tag``) -- and allocated minus
+   those bytes does not grow: the growth is a cache without a budget that can account for
+   every byte, not a leak. The tag and its growth per request are named.
 5. STABLE: allocated at request end and the high-water mark each settled -- stayed within
    their noise band (:func:`noise_band`; 512 bytes on an exact series) -- from request k on,
    for at least max(``min_plateau``, k) more requests, and allocated shows no trend.
@@ -120,6 +124,7 @@ class Verdict:
     growing_tag: str | None = None
     tag_bytes_per_request: dict = field(default_factory=dict)
     stable_from: int | None = None         # request at which the high-water mark was reached
+    cache_bytes_per_request: float = 0.0   # growth of a self-accounting cache (cache_bytes)
     requests_needed: int | None = None     # INCONCLUSIVE: about how many requests would decide
     warmup: int = 0
     evidence: list = field(default_factory=list)
@@ -215,6 +220,26 @@ def classify(records, *, warmup: int | None = None, t_threshold: float = T_THRES
                             f"blocks freed)")
     common = dict(leak_bytes_per_request=fa.slope, reserved_bytes_per_request=fh.slope,
                   tag_bytes_per_request=tag_rates, warmup=w, fits=fits)
+
+    # UNBOUNDED CACHE (accounted): the growth is a cache that reports what it holds
+    cache = [r.get("cache_bytes") for r in recs]
+    if keeps_growing(win_a) and all(c is not None for c in cache):
+        cache_a = np.array(cache, dtype=np.float64)
+        rest = alloc - cache_a
+        fc = linear_fit(cache_a[w:])
+        if keeps_growing(cache_a[w:]) and not keeps_growing(rest[w:]):
+            tag = next((r.get("cache_tag") for r in recs if r.get("cache_tag")), None)
+            evidence.append(f"a cache reports {_fmt(cache_a[w])} -> {_fmt(cache_a[-1])} held "
+                            f"(slope {_fit_desc(fc)}); allocated minus that: "
+                            f"{_fmt(rest[w])} -> {_fmt(rest[-1])} (slope "
+                            f"{_fit_desc(linear_fit(rest[w:]))})")
+            return Verdict(UNBOUNDED_CACHE, f"allocated bytes grow by {_fmt(fa.slope)} per "
+                           f"request, all of it held by a cache that accounts for it"
+                           + (f" (tag {tag!r})" if tag else "")
+                           + f", growing by {_fmt(fc.slope)} per request with no budget: an "
+                           f"unbounded cache, not a leak (give it a byte budget)",
+                           growing_tag=tag, cache_bytes_per_request=fc.slope,
+                           evidence=evidence, **common)
 
     # LEAK: allocated keeps growing
     if keeps_growing(win_a):

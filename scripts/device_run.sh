@@ -19,14 +19,20 @@ if [[ -f "$M" ]] && [[ "$(sha256sum "$M" | cut -d' ' -f1)" == "$(cut -d' ' -f1 .
 else
     echo "real model: NOT available"; M=""
 fi
-OUT=$W STEP_TIMEOUT=${STEP_TIMEOUT:-330} bash scripts/gpu_suite.sh > "$W/gpu_suite_summary.txt" 2>&1
-tail -n 12 "$W/gpu_suite_summary.txt"
-x() { local n=$1; shift; echo "== $n"; timeout 120 "$@" > "$W/$n.log" 2>&1; echo "rc=$?" >> "$W/$n.log"; }
-[[ -n "$M" ]] && x bench_real python3 benchmarks/bench_decode.py --model "$M" --no-peer --out "$W/real"
-x bench_pool python3 benchmarks/bench_pool.py --device cuda
+# PART=suite runs only the GPU suite, PART=real only the real-model steps (each fits one 10-minute
+# call; the assembled model stays in /root/tlc while the machine is warm); default: both
+PART=${PART:-all}
+if [[ $PART != real ]]; then
+    OUT=$W STEP_TIMEOUT=${STEP_TIMEOUT:-330} bash scripts/gpu_suite.sh > "$W/gpu_suite_summary.txt" 2>&1
+    tail -n 12 "$W/gpu_suite_summary.txt"
+fi
+x() { local n=$1; shift; echo "== $n"; timeout "${XT:-120}" "$@" > "$W/$n.log" 2>&1; echo "rc=$?" >> "$W/$n.log"; }
+[[ $PART == suite ]] && M=""
+[[ -n "$M" ]] && XT=200 x bench_real python3 benchmarks/bench_decode.py --model "$M" --no-peer --kv-modes all --out "$W/real"
+[[ $PART != suite ]] && x bench_pool python3 benchmarks/bench_pool.py --device cuda
 if [[ -n "$M" ]]; then
     x diag_leak python3 -m diagnostics leak --backend cuda --model "$M" --requests 40 --out "$W/diag" --no-progress
-    x diag_fragment python3 -m diagnostics fragment --backend cuda --model "$M" --out "$W/diag" --no-progress
+    x diag_fragment python3 -m diagnostics fragment --backend cuda --model "$M" --requests 120 --max-prompt-tokens 1500 --out "$W/diag" --no-progress
     x diag_release python3 -m diagnostics release --backend cuda --model "$M" --out "$W/diag"
     x diag_report python3 -m diagnostics report "$W/diag"
     echo "== notebook"    # the executed notebook to commit: $OUT/vram_report.ipynb
@@ -37,7 +43,7 @@ if [[ -n "$M" ]]; then
 fi
 tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null
 echo; echo "================ SUMMARY ================"
-tail -n 8 "$W/gpu_suite_summary.txt"
+[[ -f "$W/gpu_suite_summary.txt" ]] && tail -n 10 "$W/gpu_suite_summary.txt"
 [[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; tail -n 9 "$W/bench_real.log"; }
 tail -n 6 "$W/bench_pool.log" 2>/dev/null
 for f in "$W"/diag_*.log "$W"/notebook.log; do [[ -f $f ]] && { echo "-- $(basename $f)"; grep -iE "verdict|rate|frees|cold|rc=" "$f" | head -5; }; done

@@ -28,7 +28,8 @@ def llama_logits(gguf: str, texts: list[str]) -> dict[str, np.ndarray]:
         ref.reset()
         ref.eval(ids)
         out[f"ids{i}"] = np.asarray(ids, dtype=np.int64)
-        out[f"scores{i}"] = np.asarray(ref.scores[:len(ids)], dtype=np.float32)
+        # a copy: ref.scores is llama's own buffer, which the next eval overwrites
+        out[f"scores{i}"] = np.array(ref.scores[:len(ids)], dtype=np.float32, copy=True)
     return out
 
 

@@ -138,6 +138,28 @@ def test_unbounded_cache_seen_in_peaks_only():
     assert v.verdict == UNBOUNDED_CACHE
 
 
+def test_accounted_cache_growth_is_unbounded_cache_not_leak():
+    """Allocated grows exactly as much as a self-accounting cache says it holds."""
+    n = 40
+    cache = [32768 * (i + 1) for i in range(n)]
+    recs = series([BASE + c for c in cache], [BASE + 8 * MIB + 2 * MIB * (i // 64)
+                                              for i in range(n)],
+                  tags=[{"weights": BASE, "prefix_cache": c} for c in cache])
+    for r, c in zip(recs, cache):
+        r.update(cache_bytes=c, cache_tag="prefix_cache")
+    v = classify(recs)
+    assert v.verdict == UNBOUNDED_CACHE, v.reason
+    assert v.growing_tag == "prefix_cache" and "'prefix_cache'" in v.reason
+    assert v.cache_bytes_per_request == pytest.approx(32768)
+    # the same records with 4 KiB per request beyond what the cache accounts for: a leak
+    for i, r in enumerate(recs):
+        r["allocated_bytes"] += 4096 * i
+        r["by_tag"]["other"] = 4096 * i
+    v = classify(recs)
+    assert v.verdict == LEAK and v.growing_tag == "prefix_cache"
+    assert v.leak_bytes_per_request == pytest.approx(32768 + 4096)
+
+
 def test_leak_wins_over_cache_when_both_grow():
     n = 60
     v = classify(series([BASE + 8192 * i for i in range(n)],
@@ -330,6 +352,33 @@ def test_cli_leak_planted_cache(tmp_path, tiny_model_path):
     assert r["verdict"] == UNBOUNDED_CACHE, r["reason"]
     assert r["leak_bytes_per_request"] == 0
     assert abs(r["reserved_bytes_per_request"] - MIB) <= 0.1 * MIB
+
+
+@pytest.mark.parametrize("budget", ["unbounded", "100K"])
+def test_cli_leak_prefix_pool(tmp_path, tiny_model_path, capsys, budget):
+    """Unique prompts through a prefix pool: without a budget an UNBOUNDED CACHE naming
+    prefix_cache (not a LEAK); with one, STABLE once full -- and the pool's bytes equal its tag
+    and stay within the budget after every request."""
+    out = _run(tmp_path, "leak", "--requests", "30", "--model", tiny_model_path,
+               "--prefix-pool", budget, "--unique-prompts")
+    r = json.loads((out / "leak.json").read_text())
+    recs = r["records"][1:]
+    for rec in recs:
+        assert rec["cache_bytes"] == rec["by_tag"]["prefix_cache"]
+    entry = recs[0]["cache_bytes"]
+    assert entry > 0
+    if budget == "unbounded":
+        assert r["verdict"] == UNBOUNDED_CACHE, r["reason"]
+        assert r["growing_tag"] == "prefix_cache"
+        assert r["verdict_detail"]["cache_bytes_per_request"] == pytest.approx(entry)
+        assert r["prefix_pool"]["entries"] == 30 and r["prefix_pool"]["evictions"] == 0
+    else:
+        assert r["verdict"] == STABLE, r["reason"]
+        assert all(rec["cache_bytes"] <= 100 * 1024 for rec in recs)
+        assert r["prefix_pool"]["entries"] == 100 * 1024 // entry
+        assert r["prefix_pool"]["evictions"] == 30 - r["prefix_pool"]["entries"]
+    assert r["prefix_pool"]["hits"] == 29             # the shared prompt, every request after 1
+    assert "prefix pool (budget" in capsys.readouterr().out
 
 
 def test_cli_fragment(tmp_path, tiny_model_path):

@@ -181,6 +181,28 @@ def test_tags_explicit_scoped_nested_and_per_thread():
     assert pool.by_tag()["weights"] == 512 and set(pool.by_tag()) == set(TAGS)
 
 
+def test_retag_moves_bytes_between_tags_exactly():
+    pool, _ = fake_pool()
+    a = pool.allocate(1000, "kv_cache")
+    b = pool.allocate(5000, "kv_cache")
+    pool.retag(a, "prefix_cache")
+    assert a.tag == "prefix_cache"
+    assert pool.by_tag()["kv_cache"] == 5120 and pool.by_tag()["prefix_cache"] == 1024
+    assert pool.stats().peak_by_tag["prefix_cache"] == 1024
+    pool.retag(a, "prefix_cache")                            # same tag: nothing moves
+    pool._check()
+    a.free()                                                 # freed under its new tag
+    assert pool.by_tag()["prefix_cache"] == 0 and pool.by_tag()["kv_cache"] == 5120
+    pool._check()
+    with pytest.raises(ValueError, match="freed"):
+        pool.retag(a, "kv_cache")
+    with pytest.raises(ConfigError, match="unknown memory tag"):
+        pool.retag(b, "nope")
+    other, _ = fake_pool()
+    with pytest.raises(ValueError, match="does not belong"):
+        other.retag(b, "other")
+
+
 # --- budget and out-of-memory -------------------------------------------------------------
 def test_limit_error_carries_the_figures_and_nothing_stays_allocated():
     pool, raw = fake_pool(limit_bytes=4 * MiB)

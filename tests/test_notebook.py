@@ -48,7 +48,7 @@ def test_notebook_runs(tmp_path, tiny_model_path, monkeypatch):
     assert "VERDICT:" in text and "TinyLoop memory on host" in text
     images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                  if "image/png" in o.get("data", {}))
-    assert images == 5                     # leak x2, fragment x2, KV bytes by mode
+    assert images == 6                     # leak x2, fragment x2, KV bytes by mode, prefix pool
     assert "KV bytes per token by storage mode" in text and "h_int4" in text
     for name in ("leak.json", "fragment.json", "report.html", "leak_memory.png",
                  "kv_bytes_by_mode.png", "kvmodes.json"):

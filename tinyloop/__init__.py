@@ -7,18 +7,21 @@ Public API (pinned; see README.md):
     memory_stats(), memory_report(), reset_peak_memory_stats(), empty_cache(),
     set_memory_limit()
     TinyLoopError and its family (tinyloop.errors), OutOfMemoryError
+    Model.prefill / Model.resume_handle / Model.load_prefix -> PrefixCache / ResumeHandle;
+    PrefixPool(model, max_bytes=None)          (tinyloop.prefix)
 """
 
 from __future__ import annotations
 
 from .config import ModelConfig
 from .errors import (BackendUnavailableError, ConfigError, ConversionError, FormatError,
-                     ModelFreedError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError,
-                     TokenizerError)
+                     HandleError, ModelFreedError, NonFiniteLogitsError, OutOfMemoryError,
+                     TinyLoopError, TokenizerError)
 from .generate import GenerationResult, StreamToken
 from .memory import (empty_cache, export_snapshot, memory_report, memory_stats,
                      reset_peak_memory_stats, set_memory_limit)
 from .model import Model, free_model, load_model, vram_usage_bytes
+from .prefix import PrefixCache, PrefixPool, ResumeHandle
 
 __version__ = "0.1.0"
 
@@ -34,4 +37,5 @@ __all__ = ["load_model", "free_model", "vram_usage_bytes", "default_model_path",
            "set_memory_limit", "export_snapshot",
            "ModelConfig", "GenerationResult", "StreamToken", "TinyLoopError", "ConfigError",
            "FormatError", "TokenizerError", "OutOfMemoryError", "BackendUnavailableError",
-           "ModelFreedError", "ConversionError", "NonFiniteLogitsError", "__version__"]
+           "ModelFreedError", "ConversionError", "NonFiniteLogitsError", "HandleError",
+           "PrefixCache", "ResumeHandle", "PrefixPool", "__version__"]

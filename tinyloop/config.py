@@ -13,6 +13,8 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import ConfigError
 
 INJECTION_KINDS = ("none", "adapter")
@@ -157,6 +159,13 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # max_new_tokens of Model.generate / stream and of the tinyloop CLI
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_SEQ_LEN_LIMIT = 1 << 24    # 16M positions: far past any model here, far below overflow
+
+
+def as_int(v, name: str) -> int:
+    """An int (Python or NumPy integer, not bool) or ConfigError naming ``name``."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ConfigError(f"{name} must be an int, got {v!r}")
+    return int(v)
 
 
 def check_load_args(max_seq_len, prefill_chunk) -> tuple[int, int]:

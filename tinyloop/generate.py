@@ -19,7 +19,9 @@ import numpy as np
 
 from .backends.base import non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS
+from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError
+from .prefix import check_prefix_args, prefill_request
 
 
 @dataclass
@@ -28,8 +30,9 @@ class GenerationResult:
 
     ``token_ids`` (new tokens only), ``text`` (their decoded text, cut before a stop string),
     ``prompt_token_ids``, ``finish_reason`` ("length" | "eos" | "stop"), ``depth``,
-    ``prefill_ms``, ``decode_ms``, and ``decode_tokens_per_s`` (new tokens after the first
-    over the decode time; 0.0 when fewer than 2 tokens).
+    ``prefill_ms``, ``decode_ms``, ``decode_tokens_per_s`` (new tokens after the first
+    over the decode time; 0.0 when fewer than 2 tokens), and ``cached_tokens`` (prompt
+    positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled).
     """
 
     token_ids: list
@@ -40,6 +43,7 @@ class GenerationResult:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
+    cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -83,7 +87,8 @@ def _normalise_stop(stop) -> list[str]:
 
 
 def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
-           top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None,
+           top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
+           prefix_pool=None,
            _result: dict | None = None):
     """Yield StreamToken for each new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
@@ -99,7 +104,13 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     Raises ConfigError (bad arguments, prompt + max_new_tokens > max_seq_len),
     TokenizerError (ids out of range / no tokenizer for text), ModelFreedError (the model was
     freed while the stream was open), NonFiniteLogitsError (logits with NaN or +inf, or all
-    -inf: names the step, 0 for the first new token, and the position sampled from).
+    -inf: names the step, 0 for the first new token, and the position sampled from),
+    HandleError (a released prefix).
+
+    ``prefix`` (a PrefixCache / ResumeHandle the prompt's ids start with; it fixes depth and
+    kv_mode) or ``prefix_pool`` (a PrefixPool: the longest cached prefix is reused and the
+    prompt inserted): only the positions after the cached ones are prefilled
+    (:func:`tinyloop.prefix.prefill_request`); the tokens equal those of an uncached run.
 
     The model's lock is held only while a token is computed, never across a ``yield``: each
     step touches only this request's KV cache and the residual row of its own position, so
@@ -108,7 +119,8 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     """
     model.check_alive()
     cfg = model.config
-    depth = cfg.check_depth(_as_int(depth, "depth") if depth is not None else None)
+    if depth is not None:
+        cfg.check_depth(_as_int(depth, "depth"))
     max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
@@ -119,6 +131,7 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     stops = _normalise_stop(stop)
     model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
     ids = model.encode_prompt(prompt)
+    depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens
     if total > model.max_seq_len:
         raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
@@ -127,25 +140,30 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     res = _result if _result is not None else {}
     new: list[int] = []
     res.update(prompt_token_ids=ids.tolist(), finish_reason="length", depth=depth,
-               token_ids=new, text="", prefill_ms=0.0, decode_ms=0.0)
+               token_ids=new, text="", prefill_ms=0.0, decode_ms=0.0, cached_tokens=0)
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
     cache = model.new_kv_cache(depth, total, kv_mode=kv_mode)
 
     def step(step_ids, pos0: int) -> int:
-        """Forward ``step_ids`` at ``pos0``, then head + sample, atomically under the lock."""
+        """Forward ``step_ids`` at ``pos0`` (the prompt: from the cached prefix on), then
+        head + sample, atomically under the lock."""
         with model.lock:
             model.check_alive()
             row = model.logit_row()
             pos = pos0 + len(step_ids) - 1
             try:
-                if len(step_ids) == 1 and pos0 > 0:
-                    # greedy decode runs as one captured graph where the backend can
-                    nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature)
-                    if nxt is not None:
-                        return nxt
-                model.forward(step_ids, pos0, depth, cache)
+                if pos0 == 0:
+                    res["cached_tokens"] = prefill_request(model, step_ids, depth, kv_mode,
+                                                           cache, prefix, prefix_pool)
+                else:
+                    if len(step_ids) == 1:
+                        # greedy decode runs as one captured graph where the backend can
+                        nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature)
+                        if nxt is not None:
+                            return nxt
+                    model.forward(step_ids, pos0, depth, cache)
                 u = float(rng.random()) if temperature > 0 else 0.0
                 return model.head_sample(pos, row, temperature, top_k, top_p, u)
             except NonFiniteLogitsError as e:
@@ -227,15 +245,9 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return best
 
 
-def _as_int(v, name: str) -> int:
-    """An int (Python or NumPy integer, not bool) or ConfigError naming ``name``."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise ConfigError(f"{name} must be an int, got {v!r}")
-    return int(v)
-
-
 def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
-             top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None) -> GenerationResult:
+             top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
+             prefix_pool=None) -> GenerationResult:
     """Run :func:`stream` to completion and return a GenerationResult.
 
     Holds the model's lock for the whole call (the lock is re-entrant, so the stream's
@@ -245,7 +257,8 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
     res: dict = {}
     with model.lock:
         for _ in stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                        stop, kv_mode, _result=res):
+                        stop, kv_mode, prefix=prefix, prefix_pool=prefix_pool,
+                        _result=res):
             pass
     n = len(res["token_ids"])
     tps = (n - 1) / (res["decode_ms"] / 1e3) if n > 1 and res["decode_ms"] > 0 else 0.0
@@ -253,17 +266,23 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
                             prompt_token_ids=res["prompt_token_ids"],
                             finish_reason=res["finish_reason"], depth=res["depth"],
                             prefill_ms=res["prefill_ms"], decode_ms=res["decode_ms"],
-                            decode_tokens_per_s=tps)
+                            decode_tokens_per_s=tps, cached_tokens=res["cached_tokens"])
 
 
-def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None) -> np.ndarray:
-    """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits)."""
+def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
+                          prefix_pool=None) -> np.ndarray:
+    """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits).
+
+    With ``prefix`` / ``prefix_pool`` the cached positions are restored, not recomputed: their
+    rows come from the cached final residuals through the head."""
     model.check_alive()
     cfg = model.config
-    depth = cfg.check_depth(depth)
+    if depth is not None:
+        cfg.check_depth(_as_int(depth, "depth"))
     ids = model.check_token_ids(token_ids)
     if len(ids) > model.max_seq_len:
         raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
+    depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
     with model.lock:
         model.check_alive()
@@ -281,7 +300,8 @@ def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None) -> np.ndar
                             n, cfg.vocab_size)
                         model.head(r0, n, view)
                         out[r0:r0 + n] = ops.to_host(view)
-                model.forward(ids, 0, depth, cache, on_rows=on_rows)
+                prefill_request(model, ids, depth, kv_mode, cache, prefix, prefix_pool,
+                                on_rows=on_rows)
             finally:
                 model.pool.free(blk)
     return out
@@ -294,10 +314,12 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def score(model, token_ids, depth=None, kv_mode=None) -> np.ndarray:
+def score(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
+          prefix_pool=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
     ids = model.check_token_ids(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
-    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode)[:-1])
+    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode, prefix=prefix,
+                                                prefix_pool=prefix_pool)[:-1])
     return lp[np.arange(len(ids) - 1), ids[1:]]

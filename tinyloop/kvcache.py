@@ -349,6 +349,14 @@ class PageAllocator:
         return len(self._pages)
 
 
+def copy_page(src: Page, dst: Page) -> None:
+    """Copy every byte of page ``src`` into ``dst`` (same layout), on the pages' device."""
+    n = src.layout.page_bytes
+    if dst.layout != src.layout:
+        raise ConfigError("copy_page needs two pages of one layout")
+    dst.block.array((n,), np.uint8)[...] = src.block.array((n,), np.uint8)
+
+
 class SlotKV:
     """What the attention ops receive for one slot: the page ``layout``, the block ``table``
     (int64 page addresses ``[max_pages]``, on the backend's device, at a fixed address for the
@@ -453,6 +461,68 @@ class RuntimeKVCache:
     def slot(self, s: int) -> SlotKV:
         self._alive()
         return self._slots[s]
+
+    def page_list(self, s: int) -> list:
+        """The Pages slot ``s`` holds, in position order (read-only use)."""
+        self._alive()
+        return list(self._pages[s])
+
+    def share_prefix(self, src: "RuntimeKVCache", m: int) -> None:
+        """Start this empty cache with positions 0..m-1 of ``src`` in every slot it has
+        (``src`` needs at least as many slots, the same page layouts, and m positions).
+
+        Full pages are shared by reference (refcount + 1; neither holder writes them again:
+        writes go to positions >= m). A partly filled last page is copy-on-write: copied into a
+        fresh page of this cache's own, whose positions from m on this cache then overwrites.
+        Raises ConfigError for a cache that already holds pages or mismatched caches; on an
+        OutOfMemoryError the pages taken so far stay owned and release() frees them.
+        """
+        self._alive()
+        src._alive()
+        p = self.page_size
+        if any(self._pages):
+            raise ConfigError("share_prefix needs an empty cache (no pages yet)")
+        if (src.page_size != p or src.n_slots < self.n_slots
+                or src.layouts[:self.n_slots] != self.layouts
+                or not 0 <= m <= min(self.capacity, src.capacity)
+                or -(-m // p) > len(src._pages[self.n_slots - 1])):
+            raise ConfigError(f"cannot share {m} positions x {self.n_slots} slots from a cache of "
+                              f"{src.capacity} x {src.n_slots} (pages of {src.page_size})")
+        full, part = divmod(m, p)
+        try:
+            for s in range(self.n_slots):
+                pages, src_pages = self._pages[s], src._pages[s]
+                for k in range(full):
+                    pages.append(self._alloc.ref(src_pages[k]))
+                    self.table_host[s, k] = src_pages[k].addr
+                if part:
+                    page = self._alloc.alloc(self.layouts[s])
+                    pages.append(page)
+                    self.table_host[s, full] = page.addr
+                    copy_page(src_pages[full], page)
+        finally:
+            self.length = min(len(self._pages[0]) * p, self.capacity)
+            self._ops.from_host(self.table_host, self._table)
+
+    def make_private(self, first_slot: int) -> list:
+        """Copy-on-write before rewriting slots ``first_slot``..: every page of those slots
+        that another holder shares (refs > 1) is replaced by a private copy. Returns the pages
+        let go of (still live: their other holders keep them)."""
+        self._alive()
+        dropped = []
+        try:
+            for s in range(first_slot, self.n_slots):
+                for k, old in enumerate(self._pages[s]):
+                    if old.refs > 1:
+                        new = self._alloc.alloc(self.layouts[s])
+                        copy_page(old, new)
+                        self._pages[s][k] = new
+                        self.table_host[s, k] = new.addr
+                        self._alloc.unref(old)
+                        dropped.append(old)
+        finally:
+            self._ops.from_host(self.table_host, self._table)
+        return dropped
 
     def release(self) -> None:
         """Drop this request's reference to every page and free the block tables

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import os
 import sys
 import threading
@@ -21,13 +22,14 @@ from . import plan as planmod
 from .backends import get_ops
 from .backends.base import LOGIT_FAULTS, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
-from .errors import (ConfigError, ModelFreedError, OutOfMemoryError, TinyLoopError,
+from .errors import (ConfigError, FormatError, ModelFreedError, OutOfMemoryError, TinyLoopError,
                      TokenizerError)
 from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
 from .generate import stream as _stream
 from .generate import teacher_forced_logits
+from .prefix import drain_orphans, load_prefix, make_prefix, make_resume_handle
 from .kvcache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
                       RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
 from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
@@ -53,6 +55,32 @@ def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
     fp16 = None if w.fp16 is None else w.fp16[q_dim:]
     return QuantWeight(w.bits, w.group_size, w.qweight[q_dim:], w.scales[q_dim:],
                        w.zeros[q_dim:], fp16)
+
+
+def _file_identity(path: str) -> tuple:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def model_fingerprint(f) -> bytes:
+    """SHA-256 over a .tlm file's model identity: its config (dims, recurrent layout P/R/C,
+    max_depth, injection) as sorted JSON, then every weight tensor's name, dtype, shape and
+    bytes in ``expected_tensors`` order. ``f``: an open TLMFile."""
+    import json
+    h = hashlib.sha256(b"tinyloop-model-fingerprint-v1\0")
+    h.update(json.dumps(f.config.to_dict(), sort_keys=True).encode())
+    for name, (kind, _) in planmod.expected_tensors(f.config).items():
+        if kind == "quant":
+            q = f.quant_weight(name)
+            arrays = (q.qweight, q.scales, q.zeros)
+        else:
+            arrays = (f.array(name),)
+        h.update(b"\0" + name.encode() + b"\0")
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(memoryview(a).cast("B"))
+    return h.digest()
 
 
 class BufferPool:
@@ -114,8 +142,9 @@ class Model:
 
     Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
     ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
-    PlanEntry). Calls on one Model are serialized by a per-model lock (the contract's
-    lock-per-model pattern): ``generate``, ``logits`` and ``score`` hold it for the whole call,
+    PlanEntry), ``fingerprint`` (see the property). Calls on one Model are serialized by a
+    per-model lock (the contract's lock-per-model pattern): ``generate``, ``logits`` and
+    ``score`` hold it for the whole call,
     so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
     (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
     a caller stops reading never blocks the model; a step touches only its own request's KV
@@ -134,6 +163,10 @@ class Model:
         self.prefill_chunk = prefill_chunk
         self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
         self._lock = threading.RLock()
+        self._handles = weakref.WeakSet()   # live PrefixCache / ResumeHandle / PrefixPool;
+                                            # released by free() (guarded by _lock)
+        self._prefix_holds: dict = {}       # page addr -> prefix handles holding it (_lock)
+        self._prefix_orphans: list = []     # storage of handles collected unreleased
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
@@ -196,12 +229,16 @@ class Model:
             with tag_scope("weights"):
                 for name, (kind, _) in planmod.expected_tensors(cfg).items():
                     if kind == "quant":
-                        dev, blocks = self._ops.upload_weight(f.quant_weight(name), self._pool)
+                        dev, blocks = self._ops.upload_weight(f.quant_weight(name),
+                                                              self._pool)
                         self._blocks.extend(blocks)
                     else:
-                        dev, blk = self._ops.upload_array(np.asarray(f.array(name)), self._pool)
+                        dev, blk = self._ops.upload_array(np.asarray(f.array(name)),
+                                                          self._pool)
                         self._blocks.append(blk)
                     w[name] = dev
+            self._file_identity = _file_identity(self.path)
+            self._fingerprint = None
         # phase 3: optional FP16 caches for the hot prefill GEMMs (the plan's phase-3 entries)
         for e in self.plan:
             if e.phase == 3:
@@ -250,6 +287,9 @@ class Model:
             graphs, self._graphs = self._graphs, None
             if graphs is not None:
                 graphs.release()        # its graphs and "graphs" blocks, before the views go
+            for h in list(self._handles):      # prefix caches, resume handles, prefix pools
+                h._model_freed()
+            drain_orphans(self)
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -282,6 +322,23 @@ class Model:
                       stacklevel=2)
         self.free()
 
+    @property
+    def fingerprint(self) -> bytes:
+        """The model's identity, under which prefix caches are keyed and saved: 32 bytes of
+        SHA-256 over the config (dims, recurrent layout P/R/C, max_depth, injection) and
+        every weight tensor's bytes (:func:`model_fingerprint`). Hashed from the file on first
+        use (so loading pays nothing for it) and kept; raises FormatError when the file
+        changed since the load (its size, mtime or inode differ), since its bytes would then
+        not be this model's."""
+        with self._lock:
+            if self._fingerprint is None:
+                if _file_identity(self.path) != self._file_identity:
+                    raise FormatError(f"{self.path} changed since it was loaded; its "
+                                      f"fingerprint would not be this model's (load it again)")
+                with read_tlm(self.path) as f:
+                    self._fingerprint = model_fingerprint(f)
+            return self._fingerprint
+
     def vram_usage_bytes(self) -> int:
         """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""
         return sum(b.nbytes for b in self._blocks)
@@ -307,6 +364,16 @@ class Model:
     def lock(self):
         """The per-model re-entrant lock every request holds while it runs the forward."""
         return self._lock
+
+    def residual_rows(self, pos0: int, n: int):
+        """The final residual rows of positions pos0..pos0+n-1 (float32 ``[n, d_model]`` view
+        of ``buffers.main``): what ``head`` reads; prefix caches save and restore them."""
+        return self._buf.main[pos0:pos0 + n]
+
+    @property
+    def injects(self) -> bool:
+        """Whether each recurrent iteration injects the prelude output (``inject.adapter``)."""
+        return self._adapter is not None
 
     def check_alive(self) -> None:
         """Raise ModelFreedError once the model was freed."""
@@ -426,18 +493,40 @@ class Model:
 
     # -- the forward --------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, pos0: int, depth: int, cache: RuntimeKVCache,
-                on_rows=None) -> None:
+                on_rows=None, snapshot=None) -> None:
         """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk.
 
         Writes K/V for every slot into ``cache`` and the final residual rows into
         ``buffers.main[pos0:pos0+T]``. After each chunk, ``on_rows(start, t)`` is called with
         the chunk's absolute start position and length (the residual rows are in ``main``).
+        ``snapshot`` (a ``prefix.ResidualSnapshot``) receives, for every position, the state
+        entering the recurrent block and the state after iteration ``depth`` (ResumeHandle).
         """
         r = self._buf.capacity_rows
         for c0 in range(0, len(ids), r):
             t = min(r, len(ids) - c0)
             cache.ensure(pos0 + c0 + t)
-            self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache)
+            self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache, snapshot)
+            if on_rows is not None:
+                on_rows(pos0 + c0, t)
+
+    def deepen(self, pos0: int, n: int, depth_from: int, depth_to: int, cache: RuntimeKVCache,
+               snapshot, on_rows=None) -> None:
+        """Continue positions pos0..pos0+n-1 from iteration ``depth_from`` to ``depth_to``.
+
+        Reads the state after iteration ``depth_from`` (and the state entering the recurrent
+        block, for the injection) from ``snapshot``, runs recurrent iterations
+        depth_from+1..depth_to (0-based depth_from..depth_to-1; their K/V go to slots
+        P + t*R + j of ``cache``) and the coda (slots P + R*depth_to + c), writes the state
+        after iteration ``depth_to`` back into ``snapshot`` and the final rows into ``main``.
+        Equal to a fresh forward at ``depth_to``: the prelude and iterations < depth_from
+        depend only on earlier positions' same-slot K/V, which ``cache`` already holds.
+        """
+        r = self._buf.capacity_rows
+        for c0 in range(0, n, r):
+            t = min(r, n - c0)
+            cache.ensure(pos0 + c0 + t)
+            self._deepen_chunk(pos0 + c0, t, depth_from, depth_to, cache, snapshot)
             if on_rows is not None:
                 on_rows(pos0 + c0, t)
 
@@ -460,9 +549,9 @@ class Model:
             self._view_cache[t] = v
         return v
 
-    def _forward_chunk(self, ids, pos0: int, t: int, depth: int,
-                       cache: RuntimeKVCache) -> None:
-        ops = self._ops
+    def _forward_chunk(self, ids, pos0: int, t: int, depth: int, cache: RuntimeKVCache,
+                       snapshot=None) -> None:
+        cfg, ops = self.config, self._ops
         v = self._views(t)
         x = self._buf.main[pos0:pos0 + t]                           # [T, d] float32
         if t == 1:
@@ -470,26 +559,55 @@ class Model:
         else:
             ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
             ops.embed(self._embed, v["ids"], x)
-        self._layers_of(x, v, depth, cache.slot, pos0, None)
+        self._stack(x, v, depth, cache.slot, pos0, None, snapshot)
 
-    def _layers_of(self, x, v: dict, depth: int, kv_of, pos0, step) -> None:
+    def _stack(self, x, v: dict, depth: int, kv_of, pos0, step, snapshot=None) -> None:
         """Every layer slot of the looped stack over residual rows ``x``: prelude, ``depth``
         passes of the recurrent block (with the injection adapter), coda. ``kv_of(slot)``
         gives a slot's SlotKV; positions come from ``pos0`` (host) or, when ``step`` is given,
-        from the device step state (``Ops.kv_write_step``)."""
-        cfg, ops = self.config, self._ops
-        p, r = cfg.n_prelude, cfg.n_recurrent
-        for i in range(p):
+        from the device step state (``Ops.kv_write_step``). ``snapshot`` (ResumeHandle) keeps
+        the rows entering and leaving the recurrent block."""
+        cfg = self.config
+        for i in range(cfg.n_prelude):
             self._layer(i, kv_of(i), x, pos0, v, step)
-        if r:
+        if cfg.n_recurrent:
+            e = None
             if self._adapter is not None:
                 e = v["inject"]                                      # prelude output [T, d]
-                ops.copy(x, e)
-            for it in range(depth):
-                if self._adapter is not None:
-                    ops.inject(x, e, self._adapter, v["cat"], v["norm"])
-                for j in range(r):
-                    self._layer(p + j, kv_of(p + it * r + j), x, pos0, v, step)
+                self._ops.copy(x, e)
+            if snapshot is not None:
+                snapshot.put_entry(pos0, x)
+            self._iterations(x, e, 0, depth, pos0, v, kv_of, step)
+            if snapshot is not None:
+                snapshot.put_state(pos0, x)
+        self._coda(x, depth, pos0, v, kv_of, step)
+
+    def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
+                      cache: RuntimeKVCache, snapshot) -> None:
+        v = self._views(t)
+        x = self._buf.main[pos0:pos0 + t]
+        snapshot.get_state(pos0, x)
+        e = None
+        if self._adapter is not None:
+            e = v["inject"]
+            snapshot.get_entry(pos0, e)
+        self._iterations(x, e, depth_from, depth_to, pos0, v, cache.slot, None)
+        snapshot.put_state(pos0, x)
+        self._coda(x, depth_to, pos0, v, cache.slot, None)
+
+    def _iterations(self, x, e, it0: int, it1: int, pos0, v: dict, kv_of, step) -> None:
+        """Recurrent iterations it0..it1-1 (0-based) over the rows ``x``; ``e`` is the prelude
+        output the adapter injects (None without injection)."""
+        p, r = self.config.n_prelude, self.config.n_recurrent
+        for it in range(it0, it1):
+            if e is not None:
+                self._ops.inject(x, e, self._adapter, v["cat"], v["norm"])
+            for j in range(r):
+                self._layer(p + j, kv_of(p + it * r + j), x, pos0, v, step)
+
+    def _coda(self, x, depth: int, pos0, v: dict, kv_of, step) -> None:
+        cfg = self.config
+        p, r = cfg.n_prelude, cfg.n_recurrent
         for c in range(cfg.n_coda):
             self._layer(p + r + c, kv_of(p + r * depth + c), x, pos0, v, step)
 
@@ -533,7 +651,7 @@ class Model:
         cfg, ops = self.config, self._ops
         v = self._views(1)
         ops.embed(self._embed, step[:1], x)
-        self._layers_of(x, v, depth, slots.__getitem__, None, step)
+        self._stack(x, v, depth, slots.__getitem__, None, step)
         ops.head_argmax_step(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(),
                              v["norm"], step)
         ops.step_advance(step, host_out)
@@ -586,41 +704,72 @@ class Model:
         return self._graphs.stats()
 
     # -- public request API -------------------------------------------------------------------
-    def logits(self, token_ids, depth: int | None = None, kv_mode=None) -> np.ndarray:
+    def logits(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
+               prefix_pool=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
 
         ``token_ids``: 1-D ints, 1 <= T <= max_seq_len. Returns float32 ``[T, vocab]``: row t
         is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
         chunk). Attention reads what the KV cache stores (``kv_mode``: this call's storage
-        mode, default the load's), so the logits show a mode's true quality. Raises
-        ConfigError / TokenizerError on bad input, ModelFreedError after free.
+        mode, default the load's), so the logits show a mode's true quality. ``prefix``
+        (PrefixCache / ResumeHandle the ids start with) or ``prefix_pool`` (PrefixPool):
+        positions that come from the cache are not recomputed (their rows come from the cached
+        residuals through the head). Raises ConfigError / TokenizerError on bad input,
+        ModelFreedError after free, HandleError for a released handle.
         """
-        return teacher_forced_logits(self, token_ids, depth, kv_mode=kv_mode)
+        return teacher_forced_logits(self, token_ids, depth, kv_mode, prefix=prefix,
+                                     prefix_pool=prefix_pool)
 
-    def score(self, token_ids, depth: int | None = None, kv_mode=None) -> np.ndarray:
-        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
-        return _score(self, token_ids, depth, kv_mode=kv_mode)
+    def score(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
+              prefix_pool=None) -> np.ndarray:
+        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2).
+        ``kv_mode`` / ``prefix`` / ``prefix_pool`` as in :meth:`logits`."""
+        return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool)
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop=None, kv_mode=None):
+                 seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
+                 prefix_pool=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
-        text, finish reason, timings). ``prompt`` is text or token ids. See
-        :func:`tinyloop.generate.generate` for the sampling rule and errors."""
+        text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids.
+        ``prefix`` / ``prefix_pool``: start from cached state (see :mod:`tinyloop.prefix`).
+        See :func:`tinyloop.generate.generate` for the sampling rule and errors."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                         kv_mode=kv_mode)
+                         kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop=None, kv_mode=None):
+               seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
+               prefix_pool=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
         token is sampled (``text`` is the newly decodable text, possibly empty)."""
         return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                       kv_mode=kv_mode)
+                       kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+
+    # -- cached state across calls (tinyloop.prefix) -------------------------------------------
+    def prefill(self, prompt, depth: int | None = None, kv_mode=None):
+        """Prefill ``prompt`` (text or ids) once and keep it: returns a
+        :class:`~tinyloop.prefix.PrefixCache` to pass as ``prefix=`` to generate / stream /
+        logits / score, which then prefill only the tokens after it. Raises ConfigError /
+        TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
+        return make_prefix(self, prompt, depth, kv_mode)
+
+    def resume_handle(self, prompt, depth: int | None = None, max_depth: int | None = None,
+                      kv_mode=None):
+        """Prefill ``prompt`` at ``depth`` keeping, for every position, the residual state the
+        recurrent block continues from and K/V room for ``max_depth`` iterations (default: the
+        model's): returns a :class:`~tinyloop.prefix.ResumeHandle`; ``rh.upgrade(d2)`` deepens
+        it by running only the added iterations and the coda."""
+        return make_resume_handle(self, prompt, depth, max_depth, kv_mode)
+
+    def load_prefix(self, path):
+        """Load a prefix saved with ``PrefixCache.save`` / ``ResumeHandle.save`` (see
+        :func:`tinyloop.prefix.load_prefix` for the checks and the errors)."""
+        return load_prefix(self, path)
 
     def __repr__(self) -> str:
         c = self.config

@@ -216,6 +216,27 @@ class MemoryPool:
         self._num_frees += 1
         log((_now(), "free_completed", blk.ptr, blk.nbytes, blk.tag))
 
+    def retag(self, blk: Block, tag: str) -> None:
+        """Move ``blk``'s bytes to ``tag`` (e.g. a KV page a prefix cache now shares goes from
+        ``kv_cache`` to ``prefix_cache``): the by-tag figures follow what the block is for
+        now. Raises ValueError for a freed block or one of another pool, ConfigError for an
+        unknown tag."""
+        if not isinstance(blk, Block) or blk.pool is not self:
+            raise ValueError(f"{blk!r} does not belong to this {self.device} pool")
+        if tag not in _TAG_SET:
+            check_tag(tag)                                  # raises ConfigError
+        with self._lock:
+            if blk.freed:
+                raise ValueError(f"cannot retag {blk!r}: it was freed")
+            if blk.tag == tag:
+                return
+            self._by_tag[blk.tag] -= blk.nbytes
+            by_tag = self._by_tag[tag] + blk.nbytes
+            self._by_tag[tag] = by_tag
+            if by_tag > self._peak_by_tag[tag]:
+                self._peak_by_tag[tag] = by_tag
+            blk.tag = tag          # no event: the trace's alloc/free pairs stay as they were
+
     def _free_from_finalizer(self, blk: Block) -> None:
         """Free ``blk`` from a finalizer, which may run while this thread holds _lock."""
         if self._lock.acquire(blocking=False):
