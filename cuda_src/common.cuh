@@ -78,3 +78,93 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     r = warp_max(r);
     return r;
 }
+
+// Argmax order (numpy.argmax's rule): (v, i) ranks before (w, j) when v is NaN and w is not, or
+// both NaN and i < j, or v > w, or v == w and i < j. So the first NaN wins, else the first maximum.
+__device__ __forceinline__ bool argmax_before(float v, int i, float w, int j) {
+    const bool vn = v != v, wn = w != w;
+    if (vn || wn) return vn && (!wn || i < j);
+    return v > w || (v == w && i < j);
+}
+
+// Warp-wide argmax: every lane ends with the warp's best (v, i) by argmax_before.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (argmax_before(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+// Block-wide argmax for blockDim.x a multiple of 32; sv / si hold >= 32 entries. Thread 0
+// gets the block's best (v, i) (the others a partial). Ends with a barrier.
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    warp_argmax(v, i);
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < nw ? sv[lane] : TL_NEG_INF;
+        i = lane < nw ? si[lane] : 0x7fffffff;
+        warp_argmax(v, i);
+    }
+    __syncthreads();
+}
+
+// Why a logit row cannot be sampled, from its argmax winner (argmax_before's order puts NaN
+// first, then +inf; the winner is -inf only when every logit is): 0 = it can, 1 = a NaN,
+// 2 = a +inf, 3 = all -inf. The codes of base.LOGIT_FAULTS.
+__device__ __forceinline__ int logit_fault_code(float top) {
+    return top != top ? 1 : (top == -TL_NEG_INF ? 2 : (top == TL_NEG_INF ? 3 : 0));
+}
+
+// --- paged KV reads (attention.cu, attention_decode.cu; layout: tinyloop/kvcache.py PageLayout)
+// MODE 0 = fp16 (K/V FP16), MODE 1 = int8 (K/V = float(q) * float(scale), the product rounded
+// once in float32 as the NumPy reference does).
+#define KV_FP16 0
+#define KV_INT8 1
+
+// The page holding key j and j's row inside it.
+__device__ __forceinline__ const char* kv_page(const i64* __restrict__ table, i64 P, i64 j,
+                                              i64* row) {
+    const i64 pg = j / P;
+    *row = j - pg * P;
+    return (const char*)table[pg];
+}
+
+// 8 consecutive values (dims c..c+7, c % 8 == 0) of row r = row * n_kv + hk of a K or V part.
+template <int MODE, int HD>
+__device__ __forceinline__ void kv_load8(const char* base, i64 off, i64 soff, i64 r, int c,
+                                         float* x) {
+    if (MODE == KV_FP16) {
+        const uint4 w4 = *(const uint4*)((const half_t*)(base + off) + r * HD + c);
+        const unsigned w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) { x[2 * j] = h2_lo(w[j]); x[2 * j + 1] = h2_hi(w[j]); }
+    } else {
+        const uint2 w2 = *(const uint2*)((const i8*)(base + off) + r * HD + c);
+        const float s = h2f(((const half_t*)(base + soff))[r]);
+        const unsigned w[2] = {w2.x, w2.y};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            x[j] = __fmul_rn((float)(i8)((w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s);
+    }
+}
+
+// 2 consecutive values (dims c, c+1; c even) of row r of a K or V part.
+template <int MODE, int HD>
+__device__ __forceinline__ void kv_load2(const char* base, i64 off, i64 soff, i64 r, int c,
+                                         float* x) {
+    if (MODE == KV_FP16) {
+        const unsigned w = *(const unsigned*)((const half_t*)(base + off) + r * HD + c);
+        x[0] = h2_lo(w);
+        x[1] = h2_hi(w);
+    } else {
+        const unsigned short w = *(const unsigned short*)((const i8*)(base + off) + r * HD + c);
+        const float s = h2f(((const half_t*)(base + soff))[r]);
+        x[0] = __fmul_rn((float)(i8)(w & 0xFFu), s);
+        x[1] = __fmul_rn((float)(i8)(w >> 8), s);
+    }
+}

@@ -28,16 +28,13 @@
 
 enum { EPI_F16 = 0, EPI_RESID = 1, EPI_SWIGLU = 2, EPI_F32 = 3 };
 
-// Partial dot of one 16-byte chunk of row `row` with x; returns s*dot + z*sum(x).
+// Dot of one 16-byte chunk (chunk index c of its row) with x, given the chunk's group scale s
+// and zero z: returns s * sum q_k x_k + z * sum x_k.
 template <int BITS>
-__device__ __forceinline__ float chunk_dot(const uint4 wv, const half_t* __restrict__ x, int c,
-                                           const half_t* __restrict__ sc,
-                                           const half_t* __restrict__ zr, i64 row, int ngroups,
-                                           int log2g) {
+__device__ __forceinline__ float chunk_dot_sz(const uint4 wv, const half_t* __restrict__ x, int c,
+                                              float s, float z) {
     const int n_el = BITS == 4 ? 32 : 16;
     const int col0 = c * n_el;
-    const i64 gi = row * ngroups + (col0 >> log2g);
-    const float s = h2f(sc[gi]), z = h2f(zr[gi]);
     const uint4* xv = (const uint4*)(x + col0);
     float dot = 0.0f, sx = 0.0f;
     const unsigned w[4] = {wv.x, wv.y, wv.z, wv.w};
@@ -75,6 +72,17 @@ __device__ __forceinline__ float chunk_dot(const uint4 wv, const half_t* __restr
         }
     }
     return fmaf(s, dot, z * sx);
+}
+
+// Partial dot of one 16-byte chunk of row `row` with x; returns s*dot + z*sum(x).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(const uint4 wv, const half_t* __restrict__ x, int c,
+                                           const half_t* __restrict__ sc,
+                                           const half_t* __restrict__ zr, i64 row, int ngroups,
+                                           int log2g) {
+    const int col0 = c * (BITS == 4 ? 32 : 16);
+    const i64 gi = row * ngroups + (col0 >> log2g);
+    return chunk_dot_sz<BITS>(wv, x, c, h2f(sc[gi]), h2f(zr[gi]));
 }
 
 // One warp computes output row `row` (and `row + F` for SwiGLU) of y = x @ W.T and writes its
@@ -198,3 +206,262 @@ GEMV_NORM_ENTRY(gemv_norm_q4_f32, 4, EPI_F32)
 GEMV_NORM_ENTRY(gemv_norm_q8_f16, 8, EPI_F16)
 GEMV_NORM_ENTRY(gemv_norm_q8_swiglu, 8, EPI_SWIGLU)
 GEMV_NORM_ENTRY(gemv_norm_q8_f32, 8, EPI_F32)
+
+// ================================================================================================
+// GEMV v2 (the default decode path; v1 above stays selectable: TINYLOOP_GEMV=v1).
+//
+// Checked against: the same NumPy references as v1 (tests/gpu/test_kernels.py::test_linear*,
+// ::test_lm_head, ::test_rmsnorm_*_fused with T=1, run for v1 and v2) and
+// ::test_lm_head_argmax (the fused argmax against numpy.argmax of the kernel's own logits and of
+// the reference logits).
+//
+// What changes against v1, all for latency (a decode GEMV reads 0.3-3 MB, a few microseconds
+// at most at the copy bandwidth, so one DRAM round trip and the prologue dominate):
+// - A group of LPR lanes (4, 8, 16 or 32; a template parameter the host picks from the row
+//   length) owns a row; lane `sub` of the group takes 16-byte chunks sub, sub + LPR, ... A warp
+//   covers 32 / LPR rows, so short rows (K = 576 INT4: 18 chunks) keep most lanes busy and the
+//   grid can be spread over every SM.
+// - Each lane issues the loads of its first batch (GEMV2_U chunks of the first row, with their
+//   scales and zeros) BEFORE the prologue, so the weight round trip overlaps staging x into
+//   shared memory (or the RMSNorm of the residual row): the DRAM latency is paid once, not twice.
+// - x is always read from shared memory (staged by the block), never re-read from global per
+//   chunk.
+// - The row's partial sums are reduced across the LPR lanes with an xor butterfly (every lane of
+//   the group ends with the same total: a + b == b + a exactly), so the per-row arithmetic
+//   depends only on LPR: gemv2_norm_* and rmsnorm + gemv2_* give identical values.
+// - gemv2_norm_q*_argmax adds the greedy pick: each block reduces its rows' logits to a
+//   (value, id) pair by numpy.argmax's order, writes it to part_v / part_i[blockIdx.x], and the
+//   last block to finish (an atomic ticket after a __threadfence, CUDA's threadFenceReduction
+//   pattern) reduces the partials, writes the id and the row's fault code (logit_fault_code,
+//   as argmax_f32) to id_dev[0..1] and, when non-null, id_host[0..1] (mapped pinned memory),
+//   and re-arms the ticket to 0 for the next launch (graph replay safe).
+//
+// Block = blockDim.x threads, 64, 128 or 256 (runtime; the RMSNorm prologue emulates rmsnorm.cu's
+// 256-thread order, so its FP16 row is bit-identical for each). Dynamic shared memory = 2 K bytes.
+// Rows: warp-uniform grid-stride loop, so any grid >= 1 is correct (the host caps the
+// RMSNorm variants at one resident wave: each block normalizes the row once).
+// Needs K % 32 == 0, 16-byte aligned rows, N * LPR < 2^31 (the host checks).
+// ================================================================================================
+#define GEMV2_U 4           // 16-byte chunks per lane per batch (all loads of a batch in flight)
+
+// rmsnorm.cu's arithmetic for any blockDim.x dividing 256: thread t plays virtual threads
+// t + a * blockDim.x (a < 256 / blockDim.x) of a 256-thread block, with the same per-virtual-
+// thread fmaf order, the same warp_sum tree per virtual warp and the same 8-entry final sum, so
+// the FP16 row equals rmsnorm_f32_f16's bit for bit. Ends with a barrier.
+__device__ __forceinline__ void norm_row_v256(const float* __restrict__ xr,
+                                              const float* __restrict__ weight, double eps, int d,
+                                              half_t* xs) {
+    __shared__ float red[32];
+    const int nt = blockDim.x, na = 256 / nt;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = nt >> 5;
+    float ss[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        ss[a] = 0.0f;
+        if (a < na)
+            for (int i = threadIdx.x + a * nt; i < d; i += 256) ss[a] = fmaf(xr[i], xr[i], ss[a]);
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        ss[a] = warp_sum(ss[a]);                         // virtual warp warp + a * nw
+        if (a < na && lane == 0) red[warp + a * nw] = ss[a];
+    }
+    __syncthreads();
+    float r = lane < 8 ? red[lane] : 0.0f;
+    r = warp_sum(r);
+    const float inv = (float)(1.0 / sqrt((double)r / (double)d + eps));
+    for (int i = threadIdx.x; i < d; i += nt) xs[i] = f2h(xr[i] * inv * weight[i]);
+    __syncthreads();
+}
+
+// Loads of one batch: chunks c = c0 + j * LPR (j < GEMV2_U) of `row` (and row + F for SwiGLU)
+// with their scales and zeros; zeros where the chunk is past the row or the row is invalid.
+template <int BITS, int LPR, bool TWO>
+__device__ __forceinline__ void gemv2_load(uint4 (&wa)[GEMV2_U], float (&sa)[GEMV2_U],
+                                           float (&za)[GEMV2_U], uint4 (&wb)[GEMV2_U],
+                                           float (&sb)[GEMV2_U], float (&zb)[GEMV2_U],
+                                           const u8* __restrict__ qw,
+                                           const half_t* __restrict__ sc,
+                                           const half_t* __restrict__ zr, int row, int F,
+                                           bool valid, int c0, int cpr, int ngroups, int log2g) {
+    const int row_bytes = cpr * 16;
+    const int n_el = BITS == 4 ? 32 : 16;
+    const uint4* w0 = (const uint4*)(qw + (i64)row * row_bytes);
+    const uint4* w1 = (const uint4*)(qw + (i64)(row + F) * row_bytes);
+    const i64 g0 = (i64)row * ngroups, g1 = (i64)(row + F) * ngroups;
+#pragma unroll
+    for (int j = 0; j < GEMV2_U; ++j) {
+        const int c = c0 + j * LPR;
+        const bool ok = valid && c < cpr;
+        const int g = (c * n_el) >> log2g;
+        wa[j] = ok ? __ldg(w0 + c) : make_uint4(0u, 0u, 0u, 0u);
+        sa[j] = ok ? h2f(__ldg(sc + g0 + g)) : 0.0f;
+        za[j] = ok ? h2f(__ldg(zr + g0 + g)) : 0.0f;
+        if (TWO) {
+            wb[j] = ok ? __ldg(w1 + c) : make_uint4(0u, 0u, 0u, 0u);
+            sb[j] = ok ? h2f(__ldg(sc + g1 + g)) : 0.0f;
+            zb[j] = ok ? h2f(__ldg(zr + g1 + g)) : 0.0f;
+        }
+    }
+}
+
+// NORM: xin is the f32 residual row and nw the RMSNorm weight; else xin is the f16 row.
+// ARGMAX (EPI_F32 only): the fused greedy pick described above.
+template <int BITS, int EPI, int LPR, bool NORM, bool ARGMAX>
+__device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
+                                           const float* __restrict__ nw, double eps,
+                                           const u8* __restrict__ qw,
+                                           const half_t* __restrict__ sc,
+                                           const half_t* __restrict__ zr, int N, int K, int F,
+                                           int log2g, void* __restrict__ out,
+                                           float* __restrict__ part_v, int* __restrict__ part_i,
+                                           unsigned* __restrict__ ticket,
+                                           int* __restrict__ id_dev, int* __restrict__ id_host) {
+    constexpr bool TWO = EPI == EPI_SWIGLU;
+    constexpr int RPW = 32 / LPR;                         // rows per warp
+    half_t* xs = (half_t*)gemv_smem;
+    const int lane = threadIdx.x & 31, sub = lane & (LPR - 1);
+    const int gpb = blockDim.x / LPR;                     // rows per block and pass
+    const int cpr = (BITS == 4 ? K / 2 : K) >> 4;         // 16-byte chunks per row
+    const int ngroups = K >> log2g;
+    const int step = gridDim.x * gpb;
+    int r0 = blockIdx.x * gpb + (threadIdx.x >> 5) * RPW; // the warp's first row (warp-uniform)
+
+    uint4 wa[GEMV2_U], wb[GEMV2_U];
+    float sa[GEMV2_U], za[GEMV2_U], sb[GEMV2_U], zb[GEMV2_U];
+    {   // the first batch of the first row: in flight during the prologue
+        const int row = r0 + lane / LPR;
+        gemv2_load<BITS, LPR, TWO>(wa, sa, za, wb, sb, zb, qw, sc, zr, row, F, row < N, sub, cpr,
+                                   ngroups, log2g);
+    }
+    if (NORM) {
+        norm_row_v256((const float*)xin, nw, eps, K, xs);
+    } else {
+        const uint4* src = (const uint4*)xin;
+        uint4* dst = (uint4*)xs;
+        for (int i = threadIdx.x; i < K / 8; i += blockDim.x) dst[i] = src[i];
+        __syncthreads();
+    }
+
+    float best_v = TL_NEG_INF;
+    int best_i = 0x7fffffff;
+    bool preloaded = true;
+    for (; r0 < N; r0 += step) {
+        const int row = r0 + lane / LPR;
+        const bool valid = row < N;
+        float acc0 = 0.0f, acc1 = 0.0f;
+        for (int cb = 0; cb < cpr; cb += GEMV2_U * LPR) {
+            if (!preloaded)
+                gemv2_load<BITS, LPR, TWO>(wa, sa, za, wb, sb, zb, qw, sc, zr, row, F, valid,
+                                           cb + sub, cpr, ngroups, log2g);
+            preloaded = false;
+#pragma unroll
+            for (int j = 0; j < GEMV2_U; ++j) {
+                const int c = cb + sub + j * LPR;
+                if (valid && c < cpr) {
+                    acc0 += chunk_dot_sz<BITS>(wa[j], xs, c, sa[j], za[j]);
+                    if (TWO) acc1 += chunk_dot_sz<BITS>(wb[j], xs, c, sb[j], zb[j]);
+                }
+            }
+        }
+#pragma unroll
+        for (int o = LPR / 2; o > 0; o >>= 1) {
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
+            if (TWO) acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
+        }
+        if (valid && sub == 0) {
+            if (EPI == EPI_F16) ((half_t*)out)[row] = f2h(acc0);
+            if (EPI == EPI_F32) ((float*)out)[row] = acc0;
+            if (EPI == EPI_RESID) ((float*)out)[row] += acc0;
+            if (EPI == EPI_SWIGLU)
+                ((half_t*)out)[row] = f2h(acc0 / (1.0f + __expf(-acc0)) * acc1);
+        }
+        if (ARGMAX && valid && argmax_before(acc0, row, best_v, best_i)) {
+            best_v = acc0;
+            best_i = row;
+        }
+    }
+    if (ARGMAX) {
+        __shared__ float sv[32];
+        __shared__ int si[32];
+        __shared__ bool last;
+        block_argmax(best_v, best_i, sv, si);
+        if (threadIdx.x == 0) {
+            part_v[blockIdx.x] = best_v;
+            part_i[blockIdx.x] = best_i;
+            __threadfence();                              // partial visible before the ticket
+            last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        best_v = TL_NEG_INF;
+        best_i = 0x7fffffff;
+        for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+            const float v = __ldcg(part_v + b);           // L2: other blocks' writes
+            const int i = __ldcg(part_i + b);
+            if (argmax_before(v, i, best_v, best_i)) { best_v = v; best_i = i; }
+        }
+        block_argmax(best_v, best_i, sv, si);
+        if (threadIdx.x == 0) {
+            const int code = logit_fault_code(best_v);    // as argmax_f32 writes it
+            id_dev[0] = best_i;
+            id_dev[1] = code;
+            if (id_host) { id_host[0] = best_i; id_host[1] = code; }
+            *ticket = 0u;                                 // re-armed for the next launch
+        }
+    }
+}
+
+#define GEMV2_ENTRY(NAME, BITS, EPI, LPR)                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                        \
+        NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
+             i64 F, i64 log2g, void* out) {                                                   \
+        gemv2_body<BITS, EPI, LPR, false, false>(x, nullptr, 0.0, qw, sc, zr, (int)N, (int)K, \
+                                                 (int)F, (int)log2g, out, nullptr, nullptr,  \
+                                                 nullptr, nullptr, nullptr);                 \
+    }
+
+#define GEMV2_NORM_ENTRY(NAME, BITS, EPI, LPR)                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                        \
+        NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
+             const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
+        gemv2_body<BITS, EPI, LPR, true, false>(x, weight, eps, qw, sc, zr, (int)N, (int)K,   \
+                                                (int)F, (int)log2g, out, nullptr, nullptr,   \
+                                                nullptr, nullptr, nullptr);                  \
+    }
+
+// out f32 [N] logits (written too: the API keeps the row); part_v / part_i [>= grid];
+// ticket: one u32, 0 before the first launch; id_dev: int [2]; id_host: mapped int [2] or null.
+#define GEMV2_ARGMAX_ENTRY(NAME, BITS, LPR)                                                   \
+    extern "C" __global__ void __launch_bounds__(256)                                        \
+        NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
+             const half_t* zr, i64 N, i64 K, i64 log2g, float* out, float* part_v,            \
+             int* part_i, unsigned* ticket, int* id_dev, int* id_host) {                      \
+        gemv2_body<BITS, EPI_F32, LPR, true, true>(x, weight, eps, qw, sc, zr, (int)N, (int)K, \
+                                                   0, (int)log2g, out, part_v, part_i,        \
+                                                   ticket, id_dev, id_host);                  \
+    }
+
+#define GEMV2_ALL(LPR)                                                                        \
+    GEMV2_ENTRY(gemv2_q4_f16_l##LPR, 4, EPI_F16, LPR)                                         \
+    GEMV2_ENTRY(gemv2_q4_resid_l##LPR, 4, EPI_RESID, LPR)                                     \
+    GEMV2_ENTRY(gemv2_q4_swiglu_l##LPR, 4, EPI_SWIGLU, LPR)                                   \
+    GEMV2_ENTRY(gemv2_q4_f32_l##LPR, 4, EPI_F32, LPR)                                         \
+    GEMV2_ENTRY(gemv2_q8_f16_l##LPR, 8, EPI_F16, LPR)                                         \
+    GEMV2_ENTRY(gemv2_q8_resid_l##LPR, 8, EPI_RESID, LPR)                                     \
+    GEMV2_ENTRY(gemv2_q8_swiglu_l##LPR, 8, EPI_SWIGLU, LPR)                                   \
+    GEMV2_ENTRY(gemv2_q8_f32_l##LPR, 8, EPI_F32, LPR)                                         \
+    GEMV2_NORM_ENTRY(gemv2_norm_q4_f16_l##LPR, 4, EPI_F16, LPR)                               \
+    GEMV2_NORM_ENTRY(gemv2_norm_q4_swiglu_l##LPR, 4, EPI_SWIGLU, LPR)                         \
+    GEMV2_NORM_ENTRY(gemv2_norm_q4_f32_l##LPR, 4, EPI_F32, LPR)                               \
+    GEMV2_NORM_ENTRY(gemv2_norm_q8_f16_l##LPR, 8, EPI_F16, LPR)                               \
+    GEMV2_NORM_ENTRY(gemv2_norm_q8_swiglu_l##LPR, 8, EPI_SWIGLU, LPR)                         \
+    GEMV2_NORM_ENTRY(gemv2_norm_q8_f32_l##LPR, 8, EPI_F32, LPR)                               \
+    GEMV2_ARGMAX_ENTRY(gemv2_norm_q4_argmax_l##LPR, 4, LPR)                                   \
+    GEMV2_ARGMAX_ENTRY(gemv2_norm_q8_argmax_l##LPR, 8, LPR)
+
+GEMV2_ALL(4)
+GEMV2_ALL(8)
+GEMV2_ALL(16)
+GEMV2_ALL(32)

@@ -10,6 +10,7 @@ import pytest
 
 import tinyloop
 from tinyloop import errors
+from tinyloop.backends.base import Ops
 from tinyloop.memory import get_pool
 from tinyloop.plan import plan_bytes_by_phase
 
@@ -459,6 +460,12 @@ class ScriptedOps:
 
     def sample(self, logits, temperature, top_k, top_p, u):
         return self._script.pop(0)
+
+    def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
+                               u):
+        # the composition (head, then this object's scripted sample), not a fused backend's
+        return Ops.rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature,
+                                          top_k, top_p, u)
 
 
 def _reference_text(tok, ids, stops, max_new_tokens, eos):

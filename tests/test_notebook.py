@@ -43,6 +43,6 @@ def test_notebook_runs(tmp_path, tiny_model_path, monkeypatch):
     assert "VERDICT:" in text and "TinyLoop memory on host" in text
     images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                  if "image/png" in o.get("data", {}))
-    assert images == 4
+    assert images == 5             # leak, fragment (2), report, KV bytes by mode
     for name in ("leak.json", "fragment.json", "report.html", "leak_memory.png"):
         assert (out / name).stat().st_size > 0, name

@@ -130,13 +130,17 @@ def check_non_finite_generation(path: str, backend: str) -> None:
                                       (5, np.nan, "nan")):
             calls = []
 
-            def head(pos0, t, out, bad_call=bad_call, value=value):
-                real_head(pos0, t, out)
-                calls.append(pos0)
+            # generate samples through Model.head_sample (the CUDA backend fuses head and
+            # argmax): spoil the logit row of one call, then sample it as the backend does
+            def head_sample(pos, out, temperature, top_k, top_p, u, bad_call=bad_call,
+                            value=value):
+                real_head(pos, 1, out)
+                calls.append(pos)
                 if len(calls) == bad_call:
                     out[...] = value
+                return int(m.ops.sample(out[0], temperature, top_k, top_p, u))
 
-            m.head = head
+            m.head_sample = head_sample
             step, position = bad_call - 1, len(prompt) - 1 + bad_call - 1
             for temperature in (0.0, 0.8):
                 calls.clear()
@@ -151,7 +155,7 @@ def check_non_finite_generation(path: str, backend: str) -> None:
                         got.append(t.token_id)
                 assert got == want[:len(got)] and len(got) <= step
                 assert pool.by_tag()["kv_cache"] == kv0
-            del m.head
+            del m.head_sample
         assert m.generate(prompt, max_new_tokens=5).token_ids == want
     finally:
         tinyloop.free_model(m)

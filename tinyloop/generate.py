@@ -128,7 +128,6 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
     if max_new_tokens == 0:
         return
     tok = model.tokenizer
-    ops = model.ops
     cache = model.new_kv_cache(depth, total, kv_mode=kv_mode)
 
     def step(step_ids, pos0: int) -> int:
@@ -136,12 +135,16 @@ def stream(model, prompt, max_new_tokens=64, depth=None, temperature=0.0, top_k=
         with model.lock:
             model.check_alive()
             row = model.logit_row()
-            model.forward(step_ids, pos0, depth, cache)
             pos = pos0 + len(step_ids) - 1
-            model.head(pos, 1, row)
-            u = float(rng.random()) if temperature > 0 else 0.0
             try:
-                return int(ops.sample(row[0], temperature, top_k, top_p, u))
+                if len(step_ids) == 1 and pos0 > 0:
+                    # greedy decode runs as one captured graph where the backend can
+                    nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature)
+                    if nxt is not None:
+                        return nxt
+                model.forward(step_ids, pos0, depth, cache)
+                u = float(rng.random()) if temperature > 0 else 0.0
+                return model.head_sample(pos, row, temperature, top_k, top_p, u)
             except NonFiniteLogitsError as e:
                 raise non_finite_logits(e.kind, step=len(new), position=pos) from None
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
+from .backends.base import LOGIT_FAULTS, non_finite_logits
 from .config import check_load_args, kv_mode_from_env
 from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
 from .format import read_tlm
@@ -135,6 +136,7 @@ class Model:
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
+        self._graphs = None      # DecodeGraphs: the captured decode steps (made at first use)
         # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
         self._cupy_routing = (route_cupy_allocations(self._pool) if self._ops.name == "cuda"
                               else None)
@@ -240,6 +242,9 @@ class Model:
             self._freed = True
             with _live_lock:
                 _live_models.discard(self)
+            graphs, self._graphs = self._graphs, None
+            if graphs is not None:
+                graphs.release()        # its graphs and "graphs" blocks, before the views go
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -452,8 +457,7 @@ class Model:
 
     def _forward_chunk(self, ids, pos0: int, t: int, depth: int,
                        cache: RuntimeKVCache) -> None:
-        cfg, ops = self.config, self._ops
-        p, r = cfg.n_prelude, cfg.n_recurrent
+        ops = self._ops
         v = self._views(t)
         x = self._buf.main[pos0:pos0 + t]                           # [T, d] float32
         if t == 1:
@@ -461,24 +465,32 @@ class Model:
         else:
             ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
             ops.embed(self._embed, v["ids"], x)
+        self._layers_of(x, v, depth, cache.slot, pos0, None)
+
+    def _layers_of(self, x, v: dict, depth: int, kv_of, pos0, step) -> None:
+        """Every layer slot of the looped stack over residual rows ``x``: prelude, ``depth``
+        passes of the recurrent block (with the injection adapter), coda. ``kv_of(slot)``
+        gives a slot's SlotKV; positions come from ``pos0`` (host) or, when ``step`` is given,
+        from the device step state (``Ops.kv_write_step``)."""
+        cfg, ops = self.config, self._ops
+        p, r = cfg.n_prelude, cfg.n_recurrent
         for i in range(p):
-            self._layer(i, i, x, pos0, v, cache)
+            self._layer(i, kv_of(i), x, pos0, v, step)
         if r:
             if self._adapter is not None:
                 e = v["inject"]                                      # prelude output [T, d]
-                e[...] = x
+                ops.copy(x, e)
             for it in range(depth):
                 if self._adapter is not None:
                     ops.inject(x, e, self._adapter, v["cat"], v["norm"])
                 for j in range(r):
-                    self._layer(p + j, p + it * r + j, x, pos0, v, cache)
+                    self._layer(p + j, kv_of(p + it * r + j), x, pos0, v, step)
         for c in range(cfg.n_coda):
-            self._layer(p + r + c, p + r * depth + c, x, pos0, v, cache)
+            self._layer(p + r + c, kv_of(p + r * depth + c), x, pos0, v, step)
 
-    def _layer(self, li: int, slot: int, x, pos0: int, v: dict, cache: RuntimeKVCache) -> None:
+    def _layer(self, li: int, kv, x, pos0, v: dict, step=None) -> None:
         cfg, ops, lw = self.config, self._ops, self._layers[li]
         norm, qkv = v["norm"], v["qkv"]
-        kv = cache.slot(slot)
         recon = None
         if kv.layout.stores_h:
             # the normed rows are what the slot stores, so the pair runs unfused
@@ -490,20 +502,83 @@ class Model:
         h = norm
         if recon is not None and recon.norm is not None:
             h = x                                   # the residual-source measurement
-        ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
-                     cfg.head_dim, kv)
-        ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"],
-                         recon)
+        if step is None:
+            ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                         cfg.head_dim, kv)
+            ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                             v["att"], recon)
+        else:
+            ops.kv_write_step(qkv, h, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                              cfg.head_dim, kv)
+            ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                  v["att"], recon)
         ops.linear_residual(v["att"], lw.attn_output, x)
         ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
                                   v["h"], norm)
         ops.linear_residual(v["h"], lw.ffn_down, x)
+
+    def decode_step_ops(self, step, x, depth: int, slots, host_out) -> None:
+        """Issue one greedy decode step driven by the device step state ``step`` (int32
+        [STEP_WORDS], ``backends.base``): embed ``step[STEP_ID]`` into the residual row ``x``
+        f32 [1, d], run every slot (``slots[s]``: SlotKV) at position ``step[STEP_POS]``, final
+        RMSNorm + LM head into ``logit_row()`` with the argmax written back to ``step``, then
+        advance the position and copy (id, fault) to ``host_out``. Reads nothing on the host,
+        so ``graphs.DecodeGraphs`` captures it once per key and replays it every step. Every
+        array it touches exists before (no allocation)."""
+        cfg, ops = self.config, self._ops
+        v = self._views(1)
+        ops.embed(self._embed, step[:1], x)
+        self._layers_of(x, v, depth, slots.__getitem__, None, step)
+        ops.head_argmax_step(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(),
+                             v["norm"], step)
+        ops.step_advance(step, host_out)
 
     def head(self, pos0: int, t: int, out) -> None:
         """Final RMSNorm + LM head of residual rows pos0..pos0+t into ``out`` f32 [t, vocab]."""
         cfg = self.config
         self._ops.rmsnorm_lm_head(self._buf.main[pos0:pos0 + t], self._output_norm,
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
+
+    def head_sample(self, pos: int, out, temperature: float, top_k: int, top_p: float,
+                    u: float) -> int:
+        """Final RMSNorm + LM head of residual row ``pos`` into ``out`` f32 [1, vocab], then the
+        next token id by ``numpy_ops.sample_from_logits``'s rule (``Ops.rmsnorm_lm_head_sample``:
+        one fused launch for greedy decode on the CUDA backend, only the id crosses)."""
+        cfg = self.config
+        return int(self._ops.rmsnorm_lm_head_sample(
+            self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
+            self._views(1)["norm"], temperature, top_k, top_p, u))
+
+    @property
+    def decode_graphs(self):
+        """The model's captured decode steps (``graphs.DecodeGraphs``, made at first use)."""
+        if self._graphs is None:
+            from .graphs import DecodeGraphs
+            self._graphs = DecodeGraphs(self)
+        return self._graphs
+
+    def decode_step(self, cache: RuntimeKVCache, token: int, pos: int,
+                    temperature: float) -> int | None:
+        """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
+        through the captured decode step (``graphs.DecodeGraphs.step``), or None when this
+        step does not run as a graph (graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling with
+        temperature > 0, or a KV mode the backend cannot capture): the caller then runs
+        ``forward`` + ``head_sample``. Raises NonFiniteLogitsError (no step / position: the
+        caller adds them) for a non-finite logit row, as ``head_sample`` does."""
+        g = self.decode_graphs
+        if not g.eligible(cache, temperature):
+            return None
+        nxt, code = g.step(cache, int(token), int(pos))
+        if code:
+            raise non_finite_logits(LOGIT_FAULTS[code])
+        return nxt
+
+    def graph_stats(self) -> dict:
+        """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
+        ``graphs``), ``keys``, ``captures``, ``replays`` (``graphs.DecodeGraphs.stats``)."""
+        if self._graphs is None:
+            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0}
+        return self._graphs.stats()
 
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None, kv_mode=None) -> np.ndarray:

@@ -175,6 +175,28 @@ def test_synthetic_decode_logits_match_reference(small_path):
         tinyloop.free_model(ref)
 
 
+def test_fused_greedy_head_matches_head_then_sample(small_path):
+    """generate's greedy step (the fused RMSNorm + LM head + argmax launch, only the id read
+    back) picks exactly the ids that ``head`` + ``sample`` pick from the same cache."""
+    cu = tinyloop.load_model(small_path, max_seq_len=64, backend="cuda")
+    try:
+        prompt = [5, 17, 250, 3, 99]
+        r = cu.generate(prompt, max_new_tokens=24, depth=2)
+        assert r.token_ids
+        seq = list(prompt)
+        with cu.new_kv_cache(2, 64) as cache:
+            row = cu.logit_row()
+            cu.forward(np.array(seq, np.int32), 0, 2, cache)
+            for i, tok in enumerate(r.token_ids):
+                cu.head(len(seq) - 1, 1, row)
+                nxt = int(cu._ops.sample(row[0], 0.0, 0, 1.0, 0.0))
+                assert nxt == tok, (i, nxt, tok)
+                seq.append(nxt)
+                cu.forward(np.array([nxt], np.int32), len(seq) - 1, 2, cache)
+    finally:
+        tinyloop.free_model(cu)
+
+
 def test_sampling_matches_reference_rule(small_path):
     """Same logits + same uniform draws -> same token, for the device sampler and the rule."""
     from tinyloop.backends.numpy_ops import sample_from_logits

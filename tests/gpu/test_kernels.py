@@ -26,21 +26,32 @@ if not cuda_available():
 
 import cupy  # noqa: E402
 
-from tinyloop.backends.base import Ops  # noqa: E402
+from tinyloop.backends import cuda_ops  # noqa: E402
+from tinyloop.backends.base import STEP_POS, STEP_WORDS, Ops  # noqa: E402
 from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
 from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
-from tinyloop.errors import ConfigError  # noqa: E402
+from tinyloop.errors import ConfigError, NonFiniteLogitsError  # noqa: E402
 from tinyloop.quant import QuantWeight, dequantize, quantize  # noqa: E402
 
 BITS_G = [(b, g) for b in (4, 8) for g in (32, 64, 128)]
 F16_RTOL = 2e-3        # FP16 output rounding (half an ulp is 4.9e-4) plus float accumulation
 
 
+_OPS: dict = {}
+
+
 @pytest.fixture(scope="module")
-def ops():
-    o = CudaOps()
-    o.compile_all()
-    return o
+def ops(request):
+    """CudaOps with the default decode GEMV (v2), or the version a test passes indirectly
+    (``@ALL_GEMVS``: each GEMV test runs for v1 and v2)."""
+    ver = getattr(request, "param", "v2")
+    if ver not in _OPS:
+        o = _OPS[ver] = CudaOps(gemv=ver)
+        o.compile_all()
+    return _OPS[ver]
+
+
+ALL_GEMVS = pytest.mark.parametrize("ops", ["v1", "v2"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +199,7 @@ def test_rmsnorm(ops, ref, rng, t, d):
 SHAPES = [(1, 100, 640), (1, 960, 256), (7, 100, 640), (130, 200, 256), (65, 64, 1152)]
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits,g", BITS_G)
 @pytest.mark.parametrize("t,n,k", SHAPES)
 @pytest.mark.parametrize("cache", [False, True])
@@ -204,6 +216,7 @@ def test_linear(ops, ref, rng, bits, g, t, n, k, cache):
     assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL, what="linear")
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits,g", BITS_G)
 @pytest.mark.parametrize("t,n,k", [(1, 576, 1536), (1, 70, 256), (130, 576, 1536), (9, 70, 256)])
 @pytest.mark.parametrize("cache", [False, True])
@@ -224,6 +237,7 @@ def test_linear_residual(ops, ref, rng, bits, g, t, n, k, cache):
     assert_close(res, want, atol=atol, rtol=1e-6, what="linear_residual")
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits,g", BITS_G)
 @pytest.mark.parametrize("t,f,k", [(1, 1536, 576), (1, 40, 256), (67, 1536, 576), (3, 40, 256)])
 @pytest.mark.parametrize("cache", [False, True])
@@ -255,6 +269,7 @@ def test_linear_swiglu(ops, ref, rng, bits, g, t, f, k, cache):
     assert_close(out, want, atol=3e-3 * rms(want) + prop, rtol=F16_RTOL, what="linear_swiglu")
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("t", [1, 3, 70])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_lm_head(ops, ref, rng, t, bits):
@@ -269,6 +284,7 @@ def test_lm_head(ops, ref, rng, t, bits):
     assert_close(out, want, atol=2e-3 * rms(want), rtol=1e-3, what="lm_head")
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits,g", BITS_G)
 @pytest.mark.parametrize("t", [1, 5, 70])
 @pytest.mark.parametrize("e_dtype", [np.float32, np.float16])
@@ -330,6 +346,7 @@ def assert_unwritten(norm, what):
     assert cupy.isnan(norm).all(), f"{what}: the fused path wrote the norm scratch"
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits,g", BITS_G)
 @pytest.mark.parametrize("d", NORM_D)
 @pytest.mark.parametrize("n", [960, 100])
@@ -350,6 +367,7 @@ def test_rmsnorm_linear_fused(ops, ref, rng, bits, g, d, n):
     assert_within_f16_rounding(out, un, "rmsnorm_linear fused vs unfused")
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits,g", BITS_G)
 @pytest.mark.parametrize("d,f", [(576, 1536), (96, 40), (1504, 200), (8192, 72)])
 def test_rmsnorm_linear_swiglu_fused(ops, ref, rng, bits, g, d, f):
@@ -371,6 +389,7 @@ def test_rmsnorm_linear_swiglu_fused(ops, ref, rng, bits, g, d, f):
     assert_within_f16_rounding(out, un, "rmsnorm_linear_swiglu fused vs unfused")
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits,g,vocab,d", [(4, 32, 5003, 576), (8, 32, 5003, 576),
                                             (4, 128, 1000, 8192), (8, 64, 1000, 8192),
                                             (8, 32, 49157, 576)])
@@ -391,6 +410,7 @@ def test_rmsnorm_lm_head_fused(ops, ref, rng, bits, g, vocab, d):
                                atol=2.0 ** -11 * rms(cupy.asnumpy(un)))
 
 
+@ALL_GEMVS
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rmsnorm_fused_grid_stride(ops, rng, monkeypatch, bits):
     """A capped grid (blocks striding over rows, each normalizing the row itself) gives
@@ -410,7 +430,8 @@ def test_rmsnorm_fused_grid_stride(ops, rng, monkeypatch, bits):
         return [cupy.asnumpy(o) for o in (o1, o2, o3)]
     full = run()
     for cap in (1, 3):
-        monkeypatch.setattr(ops, "_norm_blocks", cap)
+        monkeypatch.setattr(ops, "_norm_blocks", cap)      # v1's RMSNorm-fused grid
+        monkeypatch.setattr(ops, "_grid_cap", cap)         # every v2 grid
         for a, b in zip(run(), full):
             assert np.isfinite(a).all() and np.array_equal(a, b), f"grid cap {cap}"
     assert_unwritten(norm, "grid stride")
@@ -464,6 +485,197 @@ def test_rmsnorm_fused_errors_name_the_bad_value(ops, rng):
         ops.rmsnorm_linear(x, wt, EPS, dw, cupy.empty((1, 63), cupy.float16), norm)
     with pytest.raises(ConfigError, match="out must be float32, got float16"):
         ops.rmsnorm_lm_head(x, wt, EPS, dw, out, norm)
+
+
+# --- GEMV v2: every lanes-per-row / block size; the LM head's fused argmax -----------------------
+_V2_OPS: dict = {}
+
+
+def v2_ops(lpr, threads):
+    """CudaOps whose v2 GEMVs use ``lpr`` lanes per row and ``threads``-thread blocks."""
+    if (lpr, threads) not in _V2_OPS:
+        _V2_OPS[(lpr, threads)] = CudaOps(gemv="v2", gemv_lpr=lpr, gemv_threads=threads)
+    return _V2_OPS[(lpr, threads)]
+
+
+@pytest.mark.parametrize("lpr", [4, 8, 16, 32])
+@pytest.mark.parametrize("threads", [64, 128, 256])
+@pytest.mark.parametrize("bits,g,n,k", [(4, 32, 203, 576), (8, 32, 37, 1536), (4, 64, 11, 8192),
+                                        (8, 128, 70, 4096)])
+def test_gemv2_geometries(ref, rng, lpr, threads, bits, g, n, k):
+    """Each v2 geometry, each epilogue, against NumPy; a capped grid (rows strided, every
+    block normalizing the row) bit-identical to the full one; the RMSNorm-fused kernels
+    bit-identical to rmsnorm + the same GEMV. K = 4096 / 8192 with 4 lanes per row takes
+    several batches of chunks per row."""
+    o = v2_ops(lpr, threads)
+    w = rand_weight(rng, 2 * n, k, bits, g)          # 2n rows (gate|up for the SwiGLU epilogue)
+    dw = dev_weight(o, w)
+    assert o._info(dw).lpr == lpr
+    xh, x = f16(rng, 1, k)
+    xr, wt = resid_row(rng, 1, k)
+    res0 = rng.standard_normal((1, 2 * n)).astype(np.float32)
+    xn = ref_normed(ref, xr, wt)
+    want, want_sw = np.empty((1, 2 * n), np.float32), np.empty((1, n), np.float32)
+    want_n, want_nsw = np.empty((1, 2 * n), np.float32), np.empty((1, n), np.float32)
+    want_res = res0.copy()
+    ref.linear(x, w, want)
+    ref.linear_swiglu(x, w, None, want_sw)
+    ref.linear_residual(x, w, want_res)
+    ref.linear(xn, w, want_n)
+    ref.linear_swiglu(xn, w, None, want_nsw)
+    xd, xrd, wtd = cupy.asarray(xh), cupy.asarray(xr), cupy.asarray(wt)
+    norm = poisoned((1, k), cupy.float16)
+
+    def run():
+        outs = [poisoned((1, 2 * n), cupy.float16), poisoned((1, 2 * n), cupy.float32),
+                poisoned((1, n), cupy.float16), cupy.asarray(res0),
+                poisoned((1, 2 * n), cupy.float16), poisoned((1, n), cupy.float16),
+                poisoned((1, 2 * n), cupy.float32)]
+        o.linear(xd, dw, outs[0])
+        o.lm_head(xd, dw, outs[1])
+        o.linear_swiglu(xd, dw, None, outs[2])
+        o.linear_residual(xd, dw, outs[3])
+        o.rmsnorm_linear(xrd, wtd, EPS, dw, outs[4], norm)
+        o.rmsnorm_linear_swiglu(xrd, wtd, EPS, dw, None, outs[5], norm)
+        o.rmsnorm_lm_head(xrd, wtd, EPS, dw, outs[6], norm)
+        return [cupy.asnumpy(a) for a in outs]
+    full = run()
+    for cap in (1, 3):
+        o._grid_cap = cap
+        try:
+            capped = run()
+        finally:
+            o._grid_cap = None
+        for i, (a, b) in enumerate(zip(capped, full)):
+            assert np.array_equal(a, b), f"output {i}: grid cap {cap} differs"
+    f16_, f32_, sw, res, n16, nsw, n32 = full
+    what = f"v2 lpr={lpr} threads={threads}"
+    assert_close(f16_, want, atol=2e-3 * rms(want), rtol=F16_RTOL, what=f"{what} linear")
+    assert_close(f32_, want, atol=2e-3 * rms(want), rtol=1e-3, what=f"{what} lm_head")
+    assert_close(sw, want_sw, atol=3e-3 * rms(want_sw), rtol=F16_RTOL, what=f"{what} swiglu")
+    assert_close(res, want_res, atol=2e-3 * rms(want_res - res0), rtol=1e-6,
+                 what=f"{what} residual")
+    assert_close(n16, want_n, atol=2e-3 * rms(want_n), rtol=F16_RTOL, what=f"{what} norm+linear")
+    assert_close(nsw, want_nsw, atol=3e-3 * rms(want_nsw), rtol=F16_RTOL,
+                 what=f"{what} norm+swiglu")
+    assert_close(n32, want_n, atol=2e-3 * rms(want_n), rtol=1e-3, what=f"{what} norm+lm_head")
+    assert_unwritten(norm, what)
+    # fused == rmsnorm + the same v2 GEMV, bit for bit (the norm prologue emulates rmsnorm.cu)
+    nrm = poisoned((1, k), cupy.float16)
+    o.rmsnorm(xrd, wtd, EPS, nrm)
+    u16, usw, u32 = (poisoned((1, 2 * n), cupy.float16), poisoned((1, n), cupy.float16),
+                     poisoned((1, 2 * n), cupy.float32))
+    o.linear(nrm, dw, u16)
+    o.linear_swiglu(nrm, dw, None, usw)
+    o.lm_head(nrm, dw, u32)
+    for name, a, b in (("linear", n16, u16), ("swiglu", nsw, usw), ("lm_head", n32, u32)):
+        assert np.array_equal(a, cupy.asnumpy(b)), f"{what}: fused {name} != rmsnorm + {name}"
+
+
+def _device_id(ops) -> tuple:
+    """The device copy of the fused argmax's (id, fault code) (what a captured step would
+    feed back)."""
+    mem = cupy.cuda.UnownedMemory(ops._id_dev, 8, ops)
+    got = cupy.ndarray((2,), cupy.int32, cupy.cuda.MemoryPointer(mem, 0)).get()
+    return int(got[0]), int(got[1])
+
+
+def _copy_row(w: QuantWeight, src: int, dst: int) -> None:
+    for name in ("qweight", "scales", "zeros"):
+        getattr(w, name)[dst] = getattr(w, name)[src]
+
+
+@pytest.mark.parametrize("bits,g,vocab,d", [(8, 32, 49152, 576), (4, 32, 5003, 576),
+                                            (8, 32, 49157, 576), (4, 128, 1000, 8192),
+                                            (8, 32, 1, 64)])
+@pytest.mark.parametrize("case", ["plain", "ties", "nan"])
+def test_lm_head_argmax(ops, ref, rng, bits, g, vocab, d, case):
+    """rmsnorm_lm_head_sample at temperature 0: one launch whose id is numpy.argmax of the
+    logits it wrote (the lowest id among equal maxima; a NaN row raises NonFiniteLogitsError as
+    sample does, with the first NaN's id and code 1 on the device), also under grid caps
+    1 / 3 and on repeated launches (the last-block ticket re-arms); the logits match NumPy,
+    and the id is NumPy's argmax wherever the top-2 margin exceeds the tolerance."""
+    w = rand_weight(rng, vocab, d, bits, g)
+    x, wt = resid_row(rng, 1, d)
+    want = np.empty((1, vocab), np.float32)
+    ref.lm_head(ref_normed(ref, x, wt), w, want)
+    expect_id = None
+    if case == "ties" and vocab > 2:          # the best row copied to a lower and the last id
+        first = poisoned((1, vocab), cupy.float32)          # the kernel's own best row
+        ops.rmsnorm_lm_head(cupy.asarray(x), cupy.asarray(wt), EPS, dev_weight(ops, w), first,
+                            poisoned((1, d), cupy.float16))
+        m = int(np.argmax(cupy.asnumpy(first)[0]))
+        lo = m // 2 if m else 1
+        _copy_row(w, m, lo)
+        _copy_row(w, m, vocab - 1)
+        expect_id = min(m, lo)
+    if case == "nan":                         # NaN scales: NaN logits; the first NaN wins
+        bad = sorted(rng.choice(vocab, min(2, vocab), replace=False).tolist())
+        w.scales[bad, 0] = np.float16(np.nan)     # vocab 1: its one row (was left finite)
+        expect_id = bad[0]
+    ref.lm_head(ref_normed(ref, x, wt), w, want)
+    dw = dev_weight(ops, w)
+    xd, wtd = cupy.asarray(x), cupy.asarray(wt)
+    norm = poisoned((1, d), cupy.float16)
+    ids, rows = [], []
+    for cap in (None, 1, 3, None):
+        ops._grid_cap = cap
+        try:
+            out = poisoned((1, vocab), cupy.float32)
+            if case == "nan":                 # refused as sample refuses it (fault code 1)
+                with pytest.raises(NonFiniteLogitsError) as err:
+                    ops.rmsnorm_lm_head_sample(xd, wtd, EPS, dw, out, norm, 0.0, 0, 1.0, 0.0)
+                assert err.value.kind == "nan"
+                ids.append(_device_id(ops)[0])
+            else:
+                ids.append(ops.rmsnorm_lm_head_sample(xd, wtd, EPS, dw, out, norm, 0.0, 0,
+                                                      1.0, 0.0))
+            rows.append(cupy.asnumpy(out)[0])
+        finally:
+            ops._grid_cap = None
+        assert _device_id(ops) == (ids[-1], 1 if case == "nan" else 0)
+    logits = rows[0]
+    for r in rows[1:]:
+        assert np.array_equal(r, logits, equal_nan=True)
+    assert len(set(ids)) == 1, f"ids differ across grid caps / launches: {ids}"
+    got = ids[0]
+    assert got == int(np.argmax(logits))
+    if case != "nan":
+        assert got == sample_from_logits(logits, 0.0, 0, 1.0, 0.5)
+    assert_unwritten(norm, "rmsnorm_lm_head_sample")
+    if expect_id is not None:
+        assert got == expect_id, f"{case}: got id {got}, expected {expect_id}"
+    if case == "nan":
+        return
+    atol = 2e-3 * rms(want)
+    assert_close(logits, want[0], atol=atol, rtol=1e-3, what="fused head logits")
+    top2 = np.sort(want[0])[-2:] if vocab > 1 else np.array([0.0, 1.0])
+    if case == "plain" and top2[1] - top2[0] > 4 * (atol + 1e-3 * abs(top2[1])):
+        assert got == int(np.argmax(want[0]))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (1.0, 40, 0.9)])
+def test_lm_head_sample_nongreedy(ops, ref, rng, temperature, top_k, top_p):
+    """temperature > 0: the logits rmsnorm_lm_head writes, then sample: the rule's pick."""
+    vocab, d = 3001, 576
+    w = rand_weight(rng, vocab, d, 8, 32)
+    dw = dev_weight(ops, w)
+    x, wt = resid_row(rng, 1, d)
+    xd, wtd = cupy.asarray(x), cupy.asarray(wt)
+    out, norm = poisoned((1, vocab), cupy.float32), poisoned((1, d), cupy.float16)
+    for u in rng.random(10):
+        got = ops.rmsnorm_lm_head_sample(xd, wtd, EPS, dw, out, norm, temperature, top_k,
+                                         top_p, float(u))
+        logits = cupy.asnumpy(out)[0]
+        assert got == sample_from_logits(logits, temperature, top_k, top_p, float(u))
+
+
+def test_gemv_settings_errors_name_the_setting(monkeypatch):
+    with pytest.raises(ConfigError, match="TINYLOOP_GEMV"):
+        CudaOps(gemv="v3")
+    monkeypatch.setenv("TINYLOOP_GEMV_LPR", "6")
+    with pytest.raises(ConfigError, match="TINYLOOP_GEMV_LPR"):
+        CudaOps()
 
 
 # --- RoPE, the paged KV write and paged attention -------------------------------------------------
@@ -560,7 +772,7 @@ def test_kv_write_int8_codes_match_numpy(ops, ref, rng, h, hkv, hd, scale):
     assert (np.abs(deq - v) <= 0.5 * step * (1 + 2e-3) + 1e-12).all()
 
 
-def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
+def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, step=False):
     """The NumPy cache is filled by its kv_write; its pages are copied byte for byte into the
     CUDA pages (fp16 mode: rounded to FP16 first, on both sides), so both attentions read the
     same stored values through their own block tables."""
@@ -579,9 +791,16 @@ def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
     want = np.empty((t, h * hd), np.float32)
     ref.kv_attention(q, c_ref.slot(0), pos0, h, hkv, hd, want)
     out = poisoned((t, h * hd), cupy.float16)
-    ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out)
+    if step:                                  # the position from a device step state
+        state = np.zeros(STEP_WORDS, np.int32)
+        state[STEP_POS] = pos0
+        ops.kv_attention_step(cupy.asarray(qh), c_dev.slot(0), cupy.asarray(state), h, hkv, hd,
+                              out)
+    else:
+        ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out)
     assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL,
-                 what=f"{mode} attention T={t} pos0={pos0} P={p} (seed {SESSION_SEED})")
+                 what=f"{mode} attention T={t} pos0={pos0} P={p} step={step} "
+                      f"(seed {SESSION_SEED})")
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
@@ -597,6 +816,31 @@ def test_paged_attention_prefill(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
 @pytest.mark.parametrize("ctx", [1, 2, 31, 32, 33, 255, 256, 257, 1000, 3000])
 def test_paged_attention_decode(ops, ref, rng, mode, h, hkv, hd, ctx):
     _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, ctx - 1, 32)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("p", [16, 32])
+@pytest.mark.parametrize("ctx", ["1", "P-1", "P", "P+1", "2047", "4096"])
+@pytest.mark.parametrize("splits", [1, 3, 16, 64])
+def test_decode_split(ops, ref, rng, monkeypatch, mode, h, hkv, hd, p, ctx, splits):
+    """Split-K decode attention (attention_decode.cu) with a forced split count (more splits
+    than pages leaves splits empty) against NumPy's kv_attention."""
+    n = {"1": 1, "P-1": p - 1, "P": p, "P+1": p + 1}.get(ctx) or int(ctx)
+    monkeypatch.setattr(ops, "attn_decode", "split")
+    monkeypatch.setattr(cuda_ops, "decode_splits", lambda *a: splits)
+    _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, n - 1, p)
+
+
+@pytest.mark.parametrize("version", ["v1", "split"])
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("ctx", [1, 33, 2047, 4096])
+def test_decode_versions_and_step_state(ops, ref, rng, monkeypatch, version, mode, ctx):
+    """TINYLOOP_ATTN_DECODE's both kernels with the host's split rule, and kv_attention_step
+    reading ctx from a device step state (split-K: on the device; v1: on the host)."""
+    monkeypatch.setattr(ops, "attn_decode", version)
+    for step in (False, True):
+        _paged_attention_case(ops, ref, rng, mode, 9, 3, 64, 1, ctx - 1, 32, step=step)
 
 
 def test_paged_ops_refuse_a_missing_page_and_an_unbuilt_mode(ops, ref, rng):
@@ -630,6 +874,33 @@ def test_sample_nongreedy(ops, rng, temperature, top_k, top_p):
         assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want, f"u={u}"
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 7, 2003, 49152])
+def test_sample_device_matches_rule(ops, rng, vocab):
+    """sample.cu's one-block sampler (temperature > 0) picks sample_from_logits's token, for
+    ties (equal logits ranked by id), +0 / -0, top_k 1 / k / >= vocab, top_p tiny / mid / off;
+    the CuPy sort path (device_sampling = False) agrees. u stays below 1 - 2^-30: within
+    ~2^-40 of 1 the fixed-point kernel may pick another zero-mass tail token (documented)."""
+    for trial in range(12):
+        logits = (rng.standard_normal(vocab) * rng.choice([0.5, 3.0, 10.0])).astype(np.float32)
+        if trial % 3 == 0 and vocab > 10:
+            logits[rng.integers(0, vocab, vocab // 3)] = logits[rng.integers(0, vocab)]
+        if trial % 4 == 1 and vocab > 3:
+            logits[:3] = np.array([0.0, -0.0, 0.0], np.float32)
+        temperature = float(rng.choice([0.3, 0.7, 1.0, 2.0]))
+        top_k = int(rng.choice([0, 1, 5, 40, vocab, vocab + 3]))
+        top_p = float(rng.choice([1.0, 0.95, 0.5, 1e-6]))
+        dev = cupy.asarray(logits)
+        for u in list(rng.random(4)) + [0.0]:
+            want = sample_from_logits(logits, temperature, top_k, top_p, float(u))
+            got = ops.sample(dev, temperature, top_k, top_p, float(u))
+            assert got == want, (vocab, trial, temperature, top_k, top_p, u, got, want)
+            ops.device_sampling = False
+            try:
+                assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want
+            finally:
+                ops.device_sampling = True
+
+
 def test_sample_top_p_0_is_greedy(ops, rng):
     logits = (rng.standard_normal(2003) * 3).astype(np.float32)
     logits[[5, 900]] = logits.max() + 1.0                       # a tie: the lower id
@@ -651,9 +922,12 @@ def _faulty_rows(vocab: int) -> list:
 
 
 @pytest.mark.parametrize("vocab", [2, 1000, 49152])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_sample_non_finite_logits_raise(ops, vocab, temperature):
+@pytest.mark.parametrize("temperature,device_sampling", [(0.0, True), (1.0, True),
+                                                         (1.0, False)])
+def test_sample_non_finite_logits_raise(ops, vocab, temperature, device_sampling, monkeypatch):
+    """Both temperature > 0 samplers (sample.cu's, and the CuPy path) and the argmax."""
     from tinyloop.errors import NonFiniteLogitsError
+    monkeypatch.setattr(ops, "device_sampling", device_sampling)
     for logits, kind in _faulty_rows(vocab):
         dev = cupy.asarray(logits)
         if kind is None:                                        # -inf marks a masked token
@@ -709,9 +983,11 @@ def test_upload_weight_frees_on_failure(ops, rng):
         ops.upload_weight(w, failing)
     assert failing.live == []
 
+@ALL_GEMVS
 
 def test_decode_sequence_allocates_nothing(ops, rng):
-    """One decode layer's launches + greedy sample leave CuPy's pool untouched."""
+    """One decode layer's launches, the fused greedy head and both samplers leave CuPy's pool
+    untouched."""
     d, h, hkv, hd, f = 576, 9, 3, 64, 1536
     qkv_w = dev_weight(ops, rand_weight(rng, (h + 2 * hkv) * hd, d, 4, 32))
     wo = dev_weight(ops, rand_weight(rng, d, h * hd, 4, 32))
@@ -744,6 +1020,8 @@ def test_decode_sequence_allocates_nothing(ops, rng):
         ops.rmsnorm_linear_swiglu(resid, norm_w, 1e-5, gu, None, act, xn)
         ops.linear_residual(act, down, resid)
         ops.rmsnorm_lm_head(resid, norm_w, 1e-5, head, logits, xn)
+        ops.sample(logits, 0.8, 40, 0.9, 0.3)                      # the device sampler
+        ops.rmsnorm_lm_head_sample(resid, norm_w, 1e-5, head, logits, xn, 0.0, 0, 1.0, 0.0)
         return ops.sample(logits, 0.0, 0, 1.0, 0.0)
 
     step(0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 import threading
 import weakref
@@ -32,14 +33,15 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant import QuantWeight
-from .base import LOGIT_FAULTS, Ops, non_finite_logits
+from .base import LOGIT_FAULTS, STEP_POS, STEP_WORDS, Ops, non_finite_logits
 
 try:
     import cupy
 except ImportError:  # the module still imports (for docs / source checks) without CuPy
     cupy = None
 
-FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "elementwise", "sample")
+FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
+            "elementwise", "sample")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -55,6 +57,10 @@ GEOMETRY = {
                   "DC_THREADS": 1024,            # decode: threads per block (one query head)
                   "ATTN_HEAD_DIM_ENTRIES": "".join(f"ATTN_ENTRIES({hd})"
                                                    for hd in ATTN_HEAD_DIMS)},
+    "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
+                         "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
+                                                        for hd in ATTN_HEAD_DIMS)},
+    "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
 }
 
 
@@ -74,10 +80,102 @@ _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 _GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
 _PF_Q = GEOMETRY["attention"]["PF_Q"]
 _DC_THREADS = GEOMETRY["attention"]["DC_THREADS"]
+_DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
+_SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
+                for hd in ATTN_HEAD_DIMS}
+ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
+DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
+DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
 _BLOCKS_PER_SM = 8      # 2048 resident threads per SM / 256-thread GEMV blocks
+_GEMV2_LPR = (4, 8, 16, 32)       # lanes per row the v2 kernels are built for
+_GEMV2_THREADS = (64, 128, 256)   # v2 block sizes (norm_row_v256 needs a divisor of 256)
+_THREADS_PER_SM = 2048
+_MAX_BLOCKS_PER_SM = 32
+GEMV_VERSIONS = ("v1", "v2")
+_SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
+_SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
+
+
+def gemv_settings(version: str | None = None, lpr: int | None = None,
+                  threads: int | None = None) -> dict:
+    """The decode GEMV choice: the arguments, else the environment; validated.
+
+    ``version`` / ``TINYLOOP_GEMV`` = v2 (default) | v1 (the original one-warp-per-row
+    kernels); ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
+    (default: per shape, see ``gemv2_geometry``); ``threads`` / ``TINYLOOP_GEMV_THREADS`` =
+    64 | 128 | 256 forces its block size. Raises ConfigError naming the bad setting.
+    """
+    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "v2"
+    if ver not in GEMV_VERSIONS:
+        raise ConfigError(f"GEMV version (TINYLOOP_GEMV) {ver!r}: expected one of "
+                          f"{GEMV_VERSIONS}")
+    out = {"version": ver, "lpr": None, "threads": None}
+    for var, key, given, allowed in (("TINYLOOP_GEMV_LPR", "lpr", lpr, _GEMV2_LPR),
+                                     ("TINYLOOP_GEMV_THREADS", "threads", threads,
+                                      _GEMV2_THREADS)):
+        raw = given if given is not None else os.environ.get(var, "")
+        if raw != "":
+            try:
+                val = int(raw)
+            except (TypeError, ValueError):
+                val = None
+            if val not in allowed:
+                raise ConfigError(f"GEMV {key} ({var}) {raw!r}: expected one of {allowed}")
+            out[key] = val
+    return out
+
+
+def attn_decode_setting(version: str | None = None) -> str:
+    """The T = 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_DECODE``: ``split``
+    (default; split-K, attention_decode.cu) or ``v1`` (one block per query head,
+    attention.cu). Raises ConfigError naming a bad value."""
+    ver = version or os.environ.get("TINYLOOP_ATTN_DECODE", "") or "split"
+    if ver not in ATTN_DECODE_VERSIONS:
+        raise ConfigError(f"decode attention (TINYLOOP_ATTN_DECODE) {ver!r}: expected one of "
+                          f"{ATTN_DECODE_VERSIONS}")
+    return ver
+
+
+def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
+    """Split count of the split-K decode attention for a context of ``ctx`` keys: from the
+    power-of-two length bucket ``b = max(DS_MIN_KEYS, 2^ceil(log2 ctx))``, ``b / DS_MIN_KEYS``
+    splits, capped so n_heads * splits is about two blocks per SM and at DS_MAX_SPLITS. A
+    function of the bucket only, so a captured graph keyed by the bucket (or by the block
+    table's capacity, whose ctx it passes) launches a valid grid for every length in it;
+    each split's page range is computed on the device from the real length."""
+    bucket = max(DS_MIN_KEYS, 1 << max(0, int(ctx) - 1).bit_length())
+    by_sms = -(-2 * int(sms) // max(1, int(n_heads)))
+    return max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
+
+
+def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
+                   threads: int | None = None, cap_wave: bool = False) -> tuple:
+    """(lanes per row, threads per block, blocks) of a v2 GEMV over ``n`` rows of ``k`` inputs.
+
+    Lanes per row: enough that each lane takes at most two 16-byte chunks of the row (the
+    loads of a row are then all in flight at once), between 4 and 32. Threads: the largest of
+    256 / 128 / 64 that still gives every SM a block (small matrices spread over all ``sms``).
+    ``cap_wave``: at most one resident wave of blocks (the RMSNorm-fused kernels, which
+    normalize the row once per block and stride over the rest).
+    """
+    cpr = (k // 2 if bits == 4 else k) // 16
+    if lpr is None:
+        want = max(1, -(-cpr // 2))
+        lpr = min(32, max(4, 1 << (want - 1).bit_length()))
+    if threads is None:
+        threads = _GEMV2_THREADS[0]
+        for nt in reversed(_GEMV2_THREADS):
+            if -(-n * lpr // nt) >= sms:
+                threads = nt
+                break
+    blocks = max(1, -(-n * lpr // threads))
+    if cap_wave:
+        per_sm = min(_MAX_BLOCKS_PER_SM, _THREADS_PER_SM // threads)
+        blocks = min(blocks, sms * per_sm)
+    return lpr, threads, blocks
 
 
 # --- sources and modules -----------------------------------------------------------------------
@@ -203,7 +301,8 @@ def _fast_ok(a, dtype, ndim: int, cols=None, rows=None, aligned: bool = False) -
 class _WInfo:
     """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
 
-    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "__weakref__")
+    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "v2", "lpr", "g2",
+                 "g2_norm", "g2_argmax", "geo", "__weakref__")
 
     def __init__(self, ops, w):
         _weight(w, "w")
@@ -222,6 +321,27 @@ class _WInfo:
                                                                                 "f32")}
                           if self.k <= _NORM_MAX_K and self.n <= _NORM_MAX_N else None)
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
+        # GEMV v2 (the default decode kernels): needs x in shared memory (K <= _NORM_MAX_K)
+        # and int row arithmetic (N * 32 < 2^31)
+        st = ops.gemv
+        self.v2 = (st["version"] == "v2" and self.k <= _NORM_MAX_K
+                   and self.n * 32 < _NORM_MAX_N)
+        self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
+        self.geo: dict = {}                       # (rows, cap_wave) -> (threads, blocks)
+        if self.v2:
+            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, st["lpr"], st["threads"])[0]
+            sfx = f"_l{self.lpr}"
+            self.g2 = {e: ops._fn("gemv", f"gemv2_q{b}_{e}{sfx}") for e in ("f16", "resid",
+                                                                            "swiglu", "f32")}
+            self.g2_norm = {e: ops._fn("gemv", f"gemv2_norm_q{b}_{e}{sfx}")
+                            for e in ("f16", "swiglu", "f32")}
+            self.g2_argmax = ops._fn("gemv", f"gemv2_norm_q{b}_argmax{sfx}")
+
+    def geometry(self, ops, rows: int, cap_wave: bool = False) -> tuple:
+        """(threads, blocks) of a v2 launch over ``rows`` output rows."""
+        _, nt, nb = gemv2_geometry(rows, self.k, 8, ops.sms, self.lpr, ops.gemv["threads"],
+                                   cap_wave)
+        return nt, nb
 
 
 class CudaOps(Ops):
@@ -235,7 +355,11 @@ class CudaOps(Ops):
     fp16_cache_default = False    # the GEMV / GEMM kernels read the packed weights directly
     xp = cupy
 
-    def __init__(self):
+    def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
+                 gemv_threads: int | None = None, attn_decode: str | None = None):
+        """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
+        ``gemv_settings``; None reads the environment); ``attn_decode``: the T = 1 attention
+        kernel (``attn_decode_setting``)."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -249,13 +373,37 @@ class CudaOps(Ops):
             sms = int(cupy.cuda.runtime.getDeviceProperties(
                 cupy.cuda.Device().id)["multiProcessorCount"])
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
+        self.sms = sms
+        self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
+        self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
+        # split-K decode attention's partials f32 [n_heads, splits, hd + 2], cudaMalloc'd
+        # beside the argmax scratch on the first decode that needs more (an eager step always
+        # precedes a capture, so a captured launch never grows it)
+        self._ds_ptr, self._ds_cap = 0, 0
+        self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
-        # pinned, mapped host memory that the argmax kernel writes directly (UVA: the host
+        # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
         # pointer is valid on the device), so greedy decode allocates nothing and copies
         # nothing back besides these two ints.
         self._id_ptr = cupy.cuda.runtime.hostAlloc(8, 0x01 | 0x02)   # portable | mapped
         self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
         self._free_host = cupy.cuda.runtime.freeHost
+        # Device scratch of the LM head's fused argmax (gemv2_norm_*_argmax): one (value, id)
+        # partial per block (at most one resident wave of the smallest blocks), the last-block
+        # ticket (0 between launches: the kernel re-arms it) and the device copy of the chosen
+        # id (what a captured step's next embedding would read). 35 KB on a 132-SM H200, taken
+        # once with cudaMalloc beside the pinned id, outside the tagged pool.
+        self._part_cap = sms * _MAX_BLOCKS_PER_SM
+        nbytes = self._part_cap * 8 + 16
+        self._scratch_ptr = cupy.cuda.runtime.malloc(nbytes)
+        cupy.cuda.runtime.memset(self._scratch_ptr, 0, nbytes)
+        self._part_v = self._scratch_ptr
+        self._part_i = self._scratch_ptr + self._part_cap * 4
+        self._ticket = self._scratch_ptr + self._part_cap * 8
+        self._id_dev = self._ticket + 8
+        self._free_dev = cupy.cuda.runtime.free
+        self._wq_ptr, self._wq_cap = 0, 0   # sample_topk_topp's u64 [vocab] scratch
+        self.device_sampling = True         # False: temperature > 0 through _sample_cupy
 
     def __del__(self):
         ptr = getattr(self, "_id_ptr", None)
@@ -263,6 +411,12 @@ class CudaOps(Ops):
             self._id_ptr = None
             if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
                 self._free_host(ptr)
+        for name in ("_wq_ptr", "_scratch_ptr", "_ds_ptr"):   # device scratch: likewise at exit
+            ptr = getattr(self, name, None)
+            if ptr:
+                setattr(self, name, None)
+                if not sys.is_finalizing():
+                    self._free_dev(ptr)
 
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)
@@ -407,6 +561,9 @@ class CudaOps(Ops):
         n, k = info.n, info.k
         lg = w.group_size.bit_length() - 1
         if t == 1:
+            if info.v2:
+                self._gemv2(info, info.g2[epi], n, 0, x, out)
+                return
             info.gemv[epi](((n + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                            (*info.args, x.data.ptr, n, k, 0, lg, out.data.ptr))
             return
@@ -416,6 +573,22 @@ class CudaOps(Ops):
             return
         info.gemm[epi](((n + _GEMM_BN - 1) // _GEMM_BN, (t + _GEMM_BM - 1) // _GEMM_BM),
                        (_GEMM_THREADS,), (*info.args, x.data.ptr, t, n, k, lg, out.data.ptr, ldo))
+
+    def _geo(self, info, rows: int, cap_wave: bool) -> tuple:
+        """(threads, blocks) of a v2 launch, cached per weight; ``_grid_cap`` applied."""
+        geo = info.geo.get((rows, cap_wave))
+        if geo is None:
+            geo = info.geo[(rows, cap_wave)] = info.geometry(self, rows, cap_wave)
+        nt, nb = geo
+        if self._grid_cap is not None and nb > self._grid_cap:
+            nb = self._grid_cap
+        return nt, nb
+
+    def _gemv2(self, info, fn, rows: int, f: int, x, out) -> None:
+        """Launch a v2 GEMV (x f16 [1, K] staged into shared memory) over ``rows`` rows."""
+        nt, nb = self._geo(info, rows, False)
+        fn((nb,), (nt,), (*info.args, x.data.ptr, rows, info.k, f, info.lg, out.data.ptr),
+           shared_mem=2 * info.k)
 
     def _cublas(self, x, w16, out, epi: str):
         # Prefill only (T > 1): cuBLAS through CuPy on the FP16 cache (FP32 accumulation).
@@ -459,6 +632,9 @@ class CudaOps(Ops):
         f = n2 // 2
         out = self._out(out, "out", _F16, t, f)
         if t == 1:
+            if info.v2:
+                self._gemv2(info, info.g2["swiglu"], f, f, x, out)
+                return
             info.gemv["swiglu"](((f + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                                 (*info.args, x.data.ptr, f, info.k, f,
                                  w.group_size.bit_length() - 1, out.data.ptr))
@@ -541,15 +717,80 @@ class CudaOps(Ops):
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         mode = kv.layout.mode
         if t == 1:
-            self._fn("attention", _DECODE_NAMES[mode, head_dim])(
-                (int(n_heads),), (_DC_THREADS,),
-                (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
-                 scale_log2, out.data.ptr))
+            self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
+                              scale_log2, out)
         else:
             self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
                  int(n_kv_heads), scale_log2, out.data.ptr))
+
+    def _attn_decode(self, qkv, ctx, step_pos, table, p, offs, mode, n_heads, n_kv_heads,
+                     head_dim, scale_log2, out, splits=None):
+        """One query row: split-K (``attn_split_*`` + ``attn_combine_*``) or, with
+        ``attn_decode == "v1"``, the one-block-per-head kernel. ``step_pos``: 0, or the device
+        address of the int32 position (ctx = pos + 1 on the device; ``ctx`` is then the table's
+        capacity and only picks the split count). ``splits`` forces the split count (tests)."""
+        if self.attn_decode == "v1":
+            if step_pos:
+                raise ConfigError("TINYLOOP_ATTN_DECODE=v1 reads the context length on the "
+                                  "host; the device step state needs the split-K kernel")
+            self._fn("attention", _DECODE_NAMES[mode, head_dim])(
+                (int(n_heads),), (_DC_THREADS,),
+                (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
+                 scale_log2, out.data.ptr))
+            return
+        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
+        if not 1 <= ns <= DS_MAX_SPLITS:
+            raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
+        need = int(n_heads) * ns * (int(head_dim) + 2) * 4
+        if need > self._ds_cap:
+            if self._ds_ptr:
+                self.synchronize()
+                self._free_dev(self._ds_ptr)
+                self._ds_ptr, self._ds_cap = 0, 0
+            self._ds_ptr = cupy.cuda.runtime.malloc(need)
+            self._ds_cap = need
+        self._fn("attention_decode", _SPLIT_NAMES[mode, head_dim])(
+            (int(n_heads), ns), (_DS_THREADS,),
+            (qkv.data.ptr, int(ctx), int(step_pos), table, p, *offs, int(n_heads),
+             int(n_kv_heads), scale_log2, self._ds_ptr))
+        self._fn("attention_decode", f"attn_combine_hd{int(head_dim)}")(
+            (int(n_heads),), (int(head_dim),), (self._ds_ptr, ns, out.data.ptr))
+
+    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """``kv_attention`` of one query row at the position in the device step state ``step``
+        (int32 [STEP_WORDS]; ctx = step[STEP_POS] + 1 read by the kernel, nothing read on the
+        host). The split count comes from the block table's capacity (fixed while a captured
+        graph lives, part of its key); positions past the pages written are the caller's
+        responsibility (graphs.py ensures pages for the whole capacity)."""
+        if self.attn_decode == "v1":
+            return super().kv_attention_step(qkv, kv, step, n_heads, n_kv_heads, head_dim, out,
+                                             recon)
+        if not _fast_ok(qkv, _F16, 2):
+            _dev(qkv, "qkv", np.float16, 2)
+        t, ld = qkv.shape
+        if t != 1:
+            raise ConfigError(f"kv_attention_step takes one query row, got T={t}")
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        if head_dim not in ATTN_HEAD_DIMS:
+            raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
+                              f"{ATTN_HEAD_DIMS}")
+        _dev(step, "step", np.int32, 1)
+        if step.shape[0] < STEP_WORDS:
+            raise ConfigError(f"step has {step.shape[0]} words, need {STEP_WORDS}")
+        cap = int(kv.table.shape[0]) * kv.layout.page_size
+        table, p, offs = self._kv_table(kv, 1)
+        out = self._out(out, "out", _F16, 1, n_heads * head_dim)
+        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        self._attn_decode(qkv, cap, step.data.ptr + 4 * STEP_POS, table, p, offs,
+                          kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
+
+    def graph_constants(self) -> tuple:
+        """Host-chosen decode launch constants (part of a captured graph's key): the decode
+        attention kernel and the GEMV choice."""
+        return (("attn_decode", self.attn_decode),
+                ("gemv", tuple(sorted(self.gemv.items()))))
 
     def inject(self, state, e, w, tmp2, tmp1):
         """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].
@@ -614,6 +855,12 @@ class CudaOps(Ops):
         return info.gemv_norm is not None
 
     def _gemv_norm(self, info, epi: str, x, weight, eps, rows: int, f: int, out) -> None:
+        if info.v2:
+            nt, nb = self._geo(info, rows, True)
+            info.g2_norm[epi]((nb,), (nt,),
+                              (x.data.ptr, weight.data.ptr, float(eps), *info.args, rows,
+                               info.k, f, info.lg, out.data.ptr), shared_mem=2 * info.k)
+            return
         blocks = (rows + _GEMV_ROWS - 1) // _GEMV_ROWS
         if blocks > self._norm_blocks:
             blocks = self._norm_blocks
@@ -659,15 +906,53 @@ class CudaOps(Ops):
         out = self._out(out, "out", _F32, 1, info.n)
         self._gemv_norm(info, "f32", x, weight, eps, info.n, 0, out)
 
+    def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
+                               u) -> int:
+        """The next token id from rmsnorm(x f32 [1, d], weight) @ W.T; the logits land in
+        ``out`` f32 [1, vocab] as ``rmsnorm_lm_head`` writes them.
+
+        Greedy (temperature <= 0) with the v2 GEMV: ONE launch: the LM head's blocks each
+        reduce their logits to an argmax partial and the last block picks the id (numpy.argmax's
+        rule: first NaN, else first maximum) and writes it with the row's fault code to pinned
+        host memory, so only 8 bytes cross per step (one stream synchronisation). Otherwise
+        ``rmsnorm_lm_head`` then ``sample``. Raises ConfigError on bad arguments (as those two
+        do) and NonFiniteLogitsError for a row ``sample`` would refuse.
+        """
+        info = self._info(w)
+        if temperature > 0.0 or not info.v2 or not self._norm_fused(x, weight, info):
+            return super().rmsnorm_lm_head_sample(x, weight, eps, w, out, norm, temperature,
+                                                  top_k, top_p, u)
+        out = self._out(out, "out", _F32, 1, info.n)
+        self.head_argmax_launch(info, x, weight, eps, out, self._id_ptr)
+        cupy.cuda.get_current_stream().synchronize()
+        self._raise_on_fault()
+        return int(self._id_view[0])
+
+    def head_argmax_launch(self, info, x, weight, eps, out, id_host) -> None:
+        """Queue the fused RMSNorm + LM head + argmax (no synchronisation): the id and the
+        row's fault code go to the device ints at ``self._id_dev`` and, when ``id_host`` (a
+        mapped pinned int [2]) is non-zero, there too. Arguments already validated;
+        ``info.v2`` must hold."""
+        nt, nb = self._geo(info, info.n, True)
+        if nb > self._part_cap:
+            nb = self._part_cap
+        info.g2_argmax((nb,), (nt,),
+                       (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k,
+                        info.lg, out.data.ptr, self._part_v, self._part_i, self._ticket,
+                        self._id_dev, id_host), shared_mem=2 * info.k)
+
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
         ``numpy_ops.sample_from_logits``'s rule; only the id crosses to the host.
 
         temperature <= 0: the argmax kernel writes the id straight to pinned host memory
-        (no allocation; one stream synchronisation). Otherwise CuPy sorts on the device.
-        Either way the argmax kernel also writes the row's fault code beside the id, so a
-        row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError as on NumPy
-        (checked once the stream has synchronised; no extra pass over the row).
+        (no allocation; one stream synchronisation). Otherwise ``sample.cu``'s one-block
+        sampler (fixed-point weights, radix selects: no sort, no CuPy temporaries), or, with
+        ``device_sampling = False`` or a vocabulary past 2^22, the CuPy sort path (after the
+        argmax kernel, for the fault code). Either way the kernel writes the row's fault code
+        beside the id, so a row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError
+        as on NumPy (checked once the stream has synchronised; no extra pass over the row).
+        Raises ConfigError for u outside [0, 1) or top_k < 0.
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
@@ -676,27 +961,56 @@ class CudaOps(Ops):
             raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
         if temperature > 0.0 and not 0.0 <= u < 1.0:
             raise ConfigError(f"u must lie in [0, 1), got {u}")
+        if temperature > 0.0 and top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
         n = logits.shape[0]
-        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
         if temperature <= 0.0:
+            self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
             cupy.cuda.get_current_stream().synchronize()
             self._raise_on_fault()
             return int(self._id_view[0])
+        if self.device_sampling and n <= _SAMPLE_MAX_N:
+            self.sample_launch(logits, temperature, top_k, top_p, u, self._id_ptr)
+            cupy.cuda.get_current_stream().synchronize()
+            self._raise_on_fault()
+            return int(self._id_view[0])
+        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
         picked = self._sample_nongreedy(logits, n, temperature, top_k, top_p, u)
         cupy.cuda.get_current_stream().synchronize()     # idle already: int() copied the id
         self._raise_on_fault()
         return picked
 
     def _raise_on_fault(self) -> None:
-        """Raise NonFiniteLogitsError for the fault code the argmax kernel wrote (after a
-        synchronisation)."""
+        """Raise NonFiniteLogitsError for the fault code an argmax / sampler kernel wrote
+        (after a synchronisation)."""
         code = int(self._id_view[1])
         if code:
             raise non_finite_logits(LOGIT_FAULTS[code])
 
+    def sample_launch(self, logits, temperature, top_k, top_p, u, id_host) -> None:
+        """Queue ``sample.cu``'s one-block top-k / top-p sampler (temperature > 0) on f32
+        logits [n] (validated by ``sample``); the id and the row's fault code go to the
+        device ints ``self._id_dev[0..1]`` and, when ``id_host`` is non-zero, to that mapped
+        pinned int [2]. Its u64 [n] scratch is taken once (cudaMalloc, outside the pool) and
+        grown only for a larger vocabulary."""
+        n = logits.shape[0]
+        if n > self._wq_cap:
+            if self._wq_ptr:
+                cupy.cuda.get_current_stream().synchronize()
+                self._free_dev(self._wq_ptr)
+                self._wq_ptr, self._wq_cap = 0, 0
+            self._wq_ptr = cupy.cuda.runtime.malloc(8 * n)
+            self._wq_cap = n
+        self._fn("sample", "sample_topk_topp")(
+            (1,), (_SAMPLE_THREADS,), (logits.data.ptr, n, float(temperature), int(top_k),
+                                       float(top_p), float(u), self._wq_ptr, self._id_dev,
+                                       id_host))
+
     @staticmethod
     def _sample_nongreedy(logits, n, temperature, top_k, top_p, u) -> int:
-        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code."""
+        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code (sort and
+        scans, several temporaries): the path with ``device_sampling = False``, kept as a
+        second implementation of the rule."""
         z = logits.astype(cupy.float64) / float(temperature)
         idx = cupy.arange(n, dtype=cupy.float64)
         order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc

@@ -8,7 +8,7 @@ import threading
 from ..errors import ConfigError
 
 TAGS = ("weights", "fp16_cache", "buffers", "logits", "kv_cache", "prefix_cache", "resume",
-        "scratch", "cupy", "other")
+        "scratch", "cupy", "graphs", "other")
 
 _tls = threading.local()      # per thread: .tags, the stack of active tag_scope tags
 
