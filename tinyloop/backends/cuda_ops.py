@@ -94,7 +94,27 @@ _GEMV2_LPR = (4, 8, 16, 32)       # lanes per row the v2 kernels are built for
 _GEMV2_THREADS = (64, 128, 256)   # v2 block sizes (norm_row_v256 needs a divisor of 256)
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
-GEMV_VERSIONS = ("v1", "v2")
+GEMV_VERSIONS = ("auto", "v1", "v2")
+# The decode GEMV per weight shape (TINYLOOP_GEMV=auto, the default): the first row whose
+# min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). From the
+# H200 per-kernel table at SmolLM2 dims (bench_kernels.py, issue 10): v1 beats v2 on every
+# layer shape (qkv 2.22 vs 2.38 us, norm+qkv 3.80 vs 6.05), v2 at 4 lanes per row wins the LM
+# head (14.5 vs 20.4 us; norm+head+argmax 22.3 vs 30.7).
+GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
+                 (0, "v1", None))      # every layer shape
+
+
+def gemv_choice(n: int, setting: dict) -> tuple:
+    """(version, forced lanes per row or None) of the decode GEMV over ``n`` output rows under
+    ``setting`` (``gemv_settings``): a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A
+    forced ``lpr`` overrides the table's."""
+    ver, lpr = setting["version"], setting["lpr"]
+    if ver == "auto":
+        for min_rows, v, l in GEMV_BY_SHAPE:
+            if n >= min_rows:
+                ver, lpr = v, (lpr if lpr is not None else l)
+                break
+    return ver, lpr
 _SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
 _SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
 
@@ -103,12 +123,12 @@ def gemv_settings(version: str | None = None, lpr: int | None = None,
                   threads: int | None = None) -> dict:
     """The decode GEMV choice: the arguments, else the environment; validated.
 
-    ``version`` / ``TINYLOOP_GEMV`` = v2 (default) | v1 (the original one-warp-per-row
-    kernels); ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
+    ``version`` / ``TINYLOOP_GEMV`` = auto (default: per weight shape, ``GEMV_BY_SHAPE``) |
+    v2 | v1 (the original one-warp-per-row kernels) forced for every shape; ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
     (default: per shape, see ``gemv2_geometry``); ``threads`` / ``TINYLOOP_GEMV_THREADS`` =
     64 | 128 | 256 forces its block size. Raises ConfigError naming the bad setting.
     """
-    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "v2"
+    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "auto"
     if ver not in GEMV_VERSIONS:
         raise ConfigError(f"GEMV version (TINYLOOP_GEMV) {ver!r}: expected one of "
                           f"{GEMV_VERSIONS}")
@@ -324,12 +344,13 @@ class _WInfo:
         # GEMV v2 (the default decode kernels): needs x in shared memory (K <= _NORM_MAX_K)
         # and int row arithmetic (N * 32 < 2^31)
         st = ops.gemv
-        self.v2 = (st["version"] == "v2" and self.k <= _NORM_MAX_K
+        ver, lpr = gemv_choice(self.n, st)
+        self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
                    and self.n * 32 < _NORM_MAX_N)
         self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
         self.geo: dict = {}                       # (rows, cap_wave) -> (threads, blocks)
         if self.v2:
-            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, st["lpr"], st["threads"])[0]
+            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, lpr, st["threads"])[0]
             sfx = f"_l{self.lpr}"
             self.g2 = {e: ops._fn("gemv", f"gemv2_q{b}_{e}{sfx}") for e in ("f16", "resid",
                                                                             "swiglu", "f32")}
