@@ -222,6 +222,15 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
                                     i64 n_heads, i64 n_kv, double scale_log2, half_t* out) {   \
         attn_decode_impl<MODE, HD>(qkv, ctx, table, P, k_off, v_off, ks_off, vs_off, n_heads,  \
                                    n_kv, (float)scale_log2, out);                              \
+    }                                                                                          \
+    /* the captured decode step: context length = the step state's position + 1 */             \
+    extern "C" __global__ void __launch_bounds__(DC_THREADS)                                  \
+        attn_decode_step_##NAME##_hd##HD(const half_t* qkv, const int* step, const i64* table, \
+                                         i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,  \
+                                         i64 n_heads, i64 n_kv, double scale_log2,             \
+                                         half_t* out) {                                        \
+        attn_decode_impl<MODE, HD>(qkv, (i64)step[2] + 1, table, P, k_off, v_off, ks_off,      \
+                                   vs_off, n_heads, n_kv, (float)scale_log2, out);             \
     }
 #define ATTN_ENTRIES(HD) ATTN_ENTRIES_MODE(KV_FP16, fp16, HD) ATTN_ENTRIES_MODE(KV_INT8, int8, HD)
 

@@ -12,6 +12,7 @@ from tinyloop.errors import TinyLoopError
 from .session import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT
 
 DEFAULT_OUT = "tinyloop-diagnostics"
+NO_PROGRESS_HELP = "no progress bar (default: a bar on stderr)"
 
 
 def _bytes(text: str) -> int:
@@ -46,11 +47,14 @@ def _common(p: argparse.ArgumentParser, *, requests: int | None, max_new_tokens:
     p.add_argument("--model", default=None, metavar="PATH",
                    help="a .tlm model (default: tinyloop.default_model_path(), the embedded "
                         "SmolLM2-135M-Instruct)")
-    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens, metavar="M")
-    p.add_argument("--depth", type=_positive, default=None, help="recurrent depth "
-                   "(default: the model's)")
-    p.add_argument("--max-seq-len", type=_positive, default=DEFAULT_MAX_SEQ_LEN)
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens, metavar="M",
+                   help=f"new tokens per request (default {max_new_tokens})")
+    p.add_argument("--depth", type=_positive, default=None, metavar="D",
+                   help="recurrent depth (default: the model's default depth)")
+    p.add_argument("--max-seq-len", type=_positive, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
+                   help=f"positions of the model's KV cache (default {DEFAULT_MAX_SEQ_LEN})")
+    p.add_argument("--no-plots", action="store_true",
+                   help="skip the PNG plots (default: draw them when matplotlib is installed)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,32 +66,41 @@ def build_parser() -> argparse.ArgumentParser:
     lk = sub.add_parser("leak", help="N identical greedy requests -> STABLE / LEAK / "
                         "UNBOUNDED CACHE / INCONCLUSIVE")
     _common(lk, requests=30, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
-    lk.add_argument("--prompt", default=DEFAULT_PROMPT)
+    lk.add_argument("--prompt", default=DEFAULT_PROMPT, metavar="TEXT",
+                    help=f"the request's prompt (default {DEFAULT_PROMPT!r})")
     lk.add_argument("--plant-leak", type=_bytes, default=0, metavar="BYTES",
-                    help="plant a leak: keep BYTES allocated per request (tag 'other')")
+                    help="plant a leak: keep BYTES allocated per request (tag 'other'), "
+                         "e.g. 64K (default 0: none)")
     lk.add_argument("--plant-cache", type=_bytes, default=0, metavar="BYTES",
                     help="plant an unbounded cache: grow a cached-but-free reservation by "
-                         "BYTES per request")
-    lk.add_argument("--no-progress", action="store_true")
+                         "BYTES per request (default 0: none)")
+    lk.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     fr = sub.add_parser("fragment", help="seeded requests of varying length: fragmentation, "
                         "misses, allocator policies side by side")
     _common(fr, requests=30, max_new_tokens=16)
-    fr.add_argument("--seed", type=int, default=0)
-    fr.add_argument("--max-prompt-tokens", type=_positive, default=96)
+    fr.add_argument("--seed", type=int, default=0, metavar="S",
+                    help="seed of the prompt and generation lengths (default 0)")
+    fr.add_argument("--max-prompt-tokens", type=_positive, default=96, metavar="P",
+                    help="prompts are 1..P tokens long (default 96)")
     fr.add_argument("--no-replay", action="store_true",
-                    help="skip replaying the trace against other allocator policies")
-    fr.add_argument("--no-progress", action="store_true")
+                    help="skip replaying the trace against other allocator policies "
+                         "(default: replay where CUDA is present)")
+    fr.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     rl = sub.add_parser("release", help="what the end of a request, empty_cache() and "
                         "free_model() each free; the cold start after unloading")
     _common(rl, requests=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
-    rl.add_argument("--prompt", default=DEFAULT_PROMPT)
+    rl.add_argument("--prompt", default=DEFAULT_PROMPT, metavar="TEXT",
+                    help=f"the request's prompt (default {DEFAULT_PROMPT!r})")
     kv = sub.add_parser("kvmodes", help="KV cache bytes per token for every storage mode "
                         "(table + plot; no model load)")
     kv.add_argument("--model", default=None, help="a .tlm model (default: the embedded one)")
-    kv.add_argument("--out", default="tinyloop-diagnostics")
-    kv.add_argument("--no-plots", action="store_true")
+    kv.add_argument("--out", default="tinyloop-diagnostics",
+                    help="where JSON and PNG files go (default tinyloop-diagnostics)")
+    kv.add_argument("--no-plots", action="store_true",
+                    help="skip the PNG plot (default: draw it)")
     rp = sub.add_parser("report", help="render DIR's results as one HTML page")
-    rp.add_argument("dir", metavar="DIR")
+    rp.add_argument("dir", metavar="DIR",
+                    help="a folder the leak / fragment / release runs wrote (their --out)")
     rp.add_argument("--html", default=None, metavar="PATH",
                     help="where to write it (default DIR/report.html)")
     return ap
@@ -127,6 +140,8 @@ def main(argv=None) -> int:
         print(f"python -m diagnostics {a.cmd}: error: {e}", file=sys.stderr)
         return 1
     print(summary(r))
+    if r.get("plots_note"):
+        print(r["plots_note"])
     print(f"wrote {', '.join(r['files'])} in {a.out}")
     return 0
 

@@ -428,7 +428,8 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
     timeline = trace["timeline"][::step]
     files = [write_csv(os.path.join(out_dir, "fragment.csv"), records),
              write_csv(os.path.join(out_dir, "fragment_trace.csv"), timeline)]
-    if plot:
+    note = plots.unavailable() if plot else None
+    if plot and note is None:
         files += [
             plots.timeline_by_tag(records, os.path.join(out_dir, "fragment_timeline_by_tag.png"),
                                   title="fragment: memory by tag after each request"),
@@ -444,6 +445,7 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
             files.append(plots.policy_comparison(
                 policies, os.path.join(out_dir, "fragment_policies.png"),
                 title="fragment: the recorded trace replayed against allocator policies"))
+    result["plots_note"] = note
     return write_result(out_dir, "fragment", result, files)
 
 

@@ -95,15 +95,18 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
         "records": records,
     }
     files = [write_csv(os.path.join(out_dir, "leak.csv"), records)]
-    if plot:
+    note = plots.unavailable() if plot else None
+    if plot and note is None:
         files += [
             plots.timeline_by_tag(records, os.path.join(out_dir, "leak_timeline_by_tag.png"),
-                                  title="leak: memory by tag after each request"),
+                                  title="leak: memory by tag after each request",
+                                  verdict=result["verdict_detail"]),
             plots.allocated_reserved_driver(records, os.path.join(out_dir, "leak_memory.png"),
                                             title="leak: allocated vs reserved vs driver"),
             plots.fragmentation(records, os.path.join(out_dir, "leak_fragmentation.png"),
                                 title="leak: fragmentation after each request"),
         ]
+    result["plots_note"] = note
     return write_result(out_dir, "leak", result, files)
 
 

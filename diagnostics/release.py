@@ -174,7 +174,8 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
                          "depth": res.depth, "max_seq_len": max_seq_len},
               "steps": steps, "records": records}
     files = [write_csv(os.path.join(out_dir, "release.csv"), records)]
-    if plot:
+    note = plots.unavailable() if plot else None
+    if plot and note is None:
         files += [
             plots.timeline_by_tag(records, os.path.join(out_dir, "release_timeline_by_tag.png"),
                                   x_key="step", title="release: memory by tag at each step"),
@@ -184,6 +185,7 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
             plots.fragmentation(records, os.path.join(out_dir, "release_fragmentation.png"),
                                 x_key="step", title="release: fragmentation at each step"),
         ]
+    result["plots_note"] = note
     return write_result(out_dir, "release", result, files)
 
 

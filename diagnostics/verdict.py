@@ -202,8 +202,11 @@ def classify(records, *, warmup: int | None = None, t_threshold: float = T_THRES
         f"pool free (reserved - allocated) at request end: {_fmt(reserved[w] - alloc[w])} -> "
         f"{_fmt(reserved[-1] - alloc[-1])}",
     ]
-    for key, label in (("process_bytes", "driver: process usage (NVML / RSS)"),
-                       ("device_free_bytes", "driver: device free")):
+    host = recs[0].get("device") not in (None, "cuda")   # records without one: both named
+    for key, label in (("process_bytes", "host: process RSS (host memory)" if host
+                        else "driver: process usage (NVML / RSS)"),
+                       ("device_free_bytes", "host memory free" if host
+                        else "driver: device free")):
         vals = [r.get(key) for r in recs[w:]]
         if all(v is not None for v in vals):
             evidence.append(f"{label} {_fmt(vals[0])} -> {_fmt(vals[-1])} "

@@ -10,6 +10,7 @@ FINAL=${OUT:-$PWD/device_out}
 W=/tmp/device_run; rm -rf "$W"; mkdir -p "$W"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 M=/root/tlc/smollm2.tlm
+SITE=""; [[ -d /root/site ]] && SITE=/root/site
 if [[ -f .model_parts/smollm2.tlm.part01 && -f /root/tlc/smollm2.tlm.part00 ]]; then
     cat /root/tlc/smollm2.tlm.part00 .model_parts/smollm2.tlm.part01 > "$M"
 fi
@@ -28,10 +29,15 @@ if [[ -n "$M" ]]; then
     x diag_fragment python3 -m diagnostics fragment --backend cuda --model "$M" --out "$W/diag" --no-progress
     x diag_release python3 -m diagnostics release --backend cuda --model "$M" --out "$W/diag"
     x diag_report python3 -m diagnostics report "$W/diag"
+    echo "== notebook"    # the executed notebook to commit: $OUT/vram_report.ipynb
+    # nbclient/ipykernel may be missing there: the call before installs carried wheels into
+    # /root/site (only for this step, so they never shadow the image's packages elsewhere)
+    OUT="$FINAL" PYTHONPATH="$PWD${SITE:+:$SITE}" timeout 300 bash scripts/execute_notebook.sh > "$W/notebook.log" 2>&1
+    echo "rc=$?" >> "$W/notebook.log"
 fi
 tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null
 echo; echo "================ SUMMARY ================"
 tail -n 8 "$W/gpu_suite_summary.txt"
 [[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; tail -n 9 "$W/bench_real.log"; }
 tail -n 6 "$W/bench_pool.log" 2>/dev/null
-for f in "$W"/diag_*.log; do [[ -f $f ]] && { echo "-- $(basename $f)"; grep -iE "verdict|rate|frees|cold|rc=" "$f" | head -5; }; done
+for f in "$W"/diag_*.log "$W"/notebook.log; do [[ -f $f ]] && { echo "-- $(basename $f)"; grep -iE "verdict|rate|frees|cold|rc=" "$f" | head -5; }; done

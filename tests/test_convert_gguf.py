@@ -360,9 +360,16 @@ def test_cached_conversion_rebuilds_stale_or_damaged_files(tmp_path):
     opts = {"recurrent": (1, 3), "default_depth": 1, "max_depth": 4}
     first = default.cached_conversion(src, cache, **opts)
     assert default.cached_conversion(src, cache, **opts) == first
-    # a changed source (new mtime) gets a new key; the stale file is removed
+    # a touched source (new mtime, same bytes) keeps its key: no rebuild
     st = os.stat(src)
+    built = os.stat(first).st_mtime_ns
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert default.cached_conversion(src, cache, **opts) == first
+    assert os.stat(first).st_mtime_ns == built
+    # a changed source (other bytes) gets a new key; the stale file is removed
+    data = bytearray(src.read_bytes())
+    data[-1] ^= 0xFF                     # the last byte of the last tensor's data
+    src.write_bytes(bytes(data))
     second = default.cached_conversion(src, cache, **opts)
     assert second != first and os.path.exists(second) and not os.path.exists(first)
     # other options: another key, and that conversion replaces the older one
@@ -373,6 +380,34 @@ def test_cached_conversion_rebuilds_stale_or_damaged_files(tmp_path):
         f.write(b"XXXXXXXX")
     assert default.cached_conversion(src, cache, **{**opts, "recurrent": (0, 2)}) == third
     read_tlm(third).close()
+
+
+def test_cache_key_is_the_content_not_the_copy(tmp_path):
+    """Two environments with their own copy of the GGUF (another path, another mtime) share one
+    conversion: the key is the SHA-256 of the bytes, checked against hashlib over the whole
+    file, and neither call rebuilds or deletes the other's file."""
+    import hashlib
+    import shutil
+
+    from tinyloop import default
+    a = tmp_path / "env_a" / "tiny.gguf"
+    b = tmp_path / "env_b" / "tiny.gguf"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    write_tiny_gguf(a)
+    shutil.copyfile(a, b)
+    st = os.stat(a)
+    os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))
+    assert default.content_hash(a) == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert default.content_hash(b) == default.content_hash(a)
+    cache = str(tmp_path / "cache")
+    opts = {"recurrent": (1, 3), "default_depth": 1, "max_depth": 4}
+    from_a = default.cached_conversion(a, cache, **opts)
+    built = os.stat(from_a).st_mtime_ns
+    for src in (b, a, b):
+        assert default.cached_conversion(src, cache, **opts) == from_a
+    assert os.stat(from_a).st_mtime_ns == built
+    assert sorted(os.listdir(cache)) == [os.path.basename(from_a)]
 
 
 def test_default_gguf_missing_package_message(monkeypatch):

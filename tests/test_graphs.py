@@ -11,6 +11,7 @@ GPU with CuPy's stream capture in tests/gpu/test_cuda_graphs.py.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -21,7 +22,7 @@ from tinyloop import graphs as graphmod
 from tinyloop.backends.base import STEP_ID, STEP_POS
 from tinyloop.backends.numpy_ops import NumpyOps
 from tinyloop.config import KV_MODES
-from tinyloop.errors import ConfigError, GraphCaptureError
+from tinyloop.errors import ConfigError, GraphCaptureError, NonFiniteLogitsError
 
 from .conftest import TINY
 
@@ -329,3 +330,43 @@ def test_lru_eviction_and_release_free_the_graphs_blocks(tiny_model_path, monkey
         tinyloop.free_model(m)
     assert all(g.freed for g in m.ops.graphs)
     assert pool.by_tag().get("graphs", 0) == 0
+
+
+def check_fault_inside_a_replay(m, prompt) -> None:
+    """A logit row that turns NaN inside a replayed step raises NonFiniteLogitsError naming
+    that step and position (the fault code travels through the step state); the request's KV
+    cache is released and, the fault gone, the graph path gives the eager tokens again."""
+    os.environ["TINYLOOP_CUDA_GRAPHS"] = "0"
+    want = m.generate(prompt, max_new_tokens=6, depth=2).token_ids
+    os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
+    kv0 = m.pool.by_tag().get("kv_cache", 0)
+    g = m.decode_graphs
+    real, calls = g.step, []
+    good = m.ops.to_host(m._output_norm).copy()
+
+    def step(cache, token, pos):
+        calls.append(pos)
+        if len(calls) == 3:                  # warm-up, capture + replay, then this replay
+            m._output_norm[...] = np.nan
+        return real(cache, token, pos)
+    g.step = step
+    try:
+        with pytest.raises(NonFiniteLogitsError) as ei:
+            m.generate(prompt, max_new_tokens=6, depth=2)
+        assert g.replays >= 2
+        e = ei.value
+        assert (e.kind, e.step, e.position) == ("nan", 3, len(prompt) + 2)
+        assert m.pool.by_tag().get("kv_cache", 0) == kv0
+    finally:
+        del g.step
+        m.ops.from_host(good, m._output_norm)
+    assert m.generate(prompt, max_new_tokens=6, depth=2).token_ids == want
+
+
+def test_a_fault_inside_a_replay_names_step_and_position(tiny_model_path, monkeypatch):
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = _fake_model(tiny_model_path, max_seq_len=64)
+    try:
+        check_fault_inside_a_replay(m, _prompt(9, 4))
+    finally:
+        tinyloop.free_model(m)

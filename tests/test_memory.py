@@ -373,7 +373,7 @@ def test_memory_stats_defaults_to_host_and_report_shows_unattributed():
     assert s.device_total_bytes >= s.device_free_bytes > 0 and s.nvml_process_bytes is None
     assert s.unattributed_bytes == s.process_bytes - s.reserved_bytes
     report = mem.memory_report()
-    for word in ("allocated", "reserved", "device free", "unattributed", "logits", "OOMs"):
+    for word in ("allocated", "reserved", "host memory free", "unattributed", "logits", "OOMs"):
         assert word in report, word
     blk.free()
 

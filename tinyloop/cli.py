@@ -1,13 +1,18 @@
 """The ``tinyloop`` command: run, generate, convert, inspect.
 
-    tinyloop run [--backend B] [--depth D] [--max-new-tokens N]
-        the embedded default model on a default chat prompt: prints the text, tokens/s and a
-        memory summary
-    tinyloop generate MODEL PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
+    tinyloop run [--prompt TEXT] [--backend B] [--depth D] [--max-new-tokens N] ...
+        the embedded default model on a default chat prompt: prints the model's path, the text,
+        tokens/s and a memory summary
+    tinyloop generate [MODEL] PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
+        MODEL: a .tlm path, or ``default`` (the embedded model; also used when MODEL is left out)
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
+        SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
     tinyloop convert --synthetic DST.tlm [--seed S] [--dims k=v,...]
-    tinyloop inspect MODEL [--max-seq-len N] [--prefill-chunk C] [--backend B] [--kv-mode M]
+    tinyloop inspect [MODEL] [--max-seq-len N] [--prefill-chunk C] [--backend B] [--kv-mode M]
         [--kv-budget BYTES]
+    tinyloop --version
+
+``--help`` text is plain (no RST markup): every option states its default.
 """
 
 from __future__ import annotations
@@ -15,25 +20,59 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
 from .backends import BACKENDS
-from .config import ModelConfig
+from .config import DEFAULT_MAX_NEW_TOKENS, ModelConfig
 from .errors import ConfigError, TinyLoopError
 from .memory.stats import fmt_bytes
 
 DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
+DEFAULT_MODEL = "default"       # MODEL argument naming the embedded default model
+DEFAULT_MAX_SEQ_LEN = 2048
+MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}': the embedded SmolLM2-135M-Instruct, "
+              f"converted once into the cache folder (the default when MODEL is left out)")
+
+
+def resolve_model_arg(model: str | None) -> str:
+    """MODEL as given on the command line -> a .tlm path: None or ``default`` is the embedded
+    default model (:func:`tinyloop.default_model_path`, converting it on first use)."""
+    if model is None or model == DEFAULT_MODEL:
+        from .default import default_model_path
+        return default_model_path()
+    return model
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """The options that size a load: depth, backend, max_seq_len, prefill_chunk."""
+    p.add_argument("--depth", type=int, default=None, metavar="D",
+                   help="recurrent depth: times the recurrent block runs (default: the model's "
+                        "default depth)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
+                   help="positions the KV cache holds: prompt + new tokens (default: "
+                        "%(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="C",
+                   help="prefill the prompt C tokens at a time; 0 prefills it in one pass "
+                        "(default: %(default)s)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--depth", type=int, default=None, help="recurrent depth (default: model's)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--prefill-chunk", type=int, default=0)
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help="tokens to generate at most (default: %(default)s)")
+    _add_load_args(p)
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep the K most likely tokens; 0 keeps all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens whose probability "
+                        "reaches P; 1 keeps all (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed of the sampler's random draws (default: a fresh seed per run)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as is, without the model's chat template (default: "
+                        "apply the template)")
 
 
 def cmd_run_like(model_path: str, prompt: str, a) -> int:
@@ -56,7 +95,7 @@ def cmd_run_like(model_path: str, prompt: str, a) -> int:
               f"{len(res.token_ids)} new tokens at depth {res.depth}, "
               f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason}); "
               f"backend {model.backend}")
-        print(f"# model owns {fmt_bytes(model.vram_usage_bytes())}")
+        print(f"# model {model_path}: owns {fmt_bytes(model.vram_usage_bytes())}")
         print(memory_report(model.device))
     finally:
         free_model(model)
@@ -80,12 +119,14 @@ def cmd_run(a) -> int:
     if a.prompt is not None and not a.prompt.strip():
         raise ConfigError("--prompt is empty")
     _check_request_args(a)
-    return cmd_run_like(default_model_path(), a.prompt or DEFAULT_PROMPT, a)
+    path = default_model_path()
+    print(f"# default model: {path}", file=sys.stderr)
+    return cmd_run_like(path, a.prompt or DEFAULT_PROMPT, a)
 
 
 def cmd_generate(a) -> int:
     _check_request_args(a)
-    return cmd_run_like(a.model, a.prompt, a)
+    return cmd_run_like(resolve_model_arg(a.model), a.prompt, a)
 
 
 def _parse_dims(text: str) -> dict:
@@ -129,7 +170,11 @@ def cmd_convert(a) -> int:
     except ValueError:
         raise TinyLoopError(f"--recurrent must look like A:B (a layer range), got "
                             f"{a.recurrent!r}") from None
-    cfg = convert(a.src, a.dst, recurrent=rec, default_depth=a.default_depth,
+    src = a.src
+    if src == DEFAULT_MODEL:
+        from .default import default_gguf_path
+        src = default_gguf_path()
+    cfg = convert(src, a.dst, recurrent=rec, default_depth=a.default_depth,
                   max_depth=a.max_depth)
     print(f"wrote {a.dst}: {cfg}")
     return 0
@@ -141,6 +186,7 @@ def cmd_inspect(a) -> int:
     from .format import read_tlm
     from .config import check_load_args
     check_load_args(a.max_seq_len, a.prefill_chunk)
+    a.model = resolve_model_arg(a.model)
     ops = ops_class(a.backend)          # the backend's dtypes; no device needed
     backend = ops.name
     with read_tlm(a.model) as f:
@@ -207,40 +253,69 @@ def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tinyloop", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="generate with the embedded default model")
-    r.add_argument("--prompt", default=None)
+    ap = argparse.ArgumentParser(
+        prog="tinyloop",
+        description="Run quantized looped (recurrent-depth) transformer LMs and account for "
+                    "every byte of GPU memory.",
+        epilog="Each command has its own --help. Environment: TINYLOOP_MEMORY_LIMIT (a hard "
+               "memory budget: bytes, 512M, 4G or 40%%), TINYLOOP_FP16_CACHE (0/1: dequantized "
+               "weight copies; on by default on the numpy backend).")
+    ap.add_argument("--version", action="version", version=f"tinyloop {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    r = sub.add_parser("run", help="generate with the embedded default model (prints its path)",
+                       description="Generate with the embedded default model (SmolLM2-135M-"
+                                   "Instruct, converted once into the cache folder) on a "
+                                   "default chat prompt; prints the model's path, the text, "
+                                   "tokens/s and a memory summary.")
+    r.add_argument("--prompt", default=None, metavar="TEXT",
+                   help=f"the user message (default: {DEFAULT_PROMPT!r})")
     _add_sampling(r)
-    r.set_defaults(fn=cmd_run, max_new_tokens=48)
-    g = sub.add_parser("generate", help="generate from a .tlm model")
-    g.add_argument("model")
-    g.add_argument("prompt")
+    r.set_defaults(fn=cmd_run)
+    g = sub.add_parser("generate", help="generate from a .tlm model (default: the embedded one)",
+                       description="Generate from a .tlm model. With one positional argument "
+                                   "it is the prompt, and the model is the embedded default.")
+    g.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
+    g.add_argument("prompt", metavar="PROMPT",
+                   help="the user message (sent through the model's chat template unless "
+                        "--raw)")
     _add_sampling(g)
     g.set_defaults(fn=cmd_generate)
-    c = sub.add_parser("convert", help="GGUF -> .tlm, or a synthetic model")
-    c.add_argument("src", help="source .gguf (or, with --synthetic, the output path)")
-    c.add_argument("dst", nargs="?")
-    c.add_argument("--recurrent", default="10:20", help="layer range A:B of the recurrent block")
-    c.add_argument("--default-depth", type=int, default=1)
-    c.add_argument("--max-depth", type=int, default=8)
-    c.add_argument("--synthetic", action="store_true")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--dims", default="", help="synthetic dims, e.g. d_model=256,n_recurrent=4")
-    c.add_argument("--bits", type=int, default=4)
-    c.add_argument("--group-size", type=int, default=32)
+    c = sub.add_parser("convert", help="GGUF -> .tlm, or a synthetic model",
+                       description="Convert a llama-architecture GGUF into a looped .tlm model, "
+                                   "or write a synthetic model with random weights.")
+    c.add_argument("src", metavar="SRC",
+                   help=f"source .gguf, or '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-"
+                        f"Instruct GGUF (with --synthetic: the output .tlm path)")
+    c.add_argument("dst", nargs="?", metavar="DST",
+                   help="output .tlm path: required without --synthetic, not given with it "
+                        "(no default)")
+    c.add_argument("--recurrent", default="10:20", metavar="A:B",
+                   help="layers A..B-1 form the recurrent block (default: %(default)s)")
+    c.add_argument("--default-depth", type=int, default=1, metavar="D",
+                   help="depth used when a request names none (default: %(default)s)")
+    c.add_argument("--max-depth", type=int, default=8, metavar="M",
+                   help="largest depth a request may ask for (default: %(default)s)")
+    c.add_argument("--synthetic", action="store_true",
+                   help="write a synthetic model to SRC instead of converting (default: off)")
+    c.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="with --synthetic: seed of the random weights (default: %(default)s)")
+    c.add_argument("--dims", default="", metavar="K=V,...",
+                   help="with --synthetic: dims to change, e.g. d_model=256,n_recurrent=4 "
+                        "(default: none, SmolLM2-135M's dims)")
+    c.add_argument("--bits", type=int, default=4, metavar="B",
+                   help="with --synthetic: weight bits, 4 or 8 (default: %(default)s)")
+    c.add_argument("--group-size", type=int, default=32, metavar="G",
+                   help="with --synthetic: quantization group size (default: %(default)s)")
     c.set_defaults(fn=cmd_convert)
-    i = sub.add_parser("inspect", help="header, dims and the memory plan")
-    i.add_argument("model")
-    i.add_argument("--max-seq-len", type=int, default=2048)
-    i.add_argument("--prefill-chunk", type=int, default=0)
-    i.add_argument("--depth", type=int, default=None)
-    i.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="whose dtypes to plan with (auto: cuda where CuPy sees a GPU)")
+    i = sub.add_parser("inspect", help="header, dims and the memory plan of a model",
+                       description="Print a .tlm file's header and dims and the bytes of each "
+                                   "load phase and of one request's KV cache.")
+    i.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
+    _add_load_args(i)
     i.add_argument("--kv-mode", default=None,
                    help="KV storage mode to plan with (default: TINYLOOP_KV_MODE or fp16)")
     i.add_argument("--kv-budget", default="1G",
-                   help="bytes for the 'positions that fit' columns (e.g. 512M, 2G)")
+                   help="bytes for the 'positions that fit' columns (default 1G; e.g. 512M)")
     i.set_defaults(fn=cmd_inspect)
     return ap
 

@@ -154,6 +154,8 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+# max_new_tokens of Model.generate / stream and of the tinyloop CLI
+DEFAULT_MAX_NEW_TOKENS = 64
 MAX_SEQ_LEN_LIMIT = 1 << 24    # 16M positions: far past any model here, far below overflow
 
 

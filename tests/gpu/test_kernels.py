@@ -678,7 +678,7 @@ def test_gemv_settings_errors_name_the_setting(monkeypatch):
         CudaOps()
 
 
-# --- RoPE, the paged KV write and paged attention -------------------------------------------------
+# --- RoPE and attention ------------------------------------------------------------------------
 HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 128), (3, 1, 16)]
 
 

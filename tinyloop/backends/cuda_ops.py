@@ -206,15 +206,17 @@ def source_dir() -> Path:
     that package onto the repository's ``cuda_src/``); a source checkout has them at the
     repository root.
     """
+    # the checkout this module was imported from first: an editable install elsewhere maps
+    # tinyloop.cuda_src onto *its* checkout, whose kernels may not match this code
+    repo = Path(__file__).resolve().parents[2] / "cuda_src"
+    if (repo / "common.cuh").is_file():
+        return repo
     try:
         packaged = resources.files("tinyloop.cuda_src")
         if (packaged / "common.cuh").is_file():
             return Path(str(packaged))
     except ModuleNotFoundError:           # a source checkout: no tinyloop/cuda_src package
         pass
-    repo = Path(__file__).resolve().parents[2] / "cuda_src"
-    if (repo / "common.cuh").is_file():
-        return repo
     raise FileNotFoundError(f"CUDA kernel sources not found: neither package tinyloop.cuda_src "
                             f"nor {repo} holds common.cuh (was the wheel built without its "
                             "package data?)")
@@ -425,6 +427,8 @@ class CudaOps(Ops):
         self._free_dev = cupy.cuda.runtime.free
         self._wq_ptr, self._wq_cap = 0, 0   # sample_topk_topp's u64 [vocab] scratch
         self.device_sampling = True         # False: temperature > 0 through _sample_cupy
+        self._capture_stream = None         # the decode-step capture stream (graph_begin)
+        self._capturing = None              # that stream while a capture is open
 
     def __del__(self):
         ptr = getattr(self, "_id_ptr", None)
@@ -779,40 +783,6 @@ class CudaOps(Ops):
         self._fn("attention_decode", f"attn_combine_hd{int(head_dim)}")(
             (int(n_heads),), (int(head_dim),), (self._ds_ptr, ns, out.data.ptr))
 
-    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
-        """``kv_attention`` of one query row at the position in the device step state ``step``
-        (int32 [STEP_WORDS]; ctx = step[STEP_POS] + 1 read by the kernel, nothing read on the
-        host). The split count comes from the block table's capacity (fixed while a captured
-        graph lives, part of its key); positions past the pages written are the caller's
-        responsibility (graphs.py ensures pages for the whole capacity)."""
-        if self.attn_decode == "v1":
-            return super().kv_attention_step(qkv, kv, step, n_heads, n_kv_heads, head_dim, out,
-                                             recon)
-        if not _fast_ok(qkv, _F16, 2):
-            _dev(qkv, "qkv", np.float16, 2)
-        t, ld = qkv.shape
-        if t != 1:
-            raise ConfigError(f"kv_attention_step takes one query row, got T={t}")
-        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
-        if head_dim not in ATTN_HEAD_DIMS:
-            raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
-                              f"{ATTN_HEAD_DIMS}")
-        _dev(step, "step", np.int32, 1)
-        if step.shape[0] < STEP_WORDS:
-            raise ConfigError(f"step has {step.shape[0]} words, need {STEP_WORDS}")
-        cap = int(kv.table.shape[0]) * kv.layout.page_size
-        table, p, offs = self._kv_table(kv, 1)
-        out = self._out(out, "out", _F16, 1, n_heads * head_dim)
-        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
-        self._attn_decode(qkv, cap, step.data.ptr + 4 * STEP_POS, table, p, offs,
-                          kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
-
-    def graph_constants(self) -> tuple:
-        """Host-chosen decode launch constants (part of a captured graph's key): the decode
-        attention kernel and the GEMV choice."""
-        return (("attn_decode", self.attn_decode),
-                ("gemv", tuple(sorted(self.gemv.items()))))
-
     def inject(self, state, e, w, tmp2, tmp1):
         """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].
 
@@ -949,18 +919,169 @@ class CudaOps(Ops):
         self._raise_on_fault()
         return int(self._id_view[0])
 
-    def head_argmax_launch(self, info, x, weight, eps, out, id_host) -> None:
+    def head_argmax_launch(self, info, x, weight, eps, out, id_host, id_dev=None) -> None:
         """Queue the fused RMSNorm + LM head + argmax (no synchronisation): the id and the
-        row's fault code go to the device ints at ``self._id_dev`` and, when ``id_host`` (a
-        mapped pinned int [2]) is non-zero, there too. Arguments already validated;
-        ``info.v2`` must hold."""
+        row's fault code go to the device ints at ``id_dev`` (default ``self._id_dev``; a
+        captured decode step passes its step state) and, when ``id_host`` (a mapped pinned
+        int [2]) is non-zero, there too. Arguments already validated; ``info.v2`` must
+        hold."""
         nt, nb = self._geo(info, info.n, True)
         if nb > self._part_cap:
             nb = self._part_cap
         info.g2_argmax((nb,), (nt,),
                        (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k,
                         info.lg, out.data.ptr, self._part_v, self._part_i, self._ticket,
-                        self._id_dev, id_host), shared_mem=2 * info.k)
+                        self._id_dev if id_dev is None else id_dev, id_host),
+                       shared_mem=2 * info.k)
+
+    # --- the captured decode step (tinyloop/graphs.py; step state: backends.base) -----------
+    graph_kv_modes = ("fp16", "int8")     # the store-h modes rebuild K/V chunk by chunk, with
+                                          # a host loop over the context: eager only
+
+    def graph_constants(self) -> tuple:
+        """The host-chosen launch constants of a decode step: the GEMV version and forced
+        geometry, the test grid cap and the SM count (v2 grids derive from it)."""
+        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode)
+
+    @staticmethod
+    def _step_ptr(step) -> int:
+        if not (_fast_ok(step, np.dtype(np.int32), 1) and step.shape[0] == STEP_WORDS):
+            _dev(step, "step", np.int32, 1)
+            _shape(step, "step", (STEP_WORDS,))
+        return step.data.ptr
+
+    def _step_kv(self, kv) -> tuple:
+        mode = kv.layout.mode
+        if mode not in self.graph_kv_modes:
+            raise ConfigError(f"kv mode {mode!r} has no step kernels; a captured decode step "
+                              f"runs {self.graph_kv_modes}")
+        # pages for every position a replay may reach are the caller's promise
+        # (graphs.DecodeGraphs binds a table covering the request's capacity): check page 0
+        return self._kv_table(kv, 1)
+
+    def kv_write_step(self, qkv, h, step, theta, n_heads, n_kv_heads, head_dim, kv):
+        """``kv_write`` of one row (qkv f16 [1, >= (H + 2 Hkv) hd]) at the position in the
+        device step state ``step`` int32 [STEP_WORDS] (read by the kernel: nothing of the
+        position is passed from the host, so a captured launch serves every step)."""
+        if not _fast_ok(qkv, _F16, 2, None, 1):
+            _dev(qkv, "qkv", np.float16, 2)
+            _shape(qkv, "qkv", (1, qkv.shape[1]))
+        ld = qkv.shape[1]
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        if head_dim > 256:
+            raise ConfigError(f"head_dim={head_dim} > 256: kv_write keeps <= 4 pairs per lane")
+        table, p, offs = self._step_kv(kv)
+        self._fn("rope", f"kv_write_step_{kv.layout.mode}")(
+            (1,), (128,), (qkv.data.ptr, ld, self._step_ptr(step), float(theta), int(n_heads),
+                           int(n_kv_heads), int(head_dim), table, p, *offs),
+            shared_mem=int(head_dim) * 4)
+
+    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """``kv_attention`` of one query row over positions 0..step[STEP_POS] (the context
+        length read on the device). Split-K (default): the split count comes from the block
+        table's capacity (pages per table are in the graph key), each split's page range from
+        the device length; ``TINYLOOP_ATTN_DECODE=v1``: n_heads blocks whatever the length."""
+        if recon is not None:
+            raise ConfigError("a store-h KV slot has no step attention kernel")
+        if not _fast_ok(qkv, _F16, 2, None, 1):
+            _dev(qkv, "qkv", np.float16, 2)
+            _shape(qkv, "qkv", (1, qkv.shape[1]))
+        self._heads_ok(n_heads, n_kv_heads, head_dim, qkv.shape[1])
+        if head_dim not in ATTN_HEAD_DIMS:
+            raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
+                              f"{ATTN_HEAD_DIMS}")
+        table, p, offs = self._step_kv(kv)
+        out = self._out(out, "out", _F16, 1, n_heads * head_dim)
+        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        if self.attn_decode == "split":
+            cap = int(kv.table.shape[0]) * kv.layout.page_size
+            self._attn_decode(qkv, cap, self._step_ptr(step) + 4 * STEP_POS, table, p, offs,
+                              kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
+            return
+        self._fn("attention", f"attn_decode_step_{kv.layout.mode}_hd{int(head_dim)}")(
+            (int(n_heads),), (_DC_THREADS,),
+            (qkv.data.ptr, self._step_ptr(step), table, p, *offs, int(n_heads),
+             int(n_kv_heads), scale_log2, out.data.ptr))
+
+    def head_argmax_step(self, x, weight, eps, w, out, norm, step) -> None:
+        """Greedy head into the step state (``Ops.head_argmax_step``): with the v2 GEMV one
+        fused launch (RMSNorm + LM head + argmax, ``head_argmax_launch``) writing the id and
+        fault code to ``step``; otherwise ``rmsnorm_lm_head`` then the argmax kernel into
+        ``step``. The logits land in ``out`` f32 [1, vocab] either way."""
+        sp = self._step_ptr(step)
+        info = self._info(w)
+        if info.v2 and self._norm_fused(x, weight, info):
+            out = self._out(out, "out", _F32, 1, info.n)
+            self.head_argmax_launch(info, x, weight, eps, out, 0, id_dev=sp)
+            return
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        out = self._out(out, "out", _F32, 1, info.n)
+        self._fn("sample", "argmax_f32")((1,), (1024,), (out.data.ptr, info.n, sp))
+
+    def step_advance(self, step, host_out) -> None:
+        """``step[STEP_POS] += 1`` and (id, fault) to ``host_out`` (``step_host_buffer``'s
+        mapped pinned int32 [2]) in one one-thread launch."""
+        if host_out.ctypes.data != self._id_ptr:
+            raise ConfigError("host_out must be step_host_buffer()'s mapped pinned buffer")
+        self._fn("elementwise", "decode_step_advance")(
+            (1,), (1,), (self._step_ptr(step), self._id_ptr))
+
+    def step_host_buffer(self):
+        """The mapped pinned int32 [2] the sampled id and fault code land in (shared with
+        ``sample``: both synchronise before reading it)."""
+        return np.ctypeslib.as_array(self._id_view)
+
+    def graph_begin(self) -> None:
+        """Begin a CuPy stream capture on this backend's non-blocking capture stream, made
+        current until ``graph_end`` / ``graph_abort`` (relaxed mode: CuPy's default)."""
+        if self._capturing is not None:
+            raise ConfigError("a decode-step capture is already open")
+        if self._capture_stream is None:
+            self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        s = self._capture_stream
+        s.__enter__()
+        try:
+            s.begin_capture()
+        except BaseException:
+            s.__exit__(None, None, None)
+            raise
+        self._capturing = s
+
+    def graph_end(self):
+        """End the capture; return the ``cupy.cuda.Graph`` (instantiated by CuPy)."""
+        s, self._capturing = self._capturing, None
+        if s is None:
+            raise ConfigError("no decode-step capture is open")
+        try:
+            return s.end_capture()
+        finally:
+            s.__exit__(None, None, None)
+
+    def graph_abort(self) -> None:
+        """End a failed capture and drop what it captured; the capture stream leaves capture
+        mode (an invalidated capture raises from end_capture: ignored) and stops being
+        current, so the next capture and every eager launch work."""
+        s, self._capturing = self._capturing, None
+        if s is None:
+            return
+        try:
+            try:
+                s.end_capture()
+            except Exception:        # invalidated by the failure, or already ended
+                pass
+        finally:
+            s.__exit__(None, None, None)
+
+    def graph_launch(self, graph) -> None:
+        """Queue one replay on the current stream (ordered after the eager prefill)."""
+        graph.launch(cupy.cuda.get_current_stream())
+
+    def graph_sync(self) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+
+    def graph_free(self, graph) -> None:
+        """Nothing to do beyond dropping the reference: CuPy's Graph destroys its graph and
+        executable graph when collected (the caller holds the only reference)."""
 
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by

@@ -186,7 +186,8 @@ class MemoryPool:
         raise out_of_memory(self.device, nbytes, rounded, tag, reasons,
                             allocated_bytes=self._allocated_bytes,
                             reserved_bytes=self._reserved_bytes, limit_bytes=self._limit_bytes,
-                            device_free_bytes=self._raw.mem_info()[0])
+                            device_free_bytes=self._raw.mem_info()[0],
+                            by_tag=self._by_tag)
 
     # --- free -------------------------------------------------------------------------------
     def free(self, blk: Block) -> None:

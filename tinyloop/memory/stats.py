@@ -10,7 +10,10 @@ identical request is a leak.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
+
+from .tags import TAG_CAUSES
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -91,12 +94,19 @@ def format_report(s: MemoryStats) -> str:
         ("pool free (reserved - allocated)", s.pool_free_bytes, None),
         ("largest free block", s.largest_free_block_bytes, None),
         ("limit (TINYLOOP_MEMORY_LIMIT / set_memory_limit)", s.limit_bytes, None),
-        ("device free (driver)", s.device_free_bytes, None),
-        ("device total (driver)", s.device_total_bytes, None),
-        ("process usage (" + ("NVML" if s.device == "cuda" else "RSS") + ")",
-         s.process_bytes, None),
-        ("unattributed (process - reserved: context, libraries)", s.unattributed_bytes, None),
     ]
+    if s.device == "cuda":
+        rows += [("device free (driver)", s.device_free_bytes, None),
+                 ("device total (driver)", s.device_total_bytes, None),
+                 ("process usage (NVML)", s.process_bytes, None),
+                 ("unattributed (process - reserved: CUDA context, libraries)",
+                  s.unattributed_bytes, None)]
+    else:       # the host pool: the driver's figures are the host's memory
+        rows += [("host memory free (MemAvailable)", s.device_free_bytes, None),
+                 ("host memory total", s.device_total_bytes, None),
+                 ("process usage (RSS, host memory)", s.process_bytes, None),
+                 ("unattributed (RSS - reserved: interpreter, libraries)",
+                  s.unattributed_bytes, None)]
     w = 56
     lines = [f"TinyLoop memory on {name}".ljust(w) + f"{'now':>12}{'peak':>12}"]
     for label, now, peak in rows:
@@ -114,6 +124,10 @@ def format_report(s: MemoryStats) -> str:
         if s.by_tag[tag] or s.peak_by_tag.get(tag):
             lines.append(f"    {tag}".ljust(w) + f"{fmt_bytes(s.by_tag[tag]):>12}"
                          f"{fmt_bytes(s.peak_by_tag.get(tag, 0)):>12}")
+            if s.by_tag[tag] and tag in TAG_CAUSES:
+                lines += textwrap.wrap(TAG_CAUSES[tag], 90, initial_indent="      (",
+                                       subsequent_indent="       ")
+                lines[-1] += ")"
     lines.append(f"  counts: {s.num_allocs} allocs, {s.num_frees} frees, "
                  f"{s.num_segment_allocs} segment allocs, {s.num_segment_releases} releases, "
                  f"{s.num_alloc_retries} retries, {s.num_ooms} OOMs")

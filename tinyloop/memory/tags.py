@@ -10,6 +10,14 @@ from ..errors import ConfigError
 TAGS = ("weights", "fp16_cache", "buffers", "logits", "kv_cache", "prefix_cache", "resume",
         "scratch", "cupy", "graphs", "other")
 
+# What a tag's bytes are and how to go without them, for the out-of-memory error and
+# memory_report(): the tags a user can switch off.
+TAG_CAUSES = {
+    "fp16_cache": "dequantized weight copies for the GEMMs (float32 on the NumPy backend, where "
+                  "they are on by default and take several times the quantized weights); set "
+                  "TINYLOOP_FP16_CACHE=0 to load without them (slower GEMMs)",
+}
+
 _tls = threading.local()      # per thread: .tags, the stack of active tag_scope tags
 
 

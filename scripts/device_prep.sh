@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The first of the two back-to-back device calls (see scripts/device_run.sh): a call carries at
+# most 64 MiB, so this one brings part 0 of the real model (carry .model_parts/smollm2.tlm.part00)
+# to /root/tlc, and, where the image lacks nbclient/ipykernel (needed to execute the notebook),
+# installs wheels carried in .whl/ into /root/site. The machine stays warm ~30 s for the next call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p /root/tlc
+[[ -f .model_parts/smollm2.tlm.part00 ]] && cp .model_parts/smollm2.tlm.part00 /root/tlc/
+if ! python3 -c "import nbclient, nbformat, ipykernel" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site .whl/*.whl \
+        && echo "notebook packages installed into /root/site"
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+ls -la /root/tlc
