@@ -33,14 +33,15 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant import QuantWeight
-from .base import LOGIT_FAULTS, STEP_WORDS, Ops, non_finite_logits
+from .base import LOGIT_FAULTS, STEP_POS, STEP_WORDS, Ops, non_finite_logits
 
 try:
     import cupy
 except ImportError:  # the module still imports (for docs / source checks) without CuPy
     cupy = None
 
-FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "elementwise", "sample")
+FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
+            "elementwise", "sample")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -56,6 +57,9 @@ GEOMETRY = {
                   "DC_THREADS": 1024,            # decode: threads per block (one query head)
                   "ATTN_HEAD_DIM_ENTRIES": "".join(f"ATTN_ENTRIES({hd})"
                                                    for hd in ATTN_HEAD_DIMS)},
+    "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
+                         "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
+                                                        for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
 }
 
@@ -76,6 +80,12 @@ _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 _GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
 _PF_Q = GEOMETRY["attention"]["PF_Q"]
 _DC_THREADS = GEOMETRY["attention"]["DC_THREADS"]
+_DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
+_SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
+                for hd in ATTN_HEAD_DIMS}
+ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
+DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
+DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
@@ -84,7 +94,27 @@ _GEMV2_LPR = (4, 8, 16, 32)       # lanes per row the v2 kernels are built for
 _GEMV2_THREADS = (64, 128, 256)   # v2 block sizes (norm_row_v256 needs a divisor of 256)
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
-GEMV_VERSIONS = ("v1", "v2")
+GEMV_VERSIONS = ("auto", "v1", "v2")
+# The decode GEMV per weight shape (TINYLOOP_GEMV=auto, the default): the first row whose
+# min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). From the
+# H200 per-kernel table at SmolLM2 dims (bench_kernels.py, issue 10): v1 beats v2 on every
+# layer shape (qkv 2.22 vs 2.38 us, norm+qkv 3.80 vs 6.05), v2 at 4 lanes per row wins the LM
+# head (14.5 vs 20.4 us; norm+head+argmax 22.3 vs 30.7).
+GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
+                 (0, "v1", None))      # every layer shape
+
+
+def gemv_choice(n: int, setting: dict) -> tuple:
+    """(version, forced lanes per row or None) of the decode GEMV over ``n`` output rows under
+    ``setting`` (``gemv_settings``): a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A
+    forced ``lpr`` overrides the table's."""
+    ver, lpr = setting["version"], setting["lpr"]
+    if ver == "auto":
+        for min_rows, v, l in GEMV_BY_SHAPE:
+            if n >= min_rows:
+                ver, lpr = v, (lpr if lpr is not None else l)
+                break
+    return ver, lpr
 _SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
 _SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
 
@@ -93,12 +123,12 @@ def gemv_settings(version: str | None = None, lpr: int | None = None,
                   threads: int | None = None) -> dict:
     """The decode GEMV choice: the arguments, else the environment; validated.
 
-    ``version`` / ``TINYLOOP_GEMV`` = v2 (default) | v1 (the original one-warp-per-row
-    kernels); ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
+    ``version`` / ``TINYLOOP_GEMV`` = auto (default: per weight shape, ``GEMV_BY_SHAPE``) |
+    v2 | v1 (the original one-warp-per-row kernels) forced for every shape; ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
     (default: per shape, see ``gemv2_geometry``); ``threads`` / ``TINYLOOP_GEMV_THREADS`` =
     64 | 128 | 256 forces its block size. Raises ConfigError naming the bad setting.
     """
-    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "v2"
+    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "auto"
     if ver not in GEMV_VERSIONS:
         raise ConfigError(f"GEMV version (TINYLOOP_GEMV) {ver!r}: expected one of "
                           f"{GEMV_VERSIONS}")
@@ -116,6 +146,29 @@ def gemv_settings(version: str | None = None, lpr: int | None = None,
                 raise ConfigError(f"GEMV {key} ({var}) {raw!r}: expected one of {allowed}")
             out[key] = val
     return out
+
+
+def attn_decode_setting(version: str | None = None) -> str:
+    """The T = 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_DECODE``: ``split``
+    (default; split-K, attention_decode.cu) or ``v1`` (one block per query head,
+    attention.cu). Raises ConfigError naming a bad value."""
+    ver = version or os.environ.get("TINYLOOP_ATTN_DECODE", "") or "split"
+    if ver not in ATTN_DECODE_VERSIONS:
+        raise ConfigError(f"decode attention (TINYLOOP_ATTN_DECODE) {ver!r}: expected one of "
+                          f"{ATTN_DECODE_VERSIONS}")
+    return ver
+
+
+def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
+    """Split count of the split-K decode attention for a context of ``ctx`` keys: from the
+    power-of-two length bucket ``b = max(DS_MIN_KEYS, 2^ceil(log2 ctx))``, ``b / DS_MIN_KEYS``
+    splits, capped so n_heads * splits is about two blocks per SM and at DS_MAX_SPLITS. A
+    function of the bucket only, so a captured graph keyed by the bucket (or by the block
+    table's capacity, whose ctx it passes) launches a valid grid for every length in it;
+    each split's page range is computed on the device from the real length."""
+    bucket = max(DS_MIN_KEYS, 1 << max(0, int(ctx) - 1).bit_length())
+    by_sms = -(-2 * int(sms) // max(1, int(n_heads)))
+    return max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
 
 
 def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
@@ -153,15 +206,17 @@ def source_dir() -> Path:
     that package onto the repository's ``cuda_src/``); a source checkout has them at the
     repository root.
     """
+    # the checkout this module was imported from first: an editable install elsewhere maps
+    # tinyloop.cuda_src onto *its* checkout, whose kernels may not match this code
+    repo = Path(__file__).resolve().parents[2] / "cuda_src"
+    if (repo / "common.cuh").is_file():
+        return repo
     try:
         packaged = resources.files("tinyloop.cuda_src")
         if (packaged / "common.cuh").is_file():
             return Path(str(packaged))
     except ModuleNotFoundError:           # a source checkout: no tinyloop/cuda_src package
         pass
-    repo = Path(__file__).resolve().parents[2] / "cuda_src"
-    if (repo / "common.cuh").is_file():
-        return repo
     raise FileNotFoundError(f"CUDA kernel sources not found: neither package tinyloop.cuda_src "
                             f"nor {repo} holds common.cuh (was the wheel built without its "
                             "package data?)")
@@ -291,12 +346,13 @@ class _WInfo:
         # GEMV v2 (the default decode kernels): needs x in shared memory (K <= _NORM_MAX_K)
         # and int row arithmetic (N * 32 < 2^31)
         st = ops.gemv
-        self.v2 = (st["version"] == "v2" and self.k <= _NORM_MAX_K
+        ver, lpr = gemv_choice(self.n, st)
+        self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
                    and self.n * 32 < _NORM_MAX_N)
         self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
         self.geo: dict = {}                       # (rows, cap_wave) -> (threads, blocks)
         if self.v2:
-            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, st["lpr"], st["threads"])[0]
+            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, lpr, st["threads"])[0]
             sfx = f"_l{self.lpr}"
             self.g2 = {e: ops._fn("gemv", f"gemv2_q{b}_{e}{sfx}") for e in ("f16", "resid",
                                                                             "swiglu", "f32")}
@@ -323,9 +379,10 @@ class CudaOps(Ops):
     xp = cupy
 
     def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
-                 gemv_threads: int | None = None):
+                 gemv_threads: int | None = None, attn_decode: str | None = None):
         """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
-        ``gemv_settings``; None reads the environment)."""
+        ``gemv_settings``; None reads the environment); ``attn_decode``: the T = 1 attention
+        kernel (``attn_decode_setting``)."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -341,6 +398,11 @@ class CudaOps(Ops):
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
         self.sms = sms
         self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
+        self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
+        # split-K decode attention's partials f32 [n_heads, splits, hd + 2], cudaMalloc'd
+        # beside the argmax scratch on the first decode that needs more (an eager step always
+        # precedes a capture, so a captured launch never grows it)
+        self._ds_ptr, self._ds_cap = 0, 0
         self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
         # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
@@ -374,7 +436,7 @@ class CudaOps(Ops):
             self._id_ptr = None
             if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
                 self._free_host(ptr)
-        for name in ("_wq_ptr", "_scratch_ptr"):   # device scratch: likewise at exit
+        for name in ("_wq_ptr", "_scratch_ptr", "_ds_ptr"):   # device scratch: likewise at exit
             ptr = getattr(self, name, None)
             if ptr:
                 setattr(self, name, None)
@@ -680,15 +742,46 @@ class CudaOps(Ops):
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         mode = kv.layout.mode
         if t == 1:
-            self._fn("attention", _DECODE_NAMES[mode, head_dim])(
-                (int(n_heads),), (_DC_THREADS,),
-                (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
-                 scale_log2, out.data.ptr))
+            self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
+                              scale_log2, out)
         else:
             self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
                  int(n_kv_heads), scale_log2, out.data.ptr))
+
+    def _attn_decode(self, qkv, ctx, step_pos, table, p, offs, mode, n_heads, n_kv_heads,
+                     head_dim, scale_log2, out, splits=None):
+        """One query row: split-K (``attn_split_*`` + ``attn_combine_*``) or, with
+        ``attn_decode == "v1"``, the one-block-per-head kernel. ``step_pos``: 0, or the device
+        address of the int32 position (ctx = pos + 1 on the device; ``ctx`` is then the table's
+        capacity and only picks the split count). ``splits`` forces the split count (tests)."""
+        if self.attn_decode == "v1":
+            if step_pos:
+                raise ConfigError("TINYLOOP_ATTN_DECODE=v1 reads the context length on the "
+                                  "host; the device step state needs the split-K kernel")
+            self._fn("attention", _DECODE_NAMES[mode, head_dim])(
+                (int(n_heads),), (_DC_THREADS,),
+                (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
+                 scale_log2, out.data.ptr))
+            return
+        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
+        if not 1 <= ns <= DS_MAX_SPLITS:
+            raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
+        need = int(n_heads) * ns * (int(head_dim) + 2) * 4
+        if need > self._ds_cap:
+            if self._ds_ptr:
+                self.synchronize()
+                self._free_dev(self._ds_ptr)
+                self._ds_ptr, self._ds_cap = 0, 0
+            self._ds_ptr = cupy.cuda.runtime.malloc(need)
+            self._ds_cap = need
+        self._fn("attention_decode", _SPLIT_NAMES[mode, head_dim])(
+            (int(n_heads), ns), (_DS_THREADS,),
+            (qkv.data.ptr, int(ctx), int(step_pos), table, p, *offs, int(n_heads),
+             int(n_kv_heads), scale_log2, self._ds_ptr))
+        self._fn("attention_decode", f"attn_combine_hd{int(head_dim)}")(
+            (int(n_heads),), (int(head_dim),), (self._ds_ptr, ns, out.data.ptr))
 
     def inject(self, state, e, w, tmp2, tmp1):
         """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].
@@ -848,7 +941,7 @@ class CudaOps(Ops):
     def graph_constants(self) -> tuple:
         """The host-chosen launch constants of a decode step: the GEMV version and forced
         geometry, the test grid cap and the SM count (v2 grids derive from it)."""
-        return (repr(self.gemv), self._grid_cap, self.sms)
+        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode)
 
     @staticmethod
     def _step_ptr(step) -> int:
@@ -885,7 +978,9 @@ class CudaOps(Ops):
 
     def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
         """``kv_attention`` of one query row over positions 0..step[STEP_POS] (the context
-        length read on the device; the grid is n_heads blocks whatever the length)."""
+        length read on the device). Split-K (default): the split count comes from the block
+        table's capacity (pages per table are in the graph key), each split's page range from
+        the device length; ``TINYLOOP_ATTN_DECODE=v1``: n_heads blocks whatever the length."""
         if recon is not None:
             raise ConfigError("a store-h KV slot has no step attention kernel")
         if not _fast_ok(qkv, _F16, 2, None, 1):
@@ -898,6 +993,11 @@ class CudaOps(Ops):
         table, p, offs = self._step_kv(kv)
         out = self._out(out, "out", _F16, 1, n_heads * head_dim)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        if self.attn_decode == "split":
+            cap = int(kv.table.shape[0]) * kv.layout.page_size
+            self._attn_decode(qkv, cap, self._step_ptr(step) + 4 * STEP_POS, table, p, offs,
+                              kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
+            return
         self._fn("attention", f"attn_decode_step_{kv.layout.mode}_hd{int(head_dim)}")(
             (int(n_heads),), (_DC_THREADS,),
             (qkv.data.ptr, self._step_ptr(step), table, p, *offs, int(n_heads),
