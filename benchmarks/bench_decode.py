@@ -6,13 +6,16 @@ Without --model it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
 GPU machine. Measures (CUDA events / synchronised wall clock, medians of repeats, after a
 warm-up):
-  - decode tokens/s at batch 1, depth 1 and depth 4 (greedy, plain launches; median of 5
-    generations of 128 tokens after 2 s of sustained decoding, with the SM clock read then);
+  - decode tokens/s at batch 1, depths 1, 2 and 4 (greedy; median of 5 generations of 128
+    tokens after 2 s of sustained decoding, with the SM clock read then), with the decode step
+    replayed as one captured CUDA graph (TINYLOOP_CUDA_GRAPHS=1) and eager (=0);
   - prefill time and tokens/s for 512- and 2048-token prompts;
   - weight bytes read per decoded token against the device-to-device copy bandwidth measured
     in the same run (bytes read + written per second);
-  - per KV storage mode (``--kv-modes``): KV bytes per token at depth 1 and 4, decode
-    tokens/s at depth 1 and 4, prefill of 2,048 tokens;
+  - per KV storage mode (``--kv-modes``): KV bytes per token at depths 1, 2 and 4, decode
+    tokens/s there with graphs on and off, prefill of 2,048 tokens;
+  - the captured graphs the model holds at the end (count, keys) and the pool bytes under
+    tag ``graphs``;
   - the pool's stats after the run;
   - a peer figure: the same token counts through PyTorch + transformers (LlamaForCausalLM with
     the same dims, FP16, eager attention, random weights) on the same GPU.
@@ -89,11 +92,27 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
+DEPTHS = (1, 2, 4)
+
+
 def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
-                 warmup_s: float = 2.0, kv_mode=None) -> dict:
+                 warmup_s: float = 2.0, kv_mode=None, graphs: bool = True) -> dict:
     """Median decode tokens/s over ``reps`` generations, after ``warmup_s`` seconds of
     sustained decoding (a launch-bound loop leaves the GPU mostly idle, and an idle H200 sits
-    at a low clock: timing before it has ramped up measures the clock, not the code)."""
+    at a low clock: timing before it has ramped up measures the clock, not the code).
+    ``graphs``: the decode step as a captured CUDA graph (TINYLOOP_CUDA_GRAPHS=1) or eager."""
+    old = os.environ.get("TINYLOOP_CUDA_GRAPHS")
+    os.environ["TINYLOOP_CUDA_GRAPHS"] = "1" if graphs else "0"
+    try:
+        return _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode)
+    finally:
+        if old is None:
+            del os.environ["TINYLOOP_CUDA_GRAPHS"]
+        else:
+            os.environ["TINYLOOP_CUDA_GRAPHS"] = old
+
+
+def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode) -> dict:
     prompt = list(range(10, 26))
     t = time.perf_counter()
     while time.perf_counter() - t < warmup_s:
@@ -150,17 +169,19 @@ def peer_transformers(cfg, new_tokens: int = 128, prefill: int = 2048) -> dict:
 
 
 def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
-    """Per KV storage mode: KV bytes per token at depth 1 and 4 (all slots), decode tokens/s
-    at depth 1 and 4 (bench_decode), prefill of 2,048 tokens (ms, median of 5)."""
+    """Per KV storage mode: KV bytes per token at DEPTHS (all slots), decode tokens/s there
+    with graphs on and off (bench_decode), prefill of 2,048 tokens (ms, median of 5)."""
     names = model.ops.kv_modes if modes == "all" else tuple(modes.split(","))
     out = {}
     for mode in names:
         r = {}
-        for depth in (1, 4):
+        for depth in DEPTHS:
             if depth > model.config.max_depth:
                 continue
             r[f"kv_bytes_per_token_depth{depth}"] = model.kv_bytes_per_token(depth, mode)
             r[f"decode_depth{depth}"] = bench_decode(model, depth, new_tokens, kv_mode=mode)
+            r[f"decode_depth{depth}_eager"] = bench_decode(model, depth, new_tokens,
+                                                           kv_mode=mode, graphs=False)
         r["prefill_2048_ms"] = bench_prefill(model, 2048, kv_mode=mode)
         out[mode] = r
     return out
@@ -188,10 +209,12 @@ def main(argv=None) -> int:
     tinyloop.reset_peak_memory_stats("cuda")
     model = tinyloop.load_model(path, max_seq_len=2304, backend="cuda")
     try:
-        for depth in (1, 4):
+        for depth in DEPTHS:
             if depth > model.config.max_depth:
                 continue
             dec = bench_decode(model, depth, a.new_tokens)
+            res[f"decode_depth{depth}_eager"] = bench_decode(model, depth, a.new_tokens,
+                                                             graphs=False)
             tps = dec["median"]
             wb = weight_bytes_per_token(model, depth)
             res[f"decode_depth{depth}"] = dec
@@ -203,7 +226,12 @@ def main(argv=None) -> int:
             res[f"prefill_{n}_ms"] = ms
             res[f"prefill_{n}_tokens_per_s"] = n / (ms / 1e3)
         res["kv_modes"] = bench_kv_modes(model, a.kv_modes, a.new_tokens)
+        gs = model.graph_stats()
+        res["graphs"] = {"count": gs["graphs"], "captures": gs["captures"],
+                         "replays": gs["replays"], "keys": [str(k) for k in gs["keys"]],
+                         "bytes": gs["bytes"]}
         st = tinyloop.memory_stats("cuda")
+        res["graphs"]["pool_tag_bytes"] = st.by_tag.get("graphs", 0)
         res["pool"] = {"allocated_bytes": st.allocated_bytes, "reserved_bytes": st.reserved_bytes,
                        "peak_allocated_bytes": st.peak_allocated_bytes,
                        "peak_reserved_bytes": st.peak_reserved_bytes, "by_tag": st.by_tag,
@@ -227,17 +255,23 @@ def main(argv=None) -> int:
     print("\n== TinyLoop CUDA benchmark (" + ("synthetic SmolLM2-135M dims" if tmp else path)
           + ") ==")
     rows = [("copy bandwidth (read+write)", f"{bw:,.0f} GB/s")]
-    for d in (1, 4):
+    for d in DEPTHS:
         if f"decode_depth{d}_tokens_per_s" in res:
-            dec = res[f"decode_depth{d}"]
-            rows.append((f"decode depth {d}", f"{dec['median']:,.1f} tok/s (median; "
+            dec, eag = res[f"decode_depth{d}"], res[f"decode_depth{d}_eager"]
+            rows.append((f"decode depth {d} (graphs)", f"{dec['median']:,.1f} tok/s (median; "
                          f"{dec['min']:,.0f}-{dec['max']:,.0f}; SM {dec['sm_clock_mhz']} MHz)"
                          f"  {res[f'weight_bytes_per_token_depth{d}'] / 2**20:.1f} MiB weights/tok"
                          f", {res[f'weight_GBps_depth{d}']:,.0f} GB/s"))
+            rows.append((f"decode depth {d} (eager)", f"{eag['median']:,.1f} tok/s (median; "
+                         f"{eag['min']:,.0f}-{eag['max']:,.0f}; SM {eag['sm_clock_mhz']} MHz)"))
     for n in (512, 2048):
         rows.append((f"prefill {n}", f"{res[f'prefill_{n}_ms']:.1f} ms  "
                      f"({res[f'prefill_{n}_tokens_per_s']:,.0f} tok/s)"))
     rows.append(("model owns", f"{res['vram_usage_bytes'] / 2**20:.1f} MiB"))
+    g = res["graphs"]
+    rows.append(("captured graphs held / captures",
+                 f"{g['count']} / {g['captures']} ({g['replays']:,d} replays); tag graphs "
+                 f"{g['pool_tag_bytes']:,d} B"))
     rows.append(("pool peak allocated / reserved",
                  f"{res['pool']['peak_allocated_bytes'] / 2**20:.1f} / "
                  f"{res['pool']['peak_reserved_bytes'] / 2**20:.1f} MiB"))
@@ -251,15 +285,16 @@ def main(argv=None) -> int:
                          f"{peer['prefill_2048_ms']:.1f} ms"))
     for k, v in rows:
         print(f"  {k:<34}{v}")
-    print("\n  KV storage modes: bytes/token (all slots) | decode tok/s (median, min-max) | "
-          "prefill 2048")
+    print("\n  KV storage modes: bytes/token (all slots) | decode tok/s graphs / eager (median, "
+          "min-max) | prefill 2048")
     for mode, r in res.get("kv_modes", {}).items():
         parts = []
-        for d in (1, 4):
+        for d in DEPTHS:
             if f"decode_depth{d}" in r:
-                dec = r[f"decode_depth{d}"]
+                dec, eag = r[f"decode_depth{d}"], r[f"decode_depth{d}_eager"]
                 parts.append(f"d{d}: {r[f'kv_bytes_per_token_depth{d}']:,d} B, "
-                             f"{dec['median']:,.1f} ({dec['min']:,.0f}-{dec['max']:,.0f}) tok/s")
+                             f"{dec['median']:,.1f} ({dec['min']:,.0f}-{dec['max']:,.0f}) / "
+                             f"{eag['median']:,.1f} ({eag['min']:,.0f}-{eag['max']:,.0f}) tok/s")
         print(f"  {mode:<8}" + " | ".join(parts) + f" | {r['prefill_2048_ms']:.1f} ms")
     sys.stdout.flush()
     return 0

@@ -238,7 +238,8 @@ def main() -> int:
     del a, b
 
     # --- decode GEMVs: v1 against v2 (auto geometry and each lanes-per-row) -------------------
-    variants = {"v1": CudaOps(gemv="v1"), "v2": ops}
+    variants = {"v1": CudaOps(gemv="v1"), "v2": CudaOps(gemv="v2"),
+                "auto": ops}                      # auto: GEMV_BY_SHAPE's pick per shape
     if not args.quick:
         for lpr in (4, 8, 16, 32):
             variants[f"v2/l{lpr}"] = CudaOps(gemv="v2", gemv_lpr=lpr)

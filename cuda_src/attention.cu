@@ -14,51 +14,7 @@
 // once in float32 as the NumPy reference does).
 #include "common.cuh"
 
-#define KV_FP16 0
-#define KV_INT8 1
-
-// The page holding key j and j's row inside it.
-__device__ __forceinline__ const char* kv_page(const i64* __restrict__ table, i64 P, i64 j,
-                                              i64* row) {
-    const i64 pg = j / P;
-    *row = j - pg * P;
-    return (const char*)table[pg];
-}
-
-// 8 consecutive values (dims c..c+7, c % 8 == 0) of row r = row * n_kv + hk of a K or V part.
-template <int MODE, int HD>
-__device__ __forceinline__ void kv_load8(const char* base, i64 off, i64 soff, i64 r, int c,
-                                         float* x) {
-    if (MODE == KV_FP16) {
-        const uint4 w4 = *(const uint4*)((const half_t*)(base + off) + r * HD + c);
-        const unsigned w[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) { x[2 * j] = h2_lo(w[j]); x[2 * j + 1] = h2_hi(w[j]); }
-    } else {
-        const uint2 w2 = *(const uint2*)((const i8*)(base + off) + r * HD + c);
-        const float s = h2f(((const half_t*)(base + soff))[r]);
-        const unsigned w[2] = {w2.x, w2.y};
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            x[j] = __fmul_rn((float)(i8)((w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s);
-    }
-}
-
-// 2 consecutive values (dims c, c+1; c even) of row r of a K or V part.
-template <int MODE, int HD>
-__device__ __forceinline__ void kv_load2(const char* base, i64 off, i64 soff, i64 r, int c,
-                                         float* x) {
-    if (MODE == KV_FP16) {
-        const unsigned w = *(const unsigned*)((const half_t*)(base + off) + r * HD + c);
-        x[0] = h2_lo(w);
-        x[1] = h2_hi(w);
-    } else {
-        const unsigned short w = *(const unsigned short*)((const i8*)(base + off) + r * HD + c);
-        const float s = h2f(((const half_t*)(base + soff))[r]);
-        x[0] = __fmul_rn((float)(i8)(w & 0xFFu), s);
-        x[1] = __fmul_rn((float)(i8)(w >> 8), s);
-    }
-}
+// KV_FP16 / KV_INT8, kv_page, kv_load8, kv_load2: common.cuh (shared with attention_decode.cu).
 
 // ---------------------------------------------------------------------------------------------
 // Prefill: block = 64 query rows of one head, 4 threads per row (256 threads); thread part p of
@@ -266,6 +222,15 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
                                     i64 n_heads, i64 n_kv, double scale_log2, half_t* out) {   \
         attn_decode_impl<MODE, HD>(qkv, ctx, table, P, k_off, v_off, ks_off, vs_off, n_heads,  \
                                    n_kv, (float)scale_log2, out);                              \
+    }                                                                                          \
+    /* the captured decode step: context length = the step state's position + 1 */             \
+    extern "C" __global__ void __launch_bounds__(DC_THREADS)                                  \
+        attn_decode_step_##NAME##_hd##HD(const half_t* qkv, const int* step, const i64* table, \
+                                         i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,  \
+                                         i64 n_heads, i64 n_kv, double scale_log2,             \
+                                         half_t* out) {                                        \
+        attn_decode_impl<MODE, HD>(qkv, (i64)step[2] + 1, table, P, k_off, v_off, ks_off,      \
+                                   vs_off, n_heads, n_kv, (float)scale_log2, out);             \
     }
 #define ATTN_ENTRIES(HD) ATTN_ENTRIES_MODE(KV_FP16, fp16, HD) ATTN_ENTRIES_MODE(KV_INT8, int8, HD)
 

@@ -119,3 +119,52 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
 __device__ __forceinline__ int logit_fault_code(float top) {
     return top != top ? 1 : (top == -TL_NEG_INF ? 2 : (top == TL_NEG_INF ? 3 : 0));
 }
+
+// --- paged KV reads (attention.cu, attention_decode.cu; layout: tinyloop/kvcache.py PageLayout)
+// MODE 0 = fp16 (K/V FP16), MODE 1 = int8 (K/V = float(q) * float(scale), the product rounded
+// once in float32 as the NumPy reference does).
+#define KV_FP16 0
+#define KV_INT8 1
+
+// The page holding key j and j's row inside it.
+__device__ __forceinline__ const char* kv_page(const i64* __restrict__ table, i64 P, i64 j,
+                                              i64* row) {
+    const i64 pg = j / P;
+    *row = j - pg * P;
+    return (const char*)table[pg];
+}
+
+// 8 consecutive values (dims c..c+7, c % 8 == 0) of row r = row * n_kv + hk of a K or V part.
+template <int MODE, int HD>
+__device__ __forceinline__ void kv_load8(const char* base, i64 off, i64 soff, i64 r, int c,
+                                         float* x) {
+    if (MODE == KV_FP16) {
+        const uint4 w4 = *(const uint4*)((const half_t*)(base + off) + r * HD + c);
+        const unsigned w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) { x[2 * j] = h2_lo(w[j]); x[2 * j + 1] = h2_hi(w[j]); }
+    } else {
+        const uint2 w2 = *(const uint2*)((const i8*)(base + off) + r * HD + c);
+        const float s = h2f(((const half_t*)(base + soff))[r]);
+        const unsigned w[2] = {w2.x, w2.y};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            x[j] = __fmul_rn((float)(i8)((w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s);
+    }
+}
+
+// 2 consecutive values (dims c, c+1; c even) of row r of a K or V part.
+template <int MODE, int HD>
+__device__ __forceinline__ void kv_load2(const char* base, i64 off, i64 soff, i64 r, int c,
+                                         float* x) {
+    if (MODE == KV_FP16) {
+        const unsigned w = *(const unsigned*)((const half_t*)(base + off) + r * HD + c);
+        x[0] = h2_lo(w);
+        x[1] = h2_hi(w);
+    } else {
+        const unsigned short w = *(const unsigned short*)((const i8*)(base + off) + r * HD + c);
+        const float s = h2f(((const half_t*)(base + soff))[r]);
+        x[0] = __fmul_rn((float)(i8)(w & 0xFFu), s);
+        x[1] = __fmul_rn((float)(i8)(w >> 8), s);
+    }
+}

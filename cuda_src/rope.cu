@@ -131,3 +131,19 @@ __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double
 KV_WRITE_ENTRY(KV_FP16, fp16)
 KV_WRITE_ENTRY(KV_INT8, int8)
 KV_WRITE_ENTRY(KV_QONLY, qonly)
+
+// The captured decode step (tinyloop/graphs.py): the same write of one row (T = 1), at the
+// position the device step state holds (step[2], STEP_POS in tinyloop/backends/base.py), so a
+// graph replayed for every step needs no new argument.
+#define KV_WRITE_STEP_ENTRY(MODE, NAME)                                                        \
+    extern "C" __global__ void kv_write_step_##NAME(half_t* qkv, i64 ld, const int* step,      \
+                                                    double theta, i64 n_heads, i64 n_kv,       \
+                                                    i64 hd, const i64* table, i64 P,           \
+                                                    i64 k_off, i64 v_off, i64 ks_off,          \
+                                                    i64 vs_off) {                              \
+        kv_write_impl<MODE>(qkv, ld, (i64)step[2], theta, n_heads, n_kv, hd, table, P, k_off,  \
+                            v_off, ks_off, vs_off);                                            \
+    }
+
+KV_WRITE_STEP_ENTRY(KV_FP16, fp16)
+KV_WRITE_STEP_ENTRY(KV_INT8, int8)

@@ -32,7 +32,7 @@ def test_gemv2_geometry_forced():
 def test_gemv_settings(monkeypatch):
     for var in ("TINYLOOP_GEMV", "TINYLOOP_GEMV_LPR", "TINYLOOP_GEMV_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    assert gemv_settings() == {"version": "v2", "lpr": None, "threads": None}
+    assert gemv_settings() == {"version": "auto", "lpr": None, "threads": None}
     monkeypatch.setenv("TINYLOOP_GEMV", "v1")
     monkeypatch.setenv("TINYLOOP_GEMV_LPR", "16")
     assert gemv_settings() == {"version": "v1", "lpr": 16, "threads": None}
@@ -44,3 +44,15 @@ def test_gemv_settings(monkeypatch):
     monkeypatch.setenv("TINYLOOP_GEMV_LPR", "six")
     with pytest.raises(ConfigError, match=r"TINYLOOP_GEMV_LPR\) 'six'"):
         gemv_settings()
+
+
+def test_gemv_choice_by_shape():
+    """auto: v1 for the layer shapes, v2 at 4 lanes per row for an LM-head-sized weight; a
+    forced version or lpr wins (TINYLOOP_GEMV / TINYLOOP_GEMV_LPR)."""
+    from tinyloop.backends.cuda_ops import gemv_choice
+    auto = {"version": "auto", "lpr": None, "threads": None}
+    assert [gemv_choice(n, auto) for n in (576, 960, 3072, 49152)] == \
+        [("v1", None)] * 3 + [("v2", 4)]
+    assert gemv_choice(960, dict(auto, version="v2")) == ("v2", None)
+    assert gemv_choice(49152, dict(auto, version="v1")) == ("v1", None)
+    assert gemv_choice(49152, dict(auto, lpr=16)) == ("v2", 16)

@@ -51,8 +51,8 @@ def test_cu_defaults_equal_the_table(family):
     got = cu_defaults(family)
     for name, value in GEOMETRY[family].items():
         assert name in got, f"cuda_src/{family}.cu has no #ifndef {name} default"
-        if name == "ATTN_HEAD_DIM_ENTRIES":
-            assert [int(h) for h in re.findall(r"ATTN_ENTRIES\((\d+)\)", got[name])] == \
+        if name.endswith("HEAD_DIM_ENTRIES"):
+            assert [int(h) for h in re.findall(r"[A-Z]+_ENTRIES\((\d+)\)", got[name])] == \
                 list(ATTN_HEAD_DIMS)
         else:
             assert int(got[name]) == value, (family, name, got[name], value)

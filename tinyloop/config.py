@@ -228,6 +228,13 @@ def fp16_cache_enabled(default: bool = False) -> bool:
     return _env_flag("TINYLOOP_FP16_CACHE", default)
 
 
+def cuda_graphs_enabled(default: bool = True) -> bool:
+    """``TINYLOOP_CUDA_GRAPHS``: replay the decode step as one captured CUDA graph per key
+    (default on; 0 keeps the eager path, one launch per kernel from Python). Raises
+    ConfigError naming the variable for a value that is not a flag."""
+    return _env_flag("TINYLOOP_CUDA_GRAPHS", default)
+
+
 KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
 
 

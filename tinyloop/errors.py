@@ -79,6 +79,11 @@ class HandleError(TinyLoopError, RuntimeError):
     """An opaque handle (PrefixCache, ResumeHandle, PrefixPool) was misused."""
 
 
+class GraphCaptureError(TinyLoopError, RuntimeError):
+    """A decode-step graph capture broke a rule (it allocated from the memory pool); the
+    capture is discarded (tinyloop/graphs.py)."""
+
+
 class NonFiniteLogitsError(TinyLoopError, FloatingPointError):
     """The logits to sample from are not usable: some are NaN or +inf, or all are -inf.
 

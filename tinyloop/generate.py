@@ -2,7 +2,8 @@
 
 The request side of ``model.Model``: these functions use only the Model's public surface
 (``lock``, ``check_alive``, ``check_token_ids``, ``encode_prompt``, ``request_plan``,
-``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``ops``, ``pool``); ``model.py``
+``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``head_sample``, ``decode_step``,
+``ops``, ``pool``); ``model.py``
 imports this module, never the reverse. Each call takes the model's lock for its whole
 duration, allocates its RuntimeKVCache (tag ``kv_cache``) sized for the call, and releases it
 when the call ends, however it ends.
@@ -151,14 +152,19 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
         with model.lock:
             model.check_alive()
             row = model.logit_row()
-            if pos0 == 0:
-                res["cached_tokens"] = prefill_request(model, step_ids, depth, kv_mode, cache,
-                                                       prefix, prefix_pool)
-            else:
-                model.forward(step_ids, pos0, depth, cache)
             pos = pos0 + len(step_ids) - 1
-            u = float(rng.random()) if temperature > 0 else 0.0
             try:
+                if pos0 == 0:
+                    res["cached_tokens"] = prefill_request(model, step_ids, depth, kv_mode,
+                                                           cache, prefix, prefix_pool)
+                else:
+                    if len(step_ids) == 1:
+                        # greedy decode runs as one captured graph where the backend can
+                        nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature)
+                        if nxt is not None:
+                            return nxt
+                    model.forward(step_ids, pos0, depth, cache)
+                u = float(rng.random()) if temperature > 0 else 0.0
                 return model.head_sample(pos, row, temperature, top_k, top_p, u)
             except NonFiniteLogitsError as e:
                 raise non_finite_logits(e.kind, step=len(new), position=pos) from None

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
+from .backends.base import LOGIT_FAULTS, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
 from .errors import (ConfigError, FormatError, ModelFreedError, TinyLoopError,
                      TokenizerError)
@@ -169,6 +170,7 @@ class Model:
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
+        self._graphs = None      # DecodeGraphs: the captured decode steps (made at first use)
         # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
         self._cupy_routing = (route_cupy_allocations(self._pool) if self._ops.name == "cuda"
                               else None)
@@ -280,6 +282,9 @@ class Model:
             self._freed = True
             with _live_lock:
                 _live_models.discard(self)
+            graphs, self._graphs = self._graphs, None
+            if graphs is not None:
+                graphs.release()        # its graphs and "graphs" blocks, before the views go
             for h in list(self._handles):      # prefix caches, resume handles, prefix pools
                 h._model_freed()
             drain_orphans(self)
@@ -552,19 +557,28 @@ class Model:
         else:
             ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
             ops.embed(self._embed, v["ids"], x)
+        self._stack(x, v, depth, cache.slot, pos0, None, snapshot)
+
+    def _stack(self, x, v: dict, depth: int, kv_of, pos0, step, snapshot=None) -> None:
+        """Every layer slot of the looped stack over residual rows ``x``: prelude, ``depth``
+        passes of the recurrent block (with the injection adapter), coda. ``kv_of(slot)``
+        gives a slot's SlotKV; positions come from ``pos0`` (host) or, when ``step`` is given,
+        from the device step state (``Ops.kv_write_step``). ``snapshot`` (ResumeHandle) keeps
+        the rows entering and leaving the recurrent block."""
+        cfg = self.config
         for i in range(cfg.n_prelude):
-            self._layer(i, i, x, pos0, v, cache)
+            self._layer(i, kv_of(i), x, pos0, v, step)
         if cfg.n_recurrent:
             e = None
             if self._adapter is not None:
                 e = v["inject"]                                      # prelude output [T, d]
-                e[...] = x
+                self._ops.copy(x, e)
             if snapshot is not None:
                 snapshot.put_entry(pos0, x)
-            self._iterations(x, e, 0, depth, pos0, v, cache)
+            self._iterations(x, e, 0, depth, pos0, v, kv_of, step)
             if snapshot is not None:
                 snapshot.put_state(pos0, x)
-        self._coda(x, depth, pos0, v, cache)
+        self._coda(x, depth, pos0, v, kv_of, step)
 
     def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
                       cache: RuntimeKVCache, snapshot) -> None:
@@ -575,11 +589,11 @@ class Model:
         if self._adapter is not None:
             e = v["inject"]
             snapshot.get_entry(pos0, e)
-        self._iterations(x, e, depth_from, depth_to, pos0, v, cache)
+        self._iterations(x, e, depth_from, depth_to, pos0, v, cache.slot, None)
         snapshot.put_state(pos0, x)
-        self._coda(x, depth_to, pos0, v, cache)
+        self._coda(x, depth_to, pos0, v, cache.slot, None)
 
-    def _iterations(self, x, e, it0: int, it1: int, pos0: int, v: dict, cache) -> None:
+    def _iterations(self, x, e, it0: int, it1: int, pos0, v: dict, kv_of, step) -> None:
         """Recurrent iterations it0..it1-1 (0-based) over the rows ``x``; ``e`` is the prelude
         output the adapter injects (None without injection)."""
         p, r = self.config.n_prelude, self.config.n_recurrent
@@ -587,18 +601,17 @@ class Model:
             if e is not None:
                 self._ops.inject(x, e, self._adapter, v["cat"], v["norm"])
             for j in range(r):
-                self._layer(p + j, p + it * r + j, x, pos0, v, cache)
+                self._layer(p + j, kv_of(p + it * r + j), x, pos0, v, step)
 
-    def _coda(self, x, depth: int, pos0: int, v: dict, cache) -> None:
+    def _coda(self, x, depth: int, pos0, v: dict, kv_of, step) -> None:
         cfg = self.config
         p, r = cfg.n_prelude, cfg.n_recurrent
         for c in range(cfg.n_coda):
-            self._layer(p + r + c, p + r * depth + c, x, pos0, v, cache)
+            self._layer(p + r + c, kv_of(p + r * depth + c), x, pos0, v, step)
 
-    def _layer(self, li: int, slot: int, x, pos0: int, v: dict, cache: RuntimeKVCache) -> None:
+    def _layer(self, li: int, kv, x, pos0, v: dict, step=None) -> None:
         cfg, ops, lw = self.config, self._ops, self._layers[li]
         norm, qkv = v["norm"], v["qkv"]
-        kv = cache.slot(slot)
         recon = None
         if kv.layout.stores_h:
             # the normed rows are what the slot stores, so the pair runs unfused
@@ -610,14 +623,36 @@ class Model:
         h = norm
         if recon is not None and recon.norm is not None:
             h = x                                   # the residual-source measurement
-        ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
-                     cfg.head_dim, kv)
-        ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, v["att"],
-                         recon)
+        if step is None:
+            ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                         cfg.head_dim, kv)
+            ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                             v["att"], recon)
+        else:
+            ops.kv_write_step(qkv, h, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                              cfg.head_dim, kv)
+            ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                  v["att"], recon)
         ops.linear_residual(v["att"], lw.attn_output, x)
         ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
                                   v["h"], norm)
         ops.linear_residual(v["h"], lw.ffn_down, x)
+
+    def decode_step_ops(self, step, x, depth: int, slots, host_out) -> None:
+        """Issue one greedy decode step driven by the device step state ``step`` (int32
+        [STEP_WORDS], ``backends.base``): embed ``step[STEP_ID]`` into the residual row ``x``
+        f32 [1, d], run every slot (``slots[s]``: SlotKV) at position ``step[STEP_POS]``, final
+        RMSNorm + LM head into ``logit_row()`` with the argmax written back to ``step``, then
+        advance the position and copy (id, fault) to ``host_out``. Reads nothing on the host,
+        so ``graphs.DecodeGraphs`` captures it once per key and replays it every step. Every
+        array it touches exists before (no allocation)."""
+        cfg, ops = self.config, self._ops
+        v = self._views(1)
+        ops.embed(self._embed, step[:1], x)
+        self._stack(x, v, depth, slots.__getitem__, None, step)
+        ops.head_argmax_step(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(),
+                             v["norm"], step)
+        ops.step_advance(step, host_out)
 
     def head(self, pos0: int, t: int, out) -> None:
         """Final RMSNorm + LM head of residual rows pos0..pos0+t into ``out`` f32 [t, vocab]."""
@@ -634,6 +669,37 @@ class Model:
         return int(self._ops.rmsnorm_lm_head_sample(
             self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
             self._views(1)["norm"], temperature, top_k, top_p, u))
+
+    @property
+    def decode_graphs(self):
+        """The model's captured decode steps (``graphs.DecodeGraphs``, made at first use)."""
+        if self._graphs is None:
+            from .graphs import DecodeGraphs
+            self._graphs = DecodeGraphs(self)
+        return self._graphs
+
+    def decode_step(self, cache: RuntimeKVCache, token: int, pos: int,
+                    temperature: float) -> int | None:
+        """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
+        through the captured decode step (``graphs.DecodeGraphs.step``), or None when this
+        step does not run as a graph (graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling with
+        temperature > 0, or a KV mode the backend cannot capture): the caller then runs
+        ``forward`` + ``head_sample``. Raises NonFiniteLogitsError (no step / position: the
+        caller adds them) for a non-finite logit row, as ``head_sample`` does."""
+        g = self.decode_graphs
+        if not g.eligible(cache, temperature):
+            return None
+        nxt, code = g.step(cache, int(token), int(pos))
+        if code:
+            raise non_finite_logits(LOGIT_FAULTS[code])
+        return nxt
+
+    def graph_stats(self) -> dict:
+        """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
+        ``graphs``), ``keys``, ``captures``, ``replays`` (``graphs.DecodeGraphs.stats``)."""
+        if self._graphs is None:
+            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0}
+        return self._graphs.stats()
 
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,

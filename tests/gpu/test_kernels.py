@@ -26,7 +26,8 @@ if not cuda_available():
 
 import cupy  # noqa: E402
 
-from tinyloop.backends.base import Ops  # noqa: E402
+from tinyloop.backends import cuda_ops  # noqa: E402
+from tinyloop.backends.base import STEP_POS, STEP_WORDS, Ops  # noqa: E402
 from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
 from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
 from tinyloop.errors import ConfigError, NonFiniteLogitsError  # noqa: E402
@@ -608,10 +609,10 @@ def test_lm_head_argmax(ops, ref, rng, bits, g, vocab, d, case):
         _copy_row(w, m, lo)
         _copy_row(w, m, vocab - 1)
         expect_id = min(m, lo)
-    if case == "nan" and vocab > 2:           # NaN scales: NaN logits; the first NaN wins
-        a, b = sorted(rng.choice(vocab, 2, replace=False).tolist())
-        w.scales[[a, b], 0] = np.float16(np.nan)
-        expect_id = a
+    if case == "nan":                         # NaN scales: NaN logits; the first NaN wins
+        bad = sorted(rng.choice(vocab, min(2, vocab), replace=False).tolist())
+        w.scales[bad, 0] = np.float16(np.nan)     # vocab 1: its one row (was left finite)
+        expect_id = bad[0]
     ref.lm_head(ref_normed(ref, x, wt), w, want)
     dw = dev_weight(ops, w)
     xd, wtd = cupy.asarray(x), cupy.asarray(wt)
@@ -771,7 +772,7 @@ def test_kv_write_int8_codes_match_numpy(ops, ref, rng, h, hkv, hd, scale):
     assert (np.abs(deq - v) <= 0.5 * step * (1 + 2e-3) + 1e-12).all()
 
 
-def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
+def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, step=False):
     """The NumPy cache is filled by its kv_write; its pages are copied byte for byte into the
     CUDA pages (fp16 mode: rounded to FP16 first, on both sides), so both attentions read the
     same stored values through their own block tables."""
@@ -790,9 +791,16 @@ def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
     want = np.empty((t, h * hd), np.float32)
     ref.kv_attention(q, c_ref.slot(0), pos0, h, hkv, hd, want)
     out = poisoned((t, h * hd), cupy.float16)
-    ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out)
+    if step:                                  # the position from a device step state
+        state = np.zeros(STEP_WORDS, np.int32)
+        state[STEP_POS] = pos0
+        ops.kv_attention_step(cupy.asarray(qh), c_dev.slot(0), cupy.asarray(state), h, hkv, hd,
+                              out)
+    else:
+        ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out)
     assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL,
-                 what=f"{mode} attention T={t} pos0={pos0} P={p} (seed {SESSION_SEED})")
+                 what=f"{mode} attention T={t} pos0={pos0} P={p} step={step} "
+                      f"(seed {SESSION_SEED})")
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
@@ -808,6 +816,31 @@ def test_paged_attention_prefill(ops, ref, rng, mode, h, hkv, hd, t, pos0, p):
 @pytest.mark.parametrize("ctx", [1, 2, 31, 32, 33, 255, 256, 257, 1000, 3000])
 def test_paged_attention_decode(ops, ref, rng, mode, h, hkv, hd, ctx):
     _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, ctx - 1, 32)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("p", [16, 32])
+@pytest.mark.parametrize("ctx", ["1", "P-1", "P", "P+1", "2047", "4096"])
+@pytest.mark.parametrize("splits", [1, 3, 16, 64])
+def test_decode_split(ops, ref, rng, monkeypatch, mode, h, hkv, hd, p, ctx, splits):
+    """Split-K decode attention (attention_decode.cu) with a forced split count (more splits
+    than pages leaves splits empty) against NumPy's kv_attention."""
+    n = {"1": 1, "P-1": p - 1, "P": p, "P+1": p + 1}.get(ctx) or int(ctx)
+    monkeypatch.setattr(ops, "attn_decode", "split")
+    monkeypatch.setattr(cuda_ops, "decode_splits", lambda *a: splits)
+    _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, n - 1, p)
+
+
+@pytest.mark.parametrize("version", ["v1", "split"])
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("ctx", [1, 33, 2047, 4096])
+def test_decode_versions_and_step_state(ops, ref, rng, monkeypatch, version, mode, ctx):
+    """TINYLOOP_ATTN_DECODE's both kernels with the host's split rule, and kv_attention_step
+    reading ctx from a device step state (split-K: on the device; v1: on the host)."""
+    monkeypatch.setattr(ops, "attn_decode", version)
+    for step in (False, True):
+        _paged_attention_case(ops, ref, rng, mode, 9, 3, 64, 1, ctx - 1, 32, step=step)
 
 
 def test_paged_ops_refuse_a_missing_page_and_an_unbuilt_mode(ops, ref, rng):

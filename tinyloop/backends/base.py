@@ -192,3 +192,90 @@ class Ops:
         Raises NonFiniteLogitsError (``non_finite_logits``) when a logit is NaN or +inf or all
         are -inf."""
         raise NotImplementedError
+
+    # --- the device step state of a captured decode step (tinyloop/graphs.py) ----------------
+    # A decode step that reads its token id and position from device memory can be captured
+    # once and replayed for every step of a request. ``step`` is an int32 [STEP_WORDS] device
+    # array: [STEP_ID] the token id embed reads (the head writes the next one), [STEP_FAULT] the
+    # head row's fault code (LOGIT_FAULTS; 0 = none), [STEP_POS] the position written and
+    # attended from (context length = pos + 1), advanced by ``step_advance``. The base versions
+    # below read the state on the host and call the ordinary ops: the reference semantics, and
+    # what a backend without device-side variants runs.
+    graph_kv_modes: tuple = ()    # KV modes whose step ops a backend can capture (none here)
+
+    def graph_constants(self) -> tuple:
+        """Every launch constant this backend chooses on the host for a decode step (kernel
+        geometry, versions), hashable: part of a captured graph's key."""
+        return ()
+
+    def copy(self, src, out) -> None:
+        """out[...] = src (same shape), as an op so that a captured step records it."""
+        out[...] = src
+
+    def step_pos(self, step) -> int:
+        return int(self.to_host(step)[STEP_POS])
+
+    def kv_write_step(self, qkv, h, step, theta, n_heads, n_kv_heads, head_dim, kv):
+        """``kv_write`` of one row at position ``step[STEP_POS]``."""
+        self.kv_write(qkv, h, self.step_pos(step), theta, n_heads, n_kv_heads, head_dim, kv)
+
+    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """``kv_attention`` of one query row at position ``step[STEP_POS]`` (context length
+        ``step[STEP_POS] + 1``)."""
+        self.kv_attention(qkv, kv, self.step_pos(step), n_heads, n_kv_heads, head_dim, out,
+                          recon)
+
+    def head_argmax_step(self, x, weight, eps, w, out, norm, step) -> None:
+        """Greedy head into the step state: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out``
+        f32 [1, vocab], then ``step[STEP_ID]`` = its argmax (numpy.argmax's rule) and
+        ``step[STEP_FAULT]`` = the row's fault code (0, or a LOGIT_FAULTS key: the id is then
+        meaningless). Raises nothing for a non-finite row: the host reads the code."""
+        from ..errors import NonFiniteLogitsError
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        try:
+            nxt, code = int(self.sample(out[0], 0.0, 0, 1.0, 0.0)), 0
+        except NonFiniteLogitsError as e:
+            nxt, code = 0, _FAULT_CODES[e.kind]
+        state = self.to_host(step).copy()
+        state[STEP_ID], state[STEP_FAULT] = nxt, code
+        self.from_host(state, step)
+
+    def step_advance(self, step, host_out) -> None:
+        """``step[STEP_POS] += 1`` and copy (id, fault) to ``host_out`` int32 [2] (the host
+        reads it after ``graph_sync``)."""
+        state = self.to_host(step).copy()
+        host_out[0], host_out[1] = state[STEP_ID], state[STEP_FAULT]
+        state[STEP_POS] += 1
+        self.from_host(state, step)
+
+    def step_host_buffer(self):
+        """A host int32 [2] the step result lands in (``step_advance``'s ``host_out``)."""
+        return np.zeros(2, np.int32)
+
+    # --- graph capture (a backend with ``graph_kv_modes`` implements these) ------------------
+    def graph_begin(self) -> None:
+        """Start capturing the ops issued from now on (nothing runs until a launch)."""
+        raise ConfigError(f"backend {self.name!r} cannot capture graphs")
+
+    def graph_end(self):
+        """End the capture; return the graph handle."""
+        raise ConfigError(f"backend {self.name!r} cannot capture graphs")
+
+    def graph_abort(self) -> None:
+        """End a capture that failed, discarding what was captured; the stream stays usable.
+        A no-op when no capture is open."""
+
+    def graph_launch(self, graph) -> None:
+        """Queue one replay of ``graph`` on the current stream."""
+        raise ConfigError(f"backend {self.name!r} cannot capture graphs")
+
+    def graph_sync(self) -> None:
+        """Wait for the replays queued so far (then ``step_host_buffer`` holds the result)."""
+        self.synchronize()
+
+    def graph_free(self, graph) -> None:
+        """Release ``graph`` (and what the driver holds for it)."""
+
+
+STEP_ID, STEP_FAULT, STEP_POS, STEP_WORDS = 0, 1, 2, 4
+_FAULT_CODES = {v: k for k, v in LOGIT_FAULTS.items()}

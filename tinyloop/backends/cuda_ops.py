@@ -33,14 +33,15 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..quant import QuantWeight
-from .base import LOGIT_FAULTS, Ops, non_finite_logits
+from .base import LOGIT_FAULTS, STEP_POS, STEP_WORDS, Ops, non_finite_logits
 
 try:
     import cupy
 except ImportError:  # the module still imports (for docs / source checks) without CuPy
     cupy = None
 
-FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "elementwise", "sample")
+FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
+            "elementwise", "sample")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -56,6 +57,9 @@ GEOMETRY = {
                   "DC_THREADS": 1024,            # decode: threads per block (one query head)
                   "ATTN_HEAD_DIM_ENTRIES": "".join(f"ATTN_ENTRIES({hd})"
                                                    for hd in ATTN_HEAD_DIMS)},
+    "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
+                         "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
+                                                        for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
 }
 
@@ -76,6 +80,12 @@ _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 _GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
 _PF_Q = GEOMETRY["attention"]["PF_Q"]
 _DC_THREADS = GEOMETRY["attention"]["DC_THREADS"]
+_DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
+_SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
+                for hd in ATTN_HEAD_DIMS}
+ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
+DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
+DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
@@ -84,7 +94,27 @@ _GEMV2_LPR = (4, 8, 16, 32)       # lanes per row the v2 kernels are built for
 _GEMV2_THREADS = (64, 128, 256)   # v2 block sizes (norm_row_v256 needs a divisor of 256)
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
-GEMV_VERSIONS = ("v1", "v2")
+GEMV_VERSIONS = ("auto", "v1", "v2")
+# The decode GEMV per weight shape (TINYLOOP_GEMV=auto, the default): the first row whose
+# min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). From the
+# H200 per-kernel table at SmolLM2 dims (bench_kernels.py, issue 10): v1 beats v2 on every
+# layer shape (qkv 2.22 vs 2.38 us, norm+qkv 3.80 vs 6.05), v2 at 4 lanes per row wins the LM
+# head (14.5 vs 20.4 us; norm+head+argmax 22.3 vs 30.7).
+GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
+                 (0, "v1", None))      # every layer shape
+
+
+def gemv_choice(n: int, setting: dict) -> tuple:
+    """(version, forced lanes per row or None) of the decode GEMV over ``n`` output rows under
+    ``setting`` (``gemv_settings``): a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A
+    forced ``lpr`` overrides the table's."""
+    ver, lpr = setting["version"], setting["lpr"]
+    if ver == "auto":
+        for min_rows, v, l in GEMV_BY_SHAPE:
+            if n >= min_rows:
+                ver, lpr = v, (lpr if lpr is not None else l)
+                break
+    return ver, lpr
 _SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
 _SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
 
@@ -93,12 +123,12 @@ def gemv_settings(version: str | None = None, lpr: int | None = None,
                   threads: int | None = None) -> dict:
     """The decode GEMV choice: the arguments, else the environment; validated.
 
-    ``version`` / ``TINYLOOP_GEMV`` = v2 (default) | v1 (the original one-warp-per-row
-    kernels); ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
+    ``version`` / ``TINYLOOP_GEMV`` = auto (default: per weight shape, ``GEMV_BY_SHAPE``) |
+    v2 | v1 (the original one-warp-per-row kernels) forced for every shape; ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
     (default: per shape, see ``gemv2_geometry``); ``threads`` / ``TINYLOOP_GEMV_THREADS`` =
     64 | 128 | 256 forces its block size. Raises ConfigError naming the bad setting.
     """
-    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "v2"
+    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "auto"
     if ver not in GEMV_VERSIONS:
         raise ConfigError(f"GEMV version (TINYLOOP_GEMV) {ver!r}: expected one of "
                           f"{GEMV_VERSIONS}")
@@ -116,6 +146,29 @@ def gemv_settings(version: str | None = None, lpr: int | None = None,
                 raise ConfigError(f"GEMV {key} ({var}) {raw!r}: expected one of {allowed}")
             out[key] = val
     return out
+
+
+def attn_decode_setting(version: str | None = None) -> str:
+    """The T = 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_DECODE``: ``split``
+    (default; split-K, attention_decode.cu) or ``v1`` (one block per query head,
+    attention.cu). Raises ConfigError naming a bad value."""
+    ver = version or os.environ.get("TINYLOOP_ATTN_DECODE", "") or "split"
+    if ver not in ATTN_DECODE_VERSIONS:
+        raise ConfigError(f"decode attention (TINYLOOP_ATTN_DECODE) {ver!r}: expected one of "
+                          f"{ATTN_DECODE_VERSIONS}")
+    return ver
+
+
+def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
+    """Split count of the split-K decode attention for a context of ``ctx`` keys: from the
+    power-of-two length bucket ``b = max(DS_MIN_KEYS, 2^ceil(log2 ctx))``, ``b / DS_MIN_KEYS``
+    splits, capped so n_heads * splits is about two blocks per SM and at DS_MAX_SPLITS. A
+    function of the bucket only, so a captured graph keyed by the bucket (or by the block
+    table's capacity, whose ctx it passes) launches a valid grid for every length in it;
+    each split's page range is computed on the device from the real length."""
+    bucket = max(DS_MIN_KEYS, 1 << max(0, int(ctx) - 1).bit_length())
+    by_sms = -(-2 * int(sms) // max(1, int(n_heads)))
+    return max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
 
 
 def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
@@ -153,15 +206,17 @@ def source_dir() -> Path:
     that package onto the repository's ``cuda_src/``); a source checkout has them at the
     repository root.
     """
+    # the checkout this module was imported from first: an editable install elsewhere maps
+    # tinyloop.cuda_src onto *its* checkout, whose kernels may not match this code
+    repo = Path(__file__).resolve().parents[2] / "cuda_src"
+    if (repo / "common.cuh").is_file():
+        return repo
     try:
         packaged = resources.files("tinyloop.cuda_src")
         if (packaged / "common.cuh").is_file():
             return Path(str(packaged))
     except ModuleNotFoundError:           # a source checkout: no tinyloop/cuda_src package
         pass
-    repo = Path(__file__).resolve().parents[2] / "cuda_src"
-    if (repo / "common.cuh").is_file():
-        return repo
     raise FileNotFoundError(f"CUDA kernel sources not found: neither package tinyloop.cuda_src "
                             f"nor {repo} holds common.cuh (was the wheel built without its "
                             "package data?)")
@@ -291,12 +346,13 @@ class _WInfo:
         # GEMV v2 (the default decode kernels): needs x in shared memory (K <= _NORM_MAX_K)
         # and int row arithmetic (N * 32 < 2^31)
         st = ops.gemv
-        self.v2 = (st["version"] == "v2" and self.k <= _NORM_MAX_K
+        ver, lpr = gemv_choice(self.n, st)
+        self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
                    and self.n * 32 < _NORM_MAX_N)
         self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
         self.geo: dict = {}                       # (rows, cap_wave) -> (threads, blocks)
         if self.v2:
-            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, st["lpr"], st["threads"])[0]
+            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, lpr, st["threads"])[0]
             sfx = f"_l{self.lpr}"
             self.g2 = {e: ops._fn("gemv", f"gemv2_q{b}_{e}{sfx}") for e in ("f16", "resid",
                                                                             "swiglu", "f32")}
@@ -323,9 +379,10 @@ class CudaOps(Ops):
     xp = cupy
 
     def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
-                 gemv_threads: int | None = None):
+                 gemv_threads: int | None = None, attn_decode: str | None = None):
         """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
-        ``gemv_settings``; None reads the environment)."""
+        ``gemv_settings``; None reads the environment); ``attn_decode``: the T = 1 attention
+        kernel (``attn_decode_setting``)."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -341,6 +398,11 @@ class CudaOps(Ops):
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
         self.sms = sms
         self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
+        self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
+        # split-K decode attention's partials f32 [n_heads, splits, hd + 2], cudaMalloc'd
+        # beside the argmax scratch on the first decode that needs more (an eager step always
+        # precedes a capture, so a captured launch never grows it)
+        self._ds_ptr, self._ds_cap = 0, 0
         self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
         # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
@@ -365,6 +427,8 @@ class CudaOps(Ops):
         self._free_dev = cupy.cuda.runtime.free
         self._wq_ptr, self._wq_cap = 0, 0   # sample_topk_topp's u64 [vocab] scratch
         self.device_sampling = True         # False: temperature > 0 through _sample_cupy
+        self._capture_stream = None         # the decode-step capture stream (graph_begin)
+        self._capturing = None              # that stream while a capture is open
 
     def __del__(self):
         ptr = getattr(self, "_id_ptr", None)
@@ -372,7 +436,7 @@ class CudaOps(Ops):
             self._id_ptr = None
             if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
                 self._free_host(ptr)
-        for name in ("_wq_ptr", "_scratch_ptr"):   # device scratch: likewise at exit
+        for name in ("_wq_ptr", "_scratch_ptr", "_ds_ptr"):   # device scratch: likewise at exit
             ptr = getattr(self, name, None)
             if ptr:
                 setattr(self, name, None)
@@ -678,15 +742,46 @@ class CudaOps(Ops):
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         mode = kv.layout.mode
         if t == 1:
-            self._fn("attention", _DECODE_NAMES[mode, head_dim])(
-                (int(n_heads),), (_DC_THREADS,),
-                (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
-                 scale_log2, out.data.ptr))
+            self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
+                              scale_log2, out)
         else:
             self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
                  int(n_kv_heads), scale_log2, out.data.ptr))
+
+    def _attn_decode(self, qkv, ctx, step_pos, table, p, offs, mode, n_heads, n_kv_heads,
+                     head_dim, scale_log2, out, splits=None):
+        """One query row: split-K (``attn_split_*`` + ``attn_combine_*``) or, with
+        ``attn_decode == "v1"``, the one-block-per-head kernel. ``step_pos``: 0, or the device
+        address of the int32 position (ctx = pos + 1 on the device; ``ctx`` is then the table's
+        capacity and only picks the split count). ``splits`` forces the split count (tests)."""
+        if self.attn_decode == "v1":
+            if step_pos:
+                raise ConfigError("TINYLOOP_ATTN_DECODE=v1 reads the context length on the "
+                                  "host; the device step state needs the split-K kernel")
+            self._fn("attention", _DECODE_NAMES[mode, head_dim])(
+                (int(n_heads),), (_DC_THREADS,),
+                (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
+                 scale_log2, out.data.ptr))
+            return
+        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
+        if not 1 <= ns <= DS_MAX_SPLITS:
+            raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
+        need = int(n_heads) * ns * (int(head_dim) + 2) * 4
+        if need > self._ds_cap:
+            if self._ds_ptr:
+                self.synchronize()
+                self._free_dev(self._ds_ptr)
+                self._ds_ptr, self._ds_cap = 0, 0
+            self._ds_ptr = cupy.cuda.runtime.malloc(need)
+            self._ds_cap = need
+        self._fn("attention_decode", _SPLIT_NAMES[mode, head_dim])(
+            (int(n_heads), ns), (_DS_THREADS,),
+            (qkv.data.ptr, int(ctx), int(step_pos), table, p, *offs, int(n_heads),
+             int(n_kv_heads), scale_log2, self._ds_ptr))
+        self._fn("attention_decode", f"attn_combine_hd{int(head_dim)}")(
+            (int(n_heads),), (int(head_dim),), (self._ds_ptr, ns, out.data.ptr))
 
     def inject(self, state, e, w, tmp2, tmp1):
         """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].
@@ -824,18 +919,169 @@ class CudaOps(Ops):
         self._raise_on_fault()
         return int(self._id_view[0])
 
-    def head_argmax_launch(self, info, x, weight, eps, out, id_host) -> None:
+    def head_argmax_launch(self, info, x, weight, eps, out, id_host, id_dev=None) -> None:
         """Queue the fused RMSNorm + LM head + argmax (no synchronisation): the id and the
-        row's fault code go to the device ints at ``self._id_dev`` and, when ``id_host`` (a
-        mapped pinned int [2]) is non-zero, there too. Arguments already validated;
-        ``info.v2`` must hold."""
+        row's fault code go to the device ints at ``id_dev`` (default ``self._id_dev``; a
+        captured decode step passes its step state) and, when ``id_host`` (a mapped pinned
+        int [2]) is non-zero, there too. Arguments already validated; ``info.v2`` must
+        hold."""
         nt, nb = self._geo(info, info.n, True)
         if nb > self._part_cap:
             nb = self._part_cap
         info.g2_argmax((nb,), (nt,),
                        (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k,
                         info.lg, out.data.ptr, self._part_v, self._part_i, self._ticket,
-                        self._id_dev, id_host), shared_mem=2 * info.k)
+                        self._id_dev if id_dev is None else id_dev, id_host),
+                       shared_mem=2 * info.k)
+
+    # --- the captured decode step (tinyloop/graphs.py; step state: backends.base) -----------
+    graph_kv_modes = ("fp16", "int8")     # the store-h modes rebuild K/V chunk by chunk, with
+                                          # a host loop over the context: eager only
+
+    def graph_constants(self) -> tuple:
+        """The host-chosen launch constants of a decode step: the GEMV version and forced
+        geometry, the test grid cap and the SM count (v2 grids derive from it)."""
+        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode)
+
+    @staticmethod
+    def _step_ptr(step) -> int:
+        if not (_fast_ok(step, np.dtype(np.int32), 1) and step.shape[0] == STEP_WORDS):
+            _dev(step, "step", np.int32, 1)
+            _shape(step, "step", (STEP_WORDS,))
+        return step.data.ptr
+
+    def _step_kv(self, kv) -> tuple:
+        mode = kv.layout.mode
+        if mode not in self.graph_kv_modes:
+            raise ConfigError(f"kv mode {mode!r} has no step kernels; a captured decode step "
+                              f"runs {self.graph_kv_modes}")
+        # pages for every position a replay may reach are the caller's promise
+        # (graphs.DecodeGraphs binds a table covering the request's capacity): check page 0
+        return self._kv_table(kv, 1)
+
+    def kv_write_step(self, qkv, h, step, theta, n_heads, n_kv_heads, head_dim, kv):
+        """``kv_write`` of one row (qkv f16 [1, >= (H + 2 Hkv) hd]) at the position in the
+        device step state ``step`` int32 [STEP_WORDS] (read by the kernel: nothing of the
+        position is passed from the host, so a captured launch serves every step)."""
+        if not _fast_ok(qkv, _F16, 2, None, 1):
+            _dev(qkv, "qkv", np.float16, 2)
+            _shape(qkv, "qkv", (1, qkv.shape[1]))
+        ld = qkv.shape[1]
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        if head_dim > 256:
+            raise ConfigError(f"head_dim={head_dim} > 256: kv_write keeps <= 4 pairs per lane")
+        table, p, offs = self._step_kv(kv)
+        self._fn("rope", f"kv_write_step_{kv.layout.mode}")(
+            (1,), (128,), (qkv.data.ptr, ld, self._step_ptr(step), float(theta), int(n_heads),
+                           int(n_kv_heads), int(head_dim), table, p, *offs),
+            shared_mem=int(head_dim) * 4)
+
+    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """``kv_attention`` of one query row over positions 0..step[STEP_POS] (the context
+        length read on the device). Split-K (default): the split count comes from the block
+        table's capacity (pages per table are in the graph key), each split's page range from
+        the device length; ``TINYLOOP_ATTN_DECODE=v1``: n_heads blocks whatever the length."""
+        if recon is not None:
+            raise ConfigError("a store-h KV slot has no step attention kernel")
+        if not _fast_ok(qkv, _F16, 2, None, 1):
+            _dev(qkv, "qkv", np.float16, 2)
+            _shape(qkv, "qkv", (1, qkv.shape[1]))
+        self._heads_ok(n_heads, n_kv_heads, head_dim, qkv.shape[1])
+        if head_dim not in ATTN_HEAD_DIMS:
+            raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
+                              f"{ATTN_HEAD_DIMS}")
+        table, p, offs = self._step_kv(kv)
+        out = self._out(out, "out", _F16, 1, n_heads * head_dim)
+        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        if self.attn_decode == "split":
+            cap = int(kv.table.shape[0]) * kv.layout.page_size
+            self._attn_decode(qkv, cap, self._step_ptr(step) + 4 * STEP_POS, table, p, offs,
+                              kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
+            return
+        self._fn("attention", f"attn_decode_step_{kv.layout.mode}_hd{int(head_dim)}")(
+            (int(n_heads),), (_DC_THREADS,),
+            (qkv.data.ptr, self._step_ptr(step), table, p, *offs, int(n_heads),
+             int(n_kv_heads), scale_log2, out.data.ptr))
+
+    def head_argmax_step(self, x, weight, eps, w, out, norm, step) -> None:
+        """Greedy head into the step state (``Ops.head_argmax_step``): with the v2 GEMV one
+        fused launch (RMSNorm + LM head + argmax, ``head_argmax_launch``) writing the id and
+        fault code to ``step``; otherwise ``rmsnorm_lm_head`` then the argmax kernel into
+        ``step``. The logits land in ``out`` f32 [1, vocab] either way."""
+        sp = self._step_ptr(step)
+        info = self._info(w)
+        if info.v2 and self._norm_fused(x, weight, info):
+            out = self._out(out, "out", _F32, 1, info.n)
+            self.head_argmax_launch(info, x, weight, eps, out, 0, id_dev=sp)
+            return
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        out = self._out(out, "out", _F32, 1, info.n)
+        self._fn("sample", "argmax_f32")((1,), (1024,), (out.data.ptr, info.n, sp))
+
+    def step_advance(self, step, host_out) -> None:
+        """``step[STEP_POS] += 1`` and (id, fault) to ``host_out`` (``step_host_buffer``'s
+        mapped pinned int32 [2]) in one one-thread launch."""
+        if host_out.ctypes.data != self._id_ptr:
+            raise ConfigError("host_out must be step_host_buffer()'s mapped pinned buffer")
+        self._fn("elementwise", "decode_step_advance")(
+            (1,), (1,), (self._step_ptr(step), self._id_ptr))
+
+    def step_host_buffer(self):
+        """The mapped pinned int32 [2] the sampled id and fault code land in (shared with
+        ``sample``: both synchronise before reading it)."""
+        return np.ctypeslib.as_array(self._id_view)
+
+    def graph_begin(self) -> None:
+        """Begin a CuPy stream capture on this backend's non-blocking capture stream, made
+        current until ``graph_end`` / ``graph_abort`` (relaxed mode: CuPy's default)."""
+        if self._capturing is not None:
+            raise ConfigError("a decode-step capture is already open")
+        if self._capture_stream is None:
+            self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        s = self._capture_stream
+        s.__enter__()
+        try:
+            s.begin_capture()
+        except BaseException:
+            s.__exit__(None, None, None)
+            raise
+        self._capturing = s
+
+    def graph_end(self):
+        """End the capture; return the ``cupy.cuda.Graph`` (instantiated by CuPy)."""
+        s, self._capturing = self._capturing, None
+        if s is None:
+            raise ConfigError("no decode-step capture is open")
+        try:
+            return s.end_capture()
+        finally:
+            s.__exit__(None, None, None)
+
+    def graph_abort(self) -> None:
+        """End a failed capture and drop what it captured; the capture stream leaves capture
+        mode (an invalidated capture raises from end_capture: ignored) and stops being
+        current, so the next capture and every eager launch work."""
+        s, self._capturing = self._capturing, None
+        if s is None:
+            return
+        try:
+            try:
+                s.end_capture()
+            except Exception:        # invalidated by the failure, or already ended
+                pass
+        finally:
+            s.__exit__(None, None, None)
+
+    def graph_launch(self, graph) -> None:
+        """Queue one replay on the current stream (ordered after the eager prefill)."""
+        graph.launch(cupy.cuda.get_current_stream())
+
+    def graph_sync(self) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+
+    def graph_free(self, graph) -> None:
+        """Nothing to do beyond dropping the reference: CuPy's Graph destroys its graph and
+        executable graph when collected (the caller holds the only reference)."""
 
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by

@@ -8,7 +8,7 @@ import threading
 from ..errors import ConfigError
 
 TAGS = ("weights", "fp16_cache", "buffers", "logits", "kv_cache", "prefix_cache", "resume",
-        "scratch", "cupy", "other")
+        "scratch", "cupy", "graphs", "other")
 
 # What a tag's bytes are and how to go without them, for the out-of-memory error and
 # memory_report(): the tags a user can switch off.

@@ -1,0 +1,223 @@
+"""The captured decode step on the GPU (tinyloop/graphs.py, CudaOps' graph API and step
+kernels): graphs on vs off give identical tokens, the capture allocates nothing, a failure
+during capture leaves the stream usable, the ``graphs`` memory goes with the model, and the
+step kernels (position read from the device) equal the host-position kernels bit for bit.
+The same step-state logic runs on the CPU through a recording fake in tests/test_graphs.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tinyloop
+from tinyloop.backends import cuda_available
+from tinyloop.config import KV_MODES
+
+pytestmark = pytest.mark.gpu
+if not cuda_available():
+    pytest.skip("no CUDA device (tinyloop.backends.cuda_available() is False)",
+                allow_module_level=True)
+
+import cupy  # noqa: E402
+
+from tinyloop.backends.base import STEP_POS, STEP_WORDS  # noqa: E402
+from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
+
+from ..test_graphs import check_fault_inside_a_replay  # noqa: E402
+from .test_cuda_model import real_model_path, real_text_ids, small_path  # noqa: E402,F401
+from .test_kernels import HEADS, f16, gather, kv_pair, ops, ref, rng  # noqa: E402,F401
+
+RUNS = [(1, 30), (4, 30), (2, 600), (4, 600)]     # (depth, prompt length), in this order
+
+
+def expected_graph_counts(depths, results) -> tuple[int, int]:
+    """(captures, replays) that requests at ``depths`` with ``results`` (GenerationResult,
+    in order) must give: a request's decode steps are its new tokens after the first, plus
+    the step that sampled EOS; under each key the first step runs eagerly, the second
+    captures, and every step from the second on is a replay."""
+    seen: dict = {}
+    for d, r in zip(depths, results):
+        seen[d] = seen.get(d, 0) + len(r.token_ids) - 1 + (r.finish_reason == "eos")
+    return sum(n >= 2 for n in seen.values()), sum(max(0, n - 1) for n in seen.values())
+
+
+def _load(path, mode, max_seq_len=640):
+    if mode not in CudaOps.kv_modes:
+        pytest.skip(f"kv mode {mode} has no CUDA kernels on this branch yet")
+    return tinyloop.load_model(path, max_seq_len=max_seq_len, backend="cuda", kv_mode=mode)
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_graphs_on_and_off_give_identical_tokens(real_model_path, real_text_ids, monkeypatch,
+                                                 mode):
+    """Real SmolLM2, depth 1 -> 4 -> 2 -> 4, prompts of 30 then 600 tokens: identical greedy
+    tokens with graphs on and off. A capturable mode captures one graph per depth (three) and
+    replays depth 4's for the second request; a mode the step kernels do not cover runs
+    eagerly both times."""
+    m = _load(real_model_path, mode)
+    try:
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        want = [m.generate(real_text_ids[:n], max_new_tokens=32, depth=d).token_ids
+                for d, n in RUNS]
+        assert m.graph_stats()["captures"] == 0
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        res = [m.generate(real_text_ids[:n], max_new_tokens=32, depth=d) for d, n in RUNS]
+        assert [r.token_ids for r in res] == want
+        st = m.graph_stats()
+        if mode in m.ops.graph_kv_modes:
+            caps, replays = expected_graph_counts([d for d, _ in RUNS], res)
+            assert caps == 3 and (st["captures"], st["graphs"], st["replays"]) == (3, 3, replays)
+            assert m.pool.by_tag()["graphs"] == st["bytes"] > 0
+        else:
+            assert st["captures"] == 0
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_mixed_modes_and_the_adapter_model(small_path, monkeypatch):
+    """fp16 prelude/coda with an int8 recurrent block, on both synthetic models (one with the
+    injection adapter, whose prelude-output copy is captured too)."""
+    mode = {"prelude": "fp16", "recurrent": "int8", "coda": "fp16"}
+    m = tinyloop.load_model(small_path, max_seq_len=120, backend="cuda", kv_mode=mode)
+    try:
+        ids = np.random.default_rng(5).integers(0, 512, 70)
+        res = []
+        for depth in (1, 3):
+            monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+            want = m.generate(list(ids), max_new_tokens=24, depth=depth).token_ids
+            monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+            res.append(m.generate(list(ids), max_new_tokens=24, depth=depth))
+            assert res[-1].token_ids == want
+        st = m.graph_stats()
+        assert (st["captures"], st["replays"]) == expected_graph_counts((1, 3), res)
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_capture_makes_no_pool_allocation(real_model_path, real_text_ids, monkeypatch):
+    """The pool's event log holds no alloc / segment_alloc between capture begin and end."""
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = _load(real_model_path, "fp16")
+    ops, marks = m.ops, []
+    begin, end = ops.graph_begin, ops.graph_end
+
+    def graph_begin():
+        marks.append(len(m.pool.events()))
+        begin()
+
+    def graph_end():
+        g = end()
+        marks.append(len(m.pool.events()))
+        return g
+    ops.graph_begin, ops.graph_end = graph_begin, graph_end
+    try:
+        m.generate(real_text_ids[:40], max_new_tokens=8, depth=2)
+        assert len(marks) == 2 and m.pool.events_dropped == 0
+        between = m.pool.events()[marks[0]:marks[1]]
+        assert not [e for e in between if e.action in ("alloc", "segment_alloc")], between
+    finally:
+        del ops.graph_begin, ops.graph_end
+        tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("how", ["python", "cuda"])
+def test_a_failure_during_capture_leaves_the_stream_usable(real_model_path, real_text_ids,
+                                                           monkeypatch, how):
+    """A Python exception in the middle of the captured launches, or a CUDA error that
+    invalidates the capture (a synchronous copy to the host while capturing): the error
+    reaches the caller, the capture is ended, the default stream is current again, and the
+    next request captures and replays with the eager tokens."""
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = _load(real_model_path, "fp16")
+    ops, real = m.ops, m.decode_step_ops
+    ids = real_text_ids[:50]
+
+    def broken(step, x, depth, slots, host_out):
+        if ops._capturing is not None:
+            ops.embed(m._embed, step[:1], x)          # some launches already captured
+            if how == "python":
+                raise RuntimeError("injected failure during capture")
+            cupy.asnumpy(step)                        # not permitted while capturing
+        real(step, x, depth, slots, host_out)
+    m.decode_step_ops = broken
+    try:
+        with pytest.raises(Exception) as ei:
+            m.generate(ids, max_new_tokens=8, depth=2)
+        if how == "python":
+            assert "injected failure" in str(ei.value)
+        assert ops._capturing is None
+        assert not ops._capture_stream.is_capturing()
+        assert cupy.cuda.get_current_stream() == cupy.cuda.Stream.null
+        assert m.graph_stats()["graphs"] == 0
+        del m.decode_step_ops
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        want = m.generate(ids, max_new_tokens=8, depth=2).token_ids
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        assert m.generate(ids, max_new_tokens=8, depth=2).token_ids == want
+        assert m.graph_stats()["graphs"] == 1
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_graphs_memory_is_tagged_and_released_with_the_model(real_model_path, real_text_ids,
+                                                             monkeypatch):
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = _load(real_model_path, "int8")
+    pool = m.pool
+    try:
+        for depth in (1, 3):
+            m.generate(real_text_ids[:20], max_new_tokens=6, depth=depth)
+        st = m.graph_stats()
+        assert st["graphs"] == 2 and pool.by_tag()["graphs"] == st["bytes"] > 0
+    finally:
+        tinyloop.free_model(m)
+    assert pool.by_tag().get("graphs", 0) == 0
+
+
+def test_a_fault_inside_a_replay_names_step_and_position(small_path, monkeypatch):
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(small_path, max_seq_len=64, backend="cuda")
+    try:
+        check_fault_inside_a_replay(m, [5, 6, 7, 8, 9])
+    finally:
+        tinyloop.free_model(m)
+
+
+# --- the step kernels against the host-position kernels -----------------------------------------
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("pos", [0, 31, 32, 75])
+def test_step_kernels_equal_host_position_kernels(ops, ref, rng, mode, h, hkv, hd, pos):
+    """kv_write_step / kv_attention_step with the position in the step state write the same
+    page bytes and attend to the same output, bit for bit, as kv_write / kv_attention with it
+    as an argument (those are checked against NumPy in test_kernels.py)."""
+    cap = pos + 5
+    _, a = kv_pair(ops, ref, mode, h, hkv, hd, cap, 32)
+    _, b = kv_pair(ops, ref, mode, h, hkv, hd, cap, 32)
+    hist = cupy.asarray(f16(rng, pos, (h + 2 * hkv) * hd)[0]) if pos else None
+    if hist is not None:                     # the same earlier positions in both caches
+        for c in (a, b):
+            ops.kv_write(hist.copy(), None, 0, 1e4, h, hkv, hd, c.slot(0))
+    qh, _ = f16(rng, 1, (h + 2 * hkv) * hd)
+    q1, q2 = cupy.asarray(qh), cupy.asarray(qh)
+    step = cupy.zeros(STEP_WORDS, cupy.int32)
+    step[STEP_POS] = pos
+    ops.kv_write(q1, None, pos, 1e4, h, hkv, hd, a.slot(0))
+    ops.kv_write_step(q2, None, step, 1e4, h, hkv, hd, b.slot(0))
+    np.testing.assert_array_equal(cupy.asnumpy(q1), cupy.asnumpy(q2))
+    ga, gb = gather(a.slot(0), cap, True), gather(b.slot(0), cap, True)
+    for name in ga:
+        np.testing.assert_array_equal(ga[name], gb[name], err_msg=name)
+    o1 = cupy.empty((1, h * hd), cupy.float16)
+    o2 = cupy.empty((1, h * hd), cupy.float16)
+    ops.kv_attention(q1, a.slot(0), pos, h, hkv, hd, o1)
+    ops.kv_attention_step(q2, b.slot(0), step, h, hkv, hd, o2)
+    np.testing.assert_array_equal(cupy.asnumpy(o1), cupy.asnumpy(o2))
+    host = ops.step_host_buffer()
+    step[0], step[1] = 1234, 0
+    ops.step_advance(step, host)
+    cupy.cuda.get_current_stream().synchronize()
+    assert int(step[STEP_POS]) == pos + 1 and (int(host[0]), int(host[1])) == (1234, 0)
+    a.release()
+    b.release()

@@ -1,0 +1,59 @@
+"""CPU checks of the split-K decode attention's host rule and index math (cuda_src/
+attention_decode.cu): the split count from the length bucket, and a NumPy emulation of the
+kernel's page partition, per-split online-softmax partials and combine against a dense softmax."""
+
+import numpy as np
+import pytest
+
+from tinyloop.backends.cuda_ops import DS_MAX_SPLITS, DS_MIN_KEYS, decode_splits
+
+
+def emulate(q, k, v, ctx, page, nsplit):
+    """The kernel's arithmetic in float64: split s owns pages [s*pps, (s+1)*pps) of the
+    ceil(ctx / page) pages; partials (m, l, o) in log2 units; combine by the max."""
+    npages = -(-ctx // page)
+    pps = -(-npages // nsplit)
+    parts, covered = [], []
+    for s in range(nsplit):
+        k0, k1 = s * pps * page, min(ctx, (s + 1) * pps * page)
+        if k0 >= k1:
+            parts.append((-np.inf, 0.0, np.zeros(q.shape[0])))
+            continue
+        covered.extend(range(k0, k1))
+        sc = k[k0:k1] @ q
+        m = sc.max()
+        p = np.exp2(sc - m)
+        parts.append((m, p.sum(), p @ v[k0:k1]))
+    assert covered == list(range(ctx))          # every key once, in order
+    mx = max(p[0] for p in parts)
+    assert np.isfinite(mx)
+    w = [np.exp2(p[0] - mx) for p in parts]
+    return sum(wi * p[2] for wi, p in zip(w, parts)) / sum(wi * p[1] for wi, p in zip(w, parts))
+
+
+@pytest.mark.parametrize("page", [1, 16, 32])
+@pytest.mark.parametrize("nsplit", [1, 2, 3, 7, 16, 64])
+def test_split_partition_and_combine_equal_a_dense_softmax(page, nsplit):
+    rng = np.random.default_rng(page * 100 + nsplit)
+    hd = 64
+    for ctx in sorted({1, page - 1, page, page + 1, 2047, 4096} - {0}):
+        q = rng.standard_normal(hd)
+        k = rng.standard_normal((ctx, hd)) * 2
+        v = rng.standard_normal((ctx, hd))
+        sc = k @ q
+        p = np.exp2(sc - sc.max())
+        want = p @ v / p.sum()
+        np.testing.assert_allclose(emulate(q, k, v, ctx, page, nsplit), want, rtol=1e-10,
+                                   atol=1e-12)
+
+
+def test_split_count_rule():
+    # 9 heads on 132 SMs (SmolLM2 on an H200): bucket / DS_MIN_KEYS, capped near 2 blocks/SM
+    assert decode_splits(1, 9, 132) == 1
+    assert decode_splits(DS_MIN_KEYS, 9, 132) == 1
+    assert decode_splits(DS_MIN_KEYS + 1, 9, 132) == 2
+    assert decode_splits(2048, 9, 132) == 2048 // DS_MIN_KEYS
+    assert decode_splits(2110, 9, 132) == min(4096 // DS_MIN_KEYS, -(-264 // 9))
+    assert decode_splits(1 << 20, 1, 10_000) == DS_MAX_SPLITS
+    # a function of the bucket: every length of one bucket gets the same count
+    assert len({decode_splits(c, 9, 132) for c in range(1025, 2049)}) == 1
