@@ -29,6 +29,7 @@ fi
 x() { local n=$1; shift; echo "== $n"; timeout "${XT:-120}" "$@" > "$W/$n.log" 2>&1; echo "rc=$?" >> "$W/$n.log"; }
 [[ $PART == suite ]] && M=""
 [[ -n "$M" ]] && XT=200 x bench_real python3 benchmarks/bench_decode.py --model "$M" --no-peer --kv-modes all --out "$W/real"
+[[ $PART != suite ]] && x bench_attn python3 benchmarks/bench_attn_decode.py --out "$W/attn_decode.json"
 [[ $PART != suite ]] && x bench_pool python3 benchmarks/bench_pool.py --device cuda
 if [[ -n "$M" ]]; then
     x diag_leak python3 -m diagnostics leak --backend cuda --model "$M" --requests 40 --out "$W/diag" --no-progress
@@ -45,5 +46,6 @@ tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null
 echo; echo "================ SUMMARY ================"
 [[ -f "$W/gpu_suite_summary.txt" ]] && tail -n 10 "$W/gpu_suite_summary.txt"
 [[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; tail -n 9 "$W/bench_real.log"; }
+tail -n 14 "$W/bench_attn.log" 2>/dev/null
 tail -n 6 "$W/bench_pool.log" 2>/dev/null
 for f in "$W"/diag_*.log "$W"/notebook.log; do [[ -f $f ]] && { echo "-- $(basename $f)"; grep -iE "verdict|rate|frees|cold|rc=" "$f" | head -5; }; done
