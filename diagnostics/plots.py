@@ -22,7 +22,8 @@ from .records import device_used_bytes
 MIB = float(1 << 20)
 TAG_COLORS = {"weights": "#4c72b0", "fp16_cache": "#8172b2", "buffers": "#55a868",
               "logits": "#ccb974", "kv_cache": "#c44e52", "prefix_cache": "#da8bc3",
-              "resume": "#8c8c8c", "scratch": "#64b5cd", "cupy": "#937860", "other": "#e17c05"}
+              "resume": "#8c8c8c", "scratch": "#64b5cd", "cupy": "#937860", "graphs": "#2ca02c",
+              "other": "#e17c05"}      # one per memory.tags.TAGS (tests/test_diagnostics.py)
 VERDICT_COLORS = {"STABLE": "#2e7d32", "LEAK": "#c62828", "UNBOUNDED CACHE": "#ef6c00",
                   "INCONCLUSIVE": "#616161"}
 CONTEXT_BAND_COLOR = "#f2c14e"

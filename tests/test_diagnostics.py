@@ -444,3 +444,12 @@ def test_python_dash_m_entry_point(tmp_path, tiny_model_path):
     assert p.returncode == 0, p.stderr
     assert "VERDICT: STABLE" in p.stdout
     assert json.loads((tmp_path / "leak.json").read_text())["verdict"] == STABLE
+
+
+def test_every_memory_tag_has_a_plot_colour():
+    """A tag without a colour made every CUDA plot fail ("Invalid RGBA argument: None") once
+    the "graphs" tag existed."""
+    from diagnostics.plots import TAG_COLORS
+    from tinyloop.memory.tags import TAGS
+    assert set(TAG_COLORS) == set(TAGS)
+    assert len(set(TAG_COLORS.values())) == len(TAG_COLORS)     # tags stay distinguishable
