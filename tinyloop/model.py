@@ -549,7 +549,7 @@ class Model:
 
     def _forward_chunk(self, ids, pos0: int, t: int, depth: int, cache: RuntimeKVCache,
                        snapshot=None) -> None:
-        cfg, ops = self.config, self._ops
+        ops = self._ops
         v = self._views(t)
         x = self._buf.main[pos0:pos0 + t]                           # [T, d] float32
         if t == 1:
