@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tinyloop.backends import cuda_ops
-from tinyloop.backends.cuda_ops import (ATTN_HEAD_DIMS, GEOMETRY, KV_KERNEL_MODES, load_source,
-                                         nvrtc_options)
+from tinyloop.backends.cuda_ops import (ATTN_HEAD_DIMS, FA_HEAD_DIMS, GEOMETRY, KV_KERNEL_MODES,
+                                         load_source, nvrtc_options)
 
 SRC = Path(__file__).resolve().parents[1] / "cuda_src"
 NVCC = shutil.which("nvcc") or next(
@@ -52,15 +52,17 @@ def test_cu_defaults_equal_the_table(family):
     for name, value in GEOMETRY[family].items():
         assert name in got, f"cuda_src/{family}.cu has no #ifndef {name} default"
         if name.endswith("HEAD_DIM_ENTRIES"):
-            assert [int(h) for h in re.findall(r"[A-Z]+_ENTRIES\((\d+)\)", got[name])] == \
-                list(ATTN_HEAD_DIMS)
+            dims = [int(h) for h in re.findall(r"[A-Z]+_ENTRIES\((\d+)\)", got[name])]
+            assert dims == [int(h) for h in re.findall(r"\((\d+)\)", value)], (family, name)
+            assert dims == list(FA_HEAD_DIMS if family == "attention_prefill"
+                                else ATTN_HEAD_DIMS), (family, name)
         else:
             assert int(got[name]) == value, (family, name, got[name], value)
 
 
 def test_every_shared_constant_is_in_the_table():
     # a launch constant the host uses must come from GEOMETRY, not a literal of its own
-    for family in ("gemv", "gemm", "attention", "sample"):
+    for family in ("gemv", "gemm", "attention", "attention_prefill", "sample"):
         assert set(cu_defaults(family)) == set(GEOMETRY[family]), family
 
 
@@ -95,6 +97,18 @@ def test_head_dim_option_controls_the_attention_kernels(tmp_path):
     only64.append("-DATTN_HEAD_DIM_ENTRIES=ATTN_ENTRIES(64)")
     one = _compile(tmp_path, "attention", only64)
     assert b"attn_decode_int8_hd64" in one and b"attn_decode_fp16_hd48" not in one
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_head_dim_option_controls_the_mma_prefill_kernels(tmp_path):
+    full = _compile(tmp_path, "attention_prefill", nvrtc_options("attention_prefill"))
+    for hd in FA_HEAD_DIMS:
+        for mode in KV_KERNEL_MODES:
+            assert f"attn_fa_{mode}_hd{hd}".encode() in full
+    only64 = [o for o in nvrtc_options("attention_prefill") if "HEAD_DIM_ENTRIES" not in o]
+    only64.append("-DFA_HEAD_DIM_ENTRIES=FA_ENTRIES(64)")
+    one = _compile(tmp_path, "attention_prefill", only64)
+    assert b"attn_fa_int8_hd64" in one and b"attn_fa_fp16_hd48" not in one
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -41,7 +41,7 @@ except ImportError:  # the module still imports (for docs / source checks) witho
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
-            "elementwise", "sample")
+            "attention_prefill", "elementwise", "sample")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -49,6 +49,9 @@ _INCLUDE = '#include "common.cuh"'
 # the value only as an ``#ifndef NAME`` default so nvcc compiles it standalone
 # (.ci/compile_cuda.sh), and tests/test_kernel_geometry.py fails if a default drifts from here.
 ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)   # attention.cu instantiates one kernel pair each
+# attention_prefill.cu (tensor cores) needs head_dim % 16 == 0; other head dims (none built
+# today) run the scalar prefill kernel
+FA_HEAD_DIMS = tuple(hd for hd in ATTN_HEAD_DIMS if hd % 16 == 0)
 GEOMETRY = {
     "gemv": {"GEMV_WARPS": 8},                   # warps (= output rows) per 32*W-thread block
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
@@ -57,6 +60,9 @@ GEOMETRY = {
                   "DC_THREADS": 1024,            # decode: threads per block (one query head)
                   "ATTN_HEAD_DIM_ENTRIES": "".join(f"ATTN_ENTRIES({hd})"
                                                    for hd in ATTN_HEAD_DIMS)},
+    "attention_prefill": {"FA_WARPS": 4,         # mma prefill: warps (16 query rows each)
+                          "FA_HEAD_DIM_ENTRIES": "".join(f"FA_ENTRIES({hd})"
+                                                         for hd in FA_HEAD_DIMS)},
     "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
@@ -79,6 +85,10 @@ _GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
 _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 _GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
 _PF_Q = GEOMETRY["attention"]["PF_Q"]
+_FA_THREADS = 32 * GEOMETRY["attention_prefill"]["FA_WARPS"]
+_FA_Q = 16 * GEOMETRY["attention_prefill"]["FA_WARPS"]    # query rows per block
+_FA_NAMES = {(m, hd): f"attn_fa_{m}_hd{hd}" for m in KV_KERNEL_MODES for hd in FA_HEAD_DIMS}
+ATTN_PREFILL_VERSIONS = ("mma", "scalar")   # TINYLOOP_ATTN_PREFILL: tensor cores | scalar FP32
 _DC_THREADS = GEOMETRY["attention"]["DC_THREADS"]
 _DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
 _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
@@ -156,6 +166,18 @@ def attn_decode_setting(version: str | None = None) -> str:
     if ver not in ATTN_DECODE_VERSIONS:
         raise ConfigError(f"decode attention (TINYLOOP_ATTN_DECODE) {ver!r}: expected one of "
                           f"{ATTN_DECODE_VERSIONS}")
+    return ver
+
+
+def attn_prefill_setting(version: str | None = None) -> str:
+    """The T > 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_PREFILL``: ``mma``
+    (default; FlashAttention-2 on tensor cores, attention_prefill.cu, for head dims in
+    FA_HEAD_DIMS) or ``scalar`` (the FP32 kernel of attention.cu, the slow reference; also
+    what ``mma`` falls back to for other head dims). Raises ConfigError naming a bad value."""
+    ver = version or os.environ.get("TINYLOOP_ATTN_PREFILL", "") or "mma"
+    if ver not in ATTN_PREFILL_VERSIONS:
+        raise ConfigError(f"prefill attention (TINYLOOP_ATTN_PREFILL) {ver!r}: expected one of "
+                          f"{ATTN_PREFILL_VERSIONS}")
     return ver
 
 
@@ -379,10 +401,12 @@ class CudaOps(Ops):
     xp = cupy
 
     def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
-                 gemv_threads: int | None = None, attn_decode: str | None = None):
+                 gemv_threads: int | None = None, attn_decode: str | None = None,
+                 attn_prefill: str | None = None):
         """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
         ``gemv_settings``; None reads the environment); ``attn_decode``: the T = 1 attention
-        kernel (``attn_decode_setting``)."""
+        kernel (``attn_decode_setting``); ``attn_prefill``: the T > 1 one
+        (``attn_prefill_setting``)."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -399,6 +423,7 @@ class CudaOps(Ops):
         self.sms = sms
         self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
         self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
+        self.attn_prefill = attn_prefill_setting(attn_prefill)     # mma | scalar
         # split-K decode attention's partials f32 [n_heads, splits, hd + 2], cudaMalloc'd
         # beside the argmax scratch on the first decode that needs more (an eager step always
         # precedes a capture, so a captured launch never grows it)
@@ -727,8 +752,10 @@ class CudaOps(Ops):
     def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
         """out f16 [T, H hd]: causal GQA attention of the (rotated) Q rows of ``qkv`` over
         positions 0..pos0+T-1 of slot ``kv``, read through its device block table (fp16, or
-        int8 dequantized in the inner loop). T = 1: decode kernel; T > 1: flash-style
-        prefill."""
+        int8 dequantized in the inner loop). T = 1: decode kernel; T > 1: prefill, on tensor
+        cores (attention_prefill.cu) unless ``attn_prefill == "scalar"``, the head dim is not
+        in FA_HEAD_DIMS or the rows do not allow its 4-byte loads (then attention.cu's scalar
+        kernel)."""
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -744,6 +771,12 @@ class CudaOps(Ops):
         if t == 1:
             self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
                               scale_log2, out)
+        elif (self.attn_prefill == "mma" and head_dim in FA_HEAD_DIMS and ld % 2 == 0
+              and qkv.data.ptr % 4 == 0 and out.data.ptr % 4 == 0 and ctx < 2**31):
+            self._fn("attention_prefill", _FA_NAMES[mode, head_dim])(
+                ((t + _FA_Q - 1) // _FA_Q, int(n_heads)), (_FA_THREADS,),
+                (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
+                 int(n_kv_heads), scale_log2, out.data.ptr))
         else:
             self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
