@@ -8,9 +8,14 @@
 // PagedAttention, Kwon et al. 2023; rows [P, n_kv, HD], parts at byte offsets k_off / v_off,
 // int8 scales at ks_off / vs_off). Any P >= 1: the page is looked up per key while staging.
 //
-// Block = FA_WARPS warps, 16 query rows of one head each (FA_Q = 16 FA_WARPS rows); grid =
-// (ceil(T / FA_Q), n_heads), q tiles taken in reverse so the longest (last) causal rows start
-// first. Per tile of KT keys (64 for HD <= 64, else 32, so two buffers stay under 48 KiB):
+// Block = FA_WARPS warps, 16 query rows of one head each (16 FA_WARPS rows); grid = one
+// block per (q tile, head), ceil(T / (16 FA_WARPS)) * n_heads in all. Block order (causal
+// load balance): ranked by work, longest first (the last q tile of every head, then the one
+// before...), and every odd "wave" of ``wave`` blocks (the host passes the SM count) taken in
+// reverse, so when the block scheduler deals the blocks round-robin over the SMs and several
+// stay resident per SM, each SM gets a long block with a short one rather than three long
+// ones (SmolLM2 at 2,048 tokens: 288 blocks, 132 SMs, three resident per SM).
+// Per tile of KT keys (64 for HD <= 64, else 32, so two buffers stay under 48 KiB):
 //   1. the tile's K and V rows are read through the block table into registers (the next
 //      tile's while this one computes) and stored to shared memory as FP16: fp16 pages as they
 //      are, int8 pages dequantized on the way, K = float(q) * float(scale) rounded in float32
@@ -96,7 +101,7 @@ template <int MODE, int HD>
 __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 pos0,
                              const i64* __restrict__ table, i64 P, i64 k_off, i64 v_off,
                              i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv, float scale_log2,
-                             half_t* __restrict__ out) {
+                             i64 wave, half_t* __restrict__ out) {
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16");
     constexpr int KT = HD > 64 ? 32 : 64;      // keys per tile
     constexpr int LD = HD + 8;                 // shared row pitch in halves (16-byte rows;
@@ -111,26 +116,35 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const i64 q0 = (i64)(gridDim.x - 1 - blockIdx.x) * (16 * FA_WARPS);
-    const i64 h = blockIdx.y, hk = h / (n_heads / n_kv);
-    const i64 r0 = q0 + 16 * warp;             // this warp's first query row
-    const i64 ra = r0 + g, rb = r0 + g + 8;    // this lane's two rows (C fragment rows g, g+8)
+    // Positions and rows in int: the host launches only when pos0 + T < 2^31.
+    const int nT = (int)T, p0 = (int)pos0, nh = (int)n_heads, wv = (int)wave;
+    int b = blockIdx.x;                        // -> its rank by work (see the top)
+    if (wv > 0 && (b / wv) % 2 == 1) {
+        const int w0 = b / wv * wv, left = (int)gridDim.x - w0;
+        const int wn = left < wv ? left : wv;  // the last wave may be partial
+        b = w0 + wn - 1 - (b - w0);
+    }
+    const int nq = (nT + 16 * FA_WARPS - 1) / (16 * FA_WARPS);
+    const int q0 = (nq - 1 - b / nh) * (16 * FA_WARPS);
+    const int h = b % nh, hk = h / (nh / (int)n_kv);
+    const int r0 = q0 + 16 * warp;             // this warp's first query row
+    const int ra = r0 + g, rb = r0 + g + 8;    // this lane's two rows (C fragment rows g, g+8)
     // Rows past T run as row T-1's position with q = 0 (finite, never stored).
-    const i64 pa = pos0 + (ra < T ? ra : T - 1), pb = pos0 + (rb < T ? rb : T - 1);
-    const bool warp_live = r0 < T;
-    const i64 wmin = pos0 + r0;                                    // first row's position
-    const i64 wmax = pos0 + (r0 + 15 < T ? r0 + 15 : T - 1);       // last row's position
+    const int pa = p0 + (ra < nT ? ra : nT - 1), pb = p0 + (rb < nT ? rb : nT - 1);
+    const bool warp_live = r0 < nT;
+    const int wmin = p0 + r0;                                      // first row's position
+    const int wmax = p0 + (r0 + 15 < nT ? r0 + 15 : nT - 1);       // last row's position
 
     unsigned qf[KS][4];
     {
-        const half_t* qa = qkv + ra * ld + h * HD + 2 * t4;
-        const half_t* qb = qkv + rb * ld + h * HD + 2 * t4;
+        const half_t* qa = qkv + (i64)ra * ld + h * HD + 2 * t4;
+        const half_t* qb = qkv + (i64)rb * ld + h * HD + 2 * t4;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
-            qf[ks][0] = ra < T ? *(const unsigned*)(qa + 16 * ks) : 0u;
-            qf[ks][1] = rb < T ? *(const unsigned*)(qb + 16 * ks) : 0u;
-            qf[ks][2] = ra < T ? *(const unsigned*)(qa + 16 * ks + 8) : 0u;
-            qf[ks][3] = rb < T ? *(const unsigned*)(qb + 16 * ks + 8) : 0u;
+            qf[ks][0] = ra < nT ? *(const unsigned*)(qa + 16 * ks) : 0u;
+            qf[ks][1] = rb < nT ? *(const unsigned*)(qb + 16 * ks) : 0u;
+            qf[ks][2] = ra < nT ? *(const unsigned*)(qa + 16 * ks + 8) : 0u;
+            qf[ks][3] = rb < nT ? *(const unsigned*)(qb + 16 * ks + 8) : 0u;
         }
     }
     float o[NT][4];
@@ -138,19 +152,19 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float ma = TL_NEG_INF, mb = TL_NEG_INF, la = 0.0f, lb = 0.0f;   // l: this lane's part
 
-    const i64 last = (q0 + 16 * FA_WARPS < T ? q0 + 16 * FA_WARPS : T) - 1;
-    const i64 kv_end = pos0 + last + 1;        // keys this block needs
-    const int ntiles = (int)((kv_end + KT - 1) / KT);
+    const int last = (q0 + 16 * FA_WARPS < nT ? q0 + 16 * FA_WARPS : nT) - 1;
+    const int kv_end = p0 + last + 1;          // keys this block needs
+    const int ntiles = (kv_end + KT - 1) / KT;
 
     KvChunk kc[NCH], vc[NCH];
-    auto load_tile = [&](i64 k0) {
+    auto load_tile = [&](int k0) {
 #pragma unroll
         for (int i = 0; i < NCH; ++i) {
             const int idx = tid + i * FA_THREADS;
-            const i64 key = k0 + idx / CH;
+            const int key = k0 + idx / CH;
             if (idx < KT * CH && key < kv_end) {
-                const unsigned pg = (unsigned)key / (unsigned)P;   // host: ctx < 2^31
-                const i64 r = ((i64)((unsigned)key - pg * (unsigned)P)) * n_kv + hk;
+                const unsigned pg = (unsigned)key / (unsigned)P;
+                const i64 r = (i64)((unsigned)key - pg * (unsigned)P) * n_kv + hk;
                 const char* base = (const char*)table[pg];
                 const int c = (idx % CH) * 8;
                 chunk_load<MODE, HD>(kc[i], base, k_off, ks_off, r, c);
@@ -178,7 +192,7 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     __syncthreads();
     for (int it = 0; it < ntiles; ++it) {
         const int buf = it & 1;
-        const i64 k0 = (i64)it * KT;
+        const int k0 = it * KT;
         if (it + 1 < ntiles) load_tile(k0 + KT);   // in flight during this tile's MMAs
         // Warp-uniform: skip a tile in the future of every row of the warp.
         if (warp_live && k0 <= wmax) {
@@ -197,9 +211,7 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
             // the causal mask, only where some key of the tile is past some row of the warp:
             // key k0 + c is masked for a row at position p when c > p - k0 (clamped to int)
             const bool diag = k0 + KT - 1 > wmin;
-            // (p - k0 >= wmin - k0 >= -15 on a tile the warp runs: the cast is exact)
-            const int da = (int)(pa - k0 < KT ? pa - k0 : KT);
-            const int db = (int)(pb - k0 < KT ? pb - k0 : KT);
+            const int da = pa - k0, db = pb - k0;
             float xa = ma, xb = mb;
 #pragma unroll
             for (int j = 0; j < ST; ++j)
@@ -261,16 +273,16 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     la += __shfl_xor_sync(0xffffffffu, la, 2);
     lb += __shfl_xor_sync(0xffffffffu, lb, 1);
     lb += __shfl_xor_sync(0xffffffffu, lb, 2);
-    const i64 ldo = n_heads * HD;
-    if (ra < T) {
+    const i64 ldo = (i64)nh * HD;
+    if (ra < nT) {
         const float inv = 1.0f / la;
-        unsigned* op = (unsigned*)(out + ra * ldo + h * HD + 2 * t4);
+        unsigned* op = (unsigned*)(out + (i64)ra * ldo + h * HD + 2 * t4);
 #pragma unroll
         for (int n = 0; n < NT; ++n) op[4 * n] = pack_h2(o[n][0] * inv, o[n][1] * inv);
     }
-    if (rb < T) {
+    if (rb < nT) {
         const float inv = 1.0f / lb;
-        unsigned* op = (unsigned*)(out + rb * ldo + h * HD + 2 * t4);
+        unsigned* op = (unsigned*)(out + (i64)rb * ldo + h * HD + 2 * t4);
 #pragma unroll
         for (int n = 0; n < NT; ++n) op[4 * n] = pack_h2(o[n][2] * inv, o[n][3] * inv);
     }
@@ -278,14 +290,18 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
 
 // Entry points attn_fa_{fp16,int8}_hd{HD}: the scalar prefill kernels' arguments (attention.cu).
 // qkv rows and out must allow 4-byte loads (ld even, both pointers 4-byte aligned: the host
-// checks). Block = FA_THREADS, grid = (ceil(T / (16 FA_WARPS)), n_heads).
+// checks). Block = FA_THREADS, grid = ceil(T / (16 FA_WARPS)) * n_heads; wave: the SM count
+// (<= 0: plain longest-first order).
+// Three resident blocks per SM up to head dim 64 (<= 168 registers a thread), else two.
+#define FA_MIN_BLOCKS(HD) ((HD) <= 64 ? 3 : 2)
 #define FA_ENTRIES_MODE(MODE, NAME, HD)                                                        \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                  \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS(HD))               \
         attn_fa_##NAME##_hd##HD(const half_t* qkv, i64 ld, i64 T, i64 pos0, const i64* table,  \
                                 i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,           \
-                                i64 n_heads, i64 n_kv, double scale_log2, half_t* out) {       \
+                                i64 n_heads, i64 n_kv, double scale_log2, i64 wave,            \
+                                half_t* out) {                                                 \
         attn_fa_impl<MODE, HD>(qkv, ld, T, pos0, table, P, k_off, v_off, ks_off, vs_off,       \
-                               n_heads, n_kv, (float)scale_log2, out);                         \
+                               n_heads, n_kv, (float)scale_log2, wave, out);                   \
     }
 #define FA_ENTRIES(HD) FA_ENTRIES_MODE(KV_FP16, fp16, HD) FA_ENTRIES_MODE(KV_INT8, int8, HD)
 

@@ -774,9 +774,9 @@ class CudaOps(Ops):
         elif (self.attn_prefill == "mma" and head_dim in FA_HEAD_DIMS and ld % 2 == 0
               and qkv.data.ptr % 4 == 0 and out.data.ptr % 4 == 0 and ctx < 2**31):
             self._fn("attention_prefill", _FA_NAMES[mode, head_dim])(
-                ((t + _FA_Q - 1) // _FA_Q, int(n_heads)), (_FA_THREADS,),
+                (((t + _FA_Q - 1) // _FA_Q) * int(n_heads),), (_FA_THREADS,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
-                 int(n_kv_heads), scale_log2, out.data.ptr))
+                 int(n_kv_heads), scale_log2, self.sms, out.data.ptr))
         else:
             self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
