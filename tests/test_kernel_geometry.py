@@ -87,28 +87,21 @@ def _compile(tmp_path, family: str, options) -> bytes:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_head_dim_option_controls_the_attention_kernels(tmp_path):
-    full = _compile(tmp_path, "attention", nvrtc_options("attention"))
-    for hd in ATTN_HEAD_DIMS:
+@pytest.mark.parametrize("family,entries,dims,kernels", [
+    ("attention", "ATTN", ATTN_HEAD_DIMS, ("attn_decode", "attn_prefill")),
+    ("attention_prefill", "FA", FA_HEAD_DIMS, ("attn_fa",))])
+def test_head_dim_option_controls_the_attention_kernels(tmp_path, family, entries, dims,
+                                                        kernels):
+    full = _compile(tmp_path, family, nvrtc_options(family))
+    for hd in dims:
         for mode in KV_KERNEL_MODES:
-            assert f"attn_decode_{mode}_hd{hd}".encode() in full
-            assert f"attn_prefill_{mode}_hd{hd}".encode() in full
-    only64 = [o for o in nvrtc_options("attention") if "ATTN_HEAD_DIM_ENTRIES" not in o]
-    only64.append("-DATTN_HEAD_DIM_ENTRIES=ATTN_ENTRIES(64)")
-    one = _compile(tmp_path, "attention", only64)
-    assert b"attn_decode_int8_hd64" in one and b"attn_decode_fp16_hd48" not in one
-
-
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_head_dim_option_controls_the_mma_prefill_kernels(tmp_path):
-    full = _compile(tmp_path, "attention_prefill", nvrtc_options("attention_prefill"))
-    for hd in FA_HEAD_DIMS:
-        for mode in KV_KERNEL_MODES:
-            assert f"attn_fa_{mode}_hd{hd}".encode() in full
-    only64 = [o for o in nvrtc_options("attention_prefill") if "HEAD_DIM_ENTRIES" not in o]
-    only64.append("-DFA_HEAD_DIM_ENTRIES=FA_ENTRIES(64)")
-    one = _compile(tmp_path, "attention_prefill", only64)
-    assert b"attn_fa_int8_hd64" in one and b"attn_fa_fp16_hd48" not in one
+            for k in kernels:
+                assert f"{k}_{mode}_hd{hd}".encode() in full
+    only64 = [o for o in nvrtc_options(family) if "HEAD_DIM_ENTRIES" not in o]
+    only64.append(f"-D{entries}_HEAD_DIM_ENTRIES={entries}_ENTRIES(64)")
+    one = _compile(tmp_path, family, only64)
+    assert f"{kernels[0]}_int8_hd64".encode() in one
+    assert f"{kernels[0]}_fp16_hd48".encode() not in one
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

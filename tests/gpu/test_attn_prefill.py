@@ -43,8 +43,8 @@ import cupy  # noqa: E402
 from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
 
-from .test_kernels import (F16_RTOL, HEADS, SESSION_SEED, kv_pair, ops, poisoned,  # noqa: E402,F401
-                           qkv_rows, ref, rms, rng)
+from .test_kernels import (F16_RTOL, HEADS, SESSION_SEED, copy_pages, kv_pair,  # noqa: E402,F401
+                           ops, poisoned, qkv_rows, ref, rms, rng)
 
 U = 2.0 ** -11       # FP16 unit roundoff
 
@@ -70,12 +70,7 @@ def _fill(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, large=False, extra=8):
     ref.kv_write(allq.copy(), None, 0, 1e4, h, hkv, hd, c_ref.slot(0))
     npages = -(-ctx // p)
     _permute_table(c_dev.slot(0), rng, npages)
-    for i in range(npages):
-        src, dst = c_ref.slot(0).page_parts(i), c_dev.slot(0).page_parts(i)
-        for name, arr in src.items():
-            if mode == "fp16":
-                arr[...] = arr.astype(np.float16)        # the stored values, as FP16
-            dst[name].set(np.ascontiguousarray(arr).astype(dst[name].dtype))
+    copy_pages(c_ref.slot(0), c_dev.slot(0), mode, npages)
     qh = allq[pos0:].astype(np.float16)
     return c_ref, c_dev, qh.astype(np.float32), qh
 
