@@ -116,7 +116,7 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    // Positions and rows in int: the host launches only when pos0 + T < 2^31.
+    // Positions and rows in int: the host launches only when pos0 + T < 2^30.
     const int nT = (int)T, p0 = (int)pos0, nh = (int)n_heads, wv = (int)wave;
     int b = blockIdx.x;                        // -> its rank by work (see the top)
     if (wv > 0 && (b / wv) % 2 == 1) {

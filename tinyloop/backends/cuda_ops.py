@@ -778,7 +778,7 @@ class CudaOps(Ops):
             self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
                               scale_log2, out)
         elif (self.attn_prefill == "mma" and head_dim in FA_HEAD_DIMS and ld % 2 == 0
-              and qkv.data.ptr % 4 == 0 and out.data.ptr % 4 == 0 and ctx < 2**31):
+              and qkv.data.ptr % 4 == 0 and out.data.ptr % 4 == 0 and ctx < 2**30):
             self._fn("attention_prefill", _FA_NAMES[mode, head_dim])(
                 (((t + _FA_Q - 1) // _FA_Q) * int(n_heads),), (_FA_THREADS,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
