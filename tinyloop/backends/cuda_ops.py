@@ -478,6 +478,14 @@ class CudaOps(Ops):
         cupy.cuda.runtime.memsetAsync(arr.data.ptr, 0, arr.nbytes,
                                       cupy.cuda.get_current_stream().ptr)
 
+    def zero_ranges(self, ranges) -> None:
+        """One cudaMemsetAsync per ``(address, nbytes)`` device range on the current stream
+        (``Ops.zero_ranges``: a batch of KV pages is zeroed in one call per contiguous run)."""
+        stream = cupy.cuda.get_current_stream().ptr
+        memset = cupy.cuda.runtime.memsetAsync
+        for ptr, n in ranges:
+            memset(ptr, 0, n, stream)
+
     def upload_array(self, host: np.ndarray, pool):
         """Base upload, plus the 16-byte alignment the vector loads need (block freed if not)."""
         arr, blk = super().upload_array(host, pool)
