@@ -89,6 +89,35 @@ def test_allocate_many_equals_n_allocates(seed, packed):
         assert _blocks(got) == _blocks(ref)
         assert _state(pool) == _state(ref_pool)
         pool._check()
+        # the kept ones in allocation order: neighbours go back as runs
+        kept = [i for i in sorted(order[:keep]) if i % 3]
+        for i in kept:
+            ref_pool.free(ref[i])
+        pool.free_many([got[i] for i in kept])
+        assert _blocks(got) == _blocks(ref)
+        assert _state(pool) == _state(ref_pool)
+        pool._check()
+
+
+def test_free_many_of_neighbours_equals_one_free_each():
+    """A batch freed in allocation order (runs of neighbours, given back to the arena at
+    once) logs the same events and leaves the same layout and figures as one free each."""
+    ref_pool, pool = _fake_pool(), _fake_pool()
+    for p in (ref_pool, pool):
+        _history(p, 5)
+    with packed_scope():
+        ref = ref_pool.allocate_many(24576, 200, "kv_cache")
+        got = pool.allocate_many(24576, 200, "kv_cache")
+    for k in (7, 3, 150, 40):                  # a hole first: runs meet free neighbours
+        ref_pool.free(ref[k])
+        pool.free(got[k])
+    left = [i for i in range(200) if i not in (7, 3, 150, 40)]
+    for i in left:
+        ref_pool.free(ref[i])
+    pool.free_many([got[i] for i in left])
+    assert _blocks(got) == _blocks(ref)
+    assert _state(pool) == _state(ref_pool)
+    pool._check()
 
 
 def test_allocate_many_carves_contiguous_runs():

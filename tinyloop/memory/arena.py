@@ -235,6 +235,32 @@ class Arena:
             raise ValueError(f"{c!r} is already free")
         c.free = True
         c.owner = None
+        return self._merge(c)
+
+    def give_back_run(self, run: list) -> Chunk:
+        """Give back live chunks that are neighbours in one segment (``run[i + 1]`` is
+        ``run[i].next``) as one: the arena ends as after one ``give_back`` per chunk (free
+        chunks are always fully merged), with one free-list update instead of one per chunk.
+        Raises ValueError, changing nothing, for a free chunk or chunks that are not
+        neighbours."""
+        for a, b in zip(run, run[1:]):
+            if a.next is not b:
+                raise ValueError(f"{b!r} does not follow {a!r}")
+        for c in run:
+            if c.free:
+                raise ValueError(f"{c!r} is already free")
+        first, last = run[0], run[-1]
+        for c in run:
+            c.free = True
+            c.owner = None
+        first.size = last.ptr + last.size - first.ptr
+        first.next = last.next
+        if last.next is not None:
+            last.next.prev = first
+        return self._merge(first)
+
+    def _merge(self, c: Chunk) -> Chunk:
+        """Merge the newly free chunk ``c`` with its free neighbours and list the result."""
         nxt = c.next
         if nxt is not None and nxt.free:        # absorb the next chunk
             self._remove_free(nxt)

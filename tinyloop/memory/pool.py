@@ -233,8 +233,34 @@ class MemoryPool:
             for blk in blocks:
                 if blk.freed:
                     raise ValueError(f"double free of {blk!r}")
-            for blk in blocks:
-                self._free_locked(blk)
+            # neighbours in list order (a slot's pages, a batch in allocation order) go back
+            # to the arena as one run: the same end state and events as one free each
+            log, arena, i, n = self._log_event, self._arena, 0, len(blocks)
+            while i < n:
+                chunk = blocks[i]._chunk
+                run = [chunk]
+                j = i + 1
+                while j < n and blocks[j]._chunk is not None \
+                        and blocks[j]._chunk.prev is run[-1]:
+                    run.append(blocks[j]._chunk)
+                    j += 1
+                if len(run) == 1:
+                    self._free_locked(blocks[i])
+                else:
+                    freed = 0
+                    arena.give_back_run(run)
+                    for blk in blocks[i:j]:
+                        log((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
+                        blk.freed = True
+                        blk._chunk = None
+                        freed += blk.nbytes
+                        self._requested_bytes -= blk.requested_bytes
+                        self._by_tag[blk.tag] -= blk.nbytes
+                        log((_now(), "free_completed", blk.ptr, blk.nbytes, blk.tag))
+                    self._allocated_bytes -= freed
+                    self._live_blocks -= j - i
+                    self._num_frees += j - i
+                i = j
 
     def reserve(self, nbytes: int, tag: str | None = None) -> bool:
         """Make sure one free "large" chunk of at least ``nbytes`` (rounded to 512) exists,
