@@ -96,6 +96,13 @@ _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
 ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
 DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
 DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
+# Contexts of at most this many keys run the single-pass decode kernel (attention.cu), not
+# split-K. bench_attn_decode.py on the H200 (SmolLM2 dims, fp16/int8 pages of 32): split-K was
+# 0.8x the single-pass kernel at ctx 128 (one split there: the same work plus a combine
+# launch), 2.1x at 2048, 3.1x at 4096; interpolating in log2(ctx) puts break-even near 200
+# keys, between the 128 and 256 buckets, so every context of the 128 bucket (and any rule
+# outcome of one split) goes single-pass. The bench's 192 / 256 rows check it.
+DS_SINGLE_PASS_MAX = 128
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
@@ -160,8 +167,10 @@ def gemv_settings(version: str | None = None, lpr: int | None = None,
 
 def attn_decode_setting(version: str | None = None) -> str:
     """The T = 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_DECODE``: ``split``
-    (default; split-K, attention_decode.cu) or ``v1`` (one block per query head,
-    attention.cu). Raises ConfigError naming a bad value."""
+    (default; split-K, attention_decode.cu, falling back to the single-pass kernel where
+    ``decode_splits`` returns 0: contexts of at most DS_SINGLE_PASS_MAX keys) or ``v1`` (one
+    block per query head, attention.cu, at every length). Raises ConfigError naming a bad
+    value."""
     ver = version or os.environ.get("TINYLOOP_ATTN_DECODE", "") or "split"
     if ver not in ATTN_DECODE_VERSIONS:
         raise ConfigError(f"decode attention (TINYLOOP_ATTN_DECODE) {ver!r}: expected one of "
@@ -182,15 +191,21 @@ def attn_prefill_setting(version: str | None = None) -> str:
 
 
 def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
-    """Split count of the split-K decode attention for a context of ``ctx`` keys: from the
-    power-of-two length bucket ``b = max(DS_MIN_KEYS, 2^ceil(log2 ctx))``, ``b / DS_MIN_KEYS``
-    splits, capped so n_heads * splits is about two blocks per SM and at DS_MAX_SPLITS. A
-    function of the bucket only, so a captured graph keyed by the bucket (or by the block
-    table's capacity, whose ctx it passes) launches a valid grid for every length in it;
-    each split's page range is computed on the device from the real length."""
+    """Split count of the split-K decode attention for a context of ``ctx`` keys, or 0 for
+    the single-pass kernel (``ctx <= DS_SINGLE_PASS_MAX``, or a rule outcome of one split:
+    one split does the single-pass work plus a combine launch; see DS_SINGLE_PASS_MAX for the
+    measurements). Otherwise from the power-of-two length bucket ``b = max(DS_MIN_KEYS,
+    2^ceil(log2 ctx))``: ``b / DS_MIN_KEYS`` splits, capped so n_heads * splits is about two
+    blocks per SM and at DS_MAX_SPLITS. A function of the bucket only, so a captured graph
+    keyed by the bucket (or by the block table's capacity, whose ctx it passes) launches a
+    valid grid for every length in it; each split's page range is computed on the device from
+    the real length. The one place the split / single-pass choice is made."""
+    if int(ctx) <= DS_SINGLE_PASS_MAX:
+        return 0
     bucket = max(DS_MIN_KEYS, 1 << max(0, int(ctx) - 1).bit_length())
     by_sms = -(-2 * int(sms) // max(1, int(n_heads)))
-    return max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
+    ns = max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
+    return 0 if ns == 1 else ns
 
 
 def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
@@ -509,6 +524,14 @@ class CudaOps(Ops):
         cupy.cuda.runtime.memsetAsync(arr.data.ptr, 0, arr.nbytes,
                                       cupy.cuda.get_current_stream().ptr)
 
+    def zero_ranges(self, ranges) -> None:
+        """One cudaMemsetAsync per ``(address, nbytes)`` device range on the current stream
+        (``Ops.zero_ranges``: a batch of KV pages is zeroed in one call per contiguous run)."""
+        stream = cupy.cuda.get_current_stream().ptr
+        memset = cupy.cuda.runtime.memsetAsync
+        for ptr, n in ranges:
+            memset(ptr, 0, n, stream)
+
     def upload_array(self, host: np.ndarray, pool):
         """Base upload, plus the 16-byte alignment the vector loads need (block freed if not)."""
         arr, blk = super().upload_array(host, pool)
@@ -792,10 +815,12 @@ class CudaOps(Ops):
     def _attn_decode(self, qkv, ctx, step_pos, table, p, offs, mode, n_heads, n_kv_heads,
                      head_dim, scale_log2, out, splits=None):
         """One query row: split-K (``attn_split_*`` + ``attn_combine_*``) or, with
-        ``attn_decode == "v1"``, the one-block-per-head kernel. ``step_pos``: 0, or the device
-        address of the int32 position (ctx = pos + 1 on the device; ``ctx`` is then the table's
-        capacity and only picks the split count). ``splits`` forces the split count (tests)."""
-        if self.attn_decode == "v1":
+        ``attn_decode == "v1"`` or when ``decode_splits`` says single-pass (short contexts), the
+        one-block-per-head kernel. ``step_pos``: 0, or the device address of the int32
+        position (ctx = pos + 1 on the device; ``ctx`` is then the table's capacity and only
+        picks the split count). ``splits`` forces split-K with that count (tests)."""
+        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
+        if self.attn_decode == "v1" or ns == 0:
             if step_pos:
                 raise ConfigError("TINYLOOP_ATTN_DECODE=v1 reads the context length on the "
                                   "host; the device step state needs the split-K kernel")
@@ -804,7 +829,6 @@ class CudaOps(Ops):
                 (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
                  scale_log2, out.data.ptr))
             return
-        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
         if not 1 <= ns <= DS_MAX_SPLITS:
             raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
         need = int(n_heads) * ns * (int(head_dim) + 2) * 4
@@ -1032,8 +1056,8 @@ class CudaOps(Ops):
         table, p, offs = self._step_kv(kv)
         out = self._out(out, "out", _F16, 1, n_heads * head_dim)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
-        if self.attn_decode == "split":
-            cap = int(kv.table.shape[0]) * kv.layout.page_size
+        cap = int(kv.table.shape[0]) * kv.layout.page_size
+        if self.attn_decode == "split" and decode_splits(cap, n_heads, self.sms):
             self._attn_decode(qkv, cap, self._step_ptr(step) + 4 * STEP_POS, table, p, offs,
                               kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
             return
