@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import os
+import types
 import zlib
 
 import numpy as np
@@ -87,12 +88,29 @@ class FakeCudaPool:
     def free(self, blk):
         self.live.remove(blk)
 
+    def allocate_many(self, nbytes, n, tag=None):
+        """``MemoryPool.allocate_many``'s contract: n blocks, all or nothing."""
+        out = []
+        try:
+            for _ in range(n):
+                out.append(self.allocate(nbytes, tag))
+        except BaseException:
+            self.free_many(out)
+            raise
+        return out
+
+    def free_many(self, blocks):
+        for blk in list(blocks):
+            self.free(blk)
+
 
 class FakeBlock:
     def __init__(self, pool, nbytes, tag):
         self.pool, self.tag, self.nbytes = pool, tag, int(nbytes)
         self.buf = cupy.empty(max(self.nbytes, 1), dtype=cupy.uint8)
         self.ptr = self.buf.data.ptr
+        # block.contiguous_runs reads the segment: each fake block is its own segment
+        self._chunk = types.SimpleNamespace(segment=self)
 
     def array(self, shape, dtype):
         dtype = np.dtype(dtype)
