@@ -16,8 +16,7 @@
 //   INT4 (asymmetric min/max): s = fp16((hi - lo) / 15), z = fp16(lo) (float32 arithmetic),
 //        q = clip(rint((x - z) / s), 0, 15) against the rounded s and z; s = 0 -> codes 0.
 // The optional Hadamard rotation (rot = 32: the Sylvester matrix of order 32 over each group,
-// orthonormal, so the same call undoes it) is computed as the reference does: products
-// x_i * (+-1/sqrt(32)) and their sum in float64, then one rounding to float32.
+// orthonormal, so the same call undoes it) is computed as the reference does (hadamard32).
 #include "common.cuh"
 
 #define H_FP16 0
@@ -29,17 +28,18 @@
 // H_WARP_ROWS: h_attn_chunk's query rows per block (a warp each; cuda_ops.GEOMETRY)
 #define H_MAX_PAIRS 4            // h_attn_chunk: head_dim <= 256 (<= 4 pairs per lane)
 
-// y_lane = sum_i x_i * H32[i][lane], H32[i][j] = (-1)^popcount(i & j) / sqrt(32); every lane of
-// the warp calls it with its own x (lane = channel of the group).
+// y_lane = (sum_i +-x_i) / sqrt(32), the sign of x_i being (-1)^popcount(i & lane): the
+// orthonormal Sylvester Hadamard of order 32 (kvcache.hadamard_rotate, in the same arithmetic:
+// float64 sums of float32 values, exact while a group's magnitudes span < ~2^24, one float64
+// division, one rounding to float32). Every lane of the warp calls it with its own x.
 __device__ __forceinline__ float hadamard32(float x, int lane) {
-    const double c = 1.0 / sqrt(32.0);
     double acc = 0.0;
 #pragma unroll 8
     for (int i = 0; i < 32; ++i) {
         const double xi = (double)__shfl_sync(0xffffffffu, x, i);
-        acc = __dadd_rn(acc, __dmul_rn(xi, (__popc(i & lane) & 1) ? -c : c));
+        acc = __dadd_rn(acc, (__popc(i & lane) & 1) ? -xi : xi);
     }
-    return __double2float_rn(acc);
+    return __double2float_rn(__ddiv_rn(acc, sqrt(32.0)));
 }
 
 // The page of position `pos` and its row inside it.
