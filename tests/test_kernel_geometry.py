@@ -60,7 +60,7 @@ def test_cu_defaults_equal_the_table(family):
 
 def test_every_shared_constant_is_in_the_table():
     # a launch constant the host uses must come from GEOMETRY, not a literal of its own
-    for family in ("gemv", "gemm", "attention", "sample"):
+    for family in ("gemv", "gemm", "attention", "sample", "kv_h"):
         assert set(cu_defaults(family)) == set(GEOMETRY[family]), family
 
 
@@ -95,6 +95,18 @@ def test_head_dim_option_controls_the_attention_kernels(tmp_path):
     only64.append("-DATTN_HEAD_DIM_ENTRIES=ATTN_ENTRIES(64)")
     one = _compile(tmp_path, "attention", only64)
     assert b"attn_decode_int8_hd64" in one and b"attn_decode_fp16_hd48" not in one
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_store_h_kernels_the_host_launches_exist(tmp_path):
+    """Every kernel CudaOps launches for the store-h modes is in the compiled families (the
+    write / read per mode, the chunk attention, and rope.cu's Q-only write, plain and step)."""
+    kv = _compile(tmp_path, "kv_h", nvrtc_options("kv_h"))
+    for mode in cuda_ops.H_KERNEL_MODES:
+        assert f"h_write_{mode}".encode() in kv and f"h_read_{mode}".encode() in kv
+    assert b"h_attn_chunk" in kv
+    rope = _compile(tmp_path, "rope", nvrtc_options("rope"))
+    assert b"kv_write_qonly" in rope and b"kv_write_step_qonly" in rope
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

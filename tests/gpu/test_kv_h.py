@@ -190,7 +190,7 @@ def _h_attention_case(ops, ref, rng, mode, h, hkv, hd, d, t, pos0, p, chunk, ste
                               out, r_dev)
     else:
         ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out, r_dev)
-    assert_close(out, want, atol=5e-3 * rms(want), rtol=1e-2,
+    assert_close(out, want, atol=1.2e-2 * rms(want), rtol=1e-2,
                  what=f"{mode} attention T={t} pos0={pos0} P={p} chunk={chunk} step={step} "
                       f"(seed {SESSION_SEED})")
 
