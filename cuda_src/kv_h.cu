@@ -22,10 +22,6 @@
 #define H_FP16 0
 #define H_INT8 1
 #define H_INT4 2
-#ifndef H_WARP_ROWS
-#define H_WARP_ROWS 4
-#endif
-// H_WARP_ROWS: h_attn_chunk's query rows per block (a warp each; cuda_ops.GEOMETRY)
 #define H_MAX_PAIRS 4            // h_attn_chunk: head_dim <= 256 (<= 4 pairs per lane)
 
 // y_lane = (sum_i +-x_i) / sqrt(32), the sign of x_i being (-1)^popcount(i & lane): the
@@ -161,27 +157,22 @@ H_READ_ENTRY(H_INT4, h_int4)
 // `first` starts it (m = -inf, l = 0, acc = 0), `last` normalises it into out f16
 // [T, n_heads hd] instead of storing it (Milakov & Gimelshein 2018). Scores are
 // (q . k) * scale_log2 with scale_log2 = log2(e) / sqrt(hd), so exp2 gives the softmax.
-// grid = (ceil(T / H_WARP_ROWS), n_heads), block = 32 * H_WARP_ROWS: one warp per (row, head);
-// lane l holds the dimension pairs l, l + 32, ... of its head.
-extern "C" __global__ void h_attn_chunk(const half_t* __restrict__ qkv, i64 ld, i64 T,
-                                        i64 pos0, const half_t* __restrict__ kv, i64 c0, i64 n,
+// grid = (T, n_heads); block = 32 * nw threads, 8 <= nw <= 32 warps (blockDim.x >= hd): warp w
+// takes the keys w, w + nw, ... with its own (m, l, acc), lane l holding the dimension pairs
+// l, l + 32, ...; the block then merges the nw partial states and the carried one, thread i
+// owning dimension i. Dynamic shared memory: nw * (hd + 2) floats.
+extern "C" __global__ void h_attn_chunk(const half_t* __restrict__ qkv, i64 ld, i64 pos0,
+                                        const half_t* __restrict__ kv, i64 c0, i64 n,
                                         i64 n_heads, i64 n_kv, i64 hd, double scale_log2,
                                         float* __restrict__ state, i64 first, i64 last,
                                         half_t* __restrict__ out) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const i64 t = (i64)blockIdx.x * H_WARP_ROWS + warp;
-    if (t >= T) return;                           // no block-wide barrier below
-    const i64 head = blockIdx.y;
+    extern __shared__ float part[];               // [nw][hd + 2]: acc, then m, l
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 t = blockIdx.x, head = blockIdx.y;
     const i64 hk = head / (n_heads / n_kv);
     const int half = (int)(hd / 2);
     const float sl2 = (float)scale_log2;
     float q[H_MAX_PAIRS][2], acc[H_MAX_PAIRS][2];
-    float* st = state + (t * n_heads + head) * (hd + 2);
-    float m = TL_NEG_INF, l = 0.0f;
-    if (!first) {
-        m = st[hd];
-        l = st[hd + 1];
-    }
 #pragma unroll
     for (int u = 0; u < H_MAX_PAIRS; ++u) {
         const int i = lane + 32 * u;
@@ -190,16 +181,13 @@ extern "C" __global__ void h_attn_chunk(const half_t* __restrict__ qkv, i64 ld, 
             const unsigned w = *(const unsigned*)(qkv + t * ld + head * hd + 2 * i);
             q[u][0] = h2_lo(w) * sl2;
             q[u][1] = h2_hi(w) * sl2;
-            if (!first) {
-                acc[u][0] = st[2 * i];
-                acc[u][1] = st[2 * i + 1];
-            }
         }
     }
+    float m = TL_NEG_INF, l = 0.0f;
     const i64 kvld = 2 * n_kv * hd;
     i64 kend = pos0 + t - c0 + 1;                 // keys 0..kend-1 of the chunk are visible
     if (kend > n) kend = n;
-    for (i64 j = 0; j < kend; ++j) {
+    for (i64 j = warp; j < kend; j += nw) {
         const half_t* krow = kv + j * kvld + hk * hd;
         const half_t* vrow = krow + n_kv * hd;
         float s = 0.0f;
@@ -228,26 +216,47 @@ extern "C" __global__ void h_attn_chunk(const half_t* __restrict__ qkv, i64 ld, 
         }
         m = m_new;
     }
-    if (last) {
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        half_t* o = out + (t * n_heads + head) * hd;
-#pragma unroll
-        for (int u = 0; u < H_MAX_PAIRS; ++u) {
-            const int i = lane + 32 * u;
-            if (i < half) *(unsigned*)(o + 2 * i) = pack_h2(acc[u][0] * inv, acc[u][1] * inv);
-        }
-        return;
-    }
+    float* mine = part + warp * (hd + 2);
 #pragma unroll
     for (int u = 0; u < H_MAX_PAIRS; ++u) {
         const int i = lane + 32 * u;
         if (i < half) {
-            st[2 * i] = acc[u][0];
-            st[2 * i + 1] = acc[u][1];
+            mine[2 * i] = acc[u][0];
+            mine[2 * i + 1] = acc[u][1];
         }
     }
     if (lane == 0) {
-        st[hd] = m;
-        st[hd + 1] = l;
+        mine[hd] = m;
+        mine[hd + 1] = l;
+    }
+    __syncthreads();
+    // merge: the carried state (unless first) and the nw partials, rescaled to the joint max
+    float* st = state + (t * n_heads + head) * (hd + 2);
+    float m_all = first ? TL_NEG_INF : st[hd];
+    for (int w = 0; w < nw; ++w) m_all = fmaxf(m_all, part[w * (hd + 2) + hd]);
+    // a row's first chunk holds key 0, which it sees, so m_all is finite; a part that saw no
+    // key (m = -inf) weighs 0
+    const int i = threadIdx.x;
+    float a_sum = 0.0f, l_sum = 0.0f;
+    if (!first) {
+        const float f = exp2f(st[hd] - m_all);
+        l_sum = st[hd + 1] * f;
+        if (i < hd) a_sum = st[i] * f;
+    }
+    for (int w = 0; w < nw; ++w) {
+        const float* pw = part + w * (hd + 2);
+        const float f = pw[hd] == TL_NEG_INF ? 0.0f : exp2f(pw[hd] - m_all);
+        l_sum += pw[hd + 1] * f;
+        if (i < hd) a_sum += pw[i] * f;
+    }
+    if (last) {
+        if (i < hd) out[(t * n_heads + head) * hd + i] = f2h(l_sum > 0.0f ? a_sum / l_sum : 0.0f);
+        return;
+    }
+    __syncthreads();                               // every thread has read st before it moves
+    if (i < hd) st[i] = a_sum;
+    if (i == 0) {
+        st[hd] = m_all;
+        st[hd + 1] = l_sum;
     }
 }

@@ -64,8 +64,7 @@ GEOMETRY = {
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
-    "kv_h": {"H_WARP_ROWS": 4},                  # store-h chunk attention: query rows (a warp
-}                                                # each) per block
+}
 
 
 def nvrtc_options(family: str) -> tuple:
@@ -79,7 +78,10 @@ KV_KERNEL_MODES = ("fp16", "int8")           # attention.cu / rope.cu instantiat
 # the layer's own QKV weight (CudaOps._h_attention)
 H_KERNEL_MODES = H_MODES
 H_KERNEL_GROUP, H_KERNEL_ROTATE = 32, (0, 32)   # one warp per group; Hadamard blocks of 32
-_H_WARP_ROWS = GEOMETRY["kv_h"]["H_WARP_ROWS"]
+# h_attn_chunk: one block per (query row, head), its warps splitting the chunk's keys: 32 warps
+# for a decode row (few blocks: the keys are the parallelism), 8 for prefill rows (many
+# blocks); at least 8 (the merge gives each of head_dim <= 256 dimensions a thread)
+_H_ATTN_THREADS_DECODE, _H_ATTN_THREADS_PREFILL = 1024, 256
 _DECODE_NAMES = {(m, hd): f"attn_decode_{m}_hd{hd}" for m in KV_KERNEL_MODES
                  for hd in ATTN_HEAD_DIMS}
 _PREFILL_NAMES = {(m, hd): f"attn_prefill_{m}_hd{hd}" for m in KV_KERNEL_MODES
@@ -802,7 +804,8 @@ class CudaOps(Ops):
         read = self._fn("kv_h", f"h_read_{lay.mode}")
         rope = self._fn("rope", "kv_write_qonly")
         attn = self._fn("kv_h", "h_attn_chunk")
-        grid = ((t + _H_WARP_ROWS - 1) // _H_WARP_ROWS, int(n_heads))
+        nt = _H_ATTN_THREADS_DECODE if t == 1 else _H_ATTN_THREADS_PREFILL
+        smem = (nt // 32) * (int(head_dim) + 2) * 4
         for ci in range(n_chunks):
             c0 = ci * chunk
             n = min(chunk, ctx - c0)
@@ -811,10 +814,10 @@ class CudaOps(Ops):
             rope((n,), (128,), (kvbuf.data.ptr, 2 * kvd, c0, float(recon.theta),
                                 int(n_kv_heads), 0, int(head_dim), 0, p, 0, 0, 0, 0),
                  shared_mem=int(head_dim) * 4)
-            attn(grid, (32 * _H_WARP_ROWS,),
-                 (qkv.data.ptr, ld, t, int(pos0), kvbuf.data.ptr, c0, n, int(n_heads),
+            attn((t, int(n_heads)), (nt,),
+                 (qkv.data.ptr, ld, int(pos0), kvbuf.data.ptr, c0, n, int(n_heads),
                   int(n_kv_heads), int(head_dim), scale_log2, state.data.ptr, int(ci == 0),
-                  int(ci == n_chunks - 1), out.data.ptr))
+                  int(ci == n_chunks - 1), out.data.ptr), shared_mem=smem)
 
     def _heads_ok(self, n_heads, n_kv_heads, head_dim, ld):
         key = (n_heads, n_kv_heads, head_dim, ld)
