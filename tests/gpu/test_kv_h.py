@@ -24,15 +24,14 @@ import cupy  # noqa: E402
 
 import tinyloop  # noqa: E402
 from tinyloop.backends.base import STEP_POS, STEP_WORDS  # noqa: E402
-from tinyloop.config import ModelConfig  # noqa: E402
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
-from tinyloop.kvcache import PageAllocator, Recon, RuntimeKVCache  # noqa: E402
-from tinyloop.memory import MemoryPool  # noqa: E402
+from tinyloop.kvcache import Recon  # noqa: E402
 
 from .test_cuda_model import _kl_rows, _report  # noqa: E402
-from .test_kernels import (SESSION_SEED, FakeCudaPool, assert_close, dev_weight,  # noqa: E402
-                           f16, ops, poisoned, qkv_rows, rand_weight, ref, rms, rng)
+from .test_kernels import (SESSION_SEED, assert_close, dev_weight, f16,  # noqa: E402
+                           gather, kv_pair, ops, poisoned, qkv_rows, rand_weight, ref, rms,
+                           rng)
 
 H_MODES = ("h_fp16", "h_int8", "h_int4")
 __all__ = ["ops", "ref", "rng"]           # fixtures, re-exported for this module's tests
@@ -40,28 +39,7 @@ __all__ = ["ops", "ref", "rng"]           # fixtures, re-exported for this modul
 
 def h_pair(ops, ref, mode, h, hkv, hd, d, capacity, page_size):
     """The same one-slot paged store-h cache on both backends: (numpy cache, cuda cache)."""
-    cfg = ModelConfig(vocab_size=8, d_model=d, n_heads=h, n_kv_heads=hkv, head_dim=hd,
-                      ffn_dim=8, n_prelude=1, n_recurrent=0, n_coda=0)
-    host = MemoryPool("host")
-    c_ref = RuntimeKVCache(ref, host, cfg, 1, capacity, (mode,), PageAllocator(ref, host),
-                           page_size)
-    dev = FakeCudaPool()
-    c_dev = RuntimeKVCache(ops, dev, cfg, 1, capacity, (mode,), PageAllocator(ops, dev),
-                           page_size)
-    c_ref.ensure(capacity)
-    c_dev.ensure(capacity)
-    return c_ref, c_dev
-
-
-def gather(kv, n, dev: bool) -> dict:
-    """Every part of positions 0..n-1 of a slot, on the host, through its block table."""
-    p = kv.page_size
-    out = {}
-    for part in kv.layout.parts:
-        rows = [kv.page_parts(i)[part.name] for i in range(-(-n // p))]
-        rows = [cupy.asnumpy(r) if dev else np.asarray(r) for r in rows]
-        out[part.name] = np.concatenate(rows)[:n]
-    return out
+    return kv_pair(ops, ref, mode, h, hkv, hd, capacity, page_size, d_model=d)
 
 
 def h_rows(rng, t, d):
