@@ -13,7 +13,9 @@ warm-up):
   - weight bytes read per decoded token against the device-to-device copy bandwidth measured
     in the same run (bytes read + written per second);
   - per KV storage mode (``--kv-modes``): KV bytes per token at depths 1, 2 and 4, decode
-    tokens/s there with graphs on and off, prefill of 2,048 tokens;
+    tokens/s there with graphs on and off, decode tokens/s at depth 1 after a 1,024-token
+    prompt (the store-h modes rebuild K/V over the whole context every step: their cost grows
+    with it; they run eagerly, never as a captured graph), prefill of 2,048 tokens;
   - the captured graphs the model holds at the end (count, keys) and the pool bytes under
     tag ``graphs``;
   - the pool's stats after the run;
@@ -96,15 +98,17 @@ DEPTHS = (1, 2, 4)
 
 
 def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
-                 warmup_s: float = 2.0, kv_mode=None, graphs: bool = True) -> dict:
+                 warmup_s: float = 2.0, kv_mode=None, graphs: bool = True,
+                 prompt_len: int = 16) -> dict:
     """Median decode tokens/s over ``reps`` generations, after ``warmup_s`` seconds of
     sustained decoding (a launch-bound loop leaves the GPU mostly idle, and an idle H200 sits
     at a low clock: timing before it has ramped up measures the clock, not the code).
-    ``graphs``: the decode step as a captured CUDA graph (TINYLOOP_CUDA_GRAPHS=1) or eager."""
+    ``graphs``: the decode step as a captured CUDA graph (TINYLOOP_CUDA_GRAPHS=1) or eager.
+    ``prompt_len``: tokens of the (fixed) prompt, so the decode runs at that context."""
     old = os.environ.get("TINYLOOP_CUDA_GRAPHS")
     os.environ["TINYLOOP_CUDA_GRAPHS"] = "1" if graphs else "0"
     try:
-        return _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode)
+        return _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len)
     finally:
         if old is None:
             del os.environ["TINYLOOP_CUDA_GRAPHS"]
@@ -112,8 +116,8 @@ def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
             os.environ["TINYLOOP_CUDA_GRAPHS"] = old
 
 
-def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode) -> dict:
-    prompt = list(range(10, 26))
+def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len=16) -> dict:
+    prompt = [10 + i % 1000 for i in range(prompt_len)]
     t = time.perf_counter()
     while time.perf_counter() - t < warmup_s:
         model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode)
@@ -182,6 +186,8 @@ def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
             r[f"decode_depth{depth}"] = bench_decode(model, depth, new_tokens, kv_mode=mode)
             r[f"decode_depth{depth}_eager"] = bench_decode(model, depth, new_tokens,
                                                            kv_mode=mode, graphs=False)
+        r["decode_depth1_ctx1024"] = bench_decode(model, 1, 64, reps=3, warmup_s=0.5,
+                                                  kv_mode=mode, prompt_len=1024)
         r["prefill_2048_ms"] = bench_prefill(model, 2048, kv_mode=mode)
         out[mode] = r
     return out
@@ -286,7 +292,7 @@ def main(argv=None) -> int:
     for k, v in rows:
         print(f"  {k:<34}{v}")
     print("\n  KV storage modes: bytes/token (all slots) | decode tok/s graphs / eager (median, "
-          "min-max) | prefill 2048")
+          "min-max) | decode d1 after 1024 tokens | prefill 2048")
     for mode, r in res.get("kv_modes", {}).items():
         parts = []
         for d in DEPTHS:
@@ -295,7 +301,9 @@ def main(argv=None) -> int:
                 parts.append(f"d{d}: {r[f'kv_bytes_per_token_depth{d}']:,d} B, "
                              f"{dec['median']:,.1f} ({dec['min']:,.0f}-{dec['max']:,.0f}) / "
                              f"{eag['median']:,.1f} ({eag['min']:,.0f}-{eag['max']:,.0f}) tok/s")
-        print(f"  {mode:<8}" + " | ".join(parts) + f" | {r['prefill_2048_ms']:.1f} ms")
+        long = r["decode_depth1_ctx1024"]
+        print(f"  {mode:<8}" + " | ".join(parts) + f" | {long['median']:,.1f} tok/s"
+              f" | {r['prefill_2048_ms']:.1f} ms")
     sys.stdout.flush()
     return 0
 

@@ -105,6 +105,18 @@ def test_head_dim_option_controls_the_attention_kernels(tmp_path, family, entrie
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_store_h_kernels_the_host_launches_exist(tmp_path):
+    """Every kernel CudaOps launches for the store-h modes is in the compiled families (the
+    write / read per mode, the chunk attention, and rope.cu's Q-only write, plain and step)."""
+    kv = _compile(tmp_path, "kv_h", nvrtc_options("kv_h"))
+    for mode in cuda_ops.H_KERNEL_MODES:
+        assert f"h_write_{mode}".encode() in kv and f"h_read_{mode}".encode() in kv
+    assert b"h_attn_chunk" in kv
+    rope = _compile(tmp_path, "rope", nvrtc_options("rope"))
+    assert b"kv_write_qonly" in rope and b"kv_write_step_qonly" in rope
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_gemm_refuses_a_tile_it_was_not_written_for(tmp_path):
     src = tmp_path / "gemm.cu"
     src.write_text(load_source("gemm"))

@@ -160,6 +160,49 @@ def test_h_rows_survive_within_half_a_step(mode):
     cache.release()
 
 
+def test_hadamard_rotate_matches_a_slow_sequential_sum():
+    """hadamard_rotate == the rule cuda_src/kv_h.cu hadamard32 computes, written slowly: for
+    output channel j of a block, the float64 sum over i = 0..31 in order of
+    (-1)^popcount(i & j) x_i, divided by sqrt(32), rounded once to float32 (so h_int4 codes
+    agree on both backends). Also orthonormal: applying it twice gives x back."""
+    from tinyloop.kvcache import hadamard_rotate
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((6, 64)) * [[300.0], [0.02], [1.0], [1e-3], [6e3], [0.0]]
+         ).astype(np.float16).astype(np.float32)
+    want = np.empty_like(x)
+    for r in range(x.shape[0]):
+        for b in range(0, 64, 32):
+            for j in range(32):
+                acc = 0.0
+                for i in range(32):
+                    v = float(x[r, b + i])
+                    acc += -v if bin(i & j).count("1") % 2 else v
+                want[r, b + j] = np.float32(acc / np.sqrt(32.0))
+    got = hadamard_rotate(x, 32)
+    np.testing.assert_array_equal(got, want)
+    back = hadamard_rotate(got, 32)
+    assert (np.abs(back - x) <= 1e-6 * np.abs(x).max(-1, keepdims=True)).all()
+
+
+def test_recon_scratch_plan_holds_the_cuda_softmax_state():
+    """Phase 5: recon_h / recon_kv on both backends; recon_state float32 [scratch rows,
+    n_heads (head_dim + 2)] only on CUDA, lazy exactly when no default mode stores h."""
+    from tinyloop import plan as planmod
+    from tinyloop.format import expected_tensors
+    layout = {n: (4, 32) for n, (kind, _) in expected_tensors(SMOL).items() if kind == "quant"}
+    for backend, store_h in (("cuda", True), ("cuda", False), ("numpy", True)):
+        p5 = {e.name: e for e in planmod.load_plan(SMOL, layout, 1000, 300, np.float16,
+                                                   backend=backend, store_h=store_h)
+              if e.phase == 5}
+        assert p5["recon_h"].shape == (256, 576) and p5["recon_kv"].shape == (256, 384)
+        if backend == "numpy":
+            assert "recon_state" not in p5
+            continue
+        st = p5["recon_state"]
+        assert (st.shape, st.dtype, st.tag, st.lazy) == ((300, 9 * 66), "float32", "scratch",
+                                                         not store_h)
+
+
 # --- attention through the block table == unpaged reference -----------------------------------
 @pytest.mark.parametrize("p", [1, 4, 5, 9, 32])
 def test_paged_fp16_equals_unpaged_reference(p):

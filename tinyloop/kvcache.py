@@ -206,10 +206,15 @@ def hadamard_matrix(n: int) -> np.ndarray:
 def hadamard_rotate(x: np.ndarray, block: int) -> np.ndarray:
     """Rotate float rows ``x`` [n, d] by a block-diagonal orthonormal Hadamard (blocks of
     ``block`` channels). The Sylvester matrix is symmetric and orthonormal, so the same call
-    undoes it. float32 out."""
+    undoes it. float32 out.
+
+    Computed as float64 sums of +-x (exact for float32 inputs whose magnitudes in a block
+    span less than about 2^24, so the order of the sum does not matter), one division by
+    sqrt(block), then one rounding to float32: cuda_src/kv_h.cu ``hadamard32`` does the same,
+    so both backends store the same h_int4 codes."""
     n, d = x.shape
-    h = hadamard_matrix(block)
-    y = np.asarray(x, np.float64).reshape(n, d // block, block) @ h
+    signs = np.rint(hadamard_matrix(block) * np.sqrt(block))     # the +-1 Sylvester matrix
+    y = (np.asarray(x, np.float64).reshape(n, d // block, block) @ signs) / np.sqrt(block)
     return y.reshape(n, d).astype(np.float32)
 
 

@@ -10,7 +10,8 @@ docs/architecture.md):
   3. optional FP16 caches for hot GEMMs    tag "fp16_cache"   (TINYLOOP_FP16_CACHE=1)
   4. BufferPool                            tag "buffers" (+ the lazy ``logit_row``, tag "logits")
   5. optional reconstruction scratch       tag "scratch"      (store-h KV modes: the h rows and
-                                                                the rebuilt K|V of one chunk)
+                                                                the rebuilt K|V of one chunk;
+                                                                CUDA: the online-softmax state)
 """
 
 from __future__ import annotations
@@ -124,16 +125,24 @@ def recon_rows(max_seq_len: int) -> int:
     return min(RECON_CHUNK, max_seq_len)
 
 
-def recon_plan(cfg: ModelConfig, max_seq_len: int, act_dtype,
-               lazy: bool = False) -> list[PlanEntry]:
+def recon_plan(cfg: ModelConfig, max_seq_len: int, act_dtype, lazy: bool = False,
+               state_rows: int = 0) -> list[PlanEntry]:
     """Phase 5 (store-h KV modes): ``recon_h`` act ``[C, d_model]`` (dequantized h of one
     chunk) and ``recon_kv`` act ``[C, 2 kv_dim]`` (its rebuilt K|V), C = ``recon_rows``; so
-    the scratch is bounded whatever the context length. ``lazy``: allocated at the first
+    the scratch is bounded whatever the context length. ``state_rows`` > 0 (the CUDA backend,
+    whose attention runs one launch per chunk): ``recon_state`` float32
+    ``[state_rows, n_heads * (head_dim + 2)]``, the online-softmax state (accumulator, running
+    max, sum) of every query row and head carried from chunk to chunk; ``state_rows`` is the
+    scratch rows of a prefill chunk (``scratch_rows``). ``lazy``: allocated at the first
     store-h request (the model was loaded without a store-h mode)."""
     act = np.dtype(act_dtype).name
     c = recon_rows(max_seq_len)
-    return [PlanEntry("recon_h", (c, cfg.d_model), act, "scratch", 5, lazy),
-            PlanEntry("recon_kv", (c, 2 * cfg.kv_dim), act, "scratch", 5, lazy)]
+    out = [PlanEntry("recon_h", (c, cfg.d_model), act, "scratch", 5, lazy),
+           PlanEntry("recon_kv", (c, 2 * cfg.kv_dim), act, "scratch", 5, lazy)]
+    if state_rows > 0:
+        out.append(PlanEntry("recon_state", (state_rows, cfg.n_heads * (cfg.head_dim + 2)),
+                             "float32", "scratch", 5, lazy))
+    return out
 
 
 def load_plan(cfg: ModelConfig, quant_layout: dict, max_seq_len: int, prefill_chunk: int,
@@ -145,7 +154,9 @@ def load_plan(cfg: ModelConfig, quant_layout: dict, max_seq_len: int, prefill_ch
     if fp16_cache:
         plan += fp16_cache_plan(cfg, backend)
     plan += buffer_plan(cfg, max_seq_len, prefill_chunk, act_dtype)
-    plan += recon_plan(cfg, max_seq_len, act_dtype, lazy=not store_h)
+    plan += recon_plan(cfg, max_seq_len, act_dtype, lazy=not store_h,
+                       state_rows=(scratch_rows(max_seq_len, prefill_chunk)
+                                   if backend == "cuda" else 0))
     return plan
 
 

@@ -8,7 +8,9 @@ launches with raw pointers and plain Python ints/floats, so the decode path does
 allocation and no host synchronisation except ``sample``'s one chosen id.
 
 Dtypes: activations float16, residual stream and logits float32; the KV cache is paged
-(``kvcache.py``): FP16 K/V, or INT8 codes + FP16 scales, read through a device block table.
+(``kvcache.py``): FP16 K/V, or INT8 codes + FP16 scales, read through a device block table; or
+(store-h modes) the normed QKV input h as FP16 / INT8 / INT4 codes (``kv_h.cu``), from which
+attention rebuilds K and V chunk by chunk into the phase-5 scratch (``_h_attention``).
 Dispatch: T == 1 -> memory-bound GEMV (``gemv.cu``); T > 1 -> tensor-core GEMM
 (``gemm.cu``), or cuBLAS (``cupy.matmul``) on the dense FP16 copy ``w.fp16`` when the
 weight carries one (``TINYLOOP_FP16_CACHE=1``; see ``make_fp16_cache``).
@@ -32,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from ..kvcache import H_MODES
 from ..quant import QuantWeight
 from .base import LOGIT_FAULTS, STEP_POS, STEP_WORDS, Ops, non_finite_logits
 
@@ -41,7 +44,7 @@ except ImportError:  # the module still imports (for docs / source checks) witho
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
-            "attention_prefill", "elementwise", "sample")
+            "attention_prefill", "elementwise", "sample", "kv_h")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -77,6 +80,14 @@ def nvrtc_options(family: str) -> tuple:
 
 
 KV_KERNEL_MODES = ("fp16", "int8")           # attention.cu / rope.cu instantiate each
+# the store-h modes: kv_h.cu writes / reads h; attention rebuilds K|V chunk by chunk through
+# the layer's own QKV weight (CudaOps._h_attention)
+H_KERNEL_MODES = H_MODES
+H_KERNEL_GROUP, H_KERNEL_ROTATE = 32, (0, 32)   # one warp per group; Hadamard blocks of 32
+# h_attn_chunk: one block per (query row, head), its warps splitting the chunk's keys: 32 warps
+# for a decode row (few blocks: the keys are the parallelism), 8 for prefill rows (many
+# blocks); at least 8 (the merge gives each of head_dim <= 256 dimensions a thread)
+_H_ATTN_THREADS_DECODE, _H_ATTN_THREADS_PREFILL = 1024, 256
 _DECODE_NAMES = {(m, hd): f"attn_decode_{m}_hd{hd}" for m in KV_KERNEL_MODES
                  for hd in ATTN_HEAD_DIMS}
 _PREFILL_NAMES = {(m, hd): f"attn_prefill_{m}_hd{hd}" for m in KV_KERNEL_MODES
@@ -411,7 +422,7 @@ class CudaOps(Ops):
     device = "cuda"
     act_dtype = np.float16
     kv_dtype = np.float16
-    kv_modes = KV_KERNEL_MODES
+    kv_modes = KV_KERNEL_MODES + H_KERNEL_MODES
     fp16_cache_default = False    # the GEMV / GEMM kernels read the packed weights directly
     xp = cupy
 
@@ -730,6 +741,12 @@ class CudaOps(Ops):
         if lay.mode not in self.kv_modes:
             raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
                               f"runs {self.kv_modes}")
+        if lay.stores_h and (lay.group_size != H_KERNEL_GROUP
+                             or lay.rotate not in H_KERNEL_ROTATE or lay.d_model % 32):
+            raise ConfigError(f"kv mode {lay.mode!r} with group_size={lay.group_size}, "
+                              f"rotate={lay.rotate}, d_model={lay.d_model} has no CUDA kernel: "
+                              f"kv_h.cu takes groups of {H_KERNEL_GROUP}, rotations "
+                              f"{H_KERNEL_ROTATE} and d_model a multiple of 32")
         tab = kv.table
         if not (type(tab) is cupy.ndarray and tab.dtype == np.int64 and tab.ndim == 1
                 and tab.flags.c_contiguous):
@@ -747,7 +764,8 @@ class CudaOps(Ops):
         """Rotate Q in place in ``qkv`` f16 [T, >= (H + 2 Hkv) hd] and store positions
         pos0..pos0+T-1 of slot ``kv`` through its block table: rotated K and V (fp16), or
         int8 codes with one FP16 scale per (position, KV head) (``quant.quantize_rows_int8``'s
-        rule, bit for bit). ``h`` is unused in these modes."""
+        rule, bit for bit), or (store-h modes) the rows of ``h`` f16 [>= T, d_model]
+        (``_h_write``; ``h`` is unused in the K/V modes)."""
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -755,10 +773,105 @@ class CudaOps(Ops):
         if head_dim > 256:
             raise ConfigError(f"head_dim={head_dim} > 256: kv_write keeps <= 4 pairs per lane")
         table, p, offs = self._kv_table(kv, int(pos0) + t)
+        if kv.layout.stores_h:
+            self._h_write(qkv, h, int(pos0), 0, theta, n_heads, n_kv_heads, head_dim, kv,
+                          table, p, offs)
+            return
         self._fn("rope", f"kv_write_{kv.layout.mode}")(
             (t,), (128,), (qkv.data.ptr, ld, int(pos0), float(theta), int(n_heads),
                            int(n_kv_heads), int(head_dim), table, p, *offs),
             shared_mem=int(head_dim) * 4)
+
+    def _h_write(self, qkv, h, pos0, step_ptr, theta, n_heads, n_kv_heads, head_dim, kv, table,
+                 p, offs) -> None:
+        """Store-h write of T = qkv rows: Q rotated in place (rope.cu's Q-only write), then
+        the rows of ``h`` f16 [>= T, d_model] stored at positions pos0.. (or, with
+        ``step_ptr`` != 0, at the device step state's STEP_POS..) in the slot's mode
+        (kv_h.cu ``h_write_*``: FP16 copy, or ``quant.quantize``'s INT8 / INT4 codes bit for
+        bit, after the layout's Hadamard rotation). Arguments besides ``h`` already
+        validated."""
+        t, ld = qkv.shape
+        lay = kv.layout
+        d = lay.d_model
+        if not _fast_ok(h, _F16, 2, d):
+            _dev(h, "h", np.float16, 2)
+            _shape(h, "h", (h.shape[0], d))
+        h = _rows(h, "h", t)
+        where = step_ptr if step_ptr else int(pos0)
+        self._fn("rope", "kv_write_step_qonly" if step_ptr else "kv_write_qonly")(
+            (t,), (128,), (qkv.data.ptr, ld, where, float(theta), int(n_heads),
+                           int(n_kv_heads), int(head_dim), 0, p, 0, 0, 0, 0),
+            shared_mem=int(head_dim) * 4)
+        self._fn("kv_h", f"h_write_{lay.mode}")(
+            (t,), (256,), (h.data.ptr, d, int(pos0), step_ptr, table, p, d, *offs[:3],
+                           int(lay.rotate)))
+
+    def _h_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon, table,
+                     p, offs) -> None:
+        """Store-h attention (``kv_attention`` for a slot storing h), chunk by chunk so the
+        scratch stays bounded: for each chunk of C = ``recon.chunk`` positions c0..c0+n-1 of
+        the context 0..pos0+T-1: dequantize its h rows into ``recon_h`` f16 [n, d]
+        (kv_h.cu ``h_read_*``, inverse Hadamard for h_int4), K|V = h @ w_kv.T into
+        ``recon_kv`` f16 [n, 2 kv_dim] (``linear``: the GEMM, or the GEMV when n = 1), RoPE
+        on its K columns at positions c0.. (rope.cu's Q-only kernel, kv_write's rule), then
+        ``h_attn_chunk``: every query row against the chunk under the causal mask, the
+        online-softmax state carried in ``recon_state`` f32 [>= T, H (hd + 2)] and normalised
+        into ``out`` after the last chunk. 4 launches per chunk; the chunk count is
+        ceil((pos0 + T) / C), computed here on the host (so a store-h step is never
+        captured: ``graph_kv_modes``). Raises ConfigError without a CUDA Recon (scratch
+        missing or too small, a w_kv of the wrong shape)."""
+        t, ld = qkv.shape
+        lay = kv.layout
+        if recon is None or recon.scratch is None:
+            raise ConfigError(f"kv mode {lay.mode!r} stores h: attention needs the layer's "
+                              "reconstruction (a kvcache.Recon with the phase-5 scratch)")
+        if recon.norm is not None:
+            raise ConfigError("a store-h slot holding the raw residual (Recon.norm: a NumPy-"
+                              "only measurement) has no CUDA kernels")
+        if head_dim > 256 or ld % 2:
+            raise ConfigError(f"store-h attention needs head_dim <= 256 and an even qkv row "
+                              f"(head_dim={head_dim}, qkv columns={ld})")
+        d, kvd, chunk = lay.d_model, int(n_kv_heads) * int(head_dim), int(recon.chunk)
+        sc = recon.scratch
+        bufs = {}
+        for name, dtype, rows, cols in (("recon_h", _F16, chunk, d),
+                                        ("recon_kv", _F16, chunk, 2 * kvd),
+                                        ("recon_state", _F32, t,
+                                         int(n_heads) * (int(head_dim) + 2))):
+            arr = sc.get(name) if isinstance(sc, dict) else None
+            if arr is None:
+                raise ConfigError(f"the reconstruction scratch has no {name!r} (phase 5 of the "
+                                  "load plan, plan.recon_plan)")
+            if not _fast_ok(arr, dtype, 2, cols, None, True):
+                _dev(arr, name, dtype, 2)
+                _aligned(arr, name)
+                _shape(arr, name, (arr.shape[0], cols))
+            bufs[name] = _rows(arr, name, rows)
+        hbuf, kvbuf, state = bufs["recon_h"], bufs["recon_kv"], bufs["recon_state"]
+        info = self._info(recon.w_kv)
+        if (info.n, info.k) != (2 * kvd, d):
+            raise ConfigError(f"recon.w_kv has shape {(info.n, info.k)}, expected "
+                              f"{(2 * kvd, d)} (the K and V rows of the QKV weight)")
+        ctx = int(pos0) + t
+        n_chunks = -(-ctx // chunk)
+        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        read = self._fn("kv_h", f"h_read_{lay.mode}")
+        rope = self._fn("rope", "kv_write_qonly")
+        attn = self._fn("kv_h", "h_attn_chunk")
+        nt = _H_ATTN_THREADS_DECODE if t == 1 else _H_ATTN_THREADS_PREFILL
+        smem = (nt // 32) * (int(head_dim) + 2) * 4
+        for ci in range(n_chunks):
+            c0 = ci * chunk
+            n = min(chunk, ctx - c0)
+            read((n,), (256,), (table, p, c0, d, *offs[:3], int(lay.rotate), hbuf.data.ptr))
+            self.linear(hbuf[:n], recon.w_kv, kvbuf[:n])
+            rope((n,), (128,), (kvbuf.data.ptr, 2 * kvd, c0, float(recon.theta),
+                                int(n_kv_heads), 0, int(head_dim), 0, p, 0, 0, 0, 0),
+                 shared_mem=int(head_dim) * 4)
+            attn((t, int(n_heads)), (nt,),
+                 (qkv.data.ptr, ld, int(pos0), kvbuf.data.ptr, c0, n, int(n_heads),
+                  int(n_kv_heads), int(head_dim), scale_log2, state.data.ptr, int(ci == 0),
+                  int(ci == n_chunks - 1), out.data.ptr), shared_mem=smem)
 
     def _heads_ok(self, n_heads, n_kv_heads, head_dim, ld):
         key = (n_heads, n_kv_heads, head_dim, ld)
@@ -784,7 +897,8 @@ class CudaOps(Ops):
         int8 dequantized in the inner loop). T = 1: decode kernel; T > 1: prefill, on tensor
         cores (attention_prefill.cu) unless ``attn_prefill == "scalar"``, the head dim is not
         in FA_HEAD_DIMS or the rows do not allow its 4-byte loads (then attention.cu's scalar
-        kernel)."""
+        kernel). Store-h modes: K/V rebuilt chunk by chunk through ``recon`` (a kvcache.Recon
+        with the phase-5 scratch; ``_h_attention``), T = 1 and T > 1 alike."""
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -795,6 +909,10 @@ class CudaOps(Ops):
         ctx = int(pos0) + t
         table, p, offs = self._kv_table(kv, ctx)
         out = self._out(out, "out", _F16, t, n_heads * head_dim)
+        if kv.layout.stores_h:
+            self._h_attention(qkv, kv, int(pos0), n_heads, n_kv_heads, head_dim, out, recon,
+                              table, p, offs)
+            return
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         mode = kv.layout.mode
         if t == 1:
@@ -999,7 +1117,8 @@ class CudaOps(Ops):
 
     # --- the captured decode step (tinyloop/graphs.py; step state: backends.base) -----------
     graph_kv_modes = ("fp16", "int8")     # the store-h modes rebuild K/V chunk by chunk, with
-                                          # a host loop over the context: eager only
+                                          # a host loop over the context (the chunk count is
+                                          # ceil(ctx / C)): eager only, never captured
 
     def graph_constants(self) -> tuple:
         """The host-chosen launch constants of a decode step: the GEMV version and forced
@@ -1033,6 +1152,11 @@ class CudaOps(Ops):
         self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
         if head_dim > 256:
             raise ConfigError(f"head_dim={head_dim} > 256: kv_write keeps <= 4 pairs per lane")
+        if kv.layout.stores_h:            # the position read on the device, as below
+            table, p, offs = self._kv_table(kv, 1)
+            self._h_write(qkv, h, 0, self._step_ptr(step), theta, n_heads, n_kv_heads,
+                          head_dim, kv, table, p, offs)
+            return
         table, p, offs = self._step_kv(kv)
         self._fn("rope", f"kv_write_step_{kv.layout.mode}")(
             (1,), (128,), (qkv.data.ptr, ld, self._step_ptr(step), float(theta), int(n_heads),
@@ -1044,8 +1168,15 @@ class CudaOps(Ops):
         length read on the device). Split-K (default): the split count comes from the block
         table's capacity (pages per table are in the graph key), each split's page range from
         the device length; ``TINYLOOP_ATTN_DECODE=v1``: n_heads blocks whatever the length."""
-        if recon is not None:
-            raise ConfigError("a store-h KV slot has no step attention kernel")
+        if kv.layout.stores_h:
+            # the chunk count depends on the context length: read it on the host (one
+            # synchronisation) and run the eager store-h attention; graphs.DecodeGraphs never
+            # captures a store-h step (graph_kv_modes)
+            if self._capturing is not None:
+                raise ConfigError(f"kv mode {kv.layout.mode!r} cannot be captured: its "
+                                  "attention's chunk count is chosen on the host")
+            return Ops.kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim,
+                                         out, recon)
         if not _fast_ok(qkv, _F16, 2, None, 1):
             _dev(qkv, "qkv", np.float16, 2)
             _shape(qkv, "qkv", (1, qkv.shape[1]))
