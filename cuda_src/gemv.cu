@@ -176,6 +176,7 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
         gemv_row<BITS, EPI>(qw, sc, zr, xs, row, K, F, (int)log2g, out, lane);
 }
 
+#ifndef TL_DEVICE_ONLY
 #define GEMV_ENTRY(NAME, BITS, EPI)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
@@ -206,6 +207,7 @@ GEMV_NORM_ENTRY(gemv_norm_q4_f32, 4, EPI_F32)
 GEMV_NORM_ENTRY(gemv_norm_q8_f16, 8, EPI_F16)
 GEMV_NORM_ENTRY(gemv_norm_q8_swiglu, 8, EPI_SWIGLU)
 GEMV_NORM_ENTRY(gemv_norm_q8_f32, 8, EPI_F32)
+#endif  // TL_DEVICE_ONLY
 
 // ================================================================================================
 // GEMV v2 (the default decode path; v1 above stays selectable: TINYLOOP_GEMV=v1).
@@ -413,6 +415,7 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
     }
 }
 
+#ifndef TL_DEVICE_ONLY
 #define GEMV2_ENTRY(NAME, BITS, EPI, LPR)                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                        \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
@@ -465,3 +468,4 @@ GEMV2_ALL(4)
 GEMV2_ALL(8)
 GEMV2_ALL(16)
 GEMV2_ALL(32)
+#endif  // TL_DEVICE_ONLY

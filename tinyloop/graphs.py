@@ -40,6 +40,7 @@ from .backends.base import STEP_ID, STEP_POS, STEP_WORDS
 from .config import cuda_graphs_enabled
 from .errors import ConfigError, GraphCaptureError
 from .kvcache import SlotKV
+from .megakernel import MegaDecode
 from .memory import packed_scope
 
 MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyond this)
@@ -48,10 +49,12 @@ MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyon
 class _Entry:
     """One key's graph and its block table (tag ``graphs``)."""
 
-    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound")
+    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound",
+                 "mega")
 
     def __init__(self):
         self.graph = None
+        self.mega = None           # megakernel.MegaDecode's program for this key (tag graphs)
         self.table = self.table_block = self.table_host = None
         self.slots: list = []
         self.warm = False          # one eager run done under this key
@@ -74,11 +77,19 @@ class DecodeGraphs:
         self._expect = None             # (owner ref, id, pos) the device state holds now
         self.captures = 0               # graphs captured since load
         self.replays = 0
+        self.mega = MegaDecode(model)   # the megakernel: run in place of a replay when it can
 
     # --- policy ---------------------------------------------------------------------------
     def eligible(self, cache, temperature: float) -> bool:
-        """Whether a step of ``cache``'s request runs as a graph: graphs on
-        (``TINYLOOP_CUDA_GRAPHS``), greedy, and every slot's KV mode capturable here."""
+        """Whether a step of ``cache``'s request runs here: as the megakernel
+        (``MegaDecode.why_not`` is None; any temperature: the sampler runs after it), or as a
+        graph: graphs on (``TINYLOOP_CUDA_GRAPHS``), greedy, and every slot's KV mode
+        capturable here."""
+        if self.mega.why_not(cache) is None:
+            return True
+        return self._graph_eligible(cache, temperature)
+
+    def _graph_eligible(self, cache, temperature: float) -> bool:
         if temperature > 0.0 or not self._ops.graph_kv_modes:
             return False
         if not set(cache.modes) <= set(self._ops.graph_kv_modes):
@@ -131,6 +142,9 @@ class DecodeGraphs:
         return ent
 
     def _free_entry(self, ent: _Entry) -> None:
+        p, ent.mega = ent.mega, None
+        if p is not None:
+            self.mega.free_program(p)
         g, ent.graph = ent.graph, None
         if g is not None:
             self._ops.graph_free(g)
@@ -146,6 +160,7 @@ class DecodeGraphs:
         entries, self._entries = list(self._entries.values()), collections.OrderedDict()
         for ent in entries:
             self._free_entry(ent)
+        self.mega.release()
         self.step_state = self.row = None
         self._expect = None
         blk, self._state_block = self._state_block, None
@@ -155,11 +170,13 @@ class DecodeGraphs:
     def stats(self) -> dict:
         """``graphs``: graphs held; ``keys``: their keys; ``captures`` / ``replays`` since
         load; ``bytes``: pool bytes under tag ``graphs`` held for them (rounded blocks)."""
-        nbytes = sum(e.table_block.nbytes for e in self._entries.values())
+        nbytes = sum(e.table_block.nbytes + (e.mega.block.nbytes if e.mega else 0)
+                     for e in self._entries.values())
         nbytes += self._state_block.nbytes if self._state_block is not None else 0
+        nbytes += self.mega.nbytes()
         return {"graphs": sum(e.graph is not None for e in self._entries.values()),
                 "keys": list(self._entries), "captures": self.captures,
-                "replays": self.replays, "bytes": nbytes}
+                "replays": self.replays, "bytes": nbytes, "megakernel": self.mega.stats()}
 
     # --- the step -------------------------------------------------------------------------
     def _bind(self, ent: _Entry, cache) -> None:
@@ -171,12 +188,16 @@ class DecodeGraphs:
         self._ops.from_host(ent.table_host, ent.table)
         ent.bound = weakref.ref(cache)
 
-    def step(self, cache, token: int, pos: int) -> tuple[int, int]:
-        """One greedy decode step of ``cache``'s request: embed ``token`` at position ``pos``,
+    def step(self, cache, token: int, pos: int, sampling=None) -> tuple[int, int] | None:
+        """One decode step of ``cache``'s request: embed ``token`` at position ``pos``,
         every slot, the head; returns (next id, fault code: 0 or a ``LOGIT_FAULTS`` key).
-        Captures the key's graph on its second use and replays it from then on. Raises
-        ConfigError for ``pos`` outside the cache's capacity, GraphCaptureError for a
-        capture that allocated, and what the ops raise."""
+        Runs as the megakernel where it can (``MegaDecode``), else captures the key's graph
+        on its second use and replays it from then on. ``sampling``: None (greedy) or
+        (temperature, top_k, top_p, u) - megakernel only: the kernel writes the logit row and
+        ``Ops.sample`` picks from it; None when the megakernel cannot run that step (the
+        caller then runs the eager forward + ``head_sample``). Raises ConfigError for ``pos`` outside the cache's
+        capacity, GraphCaptureError for a capture that allocated, NonFiniteLogitsError from
+        the sampler, and what the ops raise."""
         if not 0 <= pos < cache.capacity:
             raise ConfigError(f"decode position {pos} is outside the request's capacity "
                               f"{cache.capacity}")
@@ -191,7 +212,14 @@ class DecodeGraphs:
             state[STEP_ID], state[STEP_POS] = token, pos
             self._ops.from_host(state, self.step_state)
         ops, m = self._ops, self._model
-        if ent.graph is None and not ent.warm:
+        if self._mega_step(ent, cache, sampling is None):
+            if sampling is not None:
+                self._expect = None          # the state holds the argmax, not the pick
+                return int(ops.sample(m.logit_row(), *sampling)), 0
+        elif sampling is not None:
+            return None                      # no megakernel (its launch failed): the caller
+                                             # runs forward + head_sample
+        elif ent.graph is None and not ent.warm:
             m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out)
             ent.warm = True
         else:
@@ -203,6 +231,22 @@ class DecodeGraphs:
         nxt, code = int(self._host_out[0]), int(self._host_out[1])
         self._expect = (weakref.ref(cache), nxt, pos + 1)
         return nxt, code
+
+    def _mega_step(self, ent: _Entry, cache, greedy: bool) -> bool:
+        """Queue the step as the megakernel when it can run; False when it cannot (or its
+        launch failed: then it is off for the model, with one warning)."""
+        mk = self.mega
+        if mk.why_not(cache) is not None:
+            return False
+        if ent.mega is None:
+            ent.mega = mk.prepare(ent, cache)
+        try:
+            mk.launch(ent.mega, self.step_state, self.row,
+                      self._host_out.ctypes.data if greedy else 0)
+        except Exception as exc:       # nothing was queued: the state is as before
+            mk.disable(exc)
+            return False
+        return True
 
     def _capture(self, ent: _Entry, depth: int):
         ops, pool, m = self._ops, self._pool, self._model

@@ -678,27 +678,41 @@ class Model:
             self._graphs = DecodeGraphs(self)
         return self._graphs
 
-    def decode_step(self, cache: RuntimeKVCache, token: int, pos: int,
-                    temperature: float) -> int | None:
+    def decode_step(self, cache: RuntimeKVCache, token: int, pos: int, temperature: float,
+                    top_k: int = 0, top_p: float = 1.0, u: float = 0.0) -> int | None:
         """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
-        through the captured decode step (``graphs.DecodeGraphs.step``), or None when this
-        step does not run as a graph (graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling with
-        temperature > 0, or a KV mode the backend cannot capture): the caller then runs
-        ``forward`` + ``head_sample``. Raises NonFiniteLogitsError (no step / position: the
-        caller adds them) for a non-finite logit row, as ``head_sample`` does."""
+        through the decode megakernel or the captured decode step
+        (``graphs.DecodeGraphs.step``), or None when this step runs neither (megakernel off by
+        ``TINYLOOP_MEGAKERNEL=0`` or not eligible, and graphs off by
+        ``TINYLOOP_CUDA_GRAPHS=0``, sampling with temperature > 0, or a KV mode the backend
+        cannot capture): the caller then runs ``forward`` + ``head_sample``. temperature > 0
+        (megakernel only) samples from the kernel's logit row by ``sample_from_logits``'s
+        rule with ``top_k``, ``top_p`` and the uniform draw ``u``. Raises
+        NonFiniteLogitsError (no step / position: the caller adds them) for a non-finite
+        logit row, as ``head_sample`` does."""
         g = self.decode_graphs
         if not g.eligible(cache, temperature):
             return None
-        nxt, code = g.step(cache, int(token), int(pos))
+        if temperature > 0.0:
+            got = g.step(cache, int(token), int(pos), (temperature, top_k, top_p, u))
+        else:
+            got = g.step(cache, int(token), int(pos))
+        if got is None:
+            return None
+        nxt, code = got
         if code:
             raise non_finite_logits(LOGIT_FAULTS[code])
         return nxt
 
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
-        ``graphs``), ``keys``, ``captures``, ``replays`` (``graphs.DecodeGraphs.stats``)."""
+        ``graphs``, with the megakernel's records and scratch), ``keys``, ``captures``,
+        ``replays``, ``megakernel`` (launches, grid, blocks per SM that fit, failure)
+        (``graphs.DecodeGraphs.stats``)."""
         if self._graphs is None:
-            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0}
+            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0,
+                    "megakernel": {"launches": 0, "blocks": 0, "blocks_per_sm_fit": 0,
+                                   "failed": None}}
         return self._graphs.stats()
 
     # -- public request API -------------------------------------------------------------------
