@@ -395,6 +395,6 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
 
 // The head dims built (MEGA_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
 #ifndef MK_HEAD_DIM_ENTRIES
-#define MK_HEAD_DIM_ENTRIES MK_ENTRY(64) MK_ENTRY(128)
+#define MK_HEAD_DIM_ENTRIES MK_ENTRY(32) MK_ENTRY(64) MK_ENTRY(128)
 #endif
 MK_HEAD_DIM_ENTRIES

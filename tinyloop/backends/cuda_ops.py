@@ -50,7 +50,7 @@ _INCLUDE = '#include "common.cuh"'
 # the value only as an ``#ifndef NAME`` default so nvcc compiles it standalone
 # (.ci/compile_cuda.sh), and tests/test_kernel_geometry.py fails if a default drifts from here.
 ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)   # attention.cu instantiates one kernel pair each
-MEGA_HEAD_DIMS = (64, 128)     # decode_mega.cu instantiates one megakernel per head dim
+MEGA_HEAD_DIMS = (32, 64, 128)    # decode_mega.cu instantiates one megakernel per head dim
 GEOMETRY = {
     "gemv": {"GEMV_WARPS": 8},                   # warps (= output rows) per 32*W-thread block
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
@@ -1161,7 +1161,8 @@ class CudaOps(Ops):
         if smem > _MEGA_MAX_SMEM:
             return f"{smem} bytes of staged activations (at most {_MEGA_MAX_SMEM})"
         try:
-            coop = int(cupy.cuda.Device().attributes.get("CooperativeLaunch", 0))
+            # unknown attribute (an older CuPy): try; a refused launch falls back (megakernel.py)
+            coop = int(cupy.cuda.Device().attributes.get("CooperativeLaunch", 1))
         except Exception:                                # an older CuPy: no .attributes
             coop = 1
         if not coop:
@@ -1185,7 +1186,7 @@ class CudaOps(Ops):
                 api = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
                     fn.kernel.ptr, _MEGA_THREADS, smem))
                 fit = min(fit, api)
-            except AttributeError:                       # not exposed by this CuPy
+            except Exception:      # not exposed by this CuPy (or another signature): the estimate
                 pass
             self._mega_fit[key] = fit
         if fit < 1:
