@@ -24,14 +24,19 @@
 //   0  embed step[STEP_ID] into x (f32 [d]); every block also fills its RoPE cos/sin table for
 //      the position step[STEP_POS] (the same for every slot of the step).
 //   per program op (the host's list, one per layer slot / injection):
-//   LAYER  A  every block RMSNorms x into shared memory; QKV rows over all warps -> qkv f16.
-//          A2 one warp per head: Q heads rotated in place; K heads rotated and K/V heads written
-//             into the slot's page through its block table (fp16, or int8 codes + scales).
+//   LAYER  A  every block RMSNorms x into shared memory; QKV rows over all warps -> qkv f16;
+//             the warp that writes the last row of a head unit (one Q, K or V head; a
+//             per-unit ticket after a fence) applies RoPE to it in place (Q) or writes it into
+//             the slot's page through its block table (K rotated, V; fp16, or int8 codes +
+//             scales) - rope.cu's arithmetic, without a barrier of its own.
 //          B  attention units (query head, split) over all blocks -> partials (m, l, o); the
 //             last split of a head to finish (atomic ticket after a fence) merges them into att.
 //          C  every block stages att in shared memory; O rows: x[row] += dot.
 //          D  every block RMSNorms x; gate/up rows with SwiGLU -> act f16 [ffn].
 //          E  every block stages act; down rows: x[row] += dot.
+//          (5 grid barriers per layer slot.) Before each barrier every warp prefetches into L2
+//          the weight rows it will read in the next GEMV phase (prefetch.global.L2), so the
+//          DRAM latency overlaps the barrier.
 //   SAVE_E e = x (the prelude output the injections read).
 //   INJECT every block builds [f16(x), f16(e)] in shared memory; barrier; adapter rows: x = dot.
 //   HEAD   every block RMSNorms x with the output norm; LM head rows -> logits (f32, written as
@@ -70,6 +75,9 @@ static_assert(256 % MK_THREADS == 0, "norm_row_v256 needs a block size dividing 
 #define MK_LAYER_WORDS 40
 #define MK_OP_WORDS 16
 enum { MK_OP_LAYER = 1, MK_OP_SAVE_E = 2, MK_OP_INJECT = 3 };
+// tickets u32: [0, H) each head's attention splits, [H] the LM head's argmax blocks,
+// [H + 1, H + 1 + H + 2 Hkv) each head unit's QKV rows (megakernel.py allocates this many)
+#define MK_TICKETS(H, HKV) (2 * (H) + 1 + 2 * (HKV))
 enum { MK_STEP_ID = 0, MK_STEP_FAULT = 1, MK_STEP_POS = 2 };   // backends.base STEP_*
 #define MK_GEMV_U 4         // 16-byte chunks per lane in flight (gemv.cu GEMV2_U)
 
@@ -98,9 +106,55 @@ __device__ __forceinline__ MkW mk_weight(const i64* r) {
 // in ascending order (chunk_dot_sz), then the xor butterfly over the lpr lanes - gemv.cu's
 // order for that lpr. EPI_SWIGLU: rows r and r + F, out f16 [F]. ARGMAX: tracks the best
 // (logit, row) of the rows this lane saw (argmax_before).
-template <int BITS, int EPI, bool ARGMAX>
+// The RoPE + K/V write of the slot being computed (A's epilogue): qkv f16 [qkv_dim], the
+// position's cos/sin table, the slot's program op, and one counter per head unit.
+struct MkRope {
+    half_t* qkv;
+    const float* cs;
+    const i64* op;
+    i64 pos;
+    unsigned* cnt;        // [n_heads + 2 n_kv]: rows of each head unit written so far
+    int n_heads, n_kv, hd;
+};
+
+// Head unit u of the QKV row, by one warp (rope.cu kv_write_impl's values): u < H: Q head u
+// rotated in place; then the Hkv K heads (rotated) and the Hkv V heads, written at position
+// pos of the slot's page through its block table (fp16 rows, or int8 codes + FP16 scale).
+__device__ __forceinline__ void mk_rope_unit(const MkRope& r, int u, int lane) {
+    const int half = r.hd / 2;
+    const i64* op = r.op;
+    const i64* table = (const i64*)op[2];
+    const int mode = (int)op[4];
+    i64 prow;
+    char* base = kv_page_w(table, op[3], r.pos, &prow);
+    half_t* src = r.qkv + (i64)u * r.hd;                  // head u of Q | K | V
+    const bool is_q = u < r.n_heads, is_k = !is_q && u < r.n_heads + r.n_kv;
+    const int hk = is_q ? 0 : (is_k ? u - r.n_heads : u - r.n_heads - r.n_kv);
+    if (mode == KV_INT8 && !is_q) {
+        i8* dst = (i8*)(base + (is_k ? op[5] : op[6])) + (prow * r.n_kv + hk) * r.hd;
+        half_t* scale = (half_t*)(base + (is_k ? op[7] : op[8])) + prow * r.n_kv + hk;
+        kv_int8_row_warp(src, is_k, r.cs, r.hd, dst, scale, lane);
+        return;
+    }
+    half_t* dst = is_q ? src : (half_t*)(base + (is_k ? op[5] : op[6])) +
+                                   (prow * r.n_kv + hk) * r.hd;
+    for (int i = lane; i < half; i += 32) {
+        const half_t a = __ldcg(src + 2 * i), b = __ldcg(src + 2 * i + 1);
+        if (is_q || is_k) {
+            float y0, y1;
+            rope_rot(h2f(a), h2f(b), r.cs[i], r.cs[half + i], &y0, &y1);
+            dst[2 * i] = f2h(y0);
+            dst[2 * i + 1] = f2h(y1);
+        } else {
+            dst[2 * i] = a;
+            dst[2 * i + 1] = b;
+        }
+    }
+}
+
+template <int BITS, int EPI, bool ARGMAX, bool ROPE>
 __device__ __forceinline__ void mk_rows(const MkW& w, const half_t* xs, int N, int F, void* out,
-                                        float& best_v, int& best_i) {
+                                        float& best_v, int& best_i, const MkRope* rp) {
     constexpr bool TWO = EPI == EPI_SWIGLU;
     const int lane = threadIdx.x & 31, lpr = w.lpr, sub = lane & (lpr - 1), rpw = 32 / lpr;
     const int gw = blockIdx.x * MK_WARPS + (threadIdx.x >> 5);
@@ -159,16 +213,61 @@ __device__ __forceinline__ void mk_rows(const MkW& w, const half_t* xs, int N, i
             best_v = acc0;
             best_i = row;
         }
+        if (ROPE) {
+            // the warp that writes the last row of a head unit rotates / stores that unit
+            // (CUDA's threadFenceReduction pattern: row, fence, ticket; the last reads all)
+            bool done = false;
+            int unit = 0;
+            if (valid && sub == 0) {
+                unit = row / rp->hd;
+                __threadfence();
+                done = atomicAdd(rp->cnt + unit, 1u) == (unsigned)(rp->hd - 1);
+            }
+            unsigned m = __ballot_sync(0xffffffffu, done);
+            while (m) {                                   // warp-uniform
+                const int u = __shfl_sync(0xffffffffu, unit, __ffs(m) - 1);
+                m &= m - 1;
+                __threadfence();
+                mk_rope_unit(*rp, u, lane);
+                if (lane == 0) rp->cnt[u] = 0u;           // re-armed for the next slot
+            }
+        }
     }
 }
 
-template <int EPI, bool ARGMAX = false>
+// L2 prefetch of the weight rows (and their scales / zeros) this warp takes in a later
+// mk_rows over the same rows: issued before a grid barrier, so the next phase's loads hit L2.
+__device__ __forceinline__ void mk_prefetch(const MkW& w, int N, int F) {
+    const int lane = threadIdx.x & 31, lpr = w.lpr, sub = lane & (lpr - 1), rpw = 32 / lpr;
+    const int gw = blockIdx.x * MK_WARPS + (threadIdx.x >> 5);
+    const int tw = gridDim.x * MK_WARPS;
+    const int row_bytes = w.bits == 4 ? w.k / 2 : w.k;
+    const int lines = (row_bytes + 127) >> 7;
+    const int gbytes = (w.k >> w.log2g) * 2;
+    for (int r0 = gw * rpw; r0 < N; r0 += tw * rpw) {
+        const int row = r0 + lane / lpr;
+        if (row >= N) continue;
+        for (int t = 0; t < (F ? 2 : 1); ++t) {
+            const i64 r = row + (t ? F : 0);
+            const char* p = (const char*)w.qw + r * row_bytes;
+            for (int l = sub; l < lines; l += lpr)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * l));
+            if (sub == 0) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w.sc + r * gbytes));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w.zr + r * gbytes));
+            }
+        }
+    }
+}
+
+template <int EPI, bool ARGMAX = false, bool ROPE = false>
 __device__ __forceinline__ void mk_gemv(const MkW& w, const half_t* xs, int N, int F, void* out,
-                                        float& best_v, int& best_i) {
+                                        float& best_v, int& best_i,
+                                        const MkRope* rp = nullptr) {
     if (w.bits == 4)
-        mk_rows<4, EPI, ARGMAX>(w, xs, N, F, out, best_v, best_i);
+        mk_rows<4, EPI, ARGMAX, ROPE>(w, xs, N, F, out, best_v, best_i, rp);
     else
-        mk_rows<8, EPI, ARGMAX>(w, xs, N, F, out, best_v, best_i);
+        mk_rows<8, EPI, ARGMAX, ROPE>(w, xs, N, F, out, best_v, best_i, rp);
 }
 
 template <int EPI>
@@ -176,7 +275,7 @@ __device__ __forceinline__ void mk_gemv(const MkW& w, const half_t* xs, int N, i
                                         void* out) {
     float v = 0.0f;
     int i = 0;
-    mk_gemv<EPI, false>(w, xs, N, F, out, v, i);
+    mk_gemv<EPI, false, false>(w, xs, N, F, out, v, i);
 }
 
 // xs f16 [n] (shared) = src f16 [n] (global, written earlier in the kernel); n % 8 == 0.
@@ -187,44 +286,24 @@ __device__ __forceinline__ void mk_stage(const half_t* src, int n, half_t* xs) {
     __syncthreads();
 }
 
-// A2 for one slot: warp units over the grid. Unit u < H: rotate Q head u in place; then the
-// Hkv K heads (rotated) and the Hkv V heads, written at position pos of the slot's page
-// (rope.cu kv_write_impl's values: fp16 rows, or int8 codes + FP16 scale per row).
-__device__ __forceinline__ void mk_rope_kv(half_t* qkv, int n_heads, int n_kv, int hd,
-                                          const float* cs, const i64* op, i64 pos) {
-    const int lane = threadIdx.x & 31;
-    const int gw = blockIdx.x * MK_WARPS + (threadIdx.x >> 5), tw = gridDim.x * MK_WARPS;
-    const int half = hd / 2;
-    const i64* table = (const i64*)op[2];
-    const i64 P = op[3];
-    const int mode = (int)op[4];
-    i64 prow;
-    char* base = kv_page_w(table, P, pos, &prow);
-    for (int u = gw; u < n_heads + 2 * n_kv; u += tw) {
-        half_t* src = qkv + (i64)u * hd;                 // head u of Q | K | V
-        const bool is_q = u < n_heads, is_k = !is_q && u < n_heads + n_kv;
-        const int hk = is_q ? 0 : (is_k ? u - n_heads : u - n_heads - n_kv);
-        if (mode == KV_INT8 && !is_q) {
-            i8* dst = (i8*)(base + (is_k ? op[5] : op[6])) + (prow * n_kv + hk) * hd;
-            half_t* scale = (half_t*)(base + (is_k ? op[7] : op[8])) + prow * n_kv + hk;
-            kv_int8_row_warp(src, is_k, cs, hd, dst, scale, lane);
-            continue;
+// The first weights of program op oi (a layer's QKV rows, the adapter; past the last op the
+// LM head), prefetched into L2 (mk_prefetch).
+__device__ __forceinline__ void mk_prefetch_op(const i64* prog, int oi, int n_ops,
+                                               const i64* layers, const i64* model, int d) {
+    for (; oi < n_ops; ++oi) {
+        const i64* op = prog + (i64)oi * MK_OP_WORDS;
+        if (op[0] == MK_OP_LAYER) {
+            const MkW w = mk_weight(layers + op[1] * MK_LAYER_WORDS + 8);
+            mk_prefetch(w, w.n, 0);
+            return;
         }
-        half_t* dst = is_q ? src : (half_t*)(base + (is_k ? op[5] : op[6])) +
-                                       (prow * n_kv + hk) * hd;
-        for (int i = lane; i < half; i += 32) {
-            const half_t a = __ldcg(src + 2 * i), b = __ldcg(src + 2 * i + 1);
-            if (is_q || is_k) {
-                float y0, y1;
-                rope_rot(h2f(a), h2f(b), cs[i], cs[half + i], &y0, &y1);
-                dst[2 * i] = f2h(y0);
-                dst[2 * i + 1] = f2h(y1);
-            } else {
-                dst[2 * i] = a;
-                dst[2 * i + 1] = b;
-            }
+        if (op[0] == MK_OP_INJECT) {
+            mk_prefetch(mk_weight(model + 24), d, 0);
+            return;
         }
     }
+    const MkW hw = mk_weight(model + 8);
+    mk_prefetch(hw, hw.n, 0);
 }
 
 // B for one slot: (head, split) units over the blocks; the last split of a head merges.
@@ -275,7 +354,7 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
     const i64 id = step[MK_STEP_ID];
     const int q_dim = n_heads * HD;
 
-    // 0: embedding, RoPE table, tickets
+    // 0: embedding, RoPE table, tickets (attention heads, argmax, head units)
     {
         const MkW ew = mk_weight(model);
         const int vocab = ew.n;
@@ -287,10 +366,20 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
                                                                         c, d, ew.log2g));
         rope_table(pos, theta, HD, cs);
         if (blockIdx.x == 0)
-            for (int i = threadIdx.x; i <= n_heads; i += MK_THREADS) tickets[i] = 0u;
+            for (int i = threadIdx.x; i < MK_TICKETS(n_heads, n_kv); i += MK_THREADS)
+                tickets[i] = 0u;
+        mk_prefetch_op(prog, 0, n_ops, layers, model, d);
     }
     grid.sync();
 
+    MkRope rope;
+    rope.qkv = qkv;
+    rope.cs = cs;
+    rope.pos = pos;
+    rope.cnt = tickets + n_heads + 1;
+    rope.n_heads = n_heads;
+    rope.n_kv = n_kv;
+    rope.hd = HD;
     for (int oi = 0; oi < n_ops; ++oi) {
         const i64* op = prog + (i64)oi * MK_OP_WORDS;
         const int kind = (int)op[0];
@@ -298,6 +387,7 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
             for (int c = blockIdx.x * MK_THREADS + threadIdx.x; c < d;
                  c += gridDim.x * MK_THREADS)
                 e[c] = __ldcg(x + c);
+            mk_prefetch_op(prog, oi + 1, n_ops, layers, model, d);
             grid.sync();
             continue;
         }
@@ -310,30 +400,37 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
             __syncthreads();
             grid.sync();                                  // every block has read x
             mk_gemv<EPI_F32>(aw, xs, d, 0, x);
+            mk_prefetch_op(prog, oi + 1, n_ops, layers, model, d);
             grid.sync();
             continue;
         }
         const i64* L = layers + op[1] * MK_LAYER_WORDS;
         const MkW wqkv = mk_weight(L + 8), wo = mk_weight(L + 16), wgu = mk_weight(L + 24),
                   wd = mk_weight(L + 32);
-        // A: RMSNorm + QKV
+        // A: RMSNorm + QKV; the last warp to write a head's rows rotates it / stores its K, V
+        rope.op = op;
         norm_row_v256(x, (const float*)L[0], eps, d, xs);
-        mk_gemv<EPI_F16>(wqkv, xs, wqkv.n, 0, qkv);
-        grid.sync();
-        // A2: RoPE + K/V write
-        mk_rope_kv(qkv, n_heads, n_kv, HD, cs, op, pos);
+        {
+            float v = 0.0f;
+            int i = 0;
+            mk_gemv<EPI_F16, false, true>(wqkv, xs, wqkv.n, 0, qkv, v, i, &rope);
+        }
+        mk_prefetch(wo, wo.n, 0);
         grid.sync();
         // B: split-K attention, merged by each head's last split
         mk_attention<HD>(qkv, op, pos + 1, n_heads, n_kv, scale_log2, part, tickets, att);
+        mk_prefetch(wgu, wgu.n / 2, wgu.n / 2);
         grid.sync();
         // C: O projection + residual
         mk_stage(att, q_dim, xs);
         mk_gemv<EPI_RESID>(wo, xs, wo.n, 0, x);
+        mk_prefetch(wd, wd.n, 0);
         grid.sync();
         // D: RMSNorm + gate/up + SwiGLU
         __syncthreads();                                  // xs reads of C done
         norm_row_v256(x, (const float*)L[1], eps, d, xs);
         mk_gemv<EPI_SWIGLU>(wgu, xs, wgu.n / 2, wgu.n / 2, act);
+        mk_prefetch_op(prog, oi + 1, n_ops, layers, model, d);
         grid.sync();
         // E: down projection + residual
         mk_stage(act, wd.k, xs);
@@ -379,7 +476,8 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
 
 // One entry per head dim (MEGA_HEAD_DIMS in cuda_ops.py). x f32 [d], e f32 [d] (or unused),
 // qkv f16 [qkv_dim], att f16 [q_dim], act f16 [ffn], logits f32 [vocab]; part f32
-// [n_heads * max splits * (HD + 2)]; amax_v / amax_i [gridDim.x]; tickets u32 [n_heads + 1];
+// [n_heads * max splits * (HD + 2)]; amax_v / amax_i [gridDim.x]; tickets u32
+// [MK_TICKETS(n_heads, n_kv)];
 // step int32 [STEP_WORDS]; host: mapped pinned int32 [2] or null. Dynamic shared memory:
 // 2 * max(2 d, q_dim, ffn) bytes.
 #define MK_ENTRY(HD)                                                                           \

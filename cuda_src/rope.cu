@@ -51,6 +51,7 @@ __device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, f
 
 // INT8 row of one (position, KV head): one warp. src f16 [hd] (K: rotated here with cs; V: as
 // is) -> dst codes i8 [hd] and *scale (quant.quantize_rows_int8's rule, see the file head).
+// src is read through L2 (__ldcg): in decode_mega.cu other blocks wrote it moments before.
 __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
                                                  const float* cs, int hd, i8* dst,
                                                  half_t* scale, int lane) {
@@ -62,7 +63,7 @@ __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
         const int i = lane + 32 * u;
         x[u][0] = x[u][1] = 0.0f;
         if (i < half) {
-            const float x0 = h2f(src[2 * i]), x1 = h2f(src[2 * i + 1]);
+            const float x0 = h2f(__ldcg(src + 2 * i)), x1 = h2f(__ldcg(src + 2 * i + 1));
             if (rotate) {
                 rope_rot(x0, x1, cs[i], cs[half + i], &x[u][0], &x[u][1]);
             } else {

@@ -19,7 +19,8 @@ What the host builds (int64 words; the layout constants below are decode_mega.cu
   log2 g, lanes per row)`` (``CudaOps.mega_weight_record``);
 - **scratch** once per model: attention partials f32 ``[n_heads, DS_MAX_SPLITS, hd + 2]``, the
   LM head's per-block argmax partials ``[blocks]`` (value f32, id i32) and the tickets u32
-  ``[n_heads + 1]`` (each head's last-split merge, the argmax's last block).
+  ``[2 n_heads + 1 + 2 n_kv_heads]`` (each head's last-split merge, the argmax's last block,
+  each QKV head unit's last row: decode_mega.cu MK_TICKETS).
 
 All of it is pool memory under tag ``graphs``: it is decode-step machinery with the lifetime
 of ``DecodeGraphs`` (made at the first eligible step, freed by its ``release``), like the
@@ -190,7 +191,7 @@ class MegaDecode:
         parts = [("layers", layers.shape, np.int64), ("model", model.shape, np.int64),
                  ("part", (cfg.n_heads * DS_MAX_SPLITS * (cfg.head_dim + 2),), np.float32),
                  ("amax_v", (cap,), np.float32), ("amax_i", (cap,), np.int32),
-                 ("tickets", (cfg.n_heads + 1,), np.uint32)]
+                 ("tickets", (2 * cfg.n_heads + 1 + 2 * cfg.n_kv_heads,), np.uint32)]
         arrays, blocks = {}, []
         try:
             with packed_scope():
