@@ -1,7 +1,7 @@
 """Decode and prefill speed of the CUDA backend, with the memory it used (a script, not a test).
 
     python benchmarks/bench_decode.py [--model PATH] [--out DIR] [--no-peer]
-                                      [--mega-blocks-per-sm 1,2,0]
+                                      [--mega-blocks-per-sm 1,0]
 
 Without --model it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-modes", default="all",
                     help="KV storage modes to measure per mode (comma list; all = every mode "
                          "the CUDA backend runs); the headline figures use fp16")
-    ap.add_argument("--mega-blocks-per-sm", default="1,2,0",
+    ap.add_argument("--mega-blocks-per-sm", default="1,0",
                     help="megakernel blocks-per-SM caps to sweep (comma list; 0 = occupancy)")
     a = ap.parse_args(argv)
     tmp = None

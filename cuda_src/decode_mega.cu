@@ -79,7 +79,6 @@ enum { MK_OP_LAYER = 1, MK_OP_SAVE_E = 2, MK_OP_INJECT = 3 };
 // [H + 1, H + 1 + H + 2 Hkv) each head unit's QKV rows (megakernel.py allocates this many)
 #define MK_TICKETS(H, HKV) (2 * (H) + 1 + 2 * (HKV))
 enum { MK_STEP_ID = 0, MK_STEP_FAULT = 1, MK_STEP_POS = 2 };   // backends.base STEP_*
-#define MK_GEMV_U 4         // 16-byte chunks per lane in flight (gemv.cu GEMV2_U)
 
 struct MkW {
     const u8* qw;
@@ -161,58 +160,19 @@ __device__ __forceinline__ void mk_rows(const MkW& w, const half_t* xs, int N, i
     const int tw = gridDim.x * MK_WARPS;
     const int cpr = (BITS == 4 ? w.k / 2 : w.k) >> 4;
     const int ngroups = w.k >> w.log2g;
-    const int n_el = BITS == 4 ? 32 : 16;
     for (int r0 = gw * rpw; r0 < N; r0 += tw * rpw) {
         const int row = r0 + lane / lpr;
         const bool valid = row < N;
-        const uint4* w0 = (const uint4*)(w.qw + (i64)row * cpr * 16);
-        const uint4* w1 = (const uint4*)(w.qw + (i64)(row + F) * cpr * 16);
-        const i64 g0 = (i64)row * ngroups, g1 = (i64)(row + F) * ngroups;
         float acc0 = 0.0f, acc1 = 0.0f;
-        for (int cb = sub; cb < cpr; cb += MK_GEMV_U * lpr) {
-            uint4 wa[MK_GEMV_U], wb[MK_GEMV_U];
-            float sa[MK_GEMV_U], za[MK_GEMV_U], sb[MK_GEMV_U], zb[MK_GEMV_U];
-#pragma unroll
-            for (int j = 0; j < MK_GEMV_U; ++j) {           // every load of the batch in flight
-                const int c = cb + j * lpr;
-                const bool ok = valid && c < cpr;
-                const int g = (c * n_el) >> w.log2g;
-                wa[j] = ok ? __ldg(w0 + c) : make_uint4(0u, 0u, 0u, 0u);
-                sa[j] = ok ? h2f(__ldg(w.sc + g0 + g)) : 0.0f;
-                za[j] = ok ? h2f(__ldg(w.zr + g0 + g)) : 0.0f;
-                if (TWO) {
-                    wb[j] = ok ? __ldg(w1 + c) : make_uint4(0u, 0u, 0u, 0u);
-                    sb[j] = ok ? h2f(__ldg(w.sc + g1 + g)) : 0.0f;
-                    zb[j] = ok ? h2f(__ldg(w.zr + g1 + g)) : 0.0f;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < MK_GEMV_U; ++j) {
-                const int c = cb + j * lpr;
-                if (valid && c < cpr) {
-                    acc0 += chunk_dot_sz<BITS>(wa[j], xs, c, sa[j], za[j]);
-                    if (TWO) acc1 += chunk_dot_sz<BITS>(wb[j], xs, c, sb[j], zb[j]);
-                }
-            }
+        for (int cb = sub; cb < cpr; cb += GEMV2_U * lpr) {
+            uint4 wa[GEMV2_U], wb[GEMV2_U];
+            float sa[GEMV2_U], za[GEMV2_U], sb[GEMV2_U], zb[GEMV2_U];
+            gemv2_load<BITS, TWO>(wa, sa, za, wb, sb, zb, w.qw, w.sc, w.zr, row, F, valid, cb,
+                                  cpr, ngroups, w.log2g, lpr);   // the batch's loads in flight
+            gemv2_accumulate<BITS, TWO>(wa, sa, za, wb, sb, zb, xs, cb, cpr, valid, lpr, acc0,
+                                        acc1);
         }
-        for (int o = lpr / 2; o > 0; o >>= 1) {
-            acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
-            if (TWO) acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
-        }
-        if (valid && sub == 0) {
-            if (EPI == EPI_F16) ((half_t*)out)[row] = f2h(acc0);
-            if (EPI == EPI_F32) ((float*)out)[row] = acc0;
-            if (EPI == EPI_RESID) {
-                float* o = (float*)out + row;
-                *o = __ldcg(o) + acc0;
-            }
-            if (EPI == EPI_SWIGLU)
-                ((half_t*)out)[row] = f2h(acc0 / (1.0f + __expf(-acc0)) * acc1);
-        }
-        if (ARGMAX && valid && argmax_before(acc0, row, best_v, best_i)) {
-            best_v = acc0;
-            best_i = row;
-        }
+        gemv2_finish_row<EPI, ARGMAX>(acc0, acc1, lpr, sub, row, valid, out, best_v, best_i);
         if (ROPE) {
             // the warp that writes the last row of a head unit rotates / stores that unit
             // (CUDA's threadFenceReduction pattern: row, fence, ticket; the last reads all)

@@ -194,10 +194,10 @@ class DecodeGraphs:
         Runs as the megakernel where it can (``MegaDecode``), else captures the key's graph
         on its second use and replays it from then on. ``sampling``: None (greedy) or
         (temperature, top_k, top_p, u) - megakernel only: the kernel writes the logit row and
-        ``Ops.sample`` picks from it; None when the megakernel cannot run that step (the
-        caller then runs the eager forward + ``head_sample``). Raises ConfigError for ``pos`` outside the cache's
-        capacity, GraphCaptureError for a capture that allocated, NonFiniteLogitsError from
-        the sampler, and what the ops raise."""
+        ``Ops.sample`` picks from it; None when the step can run neither way (the caller
+        then runs the eager forward + ``head_sample``). Raises ConfigError for ``pos``
+        outside the cache's capacity, GraphCaptureError for a capture that allocated,
+        NonFiniteLogitsError from the sampler, and what the ops raise."""
         if not 0 <= pos < cache.capacity:
             raise ConfigError(f"decode position {pos} is outside the request's capacity "
                               f"{cache.capacity}")
@@ -216,9 +216,9 @@ class DecodeGraphs:
             if sampling is not None:
                 self._expect = None          # the state holds the argmax, not the pick
                 return int(ops.sample(m.logit_row(), *sampling)), 0
-        elif sampling is not None:
-            return None                      # no megakernel (its launch failed): the caller
-                                             # runs forward + head_sample
+        elif sampling is not None or not self._graph_eligible(cache, 0.0):
+            return None                      # the megakernel's launch failed and no graph may
+                                             # run: the caller runs forward + head_sample
         elif ent.graph is None and not ent.warm:
             m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out)
             ent.warm = True

@@ -126,8 +126,8 @@ def _step_logits(m, prompt, depth, monkeypatch, path) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_step_logits_bitwise_and_against_the_reference(smol_path, monkeypatch, mode):
     """One decode step's logit row: megakernel == captured graph bit for bit (the same device
-    arithmetic, the same attention splits), the eager argmax, and against the NumPy reference of the same sequence within
-    the CUDA-vs-NumPy bounds of tests/gpu/test_cuda_model.py."""
+    arithmetic, the same attention splits), the eager path's argmax, and the NumPy reference
+    of the same sequence within the CUDA-vs-NumPy bounds of tests/gpu/test_cuda_model.py."""
     ids = np.random.default_rng(8).integers(0, SMOL["vocab_size"], 45)
     cu = tinyloop.load_model(smol_path, max_seq_len=64, backend="cuda", kv_mode=mode)
     ref = tinyloop.load_model(smol_path, max_seq_len=64, backend="numpy", kv_mode=mode)

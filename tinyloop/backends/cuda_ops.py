@@ -479,7 +479,8 @@ class CudaOps(Ops):
         self.device_sampling = True         # False: temperature > 0 through _sample_cupy
         self._capture_stream = None         # the decode-step capture stream (graph_begin)
         self._capturing = None              # that stream while a capture is open
-        self._mega_fit: dict = {}           # (head_dim, smem) -> megakernel blocks per SM
+        self._mega_fit: dict = {}           # (head_dim, smem) -> megakernel blocks per SM;
+                                            # ("why", head_dim, smem) -> mega_why_not
 
     def __del__(self):
         ptr = getattr(self, "_id_ptr", None)
@@ -1153,7 +1154,13 @@ class CudaOps(Ops):
 
     def mega_why_not(self, head_dim: int, smem: int) -> str | None:
         """Why this backend cannot run the megakernel for ``head_dim`` with ``smem`` bytes of
-        dynamic shared memory (None: it can)."""
+        dynamic shared memory (None: it can). Asked every step: cached."""
+        key = ("why", head_dim, smem)
+        if key not in self._mega_fit:
+            self._mega_fit[key] = self._mega_why_not(head_dim, smem)
+        return self._mega_fit[key]
+
+    def _mega_why_not(self, head_dim: int, smem: int) -> str | None:
         if self.attn_decode != "split":
             return "TINYLOOP_ATTN_DECODE=v1 (the megakernel runs the split-K attention)"
         if head_dim not in MEGA_HEAD_DIMS:
