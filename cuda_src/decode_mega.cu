@@ -1,7 +1,7 @@
 // The persistent decode megakernel (issue 10, "No Bubbles"): one cooperative launch runs a
 // whole greedy decode step at T = 1 - embedding, every layer slot of the looped stack (fp16 or
 // int8 KV), the injections, the final RMSNorm + LM head + argmax - with grid-wide barriers
-// (cooperative_groups::this_grid().sync()) between the phases instead of kernel boundaries.
+// (mk_grid_sync) between the phases instead of kernel boundaries.
 //
 // Checked against: the captured decode step it replaces (tinyloop/graphs.py, Model.decode_step_ops:
 // the same tokens and the same logits, bit for bit by construction) and through it the NumPy
@@ -59,7 +59,6 @@
 #include "gemv.cu"
 #include "rope.cu"
 #include "attention_decode.cu"
-#include <cooperative_groups.h>
 
 // Launch geometry shared with the host (tinyloop/backends/cuda_ops.py GEOMETRY; -D from the
 // host, defaults here for a standalone nvcc build, kept equal by tests/test_kernel_geometry.py).
@@ -79,6 +78,38 @@ enum { MK_OP_LAYER = 1, MK_OP_SAVE_E = 2, MK_OP_INJECT = 3 };
 // [H + 1, H + 1 + H + 2 Hkv) each head unit's QKV rows (megakernel.py allocates this many)
 #define MK_TICKETS(H, HKV) (2 * (H) + 1 + 2 * (HKV))
 enum { MK_STEP_ID = 0, MK_STEP_FAULT = 1, MK_STEP_POS = 2 };   // backends.base STEP_*
+
+// Grid-wide barrier over a co-resident grid (the host launches with cuLaunchCooperativeKernel,
+// which refuses a grid that cannot be co-resident): bar[0] counts arrivals, bar[1] is the
+// generation. Thread 0 of each block reads the generation, publishes the block's writes
+// (fence) and arrives; the last to arrive re-arms the count and bumps the generation
+// (release), the others spin on it with acquire loads. The algorithm of
+// cooperative_groups::grid_group::sync() (one atomic per block), hand-written so the module
+// needs no CUDA header and no relocatable-device-code link. bar starts zeroed; every barrier
+// leaves bar[0] = 0, so launches chain without a reset.
+__device__ __forceinline__ unsigned mk_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void mk_grid_sync(unsigned* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned gen = mk_ld_acquire(bar + 1);     // cannot flip before this arrival
+        __threadfence();
+        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+            atomicExch(bar, 0u);                          // re-armed before anyone arrives again
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (mk_ld_acquire(bar + 1) == gen) {
+            }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
 
 struct MkW {
     const u8* qw;
@@ -302,14 +333,13 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
                                         double eps, double theta, float scale_log2, int* step,
                                         int* host, float* x, float* e, half_t* qkv, half_t* att,
                                         half_t* act, float* logits, float* part, float* amax_v,
-                                        int* amax_i, unsigned* tickets) {
+                                        int* amax_i, unsigned* tickets, unsigned* bar) {
     extern __shared__ __align__(16) unsigned char mk_smem[];
     __shared__ float cs[HD];
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ bool last;
     half_t* xs = (half_t*)mk_smem;
-    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
     const i64 pos = step[MK_STEP_POS];
     const i64 id = step[MK_STEP_ID];
     const int q_dim = n_heads * HD;
@@ -330,7 +360,7 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
                 tickets[i] = 0u;
         mk_prefetch_op(prog, 0, n_ops, layers, model, d);
     }
-    grid.sync();
+    mk_grid_sync(bar);
 
     MkRope rope;
     rope.qkv = qkv;
@@ -348,7 +378,7 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
                  c += gridDim.x * MK_THREADS)
                 e[c] = __ldcg(x + c);
             mk_prefetch_op(prog, oi + 1, n_ops, layers, model, d);
-            grid.sync();
+            mk_grid_sync(bar);
             continue;
         }
         if (kind == MK_OP_INJECT) {
@@ -358,10 +388,10 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
                 xs[d + i] = f2h(__ldcg(e + i));
             }
             __syncthreads();
-            grid.sync();                                  // every block has read x
+            mk_grid_sync(bar);                                  // every block has read x
             mk_gemv<EPI_F32>(aw, xs, d, 0, x);
             mk_prefetch_op(prog, oi + 1, n_ops, layers, model, d);
-            grid.sync();
+            mk_grid_sync(bar);
             continue;
         }
         const i64* L = layers + op[1] * MK_LAYER_WORDS;
@@ -376,26 +406,26 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
             mk_gemv<EPI_F16, false, true>(wqkv, xs, wqkv.n, 0, qkv, v, i, &rope);
         }
         mk_prefetch(wo, wo.n, 0);
-        grid.sync();
+        mk_grid_sync(bar);
         // B: split-K attention, merged by each head's last split
         mk_attention<HD>(qkv, op, pos + 1, n_heads, n_kv, scale_log2, part, tickets, att);
         mk_prefetch(wgu, wgu.n / 2, wgu.n / 2);
-        grid.sync();
+        mk_grid_sync(bar);
         // C: O projection + residual
         mk_stage(att, q_dim, xs);
         mk_gemv<EPI_RESID>(wo, xs, wo.n, 0, x);
         mk_prefetch(wd, wd.n, 0);
-        grid.sync();
+        mk_grid_sync(bar);
         // D: RMSNorm + gate/up + SwiGLU
         __syncthreads();                                  // xs reads of C done
         norm_row_v256(x, (const float*)L[1], eps, d, xs);
         mk_gemv<EPI_SWIGLU>(wgu, xs, wgu.n / 2, wgu.n / 2, act);
         mk_prefetch_op(prog, oi + 1, n_ops, layers, model, d);
-        grid.sync();
+        mk_grid_sync(bar);
         // E: down projection + residual
         mk_stage(act, wd.k, xs);
         mk_gemv<EPI_RESID>(wd, xs, wd.n, 0, x);
-        grid.sync();
+        mk_grid_sync(bar);
         __syncthreads();
     }
 
@@ -437,7 +467,7 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
 // One entry per head dim (MEGA_HEAD_DIMS in cuda_ops.py). x f32 [d], e f32 [d] (or unused),
 // qkv f16 [qkv_dim], att f16 [q_dim], act f16 [ffn], logits f32 [vocab]; part f32
 // [n_heads * max splits * (HD + 2)]; amax_v / amax_i [gridDim.x]; tickets u32
-// [MK_TICKETS(n_heads, n_kv)];
+// [MK_TICKETS(n_heads, n_kv)]; bar u32 [2] (mk_grid_sync; zero before the first launch).
 // step int32 [STEP_WORDS]; host: mapped pinned int32 [2] or null. Dynamic shared memory:
 // 2 * max(2 d, q_dim, ffn) bytes.
 #define MK_ENTRY(HD)                                                                           \
@@ -445,10 +475,10 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
         const i64* prog, i64 n_ops, const i64* layers, const i64* model, i64 d, i64 n_heads,  \
         i64 n_kv, double eps, double theta, double scale_log2, int* step, int* host, float* x, \
         float* e, half_t* qkv, half_t* att, half_t* act, float* logits, float* part,          \
-        float* amax_v, int* amax_i, unsigned* tickets) {                                      \
+        float* amax_v, int* amax_i, unsigned* tickets, unsigned* bar) {                       \
         mk_step<HD>(prog, (int)n_ops, layers, model, (int)d, (int)n_heads, (int)n_kv, eps,    \
                     theta, (float)scale_log2, step, host, x, e, qkv, att, act, logits, part,  \
-                    amax_v, amax_i, tickets);                                                 \
+                    amax_v, amax_i, tickets, bar);                                            \
     }
 
 // The head dims built (MEGA_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).

@@ -20,7 +20,8 @@ What the host builds (int64 words; the layout constants below are decode_mega.cu
 - **scratch** once per model: attention partials f32 ``[n_heads, DS_MAX_SPLITS, hd + 2]``, the
   LM head's per-block argmax partials ``[blocks]`` (value f32, id i32) and the tickets u32
   ``[2 n_heads + 1 + 2 n_kv_heads]`` (each head's last-split merge, the argmax's last block,
-  each QKV head unit's last row: decode_mega.cu MK_TICKETS).
+  each QKV head unit's last row: decode_mega.cu MK_TICKETS) and the grid barrier's two words
+  (arrivals, generation; zeroed once, each barrier leaves them re-armed).
 
 All of it is pool memory under tag ``graphs``: it is decode-step machinery with the lifetime
 of ``DecodeGraphs`` (made at the first eligible step, freed by its ``release``), like the
@@ -30,9 +31,10 @@ Eligibility (``MegaDecode.why_not``): CUDA backend with the kernel family, every
 int8, a head dim the kernel is built for, the staged activations within 48 KiB of shared
 memory, cooperative launches supported, split-K decode attention, and ``TINYLOOP_MEGAKERNEL``
 not 0. Grid: ``CudaOps.mega_grid`` - the SM count times min(blocks that fit co-resident,
-``TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM``); the launch is cooperative, so a grid past co-residency
-fails to launch instead of deadlocking. A launch that fails disables the megakernel for the
-model (one warning naming the error) and the step runs as the captured graph.
+``TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM``); the launch is cooperative (cuLaunchCooperativeKernel),
+so a grid past co-residency fails to launch instead of deadlocking in the kernel's grid
+barrier. A launch that fails disables the megakernel for the model (one warning naming the
+error) and the step runs as the captured graph (or eager, with graphs off).
 """
 
 from __future__ import annotations
@@ -191,7 +193,8 @@ class MegaDecode:
         parts = [("layers", layers.shape, np.int64), ("model", model.shape, np.int64),
                  ("part", (cfg.n_heads * DS_MAX_SPLITS * (cfg.head_dim + 2),), np.float32),
                  ("amax_v", (cap,), np.float32), ("amax_i", (cap,), np.int32),
-                 ("tickets", (2 * cfg.n_heads + 1 + 2 * cfg.n_kv_heads,), np.uint32)]
+                 ("tickets", (2 * cfg.n_heads + 1 + 2 * cfg.n_kv_heads,), np.uint32),
+                 ("barrier", (2,), np.uint32)]
         arrays, blocks = {}, []
         try:
             with packed_scope():
@@ -201,6 +204,7 @@ class MegaDecode:
             ops.from_host(layers, arrays["layers"])
             ops.from_host(model, arrays["model"])
             ops.zero(arrays["tickets"])
+            ops.zero(arrays["barrier"])
         except BaseException:
             for blk in blocks:
                 self._pool.free(blk)
@@ -262,7 +266,7 @@ class MegaDecode:
                 step.data.ptr, int(host_ptr), row.data.ptr, e.data.ptr, v["qkv"].data.ptr,
                 v["att"].data.ptr, v["h"].data.ptr, m.logit_row().data.ptr,
                 a["part"].data.ptr, a["amax_v"].data.ptr, a["amax_i"].data.ptr,
-                a["tickets"].data.ptr)
+                a["tickets"].data.ptr, a["barrier"].data.ptr)
         ops.mega_launch(cfg.head_dim, blocks, self.smem, args)
         self.launches += 1
         self.blocks, self.blocks_fit = blocks, fit

@@ -68,10 +68,8 @@ GEOMETRY = {
                     "MK_HEAD_DIM_ENTRIES": "".join(f"MK_ENTRY({hd})" for hd in MEGA_HEAD_DIMS)},
 }
 # A family whose source #includes other families' .cu files (their device code; entries
-# compiled out with TL_DEVICE_ONLY) compiles with their geometry too; COOPERATIVE families are
-# launched with cuLaunchCooperativeKernel (grid-wide barriers).
+# compiled out with TL_DEVICE_ONLY) compiles with their geometry too.
 FAMILY_INCLUDES = {"decode_mega": ("dequant", "gemv", "rope", "attention_decode")}
-COOPERATIVE = ("decode_mega",)
 
 
 def nvrtc_options(family: str) -> tuple:
@@ -298,8 +296,7 @@ def get_module(family: str):
         with _modules_lock:
             mod = _modules.get(key)
             if mod is None:
-                mod = cupy.RawModule(code=load_source(family), options=nvrtc_options(family),
-                                     enable_cooperative_groups=family in COOPERATIVE)
+                mod = cupy.RawModule(code=load_source(family), options=nvrtc_options(family))
                 mod.compile()
                 _modules[key] = mod
     return mod
@@ -1203,10 +1200,19 @@ class CudaOps(Ops):
         return self.sms * n, fit
 
     def mega_launch(self, head_dim: int, blocks: int, smem: int, args: tuple) -> None:
-        """Queue one cooperative megakernel launch (decode_mega_hd{head_dim}); ``args`` in the
-        kernel's order (pointers and plain ints / floats; megakernel.py builds them)."""
-        self._fn("decode_mega", f"decode_mega_hd{int(head_dim)}")(
-            (int(blocks),), (_MEGA_THREADS,), args, shared_mem=int(smem))
+        """Queue one megakernel launch (decode_mega_hd{head_dim}) on the current stream with
+        cuLaunchCooperativeKernel: the driver refuses (CUDADriverError, nothing queued) a
+        grid that cannot be all co-resident, so the kernel's grid barriers cannot deadlock.
+        ``args`` in the kernel's order: Python ints (pointers, int64) and floats (double);
+        megakernel.py builds them. The module is compiled as every other family (no
+        cooperative-groups header or relocatable link: decode_mega.cu's barrier is its own)."""
+        fn = self._fn("decode_mega", f"decode_mega_hd{int(head_dim)}")
+        vals = [ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int64(int(a))
+                for a in args]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        cupy.cuda.driver.launchCooperativeKernel(
+            fn.kernel.ptr, int(blocks), 1, 1, _MEGA_THREADS, 1, 1, int(smem),
+            cupy.cuda.get_current_stream().ptr, ctypes.addressof(params))
 
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
