@@ -221,10 +221,10 @@ __device__ RankCut smp_select(const float* __restrict__ logits, const u64* wq,
 
 // logits f32 [n]; temp > 0; top_k (0 = all); top_p (>= 1: off); u in [0, 1); wq: u64 [n]
 // scratch. Writes the id and the fault code to id_dev[0..1] and, if non-null, id_host[0..1].
-extern "C" __global__ void __launch_bounds__(SMP_THREADS)
-    sample_topk_topp(const float* __restrict__ logits, i64 n64, double temp, i64 top_k,
-                     double top_p, double u, u64* wq, int* __restrict__ id_dev,
-                     int* __restrict__ id_host) {
+// One block of SMP_THREADS threads.
+__device__ void sample_impl(const float* __restrict__ logits, i64 n64, double temp, i64 top_k,
+                            double top_p, double u, u64* wq, int* __restrict__ id_dev,
+                            int* __restrict__ id_host) {
     __shared__ SmpShared sh;
     __shared__ float red[32];
     const int n = (int)n64;
@@ -309,4 +309,25 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
         id_dev[1] = 0;
         if (id_host) { id_host[0] = id; id_host[1] = 0; }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+    sample_topk_topp(const float* logits, i64 n64, double temp, i64 top_k, double top_p,
+                     double u, u64* wq, int* id_dev, int* id_host) {
+    sample_impl(logits, n64, temp, top_k, top_p, u, wq, id_dev, id_host);
+}
+
+// The sampled head of a captured decode step (tinyloop/graphs.py): the same rule, its
+// parameters read when the kernel runs from prm f64 [4] = (temperature, top_k, top_p, u) in
+// mapped pinned host memory that the host fills before each replay (CudaOps.set_step_sampling),
+// so one captured graph serves every step and every setting; the id and the fault code go to
+// the device step state step[0..1] (STEP_ID, STEP_FAULT).
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+    sample_step(const float* logits, i64 n64, const volatile double* prm, u64* wq, int* step) {
+    __shared__ double p[4];                     // one read of host memory per value
+    if (threadIdx.x < 4) p[threadIdx.x] = prm[threadIdx.x];
+    __syncthreads();
+    const double temp = p[0], top_p = p[2], u = p[3];
+    const i64 top_k = (i64)p[1];
+    sample_impl(logits, n64, temp, top_k, top_p, u, wq, step, nullptr);
 }

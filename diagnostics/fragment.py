@@ -67,7 +67,8 @@ def _largest_free(segs: dict, blocks: dict, kind: str) -> int:
     return best
 
 
-def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int = 1000) -> dict:
+def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
+                  max_detailed_misses: int = 1000) -> dict:
     """Replay ``events`` (``MemoryEvent`` tuples, oldest first) from ``start`` (see
     :func:`layout_state`; empty if None) and return::
 
@@ -80,16 +81,37 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
 
     A miss is a segment_alloc whose triggering alloc was no bigger than the pool's free bytes
     (reserved - allocated) just before; ``num_misses_same_kind`` counts those whose own size
-    class (small <= 1 MiB < large) had the free bytes, so only fragmentation kept it out.
+    class had the free bytes, so only fragmentation kept it out.
+
+    A block's size class is the class of the segment holding it, found by address: allocations
+    made in ``packed_scope`` (the model's tensors, KV pages) sit in "large" segments whatever
+    their size, so the class cannot be read off the block size. A segment's class comes from
+    ``start`` or ``end`` (the :func:`layout_state` after the trace, which knows every segment
+    still held then); only a segment both made and released inside the trace falls back to the
+    size rule (small <= 1 MiB < large) of the request that made it.
     """
     start = start or {"segments": {}, "blocks": {}}
+    known_kind = {p: k for p, (_, k) in (end or {"segments": {}})["segments"].items()}
+    known_kind.update((p, k) for p, (_, k) in start["segments"].items())
     segs = dict(start["segments"])                      # ptr -> (size, kind)
+    seg_starts = sorted(segs)
     blocks = {p: (s, t) for p, (s, t) in start["blocks"].items()}   # ptr -> (size, tag)
     allocated = sum(s for s, _ in blocks.values())
     reserved = sum(s for s, _ in segs.values())
+
+    def kind_at(addr: int, size: int) -> str:
+        """The class of the segment holding ``addr`` (the size rule if none does)."""
+        i = bisect.bisect_right(seg_starts, addr) - 1
+        if i >= 0:
+            ssize, k = segs[seg_starts[i]]
+            if addr < seg_starts[i] + ssize:
+                return k
+        return size_kind(size)
+
+    block_kind = {p: kind_at(p, s) for p, (s, _) in blocks.items()}
     alloc_kind = {"small": 0, "large": 0}
-    for s, _ in blocks.values():
-        alloc_kind[size_kind(s)] += s
+    for p, (s, _) in blocks.items():
+        alloc_kind[block_kind[p]] += s
     seg_kind = {"small": 0, "large": 0}
     for s, k in segs.values():
         seg_kind[k] += s
@@ -104,10 +126,11 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
             n_seg += 1
             reserved += size
         elif action == "alloc":
-            k = size_kind(size)
             if pending is not None:
                 j, pt, saddr, ssize, a0, r0 = pending
+                k = known_kind.get(saddr) or size_kind(size)
                 segs[saddr] = (ssize, k)
+                bisect.insort(seg_starts, saddr)
                 seg_kind[k] += ssize
                 free_total = r0 - a0
                 free_kind = seg_kind[k] - ssize - alloc_kind[k]
@@ -120,7 +143,9 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
                         segs[saddr] = (ssize, k)
                     misses.append(miss)
                 pending = None
+            k = kind_at(addr, size)
             blocks[addr] = (size, tag)
+            block_kind[addr] = k
             allocated += size
             alloc_kind[k] += size
             n_alloc += 1
@@ -128,13 +153,14 @@ def analyze_trace(events, start: dict | None = None, *, max_detailed_misses: int
             old = blocks.pop(addr, None)
             size = old[0] if old is not None else size
             allocated -= size
-            alloc_kind[size_kind(size)] -= size
+            alloc_kind[block_kind.pop(addr, None) or kind_at(addr, size)] -= size
             n_free += 1
         elif action == "segment_free":
             old = segs.pop(addr, None)
             reserved -= size
             if old is not None:
                 seg_kind[old[1]] -= size
+                seg_starts.remove(addr)
             n_segfree += 1
         elif action == "oom":
             k = size_kind(size)
@@ -373,7 +399,7 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
             tinyloop.free_model(model)
         collector.collect()
 
-    trace = analyze_trace(collector.events, start)
+    trace = analyze_trace(collector.events, start, end=layout_state(pool))
     ops = trace_ops(collector.events, start)
     policies = replay_policies(ops) if replay else []
     last = records[-1]

@@ -239,6 +239,31 @@ def test_analyze_trace_finds_a_fragmentation_miss():
     pool.free(big)
 
 
+def test_analyze_trace_classes_packed_blocks_by_their_segment():
+    """A small block made in packed_scope lives in a "large" segment: the miss it causes is a
+    large-class miss with 0 free bytes in that class (it once printed "same class -66 MiB",
+    counting the block against the small class it never used)."""
+    from tinyloop.memory.tags import packed_scope
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    small = pool.allocate(512 * 1024, tag="scratch")          # a 2 MiB small segment
+    start = layout_state(pool)
+    n0 = len(pool.events())
+    with packed_scope():
+        pages = [pool.allocate(24 * 1024, tag="kv_cache") for _ in range(3)]
+    tr = analyze_trace(pool.events()[n0:], start, end=layout_state(pool))
+    assert tr["num_misses"] == 1 and tr["num_misses_same_kind"] == 0
+    m = tr["misses"][0]
+    assert (m["kind"], m["size"], m["tag"]) == ("large", 24 * 1024, "kv_cache")
+    assert m["pool_free_bytes"] == (2 << 20) - 512 * 1024
+    assert m["free_same_kind_bytes"] == 0
+    assert m["largest_free_same_kind_bytes"] == 0
+    for b in pages + [small]:
+        pool.free(b)
+    tr = analyze_trace(pool.events()[n0:], start, end=layout_state(pool))
+    assert tr["timeline"][-1]["allocated_bytes"] == 0
+    assert all(x["free_same_kind_bytes"] >= 0 for x in tr["misses"])
+
+
 def test_replay_reproduces_the_recorded_pool():
     """Replaying a random trace on a fresh tinyloop pool gives the recorded peaks exactly."""
     rng = np.random.default_rng(7)

@@ -42,6 +42,7 @@ class RecordingOps(NumpyOps):
     """NumpyOps whose op calls are recorded while a capture is open (see the module doc)."""
 
     graph_kv_modes = KV_MODES
+    graph_sampling = True
 
     def __init__(self):
         super().__init__()
@@ -131,6 +132,62 @@ def test_graphs_on_and_off_give_identical_tokens(tiny_model_path, monkeypatch, m
         tinyloop.free_model(m)
 
 
+SAMPLED = [dict(temperature=0.9, top_k=0, top_p=1.0, seed=1),
+           dict(temperature=0.7, top_k=20, top_p=0.9, seed=2),
+           dict(temperature=1.3, top_k=3, top_p=0.5, seed=3)]
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_sampled_steps_replay_the_eager_tokens(tiny_model_path, monkeypatch, mode):
+    """temperature > 0 inside the captured step: depths 1 -> 4 -> 2 -> 4 with prompts of 30
+    and 600 tokens, under three sampling settings, give the eager path's tokens (one u per
+    token from the seeded host RNG on both paths). The parameters are read when the replay
+    runs, so depth 4's graph, captured under the second setting, replays the first setting
+    for the last run; sampled and greedy steps of one depth are two keys."""
+    m = _fake_model(tiny_model_path, kv_mode=mode)
+    try:
+        runs = [(kw, d, n) for kw, (d, n) in zip(SAMPLED + SAMPLED[:1], RUNS)]
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        want = [m.generate(_prompt(n, d), max_new_tokens=8, depth=d, **kw).token_ids
+                for kw, d, n in runs]
+        assert m.graph_stats()["captures"] == 0
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        got = [m.generate(_prompt(n, d), max_new_tokens=8, depth=d, **kw).token_ids
+               for kw, d, n in runs]
+        assert got == want
+        # the tokens really were sampled: greedy gives something else for some run
+        greedy = [m.generate(_prompt(n, d), max_new_tokens=8, depth=d).token_ids
+                  for _, d, n in runs[:2]]
+        assert greedy != want[:2]
+        st = m.graph_stats()
+        assert st["captures"] == 5                    # sampled at depths 1, 4, 2; greedy 1, 4
+        assert sorted((k[0], k[-1]) for k in st["keys"]) == [
+            (1, False), (1, True), (2, True), (4, False), (4, True)]
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_sampling_parameters_are_checked(tiny_model_path):
+    m = _fake_model(tiny_model_path)
+    try:
+        ops = m.ops
+        for bad, match in [((0.0, 0, 1.0, 0.5), "temperature > 0"),
+                           ((float("nan"), 0, 1.0, 0.5), "temperature > 0"),
+                           ((1.0, 0, 1.0, 1.0), r"u must lie in \[0, 1\)"),
+                           ((1.0, -1, 1.0, 0.5), "top_k must be"),
+                           ((1.0, 2.5, 1.0, 0.5), "top_k must be"),
+                           ((1.0, 0, -0.1, 0.5), "top_p must be")]:
+            with pytest.raises(ConfigError, match=match):
+                ops.set_step_sampling(*bad)
+        ops.set_step_sampling(0.5, 7, 0.25, 0.0)
+        assert ops._step_sampling == (0.5, 7, 0.25, 0.0)
+        with m.new_kv_cache(1, 40) as c:
+            with pytest.raises(ConfigError, match="u must lie"):
+                m.decode_graphs.step(c, 1, 0, (1.0, 0, 1.0, 2.0))
+    finally:
+        tinyloop.free_model(m)
+
+
 def test_adapter_model_replays_the_injection(tiny_adapter_path, monkeypatch):
     """The injection adapter's copy of the prelude output is an op, so replay redoes it."""
     m = _fake_model(tiny_adapter_path)
@@ -178,20 +235,24 @@ def test_capture_allocates_nothing_from_the_pool(tiny_model_path, monkeypatch):
     ops = m.ops
     begin, end = ops.graph_begin, ops.graph_end
 
+    def logged():            # events ever logged (the log is a ring: earlier tests' events
+        return m.pool.events_dropped + len(m.pool.events())    # of this shared pool drop out)
+
     def graph_begin():
-        marks.append(len(m.pool.events()))
+        marks.append(logged())
         begin()
 
     def graph_end():
         g = end()
-        marks.append(len(m.pool.events()))
+        marks.append(logged())
         return g
     ops.graph_begin, ops.graph_end = graph_begin, graph_end
     try:
         m.generate(_prompt(12, 1), max_new_tokens=5, depth=1)
-        assert len(marks) == 2
-        assert m.pool.events_dropped == 0
-        between = m.pool.events()[marks[0]:marks[1]]
+        dropped = m.pool.events_dropped
+        assert len(marks) == 2 and marks[0] >= dropped    # the capture's events are all kept
+        between = m.pool.events()[marks[0] - dropped:marks[1] - dropped]
+        assert len(between) == marks[1] - marks[0]
         assert not [e for e in between if e.action in ("alloc", "segment_alloc")]
     finally:
         tinyloop.free_model(m)
@@ -282,7 +343,10 @@ def test_eligibility(tiny_model_path, monkeypatch):
     try:
         with m.new_kv_cache(1, 40) as c:
             monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+            assert g.eligible(c, 0.0) and g.eligible(c, 0.7)
+            m.ops.graph_sampling = False             # a backend that cannot sample in-step
             assert g.eligible(c, 0.0) and not g.eligible(c, 0.7)
+            m.ops.graph_sampling = True
             monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
             assert not g.eligible(c, 0.0)
             monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "sometimes")
@@ -344,11 +408,11 @@ def check_fault_inside_a_replay(m, prompt) -> None:
     real, calls = g.step, []
     good = m.ops.to_host(m._output_norm).copy()
 
-    def step(cache, token, pos):
+    def step(cache, token, pos, sampling=None):
         calls.append(pos)
         if len(calls) == 3:                  # warm-up, capture + replay, then this replay
             m._output_norm[...] = np.nan
-        return real(cache, token, pos)
+        return real(cache, token, pos, sampling)
     g.step = step
     try:
         with pytest.raises(NonFiniteLogitsError) as ei:

@@ -127,13 +127,9 @@ def test_im_end_in_text_with_parse_special_false_equals_llama_cpp(tok, llama, re
     assert "<|im_end|>" in specials and len(specials) == 17
     rng = random.Random(3)
     texts = ["<|im_end|>", "hi <|im_start|>user\nx<|im_end|>", "<|endoftext|>"] + specials
-    # special texts spliced into random strings; strings with a byte the vocab lacks are left
-    # out: llama.cpp drops such a byte after BPE merges, HF before (")\x16<" is ")", "<" in
-    # llama.cpp, ")<" here), whatever parse_special says
-    missing = _missing_bytes(reader)
+    # special texts spliced into random strings (bytes the vocab lacks included: see
+    # test_unrepresentable_bytes_between_mergeable_text_equal_llama_cpp)
     for s in _fuzz_strings(600, seed=4):
-        if set(s.encode()) & missing:
-            continue
         cut = rng.randint(0, len(s))
         texts.append(s[:cut] + rng.choice(specials) + s[cut:] + rng.choice(specials))
     for text in texts:
@@ -177,6 +173,31 @@ def test_unrepresentable_bytes_are_dropped_like_llama_cpp(tok, llama):
     for s in ("a\x16b", "\x04\x06", "x\U00040000y"):
         assert tok.encode(s) == _llama_ids(llama, s)
     assert tok.decode(tok.encode("a\x16b")) == "ab"
+
+
+def test_unrepresentable_bytes_between_mergeable_text_equal_llama_cpp(tok, llama, reader):
+    """llama.cpp drops a byte the vocab lacks *after* the BPE merges, so no merge crosses it
+    (")\x16<" is ")", "<", not ")<"); HF's BPE alone drops it first. Random strings with
+    such bytes spliced in at random places (and the 4-byte characters whose lead byte is
+    missing) give llama.cpp's ids, with parse_special on and off."""
+    missing = sorted(_missing_bytes(reader))
+    ascii_missing = [chr(b) for b in missing if b < 0x80]
+    assert ascii_missing == ["\x04", "\x06", "\x13", "\x14", "\x16", "\x1d"]
+    rng = random.Random(11)
+    texts = [")\x16<", "ab\x16cd", "hello\x16world", "the\x04re", "\x13\x14",
+             " \x1d ", "x\U00040000y", "a\U00080001\x06b"]
+    for s in _fuzz_strings(800, seed=12):
+        for _ in range(rng.randint(1, 3)):
+            cut = rng.randint(0, len(s))
+            s = s[:cut] + rng.choice(ascii_missing + ["\U00050000"]) + s[cut:]
+        texts.append(s)
+    bad = [t for t in texts if tok.encode(t) != _llama_ids(llama, t)
+           or tok.encode(t, parse_special=False)
+           != llama.tokenize(t.encode("utf-8"), add_bos=False, special=False)]
+    assert not bad, [ascii(t) for t in bad[:5]]
+    ids = tok.encode(")\x16<")
+    assert len(ids) == 2 and max(ids) < tok.vocab_size == 49152
+    assert tok.decode(ids) == ")<"
 
 
 def test_token_bytes_match_llama_cpp_pieces(tok, llama):

@@ -153,15 +153,16 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
             model.check_alive()
             row = model.logit_row()
             pos = pos0 + len(step_ids) - 1
-            u = float(rng.random()) if temperature > 0 else 0.0     # one draw per step
+            # one u per sampled token, drawn the same way on every path (graph or eager)
+            u = float(rng.random()) if temperature > 0 else 0.0
             try:
                 if pos0 == 0:
                     res["cached_tokens"] = prefill_request(model, step_ids, depth, kv_mode,
                                                            cache, prefix, prefix_pool)
                 else:
                     if len(step_ids) == 1:
-                        # decode runs as the megakernel, or greedy as one captured graph,
-                        # where the backend can
+                        # a decode step runs as the megakernel or one captured graph where
+                        # the backend can
                         nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature,
                                                 top_k, top_p, u)
                         if nxt is not None:

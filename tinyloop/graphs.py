@@ -1,11 +1,13 @@
-"""The captured decode step: one graph per key, replayed for every greedy step of a request
+"""The captured decode step: one graph per key, replayed for every decode step of a request
 (issue 10, item 1; docs/architecture.md "The captured decode step").
 
 A decode step reads its token id and position from a small device **step state** (int32
 ``[STEP_WORDS]``, ``backends.base``): embed reads ``STEP_ID``; the KV write and attention read
-``STEP_POS`` (context length = pos + 1); the fused greedy head writes the next id (and the row's
-fault code) back, and ``step_advance`` moves the position on. Nothing of the step is read or
-computed on the host, so the launches of one step can be captured once (CuPy stream capture on
+``STEP_POS`` (context length = pos + 1); the head writes the next id (and the row's fault code)
+back - the fused greedy argmax, or with temperature > 0 the device sampler, whose parameters
+(temperature, top_k, top_p and the host-drawn u) the host writes to pinned memory before each
+replay (``Ops.set_step_sampling``) - and ``step_advance`` moves the position on. Nothing of
+the step is read or computed on the host, so the launches of one step can be captured once (CuPy stream capture on
 CUDA: ``Stream.begin_capture`` / ``end_capture``, then ``Graph.launch``) and replayed; the host
 reads the 8-byte (id, fault) result after each replay, for stop / EOS / streaming.
 
@@ -15,8 +17,8 @@ the weights, and per graph a block table ``[slots, ceil(max_seq_len / P)]`` (tag
 a request binds a graph by copying its own block tables there (after allocating pages for its
 whole capacity, ``RuntimeKVCache.ensure``), so one graph serves every request with its key.
 
-**Key**: (depth, the KV mode of every slot, page size, pages per table, and the backend's
-host-chosen launch constants, ``Ops.graph_constants``). A graph is replayed only under the key
+**Key**: (depth, the KV mode of every slot, page size, pages per table, the backend's
+host-chosen launch constants, ``Ops.graph_constants``, and greedy or sampled). A graph is replayed only under the key
 it was captured with; other keys get their own graph (at most ``MAX_GRAPHS``, least recently
 used dropped first). The decode attention reads the context length on the device with a fixed
 grid, so no length bucket enters the key.
@@ -83,23 +85,27 @@ class DecodeGraphs:
     def eligible(self, cache, temperature: float) -> bool:
         """Whether a step of ``cache``'s request runs here: as the megakernel
         (``MegaDecode.why_not`` is None; any temperature: the sampler runs after it), or as a
-        graph: graphs on (``TINYLOOP_CUDA_GRAPHS``), greedy, and every slot's KV mode
-        capturable here."""
+        graph (``_graph_eligible``)."""
         if self.mega.why_not(cache) is None:
             return True
         return self._graph_eligible(cache, temperature)
 
     def _graph_eligible(self, cache, temperature: float) -> bool:
-        if temperature > 0.0 or not self._ops.graph_kv_modes:
+        """Graphs on (``TINYLOOP_CUDA_GRAPHS``), greedy or a backend that samples inside the
+        step (``Ops.graph_sampling``), and every slot's KV mode capturable here."""
+        if not self._ops.graph_kv_modes:
+            return False
+        if temperature > 0.0 and not self._ops.graph_sampling:
             return False
         if not set(cache.modes) <= set(self._ops.graph_kv_modes):
             return False
         return cuda_graphs_enabled()
 
-    def key(self, cache) -> tuple:
-        """The graph key of a step of ``cache``'s request (see the module doc)."""
+    def key(self, cache, sampled: bool = False) -> tuple:
+        """The graph key of a step of ``cache``'s request (see the module doc); ``sampled``:
+        the step ends in the device sampler instead of the argmax (temperature > 0)."""
         return (cache.depth, tuple(lay.mode for lay in cache.layouts), cache.page_size,
-                self._pages(cache.page_size), self._ops.graph_constants())
+                self._pages(cache.page_size), self._ops.graph_constants(), bool(sampled))
 
     def _pages(self, page_size: int) -> int:
         return -(-self._model.max_seq_len // page_size)
@@ -188,21 +194,28 @@ class DecodeGraphs:
         self._ops.from_host(ent.table_host, ent.table)
         ent.bound = weakref.ref(cache)
 
-    def step(self, cache, token: int, pos: int, sampling=None) -> tuple[int, int] | None:
-        """One decode step of ``cache``'s request: embed ``token`` at position ``pos``,
-        every slot, the head; returns (next id, fault code: 0 or a ``LOGIT_FAULTS`` key).
-        Runs as the megakernel where it can (``MegaDecode``), else captures the key's graph
-        on its second use and replays it from then on. ``sampling``: None (greedy) or
-        (temperature, top_k, top_p, u) - megakernel only: the kernel writes the logit row and
-        ``Ops.sample`` picks from it; None when the step can run neither way (the caller
-        then runs the eager forward + ``head_sample``). Raises ConfigError for ``pos``
-        outside the cache's capacity, GraphCaptureError for a capture that allocated,
-        NonFiniteLogitsError from the sampler, and what the ops raise."""
+    def step(self, cache, token: int, pos: int, sampling: tuple | None = None
+             ) -> tuple[int, int] | None:
+        """One decode step of ``cache``'s request: embed ``token`` at position ``pos``, every
+        slot, the head; returns (next id, fault code: 0 or a ``LOGIT_FAULTS`` key). Greedy, or
+        with ``sampling`` = (temperature > 0, top_k, top_p, u) sampled by the device sampler.
+        Runs as the megakernel where it can (``MegaDecode``; sampled: the kernel writes the
+        logit row and ``Ops.sample`` picks from it), else as the key's graph: the parameters
+        go to ``Ops.set_step_sampling`` before the launch, so the graph captured for the key
+        serves every setting; captured on the key's second use and replayed from then on.
+        None when the step can run neither way (the megakernel's launch failed with graphs
+        off): the caller then runs the eager forward + ``head_sample``. Raises ConfigError
+        for ``pos`` outside the cache's capacity or sampling parameters out of range,
+        GraphCaptureError for a capture that allocated, NonFiniteLogitsError from a sampled
+        megakernel step, and what the ops raise."""
         if not 0 <= pos < cache.capacity:
             raise ConfigError(f"decode position {pos} is outside the request's capacity "
                               f"{cache.capacity}")
         self._ensure_state()
-        key = self.key(cache)
+        sampled = sampling is not None
+        if sampled:
+            self._ops.set_step_sampling(*sampling)
+        key = self.key(cache, sampled)
         ent = self._entry(key, cache)
         if ent.bound is None or ent.bound() is not cache:
             self._bind(ent, cache)
@@ -212,19 +225,20 @@ class DecodeGraphs:
             state[STEP_ID], state[STEP_POS] = token, pos
             self._ops.from_host(state, self.step_state)
         ops, m = self._ops, self._model
-        if self._mega_step(ent, cache, sampling is None):
-            if sampling is not None:
+        if self._mega_step(ent, cache, not sampled):
+            if sampled:
                 self._expect = None          # the state holds the argmax, not the pick
                 return int(ops.sample(m.logit_row(), *sampling)), 0
-        elif sampling is not None or not self._graph_eligible(cache, 0.0):
+        elif not self._graph_eligible(cache, sampling[0] if sampled else 0.0):
             return None                      # the megakernel's launch failed and no graph may
                                              # run: the caller runs forward + head_sample
         elif ent.graph is None and not ent.warm:
-            m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out)
+            m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out,
+                              sampled)
             ent.warm = True
         else:
             if ent.graph is None:
-                ent.graph = self._capture(ent, cache.depth)
+                ent.graph = self._capture(ent, cache.depth, sampled)
             ops.graph_launch(ent.graph)
             self.replays += 1
         ops.graph_sync()
@@ -248,13 +262,14 @@ class DecodeGraphs:
             return False
         return True
 
-    def _capture(self, ent: _Entry, depth: int):
+    def _capture(self, ent: _Entry, depth: int, sampled: bool = False):
         ops, pool, m = self._ops, self._pool, self._model
         m.logit_row()                                   # exists before capture
         before = pool.stats()
         ops.graph_begin()
         try:
-            m.decode_step_ops(self.step_state, self.row, depth, ent.slots, self._host_out)
+            m.decode_step_ops(self.step_state, self.row, depth, ent.slots, self._host_out,
+                              sampled)
             graph = ops.graph_end()
         except BaseException:
             ops.graph_abort()

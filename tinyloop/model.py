@@ -638,20 +638,23 @@ class Model:
                                   v["h"], norm)
         ops.linear_residual(v["h"], lw.ffn_down, x)
 
-    def decode_step_ops(self, step, x, depth: int, slots, host_out) -> None:
-        """Issue one greedy decode step driven by the device step state ``step`` (int32
+    def decode_step_ops(self, step, x, depth: int, slots, host_out,
+                        sampled: bool = False) -> None:
+        """Issue one decode step driven by the device step state ``step`` (int32
         [STEP_WORDS], ``backends.base``): embed ``step[STEP_ID]`` into the residual row ``x``
         f32 [1, d], run every slot (``slots[s]``: SlotKV) at position ``step[STEP_POS]``, final
-        RMSNorm + LM head into ``logit_row()`` with the argmax written back to ``step``, then
-        advance the position and copy (id, fault) to ``host_out``. Reads nothing on the host,
+        RMSNorm + LM head into ``logit_row()`` with the next id written back to ``step`` (the
+        argmax, or with ``sampled`` the device sampler under the parameters of
+        ``Ops.set_step_sampling``, read when it runs), then advance the position and copy
+        (id, fault) to ``host_out``. Reads nothing on the host,
         so ``graphs.DecodeGraphs`` captures it once per key and replays it every step. Every
         array it touches exists before (no allocation)."""
         cfg, ops = self.config, self._ops
         v = self._views(1)
         ops.embed(self._embed, step[:1], x)
         self._stack(x, v, depth, slots.__getitem__, None, step)
-        ops.head_argmax_step(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(),
-                             v["norm"], step)
+        head = ops.head_sample_step if sampled else ops.head_argmax_step
+        head(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(), v["norm"], step)
         ops.step_advance(step, host_out)
 
     def head(self, pos0: int, t: int, out) -> None:
@@ -683,20 +686,17 @@ class Model:
         """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
         through the decode megakernel or the captured decode step
         (``graphs.DecodeGraphs.step``), or None when this step runs neither (megakernel off by
-        ``TINYLOOP_MEGAKERNEL=0`` or not eligible, and graphs off by
-        ``TINYLOOP_CUDA_GRAPHS=0``, sampling with temperature > 0, or a KV mode the backend
-        cannot capture): the caller then runs ``forward`` + ``head_sample``. temperature > 0
-        (megakernel only) samples from the kernel's logit row by ``sample_from_logits``'s
-        rule with ``top_k``, ``top_p`` and the uniform draw ``u``. Raises
-        NonFiniteLogitsError (no step / position: the caller adds them) for a non-finite
-        logit row, as ``head_sample`` does."""
+        ``TINYLOOP_MEGAKERNEL=0`` or not eligible, and graphs off by ``TINYLOOP_CUDA_GRAPHS=0``,
+        sampling the backend cannot capture, or a KV mode it cannot capture): the caller then
+        runs ``forward`` + ``head_sample`` with the same (temperature, top_k, top_p, u), which
+        picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises
+        NonFiniteLogitsError (no step / position: the caller adds them) for a non-finite logit
+        row, as ``head_sample`` does, and ConfigError for sampling parameters out of range."""
         g = self.decode_graphs
         if not g.eligible(cache, temperature):
             return None
-        if temperature > 0.0:
-            got = g.step(cache, int(token), int(pos), (temperature, top_k, top_p, u))
-        else:
-            got = g.step(cache, int(token), int(pos))
+        sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
+        got = g.step(cache, int(token), int(pos), sampling)
         if got is None:
             return None
         nxt, code = got

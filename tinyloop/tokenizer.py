@@ -167,9 +167,12 @@ class Tokenizer:
     """
 
     def __init__(self, hf_tokenizer, *, bos_token_id: int = -1, eos_token_id: int = -1,
-                 chat_template: str = ""):
+                 chat_template: str = "", dropped_byte_id: int | None = None):
         self._tok = hf_tokenizer
-        self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
+        # the unk token from_json adds (the last id; never returned by encode)
+        self._dropped = dropped_byte_id
+        self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True)) \
+            - (dropped_byte_id is not None)
         self.bos_token_id = int(bos_token_id)
         self.eos_token_id = int(eos_token_id)
         self.chat_template = chat_template or ""
@@ -198,8 +201,27 @@ class Tokenizer:
         if dec != "ByteLevel":
             raise TokenizerError(f"only byte-level BPE tokenizers are supported (decoder "
                                  f"{dec!r})")
+        barrier = None
+        model = spec.get("model") or {}
+        if model.get("type") == "BPE" and model.get("unk_token") is None:
+            # A byte whose byte-level character is not in the vocab (SmolLM2 lacks 21 of the
+            # 256) is dropped by both, but llama.cpp drops it *after* the BPE merges: the
+            # symbol stays in the word and no merge crosses it ("a<b>c" with b missing gives
+            # "a", "c", never "ac"). HF's BPE without an unk token drops it before merging.
+            # An unk token of our own, one id past the vocab, reproduces llama.cpp's order;
+            # encode() then removes it.
+            ids = list(model.get("vocab", {}).values())
+            ids += [t.get("id", -1) for t in spec.get("added_tokens") or []]
+            barrier = max(ids, default=-1) + 1
+            name = "<|tinyloop:dropped-byte|>"
+            model["vocab"][name] = barrier
+            model["unk_token"], model["fuse_unk"] = name, False
+            try:
+                hf = tk.Tokenizer.from_str(json.dumps(spec))
+            except Exception as e:
+                raise TokenizerError(f"invalid tokenizer JSON: {e}") from None
         return cls(hf, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                   chat_template=chat_template)
+                   chat_template=chat_template, dropped_byte_id=barrier)
 
     @classmethod
     def from_tlm(cls, tlm) -> "Tokenizer":
@@ -225,6 +247,8 @@ class Tokenizer:
             raise TokenizerError(f"encode needs a str, got {type(text).__name__}")
         hf = self._tok if parse_special else self._plain()
         ids = hf.encode(text, add_special_tokens=False).ids
+        if self._dropped is not None and self._dropped in ids:
+            ids = [i for i in ids if i != self._dropped]
         if add_bos and self.bos_token_id >= 0:
             ids = [self.bos_token_id] + ids
         return ids
@@ -244,6 +268,8 @@ class Tokenizer:
             added = self._tok.get_added_tokens_decoder()
             table = [b""] * self.vocab_size
             for tok, i in self._tok.get_vocab(with_added_tokens=True).items():
+                if i >= self.vocab_size:            # the dropped-byte marker (from_json)
+                    continue
                 if i not in added and all(c in inv for c in tok):
                     table[i] = bytes(inv[c] for c in tok)
                 else:   # added tokens (and any non-byte-level string) stand for their UTF-8

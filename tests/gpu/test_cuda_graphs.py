@@ -22,7 +22,7 @@ if not cuda_available():
 import cupy  # noqa: E402
 
 from tinyloop.backends.base import STEP_POS, STEP_WORDS  # noqa: E402
-from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
+from tinyloop.backends.cuda_ops import _SAMPLE_THREADS as SMP, CudaOps  # noqa: E402
 
 from ..test_graphs import check_fault_inside_a_replay  # noqa: E402
 from .test_cuda_model import real_model_path, real_text_ids, small_path  # noqa: E402,F401
@@ -80,6 +80,59 @@ def test_graphs_on_and_off_give_identical_tokens(real_model_path, real_text_ids,
             assert st["captures"] == 0
     finally:
         tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_sampled_steps_replay_the_eager_tokens(real_model_path, real_text_ids, monkeypatch,
+                                               mode):
+    """temperature > 0 inside the captured step (sample.cu's sample_step, parameters read at
+    run time from pinned memory): depth 1 -> 4 -> 2 -> 4, prompts of 30 and 600 tokens, three
+    sampling settings: the same tokens as the eager path (forward + head_sample), with one
+    graph per (depth, sampled) key serving every setting."""
+    settings = [dict(temperature=0.9, top_k=0, top_p=1.0, seed=1),
+                dict(temperature=0.7, top_k=40, top_p=0.9, seed=2),
+                dict(temperature=1.3, top_k=5, top_p=0.5, seed=3),
+                dict(temperature=0.9, top_k=0, top_p=1.0, seed=4)]
+    m = _load(real_model_path, mode)
+    try:
+        runs = list(zip(settings, RUNS))
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        want = [m.generate(real_text_ids[:n], max_new_tokens=24, depth=d, **kw).token_ids
+                for kw, (d, n) in runs]
+        assert m.graph_stats()["captures"] == 0
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        res = [m.generate(real_text_ids[:n], max_new_tokens=24, depth=d, **kw)
+               for kw, (d, n) in runs]
+        assert [r.token_ids for r in res] == want
+        caps, replays = expected_graph_counts([d for _, (d, _) in runs], res)
+        st = m.graph_stats()
+        assert (st["captures"], st["replays"]) == (caps, replays) and caps == 3
+        assert all(k[-1] is True for k in st["keys"])
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_sample_step_kernel_equals_the_sampler(ops, rng):
+    """head_sample_step's kernel (parameters from pinned memory, id into the step state)
+    picks sample_from_logits's token, as ops.sample does, for a range of settings."""
+    from tinyloop.backends.numpy_ops import sample_from_logits
+    vocab = 49152
+    step = cupy.zeros(STEP_WORDS, cupy.int32)
+    for trial in range(24):
+        logits = (rng.standard_normal(vocab) * rng.choice([0.5, 3.0, 10.0])).astype(np.float32)
+        temperature = float(rng.choice([0.3, 0.7, 1.0, 2.0]))
+        top_k = int(rng.choice([0, 1, 5, 40, vocab]))
+        top_p = float(rng.choice([1.0, 0.95, 0.5, 1e-6]))
+        u = float(rng.random()) if trial else 0.0
+        dev = cupy.asarray(logits)
+        ops.set_step_sampling(temperature, top_k, top_p, u)
+        ops._ensure_wq(vocab)
+        ops._fn("sample", "sample_step")((1,), (SMP,), (dev.data.ptr, vocab, ops._smp_ptr,
+                                                         ops._wq_ptr, step.data.ptr))
+        got = cupy.asnumpy(step)
+        want = sample_from_logits(logits, temperature, top_k, top_p, u)
+        assert (int(got[0]), int(got[1])) == (want, 0), (trial, temperature, top_k, top_p, u)
+        assert ops.sample(dev, temperature, top_k, top_p, u) == want
 
 
 def test_mixed_modes_and_the_adapter_model(small_path, monkeypatch):

@@ -202,6 +202,8 @@ class Ops:
     # below read the state on the host and call the ordinary ops: the reference semantics, and
     # what a backend without device-side variants runs.
     graph_kv_modes: tuple = ()    # KV modes whose step ops a backend can capture (none here)
+    graph_sampling: bool = False  # whether a captured step can sample (temperature > 0)
+    _step_sampling: tuple = (0.0, 0, 1.0, 0.0)
 
     def graph_constants(self) -> tuple:
         """Every launch constant this backend chooses on the host for a decode step (kernel
@@ -234,6 +236,40 @@ class Ops:
         self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
         try:
             nxt, code = int(self.sample(out[0], 0.0, 0, 1.0, 0.0)), 0
+        except NonFiniteLogitsError as e:
+            nxt, code = 0, _FAULT_CODES[e.kind]
+        state = self.to_host(step).copy()
+        state[STEP_ID], state[STEP_FAULT] = nxt, code
+        self.from_host(state, step)
+
+    def set_step_sampling(self, temperature: float, top_k: int, top_p: float,
+                          u: float) -> None:
+        """The sampling parameters ``head_sample_step`` reads when it runs (not when it is
+        captured): the host sets them before each replay. temperature > 0; top_k >= 0 (0 =
+        off); top_p in (0, 1] (>= 1 off; 0 means greedy and never reaches here); u in [0, 1)
+        drawn on the host. Raises ConfigError for a value outside those ranges."""
+        from ..errors import ConfigError
+        temperature, top_p, u = float(temperature), float(top_p), float(u)
+        if not temperature > 0.0 or temperature != temperature or temperature == float("inf"):
+            raise ConfigError(f"a sampled step needs a finite temperature > 0, got {temperature}")
+        if not 0.0 <= u < 1.0:
+            raise ConfigError(f"u must lie in [0, 1), got {u}")
+        if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0:
+            raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        if not 0.0 <= top_p:
+            raise ConfigError(f"top_p must be >= 0, got {top_p}")
+        self._step_sampling = (temperature, int(top_k), top_p, u)
+
+    def head_sample_step(self, x, weight, eps, w, out, norm, step) -> None:
+        """Sampled head into the step state: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out``
+        f32 [1, vocab], then ``step[STEP_ID]`` = ``sample`` of that row under the parameters of
+        the last ``set_step_sampling`` (read now, at run time) and ``step[STEP_FAULT]`` = the
+        row's fault code (0, or a LOGIT_FAULTS key). Raises nothing for a non-finite row."""
+        from ..errors import NonFiniteLogitsError
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        temperature, top_k, top_p, u = self._step_sampling
+        try:
+            nxt, code = int(self.sample(out[0], temperature, top_k, top_p, u)), 0
         except NonFiniteLogitsError as e:
             nxt, code = 0, _FAULT_CODES[e.kind]
         state = self.to_host(step).copy()

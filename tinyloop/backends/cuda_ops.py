@@ -457,6 +457,11 @@ class CudaOps(Ops):
         # nothing back besides these two ints.
         self._id_ptr = cupy.cuda.runtime.hostAlloc(8, 0x01 | 0x02)   # portable | mapped
         self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
+        # A sampled captured step's parameters f64 [4] = (temperature, top_k, top_p, u), in
+        # mapped pinned memory too: the host writes them before each replay and sample.cu's
+        # sample_step reads them when it runs (set_step_sampling / head_sample_step).
+        self._smp_ptr = cupy.cuda.runtime.hostAlloc(32, 0x01 | 0x02)
+        self._smp_view = (ctypes.c_double * 4).from_address(self._smp_ptr)
         self._free_host = cupy.cuda.runtime.freeHost
         # Device scratch of the LM head's fused argmax (gemv2_norm_*_argmax): one (value, id)
         # partial per block (at most one resident wave of the smallest blocks), the last-block
@@ -480,11 +485,12 @@ class CudaOps(Ops):
                                             # ("why", head_dim, smem) -> mega_why_not
 
     def __del__(self):
-        ptr = getattr(self, "_id_ptr", None)
-        if ptr:
-            self._id_ptr = None
-            if not sys.is_finalizing():      # at exit the process's pinned memory goes with it
-                self._free_host(ptr)
+        for name in ("_id_ptr", "_smp_ptr"):
+            ptr = getattr(self, name, None)
+            if ptr:
+                setattr(self, name, None)
+                if not sys.is_finalizing():  # at exit the process's pinned memory goes with it
+                    self._free_host(ptr)
         for name in ("_wq_ptr", "_scratch_ptr", "_ds_ptr"):   # device scratch: likewise at exit
             ptr = getattr(self, name, None)
             if ptr:
@@ -1067,6 +1073,41 @@ class CudaOps(Ops):
         out = self._out(out, "out", _F32, 1, info.n)
         self._fn("sample", "argmax_f32")((1,), (1024,), (out.data.ptr, info.n, sp))
 
+    @property
+    def graph_sampling(self) -> bool:
+        """A captured step can sample (temperature > 0) where sample.cu's device sampler runs
+        (``device_sampling``; vocabularies up to 2^22)."""
+        return self.device_sampling
+
+    def set_step_sampling(self, temperature, top_k, top_p, u) -> None:
+        """``Ops.set_step_sampling``: validated, then written to the mapped pinned f64 [4] that
+        a replayed ``sample_step`` reads. Only between steps (the previous replay has
+        synchronised, so no kernel is reading it)."""
+        super().set_step_sampling(temperature, top_k, top_p, u)
+        t, k, p, u = self._step_sampling
+        self._smp_view[0], self._smp_view[1], self._smp_view[2], self._smp_view[3] = \
+            t, float(k), p, u
+
+    def head_sample_step(self, x, weight, eps, w, out, norm, step) -> None:
+        """Sampled head into the step state (``Ops.head_sample_step``): ``rmsnorm_lm_head``
+        into ``out`` f32 [1, vocab], then sample.cu's ``sample_step`` (one block; parameters
+        read at run time from ``set_step_sampling``'s pinned buffer; id and fault code to
+        ``step``). Its u64 [vocab] scratch must exist before a capture: the eager step that
+        precedes every capture makes it. Raises ConfigError past the device sampler's
+        vocabulary limit or with ``device_sampling`` off."""
+        sp = self._step_ptr(step)
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        info = self._info(w)
+        out = self._out(out, "out", _F32, 1, info.n)
+        n = info.n
+        if not self.device_sampling or n > _SAMPLE_MAX_N:
+            raise ConfigError(f"a sampled decode step needs the device sampler (vocabulary "
+                              f"<= {_SAMPLE_MAX_N}, device_sampling on); got {n} tokens, "
+                              f"device_sampling={self.device_sampling}")
+        self._ensure_wq(n)
+        self._fn("sample", "sample_step")(
+            (1,), (_SAMPLE_THREADS,), (out.data.ptr, n, self._smp_ptr, self._wq_ptr, sp))
+
     def step_advance(self, step, host_out) -> None:
         """``step[STEP_POS] += 1`` and (id, fault) to ``host_out`` (``step_host_buffer``'s
         mapped pinned int32 [2]) in one one-thread launch."""
@@ -1267,17 +1308,25 @@ class CudaOps(Ops):
         pinned int [2]. Its u64 [n] scratch is taken once (cudaMalloc, outside the pool) and
         grown only for a larger vocabulary."""
         n = logits.shape[0]
-        if n > self._wq_cap:
-            if self._wq_ptr:
-                cupy.cuda.get_current_stream().synchronize()
-                self._free_dev(self._wq_ptr)
-                self._wq_ptr, self._wq_cap = 0, 0
-            self._wq_ptr = cupy.cuda.runtime.malloc(8 * n)
-            self._wq_cap = n
+        self._ensure_wq(n)
         self._fn("sample", "sample_topk_topp")(
             (1,), (_SAMPLE_THREADS,), (logits.data.ptr, n, float(temperature), int(top_k),
                                        float(top_p), float(u), self._wq_ptr, self._id_dev,
                                        id_host))
+
+    def _ensure_wq(self, n: int) -> None:
+        """The sampler's u64 [>= n] scratch (cudaMalloc, outside the pool; grown only for a
+        larger vocabulary, never inside a capture: the eager step before it grows it)."""
+        if n <= self._wq_cap:
+            return
+        if self._capturing is not None:
+            raise ConfigError("the sampler's scratch must be grown before a capture")
+        if self._wq_ptr:
+            cupy.cuda.get_current_stream().synchronize()
+            self._free_dev(self._wq_ptr)
+            self._wq_ptr, self._wq_cap = 0, 0
+        self._wq_ptr = cupy.cuda.runtime.malloc(8 * n)
+        self._wq_cap = n
 
     @staticmethod
     def _sample_nongreedy(logits, n, temperature, top_k, top_p, u) -> int:
