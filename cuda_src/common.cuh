@@ -43,6 +43,20 @@ __device__ __forceinline__ float dq(float q, float s, float z) {
     return __fadd_rn(__fmul_rn(q, s), z);
 }
 
+// --- tensor cores (gemm.cu, attention_prefill.cu): plain sm_80+ PTX, so NVRTC needs no headers.
+// c[0..3] += A (16 x 16, row-major FP16) * B (16 x 8, "col": stored as [n][k]), FP32 accumulate.
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4 g + t4:
+//   a[0] = A[g][2t4..+1], a[1] = A[g+8][2t4..+1], a[2] = A[g][2t4+8..+9], a[3] = A[g+8][2t4+8..+9]
+//   b[0] = B[2t4..+1][g], b[1] = B[2t4+8..+9][g]
+//   c[0..1] = C[g][2t4..+1], c[2..3] = C[g+8][2t4..+1]
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -470,7 +470,7 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
 // [MK_TICKETS(n_heads, n_kv)]; bar u32 [2] (mk_grid_sync; zero before the first launch).
 // step int32 [STEP_WORDS]; host: mapped pinned int32 [2] or null. Dynamic shared memory:
 // 2 * max(2 d, q_dim, ffn) bytes.
-#define MK_ENTRY(HD)                                                                           \
+#define MK_ENTRIES(HD)                                                                           \
     extern "C" __global__ void __launch_bounds__(MK_THREADS) decode_mega_hd##HD(              \
         const i64* prog, i64 n_ops, const i64* layers, const i64* model, i64 d, i64 n_heads,  \
         i64 n_kv, double eps, double theta, double scale_log2, int* step, int* host, float* x, \
@@ -483,6 +483,6 @@ __device__ __forceinline__ void mk_step(const i64* prog, int n_ops, const i64* l
 
 // The head dims built (MEGA_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
 #ifndef MK_HEAD_DIM_ENTRIES
-#define MK_HEAD_DIM_ENTRIES MK_ENTRY(32) MK_ENTRY(64) MK_ENTRY(128)
+#define MK_HEAD_DIM_ENTRIES MK_ENTRIES(32) MK_ENTRIES(64) MK_ENTRIES(128)
 #endif
 MK_HEAD_DIM_ENTRIES

@@ -30,13 +30,7 @@ static_assert(BM == 64 && BN == 64 && GEMM_THREADS == 128,
 
 enum { EPI_F16 = 0, EPI_RESID = 1, EPI_F32 = 3 };
 
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+// mma16816: common.cuh (shared with attention_prefill.cu).
 
 // Each thread owns 16 consecutive codes of one W row per K step: row tid/2, cols (tid%2)*16.
 struct WRegs {

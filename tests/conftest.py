@@ -65,5 +65,18 @@ def fail_nth_allocation(monkeypatch, pool, failing_tag: str, nth: int) -> dict:
                                               device=pool.device)
         return real(nbytes, tag)
 
+    real_many = pool.allocate_many
+
+    def flaky_many(nbytes, n, tag=None):        # a batch counts as n allocations, all or none
+        tag_now = tag or current_tag()
+        if tag_now == failing_tag:
+            first = seen["n"] + 1
+            seen["n"] += n
+            if first <= nth <= seen["n"]:
+                raise errors.OutOfMemoryError("injected", requested_bytes=nbytes, tag=tag_now,
+                                              device=pool.device)
+        return real_many(nbytes, n, tag)
+
     monkeypatch.setattr(pool, "allocate", flaky)
+    monkeypatch.setattr(pool, "allocate_many", flaky_many)
     return seen

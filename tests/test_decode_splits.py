@@ -5,7 +5,8 @@ kernel's page partition, per-split online-softmax partials and combine against a
 import numpy as np
 import pytest
 
-from tinyloop.backends.cuda_ops import DS_MAX_SPLITS, DS_MIN_KEYS, decode_splits
+from tinyloop.backends.cuda_ops import (DS_MAX_SPLITS, DS_MIN_KEYS, DS_SINGLE_PASS_MAX,
+                                        decode_splits)
 
 
 def emulate(q, k, v, ctx, page, nsplit):
@@ -49,11 +50,30 @@ def test_split_partition_and_combine_equal_a_dense_softmax(page, nsplit):
 
 def test_split_count_rule():
     # 9 heads on 132 SMs (SmolLM2 on an H200): bucket / DS_MIN_KEYS, capped near 2 blocks/SM
-    assert decode_splits(1, 9, 132) == 1
-    assert decode_splits(DS_MIN_KEYS, 9, 132) == 1
-    assert decode_splits(DS_MIN_KEYS + 1, 9, 132) == 2
+    assert decode_splits(DS_SINGLE_PASS_MAX + 1, 9, 132) == 2
     assert decode_splits(2048, 9, 132) == 2048 // DS_MIN_KEYS
     assert decode_splits(2110, 9, 132) == min(4096 // DS_MIN_KEYS, -(-264 // 9))
     assert decode_splits(1 << 20, 1, 10_000) == DS_MAX_SPLITS
     # a function of the bucket: every length of one bucket gets the same count
     assert len({decode_splits(c, 9, 132) for c in range(1025, 2049)}) == 1
+
+
+def test_short_contexts_fall_back_to_the_single_pass_kernel():
+    """0 = the single-pass kernel: every context up to the measured crossover (split-K was
+    0.8x at 128 keys), and any case the rule would give one split (the single pass plus a
+    combine launch); split-K from the next bucket on, for any head count that leaves room."""
+    assert DS_SINGLE_PASS_MAX == 128
+    for ctx in (1, 2, 31, 32, 33, 127, 128):
+        assert decode_splits(ctx, 9, 132) == 0, ctx
+    for ctx in (129, 200, 256, 257, 512, 4096):
+        assert decode_splits(ctx, 9, 132) >= 2, ctx
+    # one split by the SM cap (heads >= 2 x SMs) is the single pass too
+    assert decode_splits(4096, 400, 132) == 0
+    # slow reference of the rule, independent of the implementation's bucket arithmetic
+    for ctx in range(1, 5000, 7):
+        bucket = DS_MIN_KEYS
+        while bucket < ctx:
+            bucket *= 2
+        ns = min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, -(-264 // 9))
+        want = 0 if ctx <= DS_SINGLE_PASS_MAX or ns <= 1 else ns
+        assert decode_splits(ctx, 9, 132) == want, ctx

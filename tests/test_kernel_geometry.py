@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tinyloop.backends import cuda_ops
-from tinyloop.backends.cuda_ops import (ATTN_HEAD_DIMS, FAMILY_INCLUDES, GEOMETRY,
-                                         KV_KERNEL_MODES, MEGA_HEAD_DIMS, load_source,
-                                         nvrtc_options)
+from tinyloop.backends.cuda_ops import (ATTN_HEAD_DIMS, FA_HEAD_DIMS, FAMILY_INCLUDES,
+                                         GEOMETRY, KV_KERNEL_MODES, MEGA_HEAD_DIMS,
+                                         load_source, nvrtc_options)
 
 SRC = Path(__file__).resolve().parents[1] / "cuda_src"
 NVCC = shutil.which("nvcc") or next(
@@ -53,16 +53,17 @@ def test_cu_defaults_equal_the_table(family):
     for name, value in GEOMETRY[family].items():
         assert name in got, f"cuda_src/{family}.cu has no #ifndef {name} default"
         if name.endswith("HEAD_DIM_ENTRIES"):
-            dims = MEGA_HEAD_DIMS if family == "decode_mega" else ATTN_HEAD_DIMS
-            assert [int(h) for h in re.findall(r"[A-Z]+_ENTR(?:Y|IES)\((\d+)\)", got[name])] == \
-                list(dims)
+            dims = [int(h) for h in re.findall(r"[A-Z]+_ENTRIES\((\d+)\)", got[name])]
+            assert dims == [int(h) for h in re.findall(r"\((\d+)\)", value)], (family, name)
+            want = {"attention_prefill": FA_HEAD_DIMS, "decode_mega": MEGA_HEAD_DIMS}
+            assert dims == list(want.get(family, ATTN_HEAD_DIMS)), (family, name)
         else:
             assert int(got[name]) == value, (family, name, got[name], value)
 
 
 def test_every_shared_constant_is_in_the_table():
     # a launch constant the host uses must come from GEOMETRY, not a literal of its own
-    for family in ("gemv", "gemm", "attention", "sample", "decode_mega"):
+    for family in ("gemv", "gemm", "attention", "attention_prefill", "sample", "decode_mega"):
         assert set(cu_defaults(family)) == set(GEOMETRY[family]), family
 
 
@@ -113,23 +114,28 @@ def _compile(tmp_path, family: str, options) -> bytes:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_head_dim_option_controls_the_attention_kernels(tmp_path):
-    full = _compile(tmp_path, "attention", nvrtc_options("attention"))
-    for hd in ATTN_HEAD_DIMS:
+@pytest.mark.parametrize("family,entries,dims,kernels", [
+    ("attention", "ATTN", ATTN_HEAD_DIMS, ("attn_decode", "attn_prefill")),
+    ("attention_prefill", "FA", FA_HEAD_DIMS, ("attn_fa",))])
+def test_head_dim_option_controls_the_attention_kernels(tmp_path, family, entries, dims,
+                                                        kernels):
+    full = _compile(tmp_path, family, nvrtc_options(family))
+    for hd in dims:
         for mode in KV_KERNEL_MODES:
-            assert f"attn_decode_{mode}_hd{hd}".encode() in full
-            assert f"attn_prefill_{mode}_hd{hd}".encode() in full
-    only64 = [o for o in nvrtc_options("attention") if "ATTN_HEAD_DIM_ENTRIES" not in o]
-    only64.append("-DATTN_HEAD_DIM_ENTRIES=ATTN_ENTRIES(64)")
-    one = _compile(tmp_path, "attention", only64)
-    assert b"attn_decode_int8_hd64" in one and b"attn_decode_fp16_hd48" not in one
+            for k in kernels:
+                assert f"{k}_{mode}_hd{hd}".encode() in full
+    only64 = [o for o in nvrtc_options(family) if "HEAD_DIM_ENTRIES" not in o]
+    only64.append(f"-D{entries}_HEAD_DIM_ENTRIES={entries}_ENTRIES(64)")
+    one = _compile(tmp_path, family, only64)
+    assert f"{kernels[0]}_int8_hd64".encode() in one
+    assert f"{kernels[0]}_fp16_hd48".encode() not in one
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_head_dim_option_controls_the_megakernels(tmp_path):
     one = _compile(tmp_path, "decode_mega",
                    [o for o in nvrtc_options("decode_mega") if "MK_HEAD_DIM_ENTRIES" not in o]
-                   + ["-DMK_HEAD_DIM_ENTRIES=MK_ENTRY(64)"])
+                   + ["-DMK_HEAD_DIM_ENTRIES=MK_ENTRIES(64)"])
     assert b"decode_mega_hd64" in one and b"decode_mega_hd128" not in one
     # the included families' kernels are compiled out (TL_DEVICE_ONLY): device code only
     assert b"gemv2_q4_f16_l4" not in one and b"attn_split_fp16_hd64" not in one

@@ -772,6 +772,17 @@ def test_kv_write_int8_codes_match_numpy(ops, ref, rng, h, hkv, hd, scale):
     assert (np.abs(deq - v) <= 0.5 * step * (1 + 2e-3) + 1e-12).all()
 
 
+def copy_pages(src_kv, dst_kv, mode: str, npages: int) -> None:
+    """Pages 0..npages-1 of NumPy slot ``src_kv`` into CUDA slot ``dst_kv``, byte for byte,
+    each through its own block table (fp16 mode: rounded to FP16 first, on both sides)."""
+    for i in range(npages):
+        src, dst = src_kv.page_parts(i), dst_kv.page_parts(i)
+        for name, arr in src.items():
+            if mode == "fp16":
+                arr[...] = arr.astype(np.float16)        # the stored values, as FP16
+            dst[name].set(np.ascontiguousarray(arr).astype(dst[name].dtype))
+
+
 def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, step=False):
     """The NumPy cache is filled by its kv_write; its pages are copied byte for byte into the
     CUDA pages (fp16 mode: rounded to FP16 first, on both sides), so both attentions read the
@@ -780,12 +791,7 @@ def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, step=Fals
     c_ref, c_dev = kv_pair(ops, ref, mode, h, hkv, hd, ctx, p)
     _, allq = qkv_rows(rng, ctx, h, hkv, hd, extra=8)   # extra columns: a padded qkv row
     ref.kv_write(allq.copy(), None, 0, 1e4, h, hkv, hd, c_ref.slot(0))
-    for i in range(-(-ctx // p)):
-        src, dst = c_ref.slot(0).page_parts(i), c_dev.slot(0).page_parts(i)
-        for name, arr in src.items():
-            if mode == "fp16":
-                arr[...] = arr.astype(np.float16)        # the stored values, as FP16
-            dst[name].set(np.ascontiguousarray(arr).astype(dst[name].dtype))
+    copy_pages(c_ref.slot(0), c_dev.slot(0), mode, -(-ctx // p))
     qh = allq[pos0:].astype(np.float16)
     q = qh.astype(np.float32)
     want = np.empty((t, h * hd), np.float32)

@@ -15,6 +15,8 @@ Conventions for every op:
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from ..config import KV_MODES
@@ -103,6 +105,13 @@ class Ops:
     def zero(self, arr) -> None:
         """Set every element of a device array to 0."""
         arr.fill(0)
+
+    def zero_ranges(self, ranges) -> None:
+        """Set the bytes of every ``(address, nbytes)`` range to 0 (ranges of this backend's
+        pool, e.g. ``memory.block.contiguous_runs`` of freshly allocated pages: one memset per
+        range). Host memory here; CudaOps issues one cudaMemsetAsync per range."""
+        for ptr, n in ranges:
+            ctypes.memset(ptr, 0, n)
 
     def make_fp16_cache(self, w, pool, tag: str | None = "fp16_cache"):
         """A dense ``[out, in]`` copy of the device QuantWeight ``w`` for the prefill GEMMs

@@ -42,7 +42,7 @@ except ImportError:  # the module still imports (for docs / source checks) witho
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
-            "elementwise", "sample", "decode_mega")
+            "attention_prefill", "elementwise", "sample", "decode_mega")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -50,6 +50,9 @@ _INCLUDE = '#include "common.cuh"'
 # the value only as an ``#ifndef NAME`` default so nvcc compiles it standalone
 # (.ci/compile_cuda.sh), and tests/test_kernel_geometry.py fails if a default drifts from here.
 ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)   # attention.cu instantiates one kernel pair each
+# attention_prefill.cu (tensor cores) needs head_dim % 16 == 0; other head dims (none built
+# today) run the scalar prefill kernel
+FA_HEAD_DIMS = tuple(hd for hd in ATTN_HEAD_DIMS if hd % 16 == 0)
 MEGA_HEAD_DIMS = (32, 64, 128)    # decode_mega.cu instantiates one megakernel per head dim
 GEOMETRY = {
     "gemv": {"GEMV_WARPS": 8},                   # warps (= output rows) per 32*W-thread block
@@ -59,13 +62,16 @@ GEOMETRY = {
                   "DC_THREADS": 1024,            # decode: threads per block (one query head)
                   "ATTN_HEAD_DIM_ENTRIES": "".join(f"ATTN_ENTRIES({hd})"
                                                    for hd in ATTN_HEAD_DIMS)},
+    "attention_prefill": {"FA_WARPS": 4,         # mma prefill: warps (16 query rows each)
+                          "FA_HEAD_DIM_ENTRIES": "".join(f"FA_ENTRIES({hd})"
+                                                         for hd in FA_HEAD_DIMS)},
     "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
     "decode_mega": {"MK_THREADS": 128,           # megakernel block (= DS_THREADS: an attention
                                                  # unit is one block)
-                    "MK_HEAD_DIM_ENTRIES": "".join(f"MK_ENTRY({hd})" for hd in MEGA_HEAD_DIMS)},
+                    "MK_HEAD_DIM_ENTRIES": "".join(f"MK_ENTRIES({hd})" for hd in MEGA_HEAD_DIMS)},
 }
 # A family whose source #includes other families' .cu files (their device code; entries
 # compiled out with TL_DEVICE_ONLY) compiles with their geometry too.
@@ -90,6 +96,10 @@ _GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
 _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 _GEMM_THREADS = GEOMETRY["gemm"]["GEMM_THREADS"]
 _PF_Q = GEOMETRY["attention"]["PF_Q"]
+_FA_THREADS = 32 * GEOMETRY["attention_prefill"]["FA_WARPS"]
+_FA_Q = 16 * GEOMETRY["attention_prefill"]["FA_WARPS"]    # query rows per block
+_FA_NAMES = {(m, hd): f"attn_fa_{m}_hd{hd}" for m in KV_KERNEL_MODES for hd in FA_HEAD_DIMS}
+ATTN_PREFILL_VERSIONS = ("mma", "scalar")   # TINYLOOP_ATTN_PREFILL: tensor cores | scalar FP32
 _DC_THREADS = GEOMETRY["attention"]["DC_THREADS"]
 _DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
 _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
@@ -97,6 +107,13 @@ _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
 ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
 DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
 DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
+# Contexts of at most this many keys run the single-pass decode kernel (attention.cu), not
+# split-K. bench_attn_decode.py on the H200 (SmolLM2 dims, fp16/int8 pages of 32): split-K was
+# 0.8x the single-pass kernel at ctx 128 (one split there: the same work plus a combine
+# launch), 2.1x at 2048, 3.1x at 4096; interpolating in log2(ctx) puts break-even near 200
+# keys, between the 128 and 256 buckets, so every context of the 128 bucket (and any rule
+# outcome of one split) goes single-pass. The bench's 192 / 256 rows check it.
+DS_SINGLE_PASS_MAX = 128
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
@@ -163,8 +180,10 @@ def gemv_settings(version: str | None = None, lpr: int | None = None,
 
 def attn_decode_setting(version: str | None = None) -> str:
     """The T = 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_DECODE``: ``split``
-    (default; split-K, attention_decode.cu) or ``v1`` (one block per query head,
-    attention.cu). Raises ConfigError naming a bad value."""
+    (default; split-K, attention_decode.cu, falling back to the single-pass kernel where
+    ``decode_splits`` returns 0: contexts of at most DS_SINGLE_PASS_MAX keys) or ``v1`` (one
+    block per query head, attention.cu, at every length). Raises ConfigError naming a bad
+    value."""
     ver = version or os.environ.get("TINYLOOP_ATTN_DECODE", "") or "split"
     if ver not in ATTN_DECODE_VERSIONS:
         raise ConfigError(f"decode attention (TINYLOOP_ATTN_DECODE) {ver!r}: expected one of "
@@ -172,16 +191,34 @@ def attn_decode_setting(version: str | None = None) -> str:
     return ver
 
 
+def attn_prefill_setting(version: str | None = None) -> str:
+    """The T > 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_PREFILL``: ``mma``
+    (default; FlashAttention-2 on tensor cores, attention_prefill.cu, for head dims in
+    FA_HEAD_DIMS) or ``scalar`` (the FP32 kernel of attention.cu, the slow reference; also
+    what ``mma`` falls back to for other head dims). Raises ConfigError naming a bad value."""
+    ver = version or os.environ.get("TINYLOOP_ATTN_PREFILL", "") or "mma"
+    if ver not in ATTN_PREFILL_VERSIONS:
+        raise ConfigError(f"prefill attention (TINYLOOP_ATTN_PREFILL) {ver!r}: expected one of "
+                          f"{ATTN_PREFILL_VERSIONS}")
+    return ver
+
+
 def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
-    """Split count of the split-K decode attention for a context of ``ctx`` keys: from the
-    power-of-two length bucket ``b = max(DS_MIN_KEYS, 2^ceil(log2 ctx))``, ``b / DS_MIN_KEYS``
-    splits, capped so n_heads * splits is about two blocks per SM and at DS_MAX_SPLITS. A
-    function of the bucket only, so a captured graph keyed by the bucket (or by the block
-    table's capacity, whose ctx it passes) launches a valid grid for every length in it;
-    each split's page range is computed on the device from the real length."""
+    """Split count of the split-K decode attention for a context of ``ctx`` keys, or 0 for
+    the single-pass kernel (``ctx <= DS_SINGLE_PASS_MAX``, or a rule outcome of one split:
+    one split does the single-pass work plus a combine launch; see DS_SINGLE_PASS_MAX for the
+    measurements). Otherwise from the power-of-two length bucket ``b = max(DS_MIN_KEYS,
+    2^ceil(log2 ctx))``: ``b / DS_MIN_KEYS`` splits, capped so n_heads * splits is about two
+    blocks per SM and at DS_MAX_SPLITS. A function of the bucket only, so a captured graph
+    keyed by the bucket (or by the block table's capacity, whose ctx it passes) launches a
+    valid grid for every length in it; each split's page range is computed on the device from
+    the real length. The one place the split / single-pass choice is made."""
+    if int(ctx) <= DS_SINGLE_PASS_MAX:
+        return 0
     bucket = max(DS_MIN_KEYS, 1 << max(0, int(ctx) - 1).bit_length())
     by_sms = -(-2 * int(sms) // max(1, int(n_heads)))
-    return max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
+    ns = max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
+    return 0 if ns == 1 else ns
 
 
 def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
@@ -426,10 +463,12 @@ class CudaOps(Ops):
     xp = cupy
 
     def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
-                 gemv_threads: int | None = None, attn_decode: str | None = None):
+                 gemv_threads: int | None = None, attn_decode: str | None = None,
+                 attn_prefill: str | None = None):
         """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
         ``gemv_settings``; None reads the environment); ``attn_decode``: the T = 1 attention
-        kernel (``attn_decode_setting``)."""
+        kernel (``attn_decode_setting``); ``attn_prefill``: the T > 1 one
+        (``attn_prefill_setting``)."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -446,6 +485,7 @@ class CudaOps(Ops):
         self.sms = sms
         self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
         self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
+        self.attn_prefill = attn_prefill_setting(attn_prefill)     # mma | scalar
         # split-K decode attention's partials f32 [n_heads, splits, hd + 2], cudaMalloc'd
         # beside the argmax scratch on the first decode that needs more (an eager step always
         # precedes a capture, so a captured launch never grows it)
@@ -532,6 +572,14 @@ class CudaOps(Ops):
             _dev(arr, "arr", arr.dtype)
         cupy.cuda.runtime.memsetAsync(arr.data.ptr, 0, arr.nbytes,
                                       cupy.cuda.get_current_stream().ptr)
+
+    def zero_ranges(self, ranges) -> None:
+        """One cudaMemsetAsync per ``(address, nbytes)`` device range on the current stream
+        (``Ops.zero_ranges``: a batch of KV pages is zeroed in one call per contiguous run)."""
+        stream = cupy.cuda.get_current_stream().ptr
+        memset = cupy.cuda.runtime.memsetAsync
+        for ptr, n in ranges:
+            memset(ptr, 0, n, stream)
 
     def upload_array(self, host: np.ndarray, pool):
         """Base upload, plus the 16-byte alignment the vector loads need (block freed if not)."""
@@ -782,8 +830,10 @@ class CudaOps(Ops):
     def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
         """out f16 [T, H hd]: causal GQA attention of the (rotated) Q rows of ``qkv`` over
         positions 0..pos0+T-1 of slot ``kv``, read through its device block table (fp16, or
-        int8 dequantized in the inner loop). T = 1: decode kernel; T > 1: flash-style
-        prefill."""
+        int8 dequantized in the inner loop). T = 1: decode kernel; T > 1: prefill, on tensor
+        cores (attention_prefill.cu) unless ``attn_prefill == "scalar"``, the head dim is not
+        in FA_HEAD_DIMS or the rows do not allow its 4-byte loads (then attention.cu's scalar
+        kernel)."""
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -799,6 +849,12 @@ class CudaOps(Ops):
         if t == 1:
             self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
                               scale_log2, out)
+        elif (self.attn_prefill == "mma" and head_dim in FA_HEAD_DIMS and ld % 2 == 0
+              and qkv.data.ptr % 4 == 0 and out.data.ptr % 4 == 0 and ctx < 2**30):
+            self._fn("attention_prefill", _FA_NAMES[mode, head_dim])(
+                (((t + _FA_Q - 1) // _FA_Q) * int(n_heads),), (_FA_THREADS,),
+                (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
+                 int(n_kv_heads), scale_log2, self.sms, out.data.ptr))
         else:
             self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
@@ -808,10 +864,12 @@ class CudaOps(Ops):
     def _attn_decode(self, qkv, ctx, step_pos, table, p, offs, mode, n_heads, n_kv_heads,
                      head_dim, scale_log2, out, splits=None):
         """One query row: split-K (``attn_split_*`` + ``attn_combine_*``) or, with
-        ``attn_decode == "v1"``, the one-block-per-head kernel. ``step_pos``: 0, or the device
-        address of the int32 position (ctx = pos + 1 on the device; ``ctx`` is then the table's
-        capacity and only picks the split count). ``splits`` forces the split count (tests)."""
-        if self.attn_decode == "v1":
+        ``attn_decode == "v1"`` or when ``decode_splits`` says single-pass (short contexts), the
+        one-block-per-head kernel. ``step_pos``: 0, or the device address of the int32
+        position (ctx = pos + 1 on the device; ``ctx`` is then the table's capacity and only
+        picks the split count). ``splits`` forces split-K with that count (tests)."""
+        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
+        if self.attn_decode == "v1" or ns == 0:
             if step_pos:
                 raise ConfigError("TINYLOOP_ATTN_DECODE=v1 reads the context length on the "
                                   "host; the device step state needs the split-K kernel")
@@ -820,7 +878,6 @@ class CudaOps(Ops):
                 (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
                  scale_log2, out.data.ptr))
             return
-        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
         if not 1 <= ns <= DS_MAX_SPLITS:
             raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
         need = int(n_heads) * ns * (int(head_dim) + 2) * 4
@@ -1048,8 +1105,8 @@ class CudaOps(Ops):
         table, p, offs = self._step_kv(kv)
         out = self._out(out, "out", _F16, 1, n_heads * head_dim)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
-        if self.attn_decode == "split":
-            cap = int(kv.table.shape[0]) * kv.layout.page_size
+        cap = int(kv.table.shape[0]) * kv.layout.page_size
+        if self.attn_decode == "split" and decode_splits(cap, n_heads, self.sms):
             self._attn_decode(qkv, cap, self._step_ptr(step) + 4 * STEP_POS, table, p, offs,
                               kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
             return

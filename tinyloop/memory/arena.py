@@ -180,12 +180,87 @@ class Arena:
         c.free = False
         return c
 
+    def take_run(self, rounded: int, n: int, kind: str) -> list[Chunk]:
+        """Up to ``n`` live chunks of exactly ``rounded`` bytes from class ``kind``: the chunks
+        ``n`` calls of :meth:`take` would return, in that order, or fewer (possibly none) when
+        the class runs out of chunks that fit.
+
+        Why one carve per free chunk is the same as ``n`` takes: after ``take`` splits the
+        best-fit chunk ``(S, p)``, its tail ``(S - rounded, p + rounded)`` sorts before every
+        other free chunk that fits (those are all >= ``(S, p)``), so the next ``take`` splits
+        the tail again while it still fits. So the run takes ``min(n, S // rounded)``
+        address-contiguous chunks from the best fit, links them in one pass and inserts one
+        tail into the free list, instead of one bisect insertion per chunk.
+        """
+        out: list[Chunk] = []
+        lst = self._free[kind]
+        key = (rounded, -1)
+        while len(out) < n:
+            i = bisect.bisect_left(lst, key)
+            if i == len(lst):
+                break
+            size, ptr = lst[i]
+            del lst[i]
+            c = self._free_chunk.pop(ptr)
+            k = min(n - len(out), size // rounded)
+            seg, nxt = c.segment, c.next
+            c.size = rounded
+            c.free = False
+            out.append(c)
+            prev, p = c, ptr + rounded
+            for _ in range(k - 1):
+                d = Chunk(p, rounded, seg, False)
+                d.prev = prev
+                prev.next = d
+                out.append(d)
+                prev, p = d, p + rounded
+            rest = size - k * rounded
+            if rest:                            # the tail stays free
+                tail = Chunk(p, rest, seg)
+                tail.prev = prev
+                prev.next = tail
+                tail.next = nxt
+                if nxt is not None:
+                    nxt.prev = tail
+                self._insert_free(tail)
+            else:
+                prev.next = nxt
+                if nxt is not None:
+                    nxt.prev = prev
+        return out
+
     def give_back(self, c: Chunk) -> Chunk:
         """Mark a live chunk free and merge it with free neighbours; return the merged chunk."""
         if c.free:
             raise ValueError(f"{c!r} is already free")
         c.free = True
         c.owner = None
+        return self._merge(c)
+
+    def give_back_run(self, run: list) -> Chunk:
+        """Give back live chunks that are neighbours in one segment (``run[i + 1]`` is
+        ``run[i].next``) as one: the arena ends as after one ``give_back`` per chunk (free
+        chunks are always fully merged), with one free-list update instead of one per chunk.
+        Raises ValueError, changing nothing, for a free chunk or chunks that are not
+        neighbours."""
+        for a, b in zip(run, run[1:]):
+            if a.next is not b:
+                raise ValueError(f"{b!r} does not follow {a!r}")
+        for c in run:
+            if c.free:
+                raise ValueError(f"{c!r} is already free")
+        first, last = run[0], run[-1]
+        for c in run:
+            c.free = True
+            c.owner = None
+        first.size = last.ptr + last.size - first.ptr
+        first.next = last.next
+        if last.next is not None:
+            last.next.prev = first
+        return self._merge(first)
+
+    def _merge(self, c: Chunk) -> Chunk:
+        """Merge the newly free chunk ``c`` with its free neighbours and list the result."""
         nxt = c.next
         if nxt is not None and nxt.free:        # absorb the next chunk
             self._remove_free(nxt)

@@ -52,3 +52,24 @@ class Block:
         state = "freed" if self.freed else "live"
         return (f"Block({self.pool.device}, ptr=0x{self.ptr:x}, nbytes={self.nbytes}, "
                 f"requested={self.requested_bytes}, tag={self.tag!r}, {state})")
+
+
+def contiguous_runs(blocks) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of each maximal run of neighbours in ``blocks`` (a list of live
+    blocks) that tile one segment back to back, in list order: one memset or copy per run
+    instead of one per block. Blocks of two segments never share a run, even when the segments
+    happen to be adjacent in memory. Every byte of every block is in exactly one run."""
+    runs: list[tuple[int, int]] = []
+    start = end = 0
+    seg = None
+    for blk in blocks:
+        s = blk._chunk.segment
+        if blk.ptr == end and s is seg:
+            end += blk.nbytes
+            continue
+        if seg is not None:
+            runs.append((start, end - start))
+        start, end, seg = blk.ptr, blk.ptr + blk.nbytes, s
+    if seg is not None:
+        runs.append((start, end - start))
+    return runs

@@ -135,6 +135,133 @@ class MemoryPool:
             self._log_event((_now(), "alloc", chunk.ptr, rounded, tag))
         return blk
 
+    def allocate_many(self, nbytes: int, n: int, tag: str | None = None) -> list[Block]:
+        """``n`` blocks of ``nbytes`` each, all or nothing: what ``n`` calls of
+        :meth:`allocate` would return (same addresses, sizes, tag, counters, peaks and one
+        ``alloc`` event per block, in the same order), made under one lock hold.
+
+        The size-class lookup, the tag check and the statistics update run once per batch;
+        the arena carves each best-fit free chunk into a run of blocks at once
+        (``Arena.take_run``); a segment is added whenever the class runs out, exactly as the
+        one-by-one path would add it. The blocks come back in allocation order, so
+        address-contiguous runs are neighbours in the list (``block.contiguous_runs``).
+        Raises ``tinyloop.OutOfMemoryError`` when not all ``n`` fit: the blocks carved so far
+        are given back first (nothing stays allocated, no ``alloc`` event is logged; segments
+        added for the batch stay cached, as after any failed allocation). ConfigError for an
+        unknown tag, ValueError for nbytes < 0 or n < 0.
+        """
+        nbytes = operator.index(nbytes)
+        n = operator.index(n)
+        if nbytes < 0 or n < 0:
+            raise ValueError(f"cannot allocate {n} blocks of {nbytes} bytes")
+        if tag is None:
+            tag = current_tag()
+        elif tag not in _TAG_SET:
+            check_tag(tag)                                  # raises ConfigError
+        if n == 0:
+            return []
+        rounded = round_size(nbytes)
+        kind = "large" if packed() else size_kind(rounded)
+        arena = self._arena
+        with self._lock:
+            if self._deferred:
+                self._drain_deferred()
+            # The events of added segments are staged, then logged in the order the one-by-one
+            # path logs them (each segment_alloc before the allocs carved from it); on a
+            # failure only they (and the oom) are logged, no alloc of a block given back.
+            log = self._log_event
+            staged: list = []
+            marks = []                  # (events staged, chunks carved) after each carve
+            self._log_event = staged.append
+            chunks: list = []
+            try:
+                chunks = arena.take_run(rounded, n, kind)
+                marks.append((0, len(chunks)))
+                while len(chunks) < n:
+                    self._grow(nbytes, rounded, kind, tag)  # raises OutOfMemoryError
+                    more = arena.take_run(rounded, n - len(chunks), kind)
+                    assert more, "a fresh segment must fit its request"
+                    chunks += more
+                    marks.append((len(staged), len(chunks)))
+            except BaseException:
+                for c in reversed(chunks):
+                    arena.give_back(c)
+                for e in staged:
+                    log(e)
+                raise
+            finally:
+                self._log_event = log
+            now, pool = _now(), self
+            blocks = []
+            append = blocks.append
+            e0 = c0 = 0
+            for ne, nc in marks:
+                for e in staged[e0:ne]:
+                    log(e)
+                for c in chunks[c0:nc]:
+                    blk = Block(pool, c, nbytes, tag)
+                    c.owner = blk
+                    append(blk)
+                    log((now, "alloc", c.ptr, rounded, tag))
+                e0, c0 = ne, nc
+            total = rounded * n
+            self._allocated_bytes += total
+            self._requested_bytes += nbytes * n
+            self._live_blocks += n
+            self._num_allocs += n
+            by_tag = self._by_tag[tag] + total
+            self._by_tag[tag] = by_tag
+            if self._allocated_bytes > self._peak_allocated_bytes:
+                self._peak_allocated_bytes = self._allocated_bytes
+            if by_tag > self._peak_by_tag[tag]:
+                self._peak_by_tag[tag] = by_tag
+        return blocks
+
+    def free_many(self, blocks) -> None:
+        """Return every block of ``blocks`` to the pool under one lock hold (what ``free`` of
+        each would do, in order). Raises ValueError, before freeing anything, for a block of
+        another pool, an already freed block or a block listed twice."""
+        blocks = list(blocks)
+        for blk in blocks:
+            if not isinstance(blk, Block) or blk.pool is not self:
+                raise ValueError(f"{blk!r} does not belong to this {self.device} pool")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("free_many: a block is listed twice")
+        with self._lock:
+            if self._deferred:
+                self._drain_deferred()
+            for blk in blocks:
+                if blk.freed:
+                    raise ValueError(f"double free of {blk!r}")
+            # neighbours in list order (a slot's pages, a batch in allocation order) go back
+            # to the arena as one run: the same end state and events as one free each
+            log, arena, i, n = self._log_event, self._arena, 0, len(blocks)
+            while i < n:
+                chunk = blocks[i]._chunk
+                run = [chunk]
+                j = i + 1
+                while j < n and blocks[j]._chunk is not None \
+                        and blocks[j]._chunk.prev is run[-1]:
+                    run.append(blocks[j]._chunk)
+                    j += 1
+                if len(run) == 1:
+                    self._free_locked(blocks[i])
+                else:
+                    freed = 0
+                    arena.give_back_run(run)
+                    for blk in blocks[i:j]:
+                        log((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
+                        blk.freed = True
+                        blk._chunk = None
+                        freed += blk.nbytes
+                        self._requested_bytes -= blk.requested_bytes
+                        self._by_tag[blk.tag] -= blk.nbytes
+                        log((_now(), "free_completed", blk.ptr, blk.nbytes, blk.tag))
+                    self._allocated_bytes -= freed
+                    self._live_blocks -= j - i
+                    self._num_frees += j - i
+                i = j
+
     def reserve(self, nbytes: int, tag: str | None = None) -> bool:
         """Make sure one free "large" chunk of at least ``nbytes`` (rounded to 512) exists,
         adding one segment (rounded up to 2 MiB) if not: a load that knows its total asks for

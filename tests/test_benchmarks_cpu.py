@@ -1,0 +1,54 @@
+"""The benchmark scripts that run on the device still import and parse their arguments on the
+CPU (no CuPy here), and the CPU-only page benchmark runs end to end on a small case."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _load(name: str):
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"),
+                           *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_bench_kernels_imports_and_describes_itself_without_a_gpu():
+    mod = _load("bench_kernels")
+    # the paged-cache port: the stack is the model's slot layout at depth 1, both KV modes
+    assert mod.CFG.n_slots(1) == mod.LAYERS == 30
+    assert mod.KV_MODES == ("fp16", "int8")
+    assert set(mod.PREFILL_KINDS.values()) == {"norms", "GEMMs", "kv write", "attention"}
+    # bytes of one position of one slot, by hand: fp16 K+V rows; int8 codes + fp16 scales
+    assert mod.kv_bytes_per_position("fp16") == 2 * 3 * 64 * 2
+    assert mod.kv_bytes_per_position("int8") == 2 * 3 * 64 + 2 * 3 * 2
+    r = _run("bench_kernels", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--ctx" in r.stdout and "prefill" in r.stdout
+    if mod.cupy is None:
+        r = _run("bench_kernels", "--quick")
+        assert r.returncode != 0 and "needs CuPy" in r.stderr
+
+
+def test_bench_pages_runs_on_the_cpu():
+    r = _run("bench_pages", "--tokens", "256", "--depths", "1", "--modes", "int8",
+             "--repeats", "2")
+    assert r.returncode == 0, r.stderr
+    assert "ensure(256)" in r.stdout and "allocate_many" in r.stdout
+    # 30 slots x 8 pages, and the batch zeroes them in far fewer memsets than one per page
+    line = next(ln for ln in r.stdout.splitlines() if ln.split()[:3] == ["1", "int8", "stubbed"])
+    assert line.split()[4] == "240"
+    ref, new = line.split()[-1].split("/")
+    assert int(ref) == 240 and int(new) < 240
