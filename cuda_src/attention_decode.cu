@@ -29,19 +29,21 @@
 #define DS_THREADS 128
 #endif
 
+// One (query head h, split s of nsplit) unit over keys 0..ctx-1, run by a block of DS_THREADS
+// threads (the split kernel below: h = blockIdx.x, s = blockIdx.y; decode_mega.cu: a grid-stride
+// loop over units). qkv is read through L2 (__ldcg): the megakernel rewrites it every layer.
 template <int MODE, int HD>
-__device__ void attn_split_impl(const half_t* __restrict__ qkv, i64 ctx_host,
-                                const int* __restrict__ step_pos, const i64* __restrict__ table,
-                                i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
-                                i64 n_kv, float scale_log2, float* __restrict__ part) {
+__device__ void attn_split_unit(const half_t* qkv, i64 ctx, const i64* __restrict__ table, i64 P,
+                                i64 k_off, i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
+                                i64 n_kv, float scale_log2, float* part, i64 h, i64 s,
+                                i64 nsplit) {
     constexpr int C8 = HD / 8, NSL = DS_THREADS / C8;
     __shared__ __align__(16) float qs[HD];
     __shared__ float ps[DS_THREADS];
     __shared__ float red[32];
     __shared__ float osum[NSL * HD];
     const int tid = threadIdx.x;
-    const i64 h = blockIdx.x, hk = h / (n_heads / n_kv), s = blockIdx.y, nsplit = gridDim.y;
-    const i64 ctx = step_pos != nullptr ? (i64)(*step_pos) + 1 : ctx_host;
+    const i64 hk = h / (n_heads / n_kv);
     const i64 npages = (ctx + P - 1) / P, pps = (npages + nsplit - 1) / nsplit;
     const i64 k0 = s * pps * P;
     const i64 k1 = (s + 1) * pps * P < ctx ? (s + 1) * pps * P : ctx;
@@ -51,7 +53,7 @@ __device__ void attn_split_impl(const half_t* __restrict__ qkv, i64 ctx_host,
         if (tid == 0) { dst[HD] = TL_NEG_INF; dst[HD + 1] = 0.0f; }
         return;
     }
-    for (int i = tid; i < HD; i += DS_THREADS) qs[i] = h2f(qkv[h * HD + i]) * scale_log2;
+    for (int i = tid; i < HD; i += DS_THREADS) qs[i] = h2f(__ldcg(qkv + h * HD + i)) * scale_log2;
     __syncthreads();
     const int ch = tid % C8, sl = tid / C8;        // P*V: 8-dim chunk and key slice
     const bool pv = sl < NSL;                      // DS_THREADS % C8 leftover threads idle
@@ -111,24 +113,43 @@ __device__ void attn_split_impl(const half_t* __restrict__ qkv, i64 ctx_host,
     if (tid == 0) { dst[HD] = m; dst[HD + 1] = l; }
 }
 
+template <int MODE, int HD>
+__device__ void attn_split_impl(const half_t* __restrict__ qkv, i64 ctx_host,
+                                const int* __restrict__ step_pos, const i64* __restrict__ table,
+                                i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
+                                i64 n_kv, float scale_log2, float* __restrict__ part) {
+    const i64 ctx = step_pos != nullptr ? (i64)(*step_pos) + 1 : ctx_host;
+    attn_split_unit<MODE, HD>(qkv, ctx, table, P, k_off, v_off, ks_off, vs_off, n_heads, n_kv,
+                              scale_log2, part, blockIdx.x, blockIdx.y, gridDim.y);
+}
+
+// Head h's merge of its nsplit partials into out[h * HD ..] (f16); the block's threads stride
+// over the HD outputs. Partials are read through L2 (__ldcg): other blocks wrote them.
 template <int HD>
-__device__ void attn_combine_impl(const float* __restrict__ part, i64 nsplit,
-                                  half_t* __restrict__ out) {
-    const i64 h = blockIdx.x;
+__device__ __forceinline__ void attn_combine_head(const float* part, i64 nsplit, half_t* out,
+                                                  i64 h) {
     const float* src = part + h * nsplit * (HD + 2);
     float mx = TL_NEG_INF;
-    for (i64 s = 0; s < nsplit; ++s) mx = fmaxf(mx, src[s * (HD + 2) + HD]);
+    for (i64 s = 0; s < nsplit; ++s) mx = fmaxf(mx, __ldcg(src + s * (HD + 2) + HD));
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float num = 0.0f, den = 0.0f;
         for (i64 s = 0; s < nsplit; ++s) {
             const float* ps = src + s * (HD + 2);
-            const float wgt = exp2f(ps[HD] - mx);            // 0 for an empty split
-            num = fmaf(wgt, ps[i], num);
-            den = fmaf(wgt, ps[HD + 1], den);
+            const float wgt = exp2f(__ldcg(ps + HD) - mx);   // 0 for an empty split
+            num = fmaf(wgt, __ldcg(ps + i), num);
+            den = fmaf(wgt, __ldcg(ps + HD + 1), den);
         }
         out[h * HD + i] = f2h(num / den);
     }
 }
+
+template <int HD>
+__device__ void attn_combine_impl(const float* __restrict__ part, i64 nsplit,
+                                  half_t* __restrict__ out) {
+    attn_combine_head<HD>(part, nsplit, out, blockIdx.x);
+}
+
+#ifndef TL_DEVICE_ONLY
 
 // Entry points. step_pos: null, or the device int32 position of the step state (ctx = pos + 1).
 #define DS_ENTRIES_MODE(MODE, NAME, HD)                                                        \
@@ -154,3 +175,4 @@ __device__ void attn_combine_impl(const float* __restrict__ part, i64 nsplit,
     DS_ENTRIES(128)
 #endif
 DS_HEAD_DIM_ENTRIES
+#endif  // TL_DEVICE_ONLY

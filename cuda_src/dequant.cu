@@ -39,6 +39,7 @@ __device__ void embed_impl(const u8* __restrict__ qw, const half_t* __restrict__
         o[c] = load_dq<BITS>(qw, sc, zr, id, c, (int)K, (int)log2g);
 }
 
+#ifndef TL_DEVICE_ONLY
 extern "C" __global__ void embed_q4(const u8* qw, const half_t* sc, const half_t* zr,
                                     const int* ids, i64 id0, i64 K, i64 vocab, i64 log2g,
                                     float* out) {
@@ -70,3 +71,4 @@ extern "C" __global__ void dequant_f16_q8(const u8* qw, const half_t* sc, const 
                                           i64 K, i64 log2g, half_t* out) {
     dequant_f16_impl<8>(qw, sc, zr, K, log2g, out);
 }
+#endif  // TL_DEVICE_ONLY

@@ -28,6 +28,20 @@
 
 enum { EPI_F16 = 0, EPI_RESID = 1, EPI_SWIGLU = 2, EPI_F32 = 3 };
 
+// The epilogue of output row `row` (by the lane holding its total): EPI_F16 / EPI_F32 store,
+// EPI_RESID read-add-store (the read through L2: decode_mega.cu's residual row is written by
+// other blocks of the same launch), EPI_SWIGLU silu(acc0) * acc1.
+template <int EPI>
+__device__ __forceinline__ void gemv_store(void* out, i64 row, float acc0, float acc1) {
+    if (EPI == EPI_F16) ((half_t*)out)[row] = f2h(acc0);
+    if (EPI == EPI_F32) ((float*)out)[row] = acc0;
+    if (EPI == EPI_RESID) {
+        float* o = (float*)out + row;
+        *o = __ldcg(o) + acc0;
+    }
+    if (EPI == EPI_SWIGLU) ((half_t*)out)[row] = f2h(acc0 / (1.0f + __expf(-acc0)) * acc1);
+}
+
 // Dot of one 16-byte chunk (chunk index c of its row) with x, given the chunk's group scale s
 // and zero z: returns s * sum q_k x_k + z * sum x_k.
 template <int BITS>
@@ -121,11 +135,7 @@ __device__ __forceinline__ void gemv_row(const u8* __restrict__ qw, const half_t
             acc0 += chunk_dot<BITS>(w0[c], x, c, sc, zr, row, ngroups, log2g);
     }
     acc0 = warp_sum(acc0);
-    if (lane != 0) return;
-    if (EPI == EPI_F16) ((half_t*)out)[row] = f2h(acc0);
-    if (EPI == EPI_F32) ((float*)out)[row] = acc0;
-    if (EPI == EPI_RESID) ((float*)out)[row] += acc0;
-    if (EPI == EPI_SWIGLU) ((half_t*)out)[row] = f2h(acc0 / (1.0f + __expf(-acc0)) * acc1);
+    if (lane == 0) gemv_store<EPI>(out, row, acc0, acc1);
 }
 
 // x f16 [K] in global memory. grid = ceil(N / GEMV_WARPS), block = 32 * GEMV_WARPS.
@@ -176,6 +186,7 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
         gemv_row<BITS, EPI>(qw, sc, zr, xs, row, K, F, (int)log2g, out, lane);
 }
 
+#ifndef TL_DEVICE_ONLY
 #define GEMV_ENTRY(NAME, BITS, EPI)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
@@ -206,6 +217,7 @@ GEMV_NORM_ENTRY(gemv_norm_q4_f32, 4, EPI_F32)
 GEMV_NORM_ENTRY(gemv_norm_q8_f16, 8, EPI_F16)
 GEMV_NORM_ENTRY(gemv_norm_q8_swiglu, 8, EPI_SWIGLU)
 GEMV_NORM_ENTRY(gemv_norm_q8_f32, 8, EPI_F32)
+#endif  // TL_DEVICE_ONLY
 
 // ================================================================================================
 // GEMV v2 (the default decode path; v1 above stays selectable: TINYLOOP_GEMV=v1).
@@ -276,14 +288,16 @@ __device__ __forceinline__ void norm_row_v256(const float* __restrict__ xr,
 
 // Loads of one batch: chunks c = c0 + j * LPR (j < GEMV2_U) of `row` (and row + F for SwiGLU)
 // with their scales and zeros; zeros where the chunk is past the row or the row is invalid.
-template <int BITS, int LPR, bool TWO>
+// LPR: a compile-time constant here (inlined), a runtime value in decode_mega.cu.
+template <int BITS, bool TWO>
 __device__ __forceinline__ void gemv2_load(uint4 (&wa)[GEMV2_U], float (&sa)[GEMV2_U],
                                            float (&za)[GEMV2_U], uint4 (&wb)[GEMV2_U],
                                            float (&sb)[GEMV2_U], float (&zb)[GEMV2_U],
                                            const u8* __restrict__ qw,
                                            const half_t* __restrict__ sc,
                                            const half_t* __restrict__ zr, int row, int F,
-                                           bool valid, int c0, int cpr, int ngroups, int log2g) {
+                                           bool valid, int c0, int cpr, int ngroups, int log2g,
+                                           int LPR) {
     const int row_bytes = cpr * 16;
     const int n_el = BITS == 4 ? 32 : 16;
     const uint4* w0 = (const uint4*)(qw + (i64)row * row_bytes);
@@ -302,6 +316,47 @@ __device__ __forceinline__ void gemv2_load(uint4 (&wa)[GEMV2_U], float (&sa)[GEM
             sb[j] = ok ? h2f(__ldg(sc + g1 + g)) : 0.0f;
             zb[j] = ok ? h2f(__ldg(zr + g1 + g)) : 0.0f;
         }
+    }
+}
+
+// Accumulate one loaded batch (gemv2_load's chunks c0 + j * LPR) into the row's partial sums,
+// chunk by chunk in ascending order (the order every caller's arithmetic depends on).
+template <int BITS, bool TWO>
+__device__ __forceinline__ void gemv2_accumulate(const uint4 (&wa)[GEMV2_U],
+                                                 const float (&sa)[GEMV2_U],
+                                                 const float (&za)[GEMV2_U],
+                                                 const uint4 (&wb)[GEMV2_U],
+                                                 const float (&sb)[GEMV2_U],
+                                                 const float (&zb)[GEMV2_U], const half_t* xs,
+                                                 int c0, int cpr, bool valid, int LPR,
+                                                 float& acc0, float& acc1) {
+#pragma unroll
+    for (int j = 0; j < GEMV2_U; ++j) {
+        const int c = c0 + j * LPR;
+        if (valid && c < cpr) {
+            acc0 += chunk_dot_sz<BITS>(wa[j], xs, c, sa[j], za[j]);
+            if (TWO) acc1 += chunk_dot_sz<BITS>(wb[j], xs, c, sb[j], zb[j]);
+        }
+    }
+}
+
+// A row's totals from its LPR lanes' partials (xor butterfly: every lane of the group ends
+// with the same sums), its epilogue (by the group's lane 0) and the argmax tracking (every
+// lane: the best (logit, row) it has seen, by argmax_before). Warp-uniform: all lanes call it.
+template <int EPI, bool ARGMAX>
+__device__ __forceinline__ void gemv2_finish_row(float acc0, float acc1, int LPR, int sub,
+                                                 int row, bool valid, void* out, float& best_v,
+                                                 int& best_i) {
+    constexpr bool TWO = EPI == EPI_SWIGLU;
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) {
+        acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
+        if (TWO) acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
+    }
+    if (valid && sub == 0) gemv_store<EPI>(out, row, acc0, acc1);
+    if (ARGMAX && valid && argmax_before(acc0, row, best_v, best_i)) {
+        best_v = acc0;
+        best_i = row;
     }
 }
 
@@ -331,8 +386,8 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
     float sa[GEMV2_U], za[GEMV2_U], sb[GEMV2_U], zb[GEMV2_U];
     {   // the first batch of the first row: in flight during the prologue
         const int row = r0 + lane / LPR;
-        gemv2_load<BITS, LPR, TWO>(wa, sa, za, wb, sb, zb, qw, sc, zr, row, F, row < N, sub, cpr,
-                                   ngroups, log2g);
+        gemv2_load<BITS, TWO>(wa, sa, za, wb, sb, zb, qw, sc, zr, row, F, row < N, sub, cpr,
+                              ngroups, log2g, LPR);
     }
     if (NORM) {
         norm_row_v256((const float*)xin, nw, eps, K, xs);
@@ -352,34 +407,13 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
         float acc0 = 0.0f, acc1 = 0.0f;
         for (int cb = 0; cb < cpr; cb += GEMV2_U * LPR) {
             if (!preloaded)
-                gemv2_load<BITS, LPR, TWO>(wa, sa, za, wb, sb, zb, qw, sc, zr, row, F, valid,
-                                           cb + sub, cpr, ngroups, log2g);
+                gemv2_load<BITS, TWO>(wa, sa, za, wb, sb, zb, qw, sc, zr, row, F, valid,
+                                      cb + sub, cpr, ngroups, log2g, LPR);
             preloaded = false;
-#pragma unroll
-            for (int j = 0; j < GEMV2_U; ++j) {
-                const int c = cb + sub + j * LPR;
-                if (valid && c < cpr) {
-                    acc0 += chunk_dot_sz<BITS>(wa[j], xs, c, sa[j], za[j]);
-                    if (TWO) acc1 += chunk_dot_sz<BITS>(wb[j], xs, c, sb[j], zb[j]);
-                }
-            }
+            gemv2_accumulate<BITS, TWO>(wa, sa, za, wb, sb, zb, xs, cb + sub, cpr, valid, LPR,
+                                        acc0, acc1);
         }
-#pragma unroll
-        for (int o = LPR / 2; o > 0; o >>= 1) {
-            acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
-            if (TWO) acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
-        }
-        if (valid && sub == 0) {
-            if (EPI == EPI_F16) ((half_t*)out)[row] = f2h(acc0);
-            if (EPI == EPI_F32) ((float*)out)[row] = acc0;
-            if (EPI == EPI_RESID) ((float*)out)[row] += acc0;
-            if (EPI == EPI_SWIGLU)
-                ((half_t*)out)[row] = f2h(acc0 / (1.0f + __expf(-acc0)) * acc1);
-        }
-        if (ARGMAX && valid && argmax_before(acc0, row, best_v, best_i)) {
-            best_v = acc0;
-            best_i = row;
-        }
+        gemv2_finish_row<EPI, ARGMAX>(acc0, acc1, LPR, sub, row, valid, out, best_v, best_i);
     }
     if (ARGMAX) {
         __shared__ float sv[32];
@@ -413,6 +447,7 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
     }
 }
 
+#ifndef TL_DEVICE_ONLY
 #define GEMV2_ENTRY(NAME, BITS, EPI, LPR)                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                        \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
@@ -465,3 +500,4 @@ GEMV2_ALL(4)
 GEMV2_ALL(8)
 GEMV2_ALL(16)
 GEMV2_ALL(32)
+#endif  // TL_DEVICE_ONLY

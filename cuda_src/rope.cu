@@ -29,6 +29,69 @@ __device__ __forceinline__ char* kv_page_w(const i64* __restrict__ table, i64 P,
     return (char*)table[pg];
 }
 
+// cos at cs[0, hd/2), sin at cs[hd/2, hd) of position pos: pair i rotates by
+// pos * theta^(-2i/hd), the angle and its cos/sin computed in double. Threads of the block
+// stride over the pairs (the caller synchronises before reading cs).
+__device__ __forceinline__ void rope_table(i64 pos, double theta, i64 hd, float* cs) {
+    const int half = (int)(hd / 2);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const double inv_freq = pow(theta, -(double)(2 * i) / (double)hd);
+        double s, c;
+        sincos((double)pos * inv_freq, &s, &c);
+        cs[i] = (float)c;
+        cs[half + i] = (float)s;
+    }
+}
+
+// One pair (x0, x1) rotated by (c, s) in float: (x0 c - x1 s, x0 s + x1 c).
+__device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, float* r0,
+                                         float* r1) {
+    *r0 = x0 * c - x1 * s;
+    *r1 = x0 * s + x1 * c;
+}
+
+// INT8 row of one (position, KV head): one warp. src f16 [hd] (K: rotated here with cs; V: as
+// is) -> dst codes i8 [hd] and *scale (quant.quantize_rows_int8's rule, see the file head).
+// src is read through L2 (__ldcg): in decode_mega.cu other blocks wrote it moments before.
+__device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
+                                                 const float* cs, int hd, i8* dst,
+                                                 half_t* scale, int lane) {
+    const int half = hd / 2;
+    float x[MAX_PAIRS_PER_LANE][2];
+    float amax = 0.0f;
+#pragma unroll
+    for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
+        const int i = lane + 32 * u;
+        x[u][0] = x[u][1] = 0.0f;
+        if (i < half) {
+            const float x0 = h2f(__ldcg(src + 2 * i)), x1 = h2f(__ldcg(src + 2 * i + 1));
+            if (rotate) {
+                rope_rot(x0, x1, cs[i], cs[half + i], &x[u][0], &x[u][1]);
+            } else {
+                x[u][0] = x0;
+                x[u][1] = x1;
+            }
+            amax = fmaxf(amax, fmaxf(fabsf(x[u][0]), fabsf(x[u][1])));
+        }
+    }
+    amax = warp_max(amax);
+    const half_t s16 = f2h(__fdiv_rn(amax, 127.0f));
+    const float sc = h2f(s16);
+#pragma unroll
+    for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
+        const int i = lane + 32 * u;
+        if (i < half) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float q = sc > 0.0f ? rintf(__fdiv_rn(x[u][j], sc)) : 0.0f;
+                q = fminf(fmaxf(q, -127.0f), 127.0f);
+                dst[2 * i + j] = (i8)(int)q;
+            }
+        }
+    }
+    if (lane == 0) *scale = s16;
+}
+
 // qkv f16 [T, ld] (Q at 0, K at n_heads*hd, V at (n_heads+n_kv)*hd): Q rotated in place; the
 // slot's pages get rows pos0..pos0+T-1 (MODE fp16: rotated K and V as FP16; int8: codes and
 // scales; qonly: nothing). grid = T, block = 128 (4 warps); dynamic shared memory = hd floats.
@@ -40,13 +103,7 @@ __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double
     const i64 t = blockIdx.x;
     const int half = (int)(hd / 2);
     const i64 pos = pos0 + t;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const double inv_freq = pow(theta, -(double)(2 * i) / (double)hd);
-        double s, c;
-        sincos((double)pos * inv_freq, &s, &c);
-        cs[i] = (float)c;
-        cs[half + i] = (float)s;
-    }
+    rope_table(pos, theta, hd, cs);
     __syncthreads();
     half_t* row = qkv + t * ld;
     // Q (all modes) and, in fp16 mode, K: rotate pair by pair
@@ -56,9 +113,9 @@ __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double
     for (i64 idx = threadIdx.x; idx < n_rot; idx += blockDim.x) {
         const int i = (int)(idx % half);
         const i64 e = 2 * idx;                    // element offset of the pair in Q|K
-        const float x0 = h2f(row[e]), x1 = h2f(row[e + 1]);
-        const float c = cs[i], s = cs[half + i];
-        const half_t r0 = f2h(x0 * c - x1 * s), r1 = f2h(x0 * s + x1 * c);
+        float y0, y1;
+        rope_rot(h2f(row[e]), h2f(row[e + 1]), cs[i], cs[half + i], &y0, &y1);
+        const half_t r0 = f2h(y0), r1 = f2h(y1);
         if (idx < n_heads * half) {
             row[e] = r0;
             row[e + 1] = r1;
@@ -74,52 +131,19 @@ __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double
         for (i64 j = threadIdx.x; j < n_kv * hd; j += blockDim.x) vdst[j] = v[j];
     }
     if (MODE != KV_INT8) return;
-    // int8: one warp per (K or V, KV head) row; lane l holds pairs l, l + 32, ...
+    // int8: one warp per (K or V, KV head) row
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     for (i64 r = warp; r < 2 * n_kv; r += nwarps) {
         const bool is_k = r < n_kv;
         const i64 hk = is_k ? r : r - n_kv;
         const half_t* src = row + (n_heads + (is_k ? 0 : n_kv)) * hd + hk * hd;
-        float x[MAX_PAIRS_PER_LANE][2];
-        float amax = 0.0f;
-#pragma unroll
-        for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
-            const int i = lane + 32 * u;
-            x[u][0] = x[u][1] = 0.0f;
-            if (i < half) {
-                const float x0 = h2f(src[2 * i]), x1 = h2f(src[2 * i + 1]);
-                if (is_k) {
-                    const float c = cs[i], s = cs[half + i];
-                    x[u][0] = x0 * c - x1 * s;
-                    x[u][1] = x0 * s + x1 * c;
-                } else {
-                    x[u][0] = x0;
-                    x[u][1] = x1;
-                }
-                amax = fmaxf(amax, fmaxf(fabsf(x[u][0]), fabsf(x[u][1])));
-            }
-        }
-        amax = warp_max(amax);
-        const half_t s16 = f2h(__fdiv_rn(amax, 127.0f));
-        const float sc = h2f(s16);
         i8* dst = (i8*)(base + (is_k ? k_off : v_off)) + (prow * n_kv + hk) * hd;
-#pragma unroll
-        for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
-            const int i = lane + 32 * u;
-            if (i < half) {
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    float q = sc > 0.0f ? rintf(__fdiv_rn(x[u][j], sc)) : 0.0f;
-                    q = fminf(fmaxf(q, -127.0f), 127.0f);
-                    dst[2 * i + j] = (i8)(int)q;
-                }
-            }
-        }
-        if (lane == 0)
-            ((half_t*)(base + (is_k ? ks_off : vs_off)))[prow * n_kv + hk] = s16;
+        half_t* scale = (half_t*)(base + (is_k ? ks_off : vs_off)) + prow * n_kv + hk;
+        kv_int8_row_warp(src, is_k, cs, (int)hd, dst, scale, lane);
     }
 }
 
+#ifndef TL_DEVICE_ONLY
 #define KV_WRITE_ENTRY(MODE, NAME)                                                             \
     extern "C" __global__ void kv_write_##NAME(half_t* qkv, i64 ld, i64 pos0, double theta,    \
                                                i64 n_heads, i64 n_kv, i64 hd,                  \
@@ -149,3 +173,4 @@ KV_WRITE_ENTRY(KV_QONLY, qonly)
 KV_WRITE_STEP_ENTRY(KV_FP16, fp16)
 KV_WRITE_STEP_ENTRY(KV_INT8, int8)
 KV_WRITE_STEP_ENTRY(KV_QONLY, qonly)
+#endif  // TL_DEVICE_ONLY

@@ -28,7 +28,7 @@ if [[ $PART != real ]]; then
 fi
 x() { local n=$1; shift; echo "== $n"; timeout "${XT:-120}" "$@" > "$W/$n.log" 2>&1; echo "rc=$?" >> "$W/$n.log"; }
 [[ $PART == suite ]] && M=""
-[[ -n "$M" ]] && XT=200 x bench_real python3 benchmarks/bench_decode.py --model "$M" --no-peer --kv-modes all --out "$W/real"
+[[ -n "$M" ]] && XT=300 x bench_real python3 benchmarks/bench_decode.py --model "$M" --no-peer --kv-modes all --out "$W/real"
 [[ $PART != suite ]] && x bench_attn python3 benchmarks/bench_attn_decode.py --out "$W/attn_decode.json"
 [[ $PART != suite ]] && x bench_pool python3 benchmarks/bench_pool.py --device cuda
 if [[ -n "$M" ]]; then

@@ -126,10 +126,12 @@ def check_non_finite_generation(path: str, backend: str) -> None:
             assert pool.by_tag()["kv_cache"] == kv0
         m.ops.from_host(good, m._output_norm)
 
-        # the hook below spoils rows of the eager head; a captured decode step never calls it
-        # (tests/test_graphs.py checks faults inside a replayed step), so graphs are off here
-        graphs_env = os.environ.get("TINYLOOP_CUDA_GRAPHS")
-        os.environ["TINYLOOP_CUDA_GRAPHS"] = "0"
+        # the hook below spoils rows of the eager head; a captured decode step or the
+        # megakernel never calls it (tests/test_graphs.py checks faults inside a replayed
+        # step), so both are off here
+        saved_env = {k: os.environ.get(k) for k in ("TINYLOOP_CUDA_GRAPHS",
+                                                     "TINYLOOP_MEGAKERNEL")}
+        os.environ.update({k: "0" for k in saved_env})
         real_head = m.head
         for bad_call, value, kind in ((3, np.inf, "+inf"), (2, -np.inf, "all -inf"),
                                       (5, np.nan, "nan")):
@@ -161,10 +163,11 @@ def check_non_finite_generation(path: str, backend: str) -> None:
                 assert got == want[:len(got)] and len(got) <= step
                 assert pool.by_tag()["kv_cache"] == kv0
             del m.head_sample
-        if graphs_env is None:
-            del os.environ["TINYLOOP_CUDA_GRAPHS"]
-        else:
-            os.environ["TINYLOOP_CUDA_GRAPHS"] = graphs_env
+        for k, v in saved_env.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
         assert m.generate(prompt, max_new_tokens=5).token_ids == want
     finally:
         tinyloop.free_model(m)

@@ -235,6 +235,34 @@ def cuda_graphs_enabled(default: bool = True) -> bool:
     return _env_flag("TINYLOOP_CUDA_GRAPHS", default)
 
 
+def megakernel_enabled(default: bool = True) -> bool:
+    """``TINYLOOP_MEGAKERNEL``: run an eligible decode step as the persistent megakernel, one
+    cooperative launch per token (tinyloop/megakernel.py; default on; 0 falls back to the
+    captured graph, then eager). Raises ConfigError naming the variable for a non-flag."""
+    return _env_flag("TINYLOOP_MEGAKERNEL", default)
+
+
+MEGA_BLOCKS_PER_SM = 2     # default cap of the megakernel's blocks per SM (see below)
+
+
+def megakernel_blocks_per_sm() -> int:
+    """``TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM``: at most this many megakernel blocks per SM (an
+    int 1..32; 0 = as many as fit, the occupancy; unset: MEGA_BLOCKS_PER_SM). Fewer blocks make
+    each grid barrier cheaper, more give the GEMV phases more warps. Raises ConfigError naming
+    the variable for anything else."""
+    raw = os.environ.get("TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM", "").strip()
+    if raw == "":
+        return MEGA_BLOCKS_PER_SM
+    try:
+        val = int(raw)
+    except ValueError:
+        val = -1
+    if not 0 <= val <= 32:
+        raise ConfigError(f"TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM={raw!r}: expected an int 0..32 "
+                          "(0 = the occupancy)")
+    return val
+
+
 KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
 
 

@@ -161,7 +161,8 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
                                                            cache, prefix, prefix_pool)
                 else:
                     if len(step_ids) == 1:
-                        # a decode step runs as one captured graph where the backend can
+                        # a decode step runs as the megakernel or one captured graph where
+                        # the backend can
                         nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature,
                                                 top_k, top_p, u)
                         if nxt is not None:

@@ -338,8 +338,11 @@ class Model:
             return self._fingerprint
 
     def vram_usage_bytes(self) -> int:
-        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row)."""
-        return sum(b.nbytes for b in self._blocks)
+        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row, and
+        what its captured decode steps hold under tag ``graphs``: ``graph_stats()["bytes"]``,
+        made at the first decode step and released with the model)."""
+        own = sum(b.nbytes for b in self._blocks)
+        return own + (self._graphs.stats()["bytes"] if self._graphs is not None else 0)
 
     # -- the surface request code uses (generate.py, diagnostics, benchmarks) -----------------
     @property
@@ -684,27 +687,35 @@ class Model:
     def decode_step(self, cache: RuntimeKVCache, token: int, pos: int, temperature: float,
                     top_k: int = 0, top_p: float = 1.0, u: float = 0.0) -> int | None:
         """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
-        through the captured decode step (``graphs.DecodeGraphs.step``), or None when this
-        step does not run as a graph (graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling the
-        backend cannot capture, or a KV mode it cannot capture): the caller then runs
-        ``forward`` + ``head_sample`` with the same (temperature, top_k, top_p, u), which picks
-        the same id (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError (no
-        step / position: the caller adds them) for a non-finite logit row, as ``head_sample``
-        does, and ConfigError for sampling parameters out of range."""
+        through the decode megakernel or the captured decode step
+        (``graphs.DecodeGraphs.step``), or None when this step runs neither (megakernel off by
+        ``TINYLOOP_MEGAKERNEL=0`` or not eligible, and graphs off by ``TINYLOOP_CUDA_GRAPHS=0``,
+        sampling the backend cannot capture, or a KV mode it cannot capture): the caller then
+        runs ``forward`` + ``head_sample`` with the same (temperature, top_k, top_p, u), which
+        picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises
+        NonFiniteLogitsError (no step / position: the caller adds them) for a non-finite logit
+        row, as ``head_sample`` does, and ConfigError for sampling parameters out of range."""
         g = self.decode_graphs
         if not g.eligible(cache, temperature):
             return None
         sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
-        nxt, code = g.step(cache, int(token), int(pos), sampling)
+        got = g.step(cache, int(token), int(pos), sampling)
+        if got is None:
+            return None
+        nxt, code = got
         if code:
             raise non_finite_logits(LOGIT_FAULTS[code])
         return nxt
 
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
-        ``graphs``), ``keys``, ``captures``, ``replays`` (``graphs.DecodeGraphs.stats``)."""
+        ``graphs``, with the megakernel's records and scratch), ``keys``, ``captures``,
+        ``replays``, ``megakernel`` (launches, grid, blocks per SM that fit, failure)
+        (``graphs.DecodeGraphs.stats``)."""
         if self._graphs is None:
-            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0}
+            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0,
+                    "megakernel": {"launches": 0, "blocks": 0, "blocks_per_sm_fit": 0,
+                                   "failed": None}}
         return self._graphs.stats()
 
     # -- public request API -------------------------------------------------------------------

@@ -62,6 +62,7 @@ def test_ensure_equals_one_by_one_on_the_cuda_pool(ops, depth):
     with RuntimeKVCache(ops, pool, SMOL, depth, 2048, modes, alloc) as warm:
         warm.ensure_one_by_one(2048)                    # add the segments once
     with RuntimeKVCache(ops, pool, SMOL, depth, 2048, modes, alloc) as ref:
+        ref.ensure_one_by_one(1000)                     # the same two steps as the batch
         ref.ensure_one_by_one(2048)
         want = ref.table_host.copy()
     with RuntimeKVCache(ops, pool, SMOL, depth, 2048, modes, alloc) as cache:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import sys
 import threading
 import weakref
@@ -44,7 +45,7 @@ except ImportError:  # the module still imports (for docs / source checks) witho
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
-            "attention_prefill", "elementwise", "sample", "kv_h")
+            "attention_prefill", "elementwise", "sample", "kv_h", "decode_mega")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -55,6 +56,7 @@ ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)   # attention.cu instantiates one
 # attention_prefill.cu (tensor cores) needs head_dim % 16 == 0; other head dims (none built
 # today) run the scalar prefill kernel
 FA_HEAD_DIMS = tuple(hd for hd in ATTN_HEAD_DIMS if hd % 16 == 0)
+MEGA_HEAD_DIMS = (32, 64, 128)    # decode_mega.cu instantiates one megakernel per head dim
 GEOMETRY = {
     "gemv": {"GEMV_WARPS": 8},                   # warps (= output rows) per 32*W-thread block
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
@@ -70,13 +72,22 @@ GEOMETRY = {
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
+    "decode_mega": {"MK_THREADS": 128,           # megakernel block (= DS_THREADS: an attention
+                                                 # unit is one block)
+                    "MK_HEAD_DIM_ENTRIES": "".join(f"MK_ENTRIES({hd})" for hd in MEGA_HEAD_DIMS)},
 }
+# A family whose source #includes other families' .cu files (their device code; entries
+# compiled out with TL_DEVICE_ONLY) compiles with their geometry too.
+FAMILY_INCLUDES = {"decode_mega": ("dequant", "gemv", "rope", "attention_decode")}
 
 
 def nvrtc_options(family: str) -> tuple:
     """The NVRTC options ``family`` compiles with: C++17 and its ``GEOMETRY`` as -D macros
     (part of CuPy's cache key, so a change recompiles)."""
-    return ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in GEOMETRY.get(family, {}).items())
+    geo = {}
+    for fam in FAMILY_INCLUDES.get(family, ()) + (family,):
+        geo.update(GEOMETRY.get(fam, {}))
+    return ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in geo.items())
 
 
 KV_KERNEL_MODES = ("fp16", "int8")           # attention.cu / rope.cu instantiate each
@@ -144,6 +155,8 @@ def gemv_choice(n: int, setting: dict) -> tuple:
                 break
     return ver, lpr
 _SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
+_MEGA_THREADS = GEOMETRY["decode_mega"]["MK_THREADS"]
+_MEGA_MAX_SMEM = 48 * 1024    # megakernel dynamic shared memory without the opt-in attribute
 _SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
 
 
@@ -246,6 +259,24 @@ def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
     return lpr, threads, blocks
 
 
+def occupancy_estimate(num_regs: int, static_smem: int, dyn_smem: int, threads: int,
+                       dev: dict) -> int:
+    """Blocks of ``threads`` threads that fit on one SM at once, from the kernel's registers
+    per thread and shared memory (static + dynamic, + 1 KiB the runtime reserves per block on
+    sm_80+) and the device limits in ``dev`` (CuPy's ``Device().attributes`` names); registers
+    are allocated per warp in units of 256. A lower bound of CUDA's occupancy calculator for
+    these inputs (it does not model register-file partitioning, which only lowers it
+    further when the per-warp rounding is already coarse)."""
+    warps = -(-int(threads) // 32)
+    per_warp = -(-int(num_regs) * 32 // 256) * 256
+    by_regs = int(dev.get("MaxRegistersPerMultiprocessor", 65536)) // max(1, warps * per_warp)
+    smem = int(static_smem) + int(dyn_smem) + 1024
+    by_smem = int(dev.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024)) // smem
+    by_threads = int(dev.get("MaxThreadsPerMultiProcessor", _THREADS_PER_SM)) // int(threads)
+    by_blocks = int(dev.get("MaxBlocksPerMultiprocessor", _MAX_BLOCKS_PER_SM))
+    return max(0, min(by_regs, by_smem, by_threads, by_blocks))
+
+
 # --- sources and modules -----------------------------------------------------------------------
 def source_dir() -> Path:
     """The folder holding the ``.cu`` files.
@@ -271,18 +302,34 @@ def source_dir() -> Path:
 
 
 def load_source(family: str) -> str:
-    """The source of ``cuda_src/<family>.cu`` with ``common.cuh`` pasted in.
+    """The source of ``cuda_src/<family>.cu`` with every ``#include "name"`` of a file in
+    ``cuda_src/`` pasted in, recursively, each file once (``#pragma once`` semantics; system
+    headers such as ``<cooperative_groups.h>`` stay includes).
 
-    Pasting (rather than ``-I``) keeps CuPy's on-disk cache key covering the header.
+    Pasting (rather than ``-I``) keeps CuPy's on-disk cache key covering every header.
     """
     d = source_dir()
     src = (d / f"{family}.cu").read_text(encoding="utf-8")
-    common = (d / "common.cuh").read_text(encoding="utf-8").replace("#pragma once", "")
     if _INCLUDE not in src:
         raise ConfigError(f"cuda_src/{family}.cu does not include common.cuh")
-    return src.replace(_INCLUDE, common, 1)
+    seen = {f"{family}.cu"}
+
+    def paste(m) -> str:
+        name = m.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        path = d / name
+        if not path.is_file():
+            raise ConfigError(f"cuda_src/{family}.cu includes {name!r}, which cuda_src/ "
+                              "does not hold")
+        return _INCLUDE_RE.sub(paste, path.read_text(encoding="utf-8").replace("#pragma once",
+                                                                               ""))
+
+    return _INCLUDE_RE.sub(paste, src)
 
 
+_INCLUDE_RE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 _modules: dict = {}           # (device id, family) -> cupy.RawModule
 _modules_lock = threading.Lock()
 
@@ -485,6 +532,8 @@ class CudaOps(Ops):
         self.device_sampling = True         # False: temperature > 0 through _sample_cupy
         self._capture_stream = None         # the decode-step capture stream (graph_begin)
         self._capturing = None              # that stream while a capture is open
+        self._mega_fit: dict = {}           # (head_dim, smem) -> megakernel blocks per SM;
+                                            # ("why", head_dim, smem) -> mega_why_not
 
     def __del__(self):
         for name in ("_id_ptr", "_smp_ptr"):
@@ -1311,6 +1360,88 @@ class CudaOps(Ops):
     def graph_free(self, graph) -> None:
         """Nothing to do beyond dropping the reference: CuPy's Graph destroys its graph and
         executable graph when collected (the caller holds the only reference)."""
+
+    # --- the decode megakernel (cuda_src/decode_mega.cu; tinyloop/megakernel.py) -------------
+    mega_kv_modes = ("fp16", "int8")      # the slot modes decode_mega.cu reads and writes
+
+    def mega_weight_record(self, w) -> tuple:
+        """The megakernel's weight record of a device QuantWeight (decode_mega.cu MkW):
+        (qweight, scales, zeros pointers, N, K, bits, log2 g, lanes per row). Lanes per row
+        are those of the GEMV the graph path launches for ``w`` (v2: its lpr; v1: 32, one
+        warp per row), so each output row sums in the same order."""
+        info = self._info(w)
+        return (*info.args, info.n, info.k, int(w.bits), info.lg,
+                info.lpr if info.v2 else 32)
+
+    def mega_splits(self, capacity: int, n_heads: int) -> int:
+        """Attention splits of a slot whose block table holds ``capacity`` positions: the
+        split count the captured step's ``kv_attention_step`` launches (``decode_splits``)."""
+        return decode_splits(capacity, n_heads, self.sms)
+
+    def mega_why_not(self, head_dim: int, smem: int) -> str | None:
+        """Why this backend cannot run the megakernel for ``head_dim`` with ``smem`` bytes of
+        dynamic shared memory (None: it can). Asked every step: cached."""
+        key = ("why", head_dim, smem)
+        if key not in self._mega_fit:
+            self._mega_fit[key] = self._mega_why_not(head_dim, smem)
+        return self._mega_fit[key]
+
+    def _mega_why_not(self, head_dim: int, smem: int) -> str | None:
+        if self.attn_decode != "split":
+            return "TINYLOOP_ATTN_DECODE=v1 (the megakernel runs the split-K attention)"
+        if head_dim not in MEGA_HEAD_DIMS:
+            return f"head_dim={head_dim} (megakernels are built for {MEGA_HEAD_DIMS})"
+        if smem > _MEGA_MAX_SMEM:
+            return f"{smem} bytes of staged activations (at most {_MEGA_MAX_SMEM})"
+        try:
+            # unknown attribute (an older CuPy): try; a refused launch falls back (megakernel.py)
+            coop = int(cupy.cuda.Device().attributes.get("CooperativeLaunch", 1))
+        except Exception:                                # an older CuPy: no .attributes
+            coop = 1
+        if not coop:
+            return "the device does not support cooperative launches"
+        return None
+
+    def mega_grid(self, head_dim: int, smem: int, per_sm: int) -> tuple:
+        """(blocks, blocks per SM that fit) of a megakernel launch: ``per_sm`` blocks per SM
+        (0 = as many as fit), never more than fit co-resident (the occupancy: CUDA's
+        occupancy API where CuPy exposes it, else computed from the kernel's registers and
+        shared memory; the smaller when both exist), so every block reaches every barrier."""
+        key = (head_dim, smem)
+        fit = self._mega_fit.get(key)
+        if fit is None:
+            fn = self._fn("decode_mega", f"decode_mega_hd{int(head_dim)}")
+            attrs = fn.attributes
+            dev = cupy.cuda.Device().attributes
+            fit = occupancy_estimate(attrs["num_regs"], attrs["shared_size_bytes"], smem,
+                                     _MEGA_THREADS, dev)
+            try:
+                api = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    fn.kernel.ptr, _MEGA_THREADS, smem))
+                fit = min(fit, api)
+            except Exception:      # not exposed by this CuPy (or another signature): the estimate
+                pass
+            self._mega_fit[key] = fit
+        if fit < 1:
+            raise ConfigError(f"no megakernel block fits on an SM (head_dim={head_dim}, "
+                              f"{smem} bytes of shared memory)")
+        n = fit if per_sm == 0 else min(fit, per_sm)
+        return self.sms * n, fit
+
+    def mega_launch(self, head_dim: int, blocks: int, smem: int, args: tuple) -> None:
+        """Queue one megakernel launch (decode_mega_hd{head_dim}) on the current stream with
+        cuLaunchCooperativeKernel: the driver refuses (CUDADriverError, nothing queued) a
+        grid that cannot be all co-resident, so the kernel's grid barriers cannot deadlock.
+        ``args`` in the kernel's order: Python ints (pointers, int64) and floats (double);
+        megakernel.py builds them. The module is compiled as every other family (no
+        cooperative-groups header or relocatable link: decode_mega.cu's barrier is its own)."""
+        fn = self._fn("decode_mega", f"decode_mega_hd{int(head_dim)}")
+        vals = [ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int64(int(a))
+                for a in args]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        cupy.cuda.driver.launchCooperativeKernel(
+            fn.kernel.ptr, int(blocks), 1, 1, _MEGA_THREADS, 1, 1, int(smem),
+            cupy.cuda.get_current_stream().ptr, ctypes.addressof(params))
 
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
