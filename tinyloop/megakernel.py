@@ -20,8 +20,8 @@ What the host builds (int64 words; the layout constants below are decode_mega.cu
 - **scratch** once per model: attention partials f32 ``[n_heads, DS_MAX_SPLITS, hd + 2]``, the
   LM head's per-block argmax partials ``[blocks]`` (value f32, id i32) and the tickets u32
   ``[2 n_heads + 1 + 2 n_kv_heads]`` (each head's last-split merge, the argmax's last block,
-  each QKV head unit's last row: decode_mega.cu MK_TICKETS) and the grid barrier's two words
-  (arrivals, generation; zeroed once, each barrier leaves them re-armed).
+  each QKV head unit's last row: decode_mega.cu MK_TICKETS) and the grid barrier word
+  (zeroed once; each barrier adds 2^31 in all, so nothing is re-armed; a second word spare).
 
 All of it is pool memory under tag ``graphs``: it is decode-step machinery with the lifetime
 of ``DecodeGraphs`` (made at the first eligible step, freed by its ``release``), like the
@@ -158,6 +158,10 @@ class MegaDecode:
         self.launches = 0
         self.blocks = 0               # grid of the last launch
         self.blocks_fit = 0           # blocks per SM that fit (the occupancy)
+        # diagnostics (benchmarks/profile_mega.py): the device address of a u64 array that
+        # receives block 0's global-timer stamps after the start and every grid barrier of
+        # each step (decode_mega.cu mk_stamp); 0 = off
+        self.timing_ptr = 0
 
     # --- policy -----------------------------------------------------------------------------
     def why_not(self, cache) -> str | None:
@@ -266,7 +270,7 @@ class MegaDecode:
                 step.data.ptr, int(host_ptr), row.data.ptr, e.data.ptr, v["qkv"].data.ptr,
                 v["att"].data.ptr, v["h"].data.ptr, m.logit_row().data.ptr,
                 a["part"].data.ptr, a["amax_v"].data.ptr, a["amax_i"].data.ptr,
-                a["tickets"].data.ptr, a["barrier"].data.ptr)
+                a["tickets"].data.ptr, a["barrier"].data.ptr, int(self.timing_ptr))
         ops.mega_launch(cfg.head_dim, blocks, self.smem, args)
         self.launches += 1
         self.blocks, self.blocks_fit = blocks, fit
