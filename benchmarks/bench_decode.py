@@ -213,12 +213,19 @@ def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
             if depth > model.config.max_depth:
                 continue
             r[f"kv_bytes_per_token_depth{depth}"] = model.kv_bytes_per_token(depth, mode)
-            r[f"decode_depth{depth}_mega"] = bench_decode(model, depth, new_tokens,
-                                                          kv_mode=mode, path="mega")
-            r[f"decode_depth{depth}"] = bench_decode(model, depth, new_tokens, kv_mode=mode,
-                                                     path="graphs")
-            r[f"decode_depth{depth}_eager"] = bench_decode(model, depth, new_tokens,
-                                                           kv_mode=mode, path="eager")
+            eager = bench_decode(model, depth, new_tokens, kv_mode=mode, path="eager")
+            # a mode the megakernel / the captured step does not run would fall back to the
+            # eager path there: not measured twice more, reported as not run
+            ops = model.ops
+            r[f"decode_depth{depth}_mega"] = (
+                bench_decode(model, depth, new_tokens, kv_mode=mode, path="mega")
+                if mode in getattr(ops, "mega_kv_modes", ()) else
+                _not_run(f"kv mode {mode} does not run as the megakernel"))
+            r[f"decode_depth{depth}"] = (
+                bench_decode(model, depth, new_tokens, kv_mode=mode, path="graphs")
+                if mode in ops.graph_kv_modes else
+                _not_run(f"kv mode {mode} does not run as a captured graph"))
+            r[f"decode_depth{depth}_eager"] = eager
         r["decode_depth1_ctx1024"] = bench_decode(model, 1, 64, reps=3, warmup_s=0.5,
                                                   kv_mode=mode, prompt_len=1024)
         r["prefill_2048_ms"] = bench_prefill(model, 2048, kv_mode=mode)

@@ -23,20 +23,27 @@ fi
 # call; the assembled model stays in /root/tlc while the machine is warm); default: both
 PART=${PART:-all}
 if [[ $PART != real ]]; then
-    OUT=$W STEP_TIMEOUT=${STEP_TIMEOUT:-330} bash scripts/gpu_suite.sh > "$W/gpu_suite_summary.txt" 2>&1
+    # the synthetic decode bench is skipped by default: the real-model one below measures
+    # decode per KV mode and path, with the PyTorch peer, in the other call
+    OUT=$W STEP_TIMEOUT=${STEP_TIMEOUT:-330} SKIP_BENCH_DECODE=${SKIP_BENCH_DECODE:-1} \
+        bash scripts/gpu_suite.sh > "$W/gpu_suite_summary.txt" 2>&1
     tail -n 12 "$W/gpu_suite_summary.txt"
 fi
 x() { local n=$1; shift; echo "== $n"; timeout "${XT:-120}" "$@" > "$W/$n.log" 2>&1; echo "rc=$?" >> "$W/$n.log"; }
 [[ $PART == suite ]] && M=""
-[[ -n "$M" ]] && XT=300 x bench_real python3 benchmarks/bench_decode.py --model "$M" --no-peer --kv-modes all --out "$W/real"
+[[ -n "$M" ]] && XT=300 x bench_real python3 benchmarks/bench_decode.py --model "$M" --kv-modes all --out "$W/real"
+[[ -n "$M" ]] && XT=90 x profile_mega python3 benchmarks/profile_mega.py --model "$M"
 [[ $PART != suite ]] && x bench_attn python3 benchmarks/bench_attn_decode.py --out "$W/attn_decode.json"
+[[ $PART != suite ]] && x bench_attn_prefill python3 benchmarks/bench_attn_prefill.py --out "$W/attn_prefill.json"
 [[ $PART != suite ]] && x bench_pool python3 benchmarks/bench_pool.py --device cuda
 if [[ -n "$M" ]]; then
     x diag_leak python3 -m diagnostics leak --backend cuda --model "$M" --requests 40 --out "$W/diag" --no-progress
     x diag_fragment python3 -m diagnostics fragment --backend cuda --model "$M" --requests 120 --max-prompt-tokens 1500 --out "$W/diag" --no-progress
     x diag_release python3 -m diagnostics release --backend cuda --model "$M" --out "$W/diag"
     x diag_report python3 -m diagnostics report "$W/diag"
-    echo "== notebook"    # the executed notebook to commit: $OUT/vram_report.ipynb
+fi
+if [[ -n "$M" && -n "${NOTEBOOK:-}" ]]; then
+    echo "== notebook"    # NOTEBOOK=1: the executed notebook to commit: $OUT/vram_report.ipynb
     # nbclient/ipykernel may be missing there: the call before installs carried wheels into
     # /root/site (only for this step, so they never shadow the image's packages elsewhere)
     OUT="$FINAL" PYTHONPATH="$PWD${SITE:+:$SITE}" timeout 300 bash scripts/execute_notebook.sh > "$W/notebook.log" 2>&1
@@ -45,7 +52,9 @@ fi
 tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null
 echo; echo "================ SUMMARY ================"
 [[ -f "$W/gpu_suite_summary.txt" ]] && tail -n 10 "$W/gpu_suite_summary.txt"
-[[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; tail -n 9 "$W/bench_real.log"; }
+[[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; grep -E "decode depth|prefill|peer|captured|megakernel" "$W/bench_real.log" | head -24; tail -n 8 "$W/bench_real.log"; }
+[[ -f "$W/profile_mega.log" ]] && tail -n 13 "$W/profile_mega.log"
 tail -n 14 "$W/bench_attn.log" 2>/dev/null
+tail -n 8 "$W/bench_attn_prefill.log" 2>/dev/null
 tail -n 6 "$W/bench_pool.log" 2>/dev/null
 for f in "$W"/diag_*.log "$W"/notebook.log; do [[ -f $f ]] && { echo "-- $(basename $f)"; grep -iE "verdict|rate|frees|cold|rc=" "$f" | head -5; }; done

@@ -10,6 +10,7 @@ import pytest
 
 import tinyloop
 from tinyloop import megakernel as mk
+from tinyloop.backends import cuda_ops
 from tinyloop.backends.cuda_ops import DS_MAX_SPLITS, occupancy_estimate
 from tinyloop.config import MEGA_BLOCKS_PER_SM, megakernel_blocks_per_sm, megakernel_enabled
 from tinyloop.errors import ConfigError
@@ -143,6 +144,8 @@ def test_occupancy_estimate(regs, static, dyn, threads):
 def test_settings(monkeypatch):
     monkeypatch.delenv("TINYLOOP_MEGAKERNEL", raising=False)
     monkeypatch.delenv("TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM", raising=False)
+    assert megakernel_enabled() is False                 # off by default (measured slower)
+    monkeypatch.setenv("TINYLOOP_MEGAKERNEL", "1")
     assert megakernel_enabled() is True
     assert megakernel_blocks_per_sm() == MEGA_BLOCKS_PER_SM
     monkeypatch.setenv("TINYLOOP_MEGAKERNEL", "0")
@@ -164,8 +167,9 @@ def test_partials_capacity_matches_the_backend():
 
 
 class _FakeCache:
-    def __init__(self, modes):
+    def __init__(self, modes, page_size=16):
         self.modes = tuple(modes)
+        self.page_size = page_size
 
 
 def test_why_not(tiny_model_path, monkeypatch):
@@ -173,14 +177,26 @@ def test_why_not(tiny_model_path, monkeypatch):
     m = tinyloop.load_model(tiny_model_path, max_seq_len=32, backend="numpy")
     try:
         mega = mk.MegaDecode(m)
+        assert mega.why_not(_FakeCache(["fp16"])) == "TINYLOOP_MEGAKERNEL=0"   # the default
+        monkeypatch.setenv("TINYLOOP_MEGAKERNEL", "1")
         assert "numpy backend has no megakernel" in mega.why_not(_FakeCache(["fp16"]))
         # a backend with the kernel: the modes, then what the backend says
         ops = m._ops          # possibly shared by every NumPy model: monkeypatch undoes it
         monkeypatch.setattr(ops, "mega_kv_modes", ("fp16", "int8"), raising=False)
-        said = []
+        said, splits = [], []
+
+        def mega_splits(cap, n_heads):          # the backend's decode_splits rule
+            splits.append((cap, n_heads))
+            return cuda_ops.decode_splits(cap, n_heads, 132)
+        monkeypatch.setattr(ops, "mega_splits", mega_splits, raising=False)
         monkeypatch.setattr(ops, "mega_why_not",
                             lambda hd, smem: said.append((hd, smem)) or None, raising=False)
+        # a 32-position table: the captured step attends single-pass, the megakernel cannot
+        assert "32-position block table" in mega.why_not(_FakeCache(["fp16"]))
+        assert splits == [(32, m.config.n_heads)] and not said
+        m.max_seq_len = 1000                    # 63 pages of 16: split-K
         assert mega.why_not(_FakeCache(["fp16", "int8", "fp16"])) is None
+        assert splits[-1] == (1008, m.config.n_heads)
         cfg = m.config
         assert said == [(cfg.head_dim, mk.smem_bytes(cfg.d_model, cfg.q_dim, cfg.ffn_dim))]
         assert "['h_int8']" in mega.why_not(_FakeCache(["fp16", "h_int8"]))

@@ -235,14 +235,18 @@ def cuda_graphs_enabled(default: bool = True) -> bool:
     return _env_flag("TINYLOOP_CUDA_GRAPHS", default)
 
 
-def megakernel_enabled(default: bool = True) -> bool:
+def megakernel_enabled(default: bool = False) -> bool:
     """``TINYLOOP_MEGAKERNEL``: run an eligible decode step as the persistent megakernel, one
-    cooperative launch per token (tinyloop/megakernel.py; default on; 0 falls back to the
-    captured graph, then eager). Raises ConfigError naming the variable for a non-flag."""
+    cooperative launch per token (tinyloop/megakernel.py; 0 or unset: the captured graph, then
+    eager). Off by default: on the H200 it measured slower than the captured graph (synthetic
+    SmolLM2 dims, depth 1: 865 tok/s at 3 blocks/SM against 902-928; per phase of a layer
+    slot A 8.5, B 7.8, C 3.3, D 6.8, E 3.6 us with ~1 us barriers: benchmarks/profile_mega.py,
+    docs/architecture.md). Raises ConfigError naming the variable for a non-flag."""
     return _env_flag("TINYLOOP_MEGAKERNEL", default)
 
 
-MEGA_BLOCKS_PER_SM = 2     # default cap of the megakernel's blocks per SM (see below)
+MEGA_BLOCKS_PER_SM = 0     # default cap of the megakernel's blocks per SM (0 = as many as fit:
+                           # 865 tok/s at 3/SM against 769 at 2/SM and 683 at 1/SM, H200)
 
 
 def megakernel_blocks_per_sm() -> int:

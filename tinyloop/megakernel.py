@@ -177,6 +177,13 @@ class MegaDecode:
         bad = sorted(set(cache.modes) - set(modes))
         if bad:
             return f"KV mode(s) {bad} (the megakernel runs {modes})"
+        # the step's tables cover max_seq_len (graphs.DecodeGraphs); at <= DS_SINGLE_PASS_MAX
+        # positions the captured step attends with the single-pass kernel, which the
+        # megakernel does not carry (it would launch 0 splits: no attention at all)
+        cap = -(-self._model.max_seq_len // cache.page_size) * cache.page_size
+        if ops.mega_splits(cap, cfg.n_heads) < 2:
+            return (f"a {cap}-position block table (the captured step's attention is the "
+                    "single-pass kernel there; the megakernel runs split-K only)")
         return shape_why_not(cfg) or ops.mega_why_not(cfg.head_dim, self.smem)
 
     @property

@@ -95,7 +95,7 @@ def test_synthetic_smol_three_paths_identical_tokens(smol_path, monkeypatch, mod
 def test_small_head_dim_32_three_paths_identical_tokens(small_path, monkeypatch, mode):
     """The other synthetic GPU model (head_dim 32, INT4 / INT8 weights, with and without the
     adapter): the megakernel's hd32 instance."""
-    m = tinyloop.load_model(small_path, max_seq_len=120, backend="cuda", kv_mode=mode)
+    m = tinyloop.load_model(small_path, max_seq_len=256, backend="cuda", kv_mode=mode)
     try:
         ids = np.random.default_rng(5).integers(0, SMALL["vocab_size"], 70)
         _check_three_paths(m, [(1, ids[:30]), (3, ids), (2, ids[:45])], monkeypatch)
@@ -129,8 +129,8 @@ def test_step_logits_bitwise_and_against_the_reference(smol_path, monkeypatch, m
     arithmetic, the same attention splits), the eager path's argmax, and the NumPy reference
     of the same sequence within the CUDA-vs-NumPy bounds of tests/gpu/test_cuda_model.py."""
     ids = np.random.default_rng(8).integers(0, SMOL["vocab_size"], 45)
-    cu = tinyloop.load_model(smol_path, max_seq_len=64, backend="cuda", kv_mode=mode)
-    ref = tinyloop.load_model(smol_path, max_seq_len=64, backend="numpy", kv_mode=mode)
+    cu = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda", kv_mode=mode)
+    ref = tinyloop.load_model(smol_path, max_seq_len=256, backend="numpy", kv_mode=mode)
     try:
         for depth in (1, 3):
             rows = {p: _step_logits(cu, ids, depth, monkeypatch, p) for p in PATHS}
@@ -160,7 +160,7 @@ def test_page_boundaries_and_ctx_one(smol_path, monkeypatch, mode):
     """Decode steps across page boundaries (prompts of P-1, P, P+1 and 2P-1 tokens, six steps
     each) and a step at position 0 (context length 1, through Model.decode_step on an empty
     cache) give the eager tokens."""
-    m = tinyloop.load_model(smol_path, max_seq_len=128, backend="cuda", kv_mode=mode)
+    m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda", kv_mode=mode)
     P = DEFAULT_PAGE_SIZE
     try:
         ids = np.random.default_rng(2).integers(0, SMOL["vocab_size"], 2 * P)
@@ -193,7 +193,7 @@ def test_page_boundaries_and_ctx_one(smol_path, monkeypatch, mode):
 def test_sampling_through_the_megakernel(smol_path, monkeypatch):
     """temperature > 0: the kernel writes the logit row, the device sampler picks from it;
     the same seed gives the eager path's tokens (same logits, same sampler, same draws)."""
-    m = tinyloop.load_model(smol_path, max_seq_len=128, backend="cuda")
+    m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda")
     try:
         ids = list(map(int, np.random.default_rng(4).integers(0, SMOL["vocab_size"], 40)))
         for temperature, top_k, top_p in ((0.8, 0, 1.0), (1.2, 40, 0.9)):
@@ -213,7 +213,7 @@ def test_steps_make_no_pool_allocation(smol_path, monkeypatch):
     """After the first megakernel step of a key (its program and the model's records and
     scratch), the pool's event log holds no alloc / segment_alloc between launches."""
     _use(monkeypatch, "mega")
-    m = tinyloop.load_model(smol_path, max_seq_len=128, backend="cuda")
+    m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda")
     mega, marks = m.decode_graphs.mega, []
     real = mega.launch
 
@@ -235,7 +235,7 @@ def test_steps_make_no_pool_allocation(smol_path, monkeypatch):
 
 def test_memory_is_tagged_graphs_and_released_with_the_model(smol_path, monkeypatch):
     _use(monkeypatch, "mega")
-    m = tinyloop.load_model(smol_path, max_seq_len=128, backend="cuda", kv_mode="int8")
+    m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda", kv_mode="int8")
     pool = m.pool
     try:
         for depth in (1, 3):
@@ -253,7 +253,7 @@ def test_memory_is_tagged_graphs_and_released_with_the_model(smol_path, monkeypa
 @pytest.mark.parametrize("per_sm", ["1", "0"])
 def test_grid_setting(smol_path, monkeypatch, per_sm):
     """One block per SM, and as many as fit: the same tokens."""
-    m = tinyloop.load_model(smol_path, max_seq_len=128, backend="cuda")
+    m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda")
     try:
         want = _runs(m, [(2, [9, 8, 7, 6])], monkeypatch, "eager", max_new_tokens=10)
         monkeypatch.setenv("TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM", per_sm)
@@ -269,7 +269,7 @@ def test_a_failed_launch_falls_back_to_the_graph(smol_path, monkeypatch):
     """A launch that raises (here: injected) turns the megakernel off for the model with one
     RuntimeWarning naming the error; that step and the next run as the captured graph with
     the same tokens."""
-    m = tinyloop.load_model(smol_path, max_seq_len=128, backend="cuda")
+    m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda")
     try:
         want = _runs(m, [(2, [4, 5, 6])], monkeypatch, "graph", max_new_tokens=10)
         r0 = m.graph_stats()["replays"]
