@@ -17,3 +17,18 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return f"TINYLOOP_TEST_SEED={os.environ.get('TINYLOOP_TEST_SEED')}"
+
+
+def record_decode_steps(model, monkeypatch) -> list:
+    """Wrap ``model.decode_step`` so each step that ran on the device appends (the picked id,
+    a host copy of that step's logit row, the u it was given) to the returned list."""
+    seen = []
+    real = model.decode_step
+
+    def recording(cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0):
+        nxt = real(cache, token, pos, temperature, top_k, top_p, u)
+        if nxt is not None:
+            seen.append((nxt, model.ops.to_host(model.logit_row())[0].copy(), u))
+        return nxt
+    monkeypatch.setattr(model, "decode_step", recording)
+    return seen

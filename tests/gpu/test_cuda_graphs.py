@@ -24,6 +24,7 @@ import cupy  # noqa: E402
 from tinyloop.backends.base import STEP_POS, STEP_WORDS  # noqa: E402
 from tinyloop.backends.cuda_ops import _SAMPLE_THREADS as SMP, CudaOps  # noqa: E402
 
+from .conftest import record_decode_steps  # noqa: E402
 from ..test_graphs import check_fault_inside_a_replay  # noqa: E402
 from .test_cuda_model import real_model_path, real_text_ids, small_path  # noqa: E402,F401
 from .test_kernels import HEADS, f16, gather, kv_pair, ops, ref, rng  # noqa: E402,F401
@@ -100,15 +101,7 @@ def test_sampled_steps_pick_by_the_reference_rule(real_model_path, real_text_ids
                 dict(temperature=0.9, top_k=0, top_p=1.0, seed=4)]
     m = _load(real_model_path, mode)
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-    seen = []
-    real = m.decode_step
-
-    def recording(cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0):
-        nxt = real(cache, token, pos, temperature, top_k, top_p, u)
-        if nxt is not None:
-            seen.append((nxt, m.ops.to_host(m.logit_row())[0].copy(), u))
-        return nxt
-    monkeypatch.setattr(m, "decode_step", recording)
+    seen = record_decode_steps(m, monkeypatch)
     try:
         res = []
         for kw, (d, n) in zip(settings, RUNS):

@@ -25,6 +25,7 @@ if not cuda_available():
     pytest.skip("no CUDA device (tinyloop.backends.cuda_available() is False)",
                 allow_module_level=True)
 
+from .conftest import record_decode_steps  # noqa: E402
 from .test_cuda_model import (SMALL, _kl_rows, _report, real_model_path,  # noqa: E402,F401
                               real_text_ids, small_path)
 
@@ -197,15 +198,7 @@ def test_sampling_through_the_megakernel(smol_path, monkeypatch):
     sampled tokens are not compared with it; greedy tokens are, above)."""
     from tinyloop.backends.numpy_ops import sample_from_logits
     m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda")
-    seen = []
-    real = m.decode_step
-
-    def recording(cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0):
-        nxt = real(cache, token, pos, temperature, top_k, top_p, u)
-        if nxt is not None:
-            seen.append((nxt, m.ops.to_host(m.logit_row())[0].copy(), u))
-        return nxt
-    monkeypatch.setattr(m, "decode_step", recording)
+    seen = record_decode_steps(m, monkeypatch)
     try:
         ids = list(map(int, np.random.default_rng(4).integers(0, SMOL["vocab_size"], 40)))
         for temperature, top_k, top_p in ((0.8, 0, 1.0), (1.2, 40, 0.9)):
