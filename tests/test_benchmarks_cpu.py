@@ -52,3 +52,23 @@ def test_bench_pages_runs_on_the_cpu():
     assert line.split()[4] == "240"
     ref, new = line.split()[-1].split("/")
     assert int(ref) == 240 and int(new) < 240
+
+
+def test_ab_kernels_extracts_another_commits_kernels(tmp_path):
+    """benchmarks/ab_kernels.py side B: a commit's cuda_src/ unpacked intact (compared with
+    git's own copy of each file), and --help without a GPU."""
+    mod = _load("ab_kernels")
+    ref = subprocess.run(["git", "-C", ROOT, "rev-list", "--max-count=1", "HEAD"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    src = mod.extract_sources(ref, str(tmp_path))
+    names = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", ref, "cuda_src/"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert len(names) >= 10 and "cuda_src/common.cuh" in names
+    for name in names:
+        want = subprocess.run(["git", "-C", ROOT, "show", f"{ref}:{name}"],
+                              capture_output=True, check=True).stdout
+        with open(os.path.join(src, os.path.basename(name)), "rb") as f:
+            assert f.read() == want, name
+    r = _run("ab_kernels", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "REF" in r.stdout or "ref" in r.stdout
