@@ -227,16 +227,15 @@ def test_the_device_state_advances_itself(tiny_model_path, monkeypatch):
         tinyloop.free_model(m)
 
 
-def test_capture_allocates_nothing_from_the_pool(tiny_model_path, monkeypatch):
-    """The pool's event log shows no allocation between capture begin and end."""
-    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-    m = _fake_model(tiny_model_path, max_seq_len=64)
-    marks = []
-    ops = m.ops
+def capture_events(m, run) -> list:
+    """The pool events logged between the capture's begin and end while ``run()`` decodes on
+    ``m`` (exactly one capture expected). Counts events by absolute number: the log is a ring
+    shared with earlier tests, so old events drop out; the capture's own must all be kept."""
+    ops, marks = m.ops, []
     begin, end = ops.graph_begin, ops.graph_end
 
-    def logged():            # events ever logged (the log is a ring: earlier tests' events
-        return m.pool.events_dropped + len(m.pool.events())    # of this shared pool drop out)
+    def logged():            # events ever logged
+        return m.pool.events_dropped + len(m.pool.events())
 
     def graph_begin():
         marks.append(logged())
@@ -248,11 +247,23 @@ def test_capture_allocates_nothing_from_the_pool(tiny_model_path, monkeypatch):
         return g
     ops.graph_begin, ops.graph_end = graph_begin, graph_end
     try:
-        m.generate(_prompt(12, 1), max_new_tokens=5, depth=1)
-        dropped = m.pool.events_dropped
-        assert len(marks) == 2 and marks[0] >= dropped    # the capture's events are all kept
-        between = m.pool.events()[marks[0] - dropped:marks[1] - dropped]
-        assert len(between) == marks[1] - marks[0]
+        run()
+    finally:
+        del ops.graph_begin, ops.graph_end
+    dropped = m.pool.events_dropped
+    assert len(marks) == 2 and marks[0] >= dropped    # the capture's events are all kept
+    between = m.pool.events()[marks[0] - dropped:marks[1] - dropped]
+    assert len(between) == marks[1] - marks[0]
+    return between
+
+
+def test_capture_allocates_nothing_from_the_pool(tiny_model_path, monkeypatch):
+    """The pool's event log shows no allocation between capture begin and end."""
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = _fake_model(tiny_model_path, max_seq_len=64)
+    try:
+        between = capture_events(
+            m, lambda: m.generate(_prompt(12, 1), max_new_tokens=5, depth=1))
         assert not [e for e in between if e.action in ("alloc", "segment_alloc")]
     finally:
         tinyloop.free_model(m)

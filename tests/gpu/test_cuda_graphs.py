@@ -25,7 +25,7 @@ from tinyloop.backends.base import STEP_POS, STEP_WORDS  # noqa: E402
 from tinyloop.backends.cuda_ops import _SAMPLE_THREADS as SMP, CudaOps  # noqa: E402
 
 from .conftest import record_decode_steps  # noqa: E402
-from ..test_graphs import check_fault_inside_a_replay  # noqa: E402
+from ..test_graphs import capture_events, check_fault_inside_a_replay  # noqa: E402
 from .test_cuda_model import real_model_path, real_text_ids, small_path  # noqa: E402,F401
 from .test_kernels import HEADS, f16, gather, kv_pair, ops, ref, rng  # noqa: E402,F401
 
@@ -170,30 +170,11 @@ def test_capture_makes_no_pool_allocation(real_model_path, real_text_ids, monkey
     """The pool's event log holds no alloc / segment_alloc between capture begin and end."""
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
     m = _load(real_model_path, "fp16")
-    ops, marks = m.ops, []
-    begin, end = ops.graph_begin, ops.graph_end
-
-    def logged():            # events ever logged (the log is a ring: old ones drop out)
-        return m.pool.events_dropped + len(m.pool.events())
-
-    def graph_begin():
-        marks.append(logged())
-        begin()
-
-    def graph_end():
-        g = end()
-        marks.append(logged())
-        return g
-    ops.graph_begin, ops.graph_end = graph_begin, graph_end
     try:
-        m.generate(real_text_ids[:40], max_new_tokens=8, depth=2)
-        dropped = m.pool.events_dropped
-        assert len(marks) == 2 and marks[0] >= dropped    # the capture's events are all kept
-        between = m.pool.events()[marks[0] - dropped:marks[1] - dropped]
-        assert len(between) == marks[1] - marks[0]
+        between = capture_events(
+            m, lambda: m.generate(real_text_ids[:40], max_new_tokens=8, depth=2))
         assert not [e for e in between if e.action in ("alloc", "segment_alloc")], between
     finally:
-        del ops.graph_begin, ops.graph_end
         tinyloop.free_model(m)
 
 
