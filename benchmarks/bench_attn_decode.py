@@ -25,6 +25,8 @@ from tinyloop.backends import cuda_ops
 from tinyloop.backends.cuda_ops import CudaOps, decode_splits
 from tinyloop.kvcache import PageLayout
 
+from gpu_timing import time_us
+
 H, HKV, HD, P = 9, 3, 64, 32
 CTXS = (128, 192, 256, 512, 2048, 2110, 4096)   # 192 / 256: DS_SINGLE_PASS_MAX's crossover
 
@@ -47,20 +49,6 @@ def slot(mode: str, ctx: int, rng):
     kv = types.SimpleNamespace(layout=lay, table=cupy.asarray(table_host),
                                table_host=table_host)
     return kv, buf
-
-
-def time_us(fn, reps=200, warmup=10):
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    us = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        us.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(us)), float(np.percentile(us, 10)), float(np.percentile(us, 90))
 
 
 def main() -> int:

@@ -20,7 +20,8 @@ import json
 import numpy as np
 
 import cupy
-from bench_attn_decode import H, HD, HKV, P, slot, time_us
+from bench_attn_decode import H, HD, HKV, P, slot
+from gpu_timing import time_us
 
 from tinyloop.backends.cuda_ops import CudaOps
 

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 try:
     import cupy
@@ -48,6 +49,8 @@ from tinyloop.config import ModelConfig  # noqa: E402
 from tinyloop.kvcache import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
 from tinyloop.memory import MemoryPool  # noqa: E402
 from tinyloop.quant import QuantWeight, dequantize  # noqa: E402
+
+from gpu_timing import time_us  # noqa: E402
 
 D, H, HKV, HD, FFN, VOCAB, LAYERS = 576, 9, 3, 64, 1536, 49152, 30
 THETA, EPS = 1e4, 1e-5
@@ -73,17 +76,8 @@ def kv_bytes_per_position(mode: str) -> int:
 
 
 def gpu_ms(fn, reps=50, warmup=5) -> float:
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    """Median GPU milliseconds of one call of ``fn`` (gpu_timing.time_us)."""
+    return time_us(fn, reps, warmup)[0] / 1e3
 
 
 def graph_us(fn, n=20) -> float:
