@@ -220,6 +220,7 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
         attn_decode_##NAME##_hd##HD(const half_t* qkv, i64 ctx, const i64* table, i64 P,       \
                                     i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,              \
                                     i64 n_heads, i64 n_kv, double scale_log2, half_t* out) {   \
+        TL_PDL_ENTER();                                                                        \
         attn_decode_impl<MODE, HD>(qkv, ctx, table, P, k_off, v_off, ks_off, vs_off, n_heads,  \
                                    n_kv, (float)scale_log2, out);                              \
     }                                                                                          \
@@ -229,6 +230,7 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
                                          i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,  \
                                          i64 n_heads, i64 n_kv, double scale_log2,             \
                                          half_t* out) {                                        \
+        TL_PDL_ENTER();                                                                        \
         attn_decode_impl<MODE, HD>(qkv, (i64)step[2] + 1, table, P, k_off, v_off, ks_off,      \
                                    vs_off, n_heads, n_kv, (float)scale_log2, out);             \
     }

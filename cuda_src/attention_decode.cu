@@ -158,6 +158,7 @@ __device__ void attn_combine_impl(const float* __restrict__ part, i64 nsplit,
                                    const i64* table, i64 P, i64 k_off, i64 v_off, i64 ks_off,  \
                                    i64 vs_off, i64 n_heads, i64 n_kv, double scale_log2,       \
                                    float* part) {                                              \
+        TL_PDL_ENTER();                                                                        \
         attn_split_impl<MODE, HD>(qkv, ctx, step_pos, table, P, k_off, v_off, ks_off, vs_off,  \
                                   n_heads, n_kv, (float)scale_log2, part);                     \
     }
@@ -165,6 +166,7 @@ __device__ void attn_combine_impl(const float* __restrict__ part, i64 nsplit,
     DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)                      \
     extern "C" __global__ void attn_combine_hd##HD(const float* part, i64 nsplit,              \
                                                    half_t* out) {                              \
+        TL_PDL_ENTER();                                                                        \
         attn_combine_impl<HD>(part, nsplit, out);                                              \
     }
 

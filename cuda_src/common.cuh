@@ -43,6 +43,31 @@ __device__ __forceinline__ float dq(float q, float s, float z) {
     return __fadd_rn(__fmul_rn(q, s), z);
 }
 
+// --- programmatic dependent launch (PDL; sm_90+, PTX ISA "griddepcontrol") ------------------
+// A captured decode step launches its kernels with cuLaunchKernelEx and the attribute
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (tinyloop/backends/cuda_ops.py
+// PDL_KERNELS, _PdlLauncher), so a kernel's blocks may start while the kernel before it still
+// runs (CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"). The rule
+// for every kernel so launched: before pdl_wait() it may only read constant inputs (weights) -
+// nothing an earlier kernel of the step writes - and write nothing; pdl_wait() returns once
+// the kernel before has completed with its memory visible. pdl_trigger() then lets the next
+// kernel launch (so at most one kernel runs ahead, waiting). For a kernel launched without
+// the attribute, or compiled for an architecture before sm_90, both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The first statement of a PDL-launched kernel that loads nothing ahead of its dependency.
+#define TL_PDL_ENTER() (pdl_wait(), pdl_trigger())
+
 // --- tensor cores (gemm.cu, attention_prefill.cu): plain sm_80+ PTX, so NVRTC needs no headers.
 // c[0..3] += A (16 x 16, row-major FP16) * B (16 x 8, "col": stored as [n][k]), FP32 accumulate.
 // Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4 g + t4:

@@ -43,12 +43,14 @@ __device__ void embed_impl(const u8* __restrict__ qw, const half_t* __restrict__
 extern "C" __global__ void embed_q4(const u8* qw, const half_t* sc, const half_t* zr,
                                     const int* ids, i64 id0, i64 K, i64 vocab, i64 log2g,
                                     float* out) {
+    TL_PDL_ENTER();
     embed_impl<4>(qw, sc, zr, ids, id0, K, vocab, log2g, out);
 }
 
 extern "C" __global__ void embed_q8(const u8* qw, const half_t* sc, const half_t* zr,
                                     const int* ids, i64 id0, i64 K, i64 vocab, i64 log2g,
                                     float* out) {
+    TL_PDL_ENTER();
     embed_impl<8>(qw, sc, zr, ids, id0, K, vocab, log2g, out);
 }
 

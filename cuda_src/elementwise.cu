@@ -9,6 +9,7 @@
 // grid = (ceil(F / 256), T), block = 256.
 extern "C" __global__ void swiglu_f16(const half_t* __restrict__ gu, i64 F,
                                       half_t* __restrict__ out) {
+    TL_PDL_ENTER();
     const i64 t = blockIdx.y;
     const i64 f = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (f >= F) return;
@@ -20,6 +21,7 @@ extern "C" __global__ void swiglu_f16(const half_t* __restrict__ gu, i64 F,
 // residual f32 [n] += y f16 [n]. grid = ceil(n / 256), block = 256.
 extern "C" __global__ void add_f16_to_f32(const half_t* __restrict__ y, i64 n,
                                           float* __restrict__ residual) {
+    TL_PDL_ENTER();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) residual[i] += h2f(y[i]);
 }
@@ -39,17 +41,20 @@ __device__ void concat_impl(const float* __restrict__ state, const void* __restr
 
 extern "C" __global__ void concat_inject_f32(const float* state, const void* e, i64 d,
                                              half_t* cat) {
+    TL_PDL_ENTER();
     concat_impl<false>(state, e, d, cat);
 }
 
 extern "C" __global__ void concat_inject_f16(const float* state, const void* e, i64 d,
                                              half_t* cat) {
+    TL_PDL_ENTER();
     concat_impl<true>(state, e, d, cat);
 }
 
 // out f32 [n] = f32(y f16 [n]) (the FP16-cache path writing an f32 destination).
 extern "C" __global__ void copy_f16_to_f32(const half_t* __restrict__ y, i64 n,
                                            float* __restrict__ out) {
+    TL_PDL_ENTER();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = h2f(y[i]);
 }
@@ -59,6 +64,7 @@ extern "C" __global__ void copy_f16_to_f32(const half_t* __restrict__ y, i64 n,
 // id and fault code the head wrote to host[0..1] (mapped pinned memory, read after the
 // stream synchronises) and advances the position for the next replay. One thread.
 extern "C" __global__ void decode_step_advance(int* step, int* host) {
+    TL_PDL_ENTER();
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         host[0] = step[0];
         host[1] = step[1];

@@ -191,6 +191,7 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
              i64 F, i64 log2g, void* out) {                                                   \
+        TL_PDL_ENTER();                                                                       \
         gemv_impl<BITS, EPI>(qw, sc, zr, x, N, K, F, log2g, out);                             \
     }
 
@@ -198,6 +199,7 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
              const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
+        TL_PDL_ENTER();                                                                       \
         gemv_norm_impl<BITS, EPI>(x, weight, eps, qw, sc, zr, N, K, F, log2g, out);           \
     }
 
@@ -389,6 +391,9 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
         gemv2_load<BITS, TWO>(wa, sa, za, wb, sb, zb, qw, sc, zr, row, F, row < N, sub, cpr,
                               ngroups, log2g, LPR);
     }
+    // PDL (common.cuh): the weight loads above overlap the kernel before; its output (x, the
+    // residual row, `out`) is touched only after the wait
+    TL_PDL_ENTER();
     if (NORM) {
         norm_row_v256((const float*)xin, nw, eps, K, xs);
     } else {

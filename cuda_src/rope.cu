@@ -149,6 +149,7 @@ __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double
                                                i64 n_heads, i64 n_kv, i64 hd,                  \
                                                const i64* table, i64 P, i64 k_off, i64 v_off,  \
                                                i64 ks_off, i64 vs_off) {                       \
+        TL_PDL_ENTER();                                                                        \
         kv_write_impl<MODE>(qkv, ld, pos0, theta, n_heads, n_kv, hd, table, P, k_off, v_off,   \
                             ks_off, vs_off);                                                   \
     }
@@ -166,6 +167,7 @@ KV_WRITE_ENTRY(KV_QONLY, qonly)
                                                     i64 hd, const i64* table, i64 P,           \
                                                     i64 k_off, i64 v_off, i64 ks_off,          \
                                                     i64 vs_off) {                              \
+        TL_PDL_ENTER();                                                                        \
         kv_write_impl<MODE>(qkv, ld, (i64)step[2], theta, n_heads, n_kv, hd, table, P, k_off,  \
                             v_off, ks_off, vs_off);                                            \
     }

@@ -14,6 +14,7 @@
 // mapped pinned host memory). grid = 1, block = 1024.
 extern "C" __global__ void __launch_bounds__(1024)
     argmax_f32(const float* __restrict__ logits, i64 n, int* __restrict__ result) {
+    TL_PDL_ENTER();
     __shared__ float sv[32];
     __shared__ int si[32];
     float bv = TL_NEG_INF;
@@ -314,6 +315,7 @@ __device__ void sample_impl(const float* __restrict__ logits, i64 n64, double te
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     sample_topk_topp(const float* logits, i64 n64, double temp, i64 top_k, double top_p,
                      double u, u64* wq, int* id_dev, int* id_host) {
+    TL_PDL_ENTER();
     sample_impl(logits, n64, temp, top_k, top_p, u, wq, id_dev, id_host);
 }
 
@@ -324,6 +326,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
 // the device step state step[0..1] (STEP_ID, STEP_FAULT).
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     sample_step(const float* logits, i64 n64, const volatile double* prm, u64* wq, int* step) {
+    TL_PDL_ENTER();
     __shared__ double p[4];                     // one read of host memory per value
     if (threadIdx.x < 4) p[threadIdx.x] = prm[threadIdx.x];
     __syncthreads();

@@ -235,6 +235,16 @@ def cuda_graphs_enabled(default: bool = True) -> bool:
     return _env_flag("TINYLOOP_CUDA_GRAPHS", default)
 
 
+def pdl_enabled(default: bool = True) -> bool:
+    """``TINYLOOP_PDL``: capture the decode step's kernels with programmatic dependent launch
+    (PDL: cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, on GPUs
+    of compute capability 9.0 and later), so each kernel's blocks start, and load their
+    weights, while the kernel before it still runs (cuda_src/common.cuh ``pdl_wait``). Default
+    on; 0 captures plain launches. Eager launches never use it. Raises ConfigError naming the
+    variable for a value that is not a flag."""
+    return _env_flag("TINYLOOP_PDL", default)
+
+
 def megakernel_enabled(default: bool = False) -> bool:
     """``TINYLOOP_MEGAKERNEL``: run an eligible decode step as the persistent megakernel, one
     cooperative launch per token (tinyloop/megakernel.py; 0 or unset: the captured graph, then

@@ -84,6 +84,37 @@ def test_graphs_on_and_off_give_identical_tokens(real_model_path, real_text_ids,
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_pdl_capture_gives_bit_identical_logits(real_model_path, real_text_ids, monkeypatch,
+                                                mode):
+    """Programmatic dependent launch in the capture (TINYLOOP_PDL, cuda_ops.PDL_KERNELS): the
+    same requests (depth 1 -> 4 -> 2 -> 4, prompts of 30 and 600 tokens) give, step by step,
+    the same ids and bit-identical logit rows with PDL on and off (a kernel reading its
+    predecessor's output before it completed would show here), each setting under its own
+    graph key."""
+    m = _load(real_model_path, mode)
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    seen = record_decode_steps(m, monkeypatch)
+    try:
+        got = {}
+        for pdl in ("0", "1"):
+            monkeypatch.setenv("TINYLOOP_PDL", pdl)
+            seen.clear()
+            for d, n in RUNS:
+                m.generate(real_text_ids[:n], max_new_tokens=24, depth=d)
+            got[pdl] = [(nxt, row) for nxt, row, _ in seen]
+        assert len(got["1"]) == len(got["0"]) > 40
+        for (a, ra), (b, rb) in zip(got["0"], got["1"]):
+            assert a == b
+            np.testing.assert_array_equal(ra, rb)
+        keys = m.graph_stats()["keys"]
+        if m.ops.pdl_capture is False:
+            pytest.skip("PDL needs compute capability 9.0 (the PDL=1 run captured plainly)")
+        assert {k[4][-1] for k in keys} == {False, True} and len(keys) == 6
+    finally:
+        tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_sampled_steps_pick_by_the_reference_rule(real_model_path, real_text_ids, monkeypatch,
                                                   mode):
     """temperature > 0 inside the captured step (sample.cu's sample_step, parameters read at

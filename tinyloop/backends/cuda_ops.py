@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import pdl_enabled
 from ..errors import ConfigError
 from ..kvcache import H_MODES
 from ..quant import QuantWeight
@@ -350,6 +351,122 @@ def get_module(family: str):
     return mod
 
 
+# --- programmatic dependent launch (PDL) ------------------------------------------------------
+# The kernels a captured decode step may launch with PDL: each calls cuda_src/common.cuh's
+# pdl_wait() before it reads anything an earlier kernel writes (TL_PDL_ENTER at its top, or in
+# gemv2_body after the weight preload). Name prefixes; tests/test_pdl.py checks each entry's
+# source. A kernel outside this list is launched plainly even while PDL is on.
+PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_combine_", "attn_decode_",
+               "embed_q", "argmax_f32", "sample_step", "sample_topk_topp", "swiglu_f16",
+               "add_f16_to_f32", "concat_inject_", "copy_f16_to_f32", "decode_step_advance")
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # cuda.h CUlaunchAttributeID
+
+
+class _CULaunchAttribute(ctypes.Structure):
+    # cuda.h CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _CULaunchConfig(ctypes.Structure):
+    # cuda.h CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
+def _dim3(d) -> tuple:
+    t = (int(d),) if isinstance(d, (int, np.integer)) else tuple(int(v) for v in d)
+    if not 1 <= len(t) <= 3:
+        raise ConfigError(f"a launch dimension takes 1 to 3 values, got {d!r}")
+    return t + (1,) * (3 - len(t))
+
+
+def _kernel_arg(a):
+    """One kernel argument as CuPy's RawKernel packs it: a Python int as int64, a float as
+    double, a NumPy scalar as its own dtype, a cupy.ndarray as its device pointer."""
+    if isinstance(a, (bool, np.bool_)):
+        raise ConfigError("a kernel argument must not be a bool (pass an int)")
+    if isinstance(a, int):
+        return ctypes.c_int64(a)
+    if isinstance(a, float):
+        return ctypes.c_double(a)
+    if isinstance(a, np.generic):
+        raw = a.tobytes()
+        return (ctypes.c_char * len(raw)).from_buffer_copy(raw)
+    if cupy is not None and isinstance(a, cupy.ndarray):
+        return ctypes.c_uint64(a.data.ptr)
+    raise ConfigError(f"unsupported kernel argument type {type(a).__name__}")
+
+
+class _PdlLauncher:
+    """``cuLaunchKernelEx`` with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1
+    (CuPy's RawKernel sets no launch attributes): the launched kernel may begin before the
+    previous kernel in the stream completes, and waits for it in ``pdl_wait``. Captured into
+    a graph this becomes a programmatic dependency edge (CUDA 12.3+)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._launch = lib.cuLaunchKernelEx
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p]
+        self._attr = _CULaunchAttribute()
+        self._attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        ctypes.memmove(ctypes.addressof(self._attr) + _CULaunchAttribute.value.offset,
+                       ctypes.byref(ctypes.c_int(1)), 4)
+
+    def launch(self, func_ptr: int, grid, block, args: tuple, shared_mem: int,
+               stream_ptr: int) -> None:
+        """Queue ``func_ptr`` (a CUfunction) on ``stream_ptr``; raises CuPy's CUDADriverError
+        for a refused launch (nothing queued)."""
+        g, b = _dim3(grid), _dim3(block)
+        cfg = _CULaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), stream_ptr,
+                              ctypes.addressof(self._attr), 1)
+        vals = [_kernel_arg(a) for a in args]
+        params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
+        rc = self._launch(ctypes.byref(cfg), func_ptr, params, None)
+        if rc != 0:
+            raise cupy.cuda.driver.CUDADriverError(rc)
+
+
+class _PdlSwitch:
+    """Whether launches go through ``_PdlLauncher`` now (on only while a decode step is being
+    captured with PDL); shared by one backend's kernels."""
+
+    __slots__ = ("on", "launcher")
+
+    def __init__(self):
+        self.on = False
+        self.launcher = None
+
+
+class _Kernel:
+    """A RawKernel of a family, called as CuPy's (grid, block, args, shared_mem=); launched
+    with PDL while its backend's switch is on and its name is in PDL_KERNELS."""
+
+    __slots__ = ("raw", "pdl", "switch")
+
+    def __init__(self, raw, name: str, switch: _PdlSwitch):
+        self.raw = raw
+        self.pdl = name.startswith(PDL_KERNELS)
+        self.switch = switch
+
+    @property
+    def kernel(self):
+        """CuPy's Function (``.ptr``: the CUfunction)."""
+        return self.raw.kernel
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        sw = self.switch
+        if sw.on and self.pdl:
+            sw.launcher.launch(self.raw.kernel.ptr, grid, block, args, shared_mem,
+                               cupy.cuda.get_current_stream().ptr)
+        else:
+            self.raw(grid, block, args, shared_mem=shared_mem)
+
+
 # --- validation helpers (one check at the boundary; each message names the bad value) ------
 def _dev(arr, name: str, dtype, ndim: int | None = None):
     if not isinstance(arr, cupy.ndarray):
@@ -483,6 +600,7 @@ class CudaOps(Ops):
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
+        self._pdl = _PdlSwitch()      # on while a decode step is captured with PDL
         self._winfo = weakref.WeakKeyDictionary()    # device QuantWeight -> _WInfo
         self._heads_seen: set = set()                # (H, Hkv, hd, qkv cols) already checked
         # grid cap of the RMSNorm-fused GEMVs: about one resident wave, so each launch
@@ -494,6 +612,7 @@ class CudaOps(Ops):
                 cupy.cuda.Device().id)["multiProcessorCount"])
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
         self.sms = sms
+        self._cc = int(cupy.cuda.Device().compute_capability)     # e.g. 90 for sm_90
         self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
         self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
         self.attn_prefill = attn_prefill_setting(attn_prefill)     # mma | scalar
@@ -552,7 +671,8 @@ class CudaOps(Ops):
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)
         if fn is None:
-            fn = self._fns[kernel] = get_module(family).get_function(kernel)
+            fn = self._fns[kernel] = _Kernel(get_module(family).get_function(kernel), kernel,
+                                             self._pdl)
         return fn
 
     def compile_all(self) -> None:
@@ -1171,8 +1291,16 @@ class CudaOps(Ops):
 
     def graph_constants(self) -> tuple:
         """The host-chosen launch constants of a decode step: the GEMV version and forced
-        geometry, the test grid cap and the SM count (v2 grids derive from it)."""
-        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode)
+        geometry, the test grid cap, the SM count (v2 grids derive from it), the decode
+        attention kernel and whether the capture uses PDL (``pdl_capture``)."""
+        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode, self.pdl_capture)
+
+    @property
+    def pdl_capture(self) -> bool:
+        """Whether a decode-step capture launches PDL_KERNELS with programmatic dependent
+        launch: ``TINYLOOP_PDL`` on (``config.pdl_enabled``) and a GPU of compute capability
+        9.0 or later (griddepcontrol is sm_90 PTX)."""
+        return self._cc >= 90 and pdl_enabled()
 
     @staticmethod
     def _step_ptr(step) -> int:
@@ -1324,10 +1452,15 @@ class CudaOps(Ops):
             s.__exit__(None, None, None)
             raise
         self._capturing = s
+        if self.pdl_capture:
+            if self._pdl.launcher is None:
+                self._pdl.launcher = _PdlLauncher()
+            self._pdl.on = True
 
     def graph_end(self):
         """End the capture; return the ``cupy.cuda.Graph`` (instantiated by CuPy)."""
         s, self._capturing = self._capturing, None
+        self._pdl.on = False
         if s is None:
             raise ConfigError("no decode-step capture is open")
         try:
@@ -1340,6 +1473,7 @@ class CudaOps(Ops):
         mode (an invalidated capture raises from end_capture: ignored) and stops being
         current, so the next capture and every eager launch work."""
         s, self._capturing = self._capturing, None
+        self._pdl.on = False
         if s is None:
             return
         try:

@@ -1,0 +1,109 @@
+"""Programmatic dependent launch (issue 10): the kernels cuda_ops launches with PDL inside a
+captured decode step all wait for their predecessor before touching its output, and the
+driver structures are laid out as cuda.h declares them. CPU-only (source and ctypes checks);
+tests/gpu/test_cuda_graphs.py runs the captured step with PDL on and off."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyloop.backends import cuda_ops
+from tinyloop.config import pdl_enabled
+from tinyloop.errors import ConfigError
+
+SRC = Path(cuda_ops.__file__).resolve().parents[2] / "cuda_src"
+_ENTRY = re.compile(r'extern "C" __global__ void(?:[\s\\]+__launch_bounds__\((?:[^()]|\([^()]*\))*\))?'
+                    r'[\s\\]+([\w#]+)\s*\(')
+
+
+def _entries():
+    """(file, kernel-name prefix, the entry's first statements) of every kernel entry; a
+    macro-made entry named by a parameter (NAME) is resolved through the macro's uses."""
+    out = []
+    for path in sorted(SRC.glob("*.cu")):
+        text = path.read_text(encoding="utf-8")
+        for m in _ENTRY.finditer(text):
+            name = m.group(1)
+            open_ = text.index("{", m.end())
+            body = text[open_:open_ + 400]
+            if name == "NAME":     # resolve: the #define holding it, then its invocations
+                start = text.rfind("#define", 0, m.start())
+                macro = re.match(r"#define (\w+)\(", text[start:]).group(1)
+                for use in re.finditer(rf"\b{macro}\(\s*([\w#]+)", text[open_:]):
+                    out.append((path.name, use.group(1).split("##")[0], body))
+            else:
+                out.append((path.name, name.split("##")[0], body))
+    return out
+
+
+def _gemv2_body_waits() -> bool:
+    text = (SRC / "gemv.cu").read_text(encoding="utf-8")
+    start = text.index("__device__ __forceinline__ void gemv2_body(")
+    body = text[start:text.index("#ifndef TL_DEVICE_ONLY", start)]
+    preload = body.index("gemv2_load<BITS, TWO>")
+    enter = body.index("TL_PDL_ENTER();")
+    first_x = min(body.index("norm_row_v256("), body.index("const uint4* src = (const uint4*)xin"))
+    return preload < enter < first_x
+
+
+def test_every_pdl_kernel_waits_for_its_predecessor():
+    entries = _entries()
+    assert len(entries) > 60                       # the parse found the macro-made entries too
+    pdl = [(f, n, b) for f, n, b in entries if n.startswith(cuda_ops.PDL_KERNELS)]
+    for prefix in cuda_ops.PDL_KERNELS:            # no stale prefix
+        assert any(n.startswith(prefix) for _, n, _ in pdl), prefix
+    for f, n, body in pdl:
+        first = body[1:].lstrip(" \t\n\\")
+        waits = first.startswith("TL_PDL_ENTER();") or "gemv2_body<" in body.split(";")[0]
+        assert waits, f"{f}: {n}* is launched with PDL but does not start with TL_PDL_ENTER"
+    assert _gemv2_body_waits()
+
+
+def test_the_megakernel_and_prefill_kernels_are_not_pdl_launched():
+    names = {n for _, n, _ in _entries()}
+    for n in names:
+        if n.startswith(("decode_mega", "attn_prefill", "gemm", "h_", "rmsnorm")):
+            assert not n.startswith(cuda_ops.PDL_KERNELS), n
+
+
+def test_driver_structures_match_cuda_h():
+    # CUlaunchAttribute: id (4) + pad (4) + value union (64); CUlaunchConfig: 7 uints, then
+    # the stream handle at offset 32, attrs at 40, numAttrs at 48; 56 bytes in all (x86-64)
+    assert ctypes.sizeof(cuda_ops._CULaunchAttribute) == 72
+    assert cuda_ops._CULaunchAttribute.value.offset == 8
+    assert cuda_ops._CULaunchConfig.hStream.offset == 32
+    assert cuda_ops._CULaunchConfig.attrs.offset == 40
+    assert cuda_ops._CULaunchConfig.numAttrs.offset == 48
+    assert ctypes.sizeof(cuda_ops._CULaunchConfig) == 56
+
+
+def test_kernel_arguments_pack_as_cupy_packs_them():
+    assert cuda_ops._kernel_arg(-3).value == -3
+    assert isinstance(cuda_ops._kernel_arg(7), ctypes.c_int64)
+    assert isinstance(cuda_ops._kernel_arg(0.5), ctypes.c_double)
+    raw = bytes(cuda_ops._kernel_arg(np.float32(1.5)))
+    assert raw == np.float32(1.5).tobytes()
+    assert bytes(cuda_ops._kernel_arg(np.int32(-2))) == np.int32(-2).tobytes()
+    with pytest.raises(ConfigError, match="bool"):
+        cuda_ops._kernel_arg(True)
+    with pytest.raises(ConfigError, match="str"):
+        cuda_ops._kernel_arg("x")
+    assert cuda_ops._dim3(5) == (5, 1, 1)
+    assert cuda_ops._dim3((2, 3)) == (2, 3, 1)
+    with pytest.raises(ConfigError):
+        cuda_ops._dim3((1, 1, 1, 1))
+
+
+def test_pdl_flag(monkeypatch):
+    monkeypatch.delenv("TINYLOOP_PDL", raising=False)
+    assert pdl_enabled() is True
+    monkeypatch.setenv("TINYLOOP_PDL", "0")
+    assert pdl_enabled() is False
+    monkeypatch.setenv("TINYLOOP_PDL", "maybe")
+    with pytest.raises(ConfigError, match="TINYLOOP_PDL"):
+        pdl_enabled()
