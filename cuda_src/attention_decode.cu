@@ -6,17 +6,16 @@
 // Query head h reads KV head h / (n_heads / n_kv); scale 1/sqrt(head_dim); scores in log2 units
 // (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
 //
-// Two launches:
-//   attn_split_{fp16,int8}_hd{HD}   grid (n_heads, nsplit), DS_THREADS threads. The ctx keys
-//       fill npages = ceil(ctx / P) pages; split s owns whole pages [s*pps, (s+1)*pps) with
-//       pps = ceil(npages / nsplit) (computed on the device, so a captured launch with a fixed
-//       nsplit serves every ctx). It runs the online softmax (Milakov & Gimelshein 2018) over its
-//       keys and writes the partial (m, l, o[HD]) - running max, sum of 2^(s-m), unnormalised
-//       sum of 2^(s-m) v - to part[(h * nsplit + s) * (HD + 2)]: o[0..HD-1], m, l. A split with
-//       no keys writes m = -inf, l = 0, o = 0.
-//   attn_combine_hd{HD}             grid n_heads, HD threads: M = max_s m_s,
-//       out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0 always holds key 0, so M is
-//       finite.
+// One launch, attn_split_{fp16,int8}_hd{HD}: grid (n_heads, nsplit), DS_THREADS threads. The ctx
+// keys fill npages = ceil(ctx / P) pages; split s owns whole pages [s*pps, (s+1)*pps) with
+// pps = ceil(npages / nsplit) (computed on the device, so a captured launch with a fixed nsplit
+// serves every ctx). Each block runs the online softmax (Milakov & Gimelshein 2018) over its
+// keys and writes the partial (m, l, o[HD]) - running max, sum of 2^(s-m), unnormalised sum of
+// 2^(s-m) v - to part[(h * nsplit + s) * (HD + 2)]: o[0..HD-1], m, l. A split with no keys
+// writes m = -inf, l = 0, o = 0. The last block of head h to finish (a per-head atomic ticket
+// after a __threadfence, CUDA's threadFenceReduction pattern; it re-arms the ticket) merges
+// the head's partials (attn_combine_head): M = max_s m_s,
+// out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0 always holds key 0, so M is finite.
 // ctx comes from the host (ctx > 0) or, when step_pos is not null, from the device step state
 // (tinyloop/graphs.py: ctx = *step_pos + 1), so one captured graph serves every step.
 // Scores: one key per thread, the K row read with 16-byte loads. P*V: thread (slice, 8-dim
@@ -27,6 +26,10 @@
 // host, defaults here for a standalone nvcc build, kept equal by tests/test_kernel_geometry.py).
 #ifndef DS_THREADS
 #define DS_THREADS 128
+#endif
+// Splits per head at most (the merge keeps one weight per split in shared memory).
+#ifndef DS_MAX_SPLITS
+#define DS_MAX_SPLITS 64
 #endif
 
 // One (query head h, split s of nsplit) unit over keys 0..ctx-1, run by a block of DS_THREADS
@@ -123,52 +126,77 @@ __device__ void attn_split_impl(const half_t* __restrict__ qkv, i64 ctx_host,
                               scale_log2, part, blockIdx.x, blockIdx.y, gridDim.y);
 }
 
-// Head h's merge of its nsplit partials into out[h * HD ..] (f16); the block's threads stride
-// over the HD outputs. Partials are read through L2 (__ldcg): other blocks wrote them.
+// Head h's merge of its nsplit (<= DS_MAX_SPLITS) partials into out[h * HD ..] (f16), by the
+// whole block (it synchronises). Partials are read through L2 (__ldcg): other blocks wrote
+// them. The split maxima and weights 2^(m_s - M) go through shared memory, so every thread's
+// loop over the splits issues independent loads (no chain of L2 round trips); each output
+// sums the splits in ascending order, so the values do not depend on the block size.
 template <int HD>
 __device__ __forceinline__ void attn_combine_head(const float* part, i64 nsplit, half_t* out,
                                                   i64 h) {
+    __shared__ float cw[DS_MAX_SPLITS];
+    __shared__ float cmx;
     const float* src = part + h * nsplit * (HD + 2);
-    float mx = TL_NEG_INF;
-    for (i64 s = 0; s < nsplit; ++s) mx = fmaxf(mx, __ldcg(src + s * (HD + 2) + HD));
+    const int ns = (int)nsplit;
+    for (int s = threadIdx.x; s < ns; s += blockDim.x) cw[s] = __ldcg(src + s * (HD + 2) + HD);
+    __syncthreads();
+    if (threadIdx.x < 32) {                       // M: max is exact in any order
+        float mx = TL_NEG_INF;
+        for (int s = threadIdx.x; s < ns; s += 32) mx = fmaxf(mx, cw[s]);
+        mx = warp_max(mx);
+        if (threadIdx.x == 0) cmx = mx;
+    }
+    __syncthreads();
+    const float mx = cmx;
+    __syncthreads();                              // cw is rewritten next
+    for (int s = threadIdx.x; s < ns; s += blockDim.x) cw[s] = exp2f(cw[s] - mx);  // 0: empty
+    __syncthreads();
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float num = 0.0f, den = 0.0f;
-        for (i64 s = 0; s < nsplit; ++s) {
+#pragma unroll 8
+        for (int s = 0; s < ns; ++s) {
             const float* ps = src + s * (HD + 2);
-            const float wgt = exp2f(__ldcg(ps + HD) - mx);   // 0 for an empty split
-            num = fmaf(wgt, __ldcg(ps + i), num);
-            den = fmaf(wgt, __ldcg(ps + HD + 1), den);
+            num = fmaf(cw[s], __ldcg(ps + i), num);
+            den = fmaf(cw[s], __ldcg(ps + HD + 1), den);
         }
         out[h * HD + i] = f2h(num / den);
     }
+    __syncthreads();                              // cw / cmx free for the next call
 }
 
+// The split kernel's tail: after this block's partial, the last block of head h (per-head
+// ticket) merges the head. Every thread of the block calls it.
 template <int HD>
-__device__ void attn_combine_impl(const float* __restrict__ part, i64 nsplit,
-                                  half_t* __restrict__ out) {
-    attn_combine_head<HD>(part, nsplit, out, blockIdx.x);
+__device__ __forceinline__ void attn_split_merge(const float* part, i64 nsplit,
+                                                 unsigned* tickets, half_t* out, i64 h) {
+    __shared__ bool last;
+    __threadfence();                              // this block's partial, then the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(tickets + h, 1u) == (unsigned)(nsplit - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    attn_combine_head<HD>(part, nsplit, out, h);
+    if (threadIdx.x == 0) tickets[h] = 0u;        // re-armed for the next launch
 }
 
 #ifndef TL_DEVICE_ONLY
 
 // Entry points. step_pos: null, or the device int32 position of the step state (ctx = pos + 1).
+// part: f32 [n_heads, nsplit, HD + 2] scratch; tickets: u32 [>= n_heads], 0 before the first
+// launch (the merging block re-arms its head's); out: f16 [n_heads * HD].
 #define DS_ENTRIES_MODE(MODE, NAME, HD)                                                        \
     extern "C" __global__ void __launch_bounds__(DS_THREADS)                                  \
         attn_split_##NAME##_hd##HD(const half_t* qkv, i64 ctx, const int* step_pos,            \
                                    const i64* table, i64 P, i64 k_off, i64 v_off, i64 ks_off,  \
                                    i64 vs_off, i64 n_heads, i64 n_kv, double scale_log2,       \
-                                   float* part) {                                              \
+                                   float* part, unsigned* tickets, half_t* out) {              \
         TL_PDL_ENTER();                                                                        \
         attn_split_impl<MODE, HD>(qkv, ctx, step_pos, table, P, k_off, v_off, ks_off, vs_off,  \
                                   n_heads, n_kv, (float)scale_log2, part);                     \
+        attn_split_merge<HD>(part, gridDim.y, tickets, out, blockIdx.x);                       \
     }
-#define DS_ENTRIES(HD)                                                                         \
-    DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)                      \
-    extern "C" __global__ void attn_combine_hd##HD(const float* part, i64 nsplit,              \
-                                                   half_t* out) {                              \
-        TL_PDL_ENTER();                                                                        \
-        attn_combine_impl<HD>(part, nsplit, out);                                              \
-    }
+#define DS_ENTRIES(HD) DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)
 
 // The supported head dims (ATTN_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
 #ifndef DS_HEAD_DIM_ENTRIES

@@ -138,6 +138,38 @@ __device__ __forceinline__ void gemv_row(const u8* __restrict__ qw, const half_t
     if (lane == 0) gemv_store<EPI>(out, row, acc0, acc1);
 }
 
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
+// Prefetch into L1 what gemv_row's lane `lane` reads first for `row` (and row + F for SwiGLU):
+// its first (up to 4) 16-byte weight chunks and their groups' scales and zeros. Constant data,
+// so it may run before pdl_wait (common.cuh): the DRAM round trip of the weights then overlaps
+// the kernel before (PDL) and the RMSNorm prologue; the loads gemv_row issues later hit L1.
+template <int BITS, int EPI>
+__device__ __forceinline__ void gemv_prefetch_row(const u8* __restrict__ qw,
+                                                  const half_t* __restrict__ sc,
+                                                  const half_t* __restrict__ zr, i64 row, i64 K,
+                                                  i64 F, int log2g, int lane) {
+    const i64 row_bytes = BITS == 4 ? K / 2 : K;
+    const int chunks = (int)(row_bytes / 16);
+    const int ngroups = (int)(K >> log2g);
+    const int n_el = BITS == 4 ? 32 : 16;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = lane + 32 * j;
+        if (c >= chunks) break;
+        const i64 g = (i64)((c * n_el) >> log2g);
+#pragma unroll
+        for (int r = 0; r < (EPI == EPI_SWIGLU ? 2 : 1); ++r) {
+            const i64 rr = row + r * F;
+            prefetch_l1(qw + rr * row_bytes + 16 * c);
+            prefetch_l1(sc + rr * ngroups + g);
+            prefetch_l1(zr + rr * ngroups + g);
+        }
+    }
+}
+
 // x f16 [K] in global memory. grid = ceil(N / GEMV_WARPS), block = 32 * GEMV_WARPS.
 template <int BITS, int EPI>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
@@ -146,6 +178,8 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
                                           const half_t* __restrict__ x, i64 N, i64 K, i64 F,
                                           i64 log2g, void* __restrict__ out) {
     const i64 row = (i64)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row < N) gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row, K, F, (int)log2g, threadIdx.x & 31);
+    TL_PDL_ENTER();                               // x and out: written / read by the kernel before
     if (row < N) gemv_row<BITS, EPI>(qw, sc, zr, x, row, K, F, (int)log2g, out, threadIdx.x & 31);
 }
 
@@ -178,8 +212,11 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
                                                const half_t* __restrict__ zr, i64 N, i64 K,
                                                i64 F, i64 log2g, void* __restrict__ out) {
     half_t* xs = (half_t*)gemv_smem;
-    norm_row_to_shared(x, weight, eps, K, xs);
     const int lane = threadIdx.x & 31;
+    const int row0 = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row0 < N) gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row0, K, F, (int)log2g, lane);
+    TL_PDL_ENTER();                               // the residual row: the kernel before wrote it
+    norm_row_to_shared(x, weight, eps, K, xs);
     // int row index (N < 2^30, the host checks): an i64 loop counter made ptxas spill here
     const int step = gridDim.x * GEMV_WARPS;
     for (int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5); row < N; row += step)
@@ -191,7 +228,6 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
              i64 F, i64 log2g, void* out) {                                                   \
-        TL_PDL_ENTER();                                                                       \
         gemv_impl<BITS, EPI>(qw, sc, zr, x, N, K, F, log2g, out);                             \
     }
 
@@ -199,7 +235,6 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
              const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
-        TL_PDL_ENTER();                                                                       \
         gemv_norm_impl<BITS, EPI>(x, weight, eps, qw, sc, zr, N, K, F, log2g, out);           \
     }
 

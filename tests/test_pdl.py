@@ -41,14 +41,19 @@ def _entries():
     return out
 
 
-def _gemv2_body_waits() -> bool:
+# The GEMV bodies that load weights ahead of the wait: (function, its weight preload, what
+# first touches the predecessor's output). The wait must sit between the two.
+_PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (const uint4*)xin")),
+               ("gemv_impl", "gemv_prefetch_row<", ("gemv_row<",)),
+               ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)))
+
+
+def _preloads_then_waits(func: str, preload: str, touches) -> bool:
     text = (SRC / "gemv.cu").read_text(encoding="utf-8")
-    start = text.index("__device__ __forceinline__ void gemv2_body(")
-    body = text[start:text.index("#ifndef TL_DEVICE_ONLY", start)]
-    preload = body.index("gemv2_load<BITS, TWO>")
+    start = text.index(f"__device__ __forceinline__ void {func}(")
+    body = text[start:text.index("\n}\n", start)]
     enter = body.index("TL_PDL_ENTER();")
-    first_x = min(body.index("norm_row_v256("), body.index("const uint4* src = (const uint4*)xin"))
-    return preload < enter < first_x
+    return body.index(preload) < enter < min(body.index(t) for t in touches)
 
 
 def test_every_pdl_kernel_waits_for_its_predecessor():
@@ -59,9 +64,12 @@ def test_every_pdl_kernel_waits_for_its_predecessor():
         assert any(n.startswith(prefix) for _, n, _ in pdl), prefix
     for f, n, body in pdl:
         first = body[1:].lstrip(" \t\n\\")
-        waits = first.startswith("TL_PDL_ENTER();") or "gemv2_body<" in body.split(";")[0]
+        call = body.split(";")[0]
+        waits = first.startswith("TL_PDL_ENTER();") or any(f"{fn}<" in call
+                                                          for fn, _, _ in _PRELOADING)
         assert waits, f"{f}: {n}* is launched with PDL but does not start with TL_PDL_ENTER"
-    assert _gemv2_body_waits()
+    for fn, preload, touches in _PRELOADING:
+        assert _preloads_then_waits(fn, preload, touches), fn
 
 
 def test_the_megakernel_and_prefill_kernels_are_not_pdl_launched():

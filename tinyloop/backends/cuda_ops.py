@@ -70,6 +70,7 @@ GEOMETRY = {
                           "FA_HEAD_DIM_ENTRIES": "".join(f"FA_ENTRIES({hd})"
                                                          for hd in FA_HEAD_DIMS)},
     "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
+                         "DS_MAX_SPLITS": 64,    # splits per head at most (partials, merge)
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
@@ -118,7 +119,8 @@ _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
                 for hd in ATTN_HEAD_DIMS}
 ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
 DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
-DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
+DS_MAX_SPLITS = GEOMETRY["attention_decode"]["DS_MAX_SPLITS"]   # ... and at most this many
+_DS_TICKETS = 1024      # split-K decode: per-head merge tickets (query heads at most)
 # Contexts of at most this many keys run the single-pass decode kernel (attention.cu), not
 # split-K. bench_attn_decode.py on the H200 (SmolLM2 dims, fp16/int8 pages of 32): split-K was
 # 0.8x the single-pass kernel at ctx 128 (one split there: the same work plus a combine
@@ -356,7 +358,7 @@ def get_module(family: str):
 # pdl_wait() before it reads anything an earlier kernel writes (TL_PDL_ENTER at its top, or in
 # gemv2_body after the weight preload). Name prefixes; tests/test_pdl.py checks each entry's
 # source. A kernel outside this list is launched plainly even while PDL is on.
-PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_combine_", "attn_decode_",
+PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_decode_",
                "embed_q", "argmax_f32", "sample_step", "sample_topk_topp", "swiglu_f16",
                "add_f16_to_f32", "concat_inject_", "copy_f16_to_f32", "decode_step_advance")
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # cuda.h CUlaunchAttributeID
@@ -446,10 +448,11 @@ class _Kernel:
     """A RawKernel of a family, called as CuPy's (grid, block, args, shared_mem=); launched
     with PDL while its backend's switch is on and its name is in PDL_KERNELS."""
 
-    __slots__ = ("raw", "pdl", "switch")
+    __slots__ = ("raw", "name", "pdl", "switch")
 
     def __init__(self, raw, name: str, switch: _PdlSwitch):
         self.raw = raw
+        self.name = name
         self.pdl = name.startswith(PDL_KERNELS)
         self.switch = switch
 
@@ -1101,11 +1104,12 @@ class CudaOps(Ops):
 
     def _attn_decode(self, qkv, ctx, step_pos, table, p, offs, mode, n_heads, n_kv_heads,
                      head_dim, scale_log2, out, splits=None):
-        """One query row: split-K (``attn_split_*`` + ``attn_combine_*``) or, with
-        ``attn_decode == "v1"`` or when ``decode_splits`` says single-pass (short contexts), the
-        one-block-per-head kernel. ``step_pos``: 0, or the device address of the int32
-        position (ctx = pos + 1 on the device; ``ctx`` is then the table's capacity and only
-        picks the split count). ``splits`` forces split-K with that count (tests)."""
+        """One query row: split-K (``attn_split_*``: the partials, then the last block of
+        each head merges them) or, with ``attn_decode == "v1"`` or when ``decode_splits`` says
+        single-pass (short contexts), the one-block-per-head kernel. ``step_pos``: 0, or the
+        device address of the int32 position (ctx = pos + 1 on the device; ``ctx`` is then the
+        table's capacity and only picks the split count). ``splits`` forces split-K with that
+        count (tests)."""
         ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
         if self.attn_decode == "v1" or ns == 0:
             if step_pos:
@@ -1118,20 +1122,25 @@ class CudaOps(Ops):
             return
         if not 1 <= ns <= DS_MAX_SPLITS:
             raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
-        need = int(n_heads) * ns * (int(head_dim) + 2) * 4
+        if n_heads > _DS_TICKETS:
+            raise ConfigError(f"split-K decode attention takes at most {_DS_TICKETS} query "
+                              f"heads, got {n_heads}")
+        # the scratch: u32 tickets [_DS_TICKETS] (zero between launches: the merging block of
+        # each head re-arms its own), then the partials f32 [n_heads, ns, hd + 2]
+        need = 4 * _DS_TICKETS + int(n_heads) * ns * (int(head_dim) + 2) * 4
         if need > self._ds_cap:
             if self._ds_ptr:
                 self.synchronize()
                 self._free_dev(self._ds_ptr)
                 self._ds_ptr, self._ds_cap = 0, 0
             self._ds_ptr = cupy.cuda.runtime.malloc(need)
+            cupy.cuda.runtime.memset(self._ds_ptr, 0, 4 * _DS_TICKETS)
             self._ds_cap = need
         self._fn("attention_decode", _SPLIT_NAMES[mode, head_dim])(
             (int(n_heads), ns), (_DS_THREADS,),
             (qkv.data.ptr, int(ctx), int(step_pos), table, p, *offs, int(n_heads),
-             int(n_kv_heads), scale_log2, self._ds_ptr))
-        self._fn("attention_decode", f"attn_combine_hd{int(head_dim)}")(
-            (int(n_heads),), (int(head_dim),), (self._ds_ptr, ns, out.data.ptr))
+             int(n_kv_heads), scale_log2, self._ds_ptr + 4 * _DS_TICKETS, self._ds_ptr,
+             out.data.ptr))
 
     def inject(self, state, e, w, tmp2, tmp1):
         """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].
