@@ -58,16 +58,3 @@ extern "C" __global__ void copy_f16_to_f32(const half_t* __restrict__ y, i64 n,
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = h2f(y[i]);
 }
-
-// The last launch of a captured decode step (tinyloop/graphs.py): step int [4] is the device
-// step state (STEP_ID = 0, STEP_FAULT = 1, STEP_POS = 2; tinyloop/backends/base.py). Copies the
-// id and fault code the head wrote to host[0..1] (mapped pinned memory, read after the
-// stream synchronises) and advances the position for the next replay. One thread.
-extern "C" __global__ void decode_step_advance(int* step, int* host) {
-    TL_PDL_ENTER();
-    if (threadIdx.x == 0 && blockIdx.x == 0) {
-        host[0] = step[0];
-        host[1] = step[1];
-        step[2] += 1;
-    }
-}

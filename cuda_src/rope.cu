@@ -95,15 +95,26 @@ __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
 // qkv f16 [T, ld] (Q at 0, K at n_heads*hd, V at (n_heads+n_kv)*hd): Q rotated in place; the
 // slot's pages get rows pos0..pos0+T-1 (MODE fp16: rotated K and V as FP16; int8: codes and
 // scales; qonly: nothing). grid = T, block = 128 (4 warps); dynamic shared memory = hd floats.
+// step: null, or the decode step state (T = 1): when its STEP_ROPE_POS word says its table is
+// position pos's (decode_step_advance wrote it), the table is copied instead of recomputed.
+#define STEP_ROPE_POS 3           // tinyloop/backends/base.py
+#define STEP_ROPE 4
+#define STEP_ROPE_MAX 256
 template <int MODE>
 __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double theta,
                               i64 n_heads, i64 n_kv, i64 hd, const i64* __restrict__ table,
-                              i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off) {
+                              i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,
+                              const int* __restrict__ step = nullptr) {
     extern __shared__ float cs[];               // cos at [0, hd/2), sin at [hd/2, hd)
     const i64 t = blockIdx.x;
     const int half = (int)(hd / 2);
     const i64 pos = pos0 + t;
-    rope_table(pos, theta, hd, cs);
+    if (step != nullptr && hd <= STEP_ROPE_MAX && (i64)step[STEP_ROPE_POS] == pos + 1) {
+        const float* tab = (const float*)(step + STEP_ROPE);
+        for (int i = threadIdx.x; i < (int)hd; i += blockDim.x) cs[i] = tab[i];
+    } else {
+        rope_table(pos, theta, hd, cs);
+    }
     __syncthreads();
     half_t* row = qkv + t * ld;
     // Q (all modes) and, in fp16 mode, K: rotate pair by pair
@@ -169,10 +180,32 @@ KV_WRITE_ENTRY(KV_QONLY, qonly)
                                                     i64 vs_off) {                              \
         TL_PDL_ENTER();                                                                        \
         kv_write_impl<MODE>(qkv, ld, (i64)step[2], theta, n_heads, n_kv, hd, table, P, k_off,  \
-                            v_off, ks_off, vs_off);                                            \
+                            v_off, ks_off, vs_off, step);                                      \
     }
 
 KV_WRITE_STEP_ENTRY(KV_FP16, fp16)
 KV_WRITE_STEP_ENTRY(KV_INT8, int8)
 KV_WRITE_STEP_ENTRY(KV_QONLY, qonly)
+
+// The last launch of a captured decode step (tinyloop/graphs.py): step int [STEP_WORDS] is the
+// device step state (STEP_ID = 0, STEP_FAULT = 1, STEP_POS = 2, STEP_ROPE_POS = 3, the table
+// from STEP_ROPE = 4; tinyloop/backends/base.py). Thread 0 copies the id and fault code the
+// head wrote to host[0..1] (mapped pinned memory, read after the stream synchronises) and
+// advances the position to p + 1; the block writes p + 1's RoPE table (rope_table: the values
+// every kv_write_step of the next replay would compute) and marks it valid. One block of 32+
+// threads.
+extern "C" __global__ void decode_step_advance(int* step, int* host, double theta, i64 hd) {
+    TL_PDL_ENTER();
+    __shared__ int next;
+    if (threadIdx.x == 0) {
+        host[0] = step[0];
+        host[1] = step[1];
+        next = step[2] + 1;
+        step[2] = next;
+    }
+    __syncthreads();
+    if (hd <= 0 || hd > STEP_ROPE_MAX || hd % 2) return;
+    rope_table((i64)next, theta, hd, (float*)(step + STEP_ROPE));
+    if (threadIdx.x == 0) step[STEP_ROPE_POS] = next + 1;
+}
 #endif  // TL_DEVICE_ONLY

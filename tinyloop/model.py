@@ -658,7 +658,7 @@ class Model:
         self._stack(x, v, depth, slots.__getitem__, None, step)
         head = ops.head_sample_step if sampled else ops.head_argmax_step
         head(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(), v["norm"], step)
-        ops.step_advance(step, host_out)
+        ops.step_advance(step, host_out, cfg.rope_theta, cfg.head_dim)
 
     def head(self, pos0: int, t: int, out) -> None:
         """Final RMSNorm + LM head of residual rows pos0..pos0+t into ``out`` f32 [t, vocab]."""

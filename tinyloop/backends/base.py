@@ -285,9 +285,11 @@ class Ops:
         state[STEP_ID], state[STEP_FAULT] = nxt, code
         self.from_host(state, step)
 
-    def step_advance(self, step, host_out) -> None:
+    def step_advance(self, step, host_out, theta: float | None = None,
+                     head_dim: int | None = None) -> None:
         """``step[STEP_POS] += 1`` and copy (id, fault) to ``host_out`` int32 [2] (the host
-        reads it after ``graph_sync``)."""
+        reads it after ``graph_sync``). ``theta`` / ``head_dim``: the model's RoPE, for a
+        backend that also prepares the next position's table (STEP_ROPE; ignored here)."""
         state = self.to_host(step).copy()
         host_out[0], host_out[1] = state[STEP_ID], state[STEP_FAULT]
         state[STEP_POS] += 1
@@ -322,5 +324,10 @@ class Ops:
         """Release ``graph`` (and what the driver holds for it)."""
 
 
-STEP_ID, STEP_FAULT, STEP_POS, STEP_WORDS = 0, 1, 2, 4
+STEP_ID, STEP_FAULT, STEP_POS = 0, 1, 2
+# [STEP_ROPE_POS] = p + 1 when [STEP_ROPE, STEP_ROPE + head_dim) holds position p's RoPE cos |
+# sin (float32 bits; 0: none): CudaOps.step_advance writes it for the next position, so the
+# step's KV writes read it instead of computing it per layer (rope.cu). Backends may ignore it.
+STEP_ROPE_POS, STEP_ROPE, STEP_ROPE_MAX = 3, 4, 256
+STEP_WORDS = STEP_ROPE + STEP_ROPE_MAX
 _FAULT_CODES = {v: k for k, v in LOGIT_FAULTS.items()}

@@ -1433,13 +1433,17 @@ class CudaOps(Ops):
         self._fn("sample", "sample_step")(
             (1,), (_SAMPLE_THREADS,), (out.data.ptr, n, self._smp_ptr, self._wq_ptr, sp))
 
-    def step_advance(self, step, host_out) -> None:
+    def step_advance(self, step, host_out, theta: float | None = None,
+                     head_dim: int | None = None) -> None:
         """``step[STEP_POS] += 1`` and (id, fault) to ``host_out`` (``step_host_buffer``'s
-        mapped pinned int32 [2]) in one one-thread launch."""
+        mapped pinned int32 [2]) in one launch (rope.cu ``decode_step_advance``), which also
+        writes the new position's RoPE table into the state (STEP_ROPE) for the next step's
+        KV writes when ``theta`` and ``head_dim`` (even, <= STEP_ROPE_MAX) are given."""
         if host_out.ctypes.data != self._id_ptr:
             raise ConfigError("host_out must be step_host_buffer()'s mapped pinned buffer")
-        self._fn("elementwise", "decode_step_advance")(
-            (1,), (1,), (self._step_ptr(step), self._id_ptr))
+        hd = int(head_dim) if theta is not None and head_dim is not None else 0
+        self._fn("rope", "decode_step_advance")(
+            (1,), (64,), (self._step_ptr(step), self._id_ptr, float(theta or 0.0), hd))
 
     def step_host_buffer(self):
         """The mapped pinned int32 [2] the sampled id and fault code land in (shared with
