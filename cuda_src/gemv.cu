@@ -103,11 +103,14 @@ __device__ __forceinline__ float chunk_dot(const uint4 wv, const half_t* __restr
 // epilogue. x f16 [K] (global or shared); W rows [N_w, K]; EPI_F16: out f16 [N];
 // EPI_RESID: out f32 [N] +=; EPI_F32: out f32 [N]; EPI_SWIGLU: out f16 [F] =
 // silu(x.W[r]) * (x.W[r+F]), N = F.
+// gemv_row_acc: the row's totals (every lane gets acc0 = x.W[row]; acc1 = x.W[row + F] for
+// SwiGLU), no store: qkv_rope.cu applies its own epilogue to them.
 template <int BITS, int EPI>
-__device__ __forceinline__ void gemv_row(const u8* __restrict__ qw, const half_t* __restrict__ sc,
-                                         const half_t* __restrict__ zr,
-                                         const half_t* __restrict__ x, i64 row, i64 K, i64 F,
-                                         int log2g, void* __restrict__ out, int lane) {
+__device__ __forceinline__ float gemv_row_acc(const u8* __restrict__ qw,
+                                              const half_t* __restrict__ sc,
+                                              const half_t* __restrict__ zr,
+                                              const half_t* __restrict__ x, i64 row, i64 K,
+                                              i64 F, int log2g, int lane, float& acc1_out) {
     const i64 row_bytes = BITS == 4 ? K / 2 : K;
     const int chunks = (int)(row_bytes / 16);
     const int ngroups = (int)(K >> log2g);
@@ -134,7 +137,17 @@ __device__ __forceinline__ void gemv_row(const u8* __restrict__ qw, const half_t
         for (; c < chunks; c += 32)
             acc0 += chunk_dot<BITS>(w0[c], x, c, sc, zr, row, ngroups, log2g);
     }
-    acc0 = warp_sum(acc0);
+    acc1_out = acc1;
+    return warp_sum(acc0);
+}
+
+template <int BITS, int EPI>
+__device__ __forceinline__ void gemv_row(const u8* __restrict__ qw, const half_t* __restrict__ sc,
+                                         const half_t* __restrict__ zr,
+                                         const half_t* __restrict__ x, i64 row, i64 K, i64 F,
+                                         int log2g, void* __restrict__ out, int lane) {
+    float acc1 = 0.0f;
+    const float acc0 = gemv_row_acc<BITS, EPI>(qw, sc, zr, x, row, K, F, log2g, lane, acc1);
     if (lane == 0) gemv_store<EPI>(out, row, acc0, acc1);
 }
 

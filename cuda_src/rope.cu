@@ -43,11 +43,12 @@ __device__ __forceinline__ void rope_table(i64 pos, double theta, i64 hd, float*
     }
 }
 
-// One pair (x0, x1) rotated by (c, s) in float: (x0 c - x1 s, x0 s + x1 c).
+// One pair (x0, x1) rotated by (c, s) in float: (x0 c - x1 s, x0 s + x1 c), each product
+// and sum rounded once.
 __device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, float* r0,
                                          float* r1) {
-    *r0 = x0 * c - x1 * s;
-    *r1 = x0 * s + x1 * c;
+    *r0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));     // no FMA contraction: the same
+    *r1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));     // bits in every kernel inlining it
 }
 
 // INT8 row of one (position, KV head): one warp. src f16 [hd] (K: rotated here with cs; V: as

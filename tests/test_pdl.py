@@ -45,11 +45,13 @@ def _entries():
 # first touches the predecessor's output). The wait must sit between the two.
 _PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (const uint4*)xin")),
                ("gemv_impl", "gemv_prefetch_row<", ("gemv_row<",)),
-               ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)))
+               ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)),
+               ("qkv_rope_impl", "gemv_prefetch_row<", ("step[", "norm_row_to_shared(")))
 
 
 def _preloads_then_waits(func: str, preload: str, touches) -> bool:
-    text = (SRC / "gemv.cu").read_text(encoding="utf-8")
+    text = next(t for t in (p.read_text(encoding="utf-8") for p in sorted(SRC.glob("*.cu")))
+                if f"__device__ __forceinline__ void {func}(" in t)
     start = text.index(f"__device__ __forceinline__ void {func}(")
     body = text[start:text.index("\n}\n", start)]
     enter = body.index("TL_PDL_ENTER();")

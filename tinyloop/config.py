@@ -245,6 +245,14 @@ def pdl_enabled(default: bool = True) -> bool:
     return _env_flag("TINYLOOP_PDL", default)
 
 
+def fused_qkv_rope_enabled(default: bool = True) -> bool:
+    """``TINYLOOP_FUSED_QKV_ROPE``: in a decode step with fp16 KV pages, run RMSNorm + the QKV
+    GEMV + RoPE + the K/V page write as one kernel (cuda_src/qkv_rope.cu) instead of the fused
+    RMSNorm-GEMV then kv_write_step (default on; 0 keeps the pair, the kernel's reference).
+    Raises ConfigError naming the variable for a value that is not a flag."""
+    return _env_flag("TINYLOOP_FUSED_QKV_ROPE", default)
+
+
 def megakernel_enabled(default: bool = False) -> bool:
     """``TINYLOOP_MEGAKERNEL``: run an eligible decode step as the persistent megakernel, one
     cooperative launch per token (tinyloop/megakernel.py; 0 or unset: the captured graph, then

@@ -616,6 +616,14 @@ class Model:
         cfg, ops, lw = self.config, self._ops, self._layers[li]
         norm, qkv = v["norm"], v["qkv"]
         recon = None
+        if step is not None and not kv.layout.stores_h and ops.rmsnorm_qkv_kv_step(
+                x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, step, cfg.rope_theta,
+                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv):
+            # one launch did rmsnorm_linear + kv_write_step (CUDA, fp16 pages)
+            ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                  v["att"], None)
+            self._layer_rest(lw, x, v, norm)
+            return
         if kv.layout.stores_h:
             # the normed rows are what the slot stores, so the pair runs unfused
             ops.rmsnorm(x, lw.attn_norm, cfg.norm_eps, norm)
@@ -636,6 +644,12 @@ class Model:
                               cfg.head_dim, kv)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                   v["att"], recon)
+        self._layer_rest(lw, x, v, norm)
+
+    def _layer_rest(self, lw, x, v: dict, norm) -> None:
+        """A layer after its attention: O projection + residual, RMSNorm + gate/up + SwiGLU,
+        down projection + residual."""
+        cfg, ops = self.config, self._ops
         ops.linear_residual(v["att"], lw.attn_output, x)
         ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
                                   v["h"], norm)

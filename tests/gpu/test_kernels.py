@@ -45,7 +45,7 @@ _OPS: dict = {}
 def ops(request):
     """CudaOps with the default decode GEMV (v2), or the version a test passes indirectly
     (``@ALL_GEMVS``: each GEMV test runs for v1 and v2)."""
-    ver = getattr(request, "param", "v2")
+    ver = getattr(request, "param", "v2")      # "auto": GEMV_BY_SHAPE, as a model runs
     if ver not in _OPS:
         o = _OPS[ver] = CudaOps(gemv=ver)
         o.compile_all()
@@ -1060,3 +1060,47 @@ def test_decode_sequence_allocates_nothing(ops, rng):
         step(pos)
     assert (mp.used_bytes(), mp.total_bytes()) == (used, total)
     assert np.isfinite(cupy.asnumpy(resid)).all()
+
+
+@pytest.mark.parametrize("ops", ["auto"], indirect=True)    # v1 on layer shapes: the pair's
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("pos,table_ready", [(0, False), (45, True), (45, False), (4097, True)])
+def test_qkv_rope_step_equals_the_pair(ops, ref, rng, monkeypatch, h, hkv, hd, bits, pos,
+                                       table_ready):
+    """qkv_rope.cu (RMSNorm + QKV GEMV + RoPE + K/V page write, one launch) leaves qkv and
+    the page row at the step's position bit for bit as rmsnorm_linear + kv_write_step do,
+    with the step state's RoPE table (written by step_advance) or without one."""
+    from tinyloop.backends.base import STEP_ROPE_POS
+    d = 256
+    n = (h + 2 * hkv) * hd
+    w = dev_weight(ops, rand_weight(rng, n, d, bits, 32))
+    wt = cupy.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32))
+    x = cupy.asarray(rng.standard_normal((1, d)).astype(np.float32))
+    theta = 10000.0 if hd != 128 else 500000.0
+    state = np.zeros(STEP_WORDS, np.int32)
+    state[STEP_POS] = pos - 1 if table_ready else pos
+    step = cupy.asarray(state)
+    if table_ready:                     # the previous step's advance prepared pos's table
+        ops.step_advance(step, ops.step_host_buffer(), theta, hd)
+        assert int(step[STEP_ROPE_POS]) == pos + 1 and int(step[STEP_POS]) == pos
+    got, want = {}, {}
+    for fused, out in ((True, got), (False, want)):
+        _, c = kv_pair(ops, ref, "fp16", h, hkv, hd, pos + 1, 32)
+        qkv = poisoned((1, n), cupy.float16)
+        norm = cupy.empty((1, d), cupy.float16)
+        if fused:
+            assert ops.rmsnorm_qkv_kv_step(x, wt, 1e-5, w, qkv, step, theta, h, hkv, hd,
+                                           c.slot(0))
+        else:
+            ops.rmsnorm_linear(x, wt, 1e-5, w, qkv, norm)
+            ops.kv_write_step(qkv, None, step, theta, h, hkv, hd, c.slot(0))
+        out["qkv"] = cupy.asnumpy(qkv)
+        rows = gather(c.slot(0), pos + 1, dev=True)
+        out["k"], out["v"] = rows["k"][pos], rows["v"][pos]
+    for name in ("qkv", "k", "v"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert np.isfinite(got["qkv"].astype(np.float32)).all() and got["k"].any()
+    monkeypatch.setenv("TINYLOOP_FUSED_QKV_ROPE", "0")         # the switch: the pair runs
+    assert not ops.rmsnorm_qkv_kv_step(x, wt, 1e-5, w, poisoned((1, n), cupy.float16), step,
+                                       theta, h, hkv, hd, c.slot(0))

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import pdl_enabled
+from ..config import fused_qkv_rope_enabled, pdl_enabled
 from ..errors import ConfigError
 from ..kvcache import H_MODES
 from ..quant import QuantWeight
-from .base import LOGIT_FAULTS, STEP_POS, STEP_WORDS, Ops, non_finite_logits
+from .base import LOGIT_FAULTS, STEP_POS, STEP_ROPE_MAX, STEP_WORDS, Ops, non_finite_logits
 
 try:
     import cupy
@@ -46,7 +46,7 @@ except ImportError:  # the module still imports (for docs / source checks) witho
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
-            "attention_prefill", "elementwise", "sample", "kv_h", "decode_mega")
+            "attention_prefill", "elementwise", "sample", "kv_h", "decode_mega", "qkv_rope")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -80,7 +80,8 @@ GEOMETRY = {
 }
 # A family whose source #includes other families' .cu files (their device code; entries
 # compiled out with TL_DEVICE_ONLY) compiles with their geometry too.
-FAMILY_INCLUDES = {"decode_mega": ("dequant", "gemv", "rope", "attention_decode")}
+FAMILY_INCLUDES = {"decode_mega": ("dequant", "gemv", "rope", "attention_decode"),
+                   "qkv_rope": ("gemv", "rope")}
 
 
 def nvrtc_options(family: str) -> tuple:
@@ -360,7 +361,8 @@ def get_module(family: str):
 # source. A kernel outside this list is launched plainly even while PDL is on.
 PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_decode_",
                "embed_q", "argmax_f32", "sample_step", "sample_topk_topp", "swiglu_f16",
-               "add_f16_to_f32", "concat_inject_", "copy_f16_to_f32", "decode_step_advance")
+               "add_f16_to_f32", "concat_inject_", "copy_f16_to_f32", "decode_step_advance",
+               "qkv_rope_step_")
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # cuda.h CUlaunchAttributeID
 
 
@@ -1302,7 +1304,8 @@ class CudaOps(Ops):
         """The host-chosen launch constants of a decode step: the GEMV version and forced
         geometry, the test grid cap, the SM count (v2 grids derive from it), the decode
         attention kernel and whether the capture uses PDL (``pdl_capture``)."""
-        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode, self.pdl_capture)
+        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode,
+                fused_qkv_rope_enabled(), self.pdl_capture)
 
     @property
     def pdl_capture(self) -> bool:
@@ -1348,6 +1351,32 @@ class CudaOps(Ops):
             (1,), (128,), (qkv.data.ptr, ld, self._step_ptr(step), float(theta), int(n_heads),
                            int(n_kv_heads), int(head_dim), table, p, *offs),
             shared_mem=int(head_dim) * 4)
+
+    def rmsnorm_qkv_kv_step(self, x, weight, eps, w, qkv, step, theta, n_heads, n_kv_heads,
+                            head_dim, kv) -> bool:
+        """``Ops.rmsnorm_qkv_kv_step``: one launch of qkv_rope.cu (RMSNorm + QKV GEMV + RoPE +
+        the K/V write at ``step[STEP_POS]``) for an fp16 slot, with the v1 GEMV the pair would
+        use (its RMSNorm-fused kernel), head_dim even and <= STEP_ROPE_MAX, W's rows exactly
+        (H + 2 Hkv) hd and ``TINYLOOP_FUSED_QKV_ROPE`` on; False otherwise (nothing launched).
+        Bit for bit the memory ``rmsnorm_linear`` + ``kv_write_step`` leave."""
+        if kv.layout.mode != "fp16" or not fused_qkv_rope_enabled():
+            return False
+        info = self._info(w)
+        if info.v2 or head_dim % 2 or head_dim > STEP_ROPE_MAX:
+            return False
+        if info.n != (n_heads + 2 * n_kv_heads) * head_dim or not self._norm_fused(x, weight,
+                                                                                  info):
+            return False
+        out = self._out(qkv, "qkv", _F16, 1, info.n)
+        self._heads_ok(n_heads, n_kv_heads, head_dim, out.shape[1])
+        table, p, offs = self._step_kv(kv)
+        blocks = min((info.n + _GEMV_ROWS - 1) // _GEMV_ROWS, self._norm_blocks)
+        self._fn("qkv_rope", f"qkv_rope_step_q{w.bits}_fp16")(
+            (blocks,), (32 * _GEMV_ROWS,),
+            (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k, info.lg,
+             out.data.ptr, self._step_ptr(step), float(theta), int(n_heads), int(n_kv_heads),
+             int(head_dim), table, p, offs[0], offs[1]), shared_mem=2 * info.k)
+        return True
 
     def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
         """``kv_attention`` of one query row over positions 0..step[STEP_POS] (the context
