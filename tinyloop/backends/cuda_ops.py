@@ -458,10 +458,9 @@ class _Kernel:
         self.pdl = name.startswith(PDL_KERNELS)
         self.switch = switch
 
-    @property
-    def kernel(self):
-        """CuPy's Function (``.ptr``: the CUfunction)."""
-        return self.raw.kernel
+    def __getattr__(self, name):
+        # everything else is the RawKernel's (.kernel: CuPy's Function, .attributes, ...)
+        return getattr(self.raw, name)
 
     def __call__(self, grid, block, args, shared_mem=0):
         sw = self.switch
