@@ -9,13 +9,14 @@
 // One launch, attn_split_{fp16,int8}_hd{HD}: grid (n_heads, nsplit), DS_THREADS threads. The ctx
 // keys fill npages = ceil(ctx / P) pages; split s owns whole pages [s*pps, (s+1)*pps) with
 // pps = ceil(npages / nsplit) (computed on the device, so a captured launch with a fixed nsplit
-// serves every ctx). Each block runs the online softmax (Milakov & Gimelshein 2018) over its
-// keys and writes the partial (m, l, o[HD]) - running max, sum of 2^(s-m), unnormalised sum of
-// 2^(s-m) v - to part[(h * nsplit + s) * (HD + 2)]: o[0..HD-1], m, l. A split with no keys
-// writes m = -inf, l = 0, o = 0. The last block of head h to finish (a per-head atomic ticket
-// after a __threadfence, CUDA's threadFenceReduction pattern; it re-arms the ticket) merges
-// the head's partials (attn_combine_head): M = max_s m_s,
-// out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0 always holds key 0, so M is finite.
+// serves every ctx); splits from n_used = ceil(npages / pps) on hold no keys and return at
+// once. Each other block runs the online softmax (Milakov & Gimelshein 2018) over its keys and
+// writes the partial (m, l, o[HD]) - running max, sum of 2^(s-m), unnormalised sum of 2^(s-m) v
+// - to part[(h * nsplit + s) * (HD + 2)]: o[0..HD-1], m, l (attn_split_unit; in decode_mega.cu
+// an empty split writes m = -inf, l = 0, o = 0). Then attn_split_merge: one used split writes
+// out = o / l itself; otherwise the last of the head's blocks merges the partials
+// (attn_combine_head): M = max_s m_s, out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0
+// always holds key 0, so M is finite.
 // ctx comes from the host (ctx > 0) or, when step_pos is not null, from the device step state
 // (tinyloop/graphs.py: ctx = *step_pos + 1), so one captured graph serves every step.
 // Scores: one key per thread, the K row read with 16-byte loads. P*V: thread (slice, 8-dim
@@ -26,10 +27,6 @@
 // host, defaults here for a standalone nvcc build, kept equal by tests/test_kernel_geometry.py).
 #ifndef DS_THREADS
 #define DS_THREADS 128
-#endif
-// Splits per head at most (the merge keeps one weight per split in shared memory).
-#ifndef DS_MAX_SPLITS
-#define DS_MAX_SPLITS 64
 #endif
 
 // One (query head h, split s of nsplit) unit over keys 0..ctx-1, run by a block of DS_THREADS
@@ -116,67 +113,58 @@ __device__ void attn_split_unit(const half_t* qkv, i64 ctx, const i64* __restric
     if (tid == 0) { dst[HD] = m; dst[HD + 1] = l; }
 }
 
-template <int MODE, int HD>
-__device__ void attn_split_impl(const half_t* __restrict__ qkv, i64 ctx_host,
-                                const int* __restrict__ step_pos, const i64* __restrict__ table,
-                                i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
-                                i64 n_kv, float scale_log2, float* __restrict__ part) {
-    const i64 ctx = step_pos != nullptr ? (i64)(*step_pos) + 1 : ctx_host;
-    attn_split_unit<MODE, HD>(qkv, ctx, table, P, k_off, v_off, ks_off, vs_off, n_heads, n_kv,
-                              scale_log2, part, blockIdx.x, blockIdx.y, gridDim.y);
-}
-
-// Head h's merge of its nsplit (<= DS_MAX_SPLITS) partials into out[h * HD ..] (f16), by the
-// whole block (it synchronises). Partials are read through L2 (__ldcg): other blocks wrote
-// them. The split maxima and weights 2^(m_s - M) go through shared memory, so every thread's
-// loop over the splits issues independent loads (no chain of L2 round trips); each output
-// sums the splits in ascending order, so the values do not depend on the block size.
+// Head h's merge of its partials 0..n_used-1 (of nsplit rows per head) into out[h * HD ..]
+// (f16): the block's threads stride over the HD outputs. Partials are read through L2
+// (__ldcg): other blocks wrote them. Two passes over the splits, each unrolled so its loads
+// are all in flight at once (one L2 round trip per 8 splits, not one per split); each output
+// sums the splits in ascending order. An empty split (m = -inf) weighs 0.
 template <int HD>
-__device__ __forceinline__ void attn_combine_head(const float* part, i64 nsplit, half_t* out,
-                                                  i64 h) {
-    __shared__ float cw[DS_MAX_SPLITS];
-    __shared__ float cmx;
+__device__ __forceinline__ void attn_combine_head(const float* part, i64 nsplit, i64 n_used,
+                                                  half_t* out, i64 h) {
     const float* src = part + h * nsplit * (HD + 2);
-    const int ns = (int)nsplit;
-    for (int s = threadIdx.x; s < ns; s += blockDim.x) cw[s] = __ldcg(src + s * (HD + 2) + HD);
-    __syncthreads();
-    if (threadIdx.x < 32) {                       // M: max is exact in any order
-        float mx = TL_NEG_INF;
-        for (int s = threadIdx.x; s < ns; s += 32) mx = fmaxf(mx, cw[s]);
-        mx = warp_max(mx);
-        if (threadIdx.x == 0) cmx = mx;
-    }
-    __syncthreads();
-    const float mx = cmx;
-    __syncthreads();                              // cw is rewritten next
-    for (int s = threadIdx.x; s < ns; s += blockDim.x) cw[s] = exp2f(cw[s] - mx);  // 0: empty
-    __syncthreads();
+    const int ns = (int)n_used;
+    float mx = TL_NEG_INF;                        // max is exact in any order
+#pragma unroll 8
+    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, __ldcg(src + s * (HD + 2) + HD));
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float num = 0.0f, den = 0.0f;
 #pragma unroll 8
         for (int s = 0; s < ns; ++s) {
             const float* ps = src + s * (HD + 2);
-            num = fmaf(cw[s], __ldcg(ps + i), num);
-            den = fmaf(cw[s], __ldcg(ps + HD + 1), den);
+            const float wgt = exp2f(__ldcg(ps + HD) - mx);
+            num = fmaf(wgt, __ldcg(ps + i), num);
+            den = fmaf(wgt, __ldcg(ps + HD + 1), den);
         }
         out[h * HD + i] = f2h(num / den);
     }
-    __syncthreads();                              // cw / cmx free for the next call
 }
 
-// The split kernel's tail: after this block's partial, the last block of head h (per-head
-// ticket) merges the head. Every thread of the block calls it.
+// The split kernel's tail, by every thread of the block after its unit: splits past the
+// last one holding keys (n_used = ceil(npages / pps), from ctx on the device) have returned
+// without a partial; with n_used == 1 the one block writes the head's output itself
+// (o / l: what the merge of one partial gives, bit for bit: weight 2^0 = 1, and + 0.0f as
+// fmaf(1, x, 0) turns -0 into +0); otherwise the last of the n_used blocks of head h to
+// finish (a per-head atomic ticket after a __threadfence, CUDA's threadFenceReduction
+// pattern; it re-arms the ticket) merges them.
 template <int HD>
-__device__ __forceinline__ void attn_split_merge(const float* part, i64 nsplit,
+__device__ __forceinline__ void attn_split_merge(const float* part, i64 nsplit, i64 n_used,
                                                  unsigned* tickets, half_t* out, i64 h) {
     __shared__ bool last;
+    const float* dst = part + (h * nsplit + blockIdx.y) * (HD + 2);
+    if (n_used == 1) {
+        __syncthreads();                          // the unit's partial (global) is complete
+        const float den = __fadd_rn(dst[HD + 1], 0.0f);
+        for (int i = threadIdx.x; i < HD; i += blockDim.x)
+            out[h * HD + i] = f2h(__fadd_rn(dst[i], 0.0f) / den);
+        return;
+    }
     __threadfence();                              // this block's partial, then the ticket
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(tickets + h, 1u) == (unsigned)(nsplit - 1);
+    if (threadIdx.x == 0) last = atomicAdd(tickets + h, 1u) == (unsigned)(n_used - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
-    attn_combine_head<HD>(part, nsplit, out, h);
+    attn_combine_head<HD>(part, nsplit, n_used, out, h);
     if (threadIdx.x == 0) tickets[h] = 0u;        // re-armed for the next launch
 }
 
@@ -192,9 +180,14 @@ __device__ __forceinline__ void attn_split_merge(const float* part, i64 nsplit,
                                    i64 vs_off, i64 n_heads, i64 n_kv, double scale_log2,       \
                                    float* part, unsigned* tickets, half_t* out) {              \
         TL_PDL_ENTER();                                                                        \
-        attn_split_impl<MODE, HD>(qkv, ctx, step_pos, table, P, k_off, v_off, ks_off, vs_off,  \
-                                  n_heads, n_kv, (float)scale_log2, part);                     \
-        attn_split_merge<HD>(part, gridDim.y, tickets, out, blockIdx.x);                       \
+        const i64 c = step_pos != nullptr ? (i64)(*step_pos) + 1 : ctx;                        \
+        const i64 npages = (c + P - 1) / P, pps = (npages + gridDim.y - 1) / gridDim.y;        \
+        const i64 n_used = (npages + pps - 1) / pps;                                           \
+        if ((i64)blockIdx.y >= n_used) return;    /* no keys: no partial, no ticket */         \
+        attn_split_unit<MODE, HD>(qkv, c, table, P, k_off, v_off, ks_off, vs_off, n_heads,     \
+                                  n_kv, (float)scale_log2, part, blockIdx.x, blockIdx.y,       \
+                                  gridDim.y);                                                  \
+        attn_split_merge<HD>(part, gridDim.y, n_used, tickets, out, blockIdx.x);               \
     }
 #define DS_ENTRIES(HD) DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)
 

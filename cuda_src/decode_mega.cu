@@ -334,7 +334,7 @@ __device__ __forceinline__ void mk_attention(const half_t* qkv, const i64* op, i
         __syncthreads();
         if (last) {
             __threadfence();
-            attn_combine_head<HD>(part, nsplit, att, h);
+            attn_combine_head<HD>(part, nsplit, nsplit, att, h);
             if (threadIdx.x == 0) tickets[h] = 0u;        // re-armed for the next slot
         }
         __syncthreads();
