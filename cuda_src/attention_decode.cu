@@ -8,9 +8,8 @@
 //
 // One launch, attn_split_{fp16,int8}_hd{HD}: grid (n_heads, nsplit), DS_THREADS threads. The ctx
 // keys fill npages = ceil(ctx / P) pages; split s owns whole pages [s*pps, (s+1)*pps) with
-// pps = max(ceil(npages / nsplit), ceil(DS_MIN_KEYS / P)) (ds_pages_per_split, on the device, so
-// a captured launch with a fixed nsplit serves every ctx: a short context fills one split and
-// needs no merge); splits from n_used = ceil(npages / pps) on hold no keys and return at
+// pps = ceil(npages / nsplit) (computed on the device, so a captured launch with a fixed nsplit
+// serves every ctx); splits from n_used = ceil(npages / pps) on hold no keys and return at
 // once. Each other block runs the online softmax (Milakov & Gimelshein 2018) over its keys and
 // writes the partial (m, l, o[HD]) - running max, sum of 2^(s-m), unnormalised sum of 2^(s-m) v
 // - to part[(h * nsplit + s) * (HD + 2)]: o[0..HD-1], m, l (attn_split_unit; in decode_mega.cu
@@ -29,17 +28,6 @@
 #ifndef DS_THREADS
 #define DS_THREADS 128
 #endif
-// A used split holds at least this many keys (whole pages): below it a merge costs more than
-// the keys it spreads.
-#ifndef DS_MIN_KEYS
-#define DS_MIN_KEYS 128
-#endif
-
-// Pages per split of a context of npages pages over nsplit splits (see the file head).
-__device__ __forceinline__ i64 ds_pages_per_split(i64 npages, i64 nsplit, i64 P) {
-    const i64 even = (npages + nsplit - 1) / nsplit, least = (DS_MIN_KEYS + P - 1) / P;
-    return even > least ? even : least;
-}
 
 // One (query head h, split s of nsplit) unit over keys 0..ctx-1, run by a block of DS_THREADS
 // threads (the split kernel below: h = blockIdx.x, s = blockIdx.y; decode_mega.cu: a grid-stride
@@ -56,7 +44,7 @@ __device__ void attn_split_unit(const half_t* qkv, i64 ctx, const i64* __restric
     __shared__ float osum[NSL * HD];
     const int tid = threadIdx.x;
     const i64 hk = h / (n_heads / n_kv);
-    const i64 npages = (ctx + P - 1) / P, pps = ds_pages_per_split(npages, nsplit, P);
+    const i64 npages = (ctx + P - 1) / P, pps = (npages + nsplit - 1) / nsplit;
     const i64 k0 = s * pps * P;
     const i64 k1 = (s + 1) * pps * P < ctx ? (s + 1) * pps * P : ctx;
     float* dst = part + (h * nsplit + s) * (HD + 2);
@@ -193,7 +181,7 @@ __device__ __forceinline__ void attn_split_merge(const float* part, i64 nsplit, 
                                    float* part, unsigned* tickets, half_t* out) {              \
         TL_PDL_ENTER();                                                                        \
         const i64 c = step_pos != nullptr ? (i64)(*step_pos) + 1 : ctx;                        \
-        const i64 npages = (c + P - 1) / P, pps = ds_pages_per_split(npages, gridDim.y, P);    \
+        const i64 npages = (c + P - 1) / P, pps = (npages + gridDim.y - 1) / gridDim.y;        \
         const i64 n_used = (npages + pps - 1) / pps;                                           \
         if ((i64)blockIdx.y >= n_used) return;    /* no keys: no partial, no ticket */         \
         attn_split_unit<MODE, HD>(qkv, c, table, P, k_off, v_off, ks_off, vs_off, n_heads,     \

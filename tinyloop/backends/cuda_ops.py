@@ -70,7 +70,6 @@ GEOMETRY = {
                           "FA_HEAD_DIM_ENTRIES": "".join(f"FA_ENTRIES({hd})"
                                                          for hd in FA_HEAD_DIMS)},
     "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
-                         "DS_MIN_KEYS": 128,     # keys a used split holds at least
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
@@ -119,8 +118,7 @@ _DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
 _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
                 for hd in ATTN_HEAD_DIMS}
 ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
-DS_MIN_KEYS = GEOMETRY["attention_decode"]["DS_MIN_KEYS"]   # split-K decode: a split gets at
-#                      least this many keys (of the bucket on the host, of the context on the device)
+DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
 DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
 _DS_TICKETS = 1024      # split-K decode: per-head merge tickets (query heads at most)
 # Contexts of at most this many keys run the single-pass decode kernel (attention.cu), not
