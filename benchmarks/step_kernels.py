@@ -48,6 +48,15 @@ def record_step(model, depth: int, ctx: int, cache) -> list:
     return rec
 
 
+def group_key(name: str, args: tuple) -> str:
+    """The table row of a launch: its kernel, and for a GEMV (other than the head's argmax)
+    also rows x K (the O and down projections run the same kernel); the GEMV launches pass
+    (..., rows, K, F, log2 g, out) last."""
+    if name.startswith("gemv") and "argmax" not in name:
+        return f"{name} {args[-5]}x{args[-4]}"
+    return name
+
+
 def graph_us(ops, launches, reset, reps: int = 20) -> float:
     """Median GPU µs of one replay of ``launches`` captured as a graph; ``reset()`` puts the
     step state back at the recorded position before each replay (the step's last kernel
@@ -100,12 +109,7 @@ def main(argv=None) -> int:
             ops.from_host(state, m.decode_graphs.step_state)
         groups = collections.OrderedDict()
         for r in rec:
-            name = r[0].name
-            # one row per kernel; the GEMVs also apart by (rows, K): O projection vs down
-            if name.startswith("gemv") and "argmax" not in name:
-                name = f"{name} {r[3][-5]}x{r[3][-4]}"
-            key = name
-            groups.setdefault(key, []).append(r)
+            groups.setdefault(group_key(r[0].name, r[3]), []).append(r)
         for p in a.pdl.split(","):
             os.environ["TINYLOOP_PDL"] = p
             whole = graph_us(ops, rec, reset)

@@ -33,6 +33,8 @@ x() { local n=$1; shift; echo "== $n"; timeout "${XT:-120}" "$@" > "$W/$n.log" 2
 [[ $PART == suite ]] && M=""
 [[ -n "$M" ]] && XT=300 x bench_real python3 benchmarks/bench_decode.py --model "$M" --kv-modes all --out "$W/real"
 [[ -n "$M" ]] && XT=90 x profile_mega python3 benchmarks/profile_mega.py --model "$M"
+[[ -n "$M" ]] && XT=150 x graph_replay python3 benchmarks/graph_replay.py --model "$M" --depths 1,2,4
+[[ -n "$M" ]] && XT=90 x step_kernels python3 benchmarks/step_kernels.py --model "$M" --pdl 1
 [[ $PART != suite ]] && x bench_attn python3 benchmarks/bench_attn_decode.py --out "$W/attn_decode.json"
 [[ $PART != suite ]] && x bench_attn_prefill python3 benchmarks/bench_attn_prefill.py --out "$W/attn_prefill.json"
 [[ $PART != suite ]] && x bench_pool python3 benchmarks/bench_pool.py --device cuda
@@ -54,6 +56,8 @@ echo; echo "================ SUMMARY ================"
 [[ -f "$W/gpu_suite_summary.txt" ]] && tail -n 10 "$W/gpu_suite_summary.txt"
 [[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; grep -E "decode depth|prefill|peer|captured|megakernel" "$W/bench_real.log" | head -24; tail -n 8 "$W/bench_real.log"; }
 [[ -f "$W/profile_mega.log" ]] && tail -n 13 "$W/profile_mega.log"
+[[ -f "$W/graph_replay.log" ]] && grep -E "^depth" "$W/graph_replay.log"
+[[ -f "$W/step_kernels.log" ]] && grep -vE "cupy|Traceback|File|^ |^$" "$W/step_kernels.log" | tail -n 12
 tail -n 14 "$W/bench_attn.log" 2>/dev/null
 tail -n 8 "$W/bench_attn_prefill.log" 2>/dev/null
 tail -n 6 "$W/bench_pool.log" 2>/dev/null

@@ -72,3 +72,19 @@ def test_ab_kernels_extracts_another_commits_kernels(tmp_path):
     r = _run("ab_kernels", "--help")
     assert r.returncode == 0, r.stderr
     assert "REF" in r.stdout or "ref" in r.stdout
+
+
+def test_graph_replay_and_step_kernels_describe_themselves_without_a_gpu():
+    """The two decode-step profilers import and parse their arguments here (they run on the
+    device: scripts/device_run.sh); step_kernels' per-kernel groups key on the recorded
+    launch's kernel name and GEMV shape (rows x K: the O and down projections share a name)."""
+    for name, flag in (("graph_replay", "--pdl"), ("step_kernels", "--ctx")):
+        r = _run(name, "--help")
+        assert r.returncode == 0, r.stderr
+        assert flag in r.stdout
+    mod = _load("step_kernels")
+    assert mod.group_key("gemv_q4_resid", (1, 2, 3, 4, 576, 1536, 0, 5, 6)) == \
+        "gemv_q4_resid 576x1536"
+    assert mod.group_key("attn_split_fp16_hd64", (1, 2, 3)) == "attn_split_fp16_hd64"
+    assert mod.group_key("gemv2_norm_q8_argmax_l4", tuple(range(15))) == \
+        "gemv2_norm_q8_argmax_l4"

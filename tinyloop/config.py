@@ -256,9 +256,9 @@ def fused_qkv_rope_enabled(default: bool = True) -> bool:
 def megakernel_enabled(default: bool = False) -> bool:
     """``TINYLOOP_MEGAKERNEL``: run an eligible decode step as the persistent megakernel, one
     cooperative launch per token (tinyloop/megakernel.py; 0 or unset: the captured graph, then
-    eager). Off by default: on the H200 it measured slower than the captured graph (synthetic
-    SmolLM2 dims, depth 1: 865 tok/s at 3 blocks/SM against 902-928; per phase of a layer
-    slot A 8.5, B 7.8, C 3.3, D 6.8, E 3.6 us with ~1 us barriers: benchmarks/profile_mega.py,
+    eager). Off by default: on the H200 it measured slower than the captured graph (real
+    SmolLM2, depth 1: 887 tok/s at 3 blocks/SM against 1,567; per phase of a layer slot A 8.5,
+    B 7.8, C 3.3, D 6.8, E 3.6 us with ~1 us barriers: benchmarks/profile_mega.py,
     docs/architecture.md). Raises ConfigError naming the variable for a non-flag."""
     return _env_flag("TINYLOOP_MEGAKERNEL", default)
 
