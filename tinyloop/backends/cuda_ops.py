@@ -459,6 +459,8 @@ class _Kernel:
 
     def __getattr__(self, name):
         # everything else is the RawKernel's (.kernel: CuPy's Function, .attributes, ...)
+        if name == "raw":              # not set yet: no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self.raw, name)
 
     def __call__(self, grid, block, args, shared_mem=0):
