@@ -114,6 +114,29 @@ def test_pdl_capture_gives_bit_identical_logits(real_model_path, real_text_ids, 
         tinyloop.free_model(m)
 
 
+def test_a_driver_refusing_pdl_turns_it_off_with_a_warning(monkeypatch):
+    """The first ``pdl_capture`` probes one PDL launch outside any capture; a refusal (here a
+    launcher whose launch raises, as an old driver's would) warns once and leaves captures
+    with plain launches, instead of failing every capture."""
+    from tinyloop.backends import cuda_ops
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("CUDA_ERROR_INVALID_VALUE (simulated)")
+    monkeypatch.delenv("TINYLOOP_PDL", raising=False)
+    ok = CudaOps()
+    if ok._cc < 90:
+        pytest.skip("PDL needs compute capability 9.0")
+    assert ok.pdl_capture is True and ok._pdl.launcher not in (None, False)
+    monkeypatch.setattr(cuda_ops._PdlLauncher, "launch", refuse)
+    ops = CudaOps()
+    with pytest.warns(RuntimeWarning, match="programmatic dependent launch is unavailable"):
+        assert ops.pdl_capture is False
+    assert ops.pdl_capture is False and ops._pdl.launcher is False     # no second probe
+    ops.graph_begin()                        # a capture opens and closes with plain launches
+    assert ops._pdl.on is False
+    ops.graph_abort()
+
+
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_sampled_steps_pick_by_the_reference_rule(real_model_path, real_text_ids, monkeypatch,
                                                   mode):

@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 import weakref
 from importlib import resources
 from pathlib import Path
@@ -436,7 +437,8 @@ class _PdlLauncher:
 
 class _PdlSwitch:
     """Whether launches go through ``_PdlLauncher`` now (on only while a decode step is being
-    captured with PDL); shared by one backend's kernels."""
+    captured with PDL); shared by one backend's kernels. ``launcher``: None until
+    ``CudaOps.pdl_capture`` probes, then the launcher or False (refused)."""
 
     __slots__ = ("on", "launcher")
 
@@ -1310,9 +1312,33 @@ class CudaOps(Ops):
     @property
     def pdl_capture(self) -> bool:
         """Whether a decode-step capture launches PDL_KERNELS with programmatic dependent
-        launch: ``TINYLOOP_PDL`` on (``config.pdl_enabled``) and a GPU of compute capability
-        9.0 or later (griddepcontrol is sm_90 PTX)."""
-        return self._cc >= 90 and pdl_enabled()
+        launch: ``TINYLOOP_PDL`` on (``config.pdl_enabled``), a GPU of compute capability
+        9.0 or later (griddepcontrol is sm_90 PTX), and a driver that takes the launch: the
+        first ask launches one empty kernel that way, outside any capture (a refusal - an old
+        driver, no libcuda - warns once and turns PDL off for this backend, so captures use
+        plain launches instead of failing)."""
+        if self._cc < 90 or not pdl_enabled():
+            return False
+        if self._pdl.launcher is None:
+            self._pdl.launcher = self._pdl_probe()
+        return self._pdl.launcher is not False
+
+    def _pdl_probe(self):
+        """A working _PdlLauncher, or False (with a warning) when the driver refuses it."""
+        if self._capturing is not None:
+            raise ConfigError("the PDL probe must run before a capture opens")
+        try:
+            launcher = _PdlLauncher()
+            k = self._fn("elementwise", "copy_f16_to_f32")   # n = 0: touches no memory
+            launcher.launch(k.raw.kernel.ptr, 1, 32, (0, 0, 0), 0,
+                            cupy.cuda.get_current_stream().ptr)
+            cupy.cuda.get_current_stream().synchronize()
+            return launcher
+        except Exception as exc:                         # OSError, CUDADriverError, ...
+            warnings.warn(f"TinyLoop: programmatic dependent launch is unavailable ({exc}); "
+                          "decode steps are captured with plain launches", RuntimeWarning,
+                          stacklevel=3)
+            return False
 
     @staticmethod
     def _step_ptr(step) -> int:
@@ -1484,6 +1510,7 @@ class CudaOps(Ops):
         current until ``graph_end`` / ``graph_abort`` (relaxed mode: CuPy's default)."""
         if self._capturing is not None:
             raise ConfigError("a decode-step capture is already open")
+        use_pdl = self.pdl_capture          # probes PDL once, before any capture
         if self._capture_stream is None:
             self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         s = self._capture_stream
@@ -1494,10 +1521,7 @@ class CudaOps(Ops):
             s.__exit__(None, None, None)
             raise
         self._capturing = s
-        if self.pdl_capture:
-            if self._pdl.launcher is None:
-                self._pdl.launcher = _PdlLauncher()
-            self._pdl.on = True
+        self._pdl.on = use_pdl
 
     def graph_end(self):
         """End the capture; return the ``cupy.cuda.Graph`` (instantiated by CuPy)."""
