@@ -1305,7 +1305,8 @@ class CudaOps(Ops):
     def graph_constants(self) -> tuple:
         """The host-chosen launch constants of a decode step: the GEMV version and forced
         geometry, the test grid cap, the SM count (v2 grids derive from it), the decode
-        attention kernel and whether the capture uses PDL (``pdl_capture``)."""
+        attention kernel, whether fp16 slots run the fused QKV + RoPE kernel
+        (``TINYLOOP_FUSED_QKV_ROPE``) and whether the capture uses PDL (``pdl_capture``)."""
         return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode,
                 fused_qkv_rope_enabled(), self.pdl_capture)
 
