@@ -117,3 +117,15 @@ def test_pdl_flag(monkeypatch):
     monkeypatch.setenv("TINYLOOP_PDL", "maybe")
     with pytest.raises(ConfigError, match="TINYLOOP_PDL"):
         pdl_enabled()
+
+
+def test_the_step_state_layout_in_rope_cu_matches_base():
+    """rope.cu reads the step state's RoPE table words by the numbers base.py defines (the
+    table decode_step_advance writes and kv_write_step / qkv_rope.cu copy): one owner, checked."""
+    from tinyloop.backends import base
+    text = (SRC / "rope.cu").read_text(encoding="utf-8")
+    got = {k: int(v) for k, v in re.findall(r"#define (STEP_ROPE\w*) (\d+)", text)}
+    assert got == {"STEP_ROPE_POS": base.STEP_ROPE_POS, "STEP_ROPE": base.STEP_ROPE,
+                   "STEP_ROPE_MAX": base.STEP_ROPE_MAX}
+    assert base.STEP_WORDS == base.STEP_ROPE + base.STEP_ROPE_MAX
+    assert base.STEP_ROPE_POS not in (base.STEP_ID, base.STEP_FAULT, base.STEP_POS)
