@@ -44,12 +44,7 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
     if (row0 < N) gemv_prefetch_row<BITS, EPI_F16>(qw, sc, zr, row0, K, 0, (int)log2g, lane);
     TL_PDL_ENTER();                               // the residual row and the step state
     const i64 pos = (i64)step[2];
-    if ((i64)step[STEP_ROPE_POS] == pos + 1) {
-        const float* tab = (const float*)(step + STEP_ROPE);
-        for (int i = threadIdx.x; i < (int)hd; i += blockDim.x) cs[i] = tab[i];
-    } else {
-        rope_table(pos, theta, hd, cs);
-    }
+    rope_table_for(step, pos, theta, hd, cs);     // hd <= STEP_ROPE_MAX: the host checks
     norm_row_to_shared(x, weight, eps, K, xs);    // ends with a barrier: cs is visible too
     const int half = (int)(hd / 2);
     const i64 q_rows = n_heads * hd, k_rows = n_kv * hd;

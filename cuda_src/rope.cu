@@ -96,11 +96,27 @@ __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
 // qkv f16 [T, ld] (Q at 0, K at n_heads*hd, V at (n_heads+n_kv)*hd): Q rotated in place; the
 // slot's pages get rows pos0..pos0+T-1 (MODE fp16: rotated K and V as FP16; int8: codes and
 // scales; qonly: nothing). grid = T, block = 128 (4 warps); dynamic shared memory = hd floats.
-// step: null, or the decode step state (T = 1): when its STEP_ROPE_POS word says its table is
-// position pos's (decode_step_advance wrote it), the table is copied instead of recomputed.
-#define STEP_ROPE_POS 3           // tinyloop/backends/base.py
+// The decode step state's RoPE table (tinyloop/backends/base.py STEP_ROPE*): decode_step_advance
+// writes position p's cos | sin from word STEP_ROPE and sets word STEP_ROPE_POS to p + 1.
+#define STEP_ROPE_POS 3
 #define STEP_ROPE 4
 #define STEP_ROPE_MAX 256
+
+// Position pos's table into cs (cos at [0, hd/2), sin at [hd/2, hd)): copied from the step
+// state when step is not null and its table is pos's, else computed (rope_table). The block's
+// threads share the work; the caller synchronises before reading cs.
+__device__ __forceinline__ void rope_table_for(const int* __restrict__ step, i64 pos,
+                                               double theta, i64 hd, float* cs) {
+    if (step != nullptr && hd <= STEP_ROPE_MAX && (i64)step[STEP_ROPE_POS] == pos + 1) {
+        const float* tab = (const float*)(step + STEP_ROPE);
+        for (int i = threadIdx.x; i < (int)hd; i += blockDim.x) cs[i] = tab[i];
+    } else {
+        rope_table(pos, theta, hd, cs);
+    }
+}
+
+// step: null, or the decode step state (T = 1), whose table rope_table_for copies when it is
+// position pos's.
 template <int MODE>
 __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double theta,
                               i64 n_heads, i64 n_kv, i64 hd, const i64* __restrict__ table,
@@ -110,12 +126,7 @@ __device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double
     const i64 t = blockIdx.x;
     const int half = (int)(hd / 2);
     const i64 pos = pos0 + t;
-    if (step != nullptr && hd <= STEP_ROPE_MAX && (i64)step[STEP_ROPE_POS] == pos + 1) {
-        const float* tab = (const float*)(step + STEP_ROPE);
-        for (int i = threadIdx.x; i < (int)hd; i += blockDim.x) cs[i] = tab[i];
-    } else {
-        rope_table(pos, theta, hd, cs);
-    }
+    rope_table_for(step, pos, theta, hd, cs);
     __syncthreads();
     half_t* row = qkv + t * ld;
     // Q (all modes) and, in fp16 mode, K: rotate pair by pair
