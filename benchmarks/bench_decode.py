@@ -59,6 +59,15 @@ def smollm2_like(path: str, seed: int = 0) -> None:
     write_tlm(path, cfg, w, metadata={"source": "synthetic SmolLM2-135M dims", "seed": seed})
 
 
+def model_or_synthetic(path: str | None) -> str:
+    """``path`` (a --model argument), or, when None, a synthetic SmolLM2-dims model written
+    once into a new temporary folder (``smollm2_like``); returns the model's path."""
+    if path is None:
+        path = os.path.join(tempfile.mkdtemp(), "smollm2_dims.tlm")
+        smollm2_like(path)
+    return path
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
     import cupy
     a = cupy.ones(nbytes // 4, dtype=cupy.float32)

@@ -6,15 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 
-def time_us(fn, reps=200, warmup=10) -> tuple[float, float, float]:
+def time_us(fn, reps=200, warmup=10, setup=None) -> tuple[float, float, float]:
     """GPU time of one call of ``fn`` in microseconds, from CUDA events around each of ``reps``
-    calls after ``warmup`` untimed ones: (median, 10th percentile, 90th percentile)."""
+    calls after ``warmup`` untimed ones: (median, 10th percentile, 90th percentile).
+    ``setup``: called before every call of ``fn`` (warm-up included), outside the events."""
     import cupy
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     us = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         start.record()
         fn()
         stop.record()

@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 
 import numpy as np
 
@@ -29,18 +28,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
-from bench_decode import smollm2_like  # noqa: E402
+from bench_decode import model_or_synthetic  # noqa: E402
+from gpu_timing import time_us  # noqa: E402
 
 REPLAYS = 200
 
 
 def replay_us(model, depth: int, ctx: int) -> float:
-    """GPU µs per replay of the depth's captured step, REPLAYS back to back from ``ctx``."""
-    import cupy
+    """GPU µs per replay of the depth's captured step, REPLAYS back to back from ``ctx``
+    (median of 5 batches)."""
     g = model.decode_graphs
     prompt = np.arange(10, 10 + ctx, dtype=np.int32)
     cap = ctx + 5 * REPLAYS + 8
-    out = []
     with model.lock, model.new_kv_cache(depth, cap) as cache:
         model.forward(prompt, 0, depth, cache)
         tok, pos = 11, ctx
@@ -50,16 +49,13 @@ def replay_us(model, depth: int, ctx: int) -> float:
         graph = g._entries[g.key(cache)].graph
         assert graph is not None, "the step was not captured"
         ops = model.ops
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        for _ in range(5):
-            start.record()
+
+        def batch():
             for _ in range(REPLAYS):
                 ops.graph_launch(graph)
-            stop.record()
-            stop.synchronize()
-            out.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / REPLAYS)
+        us = time_us(batch, reps=5, warmup=0)[0] / REPLAYS
         g._expect = None                        # the device state ran ahead of the host's
-    return statistics.median(out)
+    return us
 
 
 def main(argv=None) -> int:
@@ -69,10 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", default="0,1")
     ap.add_argument("--ctx", type=int, default=64)
     a = ap.parse_args(argv)
-    path = a.model
-    if path is None:
-        path = os.path.join(tempfile.mkdtemp(), "smollm2_dims.tlm")
-        smollm2_like(path)
+    path = model_or_synthetic(a.model)
     m = tinyloop.load_model(path, max_seq_len=2048, backend="cuda")
     prompt = list(range(10, 10 + a.ctx))
     rows = []

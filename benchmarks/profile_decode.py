@@ -14,14 +14,13 @@ import cProfile
 import os
 import pstats
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tinyloop  # noqa: E402
-from bench_decode import smollm2_like  # noqa: E402
+from bench_decode import model_or_synthetic  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,10 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=1)
     a = ap.parse_args(argv)
-    path = a.model
-    if path is None:
-        path = os.path.join(tempfile.mkdtemp(), "smollm2_dims.tlm")
-        smollm2_like(path)
+    path = model_or_synthetic(a.model)
     m = tinyloop.load_model(path, max_seq_len=a.max_seq_len, backend="cuda")
     ops, n = m.ops, a.tokens
     prompt = list(range(10, 26))

@@ -21,11 +21,10 @@ import collections
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tinyloop  # noqa: E402
-from bench_decode import smollm2_like  # noqa: E402
+from bench_decode import model_or_synthetic  # noqa: E402
 
 
 def phase_names(schedule) -> list[str]:
@@ -55,10 +54,7 @@ def main(argv=None) -> int:
     if a.blocks_per_sm is not None:
         os.environ["TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM"] = str(a.blocks_per_sm)
     os.environ["TINYLOOP_MEGAKERNEL"] = "1"
-    path = a.model
-    if path is None:
-        path = os.path.join(tempfile.mkdtemp(), "smollm2_dims.tlm")
-        smollm2_like(path)
+    path = model_or_synthetic(a.model)
     m = tinyloop.load_model(path, max_seq_len=max(1024, a.ctx + a.steps + 8), backend="cuda")
     cfg = m.config
     prompt = [10 + i % 1000 for i in range(a.ctx)]

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import statistics
 import sys
-import tempfile
 
 import numpy as np
 
@@ -29,7 +27,8 @@ os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
 from tinyloop.backends import cuda_ops  # noqa: E402
 from tinyloop.backends.base import STEP_ID, STEP_POS, STEP_WORDS  # noqa: E402
-from bench_decode import smollm2_like  # noqa: E402
+from bench_decode import model_or_synthetic  # noqa: E402
+from gpu_timing import time_us  # noqa: E402
 
 
 def record_step(model, depth: int, ctx: int, cache) -> list:
@@ -61,7 +60,6 @@ def graph_us(ops, launches, reset, reps: int = 20) -> float:
     """Median GPU µs of one replay of ``launches`` captured as a graph; ``reset()`` puts the
     step state back at the recorded position before each replay (the step's last kernel
     advances it: unchecked, replays would run past the request's pages)."""
-    import cupy
     ops.graph_begin()
     try:
         for k, grid, block, args, smem in launches:
@@ -70,20 +68,10 @@ def graph_us(ops, launches, reset, reps: int = 20) -> float:
     except BaseException:
         ops.graph_abort()
         raise
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for _ in range(5):
-        reset()
-        ops.graph_launch(graph)
-    times = []
-    for _ in range(reps):
-        reset()
-        start.record()
-        ops.graph_launch(graph)
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    ops.graph_free(graph)
-    return statistics.median(times)
+    try:
+        return time_us(lambda: ops.graph_launch(graph), reps=reps, warmup=5, setup=reset)[0]
+    finally:
+        ops.graph_free(graph)
 
 
 def main(argv=None) -> int:
@@ -93,10 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--pdl", default="0,1")
     a = ap.parse_args(argv)
-    path = a.model
-    if path is None:
-        path = os.path.join(tempfile.mkdtemp(), "smollm2_dims.tlm")
-        smollm2_like(path)
+    path = model_or_synthetic(a.model)
     m = tinyloop.load_model(path, max_seq_len=2048, backend="cuda")
     ops = m.ops
     with m.lock, m.new_kv_cache(a.depth, a.ctx + 64) as cache:
