@@ -48,8 +48,9 @@ __device__ __forceinline__ float dq(float q, float s, float z) {
 // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (tinyloop/backends/cuda_ops.py
 // PDL_KERNELS, _PdlLauncher), so a kernel's blocks may start while the kernel before it still
 // runs (CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"). The rule
-// for every kernel so launched: before pdl_wait() it may only read constant inputs (weights) -
-// nothing an earlier kernel of the step writes - and write nothing; pdl_wait() returns once
+// for every kernel so launched: before pdl_wait() it may only read what no kernel of the step
+// writes - constant inputs (weights), the step state's position (advanced at the end of the
+// step before) and K / V rows of earlier positions (attention_decode.cu) - and write nothing; pdl_wait() returns once
 // the kernel before has completed with its memory visible. pdl_trigger() then lets the next
 // kernel launch (so at most one kernel runs ahead, waiting). For a kernel launched without
 // the attribute, or compiled for an architecture before sm_90, both are no-ops.
@@ -173,23 +174,42 @@ __device__ __forceinline__ const char* kv_page(const i64* __restrict__ table, i6
     return (const char*)table[pg];
 }
 
-// 8 consecutive values (dims c..c+7, c % 8 == 0) of row r = row * n_kv + hk of a K or V part.
+// The raw bytes of 8 consecutive values (dims c..c+7, c % 8 == 0) of row r = row * n_kv + hk of
+// a K or V part: one 16-byte load (fp16) or one 8-byte load (int8, in .x / .y). kv_unpack8
+// turns them into floats; split so a caller can load ahead and convert later
+// (attention_decode.cu loads its first chunk before the PDL wait).
 template <int MODE, int HD>
-__device__ __forceinline__ void kv_load8(const char* base, i64 off, i64 soff, i64 r, int c,
-                                         float* x) {
+__device__ __forceinline__ uint4 kv_raw8(const char* base, i64 off, i64 r, int c) {
+    if (MODE == KV_FP16) return *(const uint4*)((const half_t*)(base + off) + r * HD + c);
+    const uint2 w2 = *(const uint2*)((const i8*)(base + off) + r * HD + c);
+    return make_uint4(w2.x, w2.y, 0u, 0u);
+}
+
+// Row r's int8 scale (1 for fp16 pages, which have none).
+template <int MODE>
+__device__ __forceinline__ float kv_scale(const char* base, i64 soff, i64 r) {
+    return MODE == KV_FP16 ? 1.0f : h2f(((const half_t*)(base + soff))[r]);
+}
+
+template <int MODE>
+__device__ __forceinline__ void kv_unpack8(uint4 w4, float s, float* x) {
     if (MODE == KV_FP16) {
-        const uint4 w4 = *(const uint4*)((const half_t*)(base + off) + r * HD + c);
         const unsigned w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) { x[2 * j] = h2_lo(w[j]); x[2 * j + 1] = h2_hi(w[j]); }
     } else {
-        const uint2 w2 = *(const uint2*)((const i8*)(base + off) + r * HD + c);
-        const float s = h2f(((const half_t*)(base + soff))[r]);
-        const unsigned w[2] = {w2.x, w2.y};
+        const unsigned w[2] = {w4.x, w4.y};
 #pragma unroll
         for (int j = 0; j < 8; ++j)
             x[j] = __fmul_rn((float)(i8)((w[j >> 2] >> (8 * (j & 3))) & 0xFFu), s);
     }
+}
+
+// 8 consecutive values (dims c..c+7, c % 8 == 0) of row r = row * n_kv + hk of a K or V part.
+template <int MODE, int HD>
+__device__ __forceinline__ void kv_load8(const char* base, i64 off, i64 soff, i64 r, int c,
+                                         float* x) {
+    kv_unpack8<MODE>(kv_raw8<MODE, HD>(base, off, r, c), kv_scale<MODE>(base, soff, r), x);
 }
 
 // 2 consecutive values (dims c, c+1; c even) of row r of a K or V part.

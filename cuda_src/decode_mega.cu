@@ -320,14 +320,17 @@ __device__ __forceinline__ void mk_attention(const half_t* qkv, const i64* op, i
     const i64 nsplit = op[9];
     const i64* table = (const i64*)op[2];
     const int mode = (int)op[4];
+    // the split kernel's page partition (attn_split_step: a split holds at least a chunk of
+    // DS_THREADS keys), so both paths sum the same keys in the same order, bit for bit
+    const i64 min_pps = (DS_THREADS + op[3] - 1) / op[3];
     for (int u = blockIdx.x; u < n_heads * nsplit; u += gridDim.x) {
         const int h = u % n_heads, s = u / n_heads;
         if (mode == KV_INT8)
             attn_split_unit<KV_INT8, HD>(qkv, ctx, table, op[3], op[5], op[6], op[7], op[8],
-                                         n_heads, n_kv, scale_log2, part, h, s, nsplit);
+                                         n_heads, n_kv, scale_log2, part, h, s, nsplit, min_pps);
         else
             attn_split_unit<KV_FP16, HD>(qkv, ctx, table, op[3], op[5], op[6], op[7], op[8],
-                                         n_heads, n_kv, scale_log2, part, h, s, nsplit);
+                                         n_heads, n_kv, scale_log2, part, h, s, nsplit, min_pps);
         __threadfence();                                  // this block's partial, then the ticket
         __syncthreads();
         if (threadIdx.x == 0) last = atomicAdd(tickets + h, 1u) == (unsigned)(nsplit - 1);

@@ -191,9 +191,22 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
                                           const half_t* __restrict__ x, i64 N, i64 K, i64 F,
                                           i64 log2g, void* __restrict__ out) {
     const i64 row = (i64)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row < N) gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row, K, F, (int)log2g, threadIdx.x & 31);
+    const int lane = threadIdx.x & 31;
+    if (row < N) gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row, K, F, (int)log2g, lane);
     TL_PDL_ENTER();                               // x and out: written / read by the kernel before
-    if (row < N) gemv_row<BITS, EPI>(qw, sc, zr, x, row, K, F, (int)log2g, out, threadIdx.x & 31);
+    if (row >= N) return;
+    if (EPI == EPI_RESID) {
+        // the residual's load issued with x's, not after the row's reduction: one L2 round
+        // trip less on the critical path; the same read-add-store as gemv_store
+        float r = 0.0f;
+        if (lane == 0) r = __ldcg((const float*)out + row);
+        float unused = 0.0f;
+        const float acc = gemv_row_acc<BITS, EPI>(qw, sc, zr, x, row, K, F, (int)log2g, lane,
+                                                  unused);
+        if (lane == 0) ((float*)out)[row] = r + acc;
+    } else {
+        gemv_row<BITS, EPI>(qw, sc, zr, x, row, K, F, (int)log2g, out, lane);
+    }
 }
 
 // The normalized row: xs[i] = f16(x[i] * inv_rms * weight[i]), computed exactly as

@@ -6,14 +6,17 @@ import numpy as np
 import pytest
 
 from tinyloop.backends.cuda_ops import (DS_MAX_SPLITS, DS_MIN_KEYS, DS_SINGLE_PASS_MAX,
-                                        decode_splits)
+                                        GEOMETRY, decode_splits)
+
+DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
 
 
-def emulate(q, k, v, ctx, page, nsplit):
+def emulate(q, k, v, ctx, page, nsplit, min_pps=1):
     """The kernel's arithmetic in float64: split s owns pages [s*pps, (s+1)*pps) of the
-    ceil(ctx / page) pages; partials (m, l, o) in log2 units; combine by the max."""
+    ceil(ctx / page) pages, pps = max(ceil(npages / nsplit), min_pps) (ds_pages_per_split);
+    partials (m, l, o) in log2 units; combine by the max."""
     npages = -(-ctx // page)
-    pps = -(-npages // nsplit)
+    pps = max(-(-npages // nsplit), min_pps)
     parts, covered = [], []
     for s in range(nsplit):
         k0, k1 = s * pps * page, min(ctx, (s + 1) * pps * page)
@@ -34,7 +37,9 @@ def emulate(q, k, v, ctx, page, nsplit):
 
 @pytest.mark.parametrize("page", [1, 16, 32])
 @pytest.mark.parametrize("nsplit", [1, 2, 3, 7, 16, 64])
-def test_split_partition_and_combine_equal_a_dense_softmax(page, nsplit):
+@pytest.mark.parametrize("chunk_floor", [False, True])
+def test_split_partition_and_combine_equal_a_dense_softmax(page, nsplit, chunk_floor):
+    # chunk_floor: the split kernel's min_pps = ceil(DS_THREADS / page) (attn_split_step)
     rng = np.random.default_rng(page * 100 + nsplit)
     hd = 64
     for ctx in sorted({1, page - 1, page, page + 1, 2047, 4096} - {0}):
@@ -44,7 +49,9 @@ def test_split_partition_and_combine_equal_a_dense_softmax(page, nsplit):
         sc = k @ q
         p = np.exp2(sc - sc.max())
         want = p @ v / p.sum()
-        np.testing.assert_allclose(emulate(q, k, v, ctx, page, nsplit), want, rtol=1e-10,
+        min_pps = -(-DS_THREADS // page) if chunk_floor else 1
+        np.testing.assert_allclose(emulate(q, k, v, ctx, page, nsplit, min_pps), want,
+                                   rtol=1e-10,
                                    atol=1e-12)
 
 

@@ -41,12 +41,14 @@ def _entries():
     return out
 
 
-# The GEMV bodies that load weights ahead of the wait: (function, its weight preload, what
-# first touches the predecessor's output). The wait must sit between the two.
+# The bodies that load ahead of the wait: (function, its preload, what first touches the
+# predecessor's output). The wait must sit between the two. The GEMVs preload weights; the
+# split-K attention preloads K / V rows of earlier positions (attention_decode.cu).
 _PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (const uint4*)xin")),
-               ("gemv_impl", "gemv_prefetch_row<", ("gemv_row<",)),
+               ("gemv_impl", "gemv_prefetch_row<", ("gemv_row<", "__ldcg(", "gemv_row_acc<")),
                ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)),
-               ("qkv_rope_impl", "gemv_prefetch_row<", ("step[", "norm_row_to_shared(")))
+               ("qkv_rope_impl", "gemv_prefetch_row<", ("step[", "norm_row_to_shared(")),
+               ("attn_split_step", "ds_load<MODE, HD>(ch", ("ds_load_key<", "attn_split_unit<")))
 
 
 def _preloads_then_waits(func: str, preload: str, touches) -> bool:
