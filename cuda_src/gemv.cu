@@ -216,15 +216,51 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
 static_assert(32 * GEMV_WARPS == 256, "bit-identity with rmsnorm.cu needs a 256-thread block");
 extern __shared__ __align__(16) unsigned char gemv_smem[];
 
+// The first NORM_HELD values per thread (indices tid + a * blockDim.x) of the RMSNorm weight,
+// loaded ahead: the weight is constant, so a PDL kernel loads it before its wait
+// (norm_weight_load) and the normalisation after the row's reduction reads registers instead
+// of paying an L2 round trip. Rows longer than NORM_HELD * blockDim.x read the rest as they go.
+#define NORM_HELD 4
+struct NormW {
+    float w[NORM_HELD];
+};
+
+__device__ __forceinline__ void norm_weight_load(const float* __restrict__ weight, i64 d,
+                                                 NormW& nw) {
+#pragma unroll
+    for (int a = 0; a < NORM_HELD; ++a) {
+        const i64 i = threadIdx.x + (i64)a * blockDim.x;
+        nw.w[a] = i < d ? weight[i] : 0.0f;
+    }
+}
+
+// nw: the weight's held values (norm_weight_load) or null (read here). The per-thread order of
+// the sum of squares (i = tid, tid + blockDim.x, ...) and every product are as before the
+// values were held, so the row is unchanged.
 __device__ __forceinline__ void norm_row_to_shared(const float* __restrict__ xr,
                                                    const float* __restrict__ weight, double eps,
-                                                   i64 d, half_t* xs) {
+                                                   i64 d, half_t* xs,
+                                                   const NormW* nw = nullptr) {
     __shared__ float red[32];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    const i64 nt = blockDim.x, rest = threadIdx.x + NORM_HELD * nt;
+    float xv[NORM_HELD], ss = 0.0f;
+#pragma unroll
+    for (int a = 0; a < NORM_HELD; ++a) {         // the row's loads all in flight at once
+        const i64 i = threadIdx.x + a * nt;
+        xv[a] = i < d ? xr[i] : 0.0f;
+    }
+#pragma unroll
+    for (int a = 0; a < NORM_HELD; ++a)
+        if (threadIdx.x + a * nt < d) ss = fmaf(xv[a], xv[a], ss);
+    for (i64 i = rest; i < d; i += nt) ss = fmaf(xr[i], xr[i], ss);
     ss = block_sum(ss, red);
     const float inv = (float)(1.0 / sqrt((double)ss / (double)d + eps));
-    for (int i = threadIdx.x; i < d; i += blockDim.x) xs[i] = f2h(xr[i] * inv * weight[i]);
+#pragma unroll
+    for (int a = 0; a < NORM_HELD; ++a) {
+        const i64 i = threadIdx.x + a * nt;
+        if (i < d) xs[i] = f2h(xv[a] * inv * (nw != nullptr ? nw->w[a] : weight[i]));
+    }
+    for (i64 i = rest; i < d; i += nt) xs[i] = f2h(xr[i] * inv * weight[i]);
     __syncthreads();
 }
 
@@ -241,8 +277,10 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
     const int lane = threadIdx.x & 31;
     const int row0 = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (row0 < N) gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row0, K, F, (int)log2g, lane);
+    NormW nw;
+    norm_weight_load(weight, K, nw);
     TL_PDL_ENTER();                               // the residual row: the kernel before wrote it
-    norm_row_to_shared(x, weight, eps, K, xs);
+    norm_row_to_shared(x, weight, eps, K, xs, &nw);
     // int row index (N < 2^30, the host checks): an i64 loop counter made ptxas spill here
     const int step = gridDim.x * GEMV_WARPS;
     for (int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5); row < N; row += step)

@@ -42,14 +42,18 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = blockIdx.x * GEMV_WARPS + warp;
     if (row0 < N) gemv_prefetch_row<BITS, EPI_F16>(qw, sc, zr, row0, K, 0, (int)log2g, lane);
-    TL_PDL_ENTER();                               // the residual row and the step state
-    const i64 pos = (i64)step[2];
+    NormW nw;
+    norm_weight_load(weight, K, nw);
+    // the step state's position and RoPE table and the block table: the step before wrote
+    // them (step_advance ends it), no kernel of this step does, so they too load ahead
+    const i64 pos = (i64)step[STEP_POS];
     rope_table_for(step, pos, theta, hd, cs);     // hd <= STEP_ROPE_MAX: the host checks
-    norm_row_to_shared(x, weight, eps, K, xs);    // ends with a barrier: cs is visible too
-    const int half = (int)(hd / 2);
-    const i64 q_rows = n_heads * hd, k_rows = n_kv * hd;
     i64 prow = 0;
     char* base = kv_page_w(table, P, pos, &prow);
+    TL_PDL_ENTER();                               // the residual row: the kernel before wrote it
+    norm_row_to_shared(x, weight, eps, K, xs, &nw);   // ends with a barrier: cs is visible too
+    const int half = (int)(hd / 2);
+    const i64 q_rows = n_heads * hd, k_rows = n_kv * hd;
     half_t* kdst = (half_t*)(base + k_off) + prow * n_kv * hd;
     half_t* vdst = (half_t*)(base + v_off) + prow * n_kv * hd;
     const int step_rows = gridDim.x * GEMV_WARPS;

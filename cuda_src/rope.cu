@@ -97,7 +97,9 @@ __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
 // slot's pages get rows pos0..pos0+T-1 (MODE fp16: rotated K and V as FP16; int8: codes and
 // scales; qonly: nothing). grid = T, block = 128 (4 warps); dynamic shared memory = hd floats.
 // The decode step state's RoPE table (tinyloop/backends/base.py STEP_ROPE*): decode_step_advance
-// writes position p's cos | sin from word STEP_ROPE and sets word STEP_ROPE_POS to p + 1.
+// writes position p's cos | sin from word STEP_ROPE and sets word STEP_ROPE_POS to p + 1;
+// word STEP_POS holds the step's position.
+#define STEP_POS 2
 #define STEP_ROPE_POS 3
 #define STEP_ROPE 4
 #define STEP_ROPE_MAX 256

@@ -47,7 +47,7 @@ def _entries():
 _PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (const uint4*)xin")),
                ("gemv_impl", "gemv_prefetch_row<", ("gemv_row<", "__ldcg(", "gemv_row_acc<")),
                ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)),
-               ("qkv_rope_impl", "gemv_prefetch_row<", ("step[", "norm_row_to_shared(")),
+               ("qkv_rope_impl", "gemv_prefetch_row<", ("norm_row_to_shared(", "qkv[")),
                ("attn_split_step", "ds_load<MODE, HD>(ch", ("ds_load_key<", "attn_split_unit<")))
 
 
@@ -126,8 +126,8 @@ def test_the_step_state_layout_in_rope_cu_matches_base():
     table decode_step_advance writes and kv_write_step / qkv_rope.cu copy): one owner, checked."""
     from tinyloop.backends import base
     text = (SRC / "rope.cu").read_text(encoding="utf-8")
-    got = {k: int(v) for k, v in re.findall(r"#define (STEP_ROPE\w*) (\d+)", text)}
-    assert got == {"STEP_ROPE_POS": base.STEP_ROPE_POS, "STEP_ROPE": base.STEP_ROPE,
-                   "STEP_ROPE_MAX": base.STEP_ROPE_MAX}
+    got = {k: int(v) for k, v in re.findall(r"#define (STEP_\w*) (\d+)", text)}
+    assert got == {"STEP_POS": base.STEP_POS, "STEP_ROPE_POS": base.STEP_ROPE_POS,
+                   "STEP_ROPE": base.STEP_ROPE, "STEP_ROPE_MAX": base.STEP_ROPE_MAX}
     assert base.STEP_WORDS == base.STEP_ROPE + base.STEP_ROPE_MAX
     assert base.STEP_ROPE_POS not in (base.STEP_ID, base.STEP_FAULT, base.STEP_POS)
