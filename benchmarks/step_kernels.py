@@ -1,6 +1,7 @@
 """Per-kernel GPU time of one captured decode step (a script, not a test).
 
     python benchmarks/step_kernels.py [--model PATH] [--depth 1] [--ctx 64] [--pdl 0,1]
+                                      [--kv-mode fp16]
 
 Records every kernel launch of one decode step (the eager step that precedes a capture, with
 its real arguments), groups the launches by kernel, and captures each group alone as a graph
@@ -80,11 +81,12 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--pdl", default="0,1")
+    ap.add_argument("--kv-mode", default=None, help="KV storage mode (default: the model's)")
     a = ap.parse_args(argv)
     path = model_or_synthetic(a.model)
     m = tinyloop.load_model(path, max_seq_len=2048, backend="cuda")
     ops = m.ops
-    with m.lock, m.new_kv_cache(a.depth, a.ctx + 64) as cache:
+    with m.lock, m.new_kv_cache(a.depth, a.ctx + 64, kv_mode=a.kv_mode) as cache:
         m.forward(np.arange(10, 10 + a.ctx, dtype=np.int32), 0, a.depth, cache)
         rec = record_step(m, a.depth, a.ctx, cache)
         state = np.zeros(STEP_WORDS, np.int32)

@@ -118,23 +118,27 @@ __device__ __forceinline__ void rope_table_for(const int* __restrict__ step, i64
 }
 
 // step: null, or the decode step state (T = 1), whose table rope_table_for copies when it is
-// position pos's.
-template <int MODE>
-__device__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0, double theta,
-                              i64 n_heads, i64 n_kv, i64 hd, const i64* __restrict__ table,
-                              i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,
-                              const int* __restrict__ step = nullptr) {
+// position pos's. AHEAD (the step entries, PDL-launched in a captured step): the RoPE table and
+// the page lookup - step state and block table, which only the step before writes - run before
+// the PDL wait, which the function then takes itself before touching qkv.
+template <int MODE, bool AHEAD = false>
+__device__ __forceinline__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0,
+                                              double theta, i64 n_heads, i64 n_kv, i64 hd,
+                                              const i64* __restrict__ table, i64 P, i64 k_off,
+                                              i64 v_off, i64 ks_off, i64 vs_off,
+                                              const int* __restrict__ step = nullptr) {
     extern __shared__ float cs[];               // cos at [0, hd/2), sin at [hd/2, hd)
     const i64 t = blockIdx.x;
     const int half = (int)(hd / 2);
     const i64 pos = pos0 + t;
     rope_table_for(step, pos, theta, hd, cs);
+    i64 prow = 0;
+    char* base = (MODE == KV_QONLY) ? nullptr : kv_page_w(table, P, pos, &prow);
+    if (AHEAD) TL_PDL_ENTER();                  // qkv: the kernel before wrote it
     __syncthreads();
     half_t* row = qkv + t * ld;
     // Q (all modes) and, in fp16 mode, K: rotate pair by pair
     const i64 n_rot = (MODE == KV_FP16 ? n_heads + n_kv : n_heads) * half;
-    i64 prow = 0;
-    char* base = (MODE == KV_QONLY) ? nullptr : kv_page_w(table, P, pos, &prow);
     for (i64 idx = threadIdx.x; idx < n_rot; idx += blockDim.x) {
         const int i = (int)(idx % half);
         const i64 e = 2 * idx;                    // element offset of the pair in Q|K
@@ -192,9 +196,8 @@ KV_WRITE_ENTRY(KV_QONLY, qonly)
                                                     i64 hd, const i64* table, i64 P,           \
                                                     i64 k_off, i64 v_off, i64 ks_off,          \
                                                     i64 vs_off) {                              \
-        TL_PDL_ENTER();                                                                        \
-        kv_write_impl<MODE>(qkv, ld, (i64)step[2], theta, n_heads, n_kv, hd, table, P, k_off,  \
-                            v_off, ks_off, vs_off, step);                                      \
+        kv_write_impl<MODE, true>(qkv, ld, (i64)step[STEP_POS], theta, n_heads, n_kv, hd,     \
+                                  table, P, k_off, v_off, ks_off, vs_off, step);               \
     }
 
 KV_WRITE_STEP_ENTRY(KV_FP16, fp16)

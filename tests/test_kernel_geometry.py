@@ -80,7 +80,7 @@ def test_an_including_family_compiles_with_the_included_geometry():
 def test_load_source_pastes_each_include_once():
     src = load_source("decode_mega")
     assert src.count("typedef unsigned short half_t;") == 1       # common.cuh once
-    assert src.count("__device__ void kv_write_impl(") == 1         # rope.cu once
+    assert src.count("__device__ __forceinline__ void kv_write_impl(") == 1         # rope.cu once
     assert src.count("__device__ __forceinline__ void attn_split_unit(") == 1
     assert not re.search(r"^#include", src, re.M)                  # and no CUDA header
 
