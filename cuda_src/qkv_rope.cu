@@ -1,18 +1,23 @@
-// The captured decode step's attention prologue in one launch (fp16 KV pages, T = 1):
+// The captured decode step's attention prologue in one launch (fp16 or int8 KV pages, T = 1):
 // RMSNorm of the residual row + the QKV GEMV (gemv.cu v1: one warp per output row, the
 // normalized row in shared memory) + RoPE on Q and K + the K / V write into the slot's page at
-// the step state's position. It replaces gemv_norm_q*_f16 followed by kv_write_step_fp16 and
-// leaves memory exactly as that pair does:
+// the step state's position. It replaces gemv_norm_q*_f16 followed by kv_write_step_{fp16,int8}
+// and leaves memory exactly as that pair does:
 //   qkv f16 [(H + 2 Hkv) hd] holds the GEMV output with Q rotated in place (K and V as
-//   computed); the page row at pos holds the rotated K and the V, as FP16.
+//   computed); the page row at pos holds the rotated K and the V, as FP16 (fp16 pages), or
+//   as INT8 codes with one FP16 scale per (K or V, KV head) (int8 pages).
 // The arithmetic is that pair's: each output is rounded to FP16 (gemv_store), then a pair
 // (2i, 2i+1) of a Q or K head is rotated in float by rope.cu's rope_rot with the angle table
 // of rope_table (or the step state's copy of it, STEP_ROPE) and rounded to FP16 again.
 // Interleaved pairs are adjacent rows, so both rows of a pair are in one block (GEMV_WARPS is
 // even and blocks start at multiples of it): the block exchanges its row totals through
-// shared memory.
+// shared memory. An int8 row's scale needs the amax of the whole KV head (hd rows, spread over
+// several blocks), so with int8 pages the last block to finish its rows (an atomic ticket
+// after a __threadfence, CUDA's threadFenceReduction pattern; it re-arms the ticket) quantizes
+// the 2 Hkv K / V head rows from qkv with rope.cu's kv_int8_row_warp, one warp per row, as
+// kv_write_step_int8 does.
 //
-// Checked against: gemv_norm_q*_f16 + kv_write_step_fp16 on the same inputs, bit for bit
+// Checked against: gemv_norm_q*_f16 + kv_write_step_* on the same inputs, bit for bit
 // (tests/gpu/test_kernels.py::test_qkv_rope_step_equals_the_pair), and through them NumpyOps.
 #include "common.cuh"
 #define TL_DEVICE_ONLY
@@ -24,8 +29,10 @@ static_assert(GEMV_WARPS % 2 == 0, "a RoPE pair must fall in one block");
 
 // x f32 [K] residual row, weight f32 [K]; W [N, K] with N = (H + 2 Hkv) hd, hd even and
 // <= STEP_ROPE_MAX; dynamic shared memory = 2 K bytes; grid <= ceil(N / GEMV_WARPS),
-// block = 32 * GEMV_WARPS. step: the device step state (position at step[2]).
-template <int BITS>
+// block = 32 * GEMV_WARPS. step: the device step state (position at step[STEP_POS]).
+// MODE: KV_FP16 or KV_INT8 (ks_off / vs_off: the scale parts; ticket: u32, 0 between
+// launches; both unused for fp16).
+template <int BITS, int MODE>
 __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
                                               const float* __restrict__ weight, double eps,
                                               const u8* __restrict__ qw,
@@ -35,7 +42,8 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
                                               const int* __restrict__ step, double theta,
                                               i64 n_heads, i64 n_kv, i64 hd,
                                               const i64* __restrict__ table, i64 P, i64 k_off,
-                                              i64 v_off) {
+                                              i64 v_off, i64 ks_off, i64 vs_off,
+                                              unsigned* __restrict__ ticket) {
     half_t* xs = (half_t*)gemv_smem;
     __shared__ float cs[STEP_ROPE_MAX];
     __shared__ float tot[GEMV_WARPS];
@@ -77,24 +85,44 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
                 rope_rot(tot[warp & ~1], tot[warp | 1], cs[i], cs[half + i], &y0, &y1);
                 const half_t y = f2h((row & 1) ? y1 : y0);
                 if (row < q_rows) qkv[row] = y;
-                else kdst[row - q_rows] = y;
-            } else {
+                else if (MODE == KV_FP16) kdst[row - q_rows] = y;
+            } else if (MODE == KV_FP16) {
                 vdst[row - q_rows - k_rows] = f2h(tot[warp]);
             }
         }
         __syncthreads();                          // tot is rewritten next pass
     }
+    if (MODE != KV_INT8) return;
+    __shared__ bool last;
+    __threadfence();                              // this block's qkv rows, then the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (i64 r = warp; r < 2 * n_kv; r += GEMV_WARPS) {   // kv_write_impl's int8 rows
+        const bool is_k = r < n_kv;
+        const i64 hk = is_k ? r : r - n_kv;
+        const half_t* src = qkv + (n_heads + (is_k ? 0 : n_kv)) * hd + hk * hd;
+        i8* dst = (i8*)(base + (is_k ? k_off : v_off)) + (prow * n_kv + hk) * hd;
+        half_t* scale = (half_t*)(base + (is_k ? ks_off : vs_off)) + prow * n_kv + hk;
+        kv_int8_row_warp(src, is_k, cs, (int)hd, dst, scale, lane);
+    }
+    if (threadIdx.x == 0) *ticket = 0u;           // re-armed for the next launch
 }
 
-#define QKV_ROPE_ENTRY(NAME, BITS)                                                             \
+#define QKV_ROPE_ENTRY(NAME, BITS, MODE)                                                       \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                             \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc,  \
              const half_t* zr, i64 N, i64 K, i64 log2g, half_t* qkv, const int* step,          \
              double theta, i64 n_heads, i64 n_kv, i64 hd, const i64* table, i64 P, i64 k_off,  \
-             i64 v_off) {                                                                      \
-        qkv_rope_impl<BITS>(x, weight, eps, qw, sc, zr, N, K, log2g, qkv, step, theta,         \
-                            n_heads, n_kv, hd, table, P, k_off, v_off);                        \
+             i64 v_off, i64 ks_off, i64 vs_off, unsigned* ticket) {                            \
+        qkv_rope_impl<BITS, MODE>(x, weight, eps, qw, sc, zr, N, K, log2g, qkv, step, theta,   \
+                                  n_heads, n_kv, hd, table, P, k_off, v_off, ks_off, vs_off,   \
+                                  ticket);                                                     \
     }
 
-QKV_ROPE_ENTRY(qkv_rope_step_q4_fp16, 4)
-QKV_ROPE_ENTRY(qkv_rope_step_q8_fp16, 8)
+QKV_ROPE_ENTRY(qkv_rope_step_q4_fp16, 4, KV_FP16)
+QKV_ROPE_ENTRY(qkv_rope_step_q8_fp16, 8, KV_FP16)
+QKV_ROPE_ENTRY(qkv_rope_step_q4_int8, 4, KV_INT8)
+QKV_ROPE_ENTRY(qkv_rope_step_q8_int8, 8, KV_INT8)

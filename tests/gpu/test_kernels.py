@@ -1066,11 +1066,13 @@ def test_decode_sequence_allocates_nothing(ops, rng):
 @pytest.mark.parametrize("h,hkv,hd", HEADS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("pos,table_ready", [(0, False), (45, True), (45, False), (4097, True)])
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_qkv_rope_step_equals_the_pair(ops, ref, rng, monkeypatch, h, hkv, hd, bits, pos,
-                                       table_ready):
+                                       table_ready, mode):
     """qkv_rope.cu (RMSNorm + QKV GEMV + RoPE + K/V page write, one launch) leaves qkv and
-    the page row at the step's position bit for bit as rmsnorm_linear + kv_write_step do,
-    with the step state's RoPE table (written by step_advance) or without one."""
+    every part of the page row at the step's position (int8: codes and scales) bit for bit as
+    rmsnorm_linear + kv_write_step do, with the step state's RoPE table (written by
+    step_advance) or without one; twice in a row (the int8 ticket re-arms)."""
     from tinyloop.backends.base import STEP_ROPE_POS
     d = 256
     n = (h + 2 * hkv) * hd
@@ -1084,9 +1086,9 @@ def test_qkv_rope_step_equals_the_pair(ops, ref, rng, monkeypatch, h, hkv, hd, b
     if table_ready:                     # the previous step's advance prepared pos's table
         ops.step_advance(step, ops.step_host_buffer(), theta, hd)
         assert int(step[STEP_ROPE_POS]) == pos + 1 and int(step[STEP_POS]) == pos
-    got, want = {}, {}
-    for fused, out in ((True, got), (False, want)):
-        _, c = kv_pair(ops, ref, "fp16", h, hkv, hd, pos + 1, 32)
+    got, want, again = {}, {}, {}
+    for fused, out in ((True, got), (False, want), (True, again)):
+        _, c = kv_pair(ops, ref, mode, h, hkv, hd, pos + 1, 32)
         qkv = poisoned((1, n), cupy.float16)
         norm = cupy.empty((1, d), cupy.float16)
         if fused:
@@ -1097,9 +1099,11 @@ def test_qkv_rope_step_equals_the_pair(ops, ref, rng, monkeypatch, h, hkv, hd, b
             ops.kv_write_step(qkv, None, step, theta, h, hkv, hd, c.slot(0))
         out["qkv"] = cupy.asnumpy(qkv)
         rows = gather(c.slot(0), pos + 1, dev=True)
-        out["k"], out["v"] = rows["k"][pos], rows["v"][pos]
-    for name in ("qkv", "k", "v"):
+        out.update({part: r[pos] for part, r in rows.items()})
+    assert set(got) == {"qkv", "k", "v"} | ({"k_scale", "v_scale"} if mode == "int8" else set())
+    for name in got:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        np.testing.assert_array_equal(again[name], want[name], err_msg=name)
     assert np.isfinite(got["qkv"].astype(np.float32)).all() and got["k"].any()
     monkeypatch.setenv("TINYLOOP_FUSED_QKV_ROPE", "0")         # the switch: the pair runs
     assert not ops.rmsnorm_qkv_kv_step(x, wt, 1e-5, w, poisoned((1, n), cupy.float16), step,

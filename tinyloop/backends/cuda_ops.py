@@ -645,14 +645,16 @@ class CudaOps(Ops):
         # ticket (0 between launches: the kernel re-arms it) and the device copy of the chosen
         # id (what a captured step's next embedding would read). 35 KB on a 132-SM H200, taken
         # once with cudaMalloc beside the pinned id, outside the tagged pool.
+        # Then qkv_rope.cu's int8 ticket (u32, likewise re-armed by the kernel).
         self._part_cap = sms * _MAX_BLOCKS_PER_SM
-        nbytes = self._part_cap * 8 + 16
+        nbytes = self._part_cap * 8 + 32
         self._scratch_ptr = cupy.cuda.runtime.malloc(nbytes)
         cupy.cuda.runtime.memset(self._scratch_ptr, 0, nbytes)
         self._part_v = self._scratch_ptr
         self._part_i = self._scratch_ptr + self._part_cap * 4
         self._ticket = self._scratch_ptr + self._part_cap * 8
         self._id_dev = self._ticket + 8
+        self._qkv_ticket = self._ticket + 16
         self._free_dev = cupy.cuda.runtime.free
         self._wq_ptr, self._wq_cap = 0, 0   # sample_topk_topp's u64 [vocab] scratch
         self.device_sampling = True         # False: temperature > 0 through _sample_cupy
@@ -1382,11 +1384,12 @@ class CudaOps(Ops):
     def rmsnorm_qkv_kv_step(self, x, weight, eps, w, qkv, step, theta, n_heads, n_kv_heads,
                             head_dim, kv) -> bool:
         """``Ops.rmsnorm_qkv_kv_step``: one launch of qkv_rope.cu (RMSNorm + QKV GEMV + RoPE +
-        the K/V write at ``step[STEP_POS]``) for an fp16 slot, with the v1 GEMV the pair would
-        use (its RMSNorm-fused kernel), head_dim even and <= STEP_ROPE_MAX, W's rows exactly
-        (H + 2 Hkv) hd and ``TINYLOOP_FUSED_QKV_ROPE`` on; False otherwise (nothing launched).
-        Bit for bit the memory ``rmsnorm_linear`` + ``kv_write_step`` leave."""
-        if kv.layout.mode != "fp16" or not fused_qkv_rope_enabled():
+        the K/V write at ``step[STEP_POS]``) for an fp16 or int8 slot, with the v1 GEMV the
+        pair would use (its RMSNorm-fused kernel), head_dim even and <= STEP_ROPE_MAX, W's
+        rows exactly (H + 2 Hkv) hd and ``TINYLOOP_FUSED_QKV_ROPE`` on; False otherwise
+        (nothing launched). Bit for bit the memory ``rmsnorm_linear`` + ``kv_write_step``
+        leave."""
+        if kv.layout.mode not in ("fp16", "int8") or not fused_qkv_rope_enabled():
             return False
         info = self._info(w)
         if info.v2 or head_dim % 2 or head_dim > STEP_ROPE_MAX:
@@ -1398,11 +1401,11 @@ class CudaOps(Ops):
         self._heads_ok(n_heads, n_kv_heads, head_dim, out.shape[1])
         table, p, offs = self._step_kv(kv)
         blocks = min((info.n + _GEMV_ROWS - 1) // _GEMV_ROWS, self._norm_blocks)
-        self._fn("qkv_rope", f"qkv_rope_step_q{w.bits}_fp16")(
+        self._fn("qkv_rope", f"qkv_rope_step_q{w.bits}_{kv.layout.mode}")(
             (blocks,), (32 * _GEMV_ROWS,),
             (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k, info.lg,
              out.data.ptr, self._step_ptr(step), float(theta), int(n_heads), int(n_kv_heads),
-             int(head_dim), table, p, offs[0], offs[1]), shared_mem=2 * info.k)
+             int(head_dim), table, p, *offs, self._qkv_ticket), shared_mem=2 * info.k)
         return True
 
     def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
