@@ -1,7 +1,7 @@
 """Decode and prefill speed of the CUDA backend, with the memory it used (a script, not a test).
 
     python benchmarks/bench_decode.py [--model PATH] [--out DIR] [--no-peer]
-                                      [--mega-blocks-per-sm 1,0]
+                                      [--mega-blocks-per-sm 1,0] [--no-step-table]
 
 Without --model it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
@@ -20,12 +20,15 @@ warm-up):
     in the same run (bytes read + written per second);
   - per KV storage mode (``--kv-modes``): KV bytes per token at depths 1, 2 and 4, decode
     tokens/s there as megakernel / graphs / eager, decode tokens/s at depth 1 after a 1,024-token
-    prompt (the store-h modes rebuild K/V over the whole context every step: their cost grows
+    prompt (graphs; the store-h modes rebuild K/V over the whole context every step: their cost grows
     with it; they run eagerly, never as a captured graph or the megakernel), prefill of 2,048
     tokens;
   - the captured graphs the model holds at the end (count, keys) and the pool bytes under
     tag ``graphs``;
   - the pool's stats after the run;
+  - one captured decode step (depth 1, 64 tokens of context, PDL on) kernel by kernel
+    (step_kernels.step_table): µs per launch and per step, the bytes each launch must read
+    and the GB/s that gives;
   - a peer figure: the same token counts through PyTorch + transformers (LlamaForCausalLM with
     the same dims, FP16, eager attention, random weights) on the same GPU.
 Prints a table last; with --out writes bench_decode.json there.
@@ -34,6 +37,7 @@ Prints a table last; with --out writes bench_decode.json there.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -268,6 +272,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-step-table", action="store_true",
+                    help="skip the per-kernel table of one captured step (step_kernels.py)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--kv-modes", default="all",
                     help="KV storage modes to measure per mode (comma list; all = every mode "
@@ -328,6 +334,12 @@ def main(argv=None) -> int:
                        "device_free_bytes": st.device_free_bytes}
         res["vram_usage_bytes"] = tinyloop.vram_usage_bytes(model)
         report = tinyloop.memory_report("cuda")
+        step_text = ""
+        if not a.no_step_table:     # last: its isolated replays leave the scratch stale
+            from step_kernels import step_table     # it imports this module: not at the top
+            buf = io.StringIO()
+            res["step_kernels"] = step_table(model, 1, 64, None, "1", out=buf)
+            step_text = buf.getvalue()
     finally:
         tinyloop.free_model(model)
     if not a.no_peer:
@@ -401,6 +413,9 @@ def main(argv=None) -> int:
         long = r["decode_depth1_ctx1024"]
         print(f"  {mode:<8}" + " | ".join(parts) + f" | {long['median']:,.1f} tok/s"
               f" | {r['prefill_2048_ms']:.1f} ms")
+    if step_text:
+        print("\n  One captured decode step, per kernel (step_kernels.py; KB a launch must read "
+              "and the GB/s that gives):" + step_text)
     sys.stdout.flush()
     return 0
 

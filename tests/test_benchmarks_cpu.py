@@ -88,3 +88,21 @@ def test_graph_replay_and_step_kernels_describe_themselves_without_a_gpu():
     assert mod.group_key("attn_split_fp16_hd64", (1, 2, 3)) == "attn_split_fp16_hd64"
     assert mod.group_key("gemv2_norm_q8_argmax_l4", tuple(range(15))) == \
         "gemv2_norm_q8_argmax_l4"
+
+
+def test_step_kernels_bytes_per_launch():
+    """The per-kernel table's bytes: the weight a launch is passed (found by its codes'
+    address), one row of it for the embedding lookup, the slot's K / V for every key of the
+    context for the decode attention, nothing for the rest."""
+    mod = _load("step_kernels")
+    wb = {0x7000: (4_000_000, 1000), 0x9000: (120_000, 960)}
+    assert mod.launch_bytes("gemv_q4_resid", (5, 0x9000, 6, 1.5, 576), wb, 0, 0) == 120_000
+    assert mod.launch_bytes("gemv2_norm_q8_argmax_l4", (0x1, 1e-5, 0x7000), wb, 0, 0) == \
+        4_000_000
+    assert mod.launch_bytes("embed_q8", (0x7000, 0x2, 0x3), wb, 0, 0) == 4_000
+    # 64 keys of context before the step's own: 65 rows of K and V
+    assert mod.launch_bytes("attn_split_fp16_hd64", (0x9000, 1, 2), wb, 768, 64) == 768 * 65
+    assert mod.launch_bytes("decode_step_advance", (0x11, 0x12, 1e4, 64), wb, 768, 64) == 0
+    r = _run("bench_decode", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--no-step-table" in r.stdout
