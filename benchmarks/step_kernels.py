@@ -147,7 +147,7 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
                     rows.append({"kernel": key, "launches": len(launches), "us_per_launch": per,
                                  "us_per_step": us, "bytes_per_launch": nb, "GBps": gbs})
                     print(f"{key:44s} {len(launches):4d} {per:10.2f} {us:9.1f} "
-                          f"{nb / 1024:10.1f} {gbs:7.0f}" if nb else
+                          f"{nb / 1024:10.1f} {gbs:7.1f}" if nb else
                           f"{key:44s} {len(launches):4d} {per:10.2f} {us:9.1f} "
                           f"{'-':>10s} {'-':>7s}", file=out)
                 print(f"{'sum of the groups':44s} {'':4s} {'':10s} {total:9.1f}", file=out)
