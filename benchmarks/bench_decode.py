@@ -20,9 +20,9 @@ warm-up):
     in the same run (bytes read + written per second);
   - per KV storage mode (``--kv-modes``): KV bytes per token at depths 1, 2 and 4, decode
     tokens/s there as megakernel / graphs / eager, decode tokens/s at depth 1 after a 1,024-token
-    prompt (graphs; the store-h modes rebuild K/V over the whole context every step: their cost grows
-    with it; they run eagerly, never as a captured graph or the megakernel), prefill of 2,048
-    tokens;
+    prompt (graphs; the store-h modes rebuild K/V over the whole context every step: their
+    cost grows with it; they run eagerly, never as a captured graph or the megakernel),
+    prefill of 2,048 tokens;
   - the captured graphs the model holds at the end (count, keys) and the pool bytes under
     tag ``graphs``;
   - the pool's stats after the run;

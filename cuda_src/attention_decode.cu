@@ -54,7 +54,9 @@ struct DsChunk {
 
 // Load chunk c0's keys below k1 into ch, all but key `skip` (-1: none): the split kernel loads
 // its first chunk before its PDL wait, when key ctx-1 (this step's, written by the kernel
-// before) is not yet there; ds_load_key then loads that one after the wait.
+// before) is not yet there; ds_load_key then loads that one after the wait. Both load through
+// L2 only (kv_raw8 / kv_scale L2): nothing this kernel reads ahead leaves an L1 line that key
+// ctx-1's later reads could hit (an int8 scale shares its sector with its neighbours').
 template <int MODE, int HD>
 __device__ __forceinline__ void ds_load(DsChunk<MODE, HD>& ch, const i64* __restrict__ table,
                                         i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,
@@ -66,8 +68,9 @@ __device__ __forceinline__ void ds_load(DsChunk<MODE, HD>& ch, const i64* __rest
         i64 row;
         const char* base = kv_page(table, P, j, &row);
 #pragma unroll
-        for (int u = 0; u < C::C8; ++u) ch.k[u] = kv_raw8<MODE, HD>(base, k_off, row * n_kv + hk, 8 * u);
-        ch.ks = kv_scale<MODE>(base, ks_off, row * n_kv + hk);
+        for (int u = 0; u < C::C8; ++u)
+            ch.k[u] = kv_raw8<MODE, HD, true>(base, k_off, row * n_kv + hk, 8 * u);
+        ch.ks = kv_scale<MODE, true>(base, ks_off, row * n_kv + hk);
     }
     if (sl < C::NSL) {
 #pragma unroll
@@ -76,8 +79,8 @@ __device__ __forceinline__ void ds_load(DsChunk<MODE, HD>& ch, const i64* __rest
             if (jj < k1 && jj != skip && sl + t * C::NSL < DS_THREADS) {
                 i64 row;
                 const char* base = kv_page(table, P, jj, &row);
-                ch.v[t] = kv_raw8<MODE, HD>(base, v_off, row * n_kv + hk, 8 * cc);
-                ch.vs[t] = kv_scale<MODE>(base, vs_off, row * n_kv + hk);
+                ch.v[t] = kv_raw8<MODE, HD, true>(base, v_off, row * n_kv + hk, 8 * cc);
+                ch.vs[t] = kv_scale<MODE, true>(base, vs_off, row * n_kv + hk);
             }
         }
     }
@@ -98,15 +101,16 @@ __device__ __forceinline__ void ds_load_key(DsChunk<MODE, HD>& ch, const i64* __
     const i64 r = row * n_kv + hk;
     if (c0 + tid == key) {
 #pragma unroll
-        for (int u = 0; u < C::C8; ++u) ch.k[u] = kv_raw8<MODE, HD>(base, k_off, r, 8 * u);
-        ch.ks = kv_scale<MODE>(base, ks_off, r);
+        for (int u = 0; u < C::C8; ++u)
+            ch.k[u] = kv_raw8<MODE, HD, true>(base, k_off, r, 8 * u);
+        ch.ks = kv_scale<MODE, true>(base, ks_off, r);
     }
     if (sl < C::NSL) {
 #pragma unroll
         for (int t = 0; t < C::NVK; ++t) {
             if (c0 + sl + t * C::NSL == key) {
-                ch.v[t] = kv_raw8<MODE, HD>(base, v_off, r, 8 * cc);
-                ch.vs[t] = kv_scale<MODE>(base, vs_off, r);
+                ch.v[t] = kv_raw8<MODE, HD, true>(base, v_off, r, 8 * cc);
+                ch.vs[t] = kv_scale<MODE, true>(base, vs_off, r);
             }
         }
     }
@@ -187,11 +191,13 @@ __device__ __forceinline__ void ds_chunk(const float* qs, float* ps, float* red,
 // registers low. out: null, or where the head's output goes when this is its only split
 // (o / l, f16 [n_heads * HD]) instead of the partial.
 template <int MODE, int HD, bool PRE = false>
-__device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 ctx, const i64* __restrict__ table, i64 P,
-                                i64 k_off, i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
-                                i64 n_kv, float scale_log2, float* part, i64 h, i64 s,
-                                i64 nsplit, i64 min_pps = 1,
-                                const DsChunk<MODE, HD>* pre = nullptr, half_t* out = nullptr) {
+__device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 ctx,
+                                                const i64* __restrict__ table, i64 P, i64 k_off,
+                                                i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
+                                                i64 n_kv, float scale_log2, float* part, i64 h,
+                                                i64 s, i64 nsplit, i64 min_pps = 1,
+                                                const DsChunk<MODE, HD>* pre = nullptr,
+                                                half_t* out = nullptr) {
     using C = DsChunk<MODE, HD>;
     constexpr int C8 = C::C8, NSL = C::NSL;
     __shared__ __align__(16) float qs[HD];

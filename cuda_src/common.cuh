@@ -50,10 +50,14 @@ __device__ __forceinline__ float dq(float q, float s, float z) {
 // runs (CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"). The rule
 // for every kernel so launched: before pdl_wait() it may only read what no kernel of the step
 // writes - constant inputs (weights), the step state's position (advanced at the end of the
-// step before) and K / V rows of earlier positions (attention_decode.cu) - and write nothing; pdl_wait() returns once
-// the kernel before has completed with its memory visible. pdl_trigger() then lets the next
-// kernel launch (so at most one kernel runs ahead, waiting). For a kernel launched without
-// the attribute, or compiled for an architecture before sm_90, both are no-ops.
+// step before) and K / V rows of earlier positions (attention_decode.cu) - and write nothing;
+// pdl_wait() returns once the kernel before has completed with its memory visible.
+// pdl_trigger() then lets the next kernel launch (so at most one kernel runs ahead, waiting).
+// Loads issued before the wait of memory near what the kernel before writes go through L2
+// only (common.cuh kv_raw8 / kv_scale L2), so no L1 line read ahead can be stale after it.
+// For a kernel launched without the attribute pdl_wait() is a no-op (its launch already
+// waited) and pdl_trigger() only lets a PDL-launched successor start early; compiled before
+// sm_90 both are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -178,17 +182,26 @@ __device__ __forceinline__ const char* kv_page(const i64* __restrict__ table, i6
 // a K or V part: one 16-byte load (fp16) or one 8-byte load (int8, in .x / .y). kv_unpack8
 // turns them into floats; split so a caller can load ahead and convert later
 // (attention_decode.cu loads its first chunk before the PDL wait).
-template <int MODE, int HD>
+// L2: load through L2 only (ld.global.cg), allocating nothing in L1 - for loads issued before
+// a PDL wait, whose L1 lines could hold a sector the kernel before is still writing (int8
+// scales of adjacent positions share one), and for what that kernel wrote, read after it.
+template <int MODE, int HD, bool L2 = false>
 __device__ __forceinline__ uint4 kv_raw8(const char* base, i64 off, i64 r, int c) {
-    if (MODE == KV_FP16) return *(const uint4*)((const half_t*)(base + off) + r * HD + c);
-    const uint2 w2 = *(const uint2*)((const i8*)(base + off) + r * HD + c);
+    if (MODE == KV_FP16) {
+        const uint4* p = (const uint4*)((const half_t*)(base + off) + r * HD + c);
+        return L2 ? __ldcg(p) : *p;
+    }
+    const uint2* p = (const uint2*)((const i8*)(base + off) + r * HD + c);
+    const uint2 w2 = L2 ? __ldcg(p) : *p;
     return make_uint4(w2.x, w2.y, 0u, 0u);
 }
 
 // Row r's int8 scale (1 for fp16 pages, which have none).
-template <int MODE>
+template <int MODE, bool L2 = false>
 __device__ __forceinline__ float kv_scale(const char* base, i64 soff, i64 r) {
-    return MODE == KV_FP16 ? 1.0f : h2f(((const half_t*)(base + soff))[r]);
+    if (MODE == KV_FP16) return 1.0f;
+    const half_t* p = (const half_t*)(base + soff) + r;
+    return h2f(L2 ? __ldcg(p) : *p);
 }
 
 template <int MODE>
