@@ -322,7 +322,7 @@ __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, cons
     ds_load_key<MODE, HD>(ch, table, P, k_off, v_off, ks_off, vs_off, n_kv, hk, k0, k1, c - 1);
     attn_split_unit<MODE, HD, true>(qkv, c, table, P, k_off, v_off, ks_off, vs_off, n_heads,
                                     n_kv, scale_log2, part, h, s, nsplit, min_pps, &ch,
-                              n_used == 1 ? out : nullptr);
+                                    n_used == 1 ? out : nullptr);
     if (n_used > 1) attn_split_merge<HD>(part, nsplit, n_used, tickets, out, h);
 }
 
