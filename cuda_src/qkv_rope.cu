@@ -14,7 +14,7 @@
 // shared memory. An int8 row's scale needs the amax of the whole KV head (hd rows, spread over
 // several blocks), so with int8 pages the last block to finish its rows (an atomic ticket
 // after a __threadfence, CUDA's threadFenceReduction pattern; it re-arms the ticket) quantizes
-// the 2 Hkv K / V head rows from qkv with rope.cu's kv_int8_row_warp, one warp per row, as
+// the 2 Hkv K / V head rows from qkv with rope.cu's kv_int8_rows_block, as
 // kv_write_step_int8 does.
 //
 // Checked against: gemv_norm_q*_f16 + kv_write_step_* on the same inputs, bit for bit
@@ -100,14 +100,7 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (i64 r = warp; r < 2 * n_kv; r += GEMV_WARPS) {   // kv_write_impl's int8 rows
-        const bool is_k = r < n_kv;
-        const i64 hk = is_k ? r : r - n_kv;
-        const half_t* src = qkv + (n_heads + (is_k ? 0 : n_kv)) * hd + hk * hd;
-        i8* dst = (i8*)(base + (is_k ? k_off : v_off)) + (prow * n_kv + hk) * hd;
-        half_t* scale = (half_t*)(base + (is_k ? ks_off : vs_off)) + prow * n_kv + hk;
-        kv_int8_row_warp(src, is_k, cs, (int)hd, dst, scale, lane);
-    }
+    kv_int8_rows_block(qkv, n_heads, n_kv, hd, cs, base, prow, k_off, v_off, ks_off, vs_off);
     if (threadIdx.x == 0) *ticket = 0u;           // re-armed for the next launch
 }
 

@@ -117,6 +117,24 @@ __device__ __forceinline__ void rope_table_for(const int* __restrict__ step, i64
     }
 }
 
+// The int8 page rows of one position from its qkv row (K unrotated, as the GEMV left it; V):
+// one warp of the block per (K or V, KV head) row, kv_int8_row_warp each, into page `base`
+// row `prow`. kv_write_impl and qkv_rope.cu (its last block) write int8 pages through it.
+__device__ __forceinline__ void kv_int8_rows_block(const half_t* row, i64 n_heads, i64 n_kv,
+                                                   i64 hd, const float* cs, char* base,
+                                                   i64 prow, i64 k_off, i64 v_off, i64 ks_off,
+                                                   i64 vs_off) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (i64 r = warp; r < 2 * n_kv; r += nwarps) {
+        const bool is_k = r < n_kv;
+        const i64 hk = is_k ? r : r - n_kv;
+        const half_t* src = row + (n_heads + (is_k ? 0 : n_kv)) * hd + hk * hd;
+        i8* dst = (i8*)(base + (is_k ? k_off : v_off)) + (prow * n_kv + hk) * hd;
+        half_t* scale = (half_t*)(base + (is_k ? ks_off : vs_off)) + prow * n_kv + hk;
+        kv_int8_row_warp(src, is_k, cs, (int)hd, dst, scale, lane);
+    }
+}
+
 // step: null, or the decode step state (T = 1), whose table rope_table_for copies when it is
 // position pos's. AHEAD (the step entries, PDL-launched in a captured step): the RoPE table and
 // the page lookup - step state and block table, which only the step before writes - run before
@@ -160,16 +178,7 @@ __device__ __forceinline__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, 
         for (i64 j = threadIdx.x; j < n_kv * hd; j += blockDim.x) vdst[j] = v[j];
     }
     if (MODE != KV_INT8) return;
-    // int8: one warp per (K or V, KV head) row
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    for (i64 r = warp; r < 2 * n_kv; r += nwarps) {
-        const bool is_k = r < n_kv;
-        const i64 hk = is_k ? r : r - n_kv;
-        const half_t* src = row + (n_heads + (is_k ? 0 : n_kv)) * hd + hk * hd;
-        i8* dst = (i8*)(base + (is_k ? k_off : v_off)) + (prow * n_kv + hk) * hd;
-        half_t* scale = (half_t*)(base + (is_k ? ks_off : vs_off)) + prow * n_kv + hk;
-        kv_int8_row_warp(src, is_k, cs, (int)hd, dst, scale, lane);
-    }
+    kv_int8_rows_block(row, n_heads, n_kv, hd, cs, base, prow, k_off, v_off, ks_off, vs_off);
 }
 
 #ifndef TL_DEVICE_ONLY

@@ -49,7 +49,7 @@ _PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (co
                ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)),
                ("qkv_rope_impl", "gemv_prefetch_row<", ("norm_row_to_shared(", "qkv[")),
                ("attn_split_step", "ds_load<MODE, HD>(ch", ("ds_load_key<", "attn_split_unit<")),
-               ("kv_write_impl", "kv_page_w(", ("row[e]", "v[j]", "kv_int8_row_warp(")))
+               ("kv_write_impl", "kv_page_w(", ("row[e]", "v[j]", "kv_int8_rows_block(")))
 
 
 def _preloads_then_waits(func: str, preload: str, touches) -> bool:
