@@ -965,3 +965,59 @@ def test_failed_load_prefix_at_any_allocation_leaves_nothing(two_coda_model, mon
                 np.testing.assert_array_equal(got[part], want[part])
             back.release()
         pool.release()
+
+
+def test_failed_pool_insert_at_any_allocation_leaves_the_entries(plain, monkeypatch):
+    """A prompt that extends an entry, into a full pool: a success replaces that entry and
+    evicts the LRU one; a failure at any allocation (of the request, or of the insert, which
+    the request survives) leaves every entry, the pool's bytes and allocated bytes as they
+    were, and the entries still hit."""
+    from tinyloop.memory.tags import TAGS
+    base = _ids(PAGE + 8, seed=81)
+    ext = np.concatenate([base, _ids(PAGE, seed=82)]).astype(np.int32)
+    other = _ids(PAGE + 3, seed=83)
+    want = plain.generate(ext, 2, depth=1).token_ids
+    probe = tinyloop.PrefixPool(plain)
+    budget = probe.entry_bytes(len(ext), 1) + probe.entry_bytes(len(other), 1) // 2
+    probe.release()
+    rejected_seen = hit_checked = 0
+    for tag in TAGS:
+        n = 1
+        while True:
+            pool = tinyloop.PrefixPool(plain, max_bytes=budget)
+            plain.generate(other, 1, depth=1, prefix_pool=pool)
+            plain.generate(base, 1, depth=1, prefix_pool=pool)
+            keys = list(pool._entries)
+            st = pool.stats()
+            before = (_allocated(), _tag("prefix_cache"))
+            seen = fail_nth_allocation(monkeypatch, get_pool("host"), tag, n)
+            got = None
+            try:
+                got = plain.generate(ext, 2, depth=1, prefix_pool=pool).token_ids
+            except errors.OutOfMemoryError as e:
+                assert str(e) == "injected"
+            finally:
+                monkeypatch.undo()
+            s = pool.stats()
+            if s["inserts"] == st["inserts"]:              # the request or its insert failed
+                assert got in (None, want)
+                rejected_seen += s["rejected"] - st["rejected"]
+                assert list(pool._entries) == keys
+                assert (s["entries"], s["bytes"], s["evictions"], s["replaced"]) == \
+                    (st["entries"], st["bytes"], st["evictions"], st["replaced"])
+                assert (_allocated(), _tag("prefix_cache")) == before
+                if not hit_checked:
+                    assert plain.generate(base, 1, depth=1,
+                                          prefix_pool=pool).cached_tokens == len(base)
+                    assert plain.generate(other, 1, depth=1,
+                                          prefix_pool=pool).cached_tokens == len(other)
+                    hit_checked = 1
+                pool.release()
+                n += 1
+                continue
+            assert seen["n"] < n and got == want
+            assert (s["entries"], s["replaced"], s["evictions"]) == (1, 1, 1)
+            assert s["bytes"] == _tag("prefix_cache") <= budget
+            pool.release()
+            break
+    assert rejected_seen >= 2            # the insert's own allocations were made to fail

@@ -512,7 +512,8 @@ class PrefixPool(_Releasable):
     and the finished prompt is inserted as a new entry (replacing entries it extends, which it
     contains). Inserting evicts the least recently used entries whose bytes cover exactly the
     shortfall (oldest first, stopping as soon as the new entry fits); an entry larger than
-    ``max_bytes`` is not inserted.
+    ``max_bytes`` is not inserted. The new entry is made before any entry goes, so an insert
+    that fails (out of memory) leaves the entries as they were.
 
     ``stats()`` gives hits, misses, hit_tokens, evictions, entries, bytes, max_bytes (and
     inserts, replaced, rejected: entries over max_bytes or that did not fit the memory pool's
@@ -666,38 +667,19 @@ class PrefixPool(_Releasable):
     def _insert(self, ids: np.ndarray, depth: int, modes: tuple, cache: RuntimeKVCache) -> None:
         """Insert the request's prompt (its K/V in ``cache`` positions 0..T-1, its final rows in
         the model's residual buffer): the entry takes the full pages by reference and copies
-        a partly filled last page. Entries it extends are dropped (it contains them); then the
-        least recently used entries go, oldest first, until their bytes cover the shortfall."""
+        a partly filled last page. The new entry is made first, so an insert that fails
+        (OutOfMemoryError: counted as rejected; anything else: raised) leaves the entries as
+        they were. Then entries it extends are dropped (it contains them), and the least
+        recently used entries go, oldest first, until the pool is back within max_bytes."""
         model = self._model
         key = encode_key(model.fingerprint, depth, modes, ids)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
         n = len(ids)
-        alone = self.entry_bytes(n, depth, modes)
-        if self._max_bytes is not None and alone > self._max_bytes:
+        if self._max_bytes is not None and self.entry_bytes(n, depth, modes) > self._max_bytes:
             self._counts["rejected"] += 1              # larger than the whole budget
             return
-        for k, e in list(self._entries.items()):
-            if (e._depth == depth and e._modes == modes and len(e) <= len(ids)
-                    and _common_prefix(e._ids, ids) == len(e)):
-                self._remove(k)
-                self._counts["replaced"] += 1
-        full = n // cache.page_size
-        shared = {}                           # the request's full pages the entry will share
-        for s in range(cache.n_slots):
-            for page in cache.page_list(s)[:full]:
-                shared[page.addr] = page
-        own = alone - sum(p.block.nbytes for p in shared.values())   # tables, rows, copies
-
-        def need() -> int:                    # what the insert adds to this pool's bytes
-            return own + sum(p.block.nbytes for a, p in shared.items()
-                             if a not in self._page_refs)
-
-        if self._max_bytes is not None:
-            while self._bytes + need() > self._max_bytes and self._entries:
-                self._remove(next(iter(self._entries)))
-                self._counts["evictions"] += 1
         try:
             st = HandleStorage(model, depth, n, modes)
             try:
@@ -716,8 +698,22 @@ class PrefixPool(_Releasable):
         except BaseException:
             st.release()
             raise
+        # nothing below allocates: the entry is in, and the pool only lets go of entries
         self._add(key, entry)
         self._counts["inserts"] += 1
+        for k, e in list(self._entries.items()):
+            if (k != key and e._depth == depth and e._modes == modes and len(e) <= n
+                    and _common_prefix(e._ids, ids) == len(e)):
+                self._remove(k)
+                self._counts["replaced"] += 1
+        if self._max_bytes is not None:
+            # an evicted entry frees only the pages no other entry (the new one included) holds
+            while self._bytes > self._max_bytes:
+                oldest = next(iter(self._entries))
+                if oldest == key:                      # the new entry is the newest
+                    break
+                self._remove(oldest)
+                self._counts["evictions"] += 1
 
 
 def _page_size(model) -> int:
