@@ -49,6 +49,7 @@ from .config import as_int, parse_size
 from .errors import (BadMagicError, ConfigError, FormatError, HandleError, OutOfMemoryError,
                      SizeOverflowError, TokenizerError, TruncatedFileError,
                      UnsupportedVersionError)
+from .fileio import write_bytes
 from .config import KV_MODES
 from .kvcache import DEFAULT_PAGE_SIZE, PageLayout, RuntimeKVCache, room_slots, slot_layers
 from .memory import round_size
@@ -847,13 +848,18 @@ def _modes_table(modes: tuple) -> bytes:
 def save_prefix(handle: PrefixCache, path) -> int:
     """Write ``handle`` to ``path``; returns the bytes written.
 
-    Format (little-endian): the fixed header ``_HEADER`` (magic ``TLPREFIX``, version 2, the
+    Format (little-endian): the fixed header ``_HEADER`` (magic ``TLPREFIX``, version 3, the
     model's 32-byte fingerprint, the kind, the fp16-mode K/V dtype, depth, max_depth, snapshot
     planes, kv_mode, token count, slots, n_kv_heads, head_dim, d_model, vocab_size, n_layers,
     the SHA-256 of what follows the header and the payload's length), the modes table (one KV
     mode per physical layer), then the payload of :func:`_payload_layout`: every page part of
-    every slot for the prefix's positions, gathered through the block tables. Written to
-    ``path.tmp`` and renamed, so a crash never leaves a half-written file under ``path``.
+    every slot for the prefix's positions, gathered through the block tables.
+
+    Written through ``fileio.atomic_write`` (a fresh temporary file beside ``path``, fsync,
+    atomic rename): a reader of ``path`` sees the old file or the new one, never a part, and
+    concurrent saves to one path leave one complete file. Raises HandleError after release,
+    FileWriteError (an OSError naming ``path``) when the file system fails; nothing is left
+    behind and the handle is unchanged.
     """
     model = handle._model
     with model.lock:
@@ -888,15 +894,8 @@ def save_prefix(handle: PrefixCache, path) -> int:
                           depth, max_depth, planes, mode, n, slots, cfg.n_kv_heads,
                           cfg.head_dim, cfg.d_model, cfg.vocab_size, cfg.n_layers, h.digest(),
                           payload_len)
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(table)
-        for p in parts:
-            f.write(memoryview(p).cast("B"))
-    os.replace(tmp, path)
-    return _HEADER.size + len(table) + payload_len
+    chunks = [header, table] + [memoryview(p).cast("B") for p in parts]
+    return write_bytes(path, chunks, "the prefix file")
 
 
 def load_prefix(model, path) -> PrefixCache:
