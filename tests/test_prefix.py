@@ -676,3 +676,348 @@ def test_upgrade_while_a_stream_shares_the_handle_pages(tiny_adapter_path):
             assert m.generate(full, 10, prefix=rh).token_ids == want_3
     finally:
         tinyloop.free_model(m)
+
+
+# -- ResumeHandle under a per-kind / per-layer kv_mode ---------------------------------------
+# every slot keeps its own layer kind's page layout at every depth: the coda's K/V never lands
+# in a slot laid out for a recurrent layer
+MODE_MIXES = [
+    {"prelude": "fp16", "recurrent": "int8", "coda": "fp16"},
+    {"prelude": "int8", "recurrent": "fp16", "coda": "h_int4"},
+    {"recurrent": "h_fp16", "coda": "int8"},
+    {"prelude": "h_int8", "recurrent": "h_int4", "coda": "fp16"},
+    ("int8", "fp16", "h_int8", "h_int4"),         # per physical layer: the two recurrent differ
+    ("h_fp16", "h_int4", "int8", "fp16"),
+]
+
+
+def _mix_id(mix):
+    return "-".join(mix.values()) if isinstance(mix, dict) else "-".join(mix) \
+        if isinstance(mix, tuple) else mix
+
+
+def _slots_at_depth(handle, depth):
+    """The handle's K/V of every slot at ``depth`` (storage order mapped back), host copies."""
+    from tinyloop.kvcache import room_slots
+    kv = handle._st.host_state()["kv"]
+    return [kv[i] for i in room_slots(handle._model.config, depth, handle._st.kv.depth)]
+
+
+def _assert_equals_fresh_run(model, chunked, handle, prompt, full, depth, kv_mode,
+                             tokens=True):
+    """``handle`` at ``depth`` is exactly a fresh run: its rows and every slot's K/V equal a
+    fresh PrefixCache's, its logits equal an uncached run chunked at the prefix's end (the
+    same computation), and (``tokens``) its greedy tokens too."""
+    assert handle.depth == depth
+    with model.prefill(prompt, depth=depth, kv_mode=kv_mode) as fresh:
+        np.testing.assert_array_equal(handle._st.host_state()["rows"],
+                                      fresh._st.host_state()["rows"])
+        for got, want in zip(_slots_at_depth(handle, depth), fresh._st.host_state()["kv"],
+                             strict=True):
+            assert got.keys() == want.keys()
+            for part in got:
+                np.testing.assert_array_equal(got[part], want[part])
+    np.testing.assert_array_equal(model.logits(full, prefix=handle),
+                                  chunked.logits(full, depth=depth, kv_mode=kv_mode))
+    if tokens:
+        assert (model.generate(full, 4, prefix=handle).token_ids
+                == chunked.generate(full, 4, depth=depth, kv_mode=kv_mode).token_ids)
+
+
+@pytest.mark.parametrize("kv_mode", MODE_MIXES, ids=_mix_id)
+def test_resume_handle_with_any_mode_mix_equals_a_fresh_run_at_every_depth(model, kv_mode,
+                                                                            tmp_path):
+    """For each mix and every depth 1..max_depth: a handle made at that depth, the handle made
+    at depth 1 and upgraded step by step to it, and both after save / load (and a loaded one
+    upgraded further) equal a fresh run at that depth."""
+    max_depth = TINY["max_depth"]
+    prompt = _ids(PAGE + 13, seed=61)                       # a full page and a partly filled one
+    full = np.concatenate([prompt, _ids(7, seed=62)]).astype(np.int32)
+    chunked = tinyloop.load_model(model.path, max_seq_len=256, prefill_chunk=len(prompt),
+                                  backend="numpy")
+    held = ("prefix_cache", "resume", "kv_cache")
+    before = [_tag(t) for t in held]
+    try:
+        with model.resume_handle(prompt, depth=1, max_depth=max_depth,
+                                 kv_mode=kv_mode) as grown:
+            for d in range(1, max_depth + 1):
+                if d > 1:
+                    grown.upgrade(d)
+                _assert_equals_fresh_run(model, chunked, grown, prompt, full, d, kv_mode)
+                with model.resume_handle(prompt, depth=d, max_depth=max_depth,
+                                         kv_mode=kv_mode) as made:
+                    _assert_equals_fresh_run(model, chunked, made, prompt, full, d, kv_mode,
+                                             tokens=False)
+                    a, b = _state(grown), _state(made)
+                    assert a.keys() == b.keys()
+                    for part in a:
+                        np.testing.assert_array_equal(a[part], b[part])
+                path = tmp_path / f"d{d}.tlpx"
+                grown.save(path)
+                with model.load_prefix(path) as back:
+                    assert (back.depth, back.max_depth, back.kv_mode) == (d, max_depth,
+                                                                          grown.kv_mode)
+                    _assert_equals_fresh_run(model, chunked, back, prompt, full, d, kv_mode,
+                                             tokens=False)
+                    if d < max_depth:
+                        back.upgrade(max_depth)
+                        _assert_equals_fresh_run(model, chunked, back, prompt, full,
+                                                 max_depth, kv_mode, tokens=False)
+        assert [_tag(t) for t in held] == before
+    finally:
+        tinyloop.free_model(chunked)
+
+
+def test_readme_mode_mix_below_max_depth(plain):
+    """The README's pair: a per-kind kv_mode and resume_handle(depth=1, max_depth=4), then
+    generate(prompt, prefix=rh), equals a run without the handle."""
+    kv = {"prelude": "fp16", "recurrent": "int8", "coda": "fp16"}
+    prompt = _ids(PAGE, seed=63)
+    with plain.resume_handle(prompt, depth=1, max_depth=4, kv_mode=kv) as rh:
+        got = plain.generate(prompt, 8, prefix=rh)
+        assert got.cached_tokens == PAGE
+        assert got.token_ids == plain.generate(prompt, 8, depth=1, kv_mode=kv).token_ids
+
+
+def test_version_2_prefix_files_are_read_only_where_their_bytes_agree(plain, tmp_path):
+    """Version 2 stored a ResumeHandle below max_depth with its coda in another slot: such a
+    file is refused; a version 2 PrefixCache or ResumeHandle at max_depth loads as saved."""
+    prompt = _ids(40, seed=64)
+
+    def as_v2(handle, name):
+        path = tmp_path / name
+        handle.save(path)
+        raw = bytearray(path.read_bytes())
+        raw[8:12] = struct.pack("<I", 2)               # the header's version (not hashed)
+        path.write_bytes(bytes(raw))
+        return path
+
+    with plain.prefill(prompt, depth=2) as pc, \
+            plain.resume_handle(prompt, depth=3, max_depth=3) as top, \
+            plain.resume_handle(prompt, depth=1, max_depth=3) as low:
+        for h, name in ((pc, "pc.tlpx"), (top, "top.tlpx")):
+            with plain.load_prefix(as_v2(h, name)) as back:
+                a, b = _state(back), _state(h)
+                for part in a:
+                    np.testing.assert_array_equal(a[part], b[part])
+        before = _allocated()
+        with pytest.raises(errors.UnsupportedVersionError, match="version 2 ResumeHandle"):
+            plain.load_prefix(as_v2(low, "low.tlpx"))
+        assert _allocated() == before
+
+
+# -- failed operations leave handles and pools as they were -----------------------------------
+@pytest.fixture(scope="module")
+def two_coda_model(tmp_path_factory):
+    """TINY with two coda layers, stored in two page layouts (so a copy-on-write of the coda
+    takes two allocation batches), and a recurrent layout that is neither."""
+    from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+    path = tmp_path_factory.mktemp("models") / "two_coda.tlm"
+    write_synthetic(path, synthetic_config(**{**TINY, "n_coda": 2}), seed=13)
+    m = tinyloop.load_model(str(path), max_seq_len=256, backend="numpy")
+    yield m, ("fp16", "int8", "int8", "h_int8", "fp16")
+    tinyloop.free_model(m)
+
+
+def _each_failing_allocation(monkeypatch, setup, op, check_unchanged, tags=None):
+    """For every memory tag and n = 1, 2, ...: ``state = setup()``, then ``op(state)`` with the
+    n-th allocation under that tag failing; each failure must leave ``check_unchanged(state,
+    before)`` true, where ``before`` is the pool's allocated bytes before the call. Stops a tag
+    at the first n the operation gets through (fewer than n allocations under the tag).
+    Returns the states the operation succeeded on, one per tag, and the failures seen."""
+    from tinyloop.memory.tags import TAGS
+    pool = get_pool("host")
+    done, failures = [], 0
+    for tag in tags or TAGS:
+        n = 1
+        while True:
+            state = setup()
+            before = _allocated()
+            seen = fail_nth_allocation(monkeypatch, pool, tag, n)
+            try:
+                op(state)
+            except errors.OutOfMemoryError as e:
+                assert str(e) == "injected"
+                monkeypatch.undo()
+                check_unchanged(state, before)
+                failures += 1
+                n += 1
+                continue
+            finally:
+                monkeypatch.undo()
+            assert seen["n"] < n            # got through: the n-th allocation never came
+            done.append(state)
+            break
+    return done, failures
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp16", "mixed"])
+def test_failed_upgrade_at_any_allocation_leaves_the_handle_as_it_was(two_coda_model,
+                                                                       monkeypatch, mixed):
+    """A stream restored from the handle shares its pages, so the upgrade first copies the
+    pages it rewrites (two layouts: two batches). Each failing allocation leaves the handle at
+    its depth with its state, allocated bytes as before, and the stream and the handle still
+    equal to runs without them; the upgrade that gets through equals a fresh run."""
+    m, kv = two_coda_model
+    kv = kv if mixed else "fp16"
+    prompt = _ids(2 * PAGE + 5, seed=71)
+    full = np.concatenate([prompt, _ids(4, seed=72)]).astype(np.int32)
+    want_1 = m.generate(full, 6, depth=1, kv_mode=kv).token_ids
+    want_3 = m.generate(full, 6, depth=3, kv_mode=kv).token_ids
+    live = []
+
+    def setup():
+        rh = m.resume_handle(prompt, depth=1, max_depth=3, kv_mode=kv)
+        it = m.stream(full, 6, prefix=rh)
+        first = next(it).token_id                       # the stream holds the shared pages
+        live.append(rh)
+        return dict(rh=rh, it=it, first=first, state=_state(rh))
+
+    def check_unchanged(s, before):
+        rh = s["rh"]
+        assert not rh.released and rh.depth == 1
+        assert _allocated() == before
+        for part, arr in _state(rh).items():
+            np.testing.assert_array_equal(arr, s["state"][part])
+        assert [s["first"]] + [t.token_id for t in s["it"]] == want_1
+        if not checked:                                 # once: a request from the handle
+            assert m.generate(full, 6, prefix=rh).token_ids == want_1
+            checked.append(True)
+
+    checked = []
+    done, failures = _each_failing_allocation(monkeypatch, setup,
+                                              lambda s: s["rh"].upgrade(3), check_unchanged)
+    assert failures >= 2                       # each copy-on-write batch was made to fail
+    for s in done:
+        assert s["rh"].depth == 3
+        assert [s["first"]] + [t.token_id for t in s["it"]] == want_1
+        assert m.generate(full, 6, prefix=s["rh"]).token_ids == want_3
+    while live:
+        live.pop().release()
+
+
+def test_make_private_is_all_or_nothing(two_coda_model, monkeypatch):
+    """RuntimeKVCache.make_private failing in a copy or in the block-table upload, after the
+    first layout's batch was made: the cache holds its old pages, nothing stays allocated."""
+    import tinyloop.kvcache as kvcache
+    m, kv = two_coda_model
+    src = m.new_kv_cache(2, 3 * PAGE, kv_mode=kv)
+    src.ensure(3 * PAGE)
+    for what in ("copy", "upload"):
+        dst = m.new_kv_cache(2, 3 * PAGE, kv_mode=kv)
+        dst.share_prefix(src, 3 * PAGE)                 # every page shared
+        pages = [dst.page_list(s) for s in range(dst.n_slots)]
+        table = dst.table_host.copy()
+        before = _allocated()
+        calls = {"n": 0}
+        with monkeypatch.context() as mp:
+            if what == "copy":
+                real = kvcache.copy_page
+
+                def flaky_copy(a, b):
+                    calls["n"] += 1
+                    if calls["n"] == 4:                   # inside the second layout's pages
+                        raise RuntimeError("copy failed")
+                    real(a, b)
+                mp.setattr(kvcache, "copy_page", flaky_copy)
+            else:
+                def flaky_upload(host, dev):
+                    calls["n"] += 1
+                    if calls["n"] == 1:
+                        raise RuntimeError("upload failed")
+                    np.copyto(dev, host)
+                mp.setattr(dst._ops, "from_host", flaky_upload)
+            with pytest.raises(RuntimeError, match="failed"):
+                dst.make_private(m.config.n_prelude + m.config.n_recurrent)
+        assert [dst.page_list(s) for s in range(dst.n_slots)] == pages
+        np.testing.assert_array_equal(dst.table_host, table)
+        np.testing.assert_array_equal(m.ops.to_host(dst._table), table)
+        assert _allocated() == before
+        assert all(p.refs == 2 for ps in pages for p in ps)
+        dst.release()
+    src.release()
+
+
+def test_failed_load_prefix_at_any_allocation_leaves_nothing(two_coda_model, monkeypatch,
+                                                            tmp_path):
+    m, kv = two_coda_model
+    prompt = _ids(PAGE + 9, seed=73)
+    with m.resume_handle(prompt, depth=2, max_depth=3, kv_mode=kv) as rh:
+        rh.save(tmp_path / "rh.tlpx")
+        want = _state(rh)
+        pool = tinyloop.PrefixPool(m)
+        m.generate(prompt, 1, depth=2, kv_mode=kv, prefix_pool=pool)
+        pool_before = pool.stats()
+        loaded = []
+
+        def check_unchanged(_, before):
+            assert _allocated() == before and pool.stats() == pool_before
+            for part, arr in _state(rh).items():
+                np.testing.assert_array_equal(arr, want[part])
+
+        done, failures = _each_failing_allocation(
+            monkeypatch, lambda: None,
+            lambda _: loaded.append(m.load_prefix(tmp_path / "rh.tlpx")), check_unchanged)
+        assert failures >= 3                           # block table, rows, snapshot, pages
+        for back in loaded:
+            got = _state(back)
+            for part in want:
+                np.testing.assert_array_equal(got[part], want[part])
+            back.release()
+        pool.release()
+
+
+def test_failed_pool_insert_at_any_allocation_leaves_the_entries(plain, monkeypatch):
+    """A prompt that extends an entry, into a full pool: a success replaces that entry and
+    evicts the LRU one; a failure at any allocation (of the request, or of the insert, which
+    the request survives) leaves every entry, the pool's bytes and allocated bytes as they
+    were, and the entries still hit."""
+    from tinyloop.memory.tags import TAGS
+    base = _ids(PAGE + 8, seed=81)
+    ext = np.concatenate([base, _ids(PAGE, seed=82)]).astype(np.int32)
+    other = _ids(PAGE + 3, seed=83)
+    want = plain.generate(ext, 2, depth=1).token_ids
+    probe = tinyloop.PrefixPool(plain)
+    budget = probe.entry_bytes(len(ext), 1) + probe.entry_bytes(len(other), 1) // 2
+    probe.release()
+    rejected_seen = hit_checked = 0
+    for tag in TAGS:
+        n = 1
+        while True:
+            pool = tinyloop.PrefixPool(plain, max_bytes=budget)
+            plain.generate(other, 1, depth=1, prefix_pool=pool)
+            plain.generate(base, 1, depth=1, prefix_pool=pool)
+            keys = list(pool._entries)
+            st = pool.stats()
+            before = (_allocated(), _tag("prefix_cache"))
+            seen = fail_nth_allocation(monkeypatch, get_pool("host"), tag, n)
+            got = None
+            try:
+                got = plain.generate(ext, 2, depth=1, prefix_pool=pool).token_ids
+            except errors.OutOfMemoryError as e:
+                assert str(e) == "injected"
+            finally:
+                monkeypatch.undo()
+            s = pool.stats()
+            if s["inserts"] == st["inserts"]:              # the request or its insert failed
+                assert got in (None, want)
+                rejected_seen += s["rejected"] - st["rejected"]
+                assert list(pool._entries) == keys
+                assert (s["entries"], s["bytes"], s["evictions"], s["replaced"]) == \
+                    (st["entries"], st["bytes"], st["evictions"], st["replaced"])
+                assert (_allocated(), _tag("prefix_cache")) == before
+                if not hit_checked:
+                    assert plain.generate(base, 1, depth=1,
+                                          prefix_pool=pool).cached_tokens == len(base)
+                    assert plain.generate(other, 1, depth=1,
+                                          prefix_pool=pool).cached_tokens == len(other)
+                    hit_checked = 1
+                pool.release()
+                n += 1
+                continue
+            assert seen["n"] < n and got == want
+            assert (s["entries"], s["replaced"], s["evictions"]) == (1, 1, 1)
+            assert s["bytes"] == _tag("prefix_cache") <= budget
+            pool.release()
+            break
+    assert rejected_seen >= 2            # the insert's own allocations were made to fail

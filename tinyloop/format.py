@@ -33,6 +33,7 @@ from .errors import (BadMagicError, ConfigError, FormatError, InconsistentDimsEr
                      NonFiniteWeightError, SizeOverflowError, TensorBoundsError,
                      TensorOverlapError, TensorShapeError, TruncatedFileError,
                      UnsupportedVersionError)
+from .fileio import atomic_write
 from .quant import QuantWeight, check_quant_parts, non_finite_message
 
 MAGIC = b"TINYLOOP"
@@ -95,7 +96,10 @@ def write_tlm(path, config: ModelConfig, tensors: dict, *, tokenizer_json: str |
     ``tokenizer_json`` (HF ``tokenizers`` JSON) is stored as the u8 entry ``tokenizer.json``.
     The file is validated against ``config`` before it is written (ConfigError /
     TensorShapeError on mismatch; NonFiniteWeightError for a NaN or inf norm weight, scale or
-    zero) and written atomically (temp file + rename).
+    zero) and written atomically (``fileio.atomic_write``: a fresh temporary file beside
+    ``path``, fsync, rename), so ``path`` holds the old file or the whole new one; raises
+    FileWriteError (an OSError naming ``path``) when the file system fails, leaving nothing
+    behind.
     """
     arrays: list[tuple[str, str, np.ndarray]] = []
     want = expected_tensors(config)
@@ -143,21 +147,15 @@ def write_tlm(path, config: ModelConfig, tensors: dict, *, tokenizer_json: str |
                          "chat_template": chat_template, "metadata": metadata or {}},
                         separators=(",", ":")).encode("utf-8")
     data_start = align(PREFIX.size + len(header))
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(PREFIX.pack(MAGIC, VERSION, 0, len(header)))
-            f.write(header)
-            f.write(b"\0" * (data_start - PREFIX.size - len(header)))
-            pos = 0
-            for (name, dt, a), e in zip(arrays, entries):
-                f.write(b"\0" * (e["offset"] - pos))
-                f.write(a.tobytes())
-                pos = e["offset"] + a.nbytes
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_write(path, "the model file") as f:
+        f.write(PREFIX.pack(MAGIC, VERSION, 0, len(header)))
+        f.write(header)
+        f.write(b"\0" * (data_start - PREFIX.size - len(header)))
+        pos = 0
+        for (name, dt, a), e in zip(arrays, entries):
+            f.write(b"\0" * (e["offset"] - pos))
+            f.write(a.tobytes())
+            pos = e["offset"] + a.nbytes
 
 
 def _tokenizer_json_size(text: str) -> int:

@@ -271,6 +271,17 @@ def slot_layers(cfg: ModelConfig, depth: int) -> list[int]:
             + [p + r + c for c in range(cfg.n_coda)])
 
 
+def room_slots(cfg: ModelConfig, depth: int, room: int) -> list[int]:
+    """The slot of a cache laid out for ``room`` iterations (``slot_layers(cfg, room)``) that
+    holds every slot at ``depth`` <= ``room``: the prelude and iterations 0..depth-1 at their
+    own index, the coda at the end (``P + R*room + c``), so each slot's pages keep the layout
+    of their own layer kind at every depth. Raises ConfigError for depth > room."""
+    if not 0 <= depth <= room:
+        raise ConfigError(f"depth {depth} is outside a cache laid out for 0..{room} iterations")
+    p, r = cfg.n_prelude, cfg.n_recurrent
+    return list(range(p + r * depth)) + [p + r * room + c for c in range(cfg.n_coda)]
+
+
 def kv_bytes_per_token(cfg: ModelConfig, depth: int, modes, kv_dtype="float16") -> int:
     """Bytes one position occupies over all slots at ``depth`` (page rounding excluded)."""
     per_layer = [PageLayout.for_config(cfg, m, 1, kv_dtype).bytes_per_token for m in modes]
@@ -471,6 +482,7 @@ class RuntimeKVCache:
         self.capacity = capacity
         self.page_size = page_size
         self.modes = tuple(modes)
+        self._cfg = cfg
         self.layer_of_slot = slot_layers(cfg, depth)
         self.n_slots = len(self.layer_of_slot)
         kv_dtype = np.dtype(ops.kv_dtype).name
@@ -578,9 +590,15 @@ class RuntimeKVCache:
         self._alive()
         return list(self._pages[s])
 
-    def share_prefix(self, src: "RuntimeKVCache", m: int) -> None:
-        """Start this empty cache with positions 0..m-1 of ``src`` in every slot it has
-        (``src`` needs at least as many slots, the same page layouts, and m positions).
+    def at_depth(self, depth: int) -> "DepthView":
+        """This cache, laid out for ``self.depth`` iterations, seen as a cache at ``depth`` <=
+        ``self.depth`` (see :class:`DepthView`)."""
+        return DepthView(self, depth)
+
+    def share_prefix(self, src: "RuntimeKVCache", m: int, src_slots=None) -> None:
+        """Start this empty cache with positions 0..m-1 of ``src`` in every slot it has: slot
+        s takes ``src`` slot ``src_slots[s]`` (default s; a cache laid out for more iterations
+        passes ``room_slots``), which needs the same page layout and m positions.
 
         Full pages are shared by reference (refcount + 1; neither holder writes them again:
         writes go to positions >= m). A partly filled last page is copy-on-write: copied into a
@@ -593,16 +611,18 @@ class RuntimeKVCache:
         p = self.page_size
         if any(self._pages):
             raise ConfigError("share_prefix needs an empty cache (no pages yet)")
-        if (src.page_size != p or src.n_slots < self.n_slots
-                or src.layouts[:self.n_slots] != self.layouts
+        src_slots = list(range(self.n_slots) if src_slots is None else src_slots)
+        if (src.page_size != p or len(src_slots) != self.n_slots
+                or not all(0 <= i < src.n_slots for i in src_slots)
+                or [src.layouts[i] for i in src_slots] != self.layouts
                 or not 0 <= m <= min(self.capacity, src.capacity)
-                or -(-m // p) > len(src._pages[self.n_slots - 1])):
+                or any(-(-m // p) > len(src._pages[i]) for i in src_slots)):
             raise ConfigError(f"cannot share {m} positions x {self.n_slots} slots from a cache of "
                               f"{src.capacity} x {src.n_slots} (pages of {src.page_size})")
         full, part = divmod(m, p)
         try:
-            for s in range(self.n_slots):
-                pages, src_pages = self._pages[s], src._pages[s]
+            for s, i in enumerate(src_slots):
+                pages, src_pages = self._pages[s], src._pages[i]
                 for k in range(full):
                     pages.append(self._alloc.ref(src_pages[k]))
                 self.table_host[s, :full] = [pg.addr for pg in src_pages[:full]]
@@ -612,7 +632,7 @@ class RuntimeKVCache:
                     wants.setdefault(self.layouts[s], []).append((s, 1))
                 for lay, slots in wants.items():
                     for s, _, (page,) in self._take(lay, slots):
-                        copy_page(src._pages[s][full], page)
+                        copy_page(src._pages[src_slots[s]][full], page)
         finally:
             self.length = min(len(self._pages[0]) * p, self.capacity)
             self._ops.from_host(self.table_host, self._table)
@@ -621,31 +641,46 @@ class RuntimeKVCache:
         """Copy-on-write before rewriting slots ``first_slot``..: every page of those slots
         that another holder shares (refs > 1) is replaced by a private copy (fresh pages in one
         batch per layout). Returns the pages let go of (still live: their other holders keep
-        them)."""
+        them).
+
+        All or nothing: every copy is allocated and filled before any is installed, so on any
+        failure (OutOfMemoryError from a batch, an error copying or uploading the block table)
+        the cache holds exactly the pages it held before, the fresh ones are freed, and the
+        error propagates."""
         self._alive()
         wants: dict[PageLayout, list] = {}       # layout -> [(slot, index)] of shared pages
         for s in range(first_slot, self.n_slots):
             for k, old in enumerate(self._pages[s]):
                 if old.refs > 1:
                     wants.setdefault(self.layouts[s], []).append((s, k))
-        dropped = []
+        fresh: list = []                          # (slot, index, new page)
         try:
             for lay, where in wants.items():
-                fresh = self._alloc.alloc_many(lay, len(where))
-                done = 0
-                try:
-                    for (s, k), new in zip(where, fresh):
-                        old = self._pages[s][k]
-                        copy_page(old, new)
-                        self._pages[s][k] = new
-                        self.table_host[s, k] = new.addr
-                        dropped.append(old)
-                        done += 1
-                finally:
-                    self._alloc.unref_many(fresh[done:])    # copies never installed
-        finally:
-            self._alloc.unref_many(dropped)
-            self._ops.from_host(self.table_host, self._table)
+                got = self._alloc.alloc_many(lay, len(where))
+                fresh += [(s, k, new) for (s, k), new in zip(where, got)]
+            for s, k, new in fresh:
+                copy_page(self._pages[s][k], new)
+        except BaseException:
+            self._alloc.unref_many(new for _, _, new in fresh)
+            raise
+        dropped = []
+        for s, k, new in fresh:
+            dropped.append(self._pages[s][k])
+            self._pages[s][k] = new
+            self.table_host[s, k] = new.addr
+        try:
+            if fresh:
+                self._ops.from_host(self.table_host, self._table)
+        except BaseException:                     # put the shared pages back
+            for (s, k, new), old in zip(fresh, dropped):
+                self._pages[s][k] = old
+                self.table_host[s, k] = old.addr
+            try:
+                self._ops.from_host(self.table_host, self._table)
+            finally:
+                self._alloc.unref_many(new for _, _, new in fresh)
+            raise
+        self._alloc.unref_many(dropped)
         return dropped
 
     def release(self) -> None:
@@ -667,6 +702,31 @@ class RuntimeKVCache:
 
     def __exit__(self, *exc):
         self.release()
+
+
+class DepthView:
+    """A RuntimeKVCache laid out for ``cache.depth`` iterations, seen as a cache at ``depth``
+    <= ``cache.depth``: slot s at ``depth`` is the cache's slot ``slots[s]``
+    (:func:`room_slots`: the coda stays in the last slots, laid out for the coda's layers).
+    What a ResumeHandle's forward and deepen write through; ``ensure`` gains pages for every
+    slot of the cache. Raises ConfigError for depth > cache.depth."""
+
+    __slots__ = ("cache", "depth", "slots")
+
+    def __init__(self, cache: RuntimeKVCache, depth: int):
+        self.cache = cache
+        self.depth = depth
+        self.slots = room_slots(cache._cfg, depth, cache.depth)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.slots)
+
+    def ensure(self, n_positions: int) -> None:
+        self.cache.ensure(n_positions)
+
+    def slot(self, s: int) -> SlotKV:
+        return self.cache.slot(self.slots[s])
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,9 @@ from .config import as_int, parse_size
 from .errors import (BadMagicError, ConfigError, FormatError, HandleError, OutOfMemoryError,
                      SizeOverflowError, TokenizerError, TruncatedFileError,
                      UnsupportedVersionError)
+from .fileio import write_bytes
 from .config import KV_MODES
-from .kvcache import DEFAULT_PAGE_SIZE, PageLayout, RuntimeKVCache, slot_layers
+from .kvcache import DEFAULT_PAGE_SIZE, PageLayout, RuntimeKVCache, room_slots, slot_layers
 from .memory import round_size
 
 
@@ -174,7 +175,8 @@ class HandleStorage:
         return out + ([self.snap._block] if self.snap is not None else [])
 
     def make_private(self, first_slot: int) -> None:
-        """Copy-on-write before rewriting slots first_slot..: shared pages become private."""
+        """Copy-on-write before rewriting slots first_slot..: shared pages become private.
+        All or nothing (``RuntimeKVCache.make_private``): on failure nothing has changed."""
         for old in self.kv.make_private(first_slot):
             del self._held[old.addr]
             _drop(self._model, old)
@@ -351,7 +353,8 @@ class PrefixCache(_Releasable):
         """Start a request's (empty) cache with positions 0..m-1 of the slots it has (full
         pages by reference, a partly filled last page copied) and copy the final residual rows
         into the model's residual buffer. Call under the model lock."""
-        cache.share_prefix(self._st.kv, m)
+        kv = self._st.kv
+        cache.share_prefix(kv, m, room_slots(self._model.config, self._depth, kv.depth))
         self._model.residual_rows(0, m)[...] = self._st.rows[:m]
 
 
@@ -389,8 +392,10 @@ class ResumeHandle(PrefixCache):
 
     Besides a PrefixCache's storage it holds K/V room for ``n_slots(max_depth)`` slots and the
     residual snapshot (tag ``resume``, float32 ``[1 or 2, n, d_model]``, see
-    :class:`ResidualSnapshot`). Using it as a prefix never changes it, so restore-and-decode
-    cycles repeat exactly.
+    :class:`ResidualSnapshot`). The slots are laid out as at ``max_depth`` with the coda's in
+    the last ones whatever the depth (``kvcache.room_slots``), so every slot keeps the page
+    layout of its own layer kind under a per-kind ``kv_mode``. Using it as a prefix never
+    changes it, so restore-and-decode cycles repeat exactly.
     """
 
     kind = "ResumeHandle"
@@ -408,8 +413,10 @@ class ResumeHandle(PrefixCache):
         depth_now+1..depth and the coda over every position, nothing else; afterwards the
         handle equals a fresh ``resume_handle(prompt, depth=depth)``. Returns self.
 
-        Raises ConfigError for a depth outside (depth, max_depth], HandleError after release.
-        If the forward fails part-way the handle is released (never left half-deepened).
+        Raises ConfigError for a depth outside (depth, max_depth], HandleError after release,
+        OutOfMemoryError when the private copies of pages that requests share do not fit: then
+        nothing has changed (the handle stays at its depth, no byte stays allocated). If the
+        forward itself fails part-way the handle is released (never left half-deepened).
         """
         depth = as_int(depth, "depth")
         with self._model.lock:
@@ -420,10 +427,13 @@ class ResumeHandle(PrefixCache):
                                   f"max_depth {self._max_depth})")
             n = len(self._ids)
             cfg = self._model.config
+            drain_orphans(self._model)
+            # requests restored from this handle share its pages: the slots the upgrade
+            # rewrites get private copies first (all or nothing, so a failure changes nothing)
+            self._st.make_private(cfg.n_prelude + cfg.n_recurrent * self._depth)
             try:
-                # requests restored from this handle share its pages: rewrite private copies
-                self._st.make_private(cfg.n_prelude + cfg.n_recurrent * self._depth)
-                self._model.deepen(0, n, self._depth, depth, self._st.kv, self._st.snap)
+                self._model.deepen(0, n, self._depth, depth, self._st.kv.at_depth(depth),
+                                   self._st.snap)
                 self._st.rows[...] = self._model.residual_rows(0, n)
             except BaseException:
                 self.release()
@@ -452,7 +462,7 @@ def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) 
         drain_orphans(model)
         st = HandleStorage(model, max_depth, n, modes, snapshot=True)
         try:
-            model.forward(ids, 0, depth, st.kv, snapshot=st.snap)
+            model.forward(ids, 0, depth, st.kv.at_depth(depth), snapshot=st.snap)
             st.rows[...] = model.residual_rows(0, n)
             st.hold_pages()
             return ResumeHandle(model, ids, depth, modes, st, max_depth)
@@ -503,7 +513,8 @@ class PrefixPool(_Releasable):
     and the finished prompt is inserted as a new entry (replacing entries it extends, which it
     contains). Inserting evicts the least recently used entries whose bytes cover exactly the
     shortfall (oldest first, stopping as soon as the new entry fits); an entry larger than
-    ``max_bytes`` is not inserted.
+    ``max_bytes`` is not inserted. The new entry is made before any entry goes, so an insert
+    that fails (out of memory) leaves the entries as they were.
 
     ``stats()`` gives hits, misses, hit_tokens, evictions, entries, bytes, max_bytes (and
     inserts, replaced, rejected: entries over max_bytes or that did not fit the memory pool's
@@ -657,38 +668,19 @@ class PrefixPool(_Releasable):
     def _insert(self, ids: np.ndarray, depth: int, modes: tuple, cache: RuntimeKVCache) -> None:
         """Insert the request's prompt (its K/V in ``cache`` positions 0..T-1, its final rows in
         the model's residual buffer): the entry takes the full pages by reference and copies
-        a partly filled last page. Entries it extends are dropped (it contains them); then the
-        least recently used entries go, oldest first, until their bytes cover the shortfall."""
+        a partly filled last page. The new entry is made first, so an insert that fails
+        (OutOfMemoryError: counted as rejected; anything else: raised) leaves the entries as
+        they were. Then entries it extends are dropped (it contains them), and the least
+        recently used entries go, oldest first, until the pool is back within max_bytes."""
         model = self._model
         key = encode_key(model.fingerprint, depth, modes, ids)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
         n = len(ids)
-        alone = self.entry_bytes(n, depth, modes)
-        if self._max_bytes is not None and alone > self._max_bytes:
+        if self._max_bytes is not None and self.entry_bytes(n, depth, modes) > self._max_bytes:
             self._counts["rejected"] += 1              # larger than the whole budget
             return
-        for k, e in list(self._entries.items()):
-            if (e._depth == depth and e._modes == modes and len(e) <= len(ids)
-                    and _common_prefix(e._ids, ids) == len(e)):
-                self._remove(k)
-                self._counts["replaced"] += 1
-        full = n // cache.page_size
-        shared = {}                           # the request's full pages the entry will share
-        for s in range(cache.n_slots):
-            for page in cache.page_list(s)[:full]:
-                shared[page.addr] = page
-        own = alone - sum(p.block.nbytes for p in shared.values())   # tables, rows, copies
-
-        def need() -> int:                    # what the insert adds to this pool's bytes
-            return own + sum(p.block.nbytes for a, p in shared.items()
-                             if a not in self._page_refs)
-
-        if self._max_bytes is not None:
-            while self._bytes + need() > self._max_bytes and self._entries:
-                self._remove(next(iter(self._entries)))
-                self._counts["evictions"] += 1
         try:
             st = HandleStorage(model, depth, n, modes)
             try:
@@ -707,8 +699,22 @@ class PrefixPool(_Releasable):
         except BaseException:
             st.release()
             raise
+        # nothing below allocates: the entry is in, and the pool only lets go of entries
         self._add(key, entry)
         self._counts["inserts"] += 1
+        for k, e in list(self._entries.items()):
+            if (k != key and e._depth == depth and e._modes == modes and len(e) <= n
+                    and _common_prefix(e._ids, ids) == len(e)):
+                self._remove(k)
+                self._counts["replaced"] += 1
+        if self._max_bytes is not None:
+            # an evicted entry frees only the pages no other entry (the new one included) holds
+            while self._bytes > self._max_bytes:
+                oldest = next(iter(self._entries))
+                if oldest == key:                      # the new entry is the newest
+                    break
+                self._remove(oldest)
+                self._counts["evictions"] += 1
 
 
 def _page_size(model) -> int:
@@ -791,7 +797,11 @@ def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache: Run
 
 # -- prefix files -----------------------------------------------------------------------------
 PREFIX_MAGIC = b"TLPREFIX"
-PREFIX_VERSION = 2
+PREFIX_VERSION = 3
+# version 2 stored a ResumeHandle's coda K/V in the slots after its depth's iterations (in the
+# page layout of the recurrent layers there); its PrefixCache files and ResumeHandles at
+# max_depth have the same bytes as version 3 and are still read
+_READ_VERSIONS = (2, 3)
 _HEADER = struct.Struct("<8sI32sBBHHH16sIIIIIII32sQ")
 # magic, version, fingerprint, kind (0 PrefixCache, 1 ResumeHandle), fp16-mode K/V dtype (0 f32,
 # 1 f16), depth, max_depth, snapshot planes, kv_mode (ASCII name or "mixed", NUL padded),
@@ -807,9 +817,10 @@ def _payload_layout(cfg, kind: int, depth: int, max_depth: int, planes: int, n: 
     """The payload's arrays in order (name, shape, dtype); sizes are exact Python ints.
 
     tokens (u32 [n]); for every slot s of the K/V (``n_slots(max_depth)`` for a ResumeHandle,
-    else ``n_slots(depth)``), every part of its layer's page layout (``kvcache.PageLayout``)
-    for positions 0..n-1 (``[n, ...]``); rows (f32 [n, d_model]); for a ResumeHandle the
-    snapshot (f32 [planes, n, d_model]).
+    else ``n_slots(depth)``, in the order of ``slot_layers``: a ResumeHandle's coda slots are
+    the last ones whatever its depth, ``kvcache.room_slots``), every part of its layer's page
+    layout (``kvcache.PageLayout``) for positions 0..n-1 (``[n, ...]``); rows (f32 [n,
+    d_model]); for a ResumeHandle the snapshot (f32 [planes, n, d_model]).
     """
     out = [("tokens", (n,), np.dtype("<u4"))]
     for s, li in enumerate(slot_layers(cfg, max_depth if kind == 1 else depth)):
@@ -837,13 +848,18 @@ def _modes_table(modes: tuple) -> bytes:
 def save_prefix(handle: PrefixCache, path) -> int:
     """Write ``handle`` to ``path``; returns the bytes written.
 
-    Format (little-endian): the fixed header ``_HEADER`` (magic ``TLPREFIX``, version 2, the
+    Format (little-endian): the fixed header ``_HEADER`` (magic ``TLPREFIX``, version 3, the
     model's 32-byte fingerprint, the kind, the fp16-mode K/V dtype, depth, max_depth, snapshot
     planes, kv_mode, token count, slots, n_kv_heads, head_dim, d_model, vocab_size, n_layers,
     the SHA-256 of what follows the header and the payload's length), the modes table (one KV
     mode per physical layer), then the payload of :func:`_payload_layout`: every page part of
-    every slot for the prefix's positions, gathered through the block tables. Written to
-    ``path.tmp`` and renamed, so a crash never leaves a half-written file under ``path``.
+    every slot for the prefix's positions, gathered through the block tables.
+
+    Written through ``fileio.atomic_write`` (a fresh temporary file beside ``path``, fsync,
+    atomic rename): a reader of ``path`` sees the old file or the new one, never a part, and
+    concurrent saves to one path leave one complete file. Raises HandleError after release,
+    FileWriteError (an OSError naming ``path``) when the file system fails; nothing is left
+    behind and the handle is unchanged.
     """
     model = handle._model
     with model.lock:
@@ -878,15 +894,8 @@ def save_prefix(handle: PrefixCache, path) -> int:
                           depth, max_depth, planes, mode, n, slots, cfg.n_kv_heads,
                           cfg.head_dim, cfg.d_model, cfg.vocab_size, cfg.n_layers, h.digest(),
                           payload_len)
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(table)
-        for p in parts:
-            f.write(memoryview(p).cast("B"))
-    os.replace(tmp, path)
-    return _HEADER.size + len(table) + payload_len
+    chunks = [header, table] + [memoryview(p).cast("B") for p in parts]
+    return write_bytes(path, chunks, "the prefix file")
 
 
 def load_prefix(model, path) -> PrefixCache:
@@ -899,79 +908,91 @@ def load_prefix(model, path) -> PrefixCache:
     SizeOverflowError (trailing bytes, absurd counts), FormatError (another model's
     fingerprint, dims that differ from the model's, an unknown kind/dtype/KV mode, a depth
     outside the model's range, a checksum mismatch), ConfigError (a KV mode this backend cannot
-    run), TokenizerError (ids outside the vocabulary). On any failure nothing stays allocated
-    and no other handle or pool entry is touched.
+    run), TokenizerError (ids outside the vocabulary), and the file system's OSError unchanged
+    (FileNotFoundError, PermissionError, IsADirectoryError, ...; ``filename`` is ``path``).
+    Version 2 files are read where their bytes equal version 3's (see ``_READ_VERSIONS``).
+    On any failure nothing stays allocated and no other handle or pool entry is touched.
     """
     model.check_alive()
     cfg = model.config
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < _HEADER.size:
-            raise TruncatedFileError(f"{path}: {size} bytes is shorter than the "
-                                     f"{_HEADER.size}-byte prefix header")
-        (magic, version, fingerprint, kind, dt_code, depth, max_depth, planes, mode_raw, n,
-         slots, n_kv_heads, head_dim, d_model, vocab_size, n_layers, digest,
-         payload_len) = _HEADER.unpack(f.read(_HEADER.size))
-        if magic != PREFIX_MAGIC:
-            raise BadMagicError(f"{path}: not a TinyLoop prefix file (magic {magic!r})")
-        if version != PREFIX_VERSION:
-            raise UnsupportedVersionError(f"{path}: prefix file version {version}; this reader "
-                                          f"reads version {PREFIX_VERSION}")
-        if fingerprint != model.fingerprint:
-            raise FormatError(f"{path}: saved by another model (fingerprint "
-                              f"{fingerprint.hex()[:16]}..., this model's is "
-                              f"{model.fingerprint.hex()[:16]}...)")
-        if kind not in (0, 1) or dt_code not in _KV_DTYPES:
-            raise FormatError(f"{path}: unknown kind {kind} / K/V dtype code {dt_code}")
-        dims = dict(n_kv_heads=n_kv_heads, head_dim=head_dim, d_model=d_model,
-                    vocab_size=vocab_size, n_layers=n_layers)
-        for name, val in dims.items():
-            if val != getattr(cfg, name):
-                raise FormatError(f"{path}: {name}={val} but the model has "
-                                  f"{getattr(cfg, name)}")
-        if not 1 <= depth <= max_depth <= cfg.max_depth or (kind == 0 and max_depth != depth):
-            raise FormatError(f"{path}: depth {depth} / max_depth {max_depth} outside the "
-                              f"model's 1..{cfg.max_depth}")
-        if not 1 <= n <= model.max_seq_len:
-            raise SizeOverflowError(f"{path}: {n} tokens; this model takes 1.."
-                                    f"{model.max_seq_len} (max_seq_len)")
-        want_planes = (2 if model.injects else 1) if kind == 1 else 0
-        if planes != want_planes:
-            raise FormatError(f"{path}: {planes} snapshot planes, expected {want_planes}")
-        want_slots = cfg.n_slots(max_depth if kind == 1 else depth)
-        if slots != want_slots:
-            raise FormatError(f"{path}: {slots} K/V slots, expected {want_slots}")
-        if size - _HEADER.size < n_layers * _MODE_BYTES:
-            raise TruncatedFileError(f"{path}: the file ends inside its KV modes table")
-        table = f.read(n_layers * _MODE_BYTES)
-        try:
-            modes = tuple(table[i:i + _MODE_BYTES].rstrip(b"\0").decode("ascii")
-                          for i in range(0, len(table), _MODE_BYTES))
-        except UnicodeDecodeError:
-            raise FormatError(f"{path}: the KV modes table is not ASCII") from None
-        bad = [m for m in modes if m not in KV_MODES]
-        if bad:
-            raise FormatError(f"{path}: unknown KV mode(s) {sorted(set(bad))}")
-        try:
-            mode_field = mode_raw.rstrip(b"\0").decode("ascii")
-        except UnicodeDecodeError:
-            raise FormatError(f"{path}: kv_mode field is not ASCII") from None
-        if mode_field != (modes[0] if len(set(modes)) == 1 else "mixed"):
-            raise FormatError(f"{path}: kv_mode {mode_field!r} contradicts the modes table")
-        layout = _payload_layout(cfg, kind, depth, max_depth, planes, n, modes,
-                                 _KV_DTYPES[dt_code])
-        want = sum(_nbytes(s, d) for _, s, d in layout)
-        if payload_len != want:
-            raise SizeOverflowError(f"{path}: header says {payload_len} payload bytes; its "
-                                    f"counts need {want}")
-        rest = size - _HEADER.size - len(table)
-        if rest < want:
-            raise TruncatedFileError(f"{path}: {size} bytes; header, modes and payload need "
-                                     f"{_HEADER.size + len(table) + want}")
-        if rest > want:
-            raise SizeOverflowError(f"{path}: {rest - want} trailing bytes after the payload")
-        payload = f.read(want)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < _HEADER.size:
+                raise TruncatedFileError(f"{path}: {size} bytes is shorter than the "
+                                         f"{_HEADER.size}-byte prefix header")
+            (magic, version, fingerprint, kind, dt_code, depth, max_depth, planes, mode_raw, n,
+             slots, n_kv_heads, head_dim, d_model, vocab_size, n_layers, digest,
+             payload_len) = _HEADER.unpack(f.read(_HEADER.size))
+            if magic != PREFIX_MAGIC:
+                raise BadMagicError(f"{path}: not a TinyLoop prefix file (magic {magic!r})")
+            if version not in _READ_VERSIONS:
+                raise UnsupportedVersionError(f"{path}: prefix file version {version}; this "
+                                              f"reader reads versions {_READ_VERSIONS}")
+            if fingerprint != model.fingerprint:
+                raise FormatError(f"{path}: saved by another model (fingerprint "
+                                  f"{fingerprint.hex()[:16]}..., this model's is "
+                                  f"{model.fingerprint.hex()[:16]}...)")
+            if kind not in (0, 1) or dt_code not in _KV_DTYPES:
+                raise FormatError(f"{path}: unknown kind {kind} / K/V dtype code {dt_code}")
+            dims = dict(n_kv_heads=n_kv_heads, head_dim=head_dim, d_model=d_model,
+                        vocab_size=vocab_size, n_layers=n_layers)
+            for name, val in dims.items():
+                if val != getattr(cfg, name):
+                    raise FormatError(f"{path}: {name}={val} but the model has "
+                                      f"{getattr(cfg, name)}")
+            if not 1 <= depth <= max_depth <= cfg.max_depth or (kind == 0 and max_depth != depth):
+                raise FormatError(f"{path}: depth {depth} / max_depth {max_depth} outside the "
+                                  f"model's 1..{cfg.max_depth}")
+            if version == 2 and depth != max_depth:
+                raise UnsupportedVersionError(f"{path}: a version 2 ResumeHandle below its "
+                                              f"max_depth ({depth} < {max_depth}) stored its coda "
+                                              f"in another slot order; make it again with "
+                                              f"resume_handle() and save it")
+            if not 1 <= n <= model.max_seq_len:
+                raise SizeOverflowError(f"{path}: {n} tokens; this model takes 1.."
+                                        f"{model.max_seq_len} (max_seq_len)")
+            want_planes = (2 if model.injects else 1) if kind == 1 else 0
+            if planes != want_planes:
+                raise FormatError(f"{path}: {planes} snapshot planes, expected {want_planes}")
+            want_slots = cfg.n_slots(max_depth if kind == 1 else depth)
+            if slots != want_slots:
+                raise FormatError(f"{path}: {slots} K/V slots, expected {want_slots}")
+            if size - _HEADER.size < n_layers * _MODE_BYTES:
+                raise TruncatedFileError(f"{path}: the file ends inside its KV modes table")
+            table = f.read(n_layers * _MODE_BYTES)
+            try:
+                modes = tuple(table[i:i + _MODE_BYTES].rstrip(b"\0").decode("ascii")
+                              for i in range(0, len(table), _MODE_BYTES))
+            except UnicodeDecodeError:
+                raise FormatError(f"{path}: the KV modes table is not ASCII") from None
+            bad = [m for m in modes if m not in KV_MODES]
+            if bad:
+                raise FormatError(f"{path}: unknown KV mode(s) {sorted(set(bad))}")
+            try:
+                mode_field = mode_raw.rstrip(b"\0").decode("ascii")
+            except UnicodeDecodeError:
+                raise FormatError(f"{path}: kv_mode field is not ASCII") from None
+            if mode_field != (modes[0] if len(set(modes)) == 1 else "mixed"):
+                raise FormatError(f"{path}: kv_mode {mode_field!r} contradicts the modes table")
+            layout = _payload_layout(cfg, kind, depth, max_depth, planes, n, modes,
+                                     _KV_DTYPES[dt_code])
+            want = sum(_nbytes(s, d) for _, s, d in layout)
+            if payload_len != want:
+                raise SizeOverflowError(f"{path}: header says {payload_len} payload bytes; its "
+                                        f"counts need {want}")
+            rest = size - _HEADER.size - len(table)
+            if rest < want:
+                raise TruncatedFileError(f"{path}: {size} bytes; header, modes and payload need "
+                                         f"{_HEADER.size + len(table) + want}")
+            if rest > want:
+                raise SizeOverflowError(f"{path}: {rest - want} trailing bytes after the payload")
+            payload = f.read(want)
+    except OSError as e:          # a failed read names the file too, like a failed open
+        if e.filename is None:
+            e.filename = path
+        raise
     if len(payload) != want:
         raise TruncatedFileError(f"{path}: the file shrank while being read")
     if hashlib.sha256(table + payload).digest() != digest:

@@ -79,3 +79,99 @@ def test_cuda_pool_bytes_equal_tag(model):
         assert s["bytes"] <= pool.max_bytes
     assert pool.stats()["hits"] >= 3 and pool.stats()["evictions"] > 0
     pool.release()
+
+
+# every slot laid out for its own layer kind at every depth (per-kind / per-layer kv_mode)
+MODE_MIXES = [
+    {"prelude": "fp16", "recurrent": "int8", "coda": "fp16"},
+    {"prelude": "int8", "recurrent": "h_fp16", "coda": "h_int4"},
+    ("h_int8", "int8", "fp16", "h_int4"),             # per physical layer
+]
+
+
+@pytest.mark.parametrize("kv_mode", MODE_MIXES, ids=["readme", "kinds", "layers"])
+def test_cuda_resume_handle_mode_mixes_at_every_depth(model, kv_mode, tmp_path):
+    """A handle at depth 1 upgraded step by step to max_depth, one made at each depth, and
+    each saved and loaded: logits within RTOL of an uncached run with the same argmax, greedy
+    tokens equal to a fresh PrefixCache's at that depth."""
+    prompt = _ids(133, seed=17)
+    full = np.concatenate([prompt, _ids(20, seed=18)]).astype(np.int32)
+    max_depth = SMALL["max_depth"]
+    with model.resume_handle(prompt, depth=1, max_depth=max_depth, kv_mode=kv_mode) as grown:
+        for d in range(1, max_depth + 1):
+            if d > 1:
+                grown.upgrade(d)
+            ref = model.logits(full, depth=d, kv_mode=kv_mode)
+            with model.prefill(prompt, depth=d, kv_mode=kv_mode) as pc:
+                want = model.generate(full, 8, prefix=pc).token_ids
+            with model.resume_handle(prompt, depth=d, max_depth=max_depth,
+                                     kv_mode=kv_mode) as made:
+                grown.save(tmp_path / "h.tlpx")
+                with model.load_prefix(tmp_path / "h.tlpx") as back:
+                    for h in (grown, made, back):
+                        assert h.depth == d
+                        _close_same_argmax(model.logits(full, prefix=h), ref)
+                        assert model.generate(full, 8, prefix=h).token_ids == want
+
+
+def test_cuda_failed_upgrade_and_pool_insert_change_nothing(model, monkeypatch):
+    """Each failing kv_cache allocation of an upgrade whose pages a stream shares leaves the
+    handle at its depth and the cuda pool's allocated bytes as before; each failing
+    allocation of a pool insert that extends an entry leaves the entries as they were."""
+    from ..conftest import fail_nth_allocation
+    pool = get_pool("cuda")
+    prompt = _ids(133, seed=19)
+    full = np.concatenate([prompt, _ids(6, seed=20)]).astype(np.int32)
+    want_1 = model.generate(full, 6, depth=1).token_ids
+    with model.resume_handle(prompt, depth=1, max_depth=3) as rh:
+        it = model.stream(full, 6, prefix=rh)
+        first = next(it).token_id
+        n = 1
+        while True:
+            before = pool.stats().allocated_bytes
+            seen = fail_nth_allocation(monkeypatch, pool, "kv_cache", n)
+            try:
+                rh.upgrade(3)
+            except tinyloop.OutOfMemoryError:
+                monkeypatch.undo()
+                assert not rh.released and rh.depth == 1
+                assert pool.stats().allocated_bytes == before
+                assert model.generate(full, 6, prefix=rh).token_ids == want_1
+                n += 1
+                continue
+            finally:
+                monkeypatch.undo()
+            assert seen["n"] < n and n > 1 and rh.depth == 3
+            break
+        assert [first] + [t.token_id for t in it] == want_1
+        assert (model.generate(full, 6, prefix=rh).token_ids
+                == model.generate(full, 6, depth=3).token_ids)
+
+    base, other = _ids(72, seed=21), _ids(70, seed=22)
+    ext = np.concatenate([base, _ids(40, seed=23)]).astype(np.int32)
+    probe = tinyloop.PrefixPool(model)
+    budget = probe.entry_bytes(len(ext), 1) + probe.entry_bytes(len(other), 1) // 2
+    probe.release()
+    for n in range(1, 200):
+        pp = tinyloop.PrefixPool(model, max_bytes=budget)
+        model.generate(other, 1, depth=1, prefix_pool=pp)
+        model.generate(base, 1, depth=1, prefix_pool=pp)
+        keys, st = list(pp._entries), pp.stats()
+        before = pool.stats().allocated_bytes
+        seen = fail_nth_allocation(monkeypatch, pool, "kv_cache", n)
+        try:
+            model.generate(ext, 1, depth=1, prefix_pool=pp)
+        except tinyloop.OutOfMemoryError:
+            pass
+        finally:
+            monkeypatch.undo()
+        if pp.stats()["inserts"] == st["inserts"]:
+            assert list(pp._entries) == keys and pp.stats()["bytes"] == st["bytes"]
+            assert pool.stats().allocated_bytes == before
+            pp.release()
+            continue
+        assert seen["n"] < n and pp.stats()["entries"] == 1
+        pp.release()
+        break
+    else:
+        pytest.fail("the insert never got through")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pickle
 
+from ..fileio import atomic_write
+
 TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free")
 
 
@@ -48,8 +50,10 @@ def pool_snapshot(pool) -> dict:
 
 
 def write_snapshot(pool, path) -> dict:
-    """Pickle ``pool_snapshot(pool)`` to ``path`` (protocol 4) and return the dict."""
+    """Pickle ``pool_snapshot(pool)`` to ``path`` (protocol 4, written atomically through
+    ``fileio.atomic_write``; FileWriteError naming ``path`` on a file-system failure) and
+    return the dict."""
     snap = pool_snapshot(pool)
-    with open(path, "wb") as f:
+    with atomic_write(path, "the memory snapshot") as f:
         pickle.dump(snap, f, protocol=4)
     return snap
