@@ -4,6 +4,7 @@ out-of-memory figures, empty_cache, the snapshot export, the event log and threa
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 import threading
@@ -264,13 +265,18 @@ def test_raw_out_of_memory_releases_cached_segments_then_raises_ours():
     big = pool.allocate(2 * MiB + 512)         # raw refuses 4 MiB; release cached; retry
     s = pool.stats()
     assert (s.num_alloc_retries, s.num_segment_releases, s.num_ooms) == (1, 1, 0)
-    with pytest.raises(OutOfMemoryError) as ei:
-        pool.allocate(100)
+    # the device is full and no segment is free: a small request takes the best-fit free
+    # range of the large class (two tails of 2 MiB - 512 B: the lower address wins)
+    tiny = pool.allocate(100)
+    assert tiny.ptr == B + 2 * MiB + 512 and pool.stats().num_ooms == 0
+    with pytest.raises(OutOfMemoryError) as ei:   # no free range holds 2 MiB
+        pool.allocate(2 * MiB)
     e = ei.value
     assert (e.device_free_bytes, e.limit_bytes, e.reserved_bytes) == (0, None, 8 * MiB)
+    assert e.largest_free_bytes == 2 * MiB - 512 and str(2 * MiB - 512) in str(e)
     assert pool.stats().num_ooms == 1 and raw.used_bytes == 8 * MiB
     assert [op for op, *_ in raw.log] == ["malloc", "malloc", "free", "malloc"]
-    del live, big
+    del live, big, tiny
 
 
 def test_forced_raw_failure_retries_once():
@@ -636,6 +642,224 @@ def test_long_random_trace_keeps_every_invariant():
         else:
             ops.append(("empty_cache",))
     run_ops(ops, 64 * MiB)
+
+
+# --- the serving rule against an independent model of the pool ---------------------------
+# What the pool promises (MemoryPool.allocate): a request of r bytes (rounded up to 512, at
+# least 512) is served whenever one free range of a held segment is at least r long, or a new
+# segment of r bytes fits under the limit (rounded up to 512) and the device once every fully
+# free segment is returned. The model below knows only the raw allocator's segments and the
+# blocks the test holds: free ranges are the gaps between those blocks inside each segment.
+
+def _model_round(n):
+    return max(512, -(-n // 512) * 512)
+
+
+def _model_free_ranges(raw, live):
+    """[(segment ptr, segment size, [gap sizes])] from the raw segments and the live blocks."""
+    out = []
+    for ptr, size in raw.live.items():
+        inside = sorted((b.ptr, b.nbytes) for b in live if ptr <= b.ptr < ptr + size)
+        gaps, at = [], ptr
+        for p, n in inside:
+            assert p >= at, "blocks overlap"
+            if p > at:
+                gaps.append(p - at)
+            at = p + n
+        assert at <= ptr + size, "a block runs past its segment"
+        if at < ptr + size:
+            gaps.append(ptr + size - at)
+        out.append((ptr, size, gaps, bool(inside)))
+    return out
+
+
+def _model_room(raw, live, limit, capacity):
+    """(largest free range, room for a new segment or None) in the model."""
+    ranges = _model_free_ranges(raw, live)
+    largest = max((g for *_, gaps, _ in ranges for g in gaps), default=0)
+    pinned = sum(size for _, size, _, used in ranges if used)
+    bounds = [x for x in (limit, capacity) if x is not None]
+    return largest, (min(bounds) - pinned if bounds else None)
+
+
+def _model_serves(r, raw, live, limit, capacity):
+    largest, room = _model_room(raw, live, limit, capacity)
+    return r <= largest or room is None or r <= room
+
+
+def _check_model_oom(e, r, raw, live, limit):
+    """An out-of-memory the model agrees with, whose error states the largest free range,
+    the room the limit leaves and why."""
+    largest, _ = _model_room(raw, live, limit, None)
+    assert r > largest
+    assert e.largest_free_bytes == largest and f"({largest} bytes)" in str(e)
+    pinned = sum(size for _, size, _, used in _model_free_ranges(raw, live) if used)
+    if limit is None:
+        assert e.room_bytes is None
+    else:
+        assert e.room_bytes == max(0, limit - pinned) and f"{limit} - {pinned} bytes" in str(e)
+    assert "no new segment can be had" in str(e)
+
+
+def _check_accounting(pool, raw, live):
+    pool._check()
+    s = pool.stats()
+    assert s.allocated_bytes == sum(b.nbytes for b in live)
+    assert s.requested_bytes == sum(b.requested_bytes for b in live)
+    assert s.reserved_bytes == raw.used_bytes == sum(raw.live.values())
+    assert s.pool_free_bytes == sum(g for *_, gaps, _ in _model_free_ranges(raw, live)
+                                    for g in gaps)
+    for t in TAGS:
+        assert s.by_tag[t] == sum(b.nbytes for b in live if b.tag == t)
+
+
+MIXED = st.one_of(st.integers(0, 8 * KiB), st.integers(0, SMALL_REQUEST_MAX + 4 * KiB),
+                  st.sampled_from([SMALL_REQUEST_MAX, SMALL_REQUEST_MAX + 1, 2 * MiB - 512,
+                                   2 * MiB, 2 * MiB + 1]),
+                  st.integers(2 * MiB, 5 * MiB))
+SERVE_OPS = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), MIXED, st.booleans(), st.sampled_from(TAGS)),
+    st.tuples(st.just("batch"), st.integers(0, 96 * KiB), st.integers(1, 40), st.booleans()),
+    st.tuples(st.just("free"), st.integers(0, 1 << 30)),
+    st.tuples(st.just("empty_cache")),
+    st.tuples(st.just("limit"), st.one_of(st.none(), st.integers(0, 12 * MiB))),
+), max_size=40)
+
+
+def _serve_step(pool, raw, live, op, limit, capacity):
+    """Apply ``op`` one block at a time (a batch: block by block, the carved ones freed again
+    on failure), checking each allocation against the model. Returns (blocks made, error)."""
+    kind, nbytes, *rest = op
+    n, packed_ = (1, rest[0]) if kind == "alloc" else (rest[0], rest[1])
+    tag = rest[1] if kind == "alloc" else "kv_cache"
+    r = _model_round(nbytes)
+    made = []
+    with (mem.packed_scope() if packed_ else contextlib.nullcontext()):
+        for _ in range(n):
+            serves = _model_serves(r, raw, live + made, limit, capacity)
+            before = pool.reserved_bytes
+            try:
+                blk = pool.allocate(nbytes, tag)
+            except OutOfMemoryError as e:
+                assert not serves, f"{r} bytes refused though the model serves them: {e}"
+                _check_model_oom(e, r, raw, live + made, limit)
+                for b in made:
+                    b.free()
+                return [], (len(made), e)
+            assert blk.nbytes == r
+            if limit is not None:
+                assert pool.reserved_bytes <= max(limit, before)
+            made.append(blk)
+    return made, None
+
+
+def _blocks_of(blocks):
+    return [(b.ptr, b.nbytes, b.requested_bytes, b.tag) for b in blocks]
+
+
+def run_serving(ops, limit, capacity):
+    """Pool ``a`` runs every op as the pool does it (``allocate_many`` for a batch), pool
+    ``ref`` one block at a time against the model; both must end each step in the same
+    layout, and ``a``'s batch errors must name the whole batch."""
+    a_raw, ref_raw = FakeRawAllocator(capacity=capacity), FakeRawAllocator(capacity=capacity)
+    a = MemoryPool(raw_allocator=a_raw, limit_bytes=limit)
+    ref = MemoryPool(raw_allocator=ref_raw, limit_bytes=limit)
+    limit = None if limit is None else -(-limit // 512) * 512
+    a_live, ref_live = [], []
+    for op in ops:
+        if op[0] in ("alloc", "batch"):
+            made, err = _serve_step(ref, ref_raw, ref_live, op, limit, capacity)
+            if op[0] == "alloc":
+                try:
+                    with (mem.packed_scope() if op[2] else contextlib.nullcontext()):
+                        got = [a.allocate(op[1], op[3])]
+                except OutOfMemoryError:
+                    got = None
+            else:
+                _, nbytes, n, packed_ = op
+                try:
+                    with (mem.packed_scope() if packed_ else contextlib.nullcontext()):
+                        got = a.allocate_many(nbytes, n, "kv_cache")
+                except OutOfMemoryError as e:
+                    got = None
+                    fitted, _ = err
+                    assert (e.requested_bytes, e.blocks) == (nbytes * n, n)
+                    if n > 1:
+                        assert f"a batch of {n} blocks of {_model_round(nbytes)} bytes" \
+                            in str(e) and f"held {fitted} of them" in str(e)
+                    largest, _ = _model_room(a_raw, a_live, limit, None)
+                    assert e.largest_free_bytes == largest          # without the batch
+            assert (got is None) == (err is not None), (op, err)
+            if got is not None:
+                assert _blocks_of(got) == _blocks_of(made)
+                a_live += got
+                ref_live += made
+        elif op[0] == "free" and a_live:
+            i = op[1] % len(a_live)
+            a_live.pop(i).free()
+            ref_live.pop(i).free()
+        elif op[0] == "empty_cache":
+            assert a.empty_cache() == ref.empty_cache()
+        elif op[0] == "limit":
+            a.set_limit(op[1])
+            ref.set_limit(op[1])
+            limit = a.limit_bytes
+        assert a.layout() == ref.layout() and a_raw.live == ref_raw.live
+        _check_accounting(a, a_raw, a_live)
+        _check_accounting(ref, ref_raw, ref_live)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=SERVE_OPS, limit=st.one_of(st.none(), st.integers(0, 12 * MiB)),
+       capacity=st.one_of(st.none(), st.integers(0, 12 * MiB)))
+def test_property_a_request_the_free_bytes_can_serve_is_served(ops, limit, capacity):
+    run_serving(ops, limit, capacity)
+
+
+def test_packed_request_is_served_from_a_small_segment_a_live_block_pins():
+    """The small segment holds a 4 KiB block; a packed (large-class) 8 KiB request under a
+    2 MiB limit has no room for a segment of its own and takes the small segment's free
+    range."""
+    pool, raw = fake_pool(limit_bytes=2 * MiB)
+    a = pool.allocate(4 * KiB, "prefix_cache")
+    with mem.packed_scope():
+        b = pool.allocate(8 * KiB, "kv_cache")
+    assert (a.ptr, b.ptr) == (B, B + 4 * KiB) and raw.log == [("malloc", B, 2 * MiB)]
+    assert pool.stats().pool_free_bytes == 2 * MiB - 12 * KiB
+    with mem.packed_scope():                   # and a batch of pages, likewise
+        pages = pool.allocate_many(16 * KiB, 4, "kv_cache")
+    assert [p.ptr for p in pages] == [B + 12 * KiB + i * 16 * KiB for i in range(4)]
+    pool._check()
+
+
+def test_small_request_is_served_from_a_large_segment_when_the_limit_is_full():
+    pool, raw = fake_pool(limit_bytes=4 * MiB)
+    with mem.packed_scope():
+        w = pool.allocate(3 * MiB, "weights")          # one 4 MiB segment: the limit
+    s = pool.allocate(100, "scratch")                  # small: no 2 MiB segment fits
+    assert s.ptr == w.ptr + 3 * MiB and len(raw.live) == 1
+    with pytest.raises(OutOfMemoryError) as ei:        # more than the free range left
+        pool.allocate(MiB, "scratch")
+    e = ei.value
+    assert e.largest_free_bytes == MiB - 512 and e.room_bytes == 0
+    assert f"({MiB - 512} bytes)" in str(e) and "4194304 - 4194304 bytes" in str(e)
+
+
+def test_batch_error_names_the_batch_and_not_its_own_pages():
+    """A batch that does not fit: the error's request is the whole batch, and the free bytes
+    it shows are the pool's after the batch's pages went back (not the batch's pages)."""
+    pool, _ = fake_pool(limit_bytes=2 * MiB)
+    with mem.packed_scope():
+        keep = pool.allocate(2 * MiB - 48 * KiB, "weights")
+        with pytest.raises(OutOfMemoryError) as ei:
+            pool.allocate_many(16 * KiB, 4, "kv_cache")
+    e = ei.value
+    assert (e.requested_bytes, e.blocks, e.tag) == (64 * KiB, 4, "kv_cache")
+    assert e.allocated_bytes == keep.nbytes and e.largest_free_bytes == 48 * KiB
+    msg = str(e)
+    assert "a batch of 4 blocks of 16384 bytes (64.0 KiB in all" in msg
+    assert "held 3 of them" in msg and "(49152 bytes) of 48.0 KiB free without the batch" in msg
+    assert pool.stats().allocated_bytes == keep.nbytes
 
 
 # --- with a real (tiny, synthetic) model on the NumPy backend ------------------------------
