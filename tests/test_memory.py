@@ -4,10 +4,14 @@ out-of-memory figures, empty_cache, the snapshot export, the event log and threa
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
+import os
 import pickle
 import random
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tinyloop.memory as mem
+from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 from tinyloop.errors import ConfigError, OutOfMemoryError, TinyLoopError
 from tinyloop.memory import TAGS, FakeRawAllocator, MemoryPool, tag_scope
 from tinyloop.memory.arena import (ALIGNMENT, LARGE_SEGMENT_ROUND, SMALL_REQUEST_MAX,
@@ -878,6 +883,56 @@ def test_empty_cache_keeps_the_model_working(tiny_model_path):
     finally:
         tinyloop.free_model(m)
     assert mem.memory_stats("host").allocated_bytes == start
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _pool_objects():
+    """Live instances of the pool's and the KV cache's own classes the collector tracks."""
+    from tinyloop.kvcache import Page, PageAllocator, RuntimeKVCache
+    from tinyloop.memory.arena import Chunk, Segment
+    from tinyloop.model import Model
+    kinds = (Chunk, Segment, mem.Block, mem.MemoryPool, Page, PageAllocator, RuntimeKVCache,
+             Model)
+    return collections.Counter(type(o).__name__ for o in gc.get_objects()
+                               if isinstance(o, kinds))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's statm")
+def test_free_model_returns_host_memory_at_once_without_the_collector(tmp_path):
+    """NumPy backend: free_model + empty_cache gives the segments' pages back to the OS while
+    the cycle collector is off, and a collection afterwards finds no pool object in a cycle."""
+    path = tmp_path / "wide.tlm"       # float32 weight copies of some 60 MiB, all touched
+    write_synthetic(path, synthetic_config(vocab_size=2000, d_model=512, n_heads=8,
+                                           n_kv_heads=4, head_dim=64, ffn_dim=2048,
+                                           n_prelude=1, n_recurrent=2, n_coda=1,
+                                           max_depth=2), seed=5)
+    import tinyloop
+    gc.collect()
+    gc.disable()
+    try:
+        m = tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+        m.generate([1, 2, 3], max_new_tokens=3)
+        with m.prefill([1, 2, 3, 4]) as p:
+            m.generate([1, 2, 3, 4, 5], max_new_tokens=2, prefix=p)
+        pool = mem.get_pool("host")
+        buffers = [weakref.ref(seg.handle.base) for seg in pool._arena.segments.values()]
+        rss_loaded = _rss_bytes()
+        tinyloop.free_model(m)
+        del m, p
+        released = mem.empty_cache()
+        rss_freed = _rss_bytes()
+        assert released >= 60 * MiB
+        assert all(r() is None for r in buffers), "a released segment's buffer is alive"
+        assert rss_loaded - rss_freed >= 0.75 * released, (rss_loaded, rss_freed, released)
+        before = _pool_objects()
+        gc.collect()
+        assert _pool_objects() == before, "the collector freed pool objects: a cycle held them"
+    finally:
+        gc.enable()
 
 
 def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):

@@ -471,6 +471,7 @@ class MemoryPool:
         for seg in self._arena.free_segments():
             self._raw.free(seg.ptr, seg.handle)      # first: if it raises, the arena is intact
             self._arena.remove_segment(seg)
+            seg.handle = None       # the host pool's buffer goes now, not at the next gc
             self._reserved_bytes -= seg.size
             self._num_segment_releases += 1
             released += seg.size
