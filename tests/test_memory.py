@@ -946,6 +946,90 @@ def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
     assert after.allocated_bytes == start.allocated_bytes and after.num_ooms == 1
 
 
+def _mid_model(tmp_path):
+    """A model whose float32 weight copies (phase 3 on the NumPy backend) are most of it."""
+    path = tmp_path / "mid.tlm"
+    write_synthetic(path, synthetic_config(vocab_size=300, d_model=256, n_heads=4,
+                                           n_kv_heads=2, head_dim=64, ffn_dim=1024,
+                                           n_prelude=1, n_recurrent=2, n_coda=1, max_depth=2),
+                    seed=3)
+    return str(path)
+
+
+def _planned_phase_bytes(path):
+    """{phase: bytes} of a NumPy load at max_seq_len 64, each entry rounded up to whole
+    512-byte blocks, from the plan's shapes and dtypes (lazy entries excluded)."""
+    from tinyloop.backends.numpy_ops import NumpyOps
+    from tinyloop.format import read_tlm
+    from tinyloop.plan import backend_load_plan
+    with read_tlm(path) as f:
+        plan = backend_load_plan(NumpyOps, f.config, f.quant_layout(), 64, 0)
+    out = {}
+    for e in plan:
+        if not e.lazy:
+            n = int(np.prod(e.shape)) * np.dtype(e.dtype).itemsize
+            out[e.phase] = out.get(e.phase, 0) + max(512, -(-n // 512) * 512)
+    return out
+
+
+def test_load_512_bytes_short_of_its_limit_fails_up_front_naming_the_plan(tmp_path):
+    import tinyloop
+    path = _mid_model(tmp_path)
+    phases = _planned_phase_bytes(path)
+    total = sum(phases.values())
+    assert sorted(phases) == [2, 3, 4] and phases[3] > phases[2] + phases[4]
+    pool = mem.get_pool("host")
+    mem.set_memory_limit(total - 512, "host")
+    with pytest.raises(OutOfMemoryError) as ei:
+        tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+    e, s = ei.value, pool.stats()
+    assert (s.num_allocs, s.num_segment_allocs, s.num_ooms) == (0, 0, 1)   # before anything
+    assert (e.requested_bytes, e.room_bytes, e.limit_bytes) == (total, total - 512, total - 512)
+    msg = str(e)
+    assert f"needs {mem.stats.fmt_bytes(total)} ({total} bytes" in msg
+    assert all(f"= {phases[ph]}" in msg for ph in phases)
+    assert "512 bytes short from the buffer pool phase on (tag 'buffers')" in msg
+    assert e.tag == "buffers" and "FP16_CACHE" not in msg     # the copies fit: not the cause
+    mem.set_memory_limit(total, "host")                       # exactly the plan: it loads
+    m = tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+    try:
+        s = pool.stats()
+        assert s.allocated_bytes == total and s.reserved_bytes == total and s.num_ooms == 1
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_load_that_fits_only_phase_by_phase_is_packed_per_phase(tmp_path, monkeypatch):
+    """The device has no contiguous range for the whole load but one for each phase: each
+    phase gets one segment of exactly its planned bytes, so a limit of the plan's total fits
+    (one 2 MiB-rounded segment per tensor would not)."""
+    import tinyloop
+    path = _mid_model(tmp_path)
+    phases = _planned_phase_bytes(path)
+    total, biggest = sum(phases.values()), max(phases.values())
+    pool = mem.get_pool("host")
+    real = pool._raw.malloc
+    sizes = []
+
+    def malloc(nbytes):
+        if nbytes > biggest:
+            raise MemoryError(f"no contiguous {nbytes} bytes")
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(pool._raw, "malloc", malloc)
+    mem.set_memory_limit(total, "host")
+    m = tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+    try:
+        s = pool.stats()
+        assert sizes == [phases[2], phases[3], phases[4]]
+        assert s.allocated_bytes == s.reserved_bytes == total and s.num_ooms == 0
+        mem.set_memory_limit(None, "host")          # room for a request's KV pages
+        assert m.generate([1, 2, 3], max_new_tokens=2).token_ids
+    finally:
+        tinyloop.free_model(m)
+
+
 class _FakeCupy:
     """Just enough of ``cupy.cuda`` for the allocator hook: get/set_allocator and the two
     memory wrappers (the hook's bookkeeping is pure Python, so it is tested without a GPU)."""

@@ -126,17 +126,18 @@ def plan_out_of_memory(device: str, what: str, phases: list, room: int, *,
     """The OutOfMemoryError of a plan that cannot fit, raised before any of it is allocated.
 
     ``phases``: ``(label, tag, nbytes)`` in allocation order (nbytes rounded as the pool
-    rounds); ``room``: :func:`plan_room`. The error's tag is the phase where the running total
-    passes ``room``; the hint for a tag of :data:`TAG_CAUSES` is given when that phase is what
-    does not fit: without it, the rest would."""
+    rounds); ``room``: :func:`plan_room`. The phase that does not fit is the one where the
+    running total passes ``room``: the error carries its tag, and the hint of a tag of
+    :data:`TAG_CAUSES` (the FP16 caches' setting) only when it is that phase."""
     total = sum(b for _, _, b in phases)
-    run, tag = 0, phases[-1][1] if phases else "other"
-    for _, t, b in phases:
+    run, miss = 0, len(phases) - 1
+    for i, (_, _, b) in enumerate(phases):
         run += b
         if run > room:
-            tag = t
+            miss = i
             break
-    table = ", ".join(f"{label} {fmt_bytes(b)}" for label, _, b in phases)
+    tag = phases[miss][1] if phases else "other"
+    table = ", ".join(f"{label} {fmt_bytes(b)} = {b}" for label, _, b in phases)
     bound = []
     if limit_bytes is not None:
         bound.append(f"the {fmt_bytes(limit_bytes)} limit minus {fmt_bytes(allocated_bytes)} "
@@ -144,14 +145,18 @@ def plan_out_of_memory(device: str, what: str, phases: list, room: int, *,
     if device == "cuda" and device_free_bytes is not None:
         bound.append(f"{fmt_bytes(device_free_bytes)} device free plus "
                      f"{fmt_bytes(reserved_bytes - allocated_bytes)} free in the pool")
-    hints = [f"the {label} phase (tag {t!r}, {fmt_bytes(b)}) is what does not fit: "
-             f"{TAG_CAUSES[t]}"
-             for label, t, b in phases if t in TAG_CAUSES and b and total - b <= room]
+    label, _, _ = phases[miss] if phases else ("", "", 0)
+    hint = (f"the {label} phase (tag {tag!r}) is what does not fit: {TAG_CAUSES[tag]}"
+            if tag in TAG_CAUSES else "")
     return OutOfMemoryError(
         f"out of memory on {device}: {what} needs {fmt_bytes(total)} ({total} bytes: {table}) "
         f"but there is room for {fmt_bytes(room)} ({room} bytes: {' and '.join(bound)}), "
-        f"{fmt_bytes(total - room)} short; nothing was allocated"
-        + (f". Cause: {'; '.join(hints)}" if hints else ""),
+        f"{total - room} bytes short from the {label} phase on (tag {tag!r}); nothing was "
+        f"allocated. allocated {fmt_bytes(allocated_bytes)}, reserved "
+        f"{fmt_bytes(reserved_bytes)}, limit "
+        f"{'none' if limit_bytes is None else fmt_bytes(limit_bytes)}, {_free_word(device)} "
+        f"free {'unknown' if device_free_bytes is None else fmt_bytes(device_free_bytes)}"
+        + (f". Cause: {hint}" if hint else ""),
         requested_bytes=total, tag=tag, allocated_bytes=allocated_bytes,
         reserved_bytes=reserved_bytes, limit_bytes=limit_bytes,
         device_free_bytes=device_free_bytes, device=device, room_bytes=room)

@@ -24,7 +24,8 @@ import time
 from ..errors import ConfigError
 from .arena import Arena, round_size, segment_size, size_kind
 from .block import Block
-from .budget import check_limit, crosses, out_of_memory
+from .budget import (check_limit, crosses, out_of_memory, plan_out_of_memory,
+                     plan_room)
 from .events import DEFAULT_EVENT_CAPACITY, EventLog, MemoryEvent, events_logged
 from .stats import MemoryStats, fmt_bytes
 from .tags import TAGS, check_tag, current_tag, packed
@@ -285,15 +286,16 @@ class MemoryPool:
                     self._num_frees += j - i
                 i = j
 
-    def reserve(self, nbytes: int, tag: str | None = None) -> bool:
+    def reserve(self, nbytes: int, tag: str | None = None, exact: bool = False) -> bool:
         """Make sure one free "large" chunk of at least ``nbytes`` (rounded to 512) exists,
         adding one segment if not (rounded up to 2 MiB, or of exactly the request when that
-        crosses the limit or the device refuses it; every fully free segment is returned
-        first when that can make room): a load that knows its total asks for it once, so its
-        tensors (allocated inside ``packed_scope``) share one segment and leave one rounding
-        tail instead of one per tensor. Best effort: returns False (nothing raised, no
-        out-of-memory counted or logged) when no such segment can be had, so the caller's own
-        allocations then fit or raise naming their own tags; True otherwise."""
+        crosses the limit or the device refuses it, or always with ``exact``; every fully
+        free segment is returned first when that can make room): a load that knows its total
+        asks for it once, so its tensors (allocated inside ``packed_scope``) share one segment
+        and leave one rounding tail instead of one per tensor. Best effort: returns False
+        (nothing raised, no out-of-memory counted or logged) when no such segment can be had,
+        so the caller's own allocations then fit or raise naming their own tags; True
+        otherwise."""
         rounded = round_size(operator.index(nbytes))
         tag = current_tag() if tag is None else check_tag(tag)
         with self._lock:
@@ -301,7 +303,34 @@ class MemoryPool:
                 self._drain_deferred()
             if self._arena.largest_free_of("large") >= rounded:
                 return True
-            return self._grow_locked(rounded, "large", tag, [])
+            return self._grow_locked(rounded, "large", tag, [], exact)
+
+    def check_room(self, phases, what: str) -> None:
+        """Raise OutOfMemoryError before anything is allocated when ``phases`` (``(label,
+        tag, nbytes)`` in allocation order, nbytes as the pool rounds them) cannot fit however
+        they are packed: their total is above the limit minus the live blocks (and, on CUDA,
+        above the driver's free bytes plus the pool's own free bytes; ``budget.plan_room``).
+        The error names ``what`` (e.g. "loading model.tlm"), each phase's bytes, the room and
+        the phase that does not fit; it is counted and logged as an out-of-memory."""
+        phases = list(phases)
+        total = sum(b for _, _, b in phases)
+        with self._lock:
+            if self._deferred:
+                self._drain_deferred()
+            device_free = self._raw.mem_info()[0]
+            room = plan_room(allocated_bytes=self._allocated_bytes,
+                             reserved_bytes=self._reserved_bytes, limit_bytes=self._limit_bytes,
+                             device=self.device, device_free_bytes=device_free)
+            if room is None or total <= room:
+                return
+            err = plan_out_of_memory(self.device, what, phases, room,
+                                     allocated_bytes=self._allocated_bytes,
+                                     reserved_bytes=self._reserved_bytes,
+                                     limit_bytes=self._limit_bytes,
+                                     device_free_bytes=device_free)
+            self._num_ooms += 1
+            self._log_event((_now(), "oom", 0, total, err.tag))
+        raise err
 
     def _add_segment(self, size: int, kind: str, tag: str, reasons: list) -> bool:
         """Add one ``size``-byte segment of class ``kind`` from the raw allocator, or append
@@ -331,12 +360,13 @@ class MemoryPool:
         return free_seg > 0 and not crosses(self._limit_bytes, self._reserved_bytes - free_seg,
                                             rounded)
 
-    def _grow_locked(self, rounded: int, kind: str, tag: str, reasons: list) -> bool:
+    def _grow_locked(self, rounded: int, kind: str, tag: str, reasons: list,
+                     exact: bool = False) -> bool:
         """Add a segment of class ``kind`` that fits ``rounded`` bytes: the class's segment
-        size, else exactly ``rounded``; if neither can be had, return every fully free segment
-        (when that can make room) and try both once more. False, with the refusals in
-        ``reasons``, when no segment can be had. Holds _lock."""
-        sizes = [segment_size(rounded)]
+        size, else (or only, with ``exact``) exactly ``rounded``; if none can be had, return
+        every fully free segment (when that can make room) and try once more. False, with
+        the refusals in ``reasons``, when no segment can be had. Holds _lock."""
+        sizes = [rounded] if exact else [segment_size(rounded)]
         if rounded < sizes[0]:
             sizes.append(rounded)
         if any(self._add_segment(size, kind, tag, reasons) for size in sizes):
