@@ -867,6 +867,136 @@ def test_batch_error_names_the_batch_and_not_its_own_pages():
     assert pool.stats().allocated_bytes == keep.nbytes
 
 
+# --- every byte named: the driver's bytes outside the pool --------------------------------
+def test_report_names_the_driver_lines_and_the_rest_is_unattributed():
+    """Fake NVML readings: the context at the pool's creation, then module loads, the first
+    cuBLAS call (whose output takes a pool segment) and a graph made and destroyed; every line
+    is what its measurement saw beyond the pool's own segments, and unattributed is the rest."""
+    raw = FakeRawAllocator(device="cuda", nvml_bytes=500 * MiB)
+    pool = MemoryPool(raw_allocator=raw)
+    with mem.packed_scope():
+        w = pool.allocate(3 * MiB, "weights")          # a 4 MiB segment
+    raw.nvml_bytes += 4 * MiB
+    with pool.measure_driver("kernel modules"):
+        raw.nvml_bytes += 6 * MiB
+    with pool.measure_driver("kernel modules"):       # a module already loaded: nothing
+        pass
+    with pool.measure_driver("cublas workspace"):
+        y = pool.allocate(100, "cupy")                  # the product: a 2 MiB pool segment
+        raw.nvml_bytes += 2 * MiB + 8 * MiB             # that segment + the workspace
+    with pool.measure_driver("cuda graphs"):
+        raw.nvml_bytes += 2 * MiB
+    with pool.measure_driver("cuda graphs"):            # destroyed: the line goes back to 0
+        raw.nvml_bytes -= 2 * MiB
+    raw.nvml_bytes += MiB                               # something nothing measured
+    s = pool.stats()
+    assert s.process_bytes == 500 * MiB + 4 * MiB + 6 * MiB + 10 * MiB + MiB
+    assert s.reserved_bytes == 6 * MiB
+    assert s.driver_bytes == {"cuda context": 500 * MiB, "kernel modules": 6 * MiB,
+                              "cublas workspace": 8 * MiB, "cuda graphs": 0}
+    assert s.unattributed_bytes == s.process_bytes - 6 * MiB - 514 * MiB == MiB
+    lines = s.report().splitlines()
+    want = {"cuda context (NVML": "500.0 MiB", "kernel modules (NVML": "6.0 MiB",
+            "cublas workspace (NVML": "8.0 MiB", "cuda graphs (NVML": "0 B",
+            "unattributed (process - reserved - the lines above)": "1.0 MiB"}
+    for label, figure in want.items():
+        (line,) = [ln for ln in lines if ln.strip().startswith(label)]
+        assert line.endswith(f" {figure}") and len(line) == 56 + 12, (label, line)
+    del w, y
+
+
+def test_report_without_nvml_names_no_driver_line():
+    raw = FakeRawAllocator(device="cuda")               # NVML cannot see the process
+    pool = MemoryPool(raw_allocator=raw)
+    with pool.measure_driver("kernel modules"):
+        pass
+    s = pool.stats()
+    assert s.driver_bytes == {} and s.unattributed_bytes is None
+    assert "kernel modules" not in s.report() and "install pynvml" in s.report()
+
+
+# Calls that allocate memory outside the pool: raw runtime/driver allocators (any receiver)
+# and CuPy's array constructors. Outside tinyloop/memory/ none may appear, except in the
+# one function whose CuPy temporaries the cupy hook routes through the pool on purpose (the
+# array-code reference of the sampler).
+_RAW_ALLOC = {"malloc", "mallocHost", "hostAlloc", "mallocManaged", "mallocAsync",
+              "mallocFromPoolAsync", "mallocPitch", "malloc3D", "mallocArray", "memAlloc",
+              "memAllocHost", "memHostAlloc", "memAllocManaged", "memAllocAsync",
+              "alloc_pinned_memory", "PinnedMemory", "ManagedMemory", "MemoryPool",
+              "PinnedMemoryPool", "MemoryAsyncPool"}
+_CUPY_ALLOC = {"alloc", "malloc_managed", "malloc_async", "Memory"}     # cupy.cuda.<name>
+_CUPY_NEW = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like",
+             "full_like", "asarray", "array", "ascontiguousarray", "arange", "copy"}
+_ALLOWED = {("backends/cuda_ops.py", "_sample_nongreedy")}
+
+
+def _dotted(node):
+    import ast
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def raw_allocation_calls(source: str, filename: str = "<src>") -> list:
+    """(line, enclosing function, call) of every call in ``source`` that allocates outside
+    the pool (see _RAW_ALLOC / _CUPY_NEW)."""
+    import ast
+    out = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                name = _dotted(child.func)
+                head, last = name.split(".")[0], child.func.attr
+                cupy_call = head in ("cupy", "cp")
+                if (last in _RAW_ALLOC and head != "np") or (
+                        cupy_call and name.count(".") == 1 and last in _CUPY_NEW) or (
+                        cupy_call and last in _CUPY_ALLOC):
+                    out.append((child.lineno, func, name))
+            visit(child, func)
+
+    visit(ast.parse(source, filename), None)
+    return out
+
+
+def test_the_raw_allocation_finder_finds_each_kind():
+    src = ("import cupy\n"
+           "def f(rt, n):\n"
+           "    a = cupy.cuda.runtime.malloc(n)\n"
+           "    b = rt.hostAlloc(8, 3)\n"
+           "    c = cupy.cuda.alloc_pinned_memory(64)\n"
+           "    d = cupy.empty(3)\n"
+           "    e = cupy.exp(d)\n"            # an operation: routed by the cupy hook
+           "    g = pool.allocate(10)\n"
+           "    h = cupy.cuda.alloc(256)\n"
+           "    return cupy.cuda.runtime.memset(a, 0, n)\n")
+    assert [(ln, name) for ln, _, name in raw_allocation_calls(src)] == [
+        (3, "cupy.cuda.runtime.malloc"), (4, "rt.hostAlloc"),
+        (5, "cupy.cuda.alloc_pinned_memory"), (6, "cupy.empty"), (9, "cupy.cuda.alloc")]
+
+
+def test_no_allocation_outside_the_memory_package_bypasses_the_pool():
+    import pathlib
+    import tinyloop
+    root = pathlib.Path(tinyloop.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("memory/"):
+            continue
+        for line, func, name in raw_allocation_calls(path.read_text(encoding="utf-8"), rel):
+            if (rel, func) not in _ALLOWED:
+                found.append(f"tinyloop/{rel}:{line} {func}: {name}")
+    assert not found, "allocations outside the pool:\n" + "\n".join(found)
+
+
 # --- with a real (tiny, synthetic) model on the NumPy backend ------------------------------
 def test_empty_cache_keeps_the_model_working(tiny_model_path):
     import tinyloop

@@ -178,6 +178,7 @@ class Model:
                 self._load()
         except BaseException:
             self._release_blocks()
+            self._ops.release()
             self._stop_cupy_routing()
             raise
         self._freed = False
@@ -314,6 +315,7 @@ class Model:
             self._recons = []
             self._release_blocks()
             self._ops.synchronize()
+            self._ops.release()         # the backend's own scratch blocks
             self._stop_cupy_routing()
 
     def __del__(self):
@@ -354,10 +356,12 @@ class Model:
             return self._fingerprint
 
     def vram_usage_bytes(self) -> int:
-        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row, and
-        what its captured decode steps hold under tag ``graphs``: ``graph_stats()["bytes"]``,
-        made at the first decode step and released with the model)."""
-        own = sum(b.nbytes for b in self._blocks)
+        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row, its
+        backend's scratch (tag ``scratch``: the CUDA backend's argmax, split-K and sampler
+        scratch), and what its captured decode steps hold under tag ``graphs``:
+        ``graph_stats()["bytes"]``, made at the first decode step and released with the
+        model)."""
+        own = sum(b.nbytes for b in self._blocks) + self._ops.scratch_bytes(self._pool)
         return own + (self._graphs.stats()["bytes"] if self._graphs is not None else 0)
 
     # -- the surface request code uses (generate.py, diagnostics, benchmarks) -----------------

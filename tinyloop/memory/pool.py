@@ -17,6 +17,7 @@ the device before a segment goes back.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import threading
 import time
@@ -53,8 +54,12 @@ class MemoryPool:
             elif device == "cuda":
                 from .raw import CudaRawAllocator
                 raw_allocator = CudaRawAllocator()
+            elif device == "pinned":
+                from .raw import PinnedRawAllocator
+                raw_allocator = PinnedRawAllocator()
             else:
-                raise ConfigError(f"unknown device {device!r}; expected 'host' or 'cuda'")
+                raise ConfigError(f"unknown device {device!r}; expected 'host', 'cuda' or "
+                                  "'pinned'")
         self._raw = raw_allocator
         self.device = device if device is not None else raw_allocator.device
         self.device_index = raw_allocator.device_index
@@ -93,6 +98,14 @@ class MemoryPool:
         # while _lock was taken, possibly by this very thread: drained under _lock by the next
         # call. deque.append / popleft are atomic, so this needs no lock of its own.
         self._deferred: collections.deque = collections.deque()
+        # Device bytes the driver gives this process outside the pool, by what took them
+        # (stats.DRIVER_LINES; guarded by _lock): the driver's figure when the raw allocator
+        # was made (the CUDA context), then what measure_driver saw each load or first use
+        # take beyond the pool's own segments.
+        self._driver_bytes: dict[str, int] = {}
+        context = getattr(raw_allocator, "context_bytes", None)
+        if context is not None:
+            self._driver_bytes["cuda context"] = context
         if limit_bytes is not None:
             self.set_limit(limit_bytes)
 
@@ -535,6 +548,31 @@ class MemoryPool:
             if limit is not None and self._reserved_bytes > limit:
                 self._release_free_segments()
 
+    # --- the driver's bytes outside the pool -----------------------------------------------
+    @contextlib.contextmanager
+    def measure_driver(self, label: str):
+        """Attribute to ``label`` (one of ``stats.DRIVER_LINES``: "kernel modules", "cublas
+        workspace", "cuda graphs") the device bytes the driver gives this process while the
+        block runs beyond what the pool reserved meanwhile: NVML's process figure after minus
+        before, minus the change in reserved_bytes. Negative when the block gave bytes back
+        (a graph destroyed). Records nothing where the raw allocator has no such figure. Not
+        for blocks that overlap on two threads (each would count the other's bytes)."""
+        before = self._raw.nvml_process_bytes()
+        reserved = self._reserved_bytes
+        try:
+            yield
+        finally:
+            after = self._raw.nvml_process_bytes()
+            if before is not None and after is not None:
+                delta = (after - before) - (self._reserved_bytes - reserved)
+                with self._lock:
+                    self._driver_bytes[label] = self._driver_bytes.get(label, 0) + delta
+
+    def driver_bytes(self) -> dict:
+        """label -> device bytes attributed outside the pool (each at least 0)."""
+        with self._lock:
+            return {k: max(0, v) for k, v in self._driver_bytes.items()}
+
     # --- statistics -------------------------------------------------------------------------
     @property
     def allocated_bytes(self) -> int:
@@ -576,7 +614,8 @@ class MemoryPool:
                 num_ooms=self._num_ooms, num_alloc_retries=self._num_alloc_retries,
                 active_blocks=self._live_blocks, segments=len(self._arena.segments),
                 largest_free_block_bytes=largest,
-                external_fragmentation=(1.0 - largest / pool_free) if pool_free else 0.0)
+                external_fragmentation=(1.0 - largest / pool_free) if pool_free else 0.0,
+                driver_bytes={k: max(0, v) for k, v in self._driver_bytes.items()})
         device_free, device_total = self._raw.mem_info()
         return MemoryStats(device_free_bytes=device_free, device_total_bytes=device_total,
                            process_bytes=self._raw.process_bytes(),
