@@ -4,9 +4,14 @@ out-of-memory figures, empty_cache, the snapshot export, the event log and threa
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import gc
+import os
 import pickle
 import random
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tinyloop.memory as mem
+from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 from tinyloop.errors import ConfigError, OutOfMemoryError, TinyLoopError
 from tinyloop.memory import TAGS, FakeRawAllocator, MemoryPool, tag_scope
 from tinyloop.memory.arena import (ALIGNMENT, LARGE_SEGMENT_ROUND, SMALL_REQUEST_MAX,
@@ -264,13 +270,18 @@ def test_raw_out_of_memory_releases_cached_segments_then_raises_ours():
     big = pool.allocate(2 * MiB + 512)         # raw refuses 4 MiB; release cached; retry
     s = pool.stats()
     assert (s.num_alloc_retries, s.num_segment_releases, s.num_ooms) == (1, 1, 0)
-    with pytest.raises(OutOfMemoryError) as ei:
-        pool.allocate(100)
+    # the device is full and no segment is free: a small request takes the best-fit free
+    # range of the large class (two tails of 2 MiB - 512 B: the lower address wins)
+    tiny = pool.allocate(100)
+    assert tiny.ptr == B + 2 * MiB + 512 and pool.stats().num_ooms == 0
+    with pytest.raises(OutOfMemoryError) as ei:   # no free range holds 2 MiB
+        pool.allocate(2 * MiB)
     e = ei.value
     assert (e.device_free_bytes, e.limit_bytes, e.reserved_bytes) == (0, None, 8 * MiB)
+    assert e.largest_free_bytes == 2 * MiB - 512 and str(2 * MiB - 512) in str(e)
     assert pool.stats().num_ooms == 1 and raw.used_bytes == 8 * MiB
     assert [op for op, *_ in raw.log] == ["malloc", "malloc", "free", "malloc"]
-    del live, big
+    del live, big, tiny
 
 
 def test_forced_raw_failure_retries_once():
@@ -638,6 +649,354 @@ def test_long_random_trace_keeps_every_invariant():
     run_ops(ops, 64 * MiB)
 
 
+# --- the serving rule against an independent model of the pool ---------------------------
+# What the pool promises (MemoryPool.allocate): a request of r bytes (rounded up to 512, at
+# least 512) is served whenever one free range of a held segment is at least r long, or a new
+# segment of r bytes fits under the limit (rounded up to 512) and the device once every fully
+# free segment is returned. The model below knows only the raw allocator's segments and the
+# blocks the test holds: free ranges are the gaps between those blocks inside each segment.
+
+def _model_round(n):
+    return max(512, -(-n // 512) * 512)
+
+
+def _model_free_ranges(raw, live):
+    """[(segment ptr, segment size, [gap sizes])] from the raw segments and the live blocks."""
+    out = []
+    for ptr, size in raw.live.items():
+        inside = sorted((b.ptr, b.nbytes) for b in live if ptr <= b.ptr < ptr + size)
+        gaps, at = [], ptr
+        for p, n in inside:
+            assert p >= at, "blocks overlap"
+            if p > at:
+                gaps.append(p - at)
+            at = p + n
+        assert at <= ptr + size, "a block runs past its segment"
+        if at < ptr + size:
+            gaps.append(ptr + size - at)
+        out.append((ptr, size, gaps, bool(inside)))
+    return out
+
+
+def _model_room(raw, live, limit, capacity):
+    """(largest free range, room for a new segment or None) in the model."""
+    ranges = _model_free_ranges(raw, live)
+    largest = max((g for *_, gaps, _ in ranges for g in gaps), default=0)
+    pinned = sum(size for _, size, _, used in ranges if used)
+    bounds = [x for x in (limit, capacity) if x is not None]
+    return largest, (min(bounds) - pinned if bounds else None)
+
+
+def _model_serves(r, raw, live, limit, capacity):
+    largest, room = _model_room(raw, live, limit, capacity)
+    return r <= largest or room is None or r <= room
+
+
+def _check_model_oom(e, r, raw, live, limit):
+    """An out-of-memory the model agrees with, whose error states the largest free range,
+    the room the limit leaves and why."""
+    largest, _ = _model_room(raw, live, limit, None)
+    assert r > largest
+    assert e.largest_free_bytes == largest and f"({largest} bytes)" in str(e)
+    pinned = sum(size for _, size, _, used in _model_free_ranges(raw, live) if used)
+    if limit is None:
+        assert e.room_bytes is None
+    else:
+        assert e.room_bytes == max(0, limit - pinned) and f"{limit} - {pinned} bytes" in str(e)
+    assert "no new segment can be had" in str(e)
+
+
+def _check_accounting(pool, raw, live):
+    pool._check()
+    s = pool.stats()
+    assert s.allocated_bytes == sum(b.nbytes for b in live)
+    assert s.requested_bytes == sum(b.requested_bytes for b in live)
+    assert s.reserved_bytes == raw.used_bytes == sum(raw.live.values())
+    assert s.pool_free_bytes == sum(g for *_, gaps, _ in _model_free_ranges(raw, live)
+                                    for g in gaps)
+    for t in TAGS:
+        assert s.by_tag[t] == sum(b.nbytes for b in live if b.tag == t)
+
+
+MIXED = st.one_of(st.integers(0, 8 * KiB), st.integers(0, SMALL_REQUEST_MAX + 4 * KiB),
+                  st.sampled_from([SMALL_REQUEST_MAX, SMALL_REQUEST_MAX + 1, 2 * MiB - 512,
+                                   2 * MiB, 2 * MiB + 1]),
+                  st.integers(2 * MiB, 5 * MiB))
+SERVE_OPS = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), MIXED, st.booleans(), st.sampled_from(TAGS)),
+    st.tuples(st.just("batch"), st.integers(0, 96 * KiB), st.integers(1, 40), st.booleans()),
+    st.tuples(st.just("free"), st.integers(0, 1 << 30)),
+    st.tuples(st.just("empty_cache")),
+    st.tuples(st.just("limit"), st.one_of(st.none(), st.integers(0, 12 * MiB))),
+), max_size=40)
+
+
+def _serve_step(pool, raw, live, op, limit, capacity):
+    """Apply ``op`` one block at a time (a batch: block by block, the carved ones freed again
+    on failure), checking each allocation against the model. Returns (blocks made, error)."""
+    kind, nbytes, *rest = op
+    n, packed_ = (1, rest[0]) if kind == "alloc" else (rest[0], rest[1])
+    tag = rest[1] if kind == "alloc" else "kv_cache"
+    r = _model_round(nbytes)
+    made = []
+    with (mem.packed_scope() if packed_ else contextlib.nullcontext()):
+        for _ in range(n):
+            serves = _model_serves(r, raw, live + made, limit, capacity)
+            before = pool.reserved_bytes
+            try:
+                blk = pool.allocate(nbytes, tag)
+            except OutOfMemoryError as e:
+                assert not serves, f"{r} bytes refused though the model serves them: {e}"
+                _check_model_oom(e, r, raw, live + made, limit)
+                for b in made:
+                    b.free()
+                return [], (len(made), e)
+            assert blk.nbytes == r
+            if limit is not None:
+                assert pool.reserved_bytes <= max(limit, before)
+            made.append(blk)
+    return made, None
+
+
+def _blocks_of(blocks):
+    return [(b.ptr, b.nbytes, b.requested_bytes, b.tag) for b in blocks]
+
+
+def run_serving(ops, limit, capacity):
+    """Pool ``a`` runs every op as the pool does it (``allocate_many`` for a batch), pool
+    ``ref`` one block at a time against the model; both must end each step in the same
+    layout, and ``a``'s batch errors must name the whole batch."""
+    a_raw, ref_raw = FakeRawAllocator(capacity=capacity), FakeRawAllocator(capacity=capacity)
+    a = MemoryPool(raw_allocator=a_raw, limit_bytes=limit)
+    ref = MemoryPool(raw_allocator=ref_raw, limit_bytes=limit)
+    limit = None if limit is None else -(-limit // 512) * 512
+    a_live, ref_live = [], []
+    for op in ops:
+        if op[0] in ("alloc", "batch"):
+            made, err = _serve_step(ref, ref_raw, ref_live, op, limit, capacity)
+            if op[0] == "alloc":
+                try:
+                    with (mem.packed_scope() if op[2] else contextlib.nullcontext()):
+                        got = [a.allocate(op[1], op[3])]
+                except OutOfMemoryError:
+                    got = None
+            else:
+                _, nbytes, n, packed_ = op
+                try:
+                    with (mem.packed_scope() if packed_ else contextlib.nullcontext()):
+                        got = a.allocate_many(nbytes, n, "kv_cache")
+                except OutOfMemoryError as e:
+                    got = None
+                    fitted, _ = err
+                    assert (e.requested_bytes, e.blocks) == (nbytes * n, n)
+                    if n > 1:
+                        assert f"a batch of {n} blocks of {_model_round(nbytes)} bytes" \
+                            in str(e) and f"held {fitted} of them" in str(e)
+                    largest, _ = _model_room(a_raw, a_live, limit, None)
+                    assert e.largest_free_bytes == largest          # without the batch
+            assert (got is None) == (err is not None), (op, err)
+            if got is not None:
+                assert _blocks_of(got) == _blocks_of(made)
+                a_live += got
+                ref_live += made
+        elif op[0] == "free" and a_live:
+            i = op[1] % len(a_live)
+            a_live.pop(i).free()
+            ref_live.pop(i).free()
+        elif op[0] == "empty_cache":
+            assert a.empty_cache() == ref.empty_cache()
+        elif op[0] == "limit":
+            a.set_limit(op[1])
+            ref.set_limit(op[1])
+            limit = a.limit_bytes
+        assert a.layout() == ref.layout() and a_raw.live == ref_raw.live
+        _check_accounting(a, a_raw, a_live)
+        _check_accounting(ref, ref_raw, ref_live)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=SERVE_OPS, limit=st.one_of(st.none(), st.integers(0, 12 * MiB)),
+       capacity=st.one_of(st.none(), st.integers(0, 12 * MiB)))
+def test_property_a_request_the_free_bytes_can_serve_is_served(ops, limit, capacity):
+    run_serving(ops, limit, capacity)
+
+
+def test_packed_request_is_served_from_a_small_segment_a_live_block_pins():
+    """The small segment holds a 4 KiB block; a packed (large-class) 8 KiB request under a
+    2 MiB limit has no room for a segment of its own and takes the small segment's free
+    range."""
+    pool, raw = fake_pool(limit_bytes=2 * MiB)
+    a = pool.allocate(4 * KiB, "prefix_cache")
+    with mem.packed_scope():
+        b = pool.allocate(8 * KiB, "kv_cache")
+    assert (a.ptr, b.ptr) == (B, B + 4 * KiB) and raw.log == [("malloc", B, 2 * MiB)]
+    assert pool.stats().pool_free_bytes == 2 * MiB - 12 * KiB
+    with mem.packed_scope():                   # and a batch of pages, likewise
+        pages = pool.allocate_many(16 * KiB, 4, "kv_cache")
+    assert [p.ptr for p in pages] == [B + 12 * KiB + i * 16 * KiB for i in range(4)]
+    pool._check()
+
+
+def test_small_request_is_served_from_a_large_segment_when_the_limit_is_full():
+    pool, raw = fake_pool(limit_bytes=4 * MiB)
+    with mem.packed_scope():
+        w = pool.allocate(3 * MiB, "weights")          # one 4 MiB segment: the limit
+    s = pool.allocate(100, "scratch")                  # small: no 2 MiB segment fits
+    assert s.ptr == w.ptr + 3 * MiB and len(raw.live) == 1
+    with pytest.raises(OutOfMemoryError) as ei:        # more than the free range left
+        pool.allocate(MiB, "scratch")
+    e = ei.value
+    assert e.largest_free_bytes == MiB - 512 and e.room_bytes == 0
+    assert f"({MiB - 512} bytes)" in str(e) and "4194304 - 4194304 bytes" in str(e)
+
+
+def test_batch_error_names_the_batch_and_not_its_own_pages():
+    """A batch that does not fit: the error's request is the whole batch, and the free bytes
+    it shows are the pool's after the batch's pages went back (not the batch's pages)."""
+    pool, _ = fake_pool(limit_bytes=2 * MiB)
+    with mem.packed_scope():
+        keep = pool.allocate(2 * MiB - 48 * KiB, "weights")
+        with pytest.raises(OutOfMemoryError) as ei:
+            pool.allocate_many(16 * KiB, 4, "kv_cache")
+    e = ei.value
+    assert (e.requested_bytes, e.blocks, e.tag) == (64 * KiB, 4, "kv_cache")
+    assert e.allocated_bytes == keep.nbytes and e.largest_free_bytes == 48 * KiB
+    msg = str(e)
+    assert "a batch of 4 blocks of 16384 bytes (64.0 KiB in all" in msg
+    assert "held 3 of them" in msg and "(49152 bytes) of 48.0 KiB free without the batch" in msg
+    assert pool.stats().allocated_bytes == keep.nbytes
+
+
+# --- every byte named: the driver's bytes outside the pool --------------------------------
+def test_report_names_the_driver_lines_and_the_rest_is_unattributed():
+    """Fake NVML readings: the context at the pool's creation, then module loads, the first
+    cuBLAS call (whose output takes a pool segment) and a graph made and destroyed; every line
+    is what its measurement saw beyond the pool's own segments, and unattributed is the rest."""
+    raw = FakeRawAllocator(device="cuda", nvml_bytes=500 * MiB)
+    pool = MemoryPool(raw_allocator=raw)
+    with mem.packed_scope():
+        w = pool.allocate(3 * MiB, "weights")          # a 4 MiB segment
+    raw.nvml_bytes += 4 * MiB
+    with pool.measure_driver("kernel modules"):
+        raw.nvml_bytes += 6 * MiB
+    with pool.measure_driver("kernel modules"):       # a module already loaded: nothing
+        pass
+    with pool.measure_driver("cublas workspace"):
+        y = pool.allocate(100, "cupy")                  # the product: a 2 MiB pool segment
+        raw.nvml_bytes += 2 * MiB + 8 * MiB             # that segment + the workspace
+    with pool.measure_driver("cuda graphs"):
+        raw.nvml_bytes += 2 * MiB
+    with pool.measure_driver("cuda graphs"):            # destroyed: the line goes back to 0
+        raw.nvml_bytes -= 2 * MiB
+    raw.nvml_bytes += MiB                               # something nothing measured
+    s = pool.stats()
+    assert s.process_bytes == 500 * MiB + 4 * MiB + 6 * MiB + 10 * MiB + MiB
+    assert s.reserved_bytes == 6 * MiB
+    assert s.driver_bytes == {"cuda context": 500 * MiB, "kernel modules": 6 * MiB,
+                              "cublas workspace": 8 * MiB, "cuda graphs": 0}
+    assert s.unattributed_bytes == s.process_bytes - 6 * MiB - 514 * MiB == MiB
+    lines = s.report().splitlines()
+    want = {"cuda context (NVML": "500.0 MiB", "kernel modules (NVML": "6.0 MiB",
+            "cublas workspace (NVML": "8.0 MiB", "cuda graphs (NVML": "0 B",
+            "unattributed (process - reserved - the lines above)": "1.0 MiB"}
+    for label, figure in want.items():
+        (line,) = [ln for ln in lines if ln.strip().startswith(label)]
+        assert line.endswith(f" {figure}") and len(line) == 56 + 12, (label, line)
+    del w, y
+
+
+def test_report_without_nvml_names_no_driver_line():
+    raw = FakeRawAllocator(device="cuda")               # NVML cannot see the process
+    pool = MemoryPool(raw_allocator=raw)
+    with pool.measure_driver("kernel modules"):
+        pass
+    s = pool.stats()
+    assert s.driver_bytes == {} and s.unattributed_bytes is None
+    assert "kernel modules" not in s.report() and "install pynvml" in s.report()
+
+
+# Calls that allocate memory outside the pool: raw runtime/driver allocators (any receiver)
+# and CuPy's array constructors. Outside tinyloop/memory/ none may appear, except in the
+# one function whose CuPy temporaries the cupy hook routes through the pool on purpose (the
+# array-code reference of the sampler).
+_RAW_ALLOC = {"malloc", "mallocHost", "hostAlloc", "mallocManaged", "mallocAsync",
+              "mallocFromPoolAsync", "mallocPitch", "malloc3D", "mallocArray", "memAlloc",
+              "memAllocHost", "memHostAlloc", "memAllocManaged", "memAllocAsync",
+              "alloc_pinned_memory", "PinnedMemory", "ManagedMemory", "MemoryPool",
+              "PinnedMemoryPool", "MemoryAsyncPool"}
+_CUPY_ALLOC = {"alloc", "malloc_managed", "malloc_async", "Memory"}     # cupy.cuda.<name>
+_CUPY_NEW = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like",
+             "full_like", "asarray", "array", "ascontiguousarray", "arange", "copy"}
+_ALLOWED = {("backends/cuda_ops.py", "_sample_nongreedy")}
+
+
+def _dotted(node):
+    import ast
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def raw_allocation_calls(source: str, filename: str = "<src>") -> list:
+    """(line, enclosing function, call) of every call in ``source`` that allocates outside
+    the pool (see _RAW_ALLOC / _CUPY_NEW)."""
+    import ast
+    out = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                name = _dotted(child.func)
+                head, last = name.split(".")[0], child.func.attr
+                cupy_call = head in ("cupy", "cp")
+                if (last in _RAW_ALLOC and head != "np") or (
+                        cupy_call and name.count(".") == 1 and last in _CUPY_NEW) or (
+                        cupy_call and last in _CUPY_ALLOC):
+                    out.append((child.lineno, func, name))
+            visit(child, func)
+
+    visit(ast.parse(source, filename), None)
+    return out
+
+
+def test_the_raw_allocation_finder_finds_each_kind():
+    src = ("import cupy\n"
+           "def f(rt, n):\n"
+           "    a = cupy.cuda.runtime.malloc(n)\n"
+           "    b = rt.hostAlloc(8, 3)\n"
+           "    c = cupy.cuda.alloc_pinned_memory(64)\n"
+           "    d = cupy.empty(3)\n"
+           "    e = cupy.exp(d)\n"            # an operation: routed by the cupy hook
+           "    g = pool.allocate(10)\n"
+           "    h = cupy.cuda.alloc(256)\n"
+           "    return cupy.cuda.runtime.memset(a, 0, n)\n")
+    assert [(ln, name) for ln, _, name in raw_allocation_calls(src)] == [
+        (3, "cupy.cuda.runtime.malloc"), (4, "rt.hostAlloc"),
+        (5, "cupy.cuda.alloc_pinned_memory"), (6, "cupy.empty"), (9, "cupy.cuda.alloc")]
+
+
+def test_no_allocation_outside_the_memory_package_bypasses_the_pool():
+    import pathlib
+    import tinyloop
+    root = pathlib.Path(tinyloop.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("memory/"):
+            continue
+        for line, func, name in raw_allocation_calls(path.read_text(encoding="utf-8"), rel):
+            if (rel, func) not in _ALLOWED:
+                found.append(f"tinyloop/{rel}:{line} {func}: {name}")
+    assert not found, "allocations outside the pool:\n" + "\n".join(found)
+
+
 # --- with a real (tiny, synthetic) model on the NumPy backend ------------------------------
 def test_empty_cache_keeps_the_model_working(tiny_model_path):
     import tinyloop
@@ -656,6 +1015,56 @@ def test_empty_cache_keeps_the_model_working(tiny_model_path):
     assert mem.memory_stats("host").allocated_bytes == start
 
 
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _pool_objects():
+    """Live instances of the pool's and the KV cache's own classes the collector tracks."""
+    from tinyloop.kvcache import Page, PageAllocator, RuntimeKVCache
+    from tinyloop.memory.arena import Chunk, Segment
+    from tinyloop.model import Model
+    kinds = (Chunk, Segment, mem.Block, mem.MemoryPool, Page, PageAllocator, RuntimeKVCache,
+             Model)
+    return collections.Counter(type(o).__name__ for o in gc.get_objects()
+                               if isinstance(o, kinds))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's statm")
+def test_free_model_returns_host_memory_at_once_without_the_collector(tmp_path):
+    """NumPy backend: free_model + empty_cache gives the segments' pages back to the OS while
+    the cycle collector is off, and a collection afterwards finds no pool object in a cycle."""
+    path = tmp_path / "wide.tlm"       # float32 weight copies of some 60 MiB, all touched
+    write_synthetic(path, synthetic_config(vocab_size=2000, d_model=512, n_heads=8,
+                                           n_kv_heads=4, head_dim=64, ffn_dim=2048,
+                                           n_prelude=1, n_recurrent=2, n_coda=1,
+                                           max_depth=2), seed=5)
+    import tinyloop
+    gc.collect()
+    gc.disable()
+    try:
+        m = tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+        m.generate([1, 2, 3], max_new_tokens=3)
+        with m.prefill([1, 2, 3, 4]) as p:
+            m.generate([1, 2, 3, 4, 5], max_new_tokens=2, prefix=p)
+        pool = mem.get_pool("host")
+        buffers = [weakref.ref(seg.handle.base) for seg in pool._arena.segments.values()]
+        rss_loaded = _rss_bytes()
+        tinyloop.free_model(m)
+        del m, p
+        released = mem.empty_cache()
+        rss_freed = _rss_bytes()
+        assert released >= 60 * MiB
+        assert all(r() is None for r in buffers), "a released segment's buffer is alive"
+        assert rss_loaded - rss_freed >= 0.75 * released, (rss_loaded, rss_freed, released)
+        before = _pool_objects()
+        gc.collect()
+        assert _pool_objects() == before, "the collector freed pool objects: a cycle held them"
+    finally:
+        gc.enable()
+
+
 def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
     import tinyloop
     start = mem.memory_stats("host")
@@ -665,6 +1074,90 @@ def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
     assert ei.value.limit_bytes == start.reserved_bytes + 4 * KiB
     after = mem.memory_stats("host")
     assert after.allocated_bytes == start.allocated_bytes and after.num_ooms == 1
+
+
+def _mid_model(tmp_path):
+    """A model whose float32 weight copies (phase 3 on the NumPy backend) are most of it."""
+    path = tmp_path / "mid.tlm"
+    write_synthetic(path, synthetic_config(vocab_size=300, d_model=256, n_heads=4,
+                                           n_kv_heads=2, head_dim=64, ffn_dim=1024,
+                                           n_prelude=1, n_recurrent=2, n_coda=1, max_depth=2),
+                    seed=3)
+    return str(path)
+
+
+def _planned_phase_bytes(path):
+    """{phase: bytes} of a NumPy load at max_seq_len 64, each entry rounded up to whole
+    512-byte blocks, from the plan's shapes and dtypes (lazy entries excluded)."""
+    from tinyloop.backends.numpy_ops import NumpyOps
+    from tinyloop.format import read_tlm
+    from tinyloop.plan import backend_load_plan
+    with read_tlm(path) as f:
+        plan = backend_load_plan(NumpyOps, f.config, f.quant_layout(), 64, 0)
+    out = {}
+    for e in plan:
+        if not e.lazy:
+            n = int(np.prod(e.shape)) * np.dtype(e.dtype).itemsize
+            out[e.phase] = out.get(e.phase, 0) + max(512, -(-n // 512) * 512)
+    return out
+
+
+def test_load_512_bytes_short_of_its_limit_fails_up_front_naming_the_plan(tmp_path):
+    import tinyloop
+    path = _mid_model(tmp_path)
+    phases = _planned_phase_bytes(path)
+    total = sum(phases.values())
+    assert sorted(phases) == [2, 3, 4] and phases[3] > phases[2] + phases[4]
+    pool = mem.get_pool("host")
+    mem.set_memory_limit(total - 512, "host")
+    with pytest.raises(OutOfMemoryError) as ei:
+        tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+    e, s = ei.value, pool.stats()
+    assert (s.num_allocs, s.num_segment_allocs, s.num_ooms) == (0, 0, 1)   # before anything
+    assert (e.requested_bytes, e.room_bytes, e.limit_bytes) == (total, total - 512, total - 512)
+    msg = str(e)
+    assert f"needs {mem.stats.fmt_bytes(total)} ({total} bytes" in msg
+    assert all(f"= {phases[ph]}" in msg for ph in phases)
+    assert "512 bytes short from the buffer pool phase on (tag 'buffers')" in msg
+    assert e.tag == "buffers" and "FP16_CACHE" not in msg     # the copies fit: not the cause
+    mem.set_memory_limit(total, "host")                       # exactly the plan: it loads
+    m = tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+    try:
+        s = pool.stats()
+        assert s.allocated_bytes == total and s.reserved_bytes == total and s.num_ooms == 1
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_load_that_fits_only_phase_by_phase_is_packed_per_phase(tmp_path, monkeypatch):
+    """The device has no contiguous range for the whole load but one for each phase: each
+    phase gets one segment of exactly its planned bytes, so a limit of the plan's total fits
+    (one 2 MiB-rounded segment per tensor would not)."""
+    import tinyloop
+    path = _mid_model(tmp_path)
+    phases = _planned_phase_bytes(path)
+    total, biggest = sum(phases.values()), max(phases.values())
+    pool = mem.get_pool("host")
+    real = pool._raw.malloc
+    sizes = []
+
+    def malloc(nbytes):
+        if nbytes > biggest:
+            raise MemoryError(f"no contiguous {nbytes} bytes")
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(pool._raw, "malloc", malloc)
+    mem.set_memory_limit(total, "host")
+    m = tinyloop.load_model(path, max_seq_len=64, backend="numpy")
+    try:
+        s = pool.stats()
+        assert sizes == [phases[2], phases[3], phases[4]]
+        assert s.allocated_bytes == s.reserved_bytes == total and s.num_ooms == 0
+        mem.set_memory_limit(None, "host")          # room for a request's KV pages
+        assert m.generate([1, 2, 3], max_new_tokens=2).token_ids
+    finally:
+        tinyloop.free_model(m)
 
 
 class _FakeCupy:

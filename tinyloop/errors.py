@@ -113,14 +113,18 @@ class NonFiniteLogitsError(TinyLoopError, FloatingPointError):
 class OutOfMemoryError(TinyLoopError, MemoryError):
     """An allocation would cross the memory budget or the device has no room.
 
-    Attributes (all ints, bytes): ``requested_bytes``, ``allocated_bytes``, ``reserved_bytes``,
-    ``limit_bytes`` (None if no limit), ``device_free_bytes``; ``tag`` (str); ``device`` (str).
+    Attributes (all ints, bytes): ``requested_bytes`` (a batch's total), ``allocated_bytes``,
+    ``reserved_bytes``, ``limit_bytes`` (None if no limit), ``device_free_bytes``,
+    ``largest_free_bytes`` (the pool's largest free range), ``room_bytes`` (what the limit
+    leaves for new segments, None without a limit); ``blocks`` (int: 1, or a batch's block
+    count); ``tag`` (str); ``device`` (str).
     """
 
     def __init__(self, message: str, *, requested_bytes: int = 0, tag: str = "other",
                  allocated_bytes: int = 0, reserved_bytes: int = 0,
                  limit_bytes: int | None = None, device_free_bytes: int | None = None,
-                 device: str = "host"):
+                 device: str = "host", blocks: int = 1, largest_free_bytes: int = 0,
+                 room_bytes: int | None = None):
         super().__init__(message)
         self.requested_bytes = requested_bytes
         self.tag = tag
@@ -129,3 +133,6 @@ class OutOfMemoryError(TinyLoopError, MemoryError):
         self.limit_bytes = limit_bytes
         self.device_free_bytes = device_free_bytes
         self.device = device
+        self.blocks = blocks
+        self.largest_free_bytes = largest_free_bytes
+        self.room_bytes = room_bytes

@@ -153,7 +153,11 @@ class DecodeGraphs:
             self.mega.free_program(p)
         g, ent.graph = ent.graph, None
         if g is not None:
-            self._ops.graph_free(g)
+            # the executable graph's device memory goes with the last reference: measured,
+            # as its instantiation was, so the "cuda graphs" line follows what is held
+            with self._pool.measure_driver("cuda graphs"):
+                self._ops.graph_free(g)
+                del g
         ent.slots = []
         ent.table = None
         blk, ent.table_block = ent.table_block, None
@@ -236,9 +240,12 @@ class DecodeGraphs:
             m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out,
                               sampled)
             ent.warm = True
+        elif ent.graph is None:
+            ent.graph = self._capture(ent, cache.depth, sampled)
+            with self._pool.measure_driver("cuda graphs"):   # the first launch uploads it
+                ops.graph_launch(ent.graph)
+            self.replays += 1
         else:
-            if ent.graph is None:
-                ent.graph = self._capture(ent, cache.depth, sampled)
             ops.graph_launch(ent.graph)
             self.replays += 1
         ops.graph_sync()
@@ -270,14 +277,17 @@ class DecodeGraphs:
         try:
             m.decode_step_ops(self.step_state, self.row, depth, ent.slots, self._host_out,
                               sampled)
-            graph = ops.graph_end()
+            with pool.measure_driver("cuda graphs"):     # instantiation: device memory
+                graph = ops.graph_end()
         except BaseException:
             ops.graph_abort()
             raise
         after = pool.stats()
         if (after.num_allocs, after.num_segment_allocs) != (before.num_allocs,
                                                             before.num_segment_allocs):
-            ops.graph_free(graph)
+            with pool.measure_driver("cuda graphs"):
+                ops.graph_free(graph)
+                del graph
             n = after.num_allocs - before.num_allocs
             raise GraphCaptureError(
                 f"the decode-step capture allocated from the pool ({n} blocks): every array "

@@ -33,7 +33,6 @@ from .prefix import drain_orphans, load_prefix, make_prefix, make_resume_handle
 from .kvcache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
                       RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
 from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
-from .memory.arena import round_size
 from .quant import QuantWeight
 
 
@@ -179,6 +178,7 @@ class Model:
                 self._load()
         except BaseException:
             self._release_blocks()
+            self._ops.release()
             self._stop_cupy_routing()
             raise
         self._freed = False
@@ -216,12 +216,17 @@ class Model:
                     raise TokenizerError(
                         f"{self.path}: the embedded tokenizer has {self.tokenizer.vocab_size} "
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
-            # every model-owned block the plan knows goes into one reserved segment (the
-            # caller's packed_scope), so only that segment has a rounding tail
-            # (best effort: with no room for one segment, each tensor's own allocation below
-            # fits or raises naming its own tag)
-            self._pool.reserve(sum(round_size(e.nbytes) for e in self.plan if not e.lazy),
-                               "weights")
+            # A plan that cannot fit fails here, before anything is allocated, naming each
+            # phase's bytes against the room. One that can goes into one reserved segment
+            # (the caller's packed_scope), so only that segment has a rounding tail; failing
+            # that, into one exact segment per phase, reserved as the phase starts.
+            phases = planmod.load_phases(self.plan)
+            self._pool.check_room([(label, tag, n) for _, label, tag, n in phases],
+                                  f"loading {os.path.basename(self.path)}")
+            whole = self._pool.reserve(sum(n for *_, n in phases), "weights")
+            self._phase_reserve = ({} if whole else
+                                   {ph: (tag, n) for ph, _, tag, n in phases})
+            self._reserve_phase(2)
             # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
             w = {}
             with tag_scope("weights"):
@@ -238,6 +243,7 @@ class Model:
             self._file_identity = _file_identity(self.path)
             self._fingerprint = None
         # phase 3: optional FP16 caches for the hot prefill GEMMs (the plan's phase-3 entries)
+        self._reserve_phase(3)
         for e in self.plan:
             if e.phase == 3:
                 name = e.name.removesuffix(".fp16")
@@ -254,6 +260,7 @@ class Model:
                               attn_kv=kv_rows_of(w[f"blk.{i}.attn_qkv"], cfg.q_dim))
                         for i in range(cfg.n_layers)]
         # phase 4: the BufferPool (logit_row stays lazy)
+        self._reserve_phase(4)
         arrays = {}
         for e in self.plan:
             if e.phase == 4 and not e.lazy:
@@ -266,8 +273,18 @@ class Model:
         # mode stores h: a per-call kv_mode may still ask for one)
         self._recon_scratch = None
         if store_h:
+            self._reserve_phase(5)
             self._recon_scratch = self._alloc_recon()
+        self._phase_reserve = {}
         self._pages = PageAllocator(self._ops, self._pool)
+
+    def _reserve_phase(self, phase: int) -> None:
+        """When the load's one segment could not be had: one segment of exactly the phase's
+        bytes (no 2 MiB rounding, so the phases together take what the plan says), best
+        effort like ``MemoryPool.reserve``."""
+        want = self._phase_reserve.pop(phase, None)
+        if want is not None:
+            self._pool.reserve(want[1], want[0], exact=True)
 
     def _release_blocks(self) -> None:
         blocks, self._blocks = self._blocks, []
@@ -298,6 +315,7 @@ class Model:
             self._recons = []
             self._release_blocks()
             self._ops.synchronize()
+            self._ops.release()         # the backend's own scratch blocks
             self._stop_cupy_routing()
 
     def __del__(self):
@@ -338,10 +356,12 @@ class Model:
             return self._fingerprint
 
     def vram_usage_bytes(self) -> int:
-        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row, and
-        what its captured decode steps hold under tag ``graphs``: ``graph_stats()["bytes"]``,
-        made at the first decode step and released with the model)."""
-        own = sum(b.nbytes for b in self._blocks)
+        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row, its
+        backend's scratch (tag ``scratch``: the CUDA backend's argmax, split-K and sampler
+        scratch), and what its captured decode steps hold under tag ``graphs``:
+        ``graph_stats()["bytes"]``, made at the first decode step and released with the
+        model)."""
+        own = sum(b.nbytes for b in self._blocks) + self._ops.scratch_bytes(self._pool)
         return own + (self._graphs.stats()["bytes"] if self._graphs is not None else 0)
 
     # -- the surface request code uses (generate.py, diagnostics, benchmarks) -----------------

@@ -211,3 +211,19 @@ def plan_bytes_by_phase(plan: list[PlanEntry]) -> dict[int, int]:
     for e in plan:
         out[e.phase] = out.get(e.phase, 0) + e.nbytes
     return out
+
+
+def load_phases(plan: list[PlanEntry]) -> list[tuple[int, str, str, int]]:
+    """The load's allocations phase by phase, lazy entries left out: ``(phase, label, tag,
+    bytes)`` in load order, bytes as the pool takes them (each entry rounded up to 512,
+    ``memory.round_size``), tag that of the phase's first entry. What the load checks against
+    the pool's room before allocating, and reserves."""
+    from .memory.arena import round_size
+    out: dict[int, list] = {}
+    for e in plan:
+        if e.lazy:
+            continue
+        if e.phase not in out:
+            out[e.phase] = [e.phase, PHASES.get(e.phase, f"phase {e.phase}"), e.tag, 0]
+        out[e.phase][3] += round_size(e.nbytes)
+    return [tuple(v) for _, v in sorted(out.items())]

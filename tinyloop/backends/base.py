@@ -130,6 +130,15 @@ class Ops:
     def synchronize(self) -> None:
         pass
 
+    def release(self) -> None:
+        """Return the backend's own scratch blocks to their pools (``Model.free`` calls it
+        once the stream is idle; the Ops is not used afterwards). None on this base."""
+
+    def scratch_bytes(self, pool) -> int:
+        """Bytes of the backend's own scratch blocks (tag ``scratch``) that ``pool`` holds
+        now; 0 on this base."""
+        return 0
+
     # --- ops (shapes in comments; T = rows of this chunk) ----------------------------------
     def embed(self, w, ids, out):                   # ids int32 [T]; out f32 [T, d]
         raise NotImplementedError

@@ -22,6 +22,7 @@ residual row into shared memory first, bit-identically to ``rmsnorm``) and leave
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -38,6 +39,7 @@ import numpy as np
 from ..config import fused_qkv_rope_enabled, pdl_enabled
 from ..errors import ConfigError
 from ..kvcache import H_MODES
+from ..memory import get_pool
 from ..quant import QuantWeight
 from .base import LOGIT_FAULTS, STEP_POS, STEP_ROPE_MAX, STEP_WORDS, Ops, non_finite_logits
 
@@ -451,13 +453,14 @@ class _Kernel:
     """A RawKernel of a family, called as CuPy's (grid, block, args, shared_mem=); launched
     with PDL while its backend's switch is on and its name is in PDL_KERNELS."""
 
-    __slots__ = ("raw", "name", "pdl", "switch")
+    __slots__ = ("raw", "name", "pdl", "switch", "pool")
 
-    def __init__(self, raw, name: str, switch: _PdlSwitch):
+    def __init__(self, raw, name: str, switch: _PdlSwitch, pool=None):
         self.raw = raw
         self.name = name
         self.pdl = name.startswith(PDL_KERNELS)
         self.switch = switch
+        self.pool = pool           # until the first launch: the pool that measures it
 
     def __getattr__(self, name):
         # everything else is the RawKernel's (.kernel: CuPy's Function, .attributes, ...)
@@ -466,6 +469,11 @@ class _Kernel:
         return getattr(self.raw, name)
 
     def __call__(self, grid, block, args, shared_mem=0):
+        if self.pool is not None:
+            # a lazily loaded module loads the kernel at its first launch: measured
+            pool, self.pool = self.pool, None
+            with pool.measure_driver("kernel modules"):
+                return self(grid, block, args, shared_mem)
         sw = self.switch
         if sw.on and self.pdl:
             sw.launcher.launch(self.raw.kernel.ptr, grid, block, args, shared_mem,
@@ -623,71 +631,108 @@ class CudaOps(Ops):
         self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
         self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
         self.attn_prefill = attn_prefill_setting(attn_prefill)     # mma | scalar
-        # split-K decode attention's partials f32 [n_heads, splits, hd + 2], cudaMalloc'd
-        # beside the argmax scratch on the first decode that needs more (an eager step always
-        # precedes a capture, so a captured launch never grows it)
-        self._ds_ptr, self._ds_cap = 0, 0
+        # Every buffer of the backend's own is a pool block under tag "scratch": device
+        # scratch in the cuda pool, the mapped host words in the pinned pool (blocks of these
+        # process pools, returned by release() or, for an Ops no Model owns, when it dies).
+        self._cuda_pool = get_pool("cuda")
+        self._pinned_pool = get_pool("pinned")
+        # split-K decode attention's partials f32 [n_heads, splits, hd + 2], a pool block
+        # taken on the first decode that needs more (an eager step always precedes a capture,
+        # so a captured launch never grows it; a capture that did would fail its pool check)
+        self._ds_blk, self._ds_ptr, self._ds_cap = None, 0, 0
         self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
         # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
         # pointer is valid on the device), so greedy decode allocates nothing and copies
-        # nothing back besides these two ints.
-        self._id_ptr = cupy.cuda.runtime.hostAlloc(8, 0x01 | 0x02)   # portable | mapped
+        # nothing back besides these two ints. Then a sampled captured step's parameters
+        # f64 [4] = (temperature, top_k, top_p, u): the host writes them before each replay
+        # and sample.cu's sample_step reads them when it runs (set_step_sampling /
+        # head_sample_step). One pinned block holds both.
+        self._pinned_blk = self._pinned_pool.allocate(8 + 32, "scratch")
+        self._id_ptr = self._pinned_blk.ptr
         self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
-        # A sampled captured step's parameters f64 [4] = (temperature, top_k, top_p, u), in
-        # mapped pinned memory too: the host writes them before each replay and sample.cu's
-        # sample_step reads them when it runs (set_step_sampling / head_sample_step).
-        self._smp_ptr = cupy.cuda.runtime.hostAlloc(32, 0x01 | 0x02)
+        self._smp_ptr = self._id_ptr + 8
         self._smp_view = (ctypes.c_double * 4).from_address(self._smp_ptr)
-        self._free_host = cupy.cuda.runtime.freeHost
         # Device scratch of the LM head's fused argmax (gemv2_norm_*_argmax): one (value, id)
         # partial per block (at most one resident wave of the smallest blocks), the last-block
         # ticket (0 between launches: the kernel re-arms it) and the device copy of the chosen
-        # id (what a captured step's next embedding would read). 35 KB on a 132-SM H200, taken
-        # once with cudaMalloc beside the pinned id, outside the tagged pool.
-        # Then qkv_rope.cu's int8 ticket (u32, likewise re-armed by the kernel).
+        # id (what a captured step's next embedding would read). Then qkv_rope.cu's int8
+        # ticket (u32, likewise re-armed by the kernel).
         self._part_cap = sms * _MAX_BLOCKS_PER_SM
         nbytes = self._part_cap * 8 + 32
-        self._scratch_ptr = cupy.cuda.runtime.malloc(nbytes)
+        self._scratch_blk = self._cuda_pool.allocate(nbytes, "scratch")
+        self._scratch_ptr = self._scratch_blk.ptr
         cupy.cuda.runtime.memset(self._scratch_ptr, 0, nbytes)
         self._part_v = self._scratch_ptr
         self._part_i = self._scratch_ptr + self._part_cap * 4
         self._ticket = self._scratch_ptr + self._part_cap * 8
         self._id_dev = self._ticket + 8
         self._qkv_ticket = self._ticket + 16
-        self._free_dev = cupy.cuda.runtime.free
-        self._wq_ptr, self._wq_cap = 0, 0   # sample_topk_topp's u64 [vocab] scratch
+        # sample_topk_topp's u64 [vocab] scratch (a pool block, taken at the first use)
+        self._wq_blk, self._wq_ptr, self._wq_cap = None, 0, 0
+        self._cublas_measured = False       # the first cuBLAS call is measured (NVML)
         self.device_sampling = True         # False: temperature > 0 through _sample_cupy
         self._capture_stream = None         # the decode-step capture stream (graph_begin)
         self._capturing = None              # that stream while a capture is open
         self._mega_fit: dict = {}           # (head_dim, smem) -> megakernel blocks per SM;
                                             # ("why", head_dim, smem) -> mega_why_not
 
+    _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk")
+
+    def release(self) -> None:
+        """Return the backend's scratch blocks to their pools (``Model.free`` calls it after
+        the stream is idle; this Ops is not used afterwards). Idempotent."""
+        self._id_view = self._smp_view = None
+        self._id_ptr = self._smp_ptr = self._scratch_ptr = self._ds_ptr = self._wq_ptr = 0
+        self._ds_cap = self._wq_cap = 0
+        for name in self._BLOCKS:
+            blk = getattr(self, name, None)
+            setattr(self, name, None)
+            if blk is not None and not blk.freed:
+                blk.pool.free(blk)
+
+    def scratch_bytes(self, pool) -> int:
+        """Bytes of this backend's scratch blocks (argmax partials and tickets, split-K
+        partials, the sampler's scratch; the mapped host words in the pinned pool) in
+        ``pool``."""
+        return sum(b.nbytes for b in (getattr(self, n, None) for n in self._BLOCKS)
+                   if b is not None and not b.freed and b.pool is pool)
+
     def __del__(self):
-        for name in ("_id_ptr", "_smp_ptr"):
-            ptr = getattr(self, name, None)
-            if ptr:
-                setattr(self, name, None)
-                if not sys.is_finalizing():  # at exit the process's pinned memory goes with it
-                    self._free_host(ptr)
-        for name in ("_wq_ptr", "_scratch_ptr", "_ds_ptr"):   # device scratch: likewise at exit
-            ptr = getattr(self, name, None)
-            if ptr:
-                setattr(self, name, None)
-                if not sys.is_finalizing():
-                    self._free_dev(ptr)
+        # An Ops no Model released (a test's or a benchmark's) gives its blocks back when it
+        # dies; the collector may run this while a pool's lock is held, so the pool defers
+        # the free. At exit the pools go with the process.
+        if sys.is_finalizing():
+            return
+        for name in self._BLOCKS:
+            blk = getattr(self, name, None)
+            if blk is not None and not blk.freed:
+                blk.pool._free_from_finalizer(blk)
 
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)
         if fn is None:
-            fn = self._fns[kernel] = _Kernel(get_module(family).get_function(kernel), kernel,
-                                             self._pdl)
+            # module loads take device memory outside the pool: measured, to be named
+            with self._cuda_pool.measure_driver("kernel modules"):
+                raw = get_module(family).get_function(kernel)
+            fn = self._fns[kernel] = _Kernel(raw, kernel, self._pdl, self._cuda_pool)
         return fn
+
+    def _matmul(self, a, b, out=None):
+        """``cupy.matmul`` (cuBLAS); the first call is measured for the cuBLAS handle and
+        workspace it makes (device memory outside the pool)."""
+        if self._cublas_measured:
+            return cupy.matmul(a, b, out=out)
+        with self._cuda_pool.measure_driver("cublas workspace"):
+            y = cupy.matmul(a, b, out=out)
+        self._cublas_measured = True
+        return y
 
     def compile_all(self) -> None:
         """Compile every kernel family now (otherwise each compiles on first use)."""
-        for fam in FAMILIES:
-            get_module(fam)
+        with self._cuda_pool.measure_driver("kernel modules"):
+            for fam in FAMILIES:
+                get_module(fam)
 
     # --- memory ------------------------------------------------------------------------------
     def to_host(self, arr) -> np.ndarray:
@@ -762,10 +807,11 @@ class CudaOps(Ops):
         vocab, d = w.shape
         _dev(out, "out", np.float32, 2)
         t = out.shape[0]
+        keep = None
         if isinstance(ids, cupy.ndarray):
             _dev(ids, "ids", np.int32, 1)
             _shape(ids, "ids", (t,))
-            ids_ptr, id0, keep = ids.data.ptr, 0, ids
+            ids_ptr, id0 = ids.data.ptr, 0
         else:
             host = np.atleast_1d(np.asarray(ids))
             if host.ndim != 1 or host.shape[0] != t or host.dtype.kind not in "iu":
@@ -774,15 +820,22 @@ class CudaOps(Ops):
             if bad.any():
                 raise ConfigError(f"token id {int(host[bad][0])} is outside 0..{vocab - 1}")
             if t == 1:
-                ids_ptr, id0, keep = 0, int(host[0]), None
-            else:
-                keep = cupy.asarray(host.astype(np.int32))
-                ids_ptr, id0 = keep.data.ptr, 0
-        _shape(out, "out", (t, d))
-        self._fn("dequant", f"embed_q{w.bits}")(
-            (t,), (256,), (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr, ids_ptr,
-                           id0, d, vocab, _log2g(w), out.data.ptr))
-        del keep  # (a host-ids upload stays alive until the launch is queued)
+                ids_ptr, id0 = 0, int(host[0])
+            else:                        # uploaded into a scratch block
+                dev, keep = self.empty(self._cuda_pool, (t,), np.int32, "scratch")
+                ids_ptr, id0 = dev.data.ptr, 0
+        try:
+            if keep is not None:
+                self.from_host(host.astype(np.int32), dev)
+            _shape(out, "out", (t, d))
+            self._fn("dequant", f"embed_q{w.bits}")(
+                (t,), (256,), (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr,
+                               ids_ptr, id0, d, vocab, _log2g(w), out.data.ptr))
+        finally:
+            # the launch is queued: the block may go back at once (every later use of it is
+            # on this stream, after the kernel)
+            if keep is not None:
+                keep.free()
 
     def rmsnorm(self, x, weight, eps, out):
         """out f16 [T, d] = x / sqrt(mean(x^2) + eps) * weight; x f32 [T, d], weight f32 [d]."""
@@ -863,9 +916,9 @@ class CudaOps(Ops):
         # The resid / f32 epilogues round the product to FP16 first (one temporary from CuPy's
         # allocator, i.e. the pool's "cupy" tag while a model lives).
         if epi == "f16":
-            cupy.matmul(x, w16.T, out=out)
+            self._matmul(x, w16.T, out=out)
             return
-        y = cupy.matmul(x, w16.T)          # [T, N] f16
+        y = self._matmul(x, w16.T)         # [T, N] f16
         kern = "add_f16_to_f32" if epi == "resid" else "copy_f16_to_f32"
         self._fn("elementwise", kern)(((y.size + 255) // 256,), (256,),
                                       (y.data.ptr, y.size, out.data.ptr))
@@ -1135,11 +1188,12 @@ class CudaOps(Ops):
         # each head re-arms its own), then the partials f32 [n_heads, ns, hd + 2]
         need = 4 * _DS_TICKETS + int(n_heads) * ns * (int(head_dim) + 2) * 4
         if need > self._ds_cap:
-            if self._ds_ptr:
+            if self._ds_blk is not None:
                 self.synchronize()
-                self._free_dev(self._ds_ptr)
-                self._ds_ptr, self._ds_cap = 0, 0
-            self._ds_ptr = cupy.cuda.runtime.malloc(need)
+                blk, self._ds_blk, self._ds_ptr, self._ds_cap = self._ds_blk, None, 0, 0
+                blk.free()
+            self._ds_blk = self._cuda_pool.allocate(need, "scratch")
+            self._ds_ptr = self._ds_blk.ptr
             cupy.cuda.runtime.memset(self._ds_ptr, 0, 4 * _DS_TICKETS)
             self._ds_cap = need
         self._fn("attention_decode", _SPLIT_NAMES[mode, head_dim])(
@@ -1175,7 +1229,7 @@ class CudaOps(Ops):
             _dev(tmp1, "tmp1", np.float16, 2)
             tmp1 = _rows(tmp1, "tmp1", t)
             _shape(tmp1, "tmp1", (t, d))
-            cupy.matmul(tmp2, _fp16_of(w).T, out=tmp1)
+            self._matmul(tmp2, _fp16_of(w).T, out=tmp1)
             self._fn("elementwise", "copy_f16_to_f32")(
                 ((t * d + 255) // 256,), (256,), (tmp1.data.ptr, t * d, state.data.ptr))
             return
@@ -1333,8 +1387,11 @@ class CudaOps(Ops):
         try:
             launcher = _PdlLauncher()
             k = self._fn("elementwise", "copy_f16_to_f32")   # n = 0: touches no memory
-            launcher.launch(k.raw.kernel.ptr, 1, 32, (0, 0, 0), 0,
-                            cupy.cuda.get_current_stream().ptr)
+            pool, k.pool = k.pool, None        # a first launch: measured, as _Kernel's
+            with (pool.measure_driver("kernel modules") if pool is not None
+                  else contextlib.nullcontext()):
+                launcher.launch(k.raw.kernel.ptr, 1, 32, (0, 0, 0), 0,
+                                cupy.cuda.get_current_stream().ptr)
             cupy.cuda.get_current_stream().synchronize()
             return launcher
         except Exception as exc:                         # OSError, CUDADriverError, ...
@@ -1615,16 +1672,18 @@ class CudaOps(Ops):
         fit = self._mega_fit.get(key)
         if fit is None:
             fn = self._fn("decode_mega", f"decode_mega_hd{int(head_dim)}")
-            attrs = fn.attributes
-            dev = cupy.cuda.Device().attributes
-            fit = occupancy_estimate(attrs["num_regs"], attrs["shared_size_bytes"], smem,
-                                     _MEGA_THREADS, dev)
-            try:
-                api = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                    fn.kernel.ptr, _MEGA_THREADS, smem))
-                fit = min(fit, api)
-            except Exception:      # not exposed by this CuPy (or another signature): the estimate
-                pass
+            # (a lazily loaded kernel may load at its first attribute query: measured)
+            with self._cuda_pool.measure_driver("kernel modules"):
+                attrs = fn.attributes
+                dev = cupy.cuda.Device().attributes
+                fit = occupancy_estimate(attrs["num_regs"], attrs["shared_size_bytes"], smem,
+                                         _MEGA_THREADS, dev)
+                try:
+                    api = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                        fn.kernel.ptr, _MEGA_THREADS, smem))
+                    fit = min(fit, api)
+                except Exception:  # not exposed by this CuPy (or another signature): estimate
+                    pass
             self._mega_fit[key] = fit
         if fit < 1:
             raise ConfigError(f"no megakernel block fits on an SM (head_dim={head_dim}, "
@@ -1643,9 +1702,12 @@ class CudaOps(Ops):
         vals = [ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int64(int(a))
                 for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        cupy.cuda.driver.launchCooperativeKernel(
-            fn.kernel.ptr, int(blocks), 1, 1, _MEGA_THREADS, 1, 1, int(smem),
-            cupy.cuda.get_current_stream().ptr, ctypes.addressof(params))
+        pool, fn.pool = fn.pool, None            # the first launch is measured, as _Kernel's
+        with (pool.measure_driver("kernel modules") if pool is not None
+              else contextlib.nullcontext()):
+            cupy.cuda.driver.launchCooperativeKernel(
+                fn.kernel.ptr, int(blocks), 1, 1, _MEGA_THREADS, 1, 1, int(smem),
+                cupy.cuda.get_current_stream().ptr, ctypes.addressof(params))
 
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
@@ -1713,11 +1775,12 @@ class CudaOps(Ops):
             return
         if self._capturing is not None:
             raise ConfigError("the sampler's scratch must be grown before a capture")
-        if self._wq_ptr:
+        if self._wq_blk is not None:
             cupy.cuda.get_current_stream().synchronize()
-            self._free_dev(self._wq_ptr)
-            self._wq_ptr, self._wq_cap = 0, 0
-        self._wq_ptr = cupy.cuda.runtime.malloc(8 * n)
+            blk, self._wq_blk, self._wq_ptr, self._wq_cap = self._wq_blk, None, 0, 0
+            blk.free()
+        self._wq_blk = self._cuda_pool.allocate(8 * n, "scratch")
+        self._wq_ptr = self._wq_blk.ptr
         self._wq_cap = n
 
     @staticmethod

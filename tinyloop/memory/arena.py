@@ -21,8 +21,11 @@ Size classes (every number below is a choice, with its reason):
 - Larger requests ("large": weights, KV caches, prefill logits) get a segment of their own,
   rounded up to ``LARGE_SEGMENT_ROUND = 2 MiB`` (the same page granularity: the driver would
   round anyway, and the tail becomes a reusable free chunk instead of invisible slack).
-- Small and large requests never share a segment: a long-lived 4 KiB block must not pin a
-  1 GiB segment that ``empty_cache`` could otherwise return (the reason PyTorch keeps two pools).
+- Small and large requests share no segment while the pool can grow: a long-lived 4 KiB block
+  must not pin a 1 GiB segment that ``empty_cache`` could otherwise return (the reason PyTorch
+  keeps two pools). When the budget or the device allows no new segment, a request takes a free
+  range of the other class (``MemoryPool`` decides when; the arena only filters): bytes the pool
+  already holds serve any request they fit.
 
 Chunks in the large class are split exactly, so a reused large segment's tail stays free for
 the next large request; best fit keeps a small large request out of a huge free chunk whenever a
@@ -106,6 +109,12 @@ class Chunk:
         return f"Chunk(ptr=0x{self.ptr:x}, size={self.size}, {state})"
 
 
+def _drop(c: Chunk) -> None:
+    """Cut every link of a chunk that merging removed from its segment, so nothing it pointed
+    at (its neighbours, its segment and the segment's buffer) waits for the cycle collector."""
+    c.prev = c.next = c.segment = c.owner = None
+
+
 class Arena:
     """Segments tiled by chunks; best fit with splitting and coalescing.
 
@@ -153,17 +162,45 @@ class Arena:
         return [s for s in self.segments.values() if s.first.free and s.first.next is None]
 
     def remove_segment(self, seg: Segment) -> None:
-        """Drop a fully free segment; raises ValueError if any of its chunks is live."""
+        """Drop a fully free segment; raises ValueError if any of its chunks is live.
+
+        The segment and its chunk point at each other: both links are cut here, so the pair
+        (and the raw allocator's ``handle``, the host pool's buffer) is freed the moment the
+        caller drops it, without waiting for the cycle collector."""
         if not (seg.first.free and seg.first.next is None):
             raise ValueError(f"{seg!r} still has live blocks")
         self._remove_free(seg.first)
         del self.segments[seg.ptr]
+        seg.first.segment = None
+        seg.first = None
 
     # --- chunks ---------------------------------------------------------------------------
-    def take(self, rounded: int, kind: str) -> Chunk | None:
-        """Best-fit a live chunk of exactly ``rounded`` bytes from class ``kind``, or None."""
-        lst = self._free[kind]
+    def _fit_index(self, lst: list, rounded: int, partly_used_only: bool) -> int:
+        """Index in the sorted free list ``lst`` of the best fit for ``rounded`` bytes (the
+        smallest chunk that fits, lowest address on a tie), or ``len(lst)``.
+        ``partly_used_only`` skips chunks that are a whole segment (no live block there)."""
         i = bisect.bisect_left(lst, (rounded, -1))
+        if partly_used_only:
+            chunk = self._free_chunk
+            while i < len(lst):
+                c = chunk[lst[i][1]]
+                if c.prev is not None or c.next is not None:
+                    break
+                i += 1
+        return i
+
+    def fits(self, rounded: int, kind: str, partly_used_only: bool = False) -> bool:
+        """Whether class ``kind`` has a free chunk of at least ``rounded`` bytes (in a segment
+        that also holds live blocks, with ``partly_used_only``)."""
+        lst = self._free[kind]
+        return self._fit_index(lst, rounded, partly_used_only) < len(lst)
+
+    def take(self, rounded: int, kind: str, partly_used_only: bool = False) -> Chunk | None:
+        """Best-fit a live chunk of exactly ``rounded`` bytes from class ``kind``, or None
+        (``partly_used_only``: only from segments that already hold live blocks)."""
+        lst = self._free[kind]
+        i = self._fit_index(lst, rounded, partly_used_only) if partly_used_only else \
+            bisect.bisect_left(lst, (rounded, -1))
         if i == len(lst):
             return None
         size, ptr = lst[i]
@@ -180,10 +217,12 @@ class Arena:
         c.free = False
         return c
 
-    def take_run(self, rounded: int, n: int, kind: str) -> list[Chunk]:
+    def take_run(self, rounded: int, n: int, kind: str, partly_used_only: bool = False,
+                 one_range: bool = False) -> list[Chunk]:
         """Up to ``n`` live chunks of exactly ``rounded`` bytes from class ``kind``: the chunks
         ``n`` calls of :meth:`take` would return, in that order, or fewer (possibly none) when
-        the class runs out of chunks that fit.
+        the class runs out of chunks that fit. ``partly_used_only`` as in :meth:`take`;
+        ``one_range``: carve the best-fit free chunk only, not the next one after it.
 
         Why one carve per free chunk is the same as ``n`` takes: after ``take`` splits the
         best-fit chunk ``(S, p)``, its tail ``(S - rounded, p + rounded)`` sorts before every
@@ -196,7 +235,8 @@ class Arena:
         lst = self._free[kind]
         key = (rounded, -1)
         while len(out) < n:
-            i = bisect.bisect_left(lst, key)
+            i = self._fit_index(lst, rounded, True) if partly_used_only else \
+                bisect.bisect_left(lst, key)
             if i == len(lst):
                 break
             size, ptr = lst[i]
@@ -227,6 +267,8 @@ class Arena:
                 prev.next = nxt
                 if nxt is not None:
                     nxt.prev = prev
+            if one_range:
+                break
         return out
 
     def give_back(self, c: Chunk) -> Chunk:
@@ -257,6 +299,8 @@ class Arena:
         first.next = last.next
         if last.next is not None:
             last.next.prev = first
+        for c in run[1:]:                       # absorbed: no links left to or from them
+            _drop(c)
         return self._merge(first)
 
     def _merge(self, c: Chunk) -> Chunk:
@@ -268,6 +312,7 @@ class Arena:
             c.next = nxt.next
             if nxt.next is not None:
                 nxt.next.prev = c
+            _drop(nxt)
         prv = c.prev
         if prv is not None and prv.free:        # be absorbed by the previous chunk
             self._remove_free(prv)
@@ -275,6 +320,7 @@ class Arena:
             prv.next = c.next
             if c.next is not None:
                 c.next.prev = prv
+            _drop(c)
             c = prv
         self._insert_free(c)
         return c
@@ -286,6 +332,10 @@ class Arena:
     def largest_free_of(self, kind: str) -> int:
         lst = self._free[kind]
         return lst[-1][0] if lst else 0
+
+    def free_segment_bytes(self) -> int:
+        """Bytes of the segments with no live block (what returning them would release)."""
+        return sum(s.size for s in self.free_segments())
 
     def free_bytes(self) -> int:
         return sum(size for lst in self._free.values() for size, _ in lst)

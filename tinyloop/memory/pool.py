@@ -17,6 +17,7 @@ the device before a segment goes back.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import threading
 import time
@@ -24,7 +25,8 @@ import time
 from ..errors import ConfigError
 from .arena import Arena, round_size, segment_size, size_kind
 from .block import Block
-from .budget import check_limit, crosses, out_of_memory
+from .budget import (check_limit, crosses, out_of_memory, plan_out_of_memory,
+                     plan_room)
 from .events import DEFAULT_EVENT_CAPACITY, EventLog, MemoryEvent, events_logged
 from .stats import MemoryStats, fmt_bytes
 from .tags import TAGS, check_tag, current_tag, packed
@@ -52,8 +54,12 @@ class MemoryPool:
             elif device == "cuda":
                 from .raw import CudaRawAllocator
                 raw_allocator = CudaRawAllocator()
+            elif device == "pinned":
+                from .raw import PinnedRawAllocator
+                raw_allocator = PinnedRawAllocator()
             else:
-                raise ConfigError(f"unknown device {device!r}; expected 'host' or 'cuda'")
+                raise ConfigError(f"unknown device {device!r}; expected 'host', 'cuda' or "
+                                  "'pinned'")
         self._raw = raw_allocator
         self.device = device if device is not None else raw_allocator.device
         self.device_index = raw_allocator.device_index
@@ -92,6 +98,14 @@ class MemoryPool:
         # while _lock was taken, possibly by this very thread: drained under _lock by the next
         # call. deque.append / popleft are atomic, so this needs no lock of its own.
         self._deferred: collections.deque = collections.deque()
+        # Device bytes the driver gives this process outside the pool, by what took them
+        # (stats.DRIVER_LINES; guarded by _lock): the driver's figure when the raw allocator
+        # was made (the CUDA context), then what measure_driver saw each load or first use
+        # take beyond the pool's own segments.
+        self._driver_bytes: dict[str, int] = {}
+        context = getattr(raw_allocator, "context_bytes", None)
+        if context is not None:
+            self._driver_bytes["cuda context"] = context
         if limit_bytes is not None:
             self.set_limit(limit_bytes)
 
@@ -99,9 +113,13 @@ class MemoryPool:
     def allocate(self, nbytes: int, tag: str | None = None) -> Block:
         """A block of at least ``nbytes`` bytes (rounded up to 512) tagged ``tag``.
 
-        ``tag=None`` takes ``current_tag()``. Raises ``tinyloop.OutOfMemoryError`` when the
-        request would cross the budget or the device is full even after the pool returned
-        its cached free segments; ConfigError for an unknown tag, ValueError for nbytes < 0.
+        ``tag=None`` takes ``current_tag()``. Where the block comes from (the rule
+        ``_make_room`` implements): the best-fit free range of the request's size class; else a
+        new segment; else the best-fit free range of the other class. So a request is served
+        whenever one free range of the pool holds it, or a new segment of its size fits in the
+        limit once every fully free segment is returned (and the device grants it). Raises
+        ``tinyloop.OutOfMemoryError`` otherwise, naming the largest free range and why no
+        segment could be added; ConfigError for an unknown tag, ValueError for nbytes < 0.
         """
         nbytes = operator.index(nbytes)
         if nbytes < 0:
@@ -117,9 +135,12 @@ class MemoryPool:
                 self._drain_deferred()
             chunk = self._arena.take(rounded, kind)
             if chunk is None:
-                self._grow(nbytes, rounded, kind, tag)      # raises OutOfMemoryError
-                chunk = self._arena.take(rounded, kind)
-                assert chunk is not None, "a fresh segment must fit its request"
+                reasons: list = []
+                room = self._make_room(rounded, kind, tag, reasons)
+                if room is None:
+                    raise self._oom_locked(nbytes, rounded, 1, 0, tag, reasons)
+                chunk = self._arena.take(rounded, *room)
+                assert chunk is not None, "the room made must fit the request"
             blk = Block(self, chunk, nbytes, tag)
             chunk.owner = blk
             self._allocated_bytes += rounded
@@ -147,8 +168,10 @@ class MemoryPool:
         address-contiguous runs are neighbours in the list (``block.contiguous_runs``).
         Raises ``tinyloop.OutOfMemoryError`` when not all ``n`` fit: the blocks carved so far
         are given back first (nothing stays allocated, no ``alloc`` event is logged; segments
-        added for the batch stay cached, as after any failed allocation). ConfigError for an
-        unknown tag, ValueError for nbytes < 0 or n < 0.
+        added for the batch stay cached, as after any failed allocation), and the error names
+        the batch (``n`` blocks, the total bytes, how many fitted) with the pool's figures as
+        they are after that give-back. ConfigError for an unknown tag, ValueError for
+        nbytes < 0 or n < 0.
         """
         nbytes = operator.index(nbytes)
         n = operator.index(n)
@@ -174,13 +197,20 @@ class MemoryPool:
             marks = []                  # (events staged, chunks carved) after each carve
             self._log_event = staged.append
             chunks: list = []
+            reasons: list = []
             try:
                 chunks = arena.take_run(rounded, n, kind)
                 marks.append((0, len(chunks)))
                 while len(chunks) < n:
-                    self._grow(nbytes, rounded, kind, tag)  # raises OutOfMemoryError
+                    # what the one-by-one path does for its next block: its class's free
+                    # ranges (empty by now, unless room was made there), else make room
+                    room = self._make_room(rounded, kind, tag, reasons)
+                    if room is None:
+                        break
+                    more = arena.take_run(rounded, n - len(chunks), *room, one_range=True)
+                    assert more, "the room made must fit the request"
+                    chunks += more
                     more = arena.take_run(rounded, n - len(chunks), kind)
-                    assert more, "a fresh segment must fit its request"
                     chunks += more
                     marks.append((len(staged), len(chunks)))
             except BaseException:
@@ -191,6 +221,13 @@ class MemoryPool:
                 raise
             finally:
                 self._log_event = log
+            if len(chunks) < n:
+                fitted = len(chunks)
+                for c in reversed(chunks):
+                    arena.give_back(c)
+                for e in staged:
+                    log(e)
+                raise self._oom_locked(nbytes, rounded, n, fitted, tag, reasons)
             now, pool = _now(), self
             blocks = []
             append = blocks.append
@@ -262,66 +299,147 @@ class MemoryPool:
                     self._num_frees += j - i
                 i = j
 
-    def reserve(self, nbytes: int, tag: str | None = None) -> bool:
+    def reserve(self, nbytes: int, tag: str | None = None, exact: bool = False) -> bool:
         """Make sure one free "large" chunk of at least ``nbytes`` (rounded to 512) exists,
-        adding one segment (rounded up to 2 MiB) if not: a load that knows its total asks for
-        it once, so its tensors (allocated inside ``packed_scope``) share one segment and leave
-        one rounding tail instead of one per tensor. Best effort: returns False (nothing
-        raised, no out-of-memory counted or logged) when no such segment can be had, so the
-        caller's own allocations then fit or raise naming their own tags; True otherwise."""
+        adding one segment if not (rounded up to 2 MiB, or of exactly the request when that
+        crosses the limit or the device refuses it, or always with ``exact``; every fully
+        free segment is returned first when that can make room): a load that knows its total
+        asks for it once, so its tensors (allocated inside ``packed_scope``) share one segment
+        and leave one rounding tail instead of one per tensor. Best effort: returns False
+        (nothing raised, no out-of-memory counted or logged) when no such segment can be had,
+        so the caller's own allocations then fit or raise naming their own tags; True
+        otherwise."""
         rounded = round_size(operator.index(nbytes))
         tag = current_tag() if tag is None else check_tag(tag)
         with self._lock:
             if self._deferred:
                 self._drain_deferred()
-            if self._arena.largest_free_of("large") < rounded:
-                return self._grow(nbytes, rounded, "large", tag, probe=True)
-            return True
+            if self._arena.largest_free_of("large") >= rounded:
+                return True
+            return self._grow_locked(rounded, "large", tag, [], exact)
 
-    def _grow(self, nbytes: int, rounded: int, kind: str, tag: str,
-              probe: bool = False) -> bool:
-        """Add a segment that fits ``rounded`` bytes, or raise OutOfMemoryError (``probe``:
-        return False instead, counting and logging nothing). Holds _lock.
+    def check_room(self, phases, what: str) -> None:
+        """Raise OutOfMemoryError before anything is allocated when ``phases`` (``(label,
+        tag, nbytes)`` in allocation order, nbytes as the pool rounds them) cannot fit however
+        they are packed: their total is above the limit minus the live blocks (and, on CUDA,
+        above the driver's free bytes plus the pool's own free bytes; ``budget.plan_room``).
+        The error names ``what`` (e.g. "loading model.tlm"), each phase's bytes, the room and
+        the phase that does not fit; it is counted and logged as an out-of-memory."""
+        phases = list(phases)
+        total = sum(b for _, _, b in phases)
+        with self._lock:
+            if self._deferred:
+                self._drain_deferred()
+            device_free = self._raw.mem_info()[0]
+            room = plan_room(allocated_bytes=self._allocated_bytes,
+                             reserved_bytes=self._reserved_bytes, limit_bytes=self._limit_bytes,
+                             device=self.device, device_free_bytes=device_free)
+            if room is None or total <= room:
+                return
+            err = plan_out_of_memory(self.device, what, phases, room,
+                                     allocated_bytes=self._allocated_bytes,
+                                     reserved_bytes=self._reserved_bytes,
+                                     limit_bytes=self._limit_bytes,
+                                     device_free_bytes=device_free)
+            self._num_ooms += 1
+            self._log_event((_now(), "oom", 0, total, err.tag))
+        raise err
 
-        Tries the class's segment size, then a segment of exactly ``rounded`` bytes (when the
-        budget or the device has room for the request but not for the whole segment). If both
-        fail, returns every cached free segment to the raw allocator and tries once more.
-        """
-        sizes = [segment_size(rounded)]
+    def _add_segment(self, size: int, kind: str, tag: str, reasons: list) -> bool:
+        """Add one ``size``-byte segment of class ``kind`` from the raw allocator, or append
+        why not to ``reasons`` and return False. Holds _lock."""
+        if crosses(self._limit_bytes, self._reserved_bytes, size):
+            reasons.append(f"a new {fmt_bytes(size)} segment would take reserved bytes to "
+                           f"{self._reserved_bytes + size}, past the {self._limit_bytes}-byte "
+                           f"limit")
+            return False
+        try:
+            ptr, handle = self._raw.malloc(size)
+        except MemoryError as e:                    # the device (or host) is full
+            reasons.append(f"the raw allocator refused a {fmt_bytes(size)} segment ({e})")
+            return False
+        self._arena.add_segment(ptr, size, kind, handle)
+        self._reserved_bytes += size
+        self._num_segment_allocs += 1
+        self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
+        self._log_event((_now(), "segment_alloc", ptr, size, tag))
+        return True
+
+    def _release_could_help(self, rounded: int) -> bool:
+        """Whether returning the fully free segments may let a ``rounded``-byte segment in:
+        there are some, and the limit (if any) has room for it once they are gone (the device
+        may still refuse). Holds _lock."""
+        free_seg = self._arena.free_segment_bytes()
+        return free_seg > 0 and not crosses(self._limit_bytes, self._reserved_bytes - free_seg,
+                                            rounded)
+
+    def _grow_locked(self, rounded: int, kind: str, tag: str, reasons: list,
+                     exact: bool = False) -> bool:
+        """Add a segment of class ``kind`` that fits ``rounded`` bytes: the class's segment
+        size, else (or only, with ``exact``) exactly ``rounded``; if none can be had, return
+        every fully free segment (when that can make room) and try once more. False, with
+        the refusals in ``reasons``, when no segment can be had. Holds _lock."""
+        sizes = [rounded] if exact else [segment_size(rounded)]
         if rounded < sizes[0]:
             sizes.append(rounded)
-        reasons = []
-        for attempt in range(2):
-            reasons.clear()
-            for size in sizes:
-                if crosses(self._limit_bytes, self._reserved_bytes, size):
-                    reasons.append(f"a {fmt_bytes(size)} segment would cross the "
-                                   f"{fmt_bytes(self._limit_bytes)} limit")
-                    continue
-                try:
-                    ptr, handle = self._raw.malloc(size)
-                except MemoryError as e:            # the device (or host) is full
-                    reasons.append(f"the raw allocator refused {fmt_bytes(size)} ({e})")
-                    continue
-                self._arena.add_segment(ptr, size, kind, handle)
-                self._reserved_bytes += size
-                self._num_segment_allocs += 1
-                self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
-                self._log_event((_now(), "segment_alloc", ptr, size, tag))
-                return True
-            if attempt == 0:
-                if not self._release_free_segments():
-                    break                           # nothing cached: a retry cannot help
-                self._num_alloc_retries += 1
-        if probe:
+        if any(self._add_segment(size, kind, tag, reasons) for size in sizes):
+            return True
+        if not self._release_could_help(rounded):
             return False
+        released = self._release_free_segments()
+        self._num_alloc_retries += 1
+        reasons.append(f"then {fmt_bytes(released)} of cached free segments went back")
+        return any(self._add_segment(size, kind, tag, reasons) for size in sizes)
+
+    def _make_room(self, rounded: int, kind: str, tag: str, reasons: list):
+        """Where a ``rounded``-byte block of class ``kind`` comes from when that class has no
+        free range that fits: ``(class, partly_used_only)`` to take it from, or None, with
+        every refusal appended to ``reasons``. Holds _lock. In order:
+
+        1. a new segment of the class's size (the classes stay apart while the pool grows);
+        2. a free range of the other class in a segment that already holds live blocks (those
+           bytes are pinned anyway, so using them costs no new segment);
+        3. a new segment of exactly ``rounded`` bytes (the class's size did not fit);
+        4. every fully free segment returned (when that can make room), then 1 and 3 again;
+        5. any free range of the other class (a fully free segment that was kept because
+           returning it could not make room under the limit).
+        """
+        other = "small" if kind == "large" else "large"
+        arena = self._arena
+        seg_size = segment_size(rounded)
+        if self._add_segment(seg_size, kind, tag, reasons):
+            return kind, False
+        if arena.fits(rounded, other, partly_used_only=True):
+            return other, True
+        if rounded < seg_size and self._add_segment(rounded, kind, tag, reasons):
+            return kind, False
+        if self._release_could_help(rounded):
+            released = self._release_free_segments()
+            self._num_alloc_retries += 1
+            reasons.append(f"then {fmt_bytes(released)} of cached free segments went back")
+            if self._add_segment(seg_size, kind, tag, reasons):
+                return kind, False
+            if rounded < seg_size and self._add_segment(rounded, kind, tag, reasons):
+                return kind, False
+        if arena.fits(rounded, other):
+            return other, False
+        return None
+
+    def _oom_locked(self, nbytes: int, rounded: int, n: int, fitted: int, tag: str,
+                    reasons: list):
+        """Count and log an out-of-memory and build its error: ``n`` blocks of ``nbytes``
+        (``rounded`` in the pool) were asked for and ``fitted`` of them had been carved (and
+        given back) when no room was left. Holds _lock; the figures are the pool's now."""
         self._num_ooms += 1
-        self._log_event((_now(), "oom", 0, rounded, tag))
-        raise out_of_memory(self.device, nbytes, rounded, tag, reasons,
-                            allocated_bytes=self._allocated_bytes,
-                            reserved_bytes=self._reserved_bytes, limit_bytes=self._limit_bytes,
-                            device_free_bytes=self._raw.mem_info()[0],
-                            by_tag=self._by_tag)
+        self._log_event((_now(), "oom", 0, rounded * n, tag))
+        return out_of_memory(self.device, nbytes, rounded, tag, reasons, n=n, fitted=fitted,
+                             allocated_bytes=self._allocated_bytes,
+                             reserved_bytes=self._reserved_bytes,
+                             limit_bytes=self._limit_bytes,
+                             device_free_bytes=self._raw.mem_info()[0],
+                             largest_free_bytes=self._arena.largest_free(),
+                             free_segment_bytes=self._arena.free_segment_bytes(),
+                             by_tag=self._by_tag)
 
     # --- free -------------------------------------------------------------------------------
     def free(self, blk: Block) -> None:
@@ -396,6 +514,7 @@ class MemoryPool:
         for seg in self._arena.free_segments():
             self._raw.free(seg.ptr, seg.handle)      # first: if it raises, the arena is intact
             self._arena.remove_segment(seg)
+            seg.handle = None       # the host pool's buffer goes now, not at the next gc
             self._reserved_bytes -= seg.size
             self._num_segment_releases += 1
             released += seg.size
@@ -428,6 +547,31 @@ class MemoryPool:
             self._limit_bytes = limit
             if limit is not None and self._reserved_bytes > limit:
                 self._release_free_segments()
+
+    # --- the driver's bytes outside the pool -----------------------------------------------
+    @contextlib.contextmanager
+    def measure_driver(self, label: str):
+        """Attribute to ``label`` (one of ``stats.DRIVER_LINES``: "kernel modules", "cublas
+        workspace", "cuda graphs") the device bytes the driver gives this process while the
+        block runs beyond what the pool reserved meanwhile: NVML's process figure after minus
+        before, minus the change in reserved_bytes. Negative when the block gave bytes back
+        (a graph destroyed). Records nothing where the raw allocator has no such figure. Not
+        for blocks that overlap on two threads (each would count the other's bytes)."""
+        before = self._raw.nvml_process_bytes()
+        reserved = self._reserved_bytes
+        try:
+            yield
+        finally:
+            after = self._raw.nvml_process_bytes()
+            if before is not None and after is not None:
+                delta = (after - before) - (self._reserved_bytes - reserved)
+                with self._lock:
+                    self._driver_bytes[label] = self._driver_bytes.get(label, 0) + delta
+
+    def driver_bytes(self) -> dict:
+        """label -> device bytes attributed outside the pool (each at least 0)."""
+        with self._lock:
+            return {k: max(0, v) for k, v in self._driver_bytes.items()}
 
     # --- statistics -------------------------------------------------------------------------
     @property
@@ -470,7 +614,8 @@ class MemoryPool:
                 num_ooms=self._num_ooms, num_alloc_retries=self._num_alloc_retries,
                 active_blocks=self._live_blocks, segments=len(self._arena.segments),
                 largest_free_block_bytes=largest,
-                external_fragmentation=(1.0 - largest / pool_free) if pool_free else 0.0)
+                external_fragmentation=(1.0 - largest / pool_free) if pool_free else 0.0,
+                driver_bytes={k: max(0, v) for k, v in self._driver_bytes.items()})
         device_free, device_total = self._raw.mem_info()
         return MemoryStats(device_free_bytes=device_free, device_total_bytes=device_total,
                            process_bytes=self._raw.process_bytes(),

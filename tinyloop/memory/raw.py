@@ -10,14 +10,19 @@ A raw allocator has this small interface (duck-typed; the pool calls nothing els
 - ``process_bytes() -> int | None``: what the driver / OS says this process uses
 - ``nvml_process_bytes() -> int | None``: NVML's figure for this process (None off CUDA)
 - ``array(handle, offset, nbytes, shape, dtype, owner)``: an array viewing those bytes
+- ``context_bytes`` (int | None): what the driver said this process held on the device when
+  the allocator was made (the CUDA context and anything before it; None off CUDA or unknown)
 
-Three implementations: ``HostRawAllocator`` (NumPy buffers, so the whole pool runs without a
-GPU), ``CudaRawAllocator`` (cudaMalloc / cudaFree through CuPy, imported lazily) and
-``FakeRawAllocator`` (addresses only, for exact-address tests).
+Four implementations: ``HostRawAllocator`` (NumPy buffers, so the whole pool runs without a
+GPU), ``CudaRawAllocator`` (cudaMalloc / cudaFree through CuPy, imported lazily),
+``PinnedRawAllocator`` (page-locked host memory mapped for the device, cudaHostAlloc) and
+``FakeRawAllocator`` (addresses only, for exact-address tests). They are the only places in
+TinyLoop that call a raw allocation function (tests/test_memory.py checks it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -63,6 +68,7 @@ class HostRawAllocator:
 
     device = "host"
     device_index = 0
+    context_bytes = None
 
     def malloc(self, nbytes: int):
         raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)      # MemoryError when no room
@@ -103,6 +109,11 @@ class CudaRawAllocator:
         # cudaErrorMemoryAllocation (2) is the only cudaMalloc failure that means "full"
         self._oom_status = getattr(self._rt, "errorMemoryAllocation", 2)
         self._nvml = None                                              # pynvml handle, lazily
+        # cudaFree(0) makes the primary context if there is none yet: NVML's figure for this
+        # process then is the context (and whatever the process held on the device before)
+        with cupy.cuda.Device(self.device_index):
+            self._rt.free(0)
+        self.context_bytes = self.nvml_process_bytes()
 
     def malloc(self, nbytes: int):
         with self._cupy.cuda.Device(self.device_index):
@@ -154,6 +165,51 @@ class CudaRawAllocator:
         return cp.ndarray(shape, dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
+class PinnedRawAllocator:
+    """Segments of page-locked host memory mapped into the device's address space
+    (cudaHostAlloc, portable | mapped): with unified addressing the host pointer is valid on
+    the device, so kernels write results there that the host reads without a copy. Blocks
+    view as NumPy arrays. Device memory is untouched: the driver's figures are the host's."""
+
+    device = "pinned"
+    context_bytes = None
+    _FLAGS = 0x01 | 0x02             # cudaHostAllocPortable | cudaHostAllocMapped
+
+    def __init__(self, device_index: int | None = None):
+        try:
+            import cupy
+        except ImportError as e:
+            raise BackendUnavailableError(f"the pinned memory pool needs CuPy: {e}") from None
+        self._rt = cupy.cuda.runtime
+        self.device_index = (self._rt.getDevice() if device_index is None
+                             else int(device_index))
+        self._oom_status = getattr(self._rt, "errorMemoryAllocation", 2)
+
+    def malloc(self, nbytes: int):
+        try:
+            return self._rt.hostAlloc(nbytes, self._FLAGS), None
+        except self._rt.CUDARuntimeError as e:
+            if e.status == self._oom_status:
+                raise MemoryError(f"cudaHostAlloc({nbytes}): out of memory") from None
+            raise
+
+    def free(self, ptr: int, handle) -> None:
+        self._rt.freeHost(ptr)
+
+    def mem_info(self):
+        return _host_meminfo()
+
+    def process_bytes(self):
+        return _host_rss_bytes()
+
+    def nvml_process_bytes(self):
+        return None
+
+    def array(self, handle, offset: int, nbytes: int, shape, dtype, owner):
+        buf = (ctypes.c_char * nbytes).from_address(owner.ptr)
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class FakeRawAllocator:
     """Addresses without bytes, for exact-address tests.
 
@@ -161,15 +217,20 @@ class FakeRawAllocator:
     the pool must still never merge across them); freed address ranges are not reused, so every
     address in a test is predictable. ``capacity`` (bytes live at once) makes ``malloc`` raise
     MemoryError like a full device; ``fail_next`` forces that many failures. ``log`` records
-    ("malloc" | "free", ptr, nbytes) in order; ``live`` maps ptr -> nbytes.
+    ("malloc" | "free", ptr, nbytes) in order; ``live`` maps ptr -> nbytes. ``nvml_bytes`` is
+    the driver's figure for this process (None: unknown; tests set it to play NVML) and
+    ``context_bytes`` the one at construction.
     """
 
     def __init__(self, base: int = 0x10_0000_0000, capacity: int | None = None,
-                 device: str = "fake", total_bytes: int | None = None):
+                 device: str = "fake", total_bytes: int | None = None,
+                 nvml_bytes: int | None = None):
         self.device = device
         self.device_index = 0
         self.capacity = capacity
         self.total_bytes = total_bytes if total_bytes is not None else capacity
+        self.nvml_bytes = nvml_bytes
+        self.context_bytes = nvml_bytes
         self.fail_next = 0
         self.live: dict[int, int] = {}
         self.log: list[tuple[str, int, int]] = []
@@ -202,10 +263,10 @@ class FakeRawAllocator:
         return self.capacity - self.used_bytes, self.total_bytes
 
     def process_bytes(self):
-        return None
+        return self.nvml_bytes
 
     def nvml_process_bytes(self):
-        return None
+        return self.nvml_bytes
 
     def array(self, handle, offset, nbytes, shape, dtype, owner):
         raise TypeError("a FakeRawAllocator has addresses but no bytes; use HostRawAllocator "

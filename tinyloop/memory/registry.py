@@ -16,7 +16,7 @@ from .pool import MemoryPool
 from .snapshot import write_snapshot
 from .stats import MemoryStats
 
-DEVICES = ("host", "cuda")
+DEVICES = ("host", "cuda", "pinned")
 _UNSET = object()
 
 _lock = threading.Lock()
@@ -25,11 +25,13 @@ _default_limit = _UNSET                 # guarded by _lock: set_memory_limit(...
 
 
 def get_pool(device: str = "host") -> MemoryPool:
-    """The process's pool for ``device`` ("host" | "cuda"), made on first use.
+    """The process's pool for ``device`` ("host" | "cuda" | "pinned": page-locked host memory
+    the device can address, for the CUDA backend's mapped results), made on first use.
 
     A new pool's budget is ``set_memory_limit``'s default if one was given, else
     ``TINYLOOP_MEMORY_LIMIT`` (a percentage is of the device's total memory). Raises
-    ConfigError for another device name, BackendUnavailableError for "cuda" without CuPy.
+    ConfigError for another device name, BackendUnavailableError for "cuda" or "pinned"
+    without CuPy.
     """
     if device not in DEVICES:
         raise ConfigError(f"unknown device {device!r}; expected one of {DEVICES}")

@@ -15,6 +15,15 @@ from dataclasses import dataclass, field
 
 from .tags import TAG_CAUSES
 
+# The device bytes outside the pool that the report names, each measured with NVML when it is
+# taken (MemoryPool.measure_driver), with what the measurement spans.
+DRIVER_LINES = {
+    "cuda context": "at pool creation",
+    "kernel modules": "at load / 1st launch",
+    "cublas workspace": "at 1st cuBLAS call",
+    "cuda graphs": "at instantiate / destroy",
+}
+
 
 def fmt_bytes(n: int | None) -> str:
     """``1536`` -> ``"1.5 KiB"``; None -> ``"n/a"``. Binary units, as the limit parser uses."""
@@ -39,9 +48,13 @@ class MemoryStats:
       the host's available / total memory on the host pool; None if unknown.
     - ``process_bytes``: what the driver says this process uses (NVML on cuda, VmRSS on the
       host), None if unknown; ``nvml_process_bytes``: NVML's figure (None without pynvml).
-    - ``unattributed_bytes = process_bytes - reserved_bytes``: the CUDA context, kernels,
-      libraries (cuBLAS workspaces), anything outside the pool. On the host it includes the
-      interpreter and may be negative: reserved host pages are not resident until touched.
+    - ``driver_bytes``: label -> device bytes the driver gave this process outside the pool,
+      measured with NVML when they were taken (:data:`DRIVER_LINES`: the CUDA context, kernel
+      modules, the cuBLAS workspace, CUDA graphs); empty off CUDA or without NVML.
+    - ``unattributed_bytes = process_bytes - reserved_bytes - sum(driver_bytes)``: what no
+      line names (on CUDA within NVML's granularity of 0 once every use is measured). On the
+      host it is the interpreter and libraries, and may be negative: reserved host pages are
+      not resident until touched.
     - ``by_tag`` / ``peak_by_tag``: tag -> live bytes now / at their high-water mark.
     - ``largest_free_block_bytes`` and ``external_fragmentation = 1 - largest free block /
       pool_free_bytes`` (0 with no free bytes): how unusable the cached bytes are for one
@@ -73,12 +86,13 @@ class MemoryStats:
     segments: int = 0
     largest_free_block_bytes: int = 0
     external_fragmentation: float = 0.0
+    driver_bytes: dict = field(default_factory=dict)
 
     @property
     def unattributed_bytes(self) -> int | None:
         if self.process_bytes is None:
             return None
-        return self.process_bytes - self.reserved_bytes
+        return self.process_bytes - self.reserved_bytes - sum(self.driver_bytes.values())
 
     def report(self) -> str:
         return format_report(self)
@@ -98,8 +112,11 @@ def format_report(s: MemoryStats) -> str:
     if s.device == "cuda":
         rows += [("device free (driver)", s.device_free_bytes, None),
                  ("device total (driver)", s.device_total_bytes, None),
-                 ("process usage (NVML)", s.process_bytes, None),
-                 ("unattributed (process - reserved: CUDA context, libraries)",
+                 ("process usage (NVML)", s.process_bytes, None)]
+        if s.process_bytes is not None:
+            rows += [(f"{label} (NVML {when})", s.driver_bytes.get(label, 0), None)
+                     for label, when in DRIVER_LINES.items()]
+        rows += [("unattributed (process - reserved - the lines above)",
                   s.unattributed_bytes, None)]
     else:       # the host pool: the driver's figures are the host's memory
         rows += [("host memory free (MemAvailable)", s.device_free_bytes, None),
