@@ -9,6 +9,9 @@ a request").
     python -m diagnostics release  [--out DIR] ...
     python -m diagnostics report   DIR
 
+``leak`` exits with its verdict's code (``EXIT_CODES``: 0 STABLE or BOUNDED CACHE, FILLING;
+3 LEAK; 4 UNBOUNDED CACHE; 5 INCONCLUSIVE; 1 an error), so a CI job can gate on it.
+
 Modules: ``verdict`` (the pure verdict function over per-request records), ``leak``,
 ``fragment``, ``release`` (the three runs), ``faults`` (planted leak / cache), ``records``
 (one dict per step; JSON / CSV), ``plots`` (PNG, matplotlib Agg), ``report`` (one-page HTML),
@@ -21,9 +24,9 @@ from .fragment import analyze_trace, replay_policies, run_fragment, trace_ops
 from .leak import run_leak
 from .release import run_release
 from .report import write_report
-from .verdict import (INCONCLUSIVE, LEAK, STABLE, UNBOUNDED_CACHE, VERDICTS, Verdict, classify,
-                      linear_fit)
+from .verdict import (BOUNDED_CACHE_FILLING, EXIT_CODES, INCONCLUSIVE, LEAK, STABLE,
+                      UNBOUNDED_CACHE, VERDICTS, Verdict, classify, linear_fit)
 
 __all__ = ["run_leak", "run_fragment", "run_release", "write_report", "classify", "Verdict",
            "linear_fit", "analyze_trace", "trace_ops", "replay_policies", "STABLE", "LEAK",
-           "UNBOUNDED_CACHE", "INCONCLUSIVE", "VERDICTS"]
+           "UNBOUNDED_CACHE", "BOUNDED_CACHE_FILLING", "INCONCLUSIVE", "VERDICTS", "EXIT_CODES"]

@@ -11,9 +11,12 @@ on a saved leak.json).
 With a prefix pool (``--prefix-pool BYTES``, or ``unbounded``) every request goes through a
 ``tinyloop.PrefixPool``; with ``--unique-prompts`` each request's prompt ends in two tokens of its
 own (same length), so each one inserts a new entry. Each record then carries the pool's
-``stats()`` and ``cache_bytes`` / ``cache_tag`` ("prefix_cache"), which is how the verdict tells a
-pool without a budget (UNBOUNDED CACHE, naming the tag and its growth per request) from a leak;
-under a budget the pool fills, evicts, and the verdict is STABLE.
+``stats()`` and ``cache_bytes`` / ``cache_tag`` ("prefix_cache") / ``cache_budget_bytes`` (its
+``max_bytes``) / ``cache_evictions``, which is how the verdict tells a pool without a budget
+(UNBOUNDED CACHE, naming the tag and its growth per request) from a leak, and a budgeted pool
+still filling (BOUNDED CACHE, FILLING: held of budget) from one that is full and evicting
+(STABLE once the footprint holds). The verdict reads those records, not the options of the
+run.
 
 Writes DIR/leak.json (``verdict``, ``leak_bytes_per_request``, the evidence and the records),
 DIR/leak.csv and the plots DIR/leak_*.png.
@@ -77,7 +80,8 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
             if ppool is not None:
                 st = ppool.stats()
                 extra = dict(cache_bytes=st["bytes"], cache_tag="prefix_cache",
-                             cached_tokens=res.cached_tokens,
+                             cache_budget_bytes=st["max_bytes"],
+                             cache_evictions=st["evictions"], cached_tokens=res.cached_tokens,
                              prefix_pool={k: st[k] for k in ("hits", "misses", "evictions",
                                                             "entries", "bytes")})
             records.append(take_record(pool, request=i, step="request",
@@ -161,9 +165,11 @@ def summary(result: dict) -> str:
     if result["requests_needed"]:
         lines.append(f"  about {result['requests_needed']} requests would decide "
                      f"(--requests {result['requests_needed']})")
+    accounted = result["verdict_detail"].get("cache_held_bytes") is not None
     lines.append(f"  leak rate {fmt_bytes(result['leak_bytes_per_request'])}/request (fit of "
-                 f"allocated at request end); reservation "
-                 f"{fmt_bytes(result['reserved_bytes_per_request'])}/request")
+                 f"allocated at request end"
+                 + (", less the bytes the cache accounts for" if accounted else "")
+                 + f"); reservation {fmt_bytes(result['reserved_bytes_per_request'])}/request")
     p = result["planted"]
     if p["leak_bytes_per_request"]:
         lines.append(f"  planted leak {p['leak_bytes_per_request']} B/request (pool rounds to "

@@ -18,6 +18,7 @@ body{font-family:system-ui,sans-serif;max-width:1100px;margin:1.5em auto;color:#
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
 .verdict{font-size:1.15em;padding:.6em .8em;border-radius:6px;background:#eef}
 .STABLE{background:#e3f4e3}.LEAK{background:#fbe3e3}.UNBOUNDED{background:#fdf0d8}
+.BOUNDED{background:#e6eefa}
 .INCONCLUSIVE{background:#eee}
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ddd;padding:2px 8px}
 td.n{text-align:right;font-variant-numeric:tabular-nums}
@@ -43,7 +44,7 @@ def _kv_table(d: dict) -> str:
 
 
 def _leak_section(r: dict) -> str:
-    cls = r["verdict"].split()[0]
+    cls = r["verdict"].split()[0].rstrip(",")
     out = [f'<p class="verdict {cls}"><b>{_e(r["verdict"])}</b>: {_e(r["reason"])}</p>',
            f"<p>leak rate (least-squares fit of allocated bytes at request end): "
            f"<b>{_e(fmt_bytes(r['leak_bytes_per_request']))}/request</b>; reservation "

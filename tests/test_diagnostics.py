@@ -18,8 +18,8 @@ from diagnostics import analyze_trace, classify, linear_fit, replay_policies, tr
 from diagnostics.__main__ import main
 from diagnostics.faults import PlantedCache, PlantedLeak
 from diagnostics.fragment import layout_state
-from diagnostics.verdict import (INCONCLUSIVE, LEAK, MIN_REQUESTS, STABLE, UNBOUNDED_CACHE,
-                                 noise_band, points_needed, settled_from)
+from diagnostics.verdict import (BOUNDED_CACHE_FILLING, INCONCLUSIVE, LEAK, MIN_REQUESTS, STABLE,
+                                 UNBOUNDED_CACHE, noise_band, points_needed, settled_from)
 from tinyloop.backends import cuda_available
 from tinyloop.memory import FakeRawAllocator, MemoryPool, _reset_pools_for_tests
 
@@ -156,8 +156,91 @@ def test_accounted_cache_growth_is_unbounded_cache_not_leak():
         r["allocated_bytes"] += 4096 * i
         r["by_tag"]["other"] = 4096 * i
     v = classify(recs)
-    assert v.verdict == LEAK and v.growing_tag == "prefix_cache"
-    assert v.leak_bytes_per_request == pytest.approx(32768 + 4096)
+    assert v.verdict == LEAK and v.growing_tag == "other"
+    assert v.leak_bytes_per_request == pytest.approx(4096)
+
+
+def cache_series(n, entry, budget, *, leak=0, evictions=True, over_at=None):
+    """Records of ``n`` unique-prompt requests through a cache of ``budget`` bytes (None: no
+    budget) that gains one ``entry`` per request and evicts the oldest once the next would not
+    fit; ``leak`` bytes per request more stay allocated in tag "other"; from request
+    ``over_at`` on the cache stops evicting (it grows past its budget)."""
+    recs, held, evicted = [], 0, 0
+    for i in range(1, n + 1):
+        held += entry
+        while budget is not None and held > budget and (over_at is None or i < over_at):
+            held -= entry
+            evicted += 1
+        other = leak * i
+        rec = {"request": i, "allocated_bytes": BASE + held + other,
+               "reserved_bytes": BASE + 64 * MIB + 2 * MIB * ((held + other) // (2 * MIB)),
+               "by_tag": {"weights": BASE, "prefix_cache": held, "other": other},
+               "cache_bytes": held, "cache_tag": "prefix_cache", "cache_budget_bytes": budget}
+        if evictions:
+            rec["cache_evictions"] = evicted
+        recs.append(rec)
+    return recs
+
+
+ENTRY = 1_454_080                       # 710 pages of 2 KiB: not a divisor of the budget
+
+
+def test_budgeted_cache_growing_without_a_budget_is_unbounded():
+    v = classify(cache_series(60, ENTRY, None))
+    assert v.verdict == UNBOUNDED_CACHE, v.reason
+    assert v.growing_tag == "prefix_cache" and "no budget" in v.reason
+    assert v.cache_bytes_per_request == pytest.approx(ENTRY)
+
+
+def test_budgeted_cache_filling_names_held_of_budget():
+    """30 requests of a 64 MiB cache filled one entry per request: not full yet."""
+    v = classify(cache_series(30, ENTRY, 64 * MIB))
+    assert v.verdict == BOUNDED_CACHE_FILLING, v.reason
+    held = 30 * ENTRY
+    assert v.cache_held_bytes == held and v.cache_budget_bytes == 64 * MIB
+    assert f"{held / MIB:.1f} of 64.0 MiB" in v.reason
+    assert f"about {-(-(64 * MIB - held) // ENTRY)} more requests" in v.reason
+    assert v.leak_bytes_per_request == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.parametrize("evictions", [True, False])
+def test_budgeted_cache_plateau_at_budget_is_stable(evictions):
+    """60 requests: the cache fills at request 64 MiB // ENTRY and evicts from the next one on;
+    the footprint holds from there, so STABLE (the verdict once called this UNBOUNDED)."""
+    fits = 64 * MIB // ENTRY
+    recs = cache_series(60, ENTRY, 64 * MIB, evictions=evictions)
+    assert recs[fits]["cache_bytes"] == fits * ENTRY             # the plateau, by construction
+    v = classify(recs)
+    assert v.verdict == STABLE, v.reason
+    assert v.cache_filled_at == (fits + 1 if evictions else fits)
+    assert "budget" in v.reason and "UNBOUNDED" not in v.reason
+    assert v.leak_bytes_per_request == 0
+
+
+def test_budgeted_cache_just_full_is_inconclusive_and_says_how_many():
+    fits = 64 * MIB // ENTRY
+    v = classify(cache_series(fits + 3, ENTRY, 64 * MIB))
+    assert v.verdict == INCONCLUSIVE, v.reason
+    assert v.cache_filled_at == fits + 1 and v.requests_needed > fits + 3
+
+
+def test_budgeted_cache_growing_past_its_budget_is_a_leak():
+    fits = 64 * MIB // ENTRY
+    v = classify(cache_series(60, ENTRY, 64 * MIB, over_at=50))
+    assert v.verdict == LEAK, v.reason
+    assert f"at request 50, over its declared budget" in v.reason
+    assert v.growing_tag == "prefix_cache"
+    assert cache_series(60, ENTRY, 64 * MIB, over_at=50)[48]["cache_bytes"] == fits * ENTRY
+
+
+@pytest.mark.parametrize("n", [30, 60])
+def test_leak_on_top_of_a_budgeted_cache_is_a_leak(n):
+    """A 4 KiB/request leak beside a cache still filling (30) or full (60): LEAK at the leak's
+    own rate, in its own tag."""
+    v = classify(cache_series(n, ENTRY, 64 * MIB, leak=4096))
+    assert v.verdict == LEAK, v.reason
+    assert v.leak_bytes_per_request == pytest.approx(4096)
+    assert v.growing_tag == "other"
 
 
 def test_leak_wins_over_cache_when_both_grow():
@@ -336,12 +419,12 @@ def test_planted_cache_grows_reservation_not_allocation(per_request):
 
 # --- the CLI end to end, on the tiny model (NumPy backend) ---------------------------------
 
-def _run(tmp_path, *argv):
+def _run(tmp_path, *argv, rc=0):
     out = tmp_path / "out"
-    rc = main([*argv, "--out", str(out), "--backend", "numpy", "--no-progress"]
-              if argv[0] in ("leak", "fragment") else
-              [*argv, "--out", str(out), "--backend", "numpy"])
-    assert rc == 0
+    got = main([*argv, "--out", str(out), "--backend", "numpy", "--no-progress"]
+               if argv[0] in ("leak", "fragment") else
+               [*argv, "--out", str(out), "--backend", "numpy"])
+    assert got == rc
     return out
 
 
@@ -362,7 +445,7 @@ def test_cli_leak_plain_is_stable(tmp_path, tiny_model_path, capsys):
 
 def test_cli_leak_planted_leak(tmp_path, tiny_model_path):
     out = _run(tmp_path, "leak", "--requests", "40", "--model", tiny_model_path,
-               "--plant-leak", "4096")
+               "--plant-leak", "4096", rc=3)
     r = json.loads((out / "leak.json").read_text())
     assert r["verdict"] == LEAK, r["reason"]
     assert abs(r["leak_bytes_per_request"] - 4096) <= 0.1 * 4096
@@ -372,7 +455,7 @@ def test_cli_leak_planted_leak(tmp_path, tiny_model_path):
 
 def test_cli_leak_planted_cache(tmp_path, tiny_model_path):
     out = _run(tmp_path, "leak", "--requests", "40", "--model", tiny_model_path,
-               "--plant-cache", "1M")
+               "--plant-cache", "1M", rc=4)
     r = json.loads((out / "leak.json").read_text())
     assert r["verdict"] == UNBOUNDED_CACHE, r["reason"]
     assert r["leak_bytes_per_request"] == 0
@@ -385,7 +468,8 @@ def test_cli_leak_prefix_pool(tmp_path, tiny_model_path, capsys, budget):
     prefix_cache (not a LEAK); with one, STABLE once full -- and the pool's bytes equal its tag
     and stay within the budget after every request."""
     out = _run(tmp_path, "leak", "--requests", "30", "--model", tiny_model_path,
-               "--prefix-pool", budget, "--unique-prompts")
+               "--prefix-pool", budget, "--unique-prompts",
+               rc=4 if budget == "unbounded" else 0)
     r = json.loads((out / "leak.json").read_text())
     recs = r["records"][1:]
     for rec in recs:
@@ -404,6 +488,32 @@ def test_cli_leak_prefix_pool(tmp_path, tiny_model_path, capsys, budget):
         assert r["prefix_pool"]["evictions"] == 30 - r["prefix_pool"]["entries"]
     assert r["prefix_pool"]["hits"] == 29             # the shared prompt, every request after 1
     assert "prefix pool (budget" in capsys.readouterr().out
+
+
+def test_cli_leak_budgeted_prefix_pool_fills_then_holds(tmp_path, tiny_model_path, capsys):
+    """A budget of 12 entries, one new entry per request (NumPy backend, tiny model): after 8
+    requests BOUNDED CACHE, FILLING with held-of-budget figures; after 30 the pool is full from
+    request 13 on and the footprint holds: STABLE. Both exit 0. (It once said UNBOUNDED CACHE
+    "with no budget" next to a line giving the budget.)"""
+    probe = _run(tmp_path, "leak", "--requests", "1", "--model", tiny_model_path,
+                 "--prefix-pool", "unbounded", "--unique-prompts", "--no-plots", rc=5)
+    entry = json.loads((probe / "leak.json").read_text())["records"][1]["cache_bytes"]
+    budget = 12 * entry + entry // 2
+    capsys.readouterr()
+    out = _run(tmp_path, "leak", "--requests", "8", "--model", tiny_model_path,
+               "--prefix-pool", str(budget), "--unique-prompts", "--no-plots", rc=0)
+    r = json.loads((out / "leak.json").read_text())
+    assert r["verdict"] == BOUNDED_CACHE_FILLING, r["reason"]
+    assert r["verdict_detail"]["cache_held_bytes"] == 8 * entry
+    assert r["verdict_detail"]["cache_budget_bytes"] == budget
+    assert f"filling: {8 * entry / MIB:.1f} of {budget / MIB:.1f} MiB" in capsys.readouterr().out
+    out = _run(tmp_path, "leak", "--requests", "30", "--model", tiny_model_path,
+               "--prefix-pool", str(budget), "--unique-prompts", rc=0)
+    r = json.loads((out / "leak.json").read_text())
+    assert r["verdict"] == STABLE, r["reason"]
+    assert r["verdict_detail"]["cache_filled_at"] == 13
+    assert r["prefix_pool"]["evictions"] == 30 - 12
+    assert all(rec["cache_budget_bytes"] == budget for rec in r["records"][1:])
 
 
 def test_cli_fragment(tmp_path, tiny_model_path):
@@ -460,15 +570,24 @@ def test_cli_errors(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 1
 
 
-def test_python_dash_m_entry_point(tmp_path, tiny_model_path):
-    p = subprocess.run([sys.executable, "-m", "diagnostics", "leak", "--requests", "8",
+@pytest.mark.parametrize("fault, verdict, code", [
+    ([], STABLE, 0), (["--plant-leak", "4096"], LEAK, 3),
+    (["--plant-cache", "1M"], UNBOUNDED_CACHE, 4)])
+def test_python_dash_m_leak_exit_status(tmp_path, tiny_model_path, fault, verdict, code):
+    """The exit status is the verdict's, as --help documents it (a LEAK once exited 0)."""
+    p = subprocess.run([sys.executable, "-m", "diagnostics", "leak", "--requests", "24",
                         "--model", tiny_model_path, "--backend", "numpy", "--out",
-                        str(tmp_path), "--no-plots", "--no-progress"],
+                        str(tmp_path), "--no-plots", "--no-progress", *fault],
                        capture_output=True, text=True, timeout=120,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert p.returncode == 0, p.stderr
-    assert "VERDICT: STABLE" in p.stdout
-    assert json.loads((tmp_path / "leak.json").read_text())["verdict"] == STABLE
+    assert f"VERDICT: {verdict}:" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == code, p.stderr
+    assert json.loads((tmp_path / "leak.json").read_text())["verdict"] == verdict
+    h = subprocess.run([sys.executable, "-m", "diagnostics", "leak", "--help"],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert h.returncode == 0
+    assert f"  {code}  {verdict}" in h.stdout
 
 
 def test_every_memory_tag_has_a_plot_colour():
