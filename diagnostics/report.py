@@ -86,7 +86,9 @@ def _fragment_section(r: dict) -> str:
         else:
             ratio = p.get("peak_reserved_over_peak_allocated")
             ratio = "n/a" if ratio is None else f"{ratio:.3f}"
-            rows.append(f"<tr><td>{_e(p['name'])}</td>"
+            how = (" (the live pool's class; every event repeated)" if p.get("exact")
+                   else " (the alloc / free sequence)")
+            rows.append(f"<tr><td>{_e(p['name'] + how)}</td>"
                         f"<td class=n>{_e(fmt_bytes(p['peak_allocated_bytes']))}</td>"
                         f"<td class=n>{_e(fmt_bytes(p['peak_reserved_bytes']))}</td>"
                         f"<td class=n>{ratio}</td>"

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnostics import analyze_trace, classify, linear_fit, replay_policies, trace_ops
+from diagnostics import (ReplayDiverged, analyze_trace, classify, linear_fit, replay_policies,
+                         replay_trace, segment_kinds)
 from diagnostics.__main__ import main
 from diagnostics.faults import PlantedCache, PlantedLeak
 from diagnostics.fragment import layout_state
@@ -347,28 +348,118 @@ def test_analyze_trace_classes_packed_blocks_by_their_segment():
     assert all(x["free_same_kind_bytes"] >= 0 for x in tr["misses"])
 
 
-def test_replay_reproduces_the_recorded_pool():
-    """Replaying a random trace on a fresh tinyloop pool gives the recorded peaks exactly."""
-    rng = np.random.default_rng(7)
-    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+def _kinds_now(pool) -> dict:
+    return {seg["address"]: seg["kind"] for seg in pool.layout()}
+
+
+def random_pool_trace(seed: int, pool, n_ops: int = 500, snaps: list | None = None):
+    """Drive ``pool`` the ways TinyLoop does: plain and packed_scope allocations of small and
+    large sizes, allocate_many / free_many batches of KV-page-sized blocks, reserve(),
+    empty_cache(), and out-of-memory retries against the raw allocator's capacity. Appends a
+    layout snapshot to ``snaps`` after every operation (as EventCollector does per request)."""
+    from tinyloop.errors import OutOfMemoryError
+    from tinyloop.memory.tags import packed_scope
+    rng = np.random.default_rng(seed)
     live = []
-    for _ in range(400):
-        if live and rng.random() < 0.45:
-            pool.free(live.pop(int(rng.integers(len(live)))))
-        else:
-            size = int(rng.choice([rng.integers(1, 64 << 10), rng.integers(1 << 20, 6 << 20)]))
-            live.append(pool.allocate(size, tag="kv_cache"))
+    n0 = pool.events_dropped + len(pool.events())
+    for _ in range(n_ops):
+        u = rng.random()
+        try:
+            if live and u < 0.35:
+                pool.free(live.pop(int(rng.integers(len(live)))))
+            elif live and u < 0.40:
+                k = int(rng.integers(1, min(8, len(live)) + 1))
+                batch, live[:] = live[-k:], live[:-k]
+                pool.free_many(batch)
+            elif u < 0.75:
+                size = int(rng.choice([rng.integers(1, 96 << 10), rng.integers(1 << 20, 5 << 20)]))
+                if rng.random() < 0.5:
+                    with packed_scope():
+                        live.append(pool.allocate(size, tag="kv_cache"))
+                else:
+                    live.append(pool.allocate(size, tag="scratch"))
+            elif u < 0.88:
+                with packed_scope():
+                    live += pool.allocate_many(24 << 10, int(rng.integers(1, 90)), "kv_cache")
+            elif u < 0.95:
+                pool.reserve(int(rng.integers(1 << 20, 9 << 20)), "weights")
+            else:
+                pool.empty_cache()
+        except OutOfMemoryError:
+            pass
+        if snaps is not None:
+            snaps.append((pool.events_dropped + len(pool.events()) - n0, _kinds_now(pool)))
+    return live
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replay_is_the_live_pool_on_packed_reserved_batched_traces(seed):
+    """Replaying a trace with packed_scope, reserve(), batches, empty_cache() and OOM retries
+    through the real pool class gives the live pool's peaks, final reservation and OOM count
+    exactly, and analyze_trace's miss count. (The replay once fed every allocation to a fresh
+    pool outside packed_scope, without the reserve() segments: other segments, other peaks.)"""
+    pool = MemoryPool(raw_allocator=FakeRawAllocator(capacity=64 << 20))
+    snaps = [(0, {})]
+    random_pool_trace(seed, pool, snaps=snaps)
     events = pool.events()
-    tr = analyze_trace(events)
+    assert pool.events_dropped == 0
     s = pool.stats()
+    assert s.num_ooms > 0 and s.num_segment_releases > 0      # the trace has both
+    kinds = segment_kinds(events, snaps)
+    tr = analyze_trace(events, kinds=kinds)
     assert (tr["peak_allocated_bytes"], tr["peak_reserved_bytes"]) == \
         (s.peak_allocated_bytes, s.peak_reserved_bytes)
-    (ours, *cupy) = replay_policies(trace_ops(events), cuda=False)
-    assert ours["name"] == "tinyloop pool" and not ours["skipped"]
+    ours = replay_trace(events, kinds=kinds)
     assert ours["peak_reserved_bytes"] == s.peak_reserved_bytes
     assert ours["peak_allocated_bytes"] == s.peak_allocated_bytes
+    assert ours["final_reserved_bytes"] == s.reserved_bytes
+    assert ours["ooms"] == s.num_ooms == len(tr["ooms"])
     assert ours["misses"] == tr["num_misses"]
+    (rep, *cupy) = replay_policies(events, kinds=kinds, cuda=False)
+    assert rep == {**ours, "replay_s": rep["replay_s"]}
     assert [p["skipped"] for p in cupy] == [True, True] and all(p["reason"] for p in cupy)
+
+
+def test_replay_from_a_started_pool_rebuilds_its_layout():
+    """A trace that starts after a packed load (one reserved segment, small blocks in it, free
+    gaps, a plain small segment): the replay starts from that layout, not from the blocks
+    re-allocated one by one."""
+    from tinyloop.memory.tags import packed_scope
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    pool.reserve(7 << 20, "weights")
+    with packed_scope():
+        w = [pool.allocate(int(n), tag="weights") for n in (300_000, 70_000, 2_500_000, 5000)]
+    small = [pool.allocate(40_000, tag="buffers") for _ in range(3)]
+    pool.free(w[1])
+    pool.free(small[1])
+    start = layout_state(pool)
+    pool.reset_peak_stats()
+    n0 = len(pool.events())
+    snaps = [(0, _kinds_now(pool))]
+    random_pool_trace(5, pool, n_ops=300, snaps=snaps)
+    events = pool.events()[n0:]
+    s = pool.stats()
+    kinds = segment_kinds(events, snaps)
+    ours = replay_trace(events, start, kinds=kinds)
+    assert (ours["peak_reserved_bytes"], ours["peak_allocated_bytes"]) == \
+        (s.peak_reserved_bytes, s.peak_allocated_bytes)
+    assert ours["misses"] == analyze_trace(events, start, kinds=kinds)["num_misses"]
+
+
+def test_replay_names_the_first_event_it_cannot_repeat():
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    a = pool.allocate(4096, tag="scratch")
+    b = pool.allocate(4096, tag="scratch")
+    pool.free(a)
+    pool.free(b)
+    events = pool.events()
+    t, action, addr, size, tag = events[2]
+    assert action == "alloc"
+    events[2] = type(events[2])(t, action, addr + 8192, size, tag)    # not where the pool puts it
+    with pytest.raises(ReplayDiverged, match="at event 2"):
+        replay_trace(events)
+    (ours, *_) = replay_policies(events, cuda=False)
+    assert ours["skipped"] and "at event 2" in ours["reason"]
 
 
 def test_analyze_trace_from_a_started_pool():
@@ -527,13 +618,35 @@ def test_cli_fragment(tmp_path, tiny_model_path):
     names = [p["name"] for p in r["policies"]]
     assert names == ["tinyloop pool", "cupy MemoryPool", "cupy MemoryAsyncPool"]
     ours = r["policies"][0]
-    assert ours["peak_reserved_bytes"] == r["trace"]["peak_reserved_bytes"]
+    assert ours["exact"], ours
+    assert ours["peak_reserved_bytes"] == r["peak_reserved_bytes"]      # the live pool's own
+    assert ours["peak_allocated_bytes"] == r["peak_allocated_bytes"]
+    assert ours["misses"] == r["num_misses"]
+    assert r["trace"]["peak_reserved_bytes"] == r["peak_reserved_bytes"]
     if not cuda_available():
         assert all(p["skipped"] and "GPU" in p["reason"] for p in r["policies"][1:])
     for name in ("fragment.csv", "fragment_trace.csv", "fragment_fragmentation.png",
                  "fragment_trace.png", "fragment_policies.png", "fragment_memory.png",
                  "fragment_timeline_by_tag.png"):
         assert (out / name).stat().st_size > 0, name
+
+
+def test_fragment_replay_of_a_loaded_model_is_the_live_run(tmp_path, tiny_model_path):
+    """The notebook's way: a model loaded before the trace (its packed, reserved segment is the
+    start layout) and prompts long enough that KV pages add segments during the requests."""
+    import tinyloop
+    from diagnostics.fragment import run_fragment
+    model = tinyloop.load_model(tiny_model_path, max_seq_len=2048, backend="numpy")
+    try:
+        r = run_fragment(tmp_path, model=model, requests=8, max_prompt_tokens=1500,
+                         max_new_tokens=2, show_progress=False, plot=False)
+    finally:
+        tinyloop.free_model(model)
+    ours = r["policies"][0]
+    assert r["trace"]["num_segment_allocs"] >= 1, r["trace"]
+    assert ours["exact"], ours
+    assert (ours["peak_reserved_bytes"], ours["peak_allocated_bytes"], ours["misses"]) == \
+        (r["peak_reserved_bytes"], r["peak_allocated_bytes"], r["num_misses"])
 
 
 def test_cli_release(tmp_path, tiny_model_path):
