@@ -20,7 +20,8 @@ LEAK_EXIT_HELP = f"""exit status (gate a CI job on it like on a test run):
      than its budget)
   {EXIT_CODES[UNBOUNDED_CACHE]}  UNBOUNDED CACHE (a cache without a budget, or a reservation,
      keeps growing)
-  {EXIT_CODES[INCONCLUSIVE]}  INCONCLUSIVE (too few requests to decide; the output says how many would)
+  {EXIT_CODES[INCONCLUSIVE]}  INCONCLUSIVE (too few requests to decide; the output says how
+     many would)
   1  an error (bad model path, a request that failed); 2  bad arguments
 The verdict is computed from the recorded series (leak.json's records) and the budgets the
 caches declare in them, never from these options."""

@@ -130,9 +130,9 @@ class TraceRawAllocator:
                 self.cursor += 1
                 return
             j += 1
+        ev = self.events[self.cursor] if self.cursor < len(self.events) else None
         raise ReplayDiverged(f"replay: the pool returned segment 0x{ptr:x} at event "
-                             f"{self.cursor} ({_show(self.events[self.cursor] if self.cursor < len(self.events) else None)}); "
-                             f"the live pool did not")
+                             f"{self.cursor} ({_show(ev)}); the live pool did not")
 
     def mem_info(self):
         return None, None
@@ -380,7 +380,12 @@ class _Replayer:
         exactly live events ``i..j-1`` (a run of segment_free in any order); return ``j``."""
         before = self._logged()
         self.raw.cursor = i
-        call()
+        try:
+            call()
+        except OutOfMemoryError as e:
+            ev = self.raw.events[i] if i < len(self.events) else None
+            raise ReplayDiverged(f"replay: out of memory at event {i}, where the live pool "
+                                 f"logged {_show(ev)}: {e}") from None
         got = [tuple(e[1:5]) for e in self.pool.events()[-(self._logged() - before):]] \
             if self._logged() > before else []
         want = [tuple(e[1:5]) for e in self.raw.events[i:j]]
