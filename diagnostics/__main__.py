@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv = sub.add_parser("kvmodes", help="KV cache bytes per token for every storage mode "
                         "(table + plot; no model load)")
     kv.add_argument("--model", default=None, help="a .tlm model (default: the embedded one)")
+    kv.add_argument("--backend", choices=BACKENDS, default="auto",
+                    help="whose dtypes size the figures (fp16 K/V: float16 on cuda, float32 on "
+                         "numpy); auto: cuda where CuPy sees a GPU, else numpy (default auto)")
     kv.add_argument("--out", default="tinyloop-diagnostics",
                     help="where JSON and PNG files go (default tinyloop-diagnostics)")
     kv.add_argument("--no-plots", action="store_true",
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
                             max_seq_len=a.max_seq_len, plot=not a.no_plots)
         elif a.cmd == "kvmodes":
             from .kvmodes import run_kvmodes, summary
-            r = run_kvmodes(a.out, model_path=a.model, plot=not a.no_plots)
+            r = run_kvmodes(a.out, model_path=a.model, backend=a.backend, plot=not a.no_plots)
         else:
             from .report import write_report
             print(f"wrote {write_report(a.dir, a.html)}")

@@ -38,8 +38,8 @@ from tinyloop.memory.arena import segment_size
 from . import plots
 from .replay import grows_for_alloc, replay_policies, segment_kinds
 from .records import fmt_bytes, take_record, write_csv, write_result
-from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, backend_pool, load_timed, progress,
-                      settle_run)
+from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, backend_facts, backend_pool,
+                      load_timed, progress, run_on, settle_run)
 
 TIMELINE_POINTS = 2000          # the per-event timeline is downsampled to at most this many
 
@@ -320,7 +320,7 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
                     f"reserved / peak allocated = "
                     f"{summary_fields['peak_reserved_over_peak_allocated']:.3f}"),
         **summary_fields,
-        "config": {"model": model_path, "backend": backend, "device": pool.device,
+        "config": {"model": model_path, **backend_facts(backend), "device": pool.device,
                    "requests": requests, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
                    "max_new_tokens": max_new_tokens, "depth": res.depth,
                    "max_seq_len": max_seq_len},
@@ -363,7 +363,7 @@ def summary(result: dict) -> str:
     c = result["config"]
     lines = [f"fragment: {c['requests']} requests (seed {c['seed']}, prompts 1..."
              f"{c['max_prompt_tokens']} tokens, 1..{c['max_new_tokens']} new tokens) on "
-             f"{c['backend']} ({c['device']} pool)",
+             f"{run_on(c)}",
              f"  peak reserved {fmt_bytes(result['peak_reserved_bytes'])} / peak allocated "
              f"{fmt_bytes(result['peak_allocated_bytes'])} = "
              f"{result['peak_reserved_over_peak_allocated']:.3f}",

@@ -33,8 +33,8 @@ from tinyloop.memory import reset_peak_memory_stats, round_size
 from . import plots
 from .faults import PlantedCache, PlantedLeak
 from .records import fmt_bytes, take_record, write_csv, write_result
-from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT, load_timed,
-                      progress, settle_run)
+from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT,
+                      backend_facts, load_timed, progress, run_on, settle_run)
 from .verdict import classify
 
 
@@ -112,7 +112,7 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
         "planted": {"leak_bytes_per_request": plant_leak,
                     "leak_bytes_per_request_rounded": round_size(plant_leak) if plant_leak else 0,
                     "cache_bytes_per_request": plant_cache},
-        "config": {"model": model_path, "backend": backend, "device": pool.device,
+        "config": {"model": model_path, **backend_facts(backend), "device": pool.device,
                    "requests": requests, "prompt": prompt, "max_new_tokens": max_new_tokens,
                    "depth": depth_used, "max_seq_len": max_seq_len,
                    "prefix_pool": prefix_pool is not False,
@@ -154,7 +154,7 @@ def summary(result: dict) -> str:
     c = result["config"]
     kind = "unique-prompt" if c.get("unique_prompts") else "identical"
     lines = [f"leak: {c['requests']} {kind} requests ({c['max_new_tokens']} new tokens, "
-             f"greedy, depth {c['depth']}) on {c['backend']} ({c['device']} pool)",
+             f"greedy, depth {c['depth']}) on {run_on(c)}",
              f"VERDICT: {result['verdict']}: {result['reason']}"]
     ps = result.get("prefix_pool")
     if ps is not None:

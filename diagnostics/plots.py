@@ -313,5 +313,7 @@ def kv_bytes_by_mode(table, path, *, title="KV cache bytes by storage mode") -> 
     ax2.set_ylabel("MiB")
     ax2.set_title(f"KV bytes vs context (depth {d})")
     ax2.legend(fontsize=8)
+    if table.get("backend"):
+        title += f" -- backend {table['backend']}, fp16 mode K/V {table['kv_dtype']}"
     fig.suptitle(title)
     return _finish(fig, ax2, None, "context length (positions)", path)

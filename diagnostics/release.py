@@ -27,7 +27,7 @@ from tinyloop.memory import empty_cache, reset_peak_memory_stats
 from . import plots
 from .records import fmt_bytes, release_step_cells, take_record, write_csv, write_result
 from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT,
-                      backend_pool, load_timed, resolve_model)
+                      backend_facts, backend_pool, load_timed, resolve_model, run_on)
 
 FIGURES = ("allocated_bytes", "reserved_bytes", "pool_free_bytes", "device_free_bytes",
            "process_bytes", "nvml_process_bytes")
@@ -169,7 +169,7 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
                     f"still holds the memory")
     result = {"command": "release", "verdict": verdict, "checks": checks, "timings": timings,
               "model_bytes": vram,
-              "config": {"model": model_path, "backend": backend, "device": pool.device,
+              "config": {"model": model_path, **backend_facts(backend), "device": pool.device,
                          "prompt": prompt, "max_new_tokens": max_new_tokens,
                          "depth": res.depth, "max_seq_len": max_seq_len},
               "steps": steps, "records": records}
@@ -191,7 +191,7 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
 
 def summary(result: dict) -> str:
     c = result["config"]
-    lines = [f"release: {os.path.basename(c['model'])} on {c['backend']} ({c['device']} pool)",
+    lines = [f"release: {os.path.basename(c['model'])} on {run_on(c)}",
              f"  {result['verdict']}", "",
              f"  {'step':<30}{'allocated':>12}{'reserved':>12}{'proc (drv)':>12}"
              f"{'dev free':>12}   freed (- = grew): alloc / reserved / proc"]

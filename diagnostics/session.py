@@ -35,6 +35,23 @@ def settle_run(out_dir, requests: int, model, model_path: str | None, backend: s
     return False, model.backend, model.path, model.max_seq_len
 
 
+def backend_facts(backend: str) -> dict:
+    """What a run's byte figures depend on besides the model: {"backend", "act_dtype",
+    "kv_dtype"} (numpy dtype names) of ``backend`` ("auto" resolved)."""
+    import numpy as np
+    ops = ops_class(backend)
+    return {"backend": ops.name, "act_dtype": np.dtype(ops.act_dtype).name,
+            "kv_dtype": np.dtype(ops.kv_dtype).name}
+
+
+def run_on(config: dict) -> str:
+    """``"numpy (host pool; activations float32, fp16-mode K/V float32)"``: the backend, pool
+    and dtypes a run's figures belong to, from its result's ``config``."""
+    dt = (f"; activations {config['act_dtype']}, fp16-mode K/V {config['kv_dtype']}"
+          if config.get("act_dtype") else "")
+    return f"{config['backend']} ({config['device']} pool{dt})"
+
+
 def load_timed(path: str, max_seq_len: int, backend: str):
     """(model, seconds to load)."""
     t0 = time.perf_counter()

@@ -674,6 +674,35 @@ def test_cli_report_renders_all_sections(tmp_path, tiny_model_path):
     assert json.loads((out / "leak.json").read_text())["verdict"] in page
 
 
+@pytest.mark.parametrize("backend, itemsize, dtype", [("numpy", 4, "float32"),
+                                                     ("cuda", 2, "float16")])
+def test_kvmodes_and_inspect_agree_and_name_backend_and_dtype(tmp_path, tiny_model_path, capsys,
+                                                              backend, itemsize, dtype):
+    """fp16 K/V bytes per token per slot: 2 (K and V) * n_kv_heads * head_dim * the backend's
+    K/V itemsize, the same in `diagnostics kvmodes` and `tinyloop inspect`, each naming the
+    backend and the dtype. (kvmodes once printed the CUDA figure unnamed beside inspect's
+    NumPy one.)"""
+    from tests.conftest import TINY
+    from tinyloop.cli import main as tinyloop_main
+    want = 2 * TINY["n_kv_heads"] * TINY["head_dim"] * itemsize
+    assert main(["kvmodes", "--model", tiny_model_path, "--backend", backend, "--out",
+                 str(tmp_path), "--no-plots"]) == 0
+    kv_out = capsys.readouterr().out
+    assert f"on backend {backend} (fp16 mode: K/V {dtype})" in kv_out
+    fp16 = next(line.split() for line in kv_out.splitlines() if line.split()[:1] == ["fp16"])
+    assert int(fp16[1].replace(",", "")) == want
+    assert f"k {dtype}, v {dtype}" in kv_out
+    r = json.loads((tmp_path / "kvmodes.json").read_text())
+    assert (r["backend"], r["kv_dtype"]) == (backend, dtype)
+    assert tinyloop_main(["inspect", tiny_model_path, "--backend", backend]) == 0
+    ins = capsys.readouterr().out
+    assert f"memory plan for backend={backend} (activations" in ins
+    assert f"KV cache storage modes on backend {backend} (fp16 mode: K/V {dtype}" in ins
+    table = ins[ins.index("KV cache storage modes"):]
+    fp16 = next(line.split() for line in table.splitlines() if line.split()[:1] == ["fp16"])
+    assert int(fp16[1].replace(",", "")) == want
+
+
 def test_cli_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 1
     assert "no leak.json" in capsys.readouterr().err
