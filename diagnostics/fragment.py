@@ -367,7 +367,9 @@ def summary(result: dict) -> str:
              f"  peak reserved {fmt_bytes(result['peak_reserved_bytes'])} / peak allocated "
              f"{fmt_bytes(result['peak_allocated_bytes'])} = "
              f"{result['peak_reserved_over_peak_allocated']:.3f}",
-             f"  external fragmentation: max {result['external_fragmentation_max']:.3f}, final "
+             f"  external fragmentation (1 - largest free block / pool free: the share of "
+             f"the cached free bytes one request cannot get in one piece): max "
+             f"{result['external_fragmentation_max']:.3f}, final "
              f"{result['external_fragmentation_final']:.3f}; largest free block at the end "
              f"{fmt_bytes(result['largest_free_block_bytes_final'])} of "
              f"{fmt_bytes(result['pool_free_bytes_final'])} free",

@@ -9,7 +9,7 @@ import glob
 import html
 import os
 
-from .records import fmt_bytes, read_json, release_step_cells
+from .records import fmt_bytes, read_json, release_rows, release_step_cells
 
 COMMANDS = ("leak", "fragment", "release")
 
@@ -67,7 +67,8 @@ def _fragment_section(r: dict) -> str:
                "peak reserved / peak allocated": f"{fmt_bytes(r['peak_reserved_bytes'])} / "
                f"{fmt_bytes(r['peak_allocated_bytes'])} = "
                f"{r['peak_reserved_over_peak_allocated']:.3f}",
-               "external fragmentation (max, final)":
+               "external fragmentation (max, final): 1 - largest free block / pool free, "
+               "the share of the cached free bytes one request cannot get in one piece":
                    f"{r['external_fragmentation_max']:.3f}, "
                    f"{r['external_fragmentation_final']:.3f}",
                "largest free block at the end": f"{fmt_bytes(r['largest_free_block_bytes_final'])}"
@@ -105,11 +106,12 @@ def _release_section(r: dict) -> str:
     out = [f'<p class="verdict">{_e(r["verdict"])}</p>', "<table><tr><th>step</th>"
            "<th>action</th><th>allocated</th><th>reserved</th><th>process (driver)</th>"
            "<th>device free</th><th>freed alloc / reserved</th></tr>"]
-    for s in r["steps"]:
+    for s in release_rows(r):
         after, freed = release_step_cells(s)
         out.append(f"<tr><td>{_e(s['step'])}</td><td>{_e(s['action'])}</td>"
                    + "".join(f"<td class=n>{_e(c)}</td>" for c in after)
-                   + f"<td class=n>{_e(freed[0])} / {_e(freed[1])}</td></tr>")
+                   + (f"<td class=n>{_e(freed[0])} / {_e(freed[1])}</td></tr>"
+                      if freed[0] else "<td></td></tr>"))
     out.append("</table>")
     out.append(_kv_table({**r["checks"], **{k: (f"{v:.3f}" if isinstance(v, float) else v)
                                              for k, v in r["timings"].items()}}))

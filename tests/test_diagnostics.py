@@ -732,6 +732,106 @@ def test_python_dash_m_leak_exit_status(tmp_path, tiny_model_path, fault, verdic
     assert f"  {code}  {verdict}" in h.stdout
 
 
+def _plot_records(n=30, leak=2816 * 1024 // 30):
+    """Records like a leak run's: request 0 (loaded) .. n, ~650 MiB of weights and a small leak
+    (about 2.75 MiB over the run) in tag "other"."""
+    out = []
+    for i in range(n + 1):
+        other = leak * max(0, i - 1)
+        alloc = 650 * MIB + other
+        out.append({"request": i, "step": "request", "device": "host",
+                    "allocated_bytes": alloc, "reserved_bytes": 700 * MIB,
+                    "peak_reserved_bytes": 700 * MIB, "pool_free_bytes": 700 * MIB - alloc,
+                    "largest_free_block_bytes": 700 * MIB - alloc,
+                    "external_fragmentation": 0.0, "process_bytes": 800 * MIB,
+                    "device_free_bytes": 10 << 30, "device_total_bytes": 16 << 30,
+                    "by_tag": {"weights": 650 * MIB, "other": other}})
+    return out
+
+
+def _drawn(monkeypatch, call):
+    """The matplotlib Figure a diagnostics.plots function draws (its file is not written)."""
+    from diagnostics import plots
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or str(path))
+    call()
+    (fig,) = figs
+    fig.canvas.draw()
+    return fig
+
+
+def _check_layout(fig):
+    """Every legend lies outside every axes' data area, and every per-record line is a step
+    plot (a straight line of 2 points -- a fit, a reference -- is not one)."""
+    from matplotlib.transforms import Bbox
+    axes = fig.axes
+    legends = [a.get_legend() for a in axes if a.get_legend() is not None]
+    assert legends
+    for leg in legends:
+        lb = leg.get_window_extent()
+        for a in axes:
+            ab = a.get_window_extent()
+            assert not Bbox.intersection(lb, ab) or \
+                Bbox.intersection(lb, ab).width * Bbox.intersection(lb, ab).height < 1, \
+                f"legend {[t.get_text() for t in leg.get_texts()]} over {a.get_title()!r}"
+    for a in axes:
+        for line in a.get_lines():
+            if len(line.get_xdata()) > 2 and not line.get_label().startswith("_"):
+                assert line.get_drawstyle() == "steps-post", line.get_label()
+
+
+def test_plots_legends_outside_steps_and_a_leak_on_its_own_axis(monkeypatch, tmp_path):
+    """A 2.75 MiB leak on a 700 MiB pool: flat on the MiB panel, a rising series on the growth
+    panel of allocated minus request 1's value; legends beside the data; steps, not diagonals;
+    the largest free block drawn on top of (and narrower than) pool free."""
+    from diagnostics import plots
+    recs = _plot_records()
+    fig = _drawn(monkeypatch, lambda: plots.allocated_reserved_driver(recs, tmp_path / "m.png"))
+    _check_layout(fig)
+    growth = [a for a in fig.axes if "since request 1" in a.get_ylabel()]
+    assert len(growth) == 1
+    (line,) = [x for x in growth[0].get_lines() if x.get_label() == "allocated"]
+    ys = np.asarray(line.get_ydata(), dtype=float)
+    assert growth[0].get_ylabel().startswith("MiB")
+    want = (recs[-1]["allocated_bytes"] - recs[1]["allocated_bytes"]) / MIB
+    assert ys[0] == 0 and ys[-1] == pytest.approx(want)
+    lo, hi = growth[0].get_ylim()
+    assert hi - lo < 4 * want                   # the leak spans the axis, not a sliver of it
+    v = classify(recs[1:]).to_dict()
+    _check_layout(_drawn(monkeypatch, lambda: plots.timeline_by_tag(
+        recs, tmp_path / "t.png", verdict=v)))
+    fig = _drawn(monkeypatch, lambda: plots.fragmentation(recs, tmp_path / "f.png"))
+    _check_layout(fig)
+    lines = {x.get_label(): x for a in fig.axes for x in a.get_lines()}
+    free, largest = lines["pool free\n(reserved - allocated)"], lines["largest free block"]
+    assert largest.get_zorder() > free.get_zorder()
+    assert largest.get_linewidth() < free.get_linewidth()
+    assert any("1 - largest free block / pool free" in a.get_title() for a in fig.axes)
+    steps = [dict(r, step=name) for r, name in zip(recs[:4], ["a", "b", "c", "d"])]
+    for fn in (plots.timeline_by_tag, plots.allocated_reserved_driver, plots.fragmentation):
+        _check_layout(_drawn(monkeypatch, lambda: fn(steps, tmp_path / "s.png", x_key="step")))
+    timeline = [{"event": i, "allocated_bytes": (i % 7) * MIB, "reserved_bytes": 8 * MIB}
+                for i in range(50)]
+    _check_layout(_drawn(monkeypatch, lambda: plots.event_timeline(timeline, tmp_path / "e.png")))
+
+
+def test_cli_release_table_names_are_the_plot_labels(tmp_path, tiny_model_path, capsys):
+    """The release table's rows and the plots' x labels (the records' step names) are the same
+    names in the same order (they once differed: "loaded" / "load", "request 1 done" / ...)."""
+    out = _run(tmp_path, "release", "--model", tiny_model_path, "--no-plots")
+    r = json.loads((out / "release.json").read_text())
+    labels = [rec["step"] for rec in r["records"]]
+    assert labels == [r["start"]["step"]] + [s["step"] for s in r["steps"]]
+    text = capsys.readouterr().out
+    rows = [line.split("  ")[1].strip() for line in text.splitlines()
+            if line.startswith("  ") and any(line[2:].startswith(lb) for lb in labels)]
+    assert rows[-len(labels):] == labels
+    assert main(["report", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    cells = [c.split("</td>")[0] for c in page.split("<tr><td>")[1:]]
+    assert [c for c in cells if c in labels] == labels
+
+
 def test_every_memory_tag_has_a_plot_colour():
     """A tag without a colour made every CUDA plot fail ("Invalid RGBA argument: None") once
     the "graphs" tag existed."""
