@@ -174,9 +174,11 @@ class _Replayer:
         self.events = [tuple(e[:5]) for e in events]
         self.raw = TraceRawAllocator(list(self.events))
         self.kinds = kinds
+        # one replayed operation logs at most a run of segment events and a few more: the
+        # ring only needs to hold that much (reading it back stays cheap)
         run = longest = 0
         for e in self.events:
-            run = run + 1 if e[1] == "segment_free" else 0
+            run = run + 1 if e[1].startswith("segment_") else 0
             longest = max(longest, run)
         self.pool = MemoryPool(raw_allocator=self.raw, event_capacity=2 * longest + 16)
         self.segs: dict[int, tuple[int, str]] = {}
