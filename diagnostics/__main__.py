@@ -10,8 +10,21 @@ from tinyloop.config import parse_size
 from tinyloop.errors import TinyLoopError
 
 from .session import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT
+from .verdict import EXIT_CODES, INCONCLUSIVE, LEAK, STABLE, UNBOUNDED_CACHE
 
 DEFAULT_OUT = "tinyloop-diagnostics"
+LEAK_EXIT_HELP = f"""exit status (gate a CI job on it like on a test run):
+  {EXIT_CODES[STABLE]}  STABLE, or BOUNDED CACHE, FILLING (a cache growing toward the budget it
+     declares, nothing else growing)
+  {EXIT_CODES[LEAK]}  LEAK (allocated bytes no cache accounts for grow, or a cache holds more
+     than its budget)
+  {EXIT_CODES[UNBOUNDED_CACHE]}  UNBOUNDED CACHE (a cache without a budget, or a reservation,
+     keeps growing)
+  {EXIT_CODES[INCONCLUSIVE]}  INCONCLUSIVE (too few requests to decide; the output says how
+     many would)
+  1  an error (bad model path, a request that failed); 2  bad arguments
+The verdict is computed from the recorded series (leak.json's records) and the budgets the
+caches declare in them, never from these options."""
 NO_PROGRESS_HELP = "no progress bar (default: a bar on stderr)"
 
 
@@ -71,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "release steps, and a one-page HTML report.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     lk = sub.add_parser("leak", help="N identical greedy requests -> STABLE / LEAK / "
-                        "UNBOUNDED CACHE / INCONCLUSIVE")
+                        "UNBOUNDED CACHE / BOUNDED CACHE, FILLING / INCONCLUSIVE "
+                        "(the exit code says which)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog=LEAK_EXIT_HELP)
     _common(lk, requests=30, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
     lk.add_argument("--prompt", default=DEFAULT_PROMPT, metavar="TEXT",
                     help=f"the request's prompt (default {DEFAULT_PROMPT!r})")
@@ -107,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv = sub.add_parser("kvmodes", help="KV cache bytes per token for every storage mode "
                         "(table + plot; no model load)")
     kv.add_argument("--model", default=None, help="a .tlm model (default: the embedded one)")
+    kv.add_argument("--backend", choices=BACKENDS, default="auto",
+                    help="whose dtypes size the figures (fp16 K/V: float16 on cuda, float32 on "
+                         "numpy); auto: cuda where CuPy sees a GPU, else numpy (default auto)")
     kv.add_argument("--out", default="tinyloop-diagnostics",
                     help="where JSON and PNG files go (default tinyloop-diagnostics)")
     kv.add_argument("--no-plots", action="store_true",
@@ -145,7 +164,7 @@ def main(argv=None) -> int:
                             max_seq_len=a.max_seq_len, plot=not a.no_plots)
         elif a.cmd == "kvmodes":
             from .kvmodes import run_kvmodes, summary
-            r = run_kvmodes(a.out, model_path=a.model, plot=not a.no_plots)
+            r = run_kvmodes(a.out, model_path=a.model, backend=a.backend, plot=not a.no_plots)
         else:
             from .report import write_report
             print(f"wrote {write_report(a.dir, a.html)}")
@@ -157,6 +176,8 @@ def main(argv=None) -> int:
     if r.get("plots_note"):
         print(r["plots_note"])
     print(f"wrote {', '.join(r['files'])} in {a.out}")
+    if a.cmd == "leak":
+        return EXIT_CODES[r["verdict"]]
     return 0
 
 

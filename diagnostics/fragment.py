@@ -9,10 +9,15 @@ replaying the pool's event log (:func:`analyze_trace`), which also gives an allo
 timeline event by event.
 
 The same trace is then replayed against allocator policies side by side
-(:func:`replay_policies`): TinyLoop's pool over a fake raw allocator (always; its peaks must
-equal the recorded ones, which checks the replay), and, where CUDA is present, CuPy's default
-``MemoryPool`` and ``MemoryAsyncPool`` (cudaMallocAsync). On a machine without CUDA those two
-are reported as skipped, with the reason.
+(``diagnostics.replay.replay_policies``): TinyLoop's own pool class over a fake raw allocator
+that hands back the recorded addresses (always; it repeats every event the live pool logged, so
+its peaks and misses are the live run's, or it says at which event it could not), and, where
+CUDA is present, CuPy's default ``MemoryPool`` and ``MemoryAsyncPool`` (cudaMallocAsync), fed
+the alloc / free sequence. On a machine without CUDA those two are reported as skipped, with
+the reason.
+
+Peaks are the running high-water marks from the start of the trace (before the load when the
+run loads the model itself).
 
 Writes DIR/fragment.json, DIR/fragment.csv (per request), DIR/fragment_trace.csv (per event,
 downsampled) and the plots DIR/fragment_*.png.
@@ -27,12 +32,14 @@ import time
 import numpy as np
 
 import tinyloop
-from tinyloop.memory import FakeRawAllocator, MemoryPool, reset_peak_memory_stats, size_kind
+from tinyloop.memory import SMALL_REQUEST_MAX, reset_peak_memory_stats, size_kind
+from tinyloop.memory.arena import segment_size
 
 from . import plots
+from .replay import grows_for_alloc, replay_policies, segment_kinds
 from .records import fmt_bytes, take_record, write_csv, write_result
-from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, backend_pool, load_timed, progress,
-                      settle_run)
+from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, backend_facts, backend_pool,
+                      load_timed, progress, run_on, settle_run)
 
 TIMELINE_POINTS = 2000          # the per-event timeline is downsampled to at most this many
 
@@ -68,9 +75,10 @@ def _largest_free(segs: dict, blocks: dict, kind: str) -> int:
 
 
 def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
-                  max_detailed_misses: int = 1000) -> dict:
+                  kinds: dict | None = None, max_detailed_misses: int = 1000) -> dict:
     """Replay ``events`` (``MemoryEvent`` tuples, oldest first) from ``start`` (see
-    :func:`layout_state`; empty if None) and return::
+    :func:`layout_state`; empty if None) by bookkeeping alone -- blocks and segments, no pool --
+    and return::
 
         {"timeline": [{"event", "time", "allocated_bytes", "reserved_bytes"}],   # every event
          "misses": [{"event", "time", "size", "tag", "kind", "pool_free_bytes",
@@ -79,20 +87,26 @@ def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
          "peak_allocated_bytes", "peak_reserved_bytes", "num_allocs", "num_frees",
          "num_segment_allocs", "num_segment_frees", "num_misses", "num_misses_same_kind"}
 
-    A miss is a segment_alloc whose triggering alloc was no bigger than the pool's free bytes
+    A miss is an allocation that added a segment for itself (a segment_alloc followed by its
+    alloc into that segment, and not a ``reserve()`` the alloc then used: the rule of
+    ``diagnostics.replay.grows_for_alloc``) although it was no bigger than the pool's free bytes
     (reserved - allocated) just before; ``num_misses_same_kind`` counts those whose own size
     class had the free bytes, so only fragmentation kept it out.
 
     A block's size class is the class of the segment holding it, found by address: allocations
     made in ``packed_scope`` (the model's tensors, KV pages) sit in "large" segments whatever
     their size, so the class cannot be read off the block size. A segment's class comes from
-    ``start`` or ``end`` (the :func:`layout_state` after the trace, which knows every segment
-    still held then); only a segment both made and released inside the trace falls back to the
-    size rule (small <= 1 MiB < large) of the request that made it.
+    ``kinds`` (``diagnostics.replay.segment_kinds``: {segment_alloc event index: class}, from
+    the layouts seen while the trace was collected; by default from ``start`` and ``end``, the
+    :func:`layout_state` after the trace); a segment no layout saw takes the size rule (small
+    <= 1 MiB < large) of the request that made it, and a reserve's segment is "large".
     """
     start = start or {"segments": {}, "blocks": {}}
-    known_kind = {p: k for p, (_, k) in (end or {"segments": {}})["segments"].items()}
-    known_kind.update((p, k) for p, (_, k) in start["segments"].items())
+    if kinds is None:
+        snaps = [(0, {p: k for p, (_, k) in start["segments"].items()})]
+        if end is not None:
+            snaps.append((len(events), {p: k for p, (_, k) in end["segments"].items()}))
+        kinds = segment_kinds(events, snaps)
     segs = dict(start["segments"])                      # ptr -> (size, kind)
     seg_starts = sorted(segs)
     blocks = {p: (s, t) for p, (s, t) in start["blocks"].items()}   # ptr -> (size, tag)
@@ -117,32 +131,33 @@ def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
         seg_kind[k] += s
     peak_a, peak_r = allocated, reserved
     timeline, misses, ooms = [], [], []
-    pending = None                  # a segment_alloc waiting for the alloc that caused it
     n_alloc = n_free = n_seg = n_segfree = 0
     for i, ev in enumerate(events):
         t, action, addr, size, tag = ev[:5]
         if action == "segment_alloc":
-            pending = (i, t, addr, size, allocated, reserved)
             n_seg += 1
+            nxt = events[i + 1] if i + 1 < len(events) else None
+            k = kinds.get(i)
+            if nxt is not None and nxt[1] == "alloc" and addr <= nxt[2] < addr + size:
+                r = nxt[3]
+                k = k or ("large" if size_kind(r) == "large"
+                          or size > segment_size(SMALL_REQUEST_MAX) else "small")
+                largest = _largest_free(segs, blocks, k)
+                free_total = reserved - allocated
+                if grows_for_alloc(ev, nxt, k, largest) and r <= free_total:
+                    miss = {"event": i, "time": t, "size": r, "tag": nxt[4], "kind": k,
+                            "pool_free_bytes": free_total,
+                            "free_same_kind_bytes": seg_kind[k] - alloc_kind[k]}
+                    if len(misses) < max_detailed_misses:
+                        miss["largest_free_same_kind_bytes"] = largest
+                    misses.append(miss)
+            else:
+                k = k or "large"                        # a reserve(): a "large" segment
+            segs[addr] = (size, k)
+            bisect.insort(seg_starts, addr)
+            seg_kind[k] += size
             reserved += size
         elif action == "alloc":
-            if pending is not None:
-                j, pt, saddr, ssize, a0, r0 = pending
-                k = known_kind.get(saddr) or size_kind(size)
-                segs[saddr] = (ssize, k)
-                bisect.insort(seg_starts, saddr)
-                seg_kind[k] += ssize
-                free_total = r0 - a0
-                free_kind = seg_kind[k] - ssize - alloc_kind[k]
-                if size <= free_total:
-                    miss = {"event": j, "time": pt, "size": size, "tag": tag, "kind": k,
-                            "pool_free_bytes": free_total, "free_same_kind_bytes": free_kind}
-                    if len(misses) < max_detailed_misses:
-                        del segs[saddr]
-                        miss["largest_free_same_kind_bytes"] = _largest_free(segs, blocks, k)
-                        segs[saddr] = (ssize, k)
-                    misses.append(miss)
-                pending = None
             k = kind_at(addr, size)
             blocks[addr] = (size, tag)
             block_kind[addr] = k
@@ -168,7 +183,6 @@ def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
                          "pool_free_bytes": reserved - allocated,
                          "free_same_kind_bytes": seg_kind[k] - alloc_kind[k],
                          "largest_free_same_kind_bytes": _largest_free(segs, blocks, k)})
-            pending = None
         peak_a, peak_r = max(peak_a, allocated), max(peak_r, reserved)
         timeline.append({"event": i, "time": t, "allocated_bytes": allocated,
                          "reserved_bytes": reserved})
@@ -202,144 +216,6 @@ def trace_ops(events, start: dict | None = None) -> list[tuple]:
     return ops
 
 
-class _Policy:
-    """An allocator to replay a trace against: alloc(size, tag) -> handle; free(handle);
-    reserved_bytes() and used_bytes() as that allocator reports them."""
-
-    name = "?"
-
-    def close(self) -> None:
-        pass
-
-
-class _TinyLoopPolicy(_Policy):
-    name = "tinyloop pool"
-
-    def __init__(self):
-        self.pool = MemoryPool(raw_allocator=FakeRawAllocator())
-
-    def alloc(self, size, tag):
-        return self.pool.allocate(size, tag=tag or "other")
-
-    def free(self, h):
-        self.pool.free(h)
-
-    def reserved_bytes(self):
-        return self.pool.reserved_bytes
-
-    def used_bytes(self):
-        return self.pool.allocated_bytes
-
-    def close(self):
-        self.pool.empty_cache()
-
-
-class _CupyPolicy(_Policy):
-    """CuPy's default MemoryPool (a fresh instance: best fit over 512-byte bins, split and
-    merge within a cudaMalloc'd chunk) or MemoryAsyncPool (cudaMallocAsync's pool)."""
-
-    def __init__(self, kind: str):
-        import cupy
-        self.cupy = cupy
-        if kind == "default":
-            self.name = "cupy MemoryPool"
-            self.pool = cupy.cuda.MemoryPool()
-        else:
-            self.name = "cupy MemoryAsyncPool"
-            self.pool = cupy.cuda.MemoryAsyncPool()
-
-    def alloc(self, size, tag):
-        return self.pool.malloc(size)
-
-    def free(self, h):
-        pass                    # dropping the MemoryPointer returns it (done by the caller)
-
-    def reserved_bytes(self):
-        return int(self.pool.total_bytes())
-
-    def used_bytes(self):
-        return int(self.pool.used_bytes())
-
-    def close(self):
-        self.cupy.cuda.Device().synchronize()
-        self.pool.free_all_blocks()
-
-
-def _replay(policy: _Policy, ops) -> dict:
-    handles: dict = {}
-    sizes: dict = {}
-    peak_used = peak_res = 0
-    used_model = 0                      # bytes the trace has live (its own accounting)
-    misses = 0
-    counting = not any(op[0] == "start" for op in ops)
-    t0 = time.perf_counter()
-    for op in ops:
-        if op[0] == "start":
-            counting = True
-        elif op[0] == "alloc":
-            _, key, size, tag = op
-            before_res = policy.reserved_bytes()
-            before_free = before_res - policy.used_bytes()
-            handles[key] = policy.alloc(size, tag)
-            sizes[key] = size
-            used_model += size
-            if counting and policy.reserved_bytes() > before_res and size <= before_free:
-                misses += 1
-        else:
-            key = op[1]
-            h = handles.pop(key)
-            policy.free(h)
-            del h
-            used_model -= sizes.pop(key)
-        peak_used = max(peak_used, policy.used_bytes())
-        peak_res = max(peak_res, policy.reserved_bytes())
-    elapsed = time.perf_counter() - t0
-    final_res = policy.reserved_bytes()
-    handles.clear()
-    return {"name": policy.name, "skipped": False, "peak_allocated_bytes": peak_used,
-            "peak_reserved_bytes": peak_res, "final_reserved_bytes": final_res,
-            "misses": misses, "replay_s": elapsed,
-            "peak_reserved_over_peak_allocated": peak_res / peak_used if peak_used else None}
-
-
-def replay_policies(ops, *, cuda: bool | None = None) -> list[dict]:
-    """Replay ``ops`` (see :func:`trace_ops`) against each policy; CuPy's two only where CUDA is
-    present (``cuda=None`` detects it). Returns one dict per policy (``skipped`` + ``reason``
-    for the ones that could not run)."""
-    from tinyloop.backends import cuda_available
-    out = []
-    pol = _TinyLoopPolicy()
-    try:
-        out.append(_replay(pol, ops))
-    finally:
-        pol.close()
-    if cuda is None:
-        cuda = cuda_available()
-    for kind, name in (("default", "cupy MemoryPool"), ("async", "cupy MemoryAsyncPool")):
-        if not cuda:
-            try:
-                import cupy  # noqa: F401
-                why = "CuPy is installed but sees no CUDA device"
-            except ImportError:
-                why = "CuPy is not installed (pip install cupy-cuda12x) and there is no GPU"
-            out.append({"name": name, "skipped": True,
-                        "reason": f"{why}: the CuPy allocators can only be replayed on a GPU"})
-            continue
-        try:
-            pol = _CupyPolicy(kind)
-        except Exception as e:      # cudaMallocAsync unsupported here: report it, don't hide it
-            out.append({"name": name, "skipped": True, "reason": f"{type(e).__name__}: {e}"})
-            continue
-        try:
-            out.append(_replay(pol, ops))
-        except MemoryError as e:    # CuPy's OutOfMemoryError: the device is too full to replay
-            out.append({"name": name, "skipped": True,
-                        "reason": f"out of memory while replaying: {e}"})
-        finally:
-            pol.close()
-    return out
-
-
 def request_plan(n: int, seed: int, vocab_size: int, max_prompt_tokens: int,
                  max_new_tokens: int, max_seq_len: int) -> list[dict]:
     """``n`` seeded requests: prompt length uniform in 1..max_prompt_tokens (random token ids),
@@ -368,6 +244,9 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
                                                        backend, max_seq_len)
     pool = backend_pool(backend) if own else model.pool
     start = layout_state(pool)
+    # peaks from the trace's start on (never reset per request): the run's running high-water
+    # marks, over the same span the trace and its replay cover
+    reset_peak_memory_stats()
     collector = EventCollector(pool).start()
     if own:
         model, load_s = load_timed(model_path, max_seq_len, backend)
@@ -375,7 +254,6 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
         load_s = 0.0
     assert model.pool is pool
     collector.collect()
-    reset_peak_memory_stats()
     records = [take_record(pool, request=0, step="loaded", device=pool.device,
                            duration_ms=load_s * 1e3, prompt_tokens=0, new_tokens=0)]
     plan = request_plan(requests, seed, model.config.vocab_size, max_prompt_tokens,
@@ -388,7 +266,6 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
                                  depth=depth, temperature=0.0)
             dt = time.perf_counter() - t0
             collector.collect()
-            # peaks are *not* reset per request here: peak_* is the run's running high-water
             records.append(take_record(pool, request=i, step="request", device=pool.device,
                                        duration_ms=dt * 1e3,
                                        prompt_tokens=len(req["prompt"]),
@@ -399,9 +276,16 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
             tinyloop.free_model(model)
         collector.collect()
 
-    trace = analyze_trace(collector.events, start, end=layout_state(pool))
-    ops = trace_ops(collector.events, start)
-    policies = replay_policies(ops) if replay else []
+    end = layout_state(pool)
+    kinds = segment_kinds(collector.events, collector.layouts
+                          + [(len(collector.events), {p: k for p, (_, k)
+                                                      in end["segments"].items()})])
+    trace = analyze_trace(collector.events, start, kinds=kinds)
+    policies = replay_policies(collector.events, start, kinds=kinds) if replay else []
+    if collector.dropped and policies:
+        policies[0] = {"name": "tinyloop pool", "skipped": True,
+                       "reason": f"the pool's event ring dropped {collector.dropped} events "
+                                 f"before they were collected: the trace is incomplete"}
     last = records[-1]
     frag = [r["external_fragmentation"] for r in records[1:]]
     summary_fields = {
@@ -436,7 +320,7 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
                     f"reserved / peak allocated = "
                     f"{summary_fields['peak_reserved_over_peak_allocated']:.3f}"),
         **summary_fields,
-        "config": {"model": model_path, "backend": backend, "device": pool.device,
+        "config": {"model": model_path, **backend_facts(backend), "device": pool.device,
                    "requests": requests, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
                    "max_new_tokens": max_new_tokens, "depth": res.depth,
                    "max_seq_len": max_seq_len},
@@ -479,11 +363,13 @@ def summary(result: dict) -> str:
     c = result["config"]
     lines = [f"fragment: {c['requests']} requests (seed {c['seed']}, prompts 1..."
              f"{c['max_prompt_tokens']} tokens, 1..{c['max_new_tokens']} new tokens) on "
-             f"{c['backend']} ({c['device']} pool)",
+             f"{run_on(c)}",
              f"  peak reserved {fmt_bytes(result['peak_reserved_bytes'])} / peak allocated "
              f"{fmt_bytes(result['peak_allocated_bytes'])} = "
              f"{result['peak_reserved_over_peak_allocated']:.3f}",
-             f"  external fragmentation: max {result['external_fragmentation_max']:.3f}, final "
+             f"  external fragmentation (1 - largest free block / pool free: the share of "
+             f"the cached free bytes one request cannot get in one piece): max "
+             f"{result['external_fragmentation_max']:.3f}, final "
              f"{result['external_fragmentation_final']:.3f}; largest free block at the end "
              f"{fmt_bytes(result['largest_free_block_bytes_final'])} of "
              f"{fmt_bytes(result['pool_free_bytes_final'])} free",
@@ -505,8 +391,18 @@ def summary(result: dict) -> str:
     for p in result["policies"]:
         if p["skipped"]:
             lines.append(f"  replay {p['name']}: skipped: {p['reason']}")
-        else:
-            lines.append(f"  replay {p['name']}: peak reserved "
-                         f"{fmt_bytes(p['peak_reserved_bytes'])}, peak in use "
-                         f"{fmt_bytes(p['peak_allocated_bytes'])}, misses {p['misses']}")
+            continue
+        what = ("TinyLoop's pool class over the recorded addresses, every event repeated"
+                if p.get("exact") else "the alloc / free sequence; no size classes, no "
+                "reserve()")
+        lines.append(f"  replay {p['name']} ({what}): peak reserved "
+                     f"{fmt_bytes(p['peak_reserved_bytes'])}, peak in use "
+                     f"{fmt_bytes(p['peak_allocated_bytes'])}, misses {p['misses']}")
+        if p.get("exact"):
+            same = (p["peak_reserved_bytes"] == result["peak_reserved_bytes"]
+                    and p["misses"] == result["num_misses"])
+            lines.append("    = the live run's peak reserved and misses" if same else
+                         f"    DIFFERS from the live run (peak reserved "
+                         f"{fmt_bytes(result['peak_reserved_bytes'])}, misses "
+                         f"{result['num_misses']})")
     return "\n".join(lines)

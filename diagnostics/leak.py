@@ -11,9 +11,12 @@ on a saved leak.json).
 With a prefix pool (``--prefix-pool BYTES``, or ``unbounded``) every request goes through a
 ``tinyloop.PrefixPool``; with ``--unique-prompts`` each request's prompt ends in two tokens of its
 own (same length), so each one inserts a new entry. Each record then carries the pool's
-``stats()`` and ``cache_bytes`` / ``cache_tag`` ("prefix_cache"), which is how the verdict tells a
-pool without a budget (UNBOUNDED CACHE, naming the tag and its growth per request) from a leak;
-under a budget the pool fills, evicts, and the verdict is STABLE.
+``stats()`` and ``cache_bytes`` / ``cache_tag`` ("prefix_cache") / ``cache_budget_bytes`` (its
+``max_bytes``) / ``cache_evictions``, which is how the verdict tells a pool without a budget
+(UNBOUNDED CACHE, naming the tag and its growth per request) from a leak, and a budgeted pool
+still filling (BOUNDED CACHE, FILLING: held of budget) from one that is full and evicting
+(STABLE once the footprint holds). The verdict reads those records, not the options of the
+run.
 
 Writes DIR/leak.json (``verdict``, ``leak_bytes_per_request``, the evidence and the records),
 DIR/leak.csv and the plots DIR/leak_*.png.
@@ -30,8 +33,8 @@ from tinyloop.memory import reset_peak_memory_stats, round_size
 from . import plots
 from .faults import PlantedCache, PlantedLeak
 from .records import fmt_bytes, take_record, write_csv, write_result
-from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT, load_timed,
-                      progress, settle_run)
+from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT,
+                      backend_facts, load_timed, progress, run_on, settle_run)
 from .verdict import classify
 
 
@@ -77,7 +80,8 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
             if ppool is not None:
                 st = ppool.stats()
                 extra = dict(cache_bytes=st["bytes"], cache_tag="prefix_cache",
-                             cached_tokens=res.cached_tokens,
+                             cache_budget_bytes=st["max_bytes"],
+                             cache_evictions=st["evictions"], cached_tokens=res.cached_tokens,
                              prefix_pool={k: st[k] for k in ("hits", "misses", "evictions",
                                                             "entries", "bytes")})
             records.append(take_record(pool, request=i, step="request",
@@ -108,7 +112,7 @@ def run_leak(out_dir, *, model=None, model_path: str | None = None, requests: in
         "planted": {"leak_bytes_per_request": plant_leak,
                     "leak_bytes_per_request_rounded": round_size(plant_leak) if plant_leak else 0,
                     "cache_bytes_per_request": plant_cache},
-        "config": {"model": model_path, "backend": backend, "device": pool.device,
+        "config": {"model": model_path, **backend_facts(backend), "device": pool.device,
                    "requests": requests, "prompt": prompt, "max_new_tokens": max_new_tokens,
                    "depth": depth_used, "max_seq_len": max_seq_len,
                    "prefix_pool": prefix_pool is not False,
@@ -150,7 +154,7 @@ def summary(result: dict) -> str:
     c = result["config"]
     kind = "unique-prompt" if c.get("unique_prompts") else "identical"
     lines = [f"leak: {c['requests']} {kind} requests ({c['max_new_tokens']} new tokens, "
-             f"greedy, depth {c['depth']}) on {c['backend']} ({c['device']} pool)",
+             f"greedy, depth {c['depth']}) on {run_on(c)}",
              f"VERDICT: {result['verdict']}: {result['reason']}"]
     ps = result.get("prefix_pool")
     if ps is not None:
@@ -161,9 +165,11 @@ def summary(result: dict) -> str:
     if result["requests_needed"]:
         lines.append(f"  about {result['requests_needed']} requests would decide "
                      f"(--requests {result['requests_needed']})")
+    accounted = result["verdict_detail"].get("cache_held_bytes") is not None
     lines.append(f"  leak rate {fmt_bytes(result['leak_bytes_per_request'])}/request (fit of "
-                 f"allocated at request end); reservation "
-                 f"{fmt_bytes(result['reserved_bytes_per_request'])}/request")
+                 f"allocated at request end"
+                 + (", less the bytes the cache accounts for" if accounted else "")
+                 + f"); reservation {fmt_bytes(result['reserved_bytes_per_request'])}/request")
     p = result["planted"]
     if p["leak_bytes_per_request"]:
         lines.append(f"  planted leak {p['leak_bytes_per_request']} B/request (pool rounds to "

@@ -88,10 +88,19 @@ def write_result(out_dir, command: str, result: dict, files: list) -> dict:
 RELEASE_FIGURES = ("allocated_bytes", "reserved_bytes", "process_bytes", "device_free_bytes")
 
 
+def release_rows(result: dict) -> list[dict]:
+    """A release result's table rows: its starting state (no ``freed``), then every step; their
+    ``step`` names are the records' ``step`` labels, which the plots use."""
+    return ([result["start"]] if result.get("start") else []) + result["steps"]
+
+
 def release_step_cells(step: dict) -> tuple[list[str], list[str]]:
     """The figures a release step's table row shows: ``fmt_bytes`` of its ``after`` figures
-    (RELEASE_FIGURES, in order) and of what it freed (allocated, reserved, process)."""
+    (RELEASE_FIGURES, in order) and of what it freed (allocated, reserved, process; empty for
+    the starting state)."""
     after = [fmt_bytes(step["after"][k]) for k in RELEASE_FIGURES]
+    if "freed" not in step:
+        return after, ["", "", ""]
     freed = [fmt_bytes(step["freed"][k]) for k in RELEASE_FIGURES[:3]]
     return after, freed
 

@@ -9,7 +9,10 @@ KV cache (peak during the request vs allocated after); 4. ``empty_cache()`` -- r
 cached free segments, weights stay loaded (checked), and a request afterwards needs no reload;
 5. ``free_model()`` -- the model's blocks become free pool bytes (still reserved);
 6. ``empty_cache()`` again -- now the reservation goes back to the driver; 7. load again and
-run one request: the cold start, timed against the warm request.
+8. run one request: the cold start, timed against the warm request; 9. free the model again.
+
+Every record is named after the step that ends at it (the first: "before load"), so the table
+rows and the plots' x labels are the same names, in the same order.
 
 Writes DIR/release.json (steps with before / after / freed, checks, timings, records),
 DIR/release.csv and the plots DIR/release_*.png.
@@ -25,9 +28,10 @@ from tinyloop.backends import resolve_backend
 from tinyloop.memory import empty_cache, reset_peak_memory_stats
 
 from . import plots
-from .records import fmt_bytes, release_step_cells, take_record, write_csv, write_result
+from .records import (fmt_bytes, release_rows, release_step_cells, take_record, write_csv,
+                      write_result)
 from .session import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEQ_LEN, DEFAULT_PROMPT,
-                      backend_pool, load_timed, resolve_model)
+                      backend_facts, backend_pool, load_timed, resolve_model, run_on)
 
 FIGURES = ("allocated_bytes", "reserved_bytes", "pool_free_bytes", "device_free_bytes",
            "process_bytes", "nvml_process_bytes")
@@ -85,15 +89,15 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
 
     r0 = rec("before load")
     model, load_s = load_timed(model_path, max_seq_len, backend)
-    r1 = rec("loaded", duration_ms=load_s * 1e3)
+    r1 = rec("load", duration_ms=load_s * 1e3)
     vram = tinyloop.vram_usage_bytes(model)
     step("load", "tinyloop.load_model()", r0, r1, seconds=load_s, model_bytes=vram)
     try:
-        _, first_s, r2 = request(model, "request 1 done")
+        _, first_s, r2 = request(model, "first request")
         step("first request", "model.generate() after load", r1, r2, seconds=first_s,
              peak_allocated_during_bytes=r2["peak_allocated_bytes"],
              peak_kv_cache_bytes=r2["peak_by_tag"].get("kv_cache", 0))
-        res, warm_s, r3 = request(model, "request 2 done")
+        res, warm_s, r3 = request(model, "end of request")
         end_of_request = r3["peak_allocated_bytes"] - r3["allocated_bytes"]
         step("end of request", "a warm request ends (its KV cache is freed)", r2, r3,
              seconds=warm_s, peak_allocated_during_bytes=r3["peak_allocated_bytes"],
@@ -101,7 +105,7 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
              peak_kv_cache_bytes=r3["peak_by_tag"].get("kv_cache", 0))
         vram = tinyloop.vram_usage_bytes(model)     # now with the lazily made logit row
         released = empty_cache()
-        r4 = rec("empty_cache()")
+        r4 = rec("empty_cache")
         weights_kept = (r4["by_tag"]["weights"] == r3["by_tag"]["weights"] > 0
                         and tinyloop.vram_usage_bytes(model) == vram)
         step("empty_cache", "tinyloop.memory.empty_cache() with the model loaded", r3, r4,
@@ -113,24 +117,27 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
              same_output=res2.token_ids == res.token_ids)
     finally:
         tinyloop.free_model(model)
-    r6 = rec("free_model()")
+    r6 = rec("free_model")
     step("free_model", "tinyloop.free_model(): the model's blocks become free pool bytes", r5,
          r6, model_bytes_after=tinyloop.vram_usage_bytes(model))
     released2 = empty_cache()
-    r7 = rec("free_model + empty_cache()")
+    r7 = rec("empty_cache after free_model")
     step("empty_cache after free_model", "tinyloop.memory.empty_cache(): the segments go back "
          "to the driver", r6, r7, released_bytes=released2)
 
     model2, load2_s = load_timed(model_path, max_seq_len, backend)
-    r8 = rec("reloaded", duration_ms=load2_s * 1e3)
+    r8 = rec("reload", duration_ms=load2_s * 1e3)
+    step("reload", "load_model() again: the first half of a cold start", r7, r8,
+         seconds=load2_s)
     try:
-        res3, cold_first_s, r9 = request(model2, "cold request done")
+        res3, cold_first_s, r9 = request(model2, "cold request")
     finally:
         tinyloop.free_model(model2)
-    step("cold start", "load_model() + the first request again", r7, r9,
-         seconds=load2_s + cold_first_s, load_s=load2_s, first_request_s=cold_first_s,
+    step("cold request", "the first request after the reload: the second half of a cold "
+         "start", r8, r9, seconds=cold_first_s, cold_start_s=load2_s + cold_first_s,
          same_output=res3.token_ids == res.token_ids)
-    r10 = rec("end (model freed)")
+    r10 = rec("free_model at the end")
+    step("free_model at the end", "tinyloop.free_model() of the reloaded model", r9, r10)
 
     cold_s = load2_s + cold_first_s
     checks = {
@@ -169,9 +176,11 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
                     f"still holds the memory")
     result = {"command": "release", "verdict": verdict, "checks": checks, "timings": timings,
               "model_bytes": vram,
-              "config": {"model": model_path, "backend": backend, "device": pool.device,
+              "config": {"model": model_path, **backend_facts(backend), "device": pool.device,
                          "prompt": prompt, "max_new_tokens": max_new_tokens,
                          "depth": res.depth, "max_seq_len": max_seq_len},
+              "start": {"step": r0["step"], "action": "the process before the load",
+                        "after": _figures(r0)},
               "steps": steps, "records": records}
     files = [write_csv(os.path.join(out_dir, "release.csv"), records)]
     note = plots.unavailable() if plot else None
@@ -191,14 +200,14 @@ def run_release(out_dir, *, model_path: str | None = None, backend: str = "auto"
 
 def summary(result: dict) -> str:
     c = result["config"]
-    lines = [f"release: {os.path.basename(c['model'])} on {c['backend']} ({c['device']} pool)",
+    lines = [f"release: {os.path.basename(c['model'])} on {run_on(c)}",
              f"  {result['verdict']}", "",
              f"  {'step':<30}{'allocated':>12}{'reserved':>12}{'proc (drv)':>12}"
              f"{'dev free':>12}   freed (- = grew): alloc / reserved / proc"]
-    for s in result["steps"]:
+    for s in release_rows(result):
         after, freed = release_step_cells(s)
-        lines.append(f"  {s['step']:<30}" + "".join(f"{c:>12}" for c in after) + "   "
-                     + " / ".join(freed))
+        lines.append(f"  {s['step']:<30}" + "".join(f"{c:>12}" for c in after)
+                     + ("   " + " / ".join(freed) if freed[0] else ""))
     lines.append("")
     lines += [f"  check {k}: {v}" for k, v in result["checks"].items()]
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import glob
 import html
 import os
 
-from .records import fmt_bytes, read_json, release_step_cells
+from .records import fmt_bytes, read_json, release_rows, release_step_cells
 
 COMMANDS = ("leak", "fragment", "release")
 
@@ -18,6 +18,7 @@ body{font-family:system-ui,sans-serif;max-width:1100px;margin:1.5em auto;color:#
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
 .verdict{font-size:1.15em;padding:.6em .8em;border-radius:6px;background:#eef}
 .STABLE{background:#e3f4e3}.LEAK{background:#fbe3e3}.UNBOUNDED{background:#fdf0d8}
+.BOUNDED{background:#e6eefa}
 .INCONCLUSIVE{background:#eee}
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ddd;padding:2px 8px}
 td.n{text-align:right;font-variant-numeric:tabular-nums}
@@ -43,7 +44,7 @@ def _kv_table(d: dict) -> str:
 
 
 def _leak_section(r: dict) -> str:
-    cls = r["verdict"].split()[0]
+    cls = r["verdict"].split()[0].rstrip(",")
     out = [f'<p class="verdict {cls}"><b>{_e(r["verdict"])}</b>: {_e(r["reason"])}</p>',
            f"<p>leak rate (least-squares fit of allocated bytes at request end): "
            f"<b>{_e(fmt_bytes(r['leak_bytes_per_request']))}/request</b>; reservation "
@@ -66,7 +67,8 @@ def _fragment_section(r: dict) -> str:
                "peak reserved / peak allocated": f"{fmt_bytes(r['peak_reserved_bytes'])} / "
                f"{fmt_bytes(r['peak_allocated_bytes'])} = "
                f"{r['peak_reserved_over_peak_allocated']:.3f}",
-               "external fragmentation (max, final)":
+               "external fragmentation (max, final): 1 - largest free block / pool free, "
+               "the share of the cached free bytes one request cannot get in one piece":
                    f"{r['external_fragmentation_max']:.3f}, "
                    f"{r['external_fragmentation_final']:.3f}",
                "largest free block at the end": f"{fmt_bytes(r['largest_free_block_bytes_final'])}"
@@ -85,7 +87,9 @@ def _fragment_section(r: dict) -> str:
         else:
             ratio = p.get("peak_reserved_over_peak_allocated")
             ratio = "n/a" if ratio is None else f"{ratio:.3f}"
-            rows.append(f"<tr><td>{_e(p['name'])}</td>"
+            how = (" (the live pool's class; every event repeated)" if p.get("exact")
+                   else " (the alloc / free sequence)")
+            rows.append(f"<tr><td>{_e(p['name'] + how)}</td>"
                         f"<td class=n>{_e(fmt_bytes(p['peak_allocated_bytes']))}</td>"
                         f"<td class=n>{_e(fmt_bytes(p['peak_reserved_bytes']))}</td>"
                         f"<td class=n>{ratio}</td>"
@@ -102,11 +106,12 @@ def _release_section(r: dict) -> str:
     out = [f'<p class="verdict">{_e(r["verdict"])}</p>', "<table><tr><th>step</th>"
            "<th>action</th><th>allocated</th><th>reserved</th><th>process (driver)</th>"
            "<th>device free</th><th>freed alloc / reserved</th></tr>"]
-    for s in r["steps"]:
+    for s in release_rows(r):
         after, freed = release_step_cells(s)
         out.append(f"<tr><td>{_e(s['step'])}</td><td>{_e(s['action'])}</td>"
                    + "".join(f"<td class=n>{_e(c)}</td>" for c in after)
-                   + f"<td class=n>{_e(freed[0])} / {_e(freed[1])}</td></tr>")
+                   + (f"<td class=n>{_e(freed[0])} / {_e(freed[1])}</td></tr>"
+                      if freed[0] else "<td></td></tr>"))
     out.append("</table>")
     out.append(_kv_table({**r["checks"], **{k: (f"{v:.3f}" if isinstance(v, float) else v)
                                              for k, v in r["timings"].items()}}))

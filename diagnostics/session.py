@@ -35,6 +35,23 @@ def settle_run(out_dir, requests: int, model, model_path: str | None, backend: s
     return False, model.backend, model.path, model.max_seq_len
 
 
+def backend_facts(backend: str) -> dict:
+    """What a run's byte figures depend on besides the model: {"backend", "act_dtype",
+    "kv_dtype"} (numpy dtype names) of ``backend`` ("auto" resolved)."""
+    import numpy as np
+    ops = ops_class(backend)
+    return {"backend": ops.name, "act_dtype": np.dtype(ops.act_dtype).name,
+            "kv_dtype": np.dtype(ops.kv_dtype).name}
+
+
+def run_on(config: dict) -> str:
+    """``"numpy (host pool; activations float32, fp16-mode K/V float32)"``: the backend, pool
+    and dtypes a run's figures belong to, from its result's ``config``."""
+    dt = (f"; activations {config['act_dtype']}, fp16-mode K/V {config['kv_dtype']}"
+          if config.get("act_dtype") else "")
+    return f"{config['backend']} ({config['device']} pool{dt})"
+
+
 def load_timed(path: str, max_seq_len: int, backend: str):
     """(model, seconds to load)."""
     t0 = time.perf_counter()
@@ -62,22 +79,31 @@ class EventCollector:
     long as ``collect()`` is called before the ring wraps (once per request is plenty).
 
     ``events`` holds ``MemoryEvent`` tuples from ``start()`` on; ``dropped`` counts events the
-    ring pushed out before they were collected.
+    ring pushed out before they were collected. ``layouts`` holds, for ``start()`` and every
+    ``collect()``, ``(len(events), {segment address: size class})``: the events do not say a
+    segment's class, and a replay needs it (``diagnostics.replay.segment_kinds``).
     """
 
     def __init__(self, pool):
         self.pool = pool
         self.events: list = []
+        self.layouts: list = []
         self.dropped = 0
         self._seen = self._total()
+
+    def _layout(self) -> None:
+        self.layouts.append((len(self.events),
+                             {seg["address"]: seg["kind"] for seg in self.pool.layout()}))
 
     def _total(self) -> int:
         return self.pool.events_dropped + len(self.pool.events())
 
     def start(self) -> "EventCollector":
         self.events.clear()
+        self.layouts.clear()
         self.dropped = 0
         self._seen = self._total()
+        self._layout()
         return self
 
     def collect(self) -> None:
@@ -90,3 +116,4 @@ class EventCollector:
         if new > 0:
             self.events.extend(ev[-new:])
         self._seen = total
+        self._layout()

@@ -2,8 +2,12 @@
 
 Input: the records of N identical requests, in order, each a mapping with at least
 ``allocated_bytes`` and ``reserved_bytes`` taken at the end of the request; optionally
-``peak_reserved_bytes`` (the request's own high-water mark), ``by_tag`` (tag -> bytes) and
-``request`` (its number, 1-based; the position in the list otherwise).
+``peak_reserved_bytes`` (the request's own high-water mark), ``by_tag`` (tag -> bytes),
+``request`` (its number, 1-based; the position in the list otherwise) and, for a cache that
+accounts for what it holds (a PrefixPool), ``cache_bytes`` (its ``stats()["bytes"]``, equal to
+its tag ``cache_tag``), ``cache_budget_bytes`` (the budget it declares; None: none) and
+``cache_evictions`` (its running eviction count). The verdict reads only these records: how a
+run was configured decides nothing.
 
 The rule (docs/architecture.md, "why a runtime keeps memory after a request": a stable
 high-water mark is caching, a footprint that grows with every identical request is a leak or
@@ -16,17 +20,21 @@ an unbounded cache):
    -- both over the whole window and over its second half (growth that stopped is not growth)
    -- and the mean of each quarter of the window exceeds the one before (a single step is not
    growth that keeps going).
-3. LEAK: allocated bytes at request end grow. The rate is the slope over the window; the tag is
+3. With an accounting cache in the records, in this order:
+   LEAK if the cache ever holds more than its declared budget, or if allocated minus the
+   cache's bytes keeps growing (the rate is that slope; the tag the fastest-growing other
+   one); UNBOUNDED CACHE if no budget is declared and the cache keeps growing; BOUNDED CACHE,
+   FILLING if a budget is declared and the cache, not yet full, holds more than at the start
+   of the window (the figures: held of budget); once full (its eviction count rises, or
+   without that count: its bytes come within its largest step of the budget) the records from
+   the fill on are judged by rules 4-7 alone, so a plateau at the budget is STABLE.
+4. LEAK: allocated bytes at request end grow. The rate is the slope over the window; the tag is
    the one whose bytes grow fastest.
-4. UNBOUNDED CACHE: allocated does not grow, reserved (the high-water mark) does. Or: allocated
-   grows, but records carry ``cache_bytes`` -- the bytes a cache says it holds on purpose (a
-   PrefixPool's ``stats()["bytes"]``, equal to its tag ``cache_tag``) -- and allocated minus
-   those bytes does not grow: the growth is a cache without a budget that can account for
-   every byte, not a leak. The tag and its growth per request are named.
-5. STABLE: allocated at request end and the high-water mark each settled -- stayed within
+5. UNBOUNDED CACHE: allocated does not grow, reserved (the high-water mark) does.
+6. STABLE: allocated at request end and the high-water mark each settled -- stayed within
    their noise band (:func:`noise_band`; 512 bytes on an exact series) -- from request k on,
    for at least max(``min_plateau``, k) more requests, and allocated shows no trend.
-6. INCONCLUSIVE otherwise, with the reason and an estimate of the requests that would decide:
+7. INCONCLUSIVE otherwise, with the reason and an estimate of the requests that would decide:
    too few requests; a trend that is not yet ``t_threshold`` standard errors from 0 (the
    requests needed follow from the slope's standard error, sigma * sqrt(12 / m^3) for m
    evenly spaced points); or a footprint that changed too recently to call it settled.
@@ -42,8 +50,14 @@ import numpy as np
 STABLE = "STABLE"
 LEAK = "LEAK"
 UNBOUNDED_CACHE = "UNBOUNDED CACHE"
+BOUNDED_CACHE_FILLING = "BOUNDED CACHE, FILLING"
 INCONCLUSIVE = "INCONCLUSIVE"
-VERDICTS = (STABLE, LEAK, UNBOUNDED_CACHE, INCONCLUSIVE)
+VERDICTS = (STABLE, LEAK, UNBOUNDED_CACHE, BOUNDED_CACHE_FILLING, INCONCLUSIVE)
+# ``python -m diagnostics leak`` exits with the verdict's code, so a CI job can gate on it like
+# on a test run (1: an error, 2: bad arguments -- argparse's own code). A bounded cache still
+# filling passes: its footprint stops at the budget it declares, and nothing else grows.
+EXIT_CODES = {STABLE: 0, BOUNDED_CACHE_FILLING: 0, LEAK: 3, UNBOUNDED_CACHE: 4,
+              INCONCLUSIVE: 5}
 
 MIN_REQUESTS = 8          # warm-up + a window whose quarters have >= 1 point each
 MIN_PLATEAU = 5           # requests the high-water mark must hold before we call it stable
@@ -125,6 +139,9 @@ class Verdict:
     tag_bytes_per_request: dict = field(default_factory=dict)
     stable_from: int | None = None         # request at which the high-water mark was reached
     cache_bytes_per_request: float = 0.0   # growth of a self-accounting cache (cache_bytes)
+    cache_budget_bytes: int | None = None  # the budget the records declare for that cache
+    cache_held_bytes: int | None = None    # what the cache holds after the last request
+    cache_filled_at: int | None = None     # request at which the cache reached its budget
     requests_needed: int | None = None     # INCONCLUSIVE: about how many requests would decide
     warmup: int = 0
     evidence: list = field(default_factory=list)
@@ -141,6 +158,10 @@ def _fmt(n: float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f}"
 
 
 def _fit_desc(f: Fit) -> str:
@@ -221,25 +242,68 @@ def classify(records, *, warmup: int | None = None, t_threshold: float = T_THRES
     common = dict(leak_bytes_per_request=fa.slope, reserved_bytes_per_request=fh.slope,
                   tag_bytes_per_request=tag_rates, warmup=w, fits=fits)
 
-    # UNBOUNDED CACHE (accounted): the growth is a cache that reports what it holds
+    # A cache that accounts for its bytes: records carry ``cache_bytes`` (and, where the cache
+    # has one, its declared ``cache_budget_bytes``). Its growth is judged against its budget;
+    # only what it does not account for can be a leak.
     cache = [r.get("cache_bytes") for r in recs]
-    if keeps_growing(win_a) and all(c is not None for c in cache):
+    if all(c is not None for c in cache):
         cache_a = np.array(cache, dtype=np.float64)
         rest = alloc - cache_a
-        fc = linear_fit(cache_a[w:])
-        if keeps_growing(cache_a[w:]) and not keeps_growing(rest[w:]):
-            tag = next((r.get("cache_tag") for r in recs if r.get("cache_tag")), None)
-            evidence.append(f"a cache reports {_fmt(cache_a[w])} -> {_fmt(cache_a[-1])} held "
-                            f"(slope {_fit_desc(fc)}); allocated minus that: "
-                            f"{_fmt(rest[w])} -> {_fmt(rest[-1])} (slope "
-                            f"{_fit_desc(linear_fit(rest[w:]))})")
+        fc, fr = linear_fit(cache_a[w:]), linear_fit(rest[w:])
+        tag = next((r.get("cache_tag") for r in recs if r.get("cache_tag")), None)
+        name = f"the cache (tag {tag!r})" if tag else "the cache"
+        budgets = [r.get("cache_budget_bytes") for r in recs]
+        budget = budgets[-1]
+        evidence.append(f"{name} reports {_fmt(cache_a[w])} -> {_fmt(cache_a[-1])} held "
+                        f"(slope {_fit_desc(fc)}); declared budget: "
+                        + (_fmt(budget) if budget is not None else "none")
+                        + f"; allocated minus the cache: {_fmt(rest[w])} -> {_fmt(rest[-1])} "
+                        f"(slope {_fit_desc(fr)})")
+        # the leak rate is what the cache does not account for (over a budget: all of it)
+        cache_common = dict(common, leak_bytes_per_request=fr.slope,
+                            cache_bytes_per_request=fc.slope, cache_budget_bytes=budget,
+                            cache_held_bytes=int(cache_a[-1]))
+        over = [i for i, (c, b) in enumerate(zip(cache, budgets)) if b is not None and c > b]
+        if over:
+            i = over[0]
+            return Verdict(LEAK, f"{name} holds {_fmt(cache[i])} at request {numbers[i]}, "
+                           f"over its declared budget of {_fmt(budgets[i])}: a budget the "
+                           f"cache does not keep bounds nothing", growing_tag=tag,
+                           evidence=evidence, **dict(cache_common,
+                                                     leak_bytes_per_request=fa.slope))
+        if keeps_growing(rest[w:]):
+            growing = {t: s for t, s in tag_rates.items() if s > 0 and t != tag}
+            leak_tag = max(growing, key=growing.get) if growing else tag
+            return Verdict(LEAK, f"allocated bytes that {name} does not account for grow by "
+                           f"{_fmt(fr.slope)} per request"
+                           + (f", in tag {leak_tag!r}" if leak_tag else "")
+                           + f" (least-squares fit over {m} requests; the cache itself "
+                           f"{_fmt(fc.slope)}/request)", growing_tag=leak_tag,
+                           evidence=evidence, **cache_common)
+        if budget is None and keeps_growing(cache_a[w:]):
             return Verdict(UNBOUNDED_CACHE, f"allocated bytes grow by {_fmt(fa.slope)} per "
                            f"request, all of it held by a cache that accounts for it"
                            + (f" (tag {tag!r})" if tag else "")
-                           + f", growing by {_fmt(fc.slope)} per request with no budget: an "
-                           f"unbounded cache, not a leak (give it a byte budget)",
-                           growing_tag=tag, cache_bytes_per_request=fc.slope,
-                           evidence=evidence, **common)
+                           + f", growing by {_fmt(fc.slope)} per request with no budget "
+                           f"declared in the records: an unbounded cache, not a leak (give "
+                           f"it a byte budget)", growing_tag=tag, evidence=evidence,
+                           **cache_common)
+        if budget is not None:
+            f = _filled_at(recs, cache_a, budget)
+            if f is None and cache_a[-1] > cache_a[w]:
+                left = budget - cache_a[-1]
+                eta = (f"; at {_fmt(fc.slope)}/request it is full in about "
+                       f"{math.ceil(left / fc.slope)} more requests") if fc.slope > 0 else ""
+                return Verdict(BOUNDED_CACHE_FILLING, f"bounded cache, filling: "
+                               f"{_mib(cache_a[-1])} of {_mib(budget)} MiB held by {name} "
+                               f"after request {last}{eta}; allocated minus the cache does "
+                               f"not grow (it is no leak; the footprint stops at the budget)",
+                               growing_tag=tag, evidence=evidence, **cache_common)
+            if f is not None:
+                return _after_fill(recs, f, numbers, name, tag, budget, evidence,
+                                   cache_common, dict(warmup=warmup, t_threshold=t_threshold,
+                                                      min_growth_bytes=min_growth_bytes,
+                                                      min_plateau=min_plateau))
 
     # LEAK: allocated keeps growing
     if keeps_growing(win_a):
@@ -307,6 +371,47 @@ def classify(records, *, warmup: int | None = None, t_threshold: float = T_THRES
     return Verdict(INCONCLUSIVE, f"the footprint last changed at request {numbers[k]}; {need} "
                    f"requests without a change are needed to call it stable, only {held} ran "
                    f"after it", stable_from=numbers[k], requests_needed=k + 1 + need,
+                   evidence=evidence, **common)
+
+
+def _filled_at(recs, cache, budget: int) -> int | None:
+    """Index of the first record at which a cache with ``budget`` bytes is full: its
+    ``cache_evictions`` count rose (the cache made room), or, in records without that count,
+    its bytes came within its largest single growth step of the budget (the next entry would
+    not fit). None while it is still filling."""
+    ev = [r.get("cache_evictions") for r in recs]
+    if all(e is not None for e in ev):
+        return next((i for i in range(len(ev)) if ev[i] > ev[0]), None)
+    steps = np.diff(cache)
+    step = float(steps.max()) if len(steps) and steps.max() > 0 else 0.0
+    if step == 0:
+        return None
+    return next((i for i, c in enumerate(cache) if c + step > budget), None)
+
+
+def _after_fill(recs, f: int, numbers, name: str, tag, budget: int, evidence: list,
+                common: dict, opts: dict) -> Verdict:
+    """The verdict on a budgeted cache that filled at record ``f``: the footprint from then on
+    is judged like any other (the cache's bytes stay within its budget, so what the records
+    show from ``f`` on is the steady state), with the fill named in the reason."""
+    tail = [{k: v for k, v in r.items() if not k.startswith("cache_")} for r in recs[f:]]
+    opts = dict(opts, warmup=0)
+    v = classify(tail, **opts)
+    held = int(recs[-1]["cache_bytes"])
+    ev = recs[-1].get("cache_evictions")
+    filled = (f"{name} reached its {_fmt(budget)} budget at request {numbers[f]} and "
+              + (f"has evicted {ev - (recs[0].get('cache_evictions') or 0)} entries since"
+                 if ev is not None else "stays within it since")
+              + f" ({_fmt(held)} held after request {numbers[-1]})")
+    evidence = evidence + [filled] + [f"from request {numbers[f]} on: {e}" for e in v.evidence]
+    rates = dict(leak_bytes_per_request=v.leak_bytes_per_request,
+                 reserved_bytes_per_request=v.reserved_bytes_per_request,
+                 tag_bytes_per_request=v.tag_bytes_per_request)
+    common = dict(common, **rates, cache_filled_at=numbers[f])
+    needed = None if v.requests_needed is None else f + v.requests_needed
+    return Verdict(v.verdict, f"{filled}; from then on: {v.reason}",
+                   growing_tag=v.growing_tag or (tag if v.verdict == LEAK else None),
+                   stable_from=v.stable_from, requests_needed=needed,
                    evidence=evidence, **common)
 
 

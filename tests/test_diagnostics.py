@@ -14,12 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnostics import analyze_trace, classify, linear_fit, replay_policies, trace_ops
+from diagnostics import (ReplayDiverged, analyze_trace, classify, linear_fit, replay_policies,
+                         replay_trace, segment_kinds)
 from diagnostics.__main__ import main
 from diagnostics.faults import PlantedCache, PlantedLeak
 from diagnostics.fragment import layout_state
-from diagnostics.verdict import (INCONCLUSIVE, LEAK, MIN_REQUESTS, STABLE, UNBOUNDED_CACHE,
-                                 noise_band, points_needed, settled_from)
+from diagnostics.verdict import (BOUNDED_CACHE_FILLING, INCONCLUSIVE, LEAK, MIN_REQUESTS, STABLE,
+                                 UNBOUNDED_CACHE, noise_band, points_needed, settled_from)
 from tinyloop.backends import cuda_available
 from tinyloop.memory import FakeRawAllocator, MemoryPool, _reset_pools_for_tests
 
@@ -156,8 +157,91 @@ def test_accounted_cache_growth_is_unbounded_cache_not_leak():
         r["allocated_bytes"] += 4096 * i
         r["by_tag"]["other"] = 4096 * i
     v = classify(recs)
-    assert v.verdict == LEAK and v.growing_tag == "prefix_cache"
-    assert v.leak_bytes_per_request == pytest.approx(32768 + 4096)
+    assert v.verdict == LEAK and v.growing_tag == "other"
+    assert v.leak_bytes_per_request == pytest.approx(4096)
+
+
+def cache_series(n, entry, budget, *, leak=0, evictions=True, over_at=None):
+    """Records of ``n`` unique-prompt requests through a cache of ``budget`` bytes (None: no
+    budget) that gains one ``entry`` per request and evicts the oldest once the next would not
+    fit; ``leak`` bytes per request more stay allocated in tag "other"; from request
+    ``over_at`` on the cache stops evicting (it grows past its budget)."""
+    recs, held, evicted = [], 0, 0
+    for i in range(1, n + 1):
+        held += entry
+        while budget is not None and held > budget and (over_at is None or i < over_at):
+            held -= entry
+            evicted += 1
+        other = leak * i
+        rec = {"request": i, "allocated_bytes": BASE + held + other,
+               "reserved_bytes": BASE + 64 * MIB + 2 * MIB * ((held + other) // (2 * MIB)),
+               "by_tag": {"weights": BASE, "prefix_cache": held, "other": other},
+               "cache_bytes": held, "cache_tag": "prefix_cache", "cache_budget_bytes": budget}
+        if evictions:
+            rec["cache_evictions"] = evicted
+        recs.append(rec)
+    return recs
+
+
+ENTRY = 1_454_080                       # 710 pages of 2 KiB: not a divisor of the budget
+
+
+def test_budgeted_cache_growing_without_a_budget_is_unbounded():
+    v = classify(cache_series(60, ENTRY, None))
+    assert v.verdict == UNBOUNDED_CACHE, v.reason
+    assert v.growing_tag == "prefix_cache" and "no budget" in v.reason
+    assert v.cache_bytes_per_request == pytest.approx(ENTRY)
+
+
+def test_budgeted_cache_filling_names_held_of_budget():
+    """30 requests of a 64 MiB cache filled one entry per request: not full yet."""
+    v = classify(cache_series(30, ENTRY, 64 * MIB))
+    assert v.verdict == BOUNDED_CACHE_FILLING, v.reason
+    held = 30 * ENTRY
+    assert v.cache_held_bytes == held and v.cache_budget_bytes == 64 * MIB
+    assert f"{held / MIB:.1f} of 64.0 MiB" in v.reason
+    assert f"about {-(-(64 * MIB - held) // ENTRY)} more requests" in v.reason
+    assert v.leak_bytes_per_request == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.parametrize("evictions", [True, False])
+def test_budgeted_cache_plateau_at_budget_is_stable(evictions):
+    """60 requests: the cache fills at request 64 MiB // ENTRY and evicts from the next one on;
+    the footprint holds from there, so STABLE (the verdict once called this UNBOUNDED)."""
+    fits = 64 * MIB // ENTRY
+    recs = cache_series(60, ENTRY, 64 * MIB, evictions=evictions)
+    assert recs[fits]["cache_bytes"] == fits * ENTRY             # the plateau, by construction
+    v = classify(recs)
+    assert v.verdict == STABLE, v.reason
+    assert v.cache_filled_at == (fits + 1 if evictions else fits)
+    assert "budget" in v.reason and "UNBOUNDED" not in v.reason
+    assert v.leak_bytes_per_request == 0
+
+
+def test_budgeted_cache_just_full_is_inconclusive_and_says_how_many():
+    fits = 64 * MIB // ENTRY
+    v = classify(cache_series(fits + 3, ENTRY, 64 * MIB))
+    assert v.verdict == INCONCLUSIVE, v.reason
+    assert v.cache_filled_at == fits + 1 and v.requests_needed > fits + 3
+
+
+def test_budgeted_cache_growing_past_its_budget_is_a_leak():
+    fits = 64 * MIB // ENTRY
+    v = classify(cache_series(60, ENTRY, 64 * MIB, over_at=50))
+    assert v.verdict == LEAK, v.reason
+    assert f"at request 50, over its declared budget" in v.reason
+    assert v.growing_tag == "prefix_cache"
+    assert cache_series(60, ENTRY, 64 * MIB, over_at=50)[48]["cache_bytes"] == fits * ENTRY
+
+
+@pytest.mark.parametrize("n", [30, 60])
+def test_leak_on_top_of_a_budgeted_cache_is_a_leak(n):
+    """A 4 KiB/request leak beside a cache still filling (30) or full (60): LEAK at the leak's
+    own rate, in its own tag."""
+    v = classify(cache_series(n, ENTRY, 64 * MIB, leak=4096))
+    assert v.verdict == LEAK, v.reason
+    assert v.leak_bytes_per_request == pytest.approx(4096)
+    assert v.growing_tag == "other"
 
 
 def test_leak_wins_over_cache_when_both_grow():
@@ -264,28 +348,118 @@ def test_analyze_trace_classes_packed_blocks_by_their_segment():
     assert all(x["free_same_kind_bytes"] >= 0 for x in tr["misses"])
 
 
-def test_replay_reproduces_the_recorded_pool():
-    """Replaying a random trace on a fresh tinyloop pool gives the recorded peaks exactly."""
-    rng = np.random.default_rng(7)
-    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+def _kinds_now(pool) -> dict:
+    return {seg["address"]: seg["kind"] for seg in pool.layout()}
+
+
+def random_pool_trace(seed: int, pool, n_ops: int = 500, snaps: list | None = None):
+    """Drive ``pool`` the ways TinyLoop does: plain and packed_scope allocations of small and
+    large sizes, allocate_many / free_many batches of KV-page-sized blocks, reserve(),
+    empty_cache(), and out-of-memory retries against the raw allocator's capacity. Appends a
+    layout snapshot to ``snaps`` after every operation (as EventCollector does per request)."""
+    from tinyloop.errors import OutOfMemoryError
+    from tinyloop.memory.tags import packed_scope
+    rng = np.random.default_rng(seed)
     live = []
-    for _ in range(400):
-        if live and rng.random() < 0.45:
-            pool.free(live.pop(int(rng.integers(len(live)))))
-        else:
-            size = int(rng.choice([rng.integers(1, 64 << 10), rng.integers(1 << 20, 6 << 20)]))
-            live.append(pool.allocate(size, tag="kv_cache"))
+    n0 = pool.events_dropped + len(pool.events())
+    for _ in range(n_ops):
+        u = rng.random()
+        try:
+            if live and u < 0.35:
+                pool.free(live.pop(int(rng.integers(len(live)))))
+            elif live and u < 0.40:
+                k = int(rng.integers(1, min(8, len(live)) + 1))
+                batch, live[:] = live[-k:], live[:-k]
+                pool.free_many(batch)
+            elif u < 0.75:
+                size = int(rng.choice([rng.integers(1, 96 << 10), rng.integers(1 << 20, 5 << 20)]))
+                if rng.random() < 0.5:
+                    with packed_scope():
+                        live.append(pool.allocate(size, tag="kv_cache"))
+                else:
+                    live.append(pool.allocate(size, tag="scratch"))
+            elif u < 0.88:
+                with packed_scope():
+                    live += pool.allocate_many(24 << 10, int(rng.integers(1, 90)), "kv_cache")
+            elif u < 0.95:
+                pool.reserve(int(rng.integers(1 << 20, 9 << 20)), "weights")
+            else:
+                pool.empty_cache()
+        except OutOfMemoryError:
+            pass
+        if snaps is not None:
+            snaps.append((pool.events_dropped + len(pool.events()) - n0, _kinds_now(pool)))
+    return live
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replay_is_the_live_pool_on_packed_reserved_batched_traces(seed):
+    """Replaying a trace with packed_scope, reserve(), batches, empty_cache() and OOM retries
+    through the real pool class gives the live pool's peaks, final reservation and OOM count
+    exactly, and analyze_trace's miss count. (The replay once fed every allocation to a fresh
+    pool outside packed_scope, without the reserve() segments: other segments, other peaks.)"""
+    pool = MemoryPool(raw_allocator=FakeRawAllocator(capacity=64 << 20))
+    snaps = [(0, {})]
+    random_pool_trace(seed, pool, snaps=snaps)
     events = pool.events()
-    tr = analyze_trace(events)
+    assert pool.events_dropped == 0
     s = pool.stats()
+    assert s.num_ooms > 0 and s.num_segment_releases > 0      # the trace has both
+    kinds = segment_kinds(events, snaps)
+    tr = analyze_trace(events, kinds=kinds)
     assert (tr["peak_allocated_bytes"], tr["peak_reserved_bytes"]) == \
         (s.peak_allocated_bytes, s.peak_reserved_bytes)
-    (ours, *cupy) = replay_policies(trace_ops(events), cuda=False)
-    assert ours["name"] == "tinyloop pool" and not ours["skipped"]
+    ours = replay_trace(events, kinds=kinds)
     assert ours["peak_reserved_bytes"] == s.peak_reserved_bytes
     assert ours["peak_allocated_bytes"] == s.peak_allocated_bytes
+    assert ours["final_reserved_bytes"] == s.reserved_bytes
+    assert ours["ooms"] == s.num_ooms == len(tr["ooms"])
     assert ours["misses"] == tr["num_misses"]
+    (rep, *cupy) = replay_policies(events, kinds=kinds, cuda=False)
+    assert rep == {**ours, "replay_s": rep["replay_s"]}
     assert [p["skipped"] for p in cupy] == [True, True] and all(p["reason"] for p in cupy)
+
+
+def test_replay_from_a_started_pool_rebuilds_its_layout():
+    """A trace that starts after a packed load (one reserved segment, small blocks in it, free
+    gaps, a plain small segment): the replay starts from that layout, not from the blocks
+    re-allocated one by one."""
+    from tinyloop.memory.tags import packed_scope
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    pool.reserve(7 << 20, "weights")
+    with packed_scope():
+        w = [pool.allocate(int(n), tag="weights") for n in (300_000, 70_000, 2_500_000, 5000)]
+    small = [pool.allocate(40_000, tag="buffers") for _ in range(3)]
+    pool.free(w[1])
+    pool.free(small[1])
+    start = layout_state(pool)
+    pool.reset_peak_stats()
+    n0 = len(pool.events())
+    snaps = [(0, _kinds_now(pool))]
+    random_pool_trace(5, pool, n_ops=300, snaps=snaps)
+    events = pool.events()[n0:]
+    s = pool.stats()
+    kinds = segment_kinds(events, snaps)
+    ours = replay_trace(events, start, kinds=kinds)
+    assert (ours["peak_reserved_bytes"], ours["peak_allocated_bytes"]) == \
+        (s.peak_reserved_bytes, s.peak_allocated_bytes)
+    assert ours["misses"] == analyze_trace(events, start, kinds=kinds)["num_misses"]
+
+
+def test_replay_names_the_first_event_it_cannot_repeat():
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    a = pool.allocate(4096, tag="scratch")
+    b = pool.allocate(4096, tag="scratch")
+    pool.free(a)
+    pool.free(b)
+    events = pool.events()
+    t, action, addr, size, tag = events[2]
+    assert action == "alloc"
+    events[2] = type(events[2])(t, action, addr + 8192, size, tag)    # not where the pool puts it
+    with pytest.raises(ReplayDiverged, match="at event 2"):
+        replay_trace(events)
+    (ours, *_) = replay_policies(events, cuda=False)
+    assert ours["skipped"] and "at event 2" in ours["reason"]
 
 
 def test_analyze_trace_from_a_started_pool():
@@ -336,12 +510,12 @@ def test_planted_cache_grows_reservation_not_allocation(per_request):
 
 # --- the CLI end to end, on the tiny model (NumPy backend) ---------------------------------
 
-def _run(tmp_path, *argv):
+def _run(tmp_path, *argv, rc=0):
     out = tmp_path / "out"
-    rc = main([*argv, "--out", str(out), "--backend", "numpy", "--no-progress"]
-              if argv[0] in ("leak", "fragment") else
-              [*argv, "--out", str(out), "--backend", "numpy"])
-    assert rc == 0
+    got = main([*argv, "--out", str(out), "--backend", "numpy", "--no-progress"]
+               if argv[0] in ("leak", "fragment") else
+               [*argv, "--out", str(out), "--backend", "numpy"])
+    assert got == rc
     return out
 
 
@@ -362,7 +536,7 @@ def test_cli_leak_plain_is_stable(tmp_path, tiny_model_path, capsys):
 
 def test_cli_leak_planted_leak(tmp_path, tiny_model_path):
     out = _run(tmp_path, "leak", "--requests", "40", "--model", tiny_model_path,
-               "--plant-leak", "4096")
+               "--plant-leak", "4096", rc=3)
     r = json.loads((out / "leak.json").read_text())
     assert r["verdict"] == LEAK, r["reason"]
     assert abs(r["leak_bytes_per_request"] - 4096) <= 0.1 * 4096
@@ -372,7 +546,7 @@ def test_cli_leak_planted_leak(tmp_path, tiny_model_path):
 
 def test_cli_leak_planted_cache(tmp_path, tiny_model_path):
     out = _run(tmp_path, "leak", "--requests", "40", "--model", tiny_model_path,
-               "--plant-cache", "1M")
+               "--plant-cache", "1M", rc=4)
     r = json.loads((out / "leak.json").read_text())
     assert r["verdict"] == UNBOUNDED_CACHE, r["reason"]
     assert r["leak_bytes_per_request"] == 0
@@ -385,7 +559,8 @@ def test_cli_leak_prefix_pool(tmp_path, tiny_model_path, capsys, budget):
     prefix_cache (not a LEAK); with one, STABLE once full -- and the pool's bytes equal its tag
     and stay within the budget after every request."""
     out = _run(tmp_path, "leak", "--requests", "30", "--model", tiny_model_path,
-               "--prefix-pool", budget, "--unique-prompts")
+               "--prefix-pool", budget, "--unique-prompts",
+               rc=4 if budget == "unbounded" else 0)
     r = json.loads((out / "leak.json").read_text())
     recs = r["records"][1:]
     for rec in recs:
@@ -406,6 +581,32 @@ def test_cli_leak_prefix_pool(tmp_path, tiny_model_path, capsys, budget):
     assert "prefix pool (budget" in capsys.readouterr().out
 
 
+def test_cli_leak_budgeted_prefix_pool_fills_then_holds(tmp_path, tiny_model_path, capsys):
+    """A budget of 12 entries, one new entry per request (NumPy backend, tiny model): after 8
+    requests BOUNDED CACHE, FILLING with held-of-budget figures; after 30 the pool is full from
+    request 13 on and the footprint holds: STABLE. Both exit 0. (It once said UNBOUNDED CACHE
+    "with no budget" next to a line giving the budget.)"""
+    probe = _run(tmp_path, "leak", "--requests", "1", "--model", tiny_model_path,
+                 "--prefix-pool", "unbounded", "--unique-prompts", "--no-plots", rc=5)
+    entry = json.loads((probe / "leak.json").read_text())["records"][1]["cache_bytes"]
+    budget = 12 * entry + entry // 2
+    capsys.readouterr()
+    out = _run(tmp_path, "leak", "--requests", "8", "--model", tiny_model_path,
+               "--prefix-pool", str(budget), "--unique-prompts", "--no-plots", rc=0)
+    r = json.loads((out / "leak.json").read_text())
+    assert r["verdict"] == BOUNDED_CACHE_FILLING, r["reason"]
+    assert r["verdict_detail"]["cache_held_bytes"] == 8 * entry
+    assert r["verdict_detail"]["cache_budget_bytes"] == budget
+    assert f"filling: {8 * entry / MIB:.1f} of {budget / MIB:.1f} MiB" in capsys.readouterr().out
+    out = _run(tmp_path, "leak", "--requests", "30", "--model", tiny_model_path,
+               "--prefix-pool", str(budget), "--unique-prompts", rc=0)
+    r = json.loads((out / "leak.json").read_text())
+    assert r["verdict"] == STABLE, r["reason"]
+    assert r["verdict_detail"]["cache_filled_at"] == 13
+    assert r["prefix_pool"]["evictions"] == 30 - 12
+    assert all(rec["cache_budget_bytes"] == budget for rec in r["records"][1:])
+
+
 def test_cli_fragment(tmp_path, tiny_model_path):
     out = _run(tmp_path, "fragment", "--requests", "12", "--model", tiny_model_path,
                "--max-prompt-tokens", "60", "--seed", "3")
@@ -417,13 +618,35 @@ def test_cli_fragment(tmp_path, tiny_model_path):
     names = [p["name"] for p in r["policies"]]
     assert names == ["tinyloop pool", "cupy MemoryPool", "cupy MemoryAsyncPool"]
     ours = r["policies"][0]
-    assert ours["peak_reserved_bytes"] == r["trace"]["peak_reserved_bytes"]
+    assert ours["exact"], ours
+    assert ours["peak_reserved_bytes"] == r["peak_reserved_bytes"]      # the live pool's own
+    assert ours["peak_allocated_bytes"] == r["peak_allocated_bytes"]
+    assert ours["misses"] == r["num_misses"]
+    assert r["trace"]["peak_reserved_bytes"] == r["peak_reserved_bytes"]
     if not cuda_available():
         assert all(p["skipped"] and "GPU" in p["reason"] for p in r["policies"][1:])
     for name in ("fragment.csv", "fragment_trace.csv", "fragment_fragmentation.png",
                  "fragment_trace.png", "fragment_policies.png", "fragment_memory.png",
                  "fragment_timeline_by_tag.png"):
         assert (out / name).stat().st_size > 0, name
+
+
+def test_fragment_replay_of_a_loaded_model_is_the_live_run(tmp_path, tiny_model_path):
+    """The notebook's way: a model loaded before the trace (its packed, reserved segment is the
+    start layout) and prompts long enough that KV pages add segments during the requests."""
+    import tinyloop
+    from diagnostics.fragment import run_fragment
+    model = tinyloop.load_model(tiny_model_path, max_seq_len=2048, backend="numpy")
+    try:
+        r = run_fragment(tmp_path, model=model, requests=8, max_prompt_tokens=1500,
+                         max_new_tokens=2, show_progress=False, plot=False)
+    finally:
+        tinyloop.free_model(model)
+    ours = r["policies"][0]
+    assert r["trace"]["num_segment_allocs"] >= 1, r["trace"]
+    assert ours["exact"], ours
+    assert (ours["peak_reserved_bytes"], ours["peak_allocated_bytes"], ours["misses"]) == \
+        (r["peak_reserved_bytes"], r["peak_allocated_bytes"], r["num_misses"])
 
 
 def test_cli_release(tmp_path, tiny_model_path):
@@ -451,6 +674,35 @@ def test_cli_report_renders_all_sections(tmp_path, tiny_model_path):
     assert json.loads((out / "leak.json").read_text())["verdict"] in page
 
 
+@pytest.mark.parametrize("backend, itemsize, dtype", [("numpy", 4, "float32"),
+                                                     ("cuda", 2, "float16")])
+def test_kvmodes_and_inspect_agree_and_name_backend_and_dtype(tmp_path, tiny_model_path, capsys,
+                                                              backend, itemsize, dtype):
+    """fp16 K/V bytes per token per slot: 2 (K and V) * n_kv_heads * head_dim * the backend's
+    K/V itemsize, the same in `diagnostics kvmodes` and `tinyloop inspect`, each naming the
+    backend and the dtype. (kvmodes once printed the CUDA figure unnamed beside inspect's
+    NumPy one.)"""
+    from tests.conftest import TINY
+    from tinyloop.cli import main as tinyloop_main
+    want = 2 * TINY["n_kv_heads"] * TINY["head_dim"] * itemsize
+    assert main(["kvmodes", "--model", tiny_model_path, "--backend", backend, "--out",
+                 str(tmp_path), "--no-plots"]) == 0
+    kv_out = capsys.readouterr().out
+    assert f"on backend {backend} (fp16 mode: K/V {dtype})" in kv_out
+    fp16 = next(line.split() for line in kv_out.splitlines() if line.split()[:1] == ["fp16"])
+    assert int(fp16[1].replace(",", "")) == want
+    assert f"k {dtype}, v {dtype}" in kv_out
+    r = json.loads((tmp_path / "kvmodes.json").read_text())
+    assert (r["backend"], r["kv_dtype"]) == (backend, dtype)
+    assert tinyloop_main(["inspect", tiny_model_path, "--backend", backend]) == 0
+    ins = capsys.readouterr().out
+    assert f"memory plan for backend={backend} (activations" in ins
+    assert f"KV cache storage modes on backend {backend} (fp16 mode: K/V {dtype}" in ins
+    table = ins[ins.index("KV cache storage modes"):]
+    fp16 = next(line.split() for line in table.splitlines() if line.split()[:1] == ["fp16"])
+    assert int(fp16[1].replace(",", "")) == want
+
+
 def test_cli_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 1
     assert "no leak.json" in capsys.readouterr().err
@@ -460,15 +712,124 @@ def test_cli_errors(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 1
 
 
-def test_python_dash_m_entry_point(tmp_path, tiny_model_path):
-    p = subprocess.run([sys.executable, "-m", "diagnostics", "leak", "--requests", "8",
+@pytest.mark.parametrize("fault, verdict, code", [
+    ([], STABLE, 0), (["--plant-leak", "4096"], LEAK, 3),
+    (["--plant-cache", "1M"], UNBOUNDED_CACHE, 4)])
+def test_python_dash_m_leak_exit_status(tmp_path, tiny_model_path, fault, verdict, code):
+    """The exit status is the verdict's, as --help documents it (a LEAK once exited 0)."""
+    p = subprocess.run([sys.executable, "-m", "diagnostics", "leak", "--requests", "24",
                         "--model", tiny_model_path, "--backend", "numpy", "--out",
-                        str(tmp_path), "--no-plots", "--no-progress"],
+                        str(tmp_path), "--no-plots", "--no-progress", *fault],
                        capture_output=True, text=True, timeout=120,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert p.returncode == 0, p.stderr
-    assert "VERDICT: STABLE" in p.stdout
-    assert json.loads((tmp_path / "leak.json").read_text())["verdict"] == STABLE
+    assert f"VERDICT: {verdict}:" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == code, p.stderr
+    assert json.loads((tmp_path / "leak.json").read_text())["verdict"] == verdict
+    h = subprocess.run([sys.executable, "-m", "diagnostics", "leak", "--help"],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert h.returncode == 0
+    assert f"  {code}  {verdict}" in h.stdout
+
+
+def _plot_records(n=30, leak=2816 * 1024 // 30):
+    """Records like a leak run's: request 0 (loaded) .. n, ~650 MiB of weights and a small leak
+    (about 2.75 MiB over the run) in tag "other"."""
+    out = []
+    for i in range(n + 1):
+        other = leak * max(0, i - 1)
+        alloc = 650 * MIB + other
+        out.append({"request": i, "step": "request", "device": "host",
+                    "allocated_bytes": alloc, "reserved_bytes": 700 * MIB,
+                    "peak_reserved_bytes": 700 * MIB, "pool_free_bytes": 700 * MIB - alloc,
+                    "largest_free_block_bytes": 700 * MIB - alloc,
+                    "external_fragmentation": 0.0, "process_bytes": 800 * MIB,
+                    "device_free_bytes": 10 << 30, "device_total_bytes": 16 << 30,
+                    "by_tag": {"weights": 650 * MIB, "other": other}})
+    return out
+
+
+def _drawn(monkeypatch, call):
+    """The matplotlib Figure a diagnostics.plots function draws (its file is not written)."""
+    from diagnostics import plots
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or str(path))
+    call()
+    (fig,) = figs
+    fig.canvas.draw()
+    return fig
+
+
+def _check_layout(fig):
+    """Every legend lies outside every axes' data area, and every per-record line is a step
+    plot (a straight line of 2 points -- a fit, a reference -- is not one)."""
+    from matplotlib.transforms import Bbox
+    axes = fig.axes
+    legends = [a.get_legend() for a in axes if a.get_legend() is not None]
+    assert legends
+    for leg in legends:
+        lb = leg.get_window_extent()
+        for a in axes:
+            ab = a.get_window_extent()
+            assert not Bbox.intersection(lb, ab) or \
+                Bbox.intersection(lb, ab).width * Bbox.intersection(lb, ab).height < 1, \
+                f"legend {[t.get_text() for t in leg.get_texts()]} over {a.get_title()!r}"
+    for a in axes:
+        for line in a.get_lines():
+            if len(line.get_xdata()) > 2 and not line.get_label().startswith("_"):
+                assert line.get_drawstyle() == "steps-post", line.get_label()
+
+
+def test_plots_legends_outside_steps_and_a_leak_on_its_own_axis(monkeypatch, tmp_path):
+    """A 2.75 MiB leak on a 700 MiB pool: flat on the MiB panel, a rising series on the growth
+    panel of allocated minus request 1's value; legends beside the data; steps, not diagonals;
+    the largest free block drawn on top of (and narrower than) pool free."""
+    from diagnostics import plots
+    recs = _plot_records()
+    fig = _drawn(monkeypatch, lambda: plots.allocated_reserved_driver(recs, tmp_path / "m.png"))
+    _check_layout(fig)
+    growth = [a for a in fig.axes if "since request 1" in a.get_ylabel()]
+    assert len(growth) == 1
+    (line,) = [x for x in growth[0].get_lines() if x.get_label() == "allocated"]
+    ys = np.asarray(line.get_ydata(), dtype=float)
+    assert growth[0].get_ylabel().startswith("MiB")
+    want = (recs[-1]["allocated_bytes"] - recs[1]["allocated_bytes"]) / MIB
+    assert ys[0] == 0 and ys[-1] == pytest.approx(want)
+    lo, hi = growth[0].get_ylim()
+    assert hi - lo < 4 * want                   # the leak spans the axis, not a sliver of it
+    v = classify(recs[1:]).to_dict()
+    _check_layout(_drawn(monkeypatch, lambda: plots.timeline_by_tag(
+        recs, tmp_path / "t.png", verdict=v)))
+    fig = _drawn(monkeypatch, lambda: plots.fragmentation(recs, tmp_path / "f.png"))
+    _check_layout(fig)
+    lines = {x.get_label(): x for a in fig.axes for x in a.get_lines()}
+    free, largest = lines["pool free\n(reserved - allocated)"], lines["largest free block"]
+    assert largest.get_zorder() > free.get_zorder()
+    assert largest.get_linewidth() < free.get_linewidth()
+    assert any("1 - largest free block / pool free" in a.get_title() for a in fig.axes)
+    steps = [dict(r, step=name) for r, name in zip(recs[:4], ["a", "b", "c", "d"])]
+    for fn in (plots.timeline_by_tag, plots.allocated_reserved_driver, plots.fragmentation):
+        _check_layout(_drawn(monkeypatch, lambda: fn(steps, tmp_path / "s.png", x_key="step")))
+    timeline = [{"event": i, "allocated_bytes": (i % 7) * MIB, "reserved_bytes": 8 * MIB}
+                for i in range(50)]
+    _check_layout(_drawn(monkeypatch, lambda: plots.event_timeline(timeline, tmp_path / "e.png")))
+
+
+def test_cli_release_table_names_are_the_plot_labels(tmp_path, tiny_model_path, capsys):
+    """The release table's rows and the plots' x labels (the records' step names) are the same
+    names in the same order (they once differed: "loaded" / "load", "request 1 done" / ...)."""
+    out = _run(tmp_path, "release", "--model", tiny_model_path, "--no-plots")
+    r = json.loads((out / "release.json").read_text())
+    labels = [rec["step"] for rec in r["records"]]
+    assert labels == [r["start"]["step"]] + [s["step"] for s in r["steps"]]
+    text = capsys.readouterr().out
+    rows = [line.split("  ")[1].strip() for line in text.splitlines()
+            if line.startswith("  ") and any(line[2:].startswith(lb) for lb in labels)]
+    assert rows[-len(labels):] == labels
+    assert main(["report", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    cells = [c.split("</td>")[0] for c in page.split("<tr><td>")[1:]]
+    assert [c for c in cells if c in labels] == labels
 
 
 def test_every_memory_tag_has_a_plot_colour():

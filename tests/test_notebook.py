@@ -34,6 +34,9 @@ def test_notebook_runs(tmp_path, tiny_model_path, monkeypatch):
            "TINYLOOP_NB_FRAGMENT_REQUESTS": "3", "TINYLOOP_NB_MAX_NEW_TOKENS": "2",
            "TINYLOOP_NB_MAX_PROMPT_TOKENS": "16", "TINYLOOP_NB_OUT": str(out),
            "TINYLOOP_NB_MODEL": "" if _use_default_model() else tiny_model_path}
+    # the kernel runs in tmp_path: without this it would import an installed tinyloop /
+    # diagnostics (site-packages) instead of this checkout's
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     for k, v in env.items():
         monkeypatch.setenv(k, v)           # the kernel inherits this process's environment
     nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -208,8 +208,11 @@ def cmd_inspect(a) -> int:
     budget = parse_size(a.kv_budget, name="--kv-budget")
     p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk,
                                   store_h=any(m in H_MODES for m in modes))
-    print(f"\nmemory plan for backend={backend} max_seq_len={a.max_seq_len} "
-          f"prefill_chunk={a.prefill_chunk} (bytes before the pool's 512-byte rounding)")
+    import numpy as np
+    act, kv = np.dtype(ops.act_dtype).name, np.dtype(ops.kv_dtype).name
+    print(f"\nmemory plan for backend={backend} (activations {act}, fp16-mode K/V {kv}) "
+          f"max_seq_len={a.max_seq_len} prefill_chunk={a.prefill_chunk} (bytes before the "
+          f"pool's 512-byte rounding; each entry's dtype in its row)")
     by = planmod.plan_bytes_by_phase(p)
     for ph, name in planmod.PHASES.items():
         print(f"  phase {ph} {name:<24}{by.get(ph, 0):>14,d}  {fmt_bytes(by.get(ph, 0))}")
@@ -221,22 +224,26 @@ def cmd_inspect(a) -> int:
     print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}  (lazy entries excluded)")
     kv_plan = planmod.request_plan(cfg, a.max_seq_len, depth, ops.kv_dtype, modes=modes)
     kv_total = sum(e.nbytes for e in kv_plan)
-    print(f"  per request: paged KV cache ({'/'.join(sorted(set(modes)))}) for "
+    print(f"  per request on {backend}: paged KV cache ({'/'.join(sorted(set(modes)))}; "
+          f"fp16-mode K/V {kv}) for "
           f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
           f"{kv_total:,d}  {fmt_bytes(kv_total)}")
-    print(kv_mode_table(cfg, ops.kv_dtype, budget))
+    print(kv_mode_table(cfg, ops.kv_dtype, budget, backend))
     return 0
 
 
-def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int) -> str:
-    """The KV storage modes side by side: bytes per token per slot, per token over all slots
-    at depth 1 and at max_depth, and the positions that fit in ``budget_bytes`` at each."""
+def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int, backend: str) -> str:
+    """The KV storage modes side by side on ``backend`` (whose ``kv_dtype`` the fp16 mode
+    stores): bytes per token per slot, per token over all slots at depth 1 and at max_depth,
+    and the positions that fit in ``budget_bytes`` at each."""
     import numpy as np
     from .config import KV_MODES
     from .kvcache import PageLayout, kv_bytes_per_token
     d1, dm = 1, cfg.max_depth
-    lines = [f"\nKV cache storage modes (kv dtype {np.dtype(kv_dtype).name} for fp16; page "
-             f"rounding excluded; budget {fmt_bytes(budget_bytes)})",
+    lines = [f"\nKV cache storage modes on backend {backend} (fp16 mode: K/V "
+             f"{np.dtype(kv_dtype).name}; page rounding excluded; budget "
+             f"{fmt_bytes(budget_bytes)}; python -m diagnostics kvmodes --backend {backend} "
+             f"prints what each mode stores)",
              f"  {'mode':<8}{'B/token/slot':>13}{'B/token d=1':>13}{'B/token d=' + str(dm):>14}"
              f"{'pos @ d=1':>12}{'pos @ d=' + str(dm):>12}"]
     for mode in KV_MODES:

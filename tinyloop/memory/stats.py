@@ -134,8 +134,9 @@ def format_report(s: MemoryStats) -> str:
         lines.append("  (process usage unknown: " + ("install pynvml (nvidia-ml-py) to see it"
                                                      if s.device == "cuda" else
                                                      "no /proc/self/status") + ")")
-    lines.append(f"  external fragmentation {s.external_fragmentation:.3f}, "
-                 f"{s.active_blocks} live blocks in {s.segments} segments")
+    lines.append(f"  external fragmentation {s.external_fragmentation:.3f} (1 - largest free "
+                 f"block / pool free: the share of the free bytes one request cannot get in "
+                 f"one piece), {s.active_blocks} live blocks in {s.segments} segments")
     lines.append("  by tag".ljust(w) + f"{'now':>12}{'peak':>12}")
     for tag in s.by_tag:
         if s.by_tag[tag] or s.peak_by_tag.get(tag):
