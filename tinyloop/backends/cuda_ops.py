@@ -718,7 +718,7 @@ class CudaOps(Ops):
             fn = self._fns[kernel] = _Kernel(raw, kernel, self._pdl, self._cuda_pool)
         return fn
 
-    def _matmul(self, a, b, out=None):
+    def _cublas_matmul(self, a, b, out=None):
         """``cupy.matmul`` (cuBLAS); the first call is measured for the cuBLAS handle and
         workspace it makes (device memory outside the pool)."""
         if self._cublas_measured:
@@ -916,9 +916,9 @@ class CudaOps(Ops):
         # The resid / f32 epilogues round the product to FP16 first (one temporary from CuPy's
         # allocator, i.e. the pool's "cupy" tag while a model lives).
         if epi == "f16":
-            self._matmul(x, w16.T, out=out)
+            self._cublas_matmul(x, w16.T, out=out)
             return
-        y = self._matmul(x, w16.T)         # [T, N] f16
+        y = self._cublas_matmul(x, w16.T)         # [T, N] f16
         kern = "add_f16_to_f32" if epi == "resid" else "copy_f16_to_f32"
         self._fn("elementwise", kern)(((y.size + 255) // 256,), (256,),
                                       (y.data.ptr, y.size, out.data.ptr))
@@ -1229,7 +1229,7 @@ class CudaOps(Ops):
             _dev(tmp1, "tmp1", np.float16, 2)
             tmp1 = _rows(tmp1, "tmp1", t)
             _shape(tmp1, "tmp1", (t, d))
-            self._matmul(tmp2, _fp16_of(w).T, out=tmp1)
+            self._cublas_matmul(tmp2, _fp16_of(w).T, out=tmp1)
             self._fn("elementwise", "copy_f16_to_f32")(
                 ((t * d + 255) // 256,), (256,), (tmp1.data.ptr, t * d, state.data.ptr))
             return
