@@ -296,15 +296,16 @@ def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=
         with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode) as cache:
             block_arr, blk = ops.empty(model.pool, block.shape, block.dtype, block.tag)
             try:
-                def on_rows(start, t):
-                    for r0 in range(start, start + t, rows):
-                        n = min(rows, start + t - r0)
-                        view = block_arr.reshape(-1)[:n * cfg.vocab_size].reshape(
-                            n, cfg.vocab_size)
-                        model.head(r0, n, view)
-                        out[r0:r0 + n] = ops.to_host(view)
-                prefill_request(model, ids, depth, kv_mode, cache, prefix, prefix_pool,
-                                on_rows=on_rows)
+                prefill_request(model, ids, depth, kv_mode, cache, prefix, prefix_pool)
+                # the final rows of every position are in the residual buffer now: the head
+                # runs over row blocks at absolute multiples of ``rows``, so a position's
+                # logits come from the same block whichever positions came from a cache
+                for r0 in range(0, len(ids), rows):
+                    n = min(rows, len(ids) - r0)
+                    view = block_arr.reshape(-1)[:n * cfg.vocab_size].reshape(
+                        n, cfg.vocab_size)
+                    model.head(r0, n, view)
+                    out[r0:r0 + n] = ops.to_host(view)
             finally:
                 model.pool.free(blk)
     return out

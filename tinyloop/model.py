@@ -495,7 +495,8 @@ class Model:
     # -- the forward --------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, pos0: int, depth: int, cache: RuntimeKVCache,
                 on_rows=None, snapshot=None) -> None:
-        """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk.
+        """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk
+        (chunks end at absolute multiples of the scratch rows: :meth:`_chunks`).
 
         Writes K/V for every slot into ``cache`` and the final residual rows into
         ``buffers.main[pos0:pos0+T]``. After each chunk, ``on_rows(start, t)`` is called with
@@ -503,13 +504,12 @@ class Model:
         ``snapshot`` (a ``prefix.ResidualSnapshot``) receives, for every position, the state
         entering the recurrent block and the state after iteration ``depth`` (ResumeHandle).
         """
-        r = self._buf.capacity_rows
-        for c0 in range(0, len(ids), r):
-            t = min(r, len(ids) - c0)
-            cache.ensure(pos0 + c0 + t)
-            self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache, snapshot)
+        for start, t in self._chunks(pos0, len(ids)):
+            cache.ensure(start + t)
+            c0 = start - pos0
+            self._forward_chunk(ids[c0:c0 + t], start, t, depth, cache, snapshot)
             if on_rows is not None:
-                on_rows(pos0 + c0, t)
+                on_rows(start, t)
 
     def deepen(self, pos0: int, n: int, depth_from: int, depth_to: int, cache: RuntimeKVCache,
                snapshot, on_rows=None) -> None:
@@ -523,13 +523,23 @@ class Model:
         Equal to a fresh forward at ``depth_to``: the prelude and iterations < depth_from
         depend only on earlier positions' same-slot K/V, which ``cache`` already holds.
         """
-        r = self._buf.capacity_rows
-        for c0 in range(0, n, r):
-            t = min(r, n - c0)
-            cache.ensure(pos0 + c0 + t)
-            self._deepen_chunk(pos0 + c0, t, depth_from, depth_to, cache, snapshot)
+        for start, t in self._chunks(pos0, n):
+            cache.ensure(start + t)
+            self._deepen_chunk(start, t, depth_from, depth_to, cache, snapshot)
             if on_rows is not None:
-                on_rows(pos0 + c0, t)
+                on_rows(start, t)
+
+    def _chunks(self, pos0: int, n: int):
+        """(start, t) of the chunks covering positions pos0..pos0+n-1: row blocks aligned to
+        absolute multiples of the scratch rows R, so a position is computed in the same block
+        (same rows, same attention context) wherever the request's forward began (after a
+        prefix, a pool hit, a resume handle, or from 0)."""
+        r = self._buf.capacity_rows
+        pos, end = pos0, pos0 + n
+        while pos < end:
+            t = min(end, (pos // r + 1) * r) - pos
+            yield pos, t
+            pos += t
 
     def _views(self, t: int) -> dict:
         """Contiguous ``[t, cols]`` views of the scratch buffers, made once per chunk length
