@@ -167,6 +167,9 @@ class Model:
                                             # released by free() (guarded by _lock)
         self._prefix_holds: dict = {}       # page addr -> prefix handles holding it (_lock)
         self._prefix_orphans: list = []     # storage of handles collected unreleased
+        self._kv_caches = weakref.WeakSet()  # every RuntimeKVCache new_kv_cache made that is
+                                            # still referenced (a suspended stream's, a handle's);
+                                            # free() releases them (guarded by _lock)
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
@@ -275,7 +278,9 @@ class Model:
             self._pool.free(blk)
 
     def free(self) -> None:
-        """Return every model-owned block to the pool. Idempotent."""
+        """Return every model-owned block to the pool, and release what the model's live
+        handles (PrefixCache, ResumeHandle, PrefixPool) and live requests (a stream's KV
+        cache) hold: afterwards those raise HandleError / ModelFreedError. Idempotent."""
         with self._lock:
             if self._freed:
                 return
@@ -288,6 +293,11 @@ class Model:
             for h in list(self._handles):      # prefix caches, resume handles, prefix pools
                 h._model_freed()
             drain_orphans(self)
+            # then what live requests hold (a stream suspended at a yield, or a generator
+            # never closed): after the handles, whose release needs their pages still live;
+            # the request's next step raises ModelFreedError
+            for cache in list(self._kv_caches):
+                cache.release()
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -456,7 +466,7 @@ class Model:
                      page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
         """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
         kv_cache; pages are gained as positions are written). ``kv_mode``: see
-        :meth:`resolve_kv_modes`."""
+        :meth:`resolve_kv_modes`. :meth:`free` releases it if it is still live then."""
         self.check_alive()
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
@@ -464,8 +474,10 @@ class Model:
         if any(m in H_MODES for m in modes) and self._recon_scratch is None:
             self._recon_scratch = self._alloc_recon()
         with packed_scope():
-            return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
-                                  self._pages, page_size)
+            cache = RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
+                                   self._pages, page_size)
+        self._kv_caches.add(cache)
+        return cache
 
     def _alloc_recon(self) -> dict:
         """Phase 5: the reconstruction scratch (model-owned, tag scratch)."""
@@ -842,8 +854,10 @@ def _check_model(model) -> Model:
 
 
 def free_model(model: Model) -> None:
-    """Free every byte the model owns (idempotent); the model is unusable afterwards.
-    Raises ConfigError when ``model`` is not a Model."""
+    """Free every byte the model owns, and what its open streams and prefix handles hold
+    (idempotent): allocated returns to its value before the load. The model, its handles and
+    its streams are unusable afterwards (ModelFreedError / HandleError). Raises ConfigError
+    when ``model`` is not a Model."""
     _check_model(model).free()
 
 
