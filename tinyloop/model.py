@@ -795,8 +795,11 @@ class Model:
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                prefix_pool=None):
-        """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
-        token is sampled (``text`` is the newly decodable text, possibly empty)."""
+        """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
+        of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
+        (``text`` is the newly decodable text, possibly empty); the ids and texts are
+        generate's, and ``.result`` / ``.finish_reason`` say how it ended. Arguments are
+        checked at the call, as generate checks them."""
         return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
