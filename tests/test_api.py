@@ -519,8 +519,9 @@ def test_stream_stop_pieces_join_to_generate_text(tiny_model_path, monkeypatch, 
         assert res.text == want and res.finish_reason == reason
         assert "".join(p.text for p in pieces) == want
         got_ids = [p.token_id for p in pieces]
-        assert got_ids == res.token_ids[:len(got_ids)]     # every yield is a real new token
+        assert got_ids == res.token_ids                    # the stop's last token included
         assert eos not in got_ids
+        assert pieces[-1].finish_reason in (None, reason)
     finally:
         tinyloop.free_model(m)
 

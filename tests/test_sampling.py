@@ -133,6 +133,8 @@ def check_non_finite_generation(path: str, backend: str) -> None:
                                                      "TINYLOOP_MEGAKERNEL")}
         os.environ.update({k: "0" for k in saved_env})
         real_head = m.head
+        refs = {t: m.generate(prompt, max_new_tokens=8, temperature=t, seed=1).token_ids
+                for t in (0.0, 0.8)}
         for bad_call, value, kind in ((3, np.inf, "+inf"), (2, -np.inf, "all -inf"),
                                       (5, np.nan, "nan")):
             calls = []
@@ -155,12 +157,15 @@ def check_non_finite_generation(path: str, backend: str) -> None:
                     m.generate(prompt, max_new_tokens=8, temperature=temperature, seed=1)
                 assert (ei.value.kind, ei.value.step, ei.value.position) == (kind, step, position)
                 assert f"at step {step} (position {position})" in str(ei.value)
+                assert ei.value.partial.token_ids == refs[temperature][:step]
+                assert ei.value.partial.finish_reason == "error"
                 calls.clear()
                 got = []
-                with pytest.raises(errors.NonFiniteLogitsError):
+                with pytest.raises(errors.NonFiniteLogitsError) as ei:
                     for t in m.stream(prompt, max_new_tokens=8):
                         got.append(t.token_id)
                 assert got == want[:len(got)] and len(got) <= step
+                assert ei.value.partial.token_ids == refs[0.0][:step]
                 assert pool.by_tag()["kv_cache"] == kv0
             del m.head_sample
         for k, v in saved_env.items():

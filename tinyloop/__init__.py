@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .errors import (BackendUnavailableError, ConfigError, ConversionError, FormatError,
                      HandleError, ModelFreedError, NonFiniteLogitsError, OutOfMemoryError,
                      TinyLoopError, TokenizerError)
-from .generate import GenerationResult, StreamToken
+from .generate import GenerationResult, Stream, StreamToken
 from .memory import (empty_cache, export_snapshot, memory_report, memory_stats,
                      reset_peak_memory_stats, set_memory_limit)
 from .model import Model, free_model, load_model, vram_usage_bytes
@@ -35,7 +35,8 @@ def default_model_path() -> str:
 __all__ = ["load_model", "free_model", "vram_usage_bytes", "default_model_path", "Model",
            "memory_stats", "memory_report", "reset_peak_memory_stats", "empty_cache",
            "set_memory_limit", "export_snapshot",
-           "ModelConfig", "GenerationResult", "StreamToken", "TinyLoopError", "ConfigError",
+           "ModelConfig", "GenerationResult", "Stream", "StreamToken", "TinyLoopError",
+           "ConfigError",
            "FormatError", "TokenizerError", "OutOfMemoryError", "BackendUnavailableError",
            "ModelFreedError", "ConversionError", "NonFiniteLogitsError", "HandleError",
            "PrefixCache", "ResumeHandle", "PrefixPool", "__version__"]

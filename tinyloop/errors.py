@@ -9,7 +9,14 @@ from __future__ import annotations
 
 
 class TinyLoopError(Exception):
-    """Base class of every error TinyLoop raises on purpose."""
+    """Base class of every error TinyLoop raises on purpose.
+
+    ``partial``: when the error ends a generation part-way (``generate`` or ``stream``, after
+    its arguments were accepted), the GenerationResult of what was generated before it
+    (``token_ids`` and ``text`` so far, ``finish_reason`` "error"); otherwise None.
+    """
+
+    partial = None
 
 
 class ConfigError(TinyLoopError, ValueError):
@@ -118,14 +125,20 @@ class OutOfMemoryError(TinyLoopError, MemoryError):
     ``largest_free_bytes`` (the pool's largest free range), ``room_bytes`` (what the limit
     leaves for new segments, None without a limit); ``blocks`` (int: 1, or a batch's block
     count); ``tag`` (str); ``device`` (str).
+    When it ends a generation: ``step`` and ``position`` as in NonFiniteLogitsError (the token
+    being computed and the position it is sampled from), and ``partial`` (TinyLoopError);
+    None otherwise.
     """
 
     def __init__(self, message: str, *, requested_bytes: int = 0, tag: str = "other",
                  allocated_bytes: int = 0, reserved_bytes: int = 0,
                  limit_bytes: int | None = None, device_free_bytes: int | None = None,
                  device: str = "host", blocks: int = 1, largest_free_bytes: int = 0,
-                 room_bytes: int | None = None):
+                 room_bytes: int | None = None, step: int | None = None,
+                 position: int | None = None):
         super().__init__(message)
+        self.step = step
+        self.position = position
         self.requested_bytes = requested_bytes
         self.tag = tag
         self.allocated_bytes = allocated_bytes

@@ -166,6 +166,9 @@ class Model:
                                             # released by free() (guarded by _lock)
         self._prefix_holds: dict = {}       # page addr -> prefix handles holding it (_lock)
         self._prefix_orphans: list = []     # storage of handles collected unreleased
+        self._kv_caches = weakref.WeakSet()  # every RuntimeKVCache new_kv_cache made that is
+                                            # still referenced (a suspended stream's, a handle's);
+                                            # free() releases them (guarded by _lock)
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
@@ -292,7 +295,9 @@ class Model:
             self._pool.free(blk)
 
     def free(self) -> None:
-        """Return every model-owned block to the pool. Idempotent."""
+        """Return every model-owned block to the pool, and release what the model's live
+        handles (PrefixCache, ResumeHandle, PrefixPool) and live requests (a stream's KV
+        cache) hold: afterwards those raise HandleError / ModelFreedError. Idempotent."""
         with self._lock:
             if self._freed:
                 return
@@ -305,6 +310,11 @@ class Model:
             for h in list(self._handles):      # prefix caches, resume handles, prefix pools
                 h._model_freed()
             drain_orphans(self)
+            # then what live requests hold (a stream suspended at a yield, or a generator
+            # never closed): after the handles, whose release needs their pages still live;
+            # the request's next step raises ModelFreedError
+            for cache in list(self._kv_caches):
+                cache.release()
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -476,7 +486,7 @@ class Model:
                      page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
         """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
         kv_cache; pages are gained as positions are written). ``kv_mode``: see
-        :meth:`resolve_kv_modes`."""
+        :meth:`resolve_kv_modes`. :meth:`free` releases it if it is still live then."""
         self.check_alive()
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
@@ -484,8 +494,10 @@ class Model:
         if any(m in H_MODES for m in modes) and self._recon_scratch is None:
             self._recon_scratch = self._alloc_recon()
         with packed_scope():
-            return RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
-                                  self._pages, page_size)
+            cache = RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
+                                   self._pages, page_size)
+        self._kv_caches.add(cache)
+        return cache
 
     def _alloc_recon(self) -> dict:
         """Phase 5: the reconstruction scratch (model-owned, tag scratch)."""
@@ -515,7 +527,8 @@ class Model:
     # -- the forward --------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, pos0: int, depth: int, cache: RuntimeKVCache,
                 on_rows=None, snapshot=None) -> None:
-        """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk.
+        """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk
+        (chunks end at absolute multiples of the scratch rows: :meth:`_chunks`).
 
         Writes K/V for every slot into ``cache`` and the final residual rows into
         ``buffers.main[pos0:pos0+T]``. After each chunk, ``on_rows(start, t)`` is called with
@@ -523,13 +536,12 @@ class Model:
         ``snapshot`` (a ``prefix.ResidualSnapshot``) receives, for every position, the state
         entering the recurrent block and the state after iteration ``depth`` (ResumeHandle).
         """
-        r = self._buf.capacity_rows
-        for c0 in range(0, len(ids), r):
-            t = min(r, len(ids) - c0)
-            cache.ensure(pos0 + c0 + t)
-            self._forward_chunk(ids[c0:c0 + t], pos0 + c0, t, depth, cache, snapshot)
+        for start, t in self._chunks(pos0, len(ids)):
+            cache.ensure(start + t)
+            c0 = start - pos0
+            self._forward_chunk(ids[c0:c0 + t], start, t, depth, cache, snapshot)
             if on_rows is not None:
-                on_rows(pos0 + c0, t)
+                on_rows(start, t)
 
     def deepen(self, pos0: int, n: int, depth_from: int, depth_to: int, cache: RuntimeKVCache,
                snapshot, on_rows=None) -> None:
@@ -543,13 +555,23 @@ class Model:
         Equal to a fresh forward at ``depth_to``: the prelude and iterations < depth_from
         depend only on earlier positions' same-slot K/V, which ``cache`` already holds.
         """
-        r = self._buf.capacity_rows
-        for c0 in range(0, n, r):
-            t = min(r, n - c0)
-            cache.ensure(pos0 + c0 + t)
-            self._deepen_chunk(pos0 + c0, t, depth_from, depth_to, cache, snapshot)
+        for start, t in self._chunks(pos0, n):
+            cache.ensure(start + t)
+            self._deepen_chunk(start, t, depth_from, depth_to, cache, snapshot)
             if on_rows is not None:
-                on_rows(pos0 + c0, t)
+                on_rows(start, t)
+
+    def _chunks(self, pos0: int, n: int):
+        """(start, t) of the chunks covering positions pos0..pos0+n-1: row blocks aligned to
+        absolute multiples of the scratch rows R, so a position is computed in the same block
+        (same rows, same attention context) wherever the request's forward began (after a
+        prefix, a pool hit, a resume handle, or from 0)."""
+        r = self._buf.capacity_rows
+        pos, end = pos0, pos0 + n
+        while pos < end:
+            t = min(end, (pos // r + 1) * r) - pos
+            yield pos, t
+            pos += t
 
     def _views(self, t: int) -> dict:
         """Contiguous ``[t, cols]`` views of the scratch buffers, made once per chunk length
@@ -793,8 +815,11 @@ class Model:
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                prefix_pool=None):
-        """Streaming form of :meth:`generate`: yields ``StreamToken(token_id, text)`` as each
-        token is sampled (``text`` is the newly decodable text, possibly empty)."""
+        """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
+        of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
+        (``text`` is the newly decodable text, possibly empty); the ids and texts are
+        generate's, and ``.result`` / ``.finish_reason`` say how it ended. Arguments are
+        checked at the call, as generate checks them."""
         return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
@@ -852,8 +877,10 @@ def _check_model(model) -> Model:
 
 
 def free_model(model: Model) -> None:
-    """Free every byte the model owns (idempotent); the model is unusable afterwards.
-    Raises ConfigError when ``model`` is not a Model."""
+    """Free every byte the model owns, and what its open streams and prefix handles hold
+    (idempotent): allocated returns to its value before the load. The model, its handles and
+    its streams are unusable afterwards (ModelFreedError / HandleError). Raises ConfigError
+    when ``model`` is not a Model."""
     _check_model(model).free()
 
 

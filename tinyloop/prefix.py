@@ -768,11 +768,12 @@ def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_poo
 
 
 def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache: RuntimeKVCache,
-                    prefix=None, prefix_pool=None, on_rows=None) -> int:
+                    prefix=None, prefix_pool=None) -> int:
     """Fill ``cache`` and the residual rows 0..T-1 for a request's prompt, starting from the
     prefix (or the pool's longest match); insert the prompt into the pool. Returns the number
-    of positions that came from a cache. ``on_rows(start, t)`` is called for the restored
-    rows (once, start 0) and after each prefilled chunk. Call under the model's lock."""
+    of positions that came from a cache. The prefilled positions run in the forward's
+    absolutely aligned chunks (``Model._chunks``), so every row equals that of an uncached
+    run. Call under the model's lock."""
     m, src = 0, None
     drain_orphans(model)
     if prefix is not None:
@@ -786,10 +787,8 @@ def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache: Run
         src, m = prefix_pool._lookup(ids, depth, tuple(modes))
     if m:
         src._restore(cache, m)
-        if on_rows is not None:
-            on_rows(0, m)
     if m < len(ids):
-        model.forward(ids[m:], m, depth, cache, on_rows=on_rows)
+        model.forward(ids[m:], m, depth, cache)
     if prefix_pool is not None and m < len(ids):
         prefix_pool._insert(ids, depth, tuple(modes), cache)
     return m

@@ -105,6 +105,12 @@ def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p
     return int(order[min(idx, order.size - 1)])
 
 
+# Output elements (rows x out_features) below which a product runs padded with zero rows
+# (NumpyOps._matmul): OpenBLAS's results for a row differ from those of a larger call below
+# about a thousand output elements; this keeps a margin over that.
+ROW_INVARIANT_ELEMENTS = 4096
+
+
 class NumpyOps(Ops):
     """Reference ops on host NumPy arrays (activations float32, KV cache float32)."""
 
@@ -142,8 +148,20 @@ class NumpyOps(Ops):
     @classmethod
     def _matmul(cls, x, w: QuantWeight) -> np.ndarray:
         # float32 BLAS product of the dequantized matrix (same values with or without the
-        # cache); sums of <= a few thousand terms keep ~1e-6 relative accuracy
-        return np.asarray(x, dtype=np.float32) @ cls._dense(w).T
+        # cache); sums of <= a few thousand terms keep ~1e-6 relative accuracy. A row's
+        # product must not depend on how many rows share the call (a position's logits may
+        # not depend on where a request's chunk began): BLAS takes other kernels, which round
+        # differently, for one row (GEMV) and for few output elements (OpenBLAS's small-matrix
+        # kernels), so such calls run padded with zero rows up to ROW_INVARIANT_ELEMENTS.
+        x = np.asarray(x, dtype=np.float32)
+        dense = cls._dense(w)
+        t = x.shape[0]
+        rows = max(2, -(-ROW_INVARIANT_ELEMENTS // dense.shape[0]))
+        if t >= rows:
+            return x @ dense.T
+        padded = np.zeros((rows, x.shape[1]), dtype=np.float32)
+        padded[:t] = x
+        return (padded @ dense.T)[:t]
 
     def linear(self, x, w, out):
         out[...] = self._matmul(x, w)
