@@ -189,15 +189,16 @@ def test_generate_and_inspect_without_a_model_use_the_default(default_is_tiny, c
                                                               tiny_model_path):
     argv = ["--max-new-tokens", "3", "--backend", "numpy", "--raw"]
     assert cli.main(["generate", "hello", *argv]) == 0
-    out_default = capsys.readouterr().out
+    out_default = capsys.readouterr()
     assert cli.main(["generate", "default", "hello", *argv]) == 0
-    out_named = capsys.readouterr().out
+    out_named = capsys.readouterr()
     assert cli.main(["generate", tiny_model_path, "hello", *argv]) == 0
-    out_path = capsys.readouterr().out
+    out_path = capsys.readouterr()
     assert len(default_is_tiny) == 2
-    text = lambda out: out.split("\n# ")[0]                      # noqa: E731
-    assert text(out_default) == text(out_named) == text(out_path)
-    assert f"# model {tiny_model_path}: owns" in out_default
+    assert out_default.out == out_named.out == out_path.out      # stdout: the text alone
+    assert f"# default model: {tiny_model_path}" in out_default.err
+    assert f"# default model: {tiny_model_path}" in out_named.err
+    assert f"# model: {tiny_model_path}" in out_path.err
     assert cli.main(["inspect", "--backend", "numpy"]) == 0
     assert f"file      {tiny_model_path}" in capsys.readouterr().out
     assert len(default_is_tiny) == 3
@@ -207,7 +208,7 @@ def test_run_prints_the_default_models_path(default_is_tiny, capsys, tiny_model_
     assert cli.main(["run", "--max-new-tokens", "2", "--backend", "numpy", "--raw"]) == 0
     cap = capsys.readouterr()
     assert f"# default model: {tiny_model_path}" in cap.err
-    assert f"# model {tiny_model_path}: owns" in cap.out
+    assert "# memory on host: the model owns " in cap.err
 
 
 # --- diagnostics without matplotlib ---------------------------------------------------------

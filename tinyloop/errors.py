@@ -120,3 +120,10 @@ class OutOfMemoryError(TinyLoopError, MemoryError):
         self.limit_bytes = limit_bytes
         self.device_free_bytes = device_free_bytes
         self.device = device
+
+
+# --- warnings --------------------------------------------------------------------------------
+class ArtificialLoopWarning(UserWarning):
+    """A request runs deeper than the default depth on a model whose loop is artificial (its
+    recurrent block was cut from a plain transformer, never trained to loop): the text
+    degrades. Given once per model (``Model.loop_is_artificial``)."""
