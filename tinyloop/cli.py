@@ -39,7 +39,6 @@ DEFAULT_MAX_SEQ_LEN = 2048
 # --prefill-chunk when not given, per backend: the NumPy backend prefills a long prompt faster
 # in chunks (its attention scores and GEMM operands stay small); CUDA in one pass
 DEFAULT_PREFILL_CHUNK = {"numpy": 256, "cuda": 0}
-MODEL_SUFFIXES = (".tlm", ".gguf")
 MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}': the embedded SmolLM2-135M-Instruct, "
               f"converted once into the cache folder (the default when MODEL is left out)")
 
@@ -82,8 +81,9 @@ def resolve_model_arg(model: str | None) -> str:
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     """The options that size a load: depth, backend, max_seq_len, prefill_chunk."""
     p.add_argument("--depth", type=int, default=None, metavar="D",
-                   help="recurrent depth: times the recurrent block runs (default: the model's "
-                        "default depth)")
+                   help="recurrent depth: times the recurrent block runs; above the default on "
+                        "a model whose loop is artificial, such as the embedded one, the text "
+                        "degrades (a # note says so) (default: the model's default depth)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
@@ -179,7 +179,7 @@ def cmd_run_like(model_path: str, prompt: str, a, *, default: bool = False) -> i
              f"{cfg.max_depth}), prefill "
              + (f"in chunks of {chunk}" if chunk else "in one pass"))
         if depth > cfg.default_depth and model.loop_is_artificial:
-            note("note: " + artificial_loop_message(model, depth) + " (README: depth)")
+            note("note: " + artificial_loop_message(model, depth) + "; the README says more")
         with prefill_progress(model, len(ids), chunk, not a.no_progress), \
                 warnings.catch_warnings():
             warnings.simplefilter("ignore", ArtificialLoopWarning)     # noted above
@@ -219,8 +219,7 @@ def cmd_run(a) -> int:
 
 def cmd_generate(a) -> int:
     _check_request_args(a)
-    if a.model is None and a.prompt.lower().endswith(MODEL_SUFFIXES) \
-            and os.path.isfile(a.prompt):
+    if a.model is None and a.prompt.lower().endswith(".tlm") and os.path.isfile(a.prompt):
         note(f"warning: the only argument, {a.prompt!r}, is a model file, so it is the PROMPT "
              f"for the default model; to generate from it give a prompt too: tinyloop "
              f"generate {a.prompt} \"PROMPT\"")
