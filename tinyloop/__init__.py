@@ -14,9 +14,9 @@ Public API (pinned; see README.md):
 from __future__ import annotations
 
 from .config import ModelConfig
-from .errors import (BackendUnavailableError, ConfigError, ConversionError, FormatError,
-                     HandleError, ModelFreedError, NonFiniteLogitsError, OutOfMemoryError,
-                     TinyLoopError, TokenizerError)
+from .errors import (ArtificialLoopWarning, BackendUnavailableError, ConfigError,
+                     ConversionError, FormatError, HandleError, ModelFreedError,
+                     NonFiniteLogitsError, OutOfMemoryError, TinyLoopError, TokenizerError)
 from .generate import GenerationResult, Stream, StreamToken
 from .memory import (empty_cache, export_snapshot, memory_report, memory_stats,
                      reset_peak_memory_stats, set_memory_limit)
@@ -39,4 +39,4 @@ __all__ = ["load_model", "free_model", "vram_usage_bytes", "default_model_path",
            "ConfigError",
            "FormatError", "TokenizerError", "OutOfMemoryError", "BackendUnavailableError",
            "ModelFreedError", "ConversionError", "NonFiniteLogitsError", "HandleError",
-           "PrefixCache", "ResumeHandle", "PrefixPool", "__version__"]
+           "PrefixCache", "ResumeHandle", "PrefixPool", "ArtificialLoopWarning", "__version__"]

@@ -12,25 +12,61 @@
         [--kv-budget BYTES]
     tinyloop --version
 
-``--help`` text is plain (no RST markup): every option states its default.
+Also ``python -m tinyloop``. ``--help`` text is plain (no RST markup): every option states its
+default. run and generate write the generated text alone to stdout; every ``#`` line (the
+model, a note, the timings, the memory summary) and the prefill's progress bar go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import warnings
+
+import numpy as np
 
 from . import __version__
 from .backends import BACKENDS
 from .config import DEFAULT_MAX_NEW_TOKENS, ModelConfig
-from .errors import ConfigError, TinyLoopError
+from .errors import ArtificialLoopWarning, ConfigError, TinyLoopError
 from .memory.stats import fmt_bytes
 
 DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
 DEFAULT_MODEL = "default"       # MODEL argument naming the embedded default model
 DEFAULT_MAX_SEQ_LEN = 2048
+# --prefill-chunk when not given, per backend: the NumPy backend prefills a long prompt faster
+# in chunks (its attention scores and GEMM operands stay small); CUDA in one pass
+DEFAULT_PREFILL_CHUNK = {"numpy": 256, "cuda": 0}
 MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}': the embedded SmolLM2-135M-Instruct, "
               f"converted once into the cache folder (the default when MODEL is left out)")
+
+
+def note(text: str) -> None:
+    """One ``#`` line on stderr, where all of them go."""
+    print(f"# {text}", file=sys.stderr, flush=True)
+
+
+def fmt_value(v) -> str:
+    """A header value as a user reads it: a float that is exactly a float32 (the GGUF's own
+    precision, e.g. norm_eps) in float32's shortest form, ``1e-05``, not
+    ``9.999999747378752e-06``; anything else as str()."""
+    if isinstance(v, float) and np.isfinite(v) and float(np.float32(v)) == v:
+        return str(np.float32(v))
+    return str(v)
+
+
+def fmt_config(cfg: ModelConfig) -> str:
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in cfg.to_dict().items())
+
+
+def resolve_prefill_chunk(a) -> int:
+    """``--prefill-chunk`` as given, else the backend's DEFAULT_PREFILL_CHUNK."""
+    if a.prefill_chunk is not None:
+        return a.prefill_chunk
+    from .backends import ops_class
+    return DEFAULT_PREFILL_CHUNK[ops_class(a.backend).name]
 
 
 def resolve_model_arg(model: str | None) -> str:
@@ -45,16 +81,18 @@ def resolve_model_arg(model: str | None) -> str:
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     """The options that size a load: depth, backend, max_seq_len, prefill_chunk."""
     p.add_argument("--depth", type=int, default=None, metavar="D",
-                   help="recurrent depth: times the recurrent block runs (default: the model's "
-                        "default depth)")
+                   help="recurrent depth: times the recurrent block runs; above the default on "
+                        "a model whose loop is artificial, such as the embedded one, the text "
+                        "degrades (a # note says so) (default: the model's default depth)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
                    help="positions the KV cache holds: prompt + new tokens (default: "
                         "%(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=0, metavar="C",
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
                    help="prefill the prompt C tokens at a time; 0 prefills it in one pass "
-                        "(default: %(default)s)")
+                        f"(default: {DEFAULT_PREFILL_CHUNK['numpy']} on the numpy backend, "
+                        f"where chunks are faster; {DEFAULT_PREFILL_CHUNK['cuda']} on cuda)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -72,31 +110,89 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="seed of the sampler's random draws (default: a fresh seed per run)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template (default: "
-                        "apply the template)")
+                        "apply the template); an empty prompt is the BOS token alone")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar for a prefill of more than one chunk (default: a "
+                        "bar on stderr)")
+    p.add_argument("--memory-report", action="store_true",
+                   help="print the full memory table (tinyloop.memory_report()) to stderr "
+                        "after the one-line summary (default: the summary only)")
 
 
-def cmd_run_like(model_path: str, prompt: str, a) -> int:
-    from .model import free_model, load_model
-    from .memory import memory_report
-    model = load_model(model_path, a.max_seq_len, a.prefill_chunk, backend=a.backend)
+@contextlib.contextmanager
+def prefill_progress(model, n_tokens: int, chunk: int, enabled: bool):
+    """A tqdm bar on stderr (a terminal) over the prompt's positions while a prefill of more
+    than one chunk runs (``Model.watch_forward`` reports each chunk); closed at the first
+    decode step. Nothing when disabled or the prompt fits one chunk."""
+    if not enabled or not chunk or n_tokens <= chunk:
+        yield
+        return
+    from tqdm import tqdm
+    # disable=None: only on a terminal (a log file gets no carriage-return redraws); every
+    # chunk redraws it (a chunk is slow enough that this never floods)
+    bar = tqdm(total=n_tokens, desc="# prefill", unit="tok", file=sys.stderr, leave=False,
+               dynamic_ncols=True, disable=None, mininterval=0, miniters=1)
+
+    def rows(start: int, t: int) -> None:
+        if bar.disable:
+            return
+        if start >= n_tokens:                 # decode steps: the prefill is over
+            bar.close()
+            return
+        bar.update(min(start + t, n_tokens) - bar.n)
+
     try:
-        text = prompt
+        with model.watch_forward(rows):
+            yield
+    finally:
+        bar.close()
+
+
+def memory_summary(model) -> str:
+    """One line: what the model owns (once, with its tags), the pool's peak and reserved."""
+    from .memory import memory_stats
+    st = memory_stats(model.device)
+    tags = ", ".join(f"{t} {fmt_bytes(b)}" for t, b in st.by_tag.items() if b)
+    return (f"memory on {model.device}: the model owns {fmt_bytes(model.vram_usage_bytes())} "
+            f"({tags}); peak allocated {fmt_bytes(st.peak_allocated_bytes)}, reserved "
+            f"{fmt_bytes(st.reserved_bytes)} (--memory-report: the full table)")
+
+
+def cmd_run_like(model_path: str, prompt: str, a, *, default: bool = False) -> int:
+    from .memory import memory_report
+    from .model import artificial_loop_message, free_model, load_model
+    chunk = resolve_prefill_chunk(a)
+    model = load_model(model_path, a.max_seq_len, chunk, backend=a.backend)
+    try:
+        cfg = model.config
+        depth = cfg.check_depth(a.depth)
+        ids = prompt
         tok = model.tokenizer
         if not a.raw and tok is not None and tok.chat_template:
             # ids, not text: special-token text typed in the prompt stays plain text
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                           tokenize=True)
-        print(f"# {model!r}", file=sys.stderr)
-        res = model.generate(text, max_new_tokens=a.max_new_tokens, depth=a.depth,
-                             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                             seed=a.seed)
-        print(res.text)
-        print(f"\n# {len(res.prompt_token_ids)} prompt tokens, prefill {res.prefill_ms:.1f} ms; "
-              f"{len(res.token_ids)} new tokens at depth {res.depth}, "
-              f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason}); "
-              f"backend {model.backend}")
-        print(f"# model {model_path}: owns {fmt_bytes(model.vram_usage_bytes())}")
-        print(memory_report(model.device))
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                          tokenize=True)
+        ids = model.encode_prompt(ids)
+        note(f"{'default ' if default else ''}model: {model_path}")
+        note(f"backend {model.backend}, layers P/R/C={cfg.n_prelude}/{cfg.n_recurrent}/"
+             f"{cfg.n_coda}, depth {depth} (default {cfg.default_depth}, max "
+             f"{cfg.max_depth}), prefill "
+             + (f"in chunks of {chunk}" if chunk else "in one pass"))
+        if depth > cfg.default_depth and model.loop_is_artificial:
+            note("note: " + artificial_loop_message(model, depth) + "; the README says more")
+        with prefill_progress(model, len(ids), chunk, not a.no_progress), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", ArtificialLoopWarning)     # noted above
+            res = model.generate(ids, max_new_tokens=a.max_new_tokens, depth=depth,
+                                 temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                 seed=a.seed)
+        print(res.text, flush=True)
+        note(f"{len(res.prompt_token_ids)} prompt tokens, prefill {res.prefill_ms:.1f} ms; "
+             f"{len(res.token_ids)} new tokens at depth {res.depth}, "
+             f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason})")
+        note(memory_summary(model))
+        if a.memory_report:
+            print(memory_report(model.device), file=sys.stderr)
     finally:
         free_model(model)
     return 0
@@ -106,7 +202,7 @@ def _check_request_args(a) -> None:
     """Validate the sampling/size options before anything is loaded."""
     from .config import check_load_args
     from .generate import check_sampling
-    check_load_args(a.max_seq_len, a.prefill_chunk)
+    check_load_args(a.max_seq_len, 0 if a.prefill_chunk is None else a.prefill_chunk)
     check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p)
     if a.seed is not None and a.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {a.seed}")
@@ -116,17 +212,19 @@ def _check_request_args(a) -> None:
 
 def cmd_run(a) -> int:
     from .default import default_model_path
-    if a.prompt is not None and not a.prompt.strip():
-        raise ConfigError("--prompt is empty")
     _check_request_args(a)
-    path = default_model_path()
-    print(f"# default model: {path}", file=sys.stderr)
-    return cmd_run_like(path, a.prompt or DEFAULT_PROMPT, a)
+    return cmd_run_like(default_model_path(), DEFAULT_PROMPT if a.prompt is None else a.prompt,
+                        a, default=True)
 
 
 def cmd_generate(a) -> int:
     _check_request_args(a)
-    return cmd_run_like(resolve_model_arg(a.model), a.prompt, a)
+    if a.model is None and a.prompt.lower().endswith(".tlm") and os.path.isfile(a.prompt):
+        note(f"warning: the only argument, {a.prompt!r}, is a model file, so it is the PROMPT "
+             f"for the default model; to generate from it give a prompt too: tinyloop "
+             f"generate {a.prompt} \"PROMPT\"")
+    return cmd_run_like(resolve_model_arg(a.model), a.prompt, a,
+                        default=a.model in (None, DEFAULT_MODEL))
 
 
 def _parse_dims(text: str) -> dict:
@@ -161,7 +259,7 @@ def cmd_convert(a) -> int:
         cfg = write_synthetic(a.src, ModelConfig.from_dict({**SMOLLM2_DIMS,
                                                             **_parse_dims(a.dims)}),
                               seed=a.seed, bits=a.bits, group_size=a.group_size)
-        print(f"wrote {a.src}: {cfg}")
+        print(f"wrote {a.src}: {fmt_config(cfg)}")
         return 0
     from .convert import convert
     start, _, end = a.recurrent.partition(":")
@@ -176,7 +274,7 @@ def cmd_convert(a) -> int:
         src = default_gguf_path()
     cfg = convert(src, a.dst, recurrent=rec, default_depth=a.default_depth,
                   max_depth=a.max_depth)
-    print(f"wrote {a.dst}: {cfg}")
+    print(f"wrote {a.dst}: {fmt_config(cfg)}")
     return 0
 
 
@@ -185,6 +283,7 @@ def cmd_inspect(a) -> int:
     from .backends import ops_class
     from .format import read_tlm
     from .config import check_load_args
+    a.prefill_chunk = resolve_prefill_chunk(a)
     check_load_args(a.max_seq_len, a.prefill_chunk)
     a.model = resolve_model_arg(a.model)
     ops = ops_class(a.backend)          # the backend's dtypes; no device needed
@@ -195,7 +294,7 @@ def cmd_inspect(a) -> int:
         layout = f.quant_layout()
         print(f"file      {a.model}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
         for k, v in cfg.to_dict().items():
-            print(f"  {k:<15} {v}")
+            print(f"  {k:<15} {fmt_value(v)}")
         print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
               f"at max depth {cfg.max_depth}: {cfg.n_slots(cfg.max_depth)}")
         bits = sorted({b for b, _ in layout.values()})
@@ -214,6 +313,8 @@ def cmd_inspect(a) -> int:
           f"max_seq_len={a.max_seq_len} prefill_chunk={a.prefill_chunk} (bytes before the "
           f"pool's 512-byte rounding; each entry's dtype in its row)")
     by = planmod.plan_bytes_by_phase(p)
+    print(f"  phase 1 {'header parse + validation':<24}{0:>14,d}  (reads the header above; no "
+          f"memory)")
     for ph, name in planmod.PHASES.items():
         print(f"  phase {ph} {name:<24}{by.get(ph, 0):>14,d}  {fmt_bytes(by.get(ph, 0))}")
     for e in p:
@@ -265,8 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run quantized looped (recurrent-depth) transformer LMs and account for "
                     "every byte of GPU memory.",
         epilog="Each command has its own --help. Environment: TINYLOOP_MEMORY_LIMIT (a hard "
-               "memory budget: bytes, 512M, 4G or 40%%), TINYLOOP_FP16_CACHE (0/1: dequantized "
-               "weight copies; on by default on the numpy backend).")
+               "memory budget: bytes, 512M, 4G or 40% of the device), TINYLOOP_FP16_CACHE (0/1: "
+               "dequantized weight copies; on by default on the numpy backend, where 0 makes "
+               "decode many times slower: see the README).")
     ap.add_argument("--version", action="version", version=f"tinyloop {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="generate with the embedded default model (prints its path)",
@@ -275,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "default chat prompt; prints the model's path, the text, "
                                    "tokens/s and a memory summary.")
     r.add_argument("--prompt", default=None, metavar="TEXT",
-                   help=f"the user message (default: {DEFAULT_PROMPT!r})")
+                   help=f"the user message; may be empty (default: {DEFAULT_PROMPT!r})")
     _add_sampling(r)
     r.set_defaults(fn=cmd_run)
     g = sub.add_parser("generate", help="generate from a .tlm model (default: the embedded one)",
@@ -333,7 +435,14 @@ def main(argv=None) -> int:
         print("tinyloop convert: DST is required", file=sys.stderr)
         return 2
     try:
-        return a.fn(a)
+        rc = a.fn(a)
+        sys.stdout.flush()          # a closed pipe shows here, not at the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        # the reader of stdout left (tinyloop inspect | head): not an error of ours; stdout
+        # goes to devnull so the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (TinyLoopError, OSError) as e:
         msg = " ".join(str(e).split("\n"))          # one line, whatever the message holds
         print(f"tinyloop {a.cmd}: error: {msg}", file=sys.stderr)

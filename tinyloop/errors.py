@@ -149,3 +149,10 @@ class OutOfMemoryError(TinyLoopError, MemoryError):
         self.blocks = blocks
         self.largest_free_bytes = largest_free_bytes
         self.room_bytes = room_bytes
+
+
+# --- warnings --------------------------------------------------------------------------------
+class ArtificialLoopWarning(UserWarning):
+    """A request runs deeper than the default depth on a model whose loop is artificial (its
+    recurrent block was cut from a plain transformer, never trained to loop): the text
+    degrades. Given once per model (``Model.loop_is_artificial``)."""

@@ -392,7 +392,7 @@ def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=
     cfg = model.config
     if depth is not None:
         cfg.check_depth(_as_int(depth, "depth"))
-    ids = model.check_token_ids(token_ids)
+    ids = model.encode_prompt(token_ids)         # text or ids; empty: [BOS]
     if len(ids) > model.max_seq_len:
         raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
     depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
@@ -431,7 +431,7 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
 def score(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
           prefix_pool=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
-    ids = model.check_token_ids(token_ids)
+    ids = model.encode_prompt(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
     lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode, prefix=prefix,

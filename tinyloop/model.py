@@ -7,6 +7,7 @@ free_model / vram_usage_bytes and the five load phases.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -22,8 +23,8 @@ from . import plan as planmod
 from .backends import get_ops
 from .backends.base import LOGIT_FAULTS, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
-from .errors import (ConfigError, FormatError, ModelFreedError, TinyLoopError,
-                     TokenizerError)
+from .errors import (ArtificialLoopWarning, ConfigError, FormatError, ModelFreedError,
+                     TinyLoopError, TokenizerError)
 from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
@@ -54,6 +55,18 @@ def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
     fp16 = None if w.fp16 is None else w.fp16[q_dim:]
     return QuantWeight(w.bits, w.group_size, w.qweight[q_dim:], w.scales[q_dim:],
                        w.zeros[q_dim:], fp16)
+
+
+def loop_is_artificial(metadata: dict) -> bool:
+    """Whether a .tlm file's recurrent block was cut from a plain (non-looped) transformer, so
+    its layers were never trained to run more than once: the header's ``metadata["loop"]``
+    ("artificial" / "trained") where recorded, else derived from the converter it names
+    (``tinyloop.convert.gguf`` reads only plain llama GGUFs). Synthetic models (random
+    weights) make no claim: False."""
+    loop = metadata.get("loop")
+    if loop is not None:
+        return loop == "artificial"
+    return metadata.get("converter") == "tinyloop.convert.gguf"
 
 
 def _file_identity(path: str) -> tuple:
@@ -173,6 +186,8 @@ class Model:
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
         self._graphs = None      # DecodeGraphs: the captured decode steps (made at first use)
+        self._loop_warned = False    # ArtificialLoopWarning given (once per model)
+        self._rows_hooks: list = []  # watch_forward callbacks
         # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
         self._cupy_routing = (route_cupy_allocations(self._pool) if self._ops.name == "cuda"
                               else None)
@@ -439,7 +454,12 @@ class Model:
         return ids.astype(np.int32)
 
     def encode_prompt(self, prompt) -> np.ndarray:
-        """Text (encoded with the tokenizer) or token ids -> int32 ids."""
+        """Text (encoded with the tokenizer) or token ids -> int32 ids ``[T]``, T >= 1.
+
+        An empty prompt (``""``, text that encodes to no token, or ``[]``) is the BOS token
+        alone: the request starts from the start of a sequence. Raises ConfigError for an
+        empty prompt when the model has no BOS token, and as :meth:`check_token_ids`;
+        TokenizerError for text without a tokenizer or ids out of range."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise TokenizerError("this model file has no tokenizer: pass token ids")
@@ -448,10 +468,13 @@ class Model:
             except UnicodeEncodeError as e:
                 raise TokenizerError(f"prompt is not valid Unicode text ({e.reason} at index "
                                      f"{e.start})") from None
-            ids = self.tokenizer.encode(prompt)
-            if not ids and self.config.bos_token_id >= 0:
-                ids = [self.config.bos_token_id]
-            return self.check_token_ids(ids, "prompt")
+            prompt = self.tokenizer.encode(prompt)
+        arr = np.asarray(prompt)
+        if arr.ndim == 1 and arr.size == 0:
+            if self.config.bos_token_id < 0:
+                raise ConfigError("the prompt is empty and this model has no BOS token to "
+                                  "start from: pass at least one token")
+            return np.array([self.config.bos_token_id], dtype=np.int32)
         return self.check_token_ids(prompt, "prompt")
 
     def _check_kv_modes(self, modes) -> None:
@@ -602,7 +625,10 @@ class Model:
         else:
             ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
             ops.embed(self._embed, v["ids"], x)
+        self._check_loop_depth(depth)
         self._stack(x, v, depth, cache.slot, pos0, None, snapshot)
+        for hook in self._rows_hooks:
+            hook(pos0, t)
 
     def _stack(self, x, v: dict, depth: int, kv_of, pos0, step, snapshot=None) -> None:
         """Every layer slot of the looped stack over residual rows ``x``: prelude, ``depth``
@@ -627,6 +653,7 @@ class Model:
 
     def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
                       cache: RuntimeKVCache, snapshot) -> None:
+        self._check_loop_depth(depth_to)
         v = self._views(t)
         x = self._buf.main[pos0:pos0 + t]
         snapshot.get_state(pos0, x)
@@ -637,6 +664,37 @@ class Model:
         self._iterations(x, e, depth_from, depth_to, pos0, v, cache.slot, None)
         snapshot.put_state(pos0, x)
         self._coda(x, depth_to, pos0, v, cache.slot, None)
+        for hook in self._rows_hooks:
+            hook(pos0, t)
+
+    @property
+    def loop_is_artificial(self) -> bool:
+        """True when the recurrent block was cut from a plain transformer (a converted llama
+        GGUF, such as the embedded default model): depths above ``config.default_depth``
+        then degrade the text (:func:`loop_is_artificial`)."""
+        return loop_is_artificial(self.metadata)
+
+    def _check_loop_depth(self, depth: int) -> None:
+        """Warn once per model (ArtificialLoopWarning) when a forward runs deeper than the
+        default depth on a model whose loop is artificial."""
+        if depth > self.config.default_depth and not self._loop_warned \
+                and self.loop_is_artificial:
+            self._loop_warned = True
+            warnings.warn(artificial_loop_message(self, depth), ArtificialLoopWarning,
+                          stacklevel=2)
+
+    @contextlib.contextmanager
+    def watch_forward(self, callback):
+        """While the block runs, ``callback(start, t)`` is called after every chunk of
+        positions start..start+t-1 the forward computes (prefill chunks, eager decode steps,
+        ResumeHandle upgrades; decode steps run as a captured graph or the megakernel are
+        not seen): for progress display. It runs under the model's lock and must not call the
+        model."""
+        self._rows_hooks.append(callback)
+        try:
+            yield
+        finally:
+            self._rows_hooks.remove(callback)
 
     def _iterations(self, x, e, it0: int, it1: int, pos0, v: dict, kv_of, step) -> None:
         """Recurrent iterations it0..it1-1 (0-based) over the rows ``x``; ``e`` is the prelude
@@ -779,7 +837,8 @@ class Model:
                prefix_pool=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
 
-        ``token_ids``: 1-D ints, 1 <= T <= max_seq_len. Returns float32 ``[T, vocab]``: row t
+        ``token_ids``: 1-D ints, 1 <= T <= max_seq_len, or text (encoded as generate does;
+        an empty prompt is [BOS]: :meth:`encode_prompt`). Returns float32 ``[T, vocab]``: row t
         is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
         chunk). Attention reads what the KV cache stores (``kv_mode``: this call's storage
         mode, default the load's), so the logits show a mode's true quality. ``prefix``
@@ -793,7 +852,8 @@ class Model:
 
     def score(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
               prefix_pool=None) -> np.ndarray:
-        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2).
+        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2;
+        ``token_ids`` as in :meth:`logits`, so an empty one is [BOS], T = 1: ConfigError).
         ``kv_mode`` / ``prefix`` / ``prefix_pool`` as in :meth:`logits`."""
         return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool)
 
@@ -803,8 +863,9 @@ class Model:
                  seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                  prefix_pool=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
-        text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids.
-        ``prefix`` / ``prefix_pool``: start from cached state (see :mod:`tinyloop.prefix`).
+        text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
+        (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
+        from cached state (see :mod:`tinyloop.prefix`).
         See :func:`tinyloop.generate.generate` for the sampling rule and errors."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
@@ -851,6 +912,16 @@ class Model:
         return (f"Model({os.path.basename(self.path)!r}, backend={self.backend}, d_model="
                 f"{c.d_model}, layers P/R/C={c.n_prelude}/{c.n_recurrent}/{c.n_coda}, "
                 f"max_depth={c.max_depth}, {state})")
+
+
+def artificial_loop_message(model: Model, depth: int) -> str:
+    """One line: ``depth`` is above the default depth of a model whose loop is artificial."""
+    c = model.config
+    a, b = c.n_prelude, c.n_prelude + c.n_recurrent
+    return (f"depth {depth} on {os.path.basename(model.path)}, whose loop is artificial: its "
+            f"recurrent block (layers {a}..{b - 1}) comes from a plain model never trained "
+            f"to run it more than once, so depths above {c.default_depth} degrade the text, "
+            f"typically into gibberish (depth {c.default_depth} is the original model)")
 
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,

@@ -46,7 +46,7 @@ from ..format import write_tlm
 from ..quant import QuantWeight, concat_rows, non_finite_message, pack_int4, quantize
 from .gguf_check import check_gguf
 
-CONVERTER_VERSION = 1   # bump when the output of convert_gguf changes for the same input
+CONVERTER_VERSION = 2   # bump when the output of convert_gguf changes for the same input
 
 _BLOCK = 32             # elements per Q4_0 / Q4_1 / Q8_0 block
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
@@ -376,6 +376,10 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
         "source_sha256": _sha256(src),
         "source_format": "gguf",
         "source_name": meta("general.name", "str", ""),
+        "source_architecture": arch,
+        # a plain llama's layers, never trained to run more than once: depths above 1
+        # degrade the text (tinyloop.model.loop_is_artificial)
+        "loop": "artificial",
         "converter": "tinyloop.convert.gguf",
         "converter_version": CONVERTER_VERSION,
         "options": {"recurrent": None if recurrent is None else [p, p + r],

@@ -15,7 +15,8 @@ TAGS = ("weights", "fp16_cache", "buffers", "logits", "kv_cache", "prefix_cache"
 TAG_CAUSES = {
     "fp16_cache": "dequantized weight copies for the GEMMs (float32 on the NumPy backend, where "
                   "they are on by default and take several times the quantized weights); set "
-                  "TINYLOOP_FP16_CACHE=0 to load without them (slower GEMMs)",
+                  "TINYLOOP_FP16_CACHE=0 to load without them (on the NumPy backend "
+                  "decode is then many times slower: the README gives the measured factor)",
 }
 
 _tls = threading.local()      # per thread: .tags, the stack of active tag_scope tags
