@@ -249,9 +249,9 @@ class _Replayer:
             elif e.action in ("alloc", "oom") or e.cause == "allocate":
                 i = self._allocation(i)
             else:
-                raise ReplayDiverged(f"replay: cannot repeat event {i} ({_show(e)}): no pool "
-                                     f"call logs it (a trace from a pool that does not log "
-                                     f"its causes?)")
+                raise ReplayDiverged(f"replay: event {i} ({_show(e)}) records no cause a "
+                                     f"pool call logs it with (a trace from a pool that does "
+                                     f"not log its causes?)")
 
     def _releases(self, j: int, ours) -> int:
         """The end of the run of segment_free events from ``j`` on that ``ours`` claims."""

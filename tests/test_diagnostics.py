@@ -627,6 +627,23 @@ def test_replay_names_the_first_event_it_cannot_repeat():
     assert ours["skipped"] and "at event 2" in ours["reason"]
 
 
+def test_a_trace_without_the_recorded_fields_is_refused_naming_the_event():
+    """Events stripped to (time, action, address, size, tag) do not say the size classes and
+    causes the replay repeats: the replay and analyze_trace say which event lacks them (a
+    TinyLoopError), and replay_policies reports the replay as skipped with that reason."""
+    from tinyloop.errors import TinyLoopError
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    pool.free(pool.allocate(4096, tag="scratch"))
+    bare = [tuple(e[:5]) for e in pool.events()]
+    with pytest.raises(TinyLoopError, match="event 0 .*records no"):
+        replay_trace(bare)
+    with pytest.raises(ReplayDiverged, match="event 0 .*records no size class"):
+        analyze_trace(bare)
+    (ours, *_) = replay_policies(bare, cuda=False)
+    assert ours["skipped"] and "event 0" in ours["reason"]
+    assert replay_trace(pool.events())["peak_reserved_bytes"] == 2 << 20
+
+
 def test_analyze_trace_from_a_started_pool():
     """A trace collected mid-life starts from the layout (blocks live before it began)."""
     pool = MemoryPool(raw_allocator=FakeRawAllocator())
