@@ -24,12 +24,12 @@ from __future__ import annotations
 from .fragment import analyze_trace, run_fragment, trace_ops
 from .leak import run_leak
 from .release import run_release
-from .replay import ReplayDiverged, replay_policies, replay_trace, segment_kinds
+from .replay import ReplayDiverged, replay_policies, replay_trace
 from .report import write_report
 from .verdict import (BOUNDED_CACHE_FILLING, EXIT_CODES, INCONCLUSIVE, LEAK, STABLE,
                       UNBOUNDED_CACHE, VERDICTS, Verdict, classify, linear_fit)
 
 __all__ = ["run_leak", "run_fragment", "run_release", "write_report", "classify", "Verdict",
            "linear_fit", "analyze_trace", "trace_ops", "replay_policies", "replay_trace",
-           "segment_kinds", "ReplayDiverged", "STABLE", "LEAK",
+           "ReplayDiverged", "STABLE", "LEAK",
            "UNBOUNDED_CACHE", "BOUNDED_CACHE_FILLING", "INCONCLUSIVE", "VERDICTS", "EXIT_CODES"]

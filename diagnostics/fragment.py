@@ -32,11 +32,10 @@ import time
 import numpy as np
 
 import tinyloop
-from tinyloop.memory import SMALL_REQUEST_MAX, reset_peak_memory_stats, size_kind
-from tinyloop.memory.arena import segment_size
+from tinyloop.memory import reset_peak_memory_stats, size_kind
 
 from . import plots
-from .replay import grows_for_alloc, replay_policies, segment_kinds
+from .replay import ReplayDiverged, as_events, replay_policies
 from .records import fmt_bytes, take_record, write_csv, write_result
 from .session import (DEFAULT_MAX_SEQ_LEN, EventCollector, backend_facts, backend_pool,
                       load_timed, progress, run_on, settle_run)
@@ -45,15 +44,16 @@ TIMELINE_POINTS = 2000          # the per-event timeline is downsampled to at mo
 
 
 def layout_state(pool) -> dict:
-    """The pool's segments and live blocks now: {"segments": {ptr: (size, kind)},
-    "blocks": {ptr: (size, tag)}} -- the starting point a trace is replayed from."""
+    """The pool's segments, live blocks and limit now: {"segments": {ptr: (size, kind)},
+    "blocks": {ptr: (size, tag)}, "limit_bytes": int | None} -- the starting point a trace is
+    replayed from."""
     segs, blocks = {}, {}
     for seg in pool.layout():
         segs[seg["address"]] = (seg["size"], seg["kind"])
         for b in seg["blocks"]:
             if b["live"]:
                 blocks[b["address"]] = (b["size"], b["tag"])
-    return {"segments": segs, "blocks": blocks}
+    return {"segments": segs, "blocks": blocks, "limit_bytes": pool.limit_bytes}
 
 
 def _largest_free(segs: dict, blocks: dict, kind: str) -> int:
@@ -74,8 +74,8 @@ def _largest_free(segs: dict, blocks: dict, kind: str) -> int:
     return best
 
 
-def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
-                  kinds: dict | None = None, max_detailed_misses: int = 1000) -> dict:
+def analyze_trace(events, start: dict | None = None, *,
+                  max_detailed_misses: int = 1000) -> dict:
     """Replay ``events`` (``MemoryEvent`` tuples, oldest first) from ``start`` (see
     :func:`layout_state`; empty if None) by bookkeeping alone -- blocks and segments, no pool --
     and return::
@@ -87,26 +87,21 @@ def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
          "peak_allocated_bytes", "peak_reserved_bytes", "num_allocs", "num_frees",
          "num_segment_allocs", "num_segment_frees", "num_misses", "num_misses_same_kind"}
 
-    A miss is an allocation that added a segment for itself (a segment_alloc followed by its
-    alloc into that segment, and not a ``reserve()`` the alloc then used: the rule of
-    ``diagnostics.replay.grows_for_alloc``) although it was no bigger than the pool's free bytes
-    (reserved - allocated) just before; ``num_misses_same_kind`` counts those whose own size
-    class had the free bytes, so only fragmentation kept it out.
+    A miss is an allocation that added a segment for itself (a segment_alloc whose cause is
+    "allocate", followed by its alloc into that segment; a ``reserve()``'s segment is none)
+    although it was no bigger than the pool's free bytes (reserved - allocated) just before;
+    ``num_misses_same_kind`` counts those whose own size class had the free bytes, so only
+    fragmentation kept it out.
 
-    A block's size class is the class of the segment holding it, found by address: allocations
-    made in ``packed_scope`` (the model's tensors, KV pages) sit in "large" segments whatever
-    their size, so the class cannot be read off the block size. A segment's class comes from
-    ``kinds`` (``diagnostics.replay.segment_kinds``: {segment_alloc event index: class}, from
-    the layouts seen while the trace was collected; by default from ``start`` and ``end``, the
-    :func:`layout_state` after the trace); a segment no layout saw takes the size rule (small
-    <= 1 MiB < large) of the request that made it, and a reserve's segment is "large".
+    A block's size class is the class of the segment holding it, found by address (a
+    ``segment_alloc`` event records its segment's class): allocations made in ``packed_scope``
+    (the model's tensors, KV pages) sit in "large" segments whatever their size, and a request
+    the pool could not grow for takes a free range of the other class, so the class cannot be
+    read off the block size. An oom's class is the one its request asked in. Raises
+    ``ReplayDiverged`` for a segment_alloc that records no class.
     """
+    events = as_events(events)
     start = start or {"segments": {}, "blocks": {}}
-    if kinds is None:
-        snaps = [(0, {p: k for p, (_, k) in start["segments"].items()})]
-        if end is not None:
-            snaps.append((len(events), {p: k for p, (_, k) in end["segments"].items()}))
-        kinds = segment_kinds(events, snaps)
     segs = dict(start["segments"])                      # ptr -> (size, kind)
     seg_starts = sorted(segs)
     blocks = {p: (s, t) for p, (s, t) in start["blocks"].items()}   # ptr -> (size, tag)
@@ -137,22 +132,22 @@ def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
         if action == "segment_alloc":
             n_seg += 1
             nxt = events[i + 1] if i + 1 < len(events) else None
-            k = kinds.get(i)
-            if nxt is not None and nxt[1] == "alloc" and addr <= nxt[2] < addr + size:
-                r = nxt[3]
-                k = k or ("large" if size_kind(r) == "large"
-                          or size > segment_size(SMALL_REQUEST_MAX) else "small")
+            k = ev.kind
+            if k is None:
+                raise ReplayDiverged(f"event {i} (a segment_alloc of {size} B) records no size "
+                                     f"class (a trace from a pool that does not log it?)")
+            if ev.cause == "allocate" and nxt is not None and nxt.action == "alloc" \
+                    and addr <= nxt.address < addr + size:
+                r = nxt.size
                 largest = _largest_free(segs, blocks, k)
                 free_total = reserved - allocated
-                if grows_for_alloc(ev, nxt, k, largest) and r <= free_total:
+                if r <= free_total:
                     miss = {"event": i, "time": t, "size": r, "tag": nxt[4], "kind": k,
                             "pool_free_bytes": free_total,
                             "free_same_kind_bytes": seg_kind[k] - alloc_kind[k]}
                     if len(misses) < max_detailed_misses:
                         miss["largest_free_same_kind_bytes"] = largest
                     misses.append(miss)
-            else:
-                k = k or "large"                        # a reserve(): a "large" segment
             segs[addr] = (size, k)
             bisect.insort(seg_starts, addr)
             seg_kind[k] += size
@@ -178,7 +173,7 @@ def analyze_trace(events, start: dict | None = None, *, end: dict | None = None,
                 seg_starts.remove(addr)
             n_segfree += 1
         elif action == "oom":
-            k = size_kind(size)
+            k = ev.kind or size_kind(size)              # a refused plan has no class
             ooms.append({"event": i, "time": t, "size": size, "tag": tag, "kind": k,
                          "pool_free_bytes": reserved - allocated,
                          "free_same_kind_bytes": seg_kind[k] - alloc_kind[k],
@@ -276,12 +271,8 @@ def run_fragment(out_dir, *, model=None, model_path: str | None = None, requests
             tinyloop.free_model(model)
         collector.collect()
 
-    end = layout_state(pool)
-    kinds = segment_kinds(collector.events, collector.layouts
-                          + [(len(collector.events), {p: k for p, (_, k)
-                                                      in end["segments"].items()})])
-    trace = analyze_trace(collector.events, start, kinds=kinds)
-    policies = replay_policies(collector.events, start, kinds=kinds) if replay else []
+    trace = analyze_trace(collector.events, start)
+    policies = replay_policies(collector.events, start) if replay else []
     if collector.dropped and policies:
         policies[0] = {"name": "tinyloop pool", "skipped": True,
                        "reason": f"the pool's event ring dropped {collector.dropped} events "

@@ -3,18 +3,21 @@
 :func:`replay_trace` drives the real ``tinyloop.memory.MemoryPool`` -- the class the live run
 used, not a model of it -- over :class:`TraceRawAllocator`, a fake raw allocator that hands out
 the addresses the live trace recorded, in order. The replay rebuilds the layout the trace
-starts from, then repeats every operation the events show (allocate, free, reserve,
-empty_cache, an out-of-memory retry), and checks after each one that the replayed pool logged
-the very events the live pool logged (action, address, size, tag). So its peaks and its misses
-*are* the live pool's, and a trace it cannot repeat raises :class:`ReplayDiverged` naming the
-first event that differs instead of reporting other figures.
+starts from, then repeats every pool call the events show (allocate, a batch that ran out of
+memory, free, reserve, empty_cache, set_limit, a plan ``check_room`` refused), and checks after
+each one that the replayed pool logged the very events the live pool logged (every field but
+the time). So its peaks and its misses *are* the live pool's, and a trace it cannot repeat
+raises :class:`ReplayDiverged` naming the first event that differs instead of reporting other
+figures.
 
-What the events do not say, the replay takes from elsewhere: the size class ("small" /
-"large") of a segment comes from the layouts seen while the trace was collected
-(:func:`segment_kinds`; a block made in ``packed_scope`` sits in a "large" segment whatever its
-size), and a ``reserve()`` is told from an allocation's own growth by the rule of
-:func:`grows_for_alloc`. The bytes a request asked for before rounding are not in the events
-(the pool's ``requested_bytes`` is not replayed); nothing the pool decides depends on them.
+Nothing is inferred: the pool logs every input its placement decides on (``tinyloop.memory.
+events``): the size class a request asked in and a segment has, the call behind each segment
+event (an allocation's growth or its retry, a reserve, empty_cache, set_limit) with the request
+it served, every limit, and a failed batch's length. What the log cannot hold is the device's
+answer to a segment request it refused; the next live event shows it: the raw allocator grants
+a segment only where the live pool's next event is that segment and refuses every other
+request, as the device (or the limit) did. The bytes a request asked for before rounding are
+not replayed (the pool's ``requested_bytes``); nothing the pool decides depends on them.
 
 :func:`replay_policies` adds CuPy's ``MemoryPool`` and ``MemoryAsyncPool`` where CUDA is present.
 They replay the alloc / free sequence (:func:`diagnostics.fragment.trace_ops`): they have no
@@ -27,75 +30,44 @@ import bisect
 import contextlib
 import time
 
-from tinyloop.errors import OutOfMemoryError
-from tinyloop.memory import MemoryPool, packed_scope, size_kind
-from tinyloop.memory.arena import SMALL_REQUEST_MAX, segment_size
+from tinyloop.errors import OutOfMemoryError, TinyLoopError
+from tinyloop.memory import MemoryEvent, MemoryPool, packed_scope, size_kind
+from tinyloop.memory.arena import SMALL_REQUEST_MAX
 
 
-class ReplayDiverged(ValueError):
-    """The replayed pool did something the live trace does not show (names the event)."""
+class ReplayDiverged(TinyLoopError, ValueError):
+    """The replayed pool did something the live trace does not show, or the trace lacks what
+    the pool logs (names the event)."""
 
 
-def grows_for_alloc(segment_event, alloc_event, kind: str, largest_free_same_kind: int) -> bool:
-    """Whether ``segment_event`` (a ``segment_alloc``) followed by ``alloc_event`` (an alloc
-    into that segment, of size class ``kind``) is the allocation's own growth (True) or a
-    ``reserve()`` the allocation then used (False). A reserve makes "large" segments only; an
-    allocation's segment carries its own tag and is ``segment_size(rounded)`` or, when that
-    does not fit, exactly ``rounded`` bytes; and it grows only when no free chunk of its class
-    fits it (``largest_free_same_kind``: the largest such chunk before the segment came)."""
-    seg_size, seg_tag = segment_event[3], segment_event[4]
-    rounded, tag = alloc_event[3], alloc_event[4]
-    if kind == "small":
-        return True
-    if seg_tag != tag or seg_size not in (segment_size(rounded), rounded):
-        return False
-    return largest_free_same_kind < rounded
-
-
-def segment_kinds(events, snapshots) -> dict:
-    """{index of a ``segment_alloc`` event: its segment's size class}, for the segments some
-    snapshot saw alive. ``snapshots``: ``(position, {segment address: kind})`` pairs, a
-    position being how many of ``events`` had happened when the layout was read (0: the
-    start; ``len(events)``: the end). A segment made and returned between two snapshots is
-    left out (its class is unknown)."""
-    snaps = sorted(snapshots, key=lambda s: s[0])
-    positions = [p for p, _ in snaps]
-    freed_at: dict[int, int] = {}
-    out = {}
-    for i in range(len(events) - 1, -1, -1):          # latest first: each alloc's own free
-        action, addr = events[i][1], events[i][2]
-        if action == "segment_free":
-            freed_at[addr] = i
-        elif action == "segment_alloc":
-            end = freed_at.pop(addr, len(events))         # alive after events[:p], i < p <= end
-            j = bisect.bisect_right(positions, i)
-            while j < len(snaps) and positions[j] <= end:
-                kind = snaps[j][1].get(addr)
-                if kind is not None:
-                    out[i] = kind
-                    break
-                j += 1
-    return out
+def as_events(events) -> list[MemoryEvent]:
+    """``events`` (``MemoryEvent`` or plain tuples of its fields, oldest first) as
+    ``MemoryEvent``, the fields a tuple leaves out set to None."""
+    return [e if isinstance(e, MemoryEvent) else MemoryEvent(*e) for e in events]
 
 
 class TraceRawAllocator:
     """A fake raw allocator that hands out the segments a trace recorded.
 
     While the start layout is rebuilt, :meth:`expect` names the one segment the next malloc
-    must make. During the trace, ``cursor`` is the index of the next live event the pool has
-    not logged yet: a malloc succeeds only when that event is a ``segment_alloc`` of the size
-    asked for (the pool asks for a segment's preferred size first, then exactly its request;
-    the one the live pool got is the one that succeeds), and raises MemoryError when the live
-    pool got no segment there (the next event is its release of cached segments, or its
-    out-of-memory); a free must be one of the ``segment_free`` events at the cursor.
+    must make. During the trace, the replay sets ``cursor`` to the first live event of the
+    pool call it repeats and ``end`` past its last: ``cursor`` is the next of those events the
+    pool has not logged yet. A malloc gets a segment only when that event is a
+    ``segment_alloc`` of the size asked for, and raises MemoryError (a refusal) otherwise: the
+    live pool either got no segment there (the device or the limit refused it, which logs
+    nothing) or got one of another size. A free must be one of the ``segment_free`` events at
+    the cursor. ``plan_refused`` makes :meth:`mem_info` report no free device bytes, for a plan
+    the live ``check_room`` refused.
     """
 
-    device = "fake"
+    device = "replay"
     device_index = 0
 
     def __init__(self, events):
         self.events = events
         self.cursor = 0
+        self.end = 0
+        self.plan_refused = False
         self._expect: tuple[int, int] | None = None
 
     def expect(self, ptr: int, size: int) -> None:
@@ -108,34 +80,29 @@ class TraceRawAllocator:
                 raise MemoryError(f"replay: the start layout's segment is {size} bytes")
             self._expect = None
             return ptr, None
-        ev = self.events[self.cursor] if self.cursor < len(self.events) else None
-        if ev is not None and ev[1] == "segment_alloc":
-            if ev[3] != nbytes:
-                raise MemoryError(f"replay: the live pool got {ev[3]} bytes here, not {nbytes}")
+        ev = self.events[self.cursor] if self.cursor < self.end else None
+        if ev is not None and ev.action == "segment_alloc" and ev.size == nbytes:
             self.cursor += 1
-            return ev[2], None
-        if ev is not None and ev[1] in ("segment_free", "oom"):
-            raise MemoryError(f"replay: the live pool got no segment here (event "
-                              f"{self.cursor} is {ev[1]})")
-        raise ReplayDiverged(f"replay: the pool asked for a {nbytes}-byte segment before event "
-                             f"{self.cursor} ({_show(ev)}); the live pool did not")
+            return ev.address, None
+        raise MemoryError(f"replay: the live pool got no {nbytes}-byte segment before event "
+                          f"{self.cursor} ({_show(ev)})")
 
     def free(self, ptr: int, handle) -> None:
         j = self.cursor
-        while j < len(self.events) and self.events[j][1] == "segment_free":
-            if self.events[j][2] == ptr:
+        while j < self.end and self.events[j].action == "segment_free":
+            if self.events[j].address == ptr:
                 ev = self.events[j]
                 self.events[j] = self.events[self.cursor]         # keep the run contiguous
                 self.events[self.cursor] = ev
                 self.cursor += 1
                 return
             j += 1
-        ev = self.events[self.cursor] if self.cursor < len(self.events) else None
+        ev = self.events[self.cursor] if self.cursor < self.end else None
         raise ReplayDiverged(f"replay: the pool returned segment 0x{ptr:x} at event "
                              f"{self.cursor} ({_show(ev)}); the live pool did not")
 
     def mem_info(self):
-        return None, None
+        return (0 if self.plan_refused else None), None
 
     def process_bytes(self):
         return None
@@ -150,39 +117,28 @@ class TraceRawAllocator:
 def _show(ev) -> str:
     if ev is None:
         return "the end of the trace"
-    return f"{ev[1]} 0x{ev[2]:x} {ev[3]} B tag {ev[4]}"
-
-
-def _largest_free_by_kind(pool, exclude=()) -> dict:
-    """{size class: its largest free chunk} in ``pool``, leaving out the segments at the
-    addresses in ``exclude``."""
-    best = {"small": 0, "large": 0}
-    for seg in pool.layout():
-        if seg["address"] in exclude:
-            continue
-        for b in seg["blocks"]:
-            if not b["live"]:
-                best[seg["kind"]] = max(best[seg["kind"]], b["size"])
-    return best
+    size = "no limit" if ev.action == "limit" and ev.size is None else f"{ev.size} B"
+    extra = ", ".join(f"{k} {v}" for k, v in (("kind", ev.kind), ("cause", ev.cause),
+                                               ("request", ev.request)) if v is not None)
+    return f"{ev.action} 0x{ev.address:x} {size} tag {ev.tag}" + (f" ({extra})" if extra else "")
 
 
 class _Replayer:
-    """The state of one replay: the pool, its segments (address -> (size, kind)) and the live
-    blocks (address -> Block)."""
+    """The state of one replay: the pool and the live blocks (address -> Block)."""
 
-    def __init__(self, events, kinds: dict):
-        self.events = [tuple(e[:5]) for e in events]
+    def __init__(self, events):
+        self.events = as_events(events)
         self.raw = TraceRawAllocator(list(self.events))
-        self.kinds = kinds
-        # one replayed operation logs at most a run of segment events and a few more: the
-        # ring only needs to hold that much (reading it back stays cheap)
+        # one replayed call logs at most a run of segment events and a few more: the ring
+        # only needs to hold that much (reading it back stays cheap)
         run = longest = 0
         for e in self.events:
-            run = run + 1 if e[1].startswith("segment_") else 0
+            run = run + 1 if e.action.startswith("segment_") else 0
             longest = max(longest, run)
-        self.pool = MemoryPool(raw_allocator=self.raw, event_capacity=2 * longest + 16)
-        self.segs: dict[int, tuple[int, str]] = {}
-        self.seg_starts: list[int] = []
+        # named a cuda pool so that check_room bounds a plan by the driver's free bytes too
+        # (the raw allocator reports none where the live check_room refused one)
+        self.pool = MemoryPool("cuda", raw_allocator=self.raw,
+                               event_capacity=2 * longest + 16)
         self.blocks: dict = {}
         self.misses = 0
         self.ooms = 0
@@ -191,23 +147,25 @@ class _Replayer:
     def _logged(self) -> int:
         return self.pool.events_dropped + len(self.pool.events())
 
-    def _add_seg(self, ptr: int, size: int, kind: str) -> None:
-        self.segs[ptr] = (size, kind)
-        bisect.insort(self.seg_starts, ptr)
+    def _scope(self, rounded: int, kind: str | None, k: int | None):
+        """The scope a ``rounded``-byte request of class ``kind`` (event ``k``'s) was made
+        in: ``packed_scope`` for a small request in the large class."""
+        if kind == "large":
+            return packed_scope() if size_kind(rounded) == "small" else contextlib.nullcontext()
+        if kind == "small" and size_kind(rounded) == "small":
+            return contextlib.nullcontext()
+        what = "the start layout's block" if k is None else f"event {k} ({_show(self.events[k])})"
+        raise ReplayDiverged(f"replay: {what} records no size class a {rounded}-byte request "
+                             f"can have (a trace from a pool that does not log it?)")
 
-    def _kind_at(self, addr: int) -> str | None:
-        i = bisect.bisect_right(self.seg_starts, addr) - 1
-        if i >= 0:
-            size, kind = self.segs[self.seg_starts[i]]
-            if addr < self.seg_starts[i] + size:
-                return kind
-        return None
-
-    def _allocate(self, rounded: int, tag: str, kind: str):
-        scope = packed_scope() if kind == "large" and size_kind(rounded) == "small" \
-            else contextlib.nullcontext()
-        with scope:
+    def _allocate(self, rounded: int, tag: str, kind: str, k: int | None):
+        with self._scope(rounded, kind, k):
             return self.pool.allocate(rounded, tag=tag)
+
+    def _hold_limit(self, limit: int | None) -> None:
+        """Set the replayed pool's limit and keep its fully free segments (the start layout
+        keeps its own)."""
+        self.pool.set_limit(limit, return_free=False)
 
     # --- the start layout -----------------------------------------------------------------
     def build_start(self, start: dict) -> None:
@@ -215,16 +173,22 @@ class _Replayer:
         allocation, given back, then tiled in address order with its live blocks and fillers
         for its free ranges (every earlier segment is fully tiled, so each tile lands at the
         next address); the fillers are freed at the end, merging into the start's free
-        chunks."""
+        chunks. Then the start's limit is set.
+
+        A block is asked for in its segment's class, except a large block in a small segment
+        (the live pool placed it there when it could not grow): the tiling runs under a limit
+        of 0, so such a request takes the segment's free range as the live one did, and no
+        segment is ever returned for it."""
         blocks = start.get("blocks", {})
         starts = sorted(blocks)
         fillers = []
         for ptr in sorted(start.get("segments", {})):
             size, kind = start["segments"][ptr]
+            self._hold_limit(None)
             self.raw.expect(ptr, size)
             first = min(size, SMALL_REQUEST_MAX) if kind == "small" else size
-            self.pool.free(self._allocate(first, "other", kind))
-            self._add_seg(ptr, size, kind)
+            self.pool.free(self._allocate(first, "other", kind, None))
+            self._hold_limit(0)
             cur, end = ptr, ptr + size
             i = bisect.bisect_left(starts, ptr)
             tiles = []
@@ -242,7 +206,8 @@ class _Replayer:
                         tiles.append((cur + off, min(step, gap - off), "other", False))
                     cur = nxt
             for addr, bsize, tag, live in tiles:
-                b = self._allocate(bsize, tag, kind)
+                b = self._allocate(bsize, tag, "large" if size_kind(bsize) == "large" else kind,
+                                   None)
                 if b.ptr != addr:
                     raise ReplayDiverged(f"replay: the start layout's block at 0x{addr:x} "
                                          f"landed at 0x{b.ptr:x}")
@@ -252,165 +217,172 @@ class _Replayer:
                     fillers.append(b)
         for b in fillers:
             self.pool.free(b)
+        # the live pool holds this limit over this layout (set_limit would also return the
+        # fully free segments of a layout above it: the live pool did that when the limit
+        # came, before these segments became free)
+        self._hold_limit(start.get("limit_bytes"))
         self.pool.reset_peak_stats()
 
     # --- the trace ------------------------------------------------------------------------
     def run(self) -> None:
+        """Repeat the trace call by call. A call's events: a free's two; a limit and the
+        releases it caused; a run of empty_cache releases; a reserve's releases and segment;
+        check_room's oom; an allocation's releases and segments (cause "allocate") up to its
+        alloc or oom."""
         ev, n = self.events, len(self.events)
         i = 0
         while i < n:
-            action = ev[i][1]
-            if action == "segment_free":
-                j = i
-                while j < n and ev[j][1] == "segment_free":
-                    j += 1
-                if j < n and ev[j][1] in ("segment_alloc", "oom"):
-                    i = self._op(i, j)         # the release is the next operation's retry
-                else:
-                    i = self._step(i, j, self.pool.empty_cache)
+            e = ev[i]
+            if e.action == "free_requested":
+                i = self._free(i)
+            elif e.action == "limit":
+                j = self._releases(i + 1, lambda x: x.cause == "set_limit")
+                # the limit event is logged first, without the raw allocator
+                i = self._step(i, j, lambda: self.pool.set_limit(e.size), raw_from=i + 1)
+            elif e.action == "segment_free" and e.cause == "empty_cache":
+                j = self._releases(i, lambda x: x.cause == "empty_cache")
+                i = self._step(i, j, self.pool.empty_cache)
+            elif e.cause in ("reserve", "reserve_exact"):
+                i = self._reserve(i)
+            elif e.action == "oom" and e.cause == "check_room":
+                i = self._plan_refused(i)
+            elif e.action in ("alloc", "oom") or e.cause == "allocate":
+                i = self._allocation(i)
             else:
-                i = self._op(i, i)
+                raise ReplayDiverged(f"replay: event {i} ({_show(e)}) records no cause a "
+                                     f"pool call logs it with (a trace from a pool that does "
+                                     f"not log its causes?)")
 
-    def _op(self, i: int, k: int) -> int:
-        """Replay the operation whose first event is ``i`` and whose own (non-release) event
-        is ``k`` (``i < k`` when a release of cached segments came first). Returns the index
-        of the next event."""
+    def _releases(self, j: int, ours) -> int:
+        """The end of the run of segment_free events from ``j`` on that ``ours`` claims."""
         ev = self.events
-        t, action, addr, size, tag = ev[k]
-        if action == "alloc":
-            kind = self._kind_at(addr)
-            if kind is None:
-                raise ReplayDiverged(f"replay: event {k} ({_show(ev[k])}) is in no segment")
-            return self._alloc(i, k + 1, size, tag, kind)
-        if action == "free_requested":             # its free_completed follows at once
-            blk = self.blocks.pop(addr, None)
-            if blk is None or i != k:
-                raise ReplayDiverged(f"replay: event {k} frees 0x{addr:x}, which the replay "
-                                     f"does not hold")
-            return self._step(k, k + 2, lambda: self.pool.free(blk))
-        if action == "segment_alloc":
-            nxt = ev[k + 1] if k + 1 < len(ev) else None
-            into = (nxt is not None and nxt[1] == "alloc" and addr <= nxt[2] < addr + size)
-            kind = self.kinds.get(k)
-            released = {e[2] for e in ev[i:k]}
-            # The free chunks once the release before it (if any) is done. A release right
-            # before a new segment is the request's own retry (the raw allocator refused, the
-            # pool gave its cached segments back and asked again) unless the request fitted a
-            # chunk before it: then the release was an operation of its own (empty_cache(), or
-            # a reserve() that found no room and gave up, which logs nothing else).
-            after = _largest_free_by_kind(self.pool, exclude=released)
-            if into:
-                r = nxt[3]
-                akind = kind or ("large" if size_kind(r) == "large"
-                                 or size > segment_size(SMALL_REQUEST_MAX) else "small")
-                if grows_for_alloc(ev[k], nxt, akind, after[akind]):
-                    if i < k and _largest_free_by_kind(self.pool)[akind] >= r:
-                        i = self._step(i, k, self.pool.empty_cache)   # a release of its own
-                    if r <= self.pool.reserved_bytes - self.pool.allocated_bytes \
-                            - self._released(i, k):
-                        self.misses += 1
-                    self._add_seg(addr, size, akind)
-                    return self._alloc(i, k + 2, r, nxt[4], akind)
-            j = k
-            while j < len(ev) and ev[j][1] in ("segment_alloc", "segment_free"):
-                j += 1
-            if j < len(ev) and ev[j][1] == "oom":
-                r = ev[j][3]
-                staged = [x for x in range(k, j) if ev[x][1] == "segment_alloc"]
-                if all(ev[x][3] in (segment_size(r), r) for x in staged):
-                    return self._failed(i, j, staged)
-            if i < k and _largest_free_by_kind(self.pool)["large"] >= size:
-                i = self._step(i, k, self.pool.empty_cache)       # a release of its own
-            self._add_seg(addr, size, "large")
-            return self._step(i, k + 1, lambda: self.pool.reserve(size, tag))
-        if action == "oom":
-            return self._failed(i, k, [])
-        return self._diverged(k)
+        while j < len(ev) and ev[j].action == "segment_free" and ours(ev[j]):
+            j += 1
+        return j
 
-    def _failed(self, i: int, k: int, staged: list) -> int:
-        """Replay an allocation that ran out of memory at event ``k`` (``oom``), after the
-        segments at events ``staged`` (a batch keeps the segments it added before failing).
-        The events do not say the request's size class or, for a batch, its length; neither
-        changes what a failure leaves behind (its releases and staged segments, all logged),
-        so the replay asks for a batch of that size one block longer than the class has room
-        for, in the class the staged segments have (else the one with less room; for a tie,
-        "large": TinyLoop's batches are KV pages in ``packed_scope``)."""
+    def _reserve(self, i: int) -> int:
+        """Repeat the reserve whose first event is ``i``: its releases, then its segment (none
+        when it found no room). Two reserves of one request back to back (the first found no
+        room) log what one reserve that retried logs, so they are repeated as one."""
+        ev, e = self.events, self.events[i]
+        if e.request is None:
+            raise ReplayDiverged(f"replay: event {i} ({_show(e)}) records no request")
+
+        def ours(x):
+            return (x.cause, x.tag, x.request) == (e.cause, e.tag, e.request)
+        j = self._releases(i, ours)
+        if j < len(ev) and ev[j].action == "segment_alloc" and ours(ev[j]):
+            j += 1
+        return self._step(i, j, lambda: self.pool.reserve(e.request, e.tag,
+                                                          exact=e.cause == "reserve_exact"))
+
+    def _free(self, i: int) -> int:
         ev = self.events
-        r, tag = ev[k][3], ev[k][4]
-        released = {e[2] for e in ev[i:k] if e[1] == "segment_free"}
-        room = {"small": 0, "large": 0}
-        for seg in self.pool.layout():
-            if seg["address"] not in released:
-                for b in seg["blocks"]:
-                    if not b["live"]:
-                        room[seg["kind"]] += b["size"] // r
-        kind = next((self.kinds[x] for x in staged if x in self.kinds), None)
-        if size_kind(r) == "large":
-            kind = "large"
-        elif kind is None:
-            kind = "small" if room["small"] < room["large"] else "large"
-        n = room[kind] + sum(ev[x][3] // r for x in staged) + 1
-        scope = packed_scope() if kind == "large" else contextlib.nullcontext()
+        addr, tag = ev[i].address, ev[i].tag
+        blk = self.blocks.pop(addr, None)
+        if blk is None:
+            raise ReplayDiverged(f"replay: event {i} frees 0x{addr:x}, which the replay does "
+                                 f"not hold")
+        if blk.tag != tag:                  # the live block was retagged (which logs nothing)
+            self.pool.retag(blk, tag)
+        return self._step(i, i + 2, lambda: self.pool.free(blk))
+
+    def _allocation(self, i: int) -> int:
+        """Repeat the allocation whose first event is ``i``: its releases and segments, then
+        its alloc (one block; a batch's blocks are its allocations, one by one) or its oom (a
+        block, or a batch of size / request blocks, in the class the event names)."""
+        ev, n = self.events, len(self.events)
+        k = i
+        while k < n and ev[k].action in ("segment_free", "segment_alloc") \
+                and ev[k].cause == "allocate":
+            k += 1
+        if k == n or ev[k].action not in ("alloc", "oom") or ev[k].cause not in (None,
+                                                                                 "allocate"):
+            raise ReplayDiverged(f"replay: the allocation's events from {i} on end in "
+                                 f"{_show(ev[k] if k < n else None)}, not its alloc or oom")
+        e = ev[k]
+        if e.action == "alloc":
+            released = sum(x.size for x in ev[i:k] if x.action == "segment_free")
+            grew = any(x.action == "segment_alloc" for x in ev[i:k])
+            free_before = self.pool.reserved_bytes - released - self.pool.allocated_bytes
+            out = {}
+
+            def do():
+                out["b"] = self._allocate(e.size, e.tag, e.kind, k)
+            nxt = self._step(i, k + 1, do)
+            self.blocks[out["b"].ptr] = out["b"]
+            if grew and e.size <= free_before:
+                self.misses += 1            # analyze_trace's definition of a miss
+            return nxt
+        if not e.request or e.size % e.request:
+            raise ReplayDiverged(f"replay: event {k} ({_show(e)}) records no request that "
+                                 f"its size is a whole number of")
+        count = e.size // e.request
 
         def attempt():
             try:
-                with scope:
-                    blocks = self.pool.allocate_many(r, n, tag)
+                with self._scope(e.request, e.kind, k):
+                    if count == 1:
+                        self.pool.allocate(e.request, e.tag)
+                    else:
+                        self.pool.allocate_many(e.request, count, e.tag)
             except OutOfMemoryError:
                 return
             raise ReplayDiverged(f"replay: event {k} is an out-of-memory the replay did not "
-                                 f"hit (it placed {len(blocks)} blocks of {r} B)")
+                                 f"hit ({count} blocks of {e.request} B fitted)")
         self.ooms += 1
-        for x in staged:
-            self._add_seg(ev[x][2], ev[x][3], kind)
         return self._step(i, k + 1, attempt)
 
-    def _released(self, i: int, k: int) -> int:
-        return sum(e[3] for e in self.events[i:k] if e[1] == "segment_free")
+    def _plan_refused(self, k: int) -> int:
+        """Repeat a plan ``check_room`` refused (event ``k``): one phase of the event's bytes
+        and tag. The live refusal came from the limit or the driver's free bytes, which the
+        trace does not record; with the raw allocator reporting none free, the replayed pool
+        refuses whenever the live one did (its room is at most the live one's)."""
+        e = self.events[k]
 
-    def _alloc(self, i: int, j: int, rounded: int, tag: str, kind: str) -> int:
-        out = {}
+        def attempt():
+            self.raw.plan_refused = True
+            try:
+                self.pool.check_room([("plan", e.tag, e.size)], "the replayed plan")
+            except OutOfMemoryError:
+                return
+            finally:
+                self.raw.plan_refused = False
+            raise ReplayDiverged(f"replay: event {k} is a refused plan the replay admitted")
+        self.ooms += 1
+        return self._step(k, k + 1, attempt)
 
-        def do():
-            out["b"] = self._allocate(rounded, tag, kind)
-        nxt = self._step(i, j, do)
-        self.blocks[out["b"].ptr] = out["b"]
-        return nxt
-
-    def _step(self, i: int, j: int, call) -> int:
-        """Run ``call`` with the raw allocator's cursor at ``i``; check that the pool logged
-        exactly live events ``i..j-1`` (a run of segment_free in any order); return ``j``."""
+    def _step(self, i: int, j: int, call, raw_from: int | None = None) -> int:
+        """Run ``call`` with the raw allocator's cursor at ``raw_from`` (default ``i``) and end
+        at ``j``; check that the pool logged exactly live events ``i..j-1`` (a run of
+        segment_free in any order); return ``j``."""
         before = self._logged()
-        self.raw.cursor = i
+        self.raw.cursor, self.raw.end = (i if raw_from is None else raw_from), j
         try:
             call()
         except OutOfMemoryError as e:
             ev = self.raw.events[i] if i < len(self.events) else None
             raise ReplayDiverged(f"replay: out of memory at event {i}, where the live pool "
                                  f"logged {_show(ev)}: {e}") from None
-        got = [tuple(e[1:5]) for e in self.pool.events()[-(self._logged() - before):]] \
-            if self._logged() > before else []
-        want = [tuple(e[1:5]) for e in self.raw.events[i:j]]
+        new = self._logged() - before
+        got = [tuple(x[1:]) for x in self.pool.events()[-new:]] if new > 0 else []
+        want = [tuple(x[1:]) for x in self.raw.events[i:j]]
         if got != want:
             first = next((x for x, (a, b) in enumerate(zip(got, want)) if a != b),
                          min(len(got), len(want)))
+            shown = [_show(MemoryEvent(0.0, *x)) if x else None for x in
+                     (want[first] if first < len(want) else None,
+                      got[first] if first < len(got) else None)]
             raise ReplayDiverged(f"replay: at event {i + first} the live pool logged "
-                                 f"{want[first] if first < len(want) else 'nothing more'}, "
-                                 f"the replay {got[first] if first < len(got) else 'nothing'}")
-        for e in want:
-            if e[0] == "segment_free":
-                del self.segs[e[1]]
-                self.seg_starts.remove(e[1])
+                                 f"{shown[0] or 'nothing more'}, the replay "
+                                 f"{shown[1] or 'nothing'}")
         return j
 
-    def _diverged(self, k: int):
-        raise ReplayDiverged(f"replay: cannot repeat event {k} ({_show(self.events[k])})")
 
-
-def replay_trace(events, start: dict | None = None, *, kinds: dict | None = None) -> dict:
+def replay_trace(events, start: dict | None = None) -> dict:
     """Replay ``events`` (``MemoryEvent`` tuples, oldest first) on a fresh ``MemoryPool`` over
-    a :class:`TraceRawAllocator`, from ``start`` (``layout_state``; empty if None), with the
-    segment classes ``kinds`` (:func:`segment_kinds`). Returns::
+    a :class:`TraceRawAllocator`, from ``start`` (``layout_state``: its segments, live blocks
+    and limit; empty if None). Returns::
 
         {"name": "tinyloop pool", "skipped": False, "peak_allocated_bytes",
          "peak_reserved_bytes", "final_reserved_bytes", "misses", "ooms", "replay_s",
@@ -418,9 +390,9 @@ def replay_trace(events, start: dict | None = None, *, kinds: dict | None = None
 
     ``misses`` counts allocations that grew the pool although its free bytes covered them
     (the definition of ``analyze_trace``). Raises :class:`ReplayDiverged` when the pool logs
-    an event the trace does not have."""
+    an event the trace does not have, or the trace lacks a field the pool logs."""
     t0 = time.perf_counter()
-    rp = _Replayer(events, kinds or {})
+    rp = _Replayer(events)
     rp.build_start(start or {"segments": {}, "blocks": {}})
     rp.run()
     s = rp.pool.stats()
@@ -501,7 +473,7 @@ def replay_ops(policy, ops) -> dict:
             "peak_reserved_over_peak_allocated": peak_res / peak_used if peak_used else None}
 
 
-def replay_policies(events, start: dict | None = None, *, kinds: dict | None = None,
+def replay_policies(events, start: dict | None = None, *,
                     cuda: bool | None = None) -> list[dict]:
     """The trace replayed against each policy: TinyLoop's pool (:func:`replay_trace`; when it
     diverges, ``skipped`` with the reason), then CuPy's two where CUDA is present (``cuda=None``
@@ -510,7 +482,7 @@ def replay_policies(events, start: dict | None = None, *, kinds: dict | None = N
     from .fragment import trace_ops
     out = []
     try:
-        out.append(replay_trace(events, start, kinds=kinds))
+        out.append(replay_trace(events, start))
     except ReplayDiverged as e:
         out.append({"name": "tinyloop pool", "skipped": True, "reason": str(e)})
     if cuda is None:

@@ -79,31 +79,22 @@ class EventCollector:
     long as ``collect()`` is called before the ring wraps (once per request is plenty).
 
     ``events`` holds ``MemoryEvent`` tuples from ``start()`` on; ``dropped`` counts events the
-    ring pushed out before they were collected. ``layouts`` holds, for ``start()`` and every
-    ``collect()``, ``(len(events), {segment address: size class})``: the events do not say a
-    segment's class, and a replay needs it (``diagnostics.replay.segment_kinds``).
+    ring pushed out before they were collected.
     """
 
     def __init__(self, pool):
         self.pool = pool
         self.events: list = []
-        self.layouts: list = []
         self.dropped = 0
         self._seen = self._total()
-
-    def _layout(self) -> None:
-        self.layouts.append((len(self.events),
-                             {seg["address"]: seg["kind"] for seg in self.pool.layout()}))
 
     def _total(self) -> int:
         return self.pool.events_dropped + len(self.pool.events())
 
     def start(self) -> "EventCollector":
         self.events.clear()
-        self.layouts.clear()
         self.dropped = 0
         self._seen = self._total()
-        self._layout()
         return self
 
     def collect(self) -> None:
@@ -116,4 +107,3 @@ class EventCollector:
         if new > 0:
             self.events.extend(ev[-new:])
         self._seen = total
-        self._layout()

@@ -3,6 +3,7 @@ replay on an isolated pool, the planted faults, and the CLI end to end on a tiny
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -11,11 +12,11 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diagnostics import (ReplayDiverged, analyze_trace, classify, linear_fit, replay_policies,
-                         replay_trace, segment_kinds)
+                         replay_trace)
 from diagnostics.__main__ import main
 from diagnostics.faults import PlantedCache, PlantedLeak
 from diagnostics.fragment import layout_state
@@ -334,7 +335,7 @@ def test_analyze_trace_classes_packed_blocks_by_their_segment():
     n0 = len(pool.events())
     with packed_scope():
         pages = [pool.allocate(24 * 1024, tag="kv_cache") for _ in range(3)]
-    tr = analyze_trace(pool.events()[n0:], start, end=layout_state(pool))
+    tr = analyze_trace(pool.events()[n0:], start)
     assert tr["num_misses"] == 1 and tr["num_misses_same_kind"] == 0
     m = tr["misses"][0]
     assert (m["kind"], m["size"], m["tag"]) == ("large", 24 * 1024, "kv_cache")
@@ -343,81 +344,253 @@ def test_analyze_trace_classes_packed_blocks_by_their_segment():
     assert m["largest_free_same_kind_bytes"] == 0
     for b in pages + [small]:
         pool.free(b)
-    tr = analyze_trace(pool.events()[n0:], start, end=layout_state(pool))
+    tr = analyze_trace(pool.events()[n0:], start)
     assert tr["timeline"][-1]["allocated_bytes"] == 0
     assert all(x["free_same_kind_bytes"] >= 0 for x in tr["misses"])
 
 
-def _kinds_now(pool) -> dict:
-    return {seg["address"]: seg["kind"] for seg in pool.layout()}
-
-
-def random_pool_trace(seed: int, pool, n_ops: int = 500, snaps: list | None = None):
-    """Drive ``pool`` the ways TinyLoop does: plain and packed_scope allocations of small and
-    large sizes, allocate_many / free_many batches of KV-page-sized blocks, reserve(),
-    empty_cache(), and out-of-memory retries against the raw allocator's capacity. Appends a
-    layout snapshot to ``snaps`` after every operation (as EventCollector does per request)."""
+def drive_pool(pool, ops, raw=None) -> list:
+    """Apply ``ops`` to ``pool`` the ways TinyLoop drives it; each op a tuple:
+    ("alloc", nbytes, packed, tag), ("batch", nbytes, n, packed, tag), ("free", i),
+    ("free_many", k), ("reserve", nbytes, exact), ("empty_cache",), ("limit", None | bytes
+    above (or, negative, below) what is reserved), ("retag", i, tag), ("plan", nbytes),
+    ("refuse", k) (the raw allocator refuses its next k mallocs). Out-of-memory errors are
+    part of the trace; returns the live blocks."""
     from tinyloop.errors import OutOfMemoryError
     from tinyloop.memory.tags import packed_scope
-    rng = np.random.default_rng(seed)
     live = []
-    n0 = pool.events_dropped + len(pool.events())
-    for _ in range(n_ops):
-        u = rng.random()
+    for op in ops:
+        name = op[0]
         try:
-            if live and u < 0.35:
-                pool.free(live.pop(int(rng.integers(len(live)))))
-            elif live and u < 0.40:
-                k = int(rng.integers(1, min(8, len(live)) + 1))
+            if name in ("alloc", "batch"):
+                scope = packed_scope() if op[-2] else contextlib.nullcontext()
+                with scope:
+                    if name == "alloc":
+                        live.append(pool.allocate(op[1], op[3]))
+                    else:
+                        live += pool.allocate_many(op[1], op[2], op[4])
+            elif name == "free" and live:
+                pool.free(live.pop(op[1] % len(live)))
+            elif name == "free_many" and live:
+                k = min(op[1], len(live))
                 batch, live[:] = live[-k:], live[:-k]
                 pool.free_many(batch)
-            elif u < 0.75:
-                size = int(rng.choice([rng.integers(1, 96 << 10), rng.integers(1 << 20, 5 << 20)]))
-                if rng.random() < 0.5:
-                    with packed_scope():
-                        live.append(pool.allocate(size, tag="kv_cache"))
-                else:
-                    live.append(pool.allocate(size, tag="scratch"))
-            elif u < 0.88:
-                with packed_scope():
-                    live += pool.allocate_many(24 << 10, int(rng.integers(1, 90)), "kv_cache")
-            elif u < 0.95:
-                pool.reserve(int(rng.integers(1 << 20, 9 << 20)), "weights")
-            else:
+            elif name == "reserve":
+                pool.reserve(op[1], "weights", exact=op[2])
+            elif name == "empty_cache":
                 pool.empty_cache()
+            elif name == "limit":
+                pool.set_limit(None if op[1] is None else max(0, pool.reserved_bytes + op[1]))
+            elif name == "retag" and live:
+                pool.retag(live[op[1] % len(live)], op[2])
+            elif name == "plan":
+                pool.check_room([("weights", "weights", op[1])], "a plan")
+            elif name == "refuse" and raw is not None:
+                raw.fail_next = op[1]
         except OutOfMemoryError:
             pass
-        if snaps is not None:
-            snaps.append((pool.events_dropped + len(pool.events()) - n0, _kinds_now(pool)))
     return live
+
+
+def random_ops(seed: int, n_ops: int = 500) -> list:
+    """``n_ops`` seeded ops for :func:`drive_pool`, weighted as TinyLoop uses the pool."""
+    rng = np.random.default_rng(seed)
+    ops = []
+    for _ in range(n_ops):
+        u = rng.random()
+        if u < 0.30:
+            ops.append(("free", int(rng.integers(1 << 20))))
+        elif u < 0.35:
+            ops.append(("free_many", int(rng.integers(1, 9))))
+        elif u < 0.68:
+            size = int(rng.choice([rng.integers(1, 96 << 10), rng.integers(1 << 20, 5 << 20)]))
+            packed = bool(rng.random() < 0.5)
+            ops.append(("alloc", size, packed, "kv_cache" if packed else "scratch"))
+        elif u < 0.80:
+            ops.append(("batch", 24 << 10, int(rng.integers(1, 90)), bool(rng.random() < 0.8),
+                        "kv_cache"))
+        elif u < 0.87:
+            ops.append(("reserve", int(rng.integers(1 << 20, 9 << 20)), bool(rng.random() < 0.3)))
+        elif u < 0.90:
+            ops.append(("empty_cache",))
+        elif u < 0.93:
+            ops.append(("limit", None if rng.random() < 0.3
+                        else int(rng.integers(-8 << 20, 8 << 20))))
+        elif u < 0.96:
+            ops.append(("retag", int(rng.integers(1 << 20)), "prefix_cache"))
+        elif u < 0.98:
+            ops.append(("plan", int(rng.integers(1 << 20, 64 << 20))))
+        else:
+            ops.append(("refuse", int(rng.integers(1, 3))))
+    return ops
+
+
+def assert_replay_is_live(pool, events, start=None):
+    """The replay of ``events`` (from ``start``) ends as ``pool`` is now: the same segments
+    and blocks at the same addresses, the same limit, and the live peaks, final reservation
+    and OOM count; its misses are analyze_trace's (bookkeeping, no pool). Returns the
+    replay's result."""
+    from diagnostics.replay import _Replayer
+    s = pool.stats()
+    tr = analyze_trace(events, start)
+    assert (tr["peak_allocated_bytes"], tr["peak_reserved_bytes"]) == \
+        (s.peak_allocated_bytes, s.peak_reserved_bytes)
+    ours = replay_trace(events, start)
+    assert ours["peak_reserved_bytes"] == s.peak_reserved_bytes
+    assert ours["peak_allocated_bytes"] == s.peak_allocated_bytes
+    assert ours["final_reserved_bytes"] == s.reserved_bytes
+    assert ours["misses"] == tr["num_misses"]
+    assert ours["ooms"] == len(tr["ooms"])
+    rp = _Replayer(events)
+    rp.build_start(start or {"segments": {}, "blocks": {}})
+    rp.run()
+
+    def shape(p):
+        return [(g["address"], g["size"], g["kind"],
+                 [(b["address"], b["size"], b["live"]) for b in g["blocks"]])
+                for g in p.layout()]
+    assert shape(rp.pool) == shape(pool)
+    assert rp.pool.limit_bytes == pool.limit_bytes
+    return ours
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_is_the_live_pool_on_packed_reserved_batched_traces(seed):
-    """Replaying a trace with packed_scope, reserve(), batches, empty_cache() and OOM retries
-    through the real pool class gives the live pool's peaks, final reservation and OOM count
-    exactly, and analyze_trace's miss count. (The replay once fed every allocation to a fresh
-    pool outside packed_scope, without the reserve() segments: other segments, other peaks.)"""
-    pool = MemoryPool(raw_allocator=FakeRawAllocator(capacity=64 << 20))
-    snaps = [(0, {})]
-    random_pool_trace(seed, pool, snaps=snaps)
+    """Replaying a trace with packed_scope, reserve(), batches, empty_cache(), limits, refused
+    segments, retags, refused plans and OOM retries through the real pool class gives the live
+    pool's layout, peaks, final reservation and OOM count exactly, and analyze_trace's miss
+    count. (The replay once inferred segment classes from layout snapshots and took every
+    segment request the log did not show for a divergence: a device refusal, after which the
+    pool took a free range of the other class, stopped it.)"""
+    raw = FakeRawAllocator(capacity=64 << 20)
+    pool = MemoryPool(raw_allocator=raw)
+    drive_pool(pool, random_ops(seed), raw)
     events = pool.events()
     assert pool.events_dropped == 0
     s = pool.stats()
     assert s.num_ooms > 0 and s.num_segment_releases > 0      # the trace has both
-    kinds = segment_kinds(events, snaps)
-    tr = analyze_trace(events, kinds=kinds)
-    assert (tr["peak_allocated_bytes"], tr["peak_reserved_bytes"]) == \
-        (s.peak_allocated_bytes, s.peak_reserved_bytes)
-    ours = replay_trace(events, kinds=kinds)
-    assert ours["peak_reserved_bytes"] == s.peak_reserved_bytes
-    assert ours["peak_allocated_bytes"] == s.peak_allocated_bytes
-    assert ours["final_reserved_bytes"] == s.reserved_bytes
-    assert ours["ooms"] == s.num_ooms == len(tr["ooms"])
-    assert ours["misses"] == tr["num_misses"]
-    (rep, *cupy) = replay_policies(events, kinds=kinds, cuda=False)
+    acts = {(e.action, e.cause) for e in events}
+    assert {("limit", "set_limit"), ("oom", "check_room"), ("oom", "allocate"),
+            ("segment_alloc", "reserve"), ("segment_free", "allocate")} <= acts
+    ours = assert_replay_is_live(pool, events)
+    assert ours["ooms"] == s.num_ooms
+    (rep, *cupy) = replay_policies(events, cuda=False)
     assert rep == {**ours, "replay_s": rep["replay_s"]}
     assert [p["skipped"] for p in cupy] == [True, True] and all(p["reason"] for p in cupy)
+
+
+def test_replay_repeats_a_segment_the_device_refused():
+    """The device refuses a large request's 2 MiB segment (nothing is logged); the pool takes
+    a free range of the small segment that holds a live block. The replay grants a segment
+    only where the live trace shows one, so it takes the same range."""
+    pool = MemoryPool(raw_allocator=FakeRawAllocator(capacity=2 << 20))
+    small = pool.allocate(512 << 10, tag="scratch")              # the one 2 MiB segment
+    big = pool.allocate((1 << 20) + 1, tag="scratch")            # large class, no room to grow
+    (seg,) = pool.layout()
+    assert seg["kind"] == "small" and seg["address"] <= big.ptr < seg["address"] + seg["size"]
+    assert [e.action for e in pool.events()] == ["segment_alloc", "alloc", "alloc"]
+    ours = assert_replay_is_live(pool, pool.events())
+    assert ours["peak_reserved_bytes"] == 2 << 20 and ours["misses"] == 0
+    pool.free_many([small, big])
+
+
+@pytest.mark.parametrize("from_start", [False, True])
+def test_replay_holds_the_limit_that_kept_a_free_segment(from_start):
+    """Under a limit below what is reserved, returning the fully free small segment cannot
+    make room for a large request, so the pool keeps it and serves the request from it. The
+    replay knows the limit (a limit event; the start layout's limit) and keeps it too."""
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    w = pool.allocate(2 << 20, tag="weights")                    # a live 2 MiB large segment
+    s = pool.allocate(512 << 10, tag="scratch")                  # a 2 MiB small segment
+    n0 = 0
+    start = None
+    pool.set_limit(2 << 20)                                      # below the 4 MiB reserved
+    pool.free(s)
+    if from_start:
+        start, n0 = layout_state(pool), len(pool.events())
+        pool.reset_peak_stats()
+    big = pool.allocate((1 << 20) + 512, tag="scratch")
+    assert pool.reserved_bytes == 4 << 20 and pool.stats().num_segment_releases == 0
+    small_seg = next(g for g in pool.layout() if g["kind"] == "small")
+    assert small_seg["address"] == big.ptr
+    assert start is None or start["limit_bytes"] == 2 << 20
+    assert_replay_is_live(pool, pool.events()[n0:], start)
+    pool.free_many([w, big])
+
+
+def test_replay_repeats_a_failed_batch_of_its_length():
+    """A batch of 200 KV pages gets one 2 MiB segment (85 pages) and then no room: its oom
+    records the batch (200 pages' bytes, one page's request), and the replay asks for that
+    batch, not one page more than the room it sees."""
+    from tinyloop.errors import OutOfMemoryError
+    from tinyloop.memory.tags import packed_scope
+    pool = MemoryPool(raw_allocator=FakeRawAllocator(capacity=2 << 20))
+    with packed_scope(), pytest.raises(OutOfMemoryError):
+        pool.allocate_many(24 << 10, 200, "kv_cache")
+    ev = pool.events()
+    assert [(e.action, e.size, e.request, e.kind) for e in ev] == [
+        ("segment_alloc", 2 << 20, 24 << 10, "large"), ("oom", 200 * (24 << 10), 24 << 10,
+                                                        "large")]
+    ours = assert_replay_is_live(pool, ev)
+    assert ours["ooms"] == 1 and ours["final_reserved_bytes"] == 2 << 20
+
+
+def test_replay_repeats_a_refused_plan_and_a_retagged_free():
+    """A plan check_room refused logs an oom and changes nothing else; a retagged block's free
+    logs its new tag. The replay repeats both: the refused plan through check_room, the retag
+    before the free."""
+    pool = MemoryPool(raw_allocator=FakeRawAllocator(), limit_bytes=4 << 20)
+    page = pool.allocate(4096, tag="kv_cache")
+    from tinyloop.errors import OutOfMemoryError
+    with pytest.raises(OutOfMemoryError):
+        pool.check_room([("weights", "weights", 5 << 20)], "loading a model")
+    pool.retag(page, "prefix_cache")
+    pool.free(page)
+    ev = pool.events()
+    assert [(e.action, e.tag, e.cause) for e in ev] == [
+        ("limit", None, "set_limit"), ("segment_alloc", "kv_cache", "allocate"),
+        ("alloc", "kv_cache", None), ("oom", "weights", "check_room"),
+        ("free_requested", "prefix_cache", None), ("free_completed", "prefix_cache", None)]
+    assert assert_replay_is_live(pool, ev)["ooms"] == 1
+
+
+REPLAY_OPS = st.lists(st.one_of(
+    st.tuples(st.just("alloc"),
+              st.one_of(st.integers(1, 96 << 10), st.integers((1 << 20) - 2048, (1 << 20) + 2048),
+                        st.integers(1 << 20, 5 << 20)),
+              st.booleans(), st.sampled_from(["scratch", "kv_cache", "logits"])),
+    st.tuples(st.just("batch"), st.sampled_from([512, 24 << 10, 96 << 10, 1536 << 10]),
+              st.integers(1, 120), st.booleans(), st.just("kv_cache")),
+    st.tuples(st.just("free"), st.integers(0, 1 << 20)),
+    st.tuples(st.just("free"), st.integers(0, 1 << 20)),
+    st.tuples(st.just("free_many"), st.integers(1, 12)),
+    st.tuples(st.just("reserve"), st.integers(1, 9 << 20), st.booleans()),
+    st.tuples(st.just("empty_cache")),
+    st.tuples(st.just("limit"), st.one_of(st.none(), st.integers(-6 << 20, 4 << 20))),
+    st.tuples(st.just("retag"), st.integers(0, 1 << 20), st.sampled_from(["prefix_cache",
+                                                                         "other"])),
+    st.tuples(st.just("plan"), st.integers(1, 24 << 20)),
+    st.tuples(st.just("refuse"), st.integers(1, 3)),
+), min_size=20, max_size=120)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=REPLAY_OPS, capacity=st.one_of(st.none(), st.integers(2 << 20, 24 << 20)),
+       start_after=st.integers(0, 60), device=st.sampled_from(["fake", "cuda"]))
+def test_property_replay_is_the_live_pool(ops, capacity, start_after, device):
+    """Any sequence of allocations (plain, packed, batched), frees, reserves, empty_cache,
+    limits, retags, refused plans and device refusals, replayed from any point of it (the
+    layout and limit then as the start), never diverges and ends as the live pool: layout,
+    limit, peaks, final reservation and OOM count; misses as analyze_trace counts them. (A
+    "cuda" device bounds a plan by its free bytes too.)"""
+    raw = FakeRawAllocator(capacity=capacity, device=device)
+    pool = MemoryPool(raw_allocator=raw)
+    drive_pool(pool, ops[:start_after], raw)         # its blocks stay live: the start's
+    start, n0 = layout_state(pool), len(pool.events())
+    pool.reset_peak_stats()
+    drive_pool(pool, ops[start_after:], raw)
+    assert pool.events_dropped == 0
+    assert_replay_is_live(pool, pool.events()[n0:], start)
 
 
 def test_replay_from_a_started_pool_rebuilds_its_layout():
@@ -435,15 +608,8 @@ def test_replay_from_a_started_pool_rebuilds_its_layout():
     start = layout_state(pool)
     pool.reset_peak_stats()
     n0 = len(pool.events())
-    snaps = [(0, _kinds_now(pool))]
-    random_pool_trace(5, pool, n_ops=300, snaps=snaps)
-    events = pool.events()[n0:]
-    s = pool.stats()
-    kinds = segment_kinds(events, snaps)
-    ours = replay_trace(events, start, kinds=kinds)
-    assert (ours["peak_reserved_bytes"], ours["peak_allocated_bytes"]) == \
-        (s.peak_reserved_bytes, s.peak_allocated_bytes)
-    assert ours["misses"] == analyze_trace(events, start, kinds=kinds)["num_misses"]
+    drive_pool(pool, random_ops(5, n_ops=300))
+    assert_replay_is_live(pool, pool.events()[n0:], start)
 
 
 def test_replay_names_the_first_event_it_cannot_repeat():
@@ -453,13 +619,29 @@ def test_replay_names_the_first_event_it_cannot_repeat():
     pool.free(a)
     pool.free(b)
     events = pool.events()
-    t, action, addr, size, tag = events[2]
-    assert action == "alloc"
-    events[2] = type(events[2])(t, action, addr + 8192, size, tag)    # not where the pool puts it
+    assert events[2].action == "alloc"
+    events[2] = events[2]._replace(address=events[2].address + 8192)   # not where it goes
     with pytest.raises(ReplayDiverged, match="at event 2"):
         replay_trace(events)
     (ours, *_) = replay_policies(events, cuda=False)
     assert ours["skipped"] and "at event 2" in ours["reason"]
+
+
+def test_a_trace_without_the_recorded_fields_is_refused_naming_the_event():
+    """Events stripped to (time, action, address, size, tag) do not say the size classes and
+    causes the replay repeats: the replay and analyze_trace say which event lacks them (a
+    TinyLoopError), and replay_policies reports the replay as skipped with that reason."""
+    from tinyloop.errors import TinyLoopError
+    pool = MemoryPool(raw_allocator=FakeRawAllocator())
+    pool.free(pool.allocate(4096, tag="scratch"))
+    bare = [tuple(e[:5]) for e in pool.events()]
+    with pytest.raises(TinyLoopError, match="event 0 .*records no"):
+        replay_trace(bare)
+    with pytest.raises(ReplayDiverged, match="event 0 .*records no size class"):
+        analyze_trace(bare)
+    (ours, *_) = replay_policies(bare, cuda=False)
+    assert ours["skipped"] and "event 0" in ours["reason"]
+    assert replay_trace(pool.events())["peak_reserved_bytes"] == 2 << 20
 
 
 def test_analyze_trace_from_a_started_pool():

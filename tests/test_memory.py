@@ -450,6 +450,84 @@ def test_event_log_is_a_bounded_ring():
     assert ev[-1].tag == "resume" and ev[-1].size == 512 and ev[-1].address == B
 
 
+def test_events_record_what_placement_decides_on():
+    """Each segment event names its segment's class, the call behind it and the request it
+    served; an alloc the class it asked in; a limit has its own event; a failed batch's oom
+    holds the batch's bytes and one block's request. (A replay of the log needs exactly
+    these: the log once left them to be inferred.)"""
+    pool, raw = fake_pool(capacity=16 * MiB)
+    with mem.packed_scope():
+        page = pool.allocate(24 * KiB, "kv_cache")
+    s = pool.allocate(4096, "scratch")
+    pool.reserve(3 * MiB, "weights")                       # a 4 MiB segment
+    pool.reserve(5 * MiB, "weights", exact=True)           # exactly 5 MiB
+    pool.free(page)
+    pool.empty_cache()                                     # three fully free segments go
+    pool.free(s)
+    pool.set_limit(3 * MiB)
+    w = pool.allocate(2 * MiB, "weights")   # no room under the limit until the small one goes
+    want = [
+        ("segment_alloc", B, 2 * MiB, "kv_cache", "large", "allocate", 24 * KiB),
+        ("alloc", B, 24 * KiB, "kv_cache", "large", None, None),
+        ("segment_alloc", B + 2 * MiB, 2 * MiB, "scratch", "small", "allocate", 4096),
+        ("alloc", B + 2 * MiB, 4096, "scratch", "small", None, None),
+        ("segment_alloc", B + 4 * MiB, 4 * MiB, "weights", "large", "reserve", 3 * MiB),
+        ("segment_alloc", B + 8 * MiB, 5 * MiB, "weights", "large", "reserve_exact", 5 * MiB),
+        ("free_requested", B, 24 * KiB, "kv_cache", None, None, None),
+        ("free_completed", B, 24 * KiB, "kv_cache", None, None, None),
+        ("segment_free", B, 2 * MiB, None, "large", "empty_cache", None),
+        ("segment_free", B + 4 * MiB, 4 * MiB, None, "large", "empty_cache", None),
+        ("segment_free", B + 8 * MiB, 5 * MiB, None, "large", "empty_cache", None),
+        ("free_requested", B + 2 * MiB, 4096, "scratch", None, None, None),
+        ("free_completed", B + 2 * MiB, 4096, "scratch", None, None, None),
+        ("limit", 0, 3 * MiB, None, None, "set_limit", None),
+        ("segment_free", B + 2 * MiB, 2 * MiB, "weights", "small", "allocate", 2 * MiB),
+        ("segment_alloc", B + 13 * MiB, 2 * MiB, "weights", "large", "allocate", 2 * MiB),
+        ("alloc", B + 13 * MiB, 2 * MiB, "weights", "large", None, None),
+    ]
+    assert [tuple(e[1:]) for e in pool.events()] == want
+    n0 = len(pool.events())
+    with mem.packed_scope(), pytest.raises(OutOfMemoryError):
+        pool.allocate_many(24 * KiB, 100, "kv_cache")      # 24 KiB segments until the limit
+    ev = pool.events()[n0:]
+    fitted = (3 * MiB - 2 * MiB) // (24 * KiB)
+    assert [e.action for e in ev] == ["segment_alloc"] * fitted + ["oom"]
+    assert {(e.size, e.kind, e.cause, e.request) for e in ev[:-1]} == {
+        (24 * KiB, "large", "allocate", 24 * KiB)}
+    assert tuple(ev[-1][1:]) == ("oom", 0, 100 * 24 * KiB, "kv_cache", "large", "allocate",
+                                 24 * KiB)
+    with pytest.raises(OutOfMemoryError):
+        pool.check_room([("weights", "weights", 4 * MiB)], "a plan")
+    assert tuple(pool.events()[-1][1:]) == ("oom", 0, 4 * MiB, "weights", None, "check_room",
+                                            None)
+    pool.free(w)
+
+
+def test_limit_events_are_counted_in_events_dropped():
+    pool, _ = fake_pool(event_capacity=4)
+    pool.set_limit("8M")
+    pool.allocate(100, "scratch").free()     # segment_alloc, alloc, free_requested, _completed
+    pool.set_limit(None)
+    pool.empty_cache()                       # one segment_free
+    assert pool.events_dropped == 1 + 4 + 1 + 1 - 4
+    assert [(e.action, e.size) for e in pool.events()] == [
+        ("free_requested", 512), ("free_completed", 512), ("limit", None),
+        ("segment_free", 2 * MiB)]
+    pool.set_limit(4 * MiB, return_free=False)       # nothing to keep or return here
+    assert pool.limit_bytes == 4 * MiB and pool.events_dropped == 4
+
+
+def test_set_limit_can_keep_the_free_segments():
+    pool, raw = fake_pool()
+    keep = pool.allocate(3 * MiB, "weights")
+    pool.allocate(1000, "scratch").free()            # a fully free 2 MiB small segment
+    pool.set_limit(2 * MiB, return_free=False)
+    assert pool.reserved_bytes == 6 * MiB and len(raw.live) == 2
+    pool.set_limit(2 * MiB)
+    assert pool.reserved_bytes == 4 * MiB and len(raw.live) == 1
+    pool.free(keep)
+
+
 def test_snapshot_loads_back_and_blocks_tile_segments(tmp_path):
     pool = mem.get_pool("host")
     keep = [pool.allocate(n, t) for n, t in ((1000, "weights"), (3 * MiB, "kv_cache"),

@@ -73,8 +73,8 @@ class MemoryPool:
         # - _peak_* >= the current figure; counters only grow (reset_peak touches peaks only);
         # - _limit_bytes is None or _reserved_bytes only crosses it if it was set below it;
         # - the event log holds the last events_logged(_num_allocs, _num_frees,
-        #   _num_segment_allocs, _num_segment_releases, _num_ooms) events: every _log_event
-        #   call comes with its counter step (see events.py).
+        #   _num_segment_allocs, _num_segment_releases, _num_ooms, _num_limit_sets) events:
+        #   every _log_event call comes with its counter step (see events.py).
         self._lock = threading.Lock()
         self._arena = Arena()
         self._allocated_bytes = 0
@@ -91,9 +91,10 @@ class MemoryPool:
         self._num_segment_releases = 0
         self._num_ooms = 0
         self._num_alloc_retries = 0
+        self._num_limit_sets = 0
         self._limit_bytes: int | None = None
         self._event_log = EventLog(event_capacity)
-        self._log_event = self._event_log.append       # (time, action, address, size, tag)
+        self._log_event = self._event_log.append       # a MemoryEvent's fields (events.py)
         # Frees requested by finalizers (a CuPy temporary dropped by the garbage collector)
         # while _lock was taken, possibly by this very thread: drained under _lock by the next
         # call. deque.append / popleft are atomic, so this needs no lock of its own.
@@ -138,7 +139,7 @@ class MemoryPool:
                 reasons: list = []
                 room = self._make_room(rounded, kind, tag, reasons)
                 if room is None:
-                    raise self._oom_locked(nbytes, rounded, 1, 0, tag, reasons)
+                    raise self._oom_locked(nbytes, rounded, 1, 0, tag, kind, reasons)
                 chunk = self._arena.take(rounded, *room)
                 assert chunk is not None, "the room made must fit the request"
             blk = Block(self, chunk, nbytes, tag)
@@ -153,7 +154,7 @@ class MemoryPool:
                 self._peak_allocated_bytes = self._allocated_bytes
             if by_tag > self._peak_by_tag[tag]:
                 self._peak_by_tag[tag] = by_tag
-            self._log_event((_now(), "alloc", chunk.ptr, rounded, tag))
+            self._log_event((_now(), "alloc", chunk.ptr, rounded, tag, kind))
         return blk
 
     def allocate_many(self, nbytes: int, n: int, tag: str | None = None) -> list[Block]:
@@ -227,7 +228,7 @@ class MemoryPool:
                     arena.give_back(c)
                 for e in staged:
                     log(e)
-                raise self._oom_locked(nbytes, rounded, n, fitted, tag, reasons)
+                raise self._oom_locked(nbytes, rounded, n, fitted, tag, kind, reasons)
             now, pool = _now(), self
             blocks = []
             append = blocks.append
@@ -239,7 +240,7 @@ class MemoryPool:
                     blk = Block(pool, c, nbytes, tag)
                     c.owner = blk
                     append(blk)
-                    log((now, "alloc", c.ptr, rounded, tag))
+                    log((now, "alloc", c.ptr, rounded, tag, kind))
                 e0, c0 = ne, nc
             total = rounded * n
             self._allocated_bytes += total
@@ -342,12 +343,14 @@ class MemoryPool:
                                      limit_bytes=self._limit_bytes,
                                      device_free_bytes=device_free)
             self._num_ooms += 1
-            self._log_event((_now(), "oom", 0, total, err.tag))
+            self._log_event((_now(), "oom", 0, total, err.tag, None, "check_room", None))
         raise err
 
-    def _add_segment(self, size: int, kind: str, tag: str, reasons: list) -> bool:
-        """Add one ``size``-byte segment of class ``kind`` from the raw allocator, or append
-        why not to ``reasons`` and return False. Holds _lock."""
+    def _add_segment(self, size: int, kind: str, tag: str, reasons: list, cause: str,
+                     request: int) -> bool:
+        """Add one ``size``-byte segment of class ``kind`` from the raw allocator for the
+        ``request``-byte (rounded) request of ``tag`` made by ``cause`` (events.CAUSES), or
+        append why not to ``reasons`` and return False. Holds _lock."""
         if crosses(self._limit_bytes, self._reserved_bytes, size):
             reasons.append(f"a new {fmt_bytes(size)} segment would take reserved bytes to "
                            f"{self._reserved_bytes + size}, past the {self._limit_bytes}-byte "
@@ -362,7 +365,7 @@ class MemoryPool:
         self._reserved_bytes += size
         self._num_segment_allocs += 1
         self._peak_reserved_bytes = max(self._peak_reserved_bytes, self._reserved_bytes)
-        self._log_event((_now(), "segment_alloc", ptr, size, tag))
+        self._log_event((_now(), "segment_alloc", ptr, size, tag, kind, cause, request))
         return True
 
     def _release_could_help(self, rounded: int) -> bool:
@@ -382,14 +385,15 @@ class MemoryPool:
         sizes = [rounded] if exact else [segment_size(rounded)]
         if rounded < sizes[0]:
             sizes.append(rounded)
-        if any(self._add_segment(size, kind, tag, reasons) for size in sizes):
+        cause = "reserve_exact" if exact else "reserve"
+        if any(self._add_segment(size, kind, tag, reasons, cause, rounded) for size in sizes):
             return True
         if not self._release_could_help(rounded):
             return False
-        released = self._release_free_segments()
+        released = self._release_free_segments(tag, cause, rounded)
         self._num_alloc_retries += 1
         reasons.append(f"then {fmt_bytes(released)} of cached free segments went back")
-        return any(self._add_segment(size, kind, tag, reasons) for size in sizes)
+        return any(self._add_segment(size, kind, tag, reasons, cause, rounded) for size in sizes)
 
     def _make_room(self, rounded: int, kind: str, tag: str, reasons: list):
         """Where a ``rounded``-byte block of class ``kind`` comes from when that class has no
@@ -407,31 +411,34 @@ class MemoryPool:
         other = "small" if kind == "large" else "large"
         arena = self._arena
         seg_size = segment_size(rounded)
-        if self._add_segment(seg_size, kind, tag, reasons):
+        if self._add_segment(seg_size, kind, tag, reasons, "allocate", rounded):
             return kind, False
         if arena.fits(rounded, other, partly_used_only=True):
             return other, True
-        if rounded < seg_size and self._add_segment(rounded, kind, tag, reasons):
+        if rounded < seg_size and self._add_segment(rounded, kind, tag, reasons, "allocate",
+                                                    rounded):
             return kind, False
         if self._release_could_help(rounded):
-            released = self._release_free_segments()
+            released = self._release_free_segments(tag, "allocate", rounded)
             self._num_alloc_retries += 1
             reasons.append(f"then {fmt_bytes(released)} of cached free segments went back")
-            if self._add_segment(seg_size, kind, tag, reasons):
+            if self._add_segment(seg_size, kind, tag, reasons, "allocate", rounded):
                 return kind, False
-            if rounded < seg_size and self._add_segment(rounded, kind, tag, reasons):
+            if rounded < seg_size and self._add_segment(rounded, kind, tag, reasons,
+                                                        "allocate", rounded):
                 return kind, False
         if arena.fits(rounded, other):
             return other, False
         return None
 
-    def _oom_locked(self, nbytes: int, rounded: int, n: int, fitted: int, tag: str,
+    def _oom_locked(self, nbytes: int, rounded: int, n: int, fitted: int, tag: str, kind: str,
                     reasons: list):
         """Count and log an out-of-memory and build its error: ``n`` blocks of ``nbytes``
-        (``rounded`` in the pool) were asked for and ``fitted`` of them had been carved (and
-        given back) when no room was left. Holds _lock; the figures are the pool's now."""
+        (``rounded`` in the pool, size class ``kind``) were asked for and ``fitted`` of them had
+        been carved (and given back) when no room was left. Holds _lock; the figures are the
+        pool's now."""
         self._num_ooms += 1
-        self._log_event((_now(), "oom", 0, rounded * n, tag))
+        self._log_event((_now(), "oom", 0, rounded * n, tag, kind, "allocate", rounded))
         return out_of_memory(self.device, nbytes, rounded, tag, reasons, n=n, fitted=fitted,
                              allocated_bytes=self._allocated_bytes,
                              reserved_bytes=self._reserved_bytes,
@@ -508,8 +515,11 @@ class MemoryPool:
                 self._free_locked(blk)
 
     # --- cache and budget -------------------------------------------------------------------
-    def _release_free_segments(self) -> int:
-        """Return every fully free segment to the raw allocator; bytes released. Holds _lock."""
+    def _release_free_segments(self, tag: str | None, cause: str,
+                               request: int | None = None) -> int:
+        """Return every fully free segment to the raw allocator for ``cause`` (events.CAUSES;
+        ``tag`` and ``request``: the request that needs the room, if any); bytes released.
+        Holds _lock."""
         released = 0
         for seg in self._arena.free_segments():
             self._raw.free(seg.ptr, seg.handle)      # first: if it raises, the arena is intact
@@ -518,7 +528,8 @@ class MemoryPool:
             self._reserved_bytes -= seg.size
             self._num_segment_releases += 1
             released += seg.size
-            self._log_event((_now(), "segment_free", seg.ptr, seg.size, None))
+            self._log_event((_now(), "segment_free", seg.ptr, seg.size, tag, seg.kind, cause,
+                             request))
         return released
 
     def empty_cache(self) -> int:
@@ -526,27 +537,30 @@ class MemoryPool:
         Returns the bytes released (reserved_bytes drops by that much)."""
         with self._lock:
             self._drain_deferred()
-            return self._release_free_segments()
+            return self._release_free_segments(None, "empty_cache")
 
     @property
     def limit_bytes(self) -> int | None:
         return self._limit_bytes
 
-    def set_limit(self, limit) -> None:
+    def set_limit(self, limit, *, return_free: bool = True) -> None:
         """Cap reserved_bytes at ``limit`` (bytes; a "2G" / "50%" string; or None for none).
 
         The limit is rounded up to whole 512-byte blocks (``budget.check_limit``;
         ``limit_bytes`` reports the rounded value), so one request of exactly the limit fits an
-        empty pool. A limit below what is reserved now first returns the cached free segments;
-        live blocks stay, and later allocations that need a new segment fail until enough is
-        freed.
+        empty pool. A limit below what is reserved now first returns the cached free segments
+        (``return_free=False`` keeps them: the state a pool reaches when blocks are freed under
+        such a limit, which ``diagnostics.replay`` rebuilds); live blocks stay, and later
+        allocations that need a new segment fail until enough is freed. Logs a ``limit`` event.
         """
         total = self._raw.mem_info()[1] if isinstance(limit, str) else None
         limit = check_limit(limit, total)
         with self._lock:
             self._limit_bytes = limit
-            if limit is not None and self._reserved_bytes > limit:
-                self._release_free_segments()
+            self._num_limit_sets += 1
+            self._log_event((_now(), "limit", 0, limit, None, None, "set_limit", None))
+            if return_free and limit is not None and self._reserved_bytes > limit:
+                self._release_free_segments(None, "set_limit")
 
     # --- the driver's bytes outside the pool -----------------------------------------------
     @contextlib.contextmanager
@@ -632,7 +646,8 @@ class MemoryPool:
         """Events pushed out of the ring buffer since the pool was made."""
         with self._lock:
             return events_logged(self._num_allocs, self._num_frees, self._num_segment_allocs,
-                                 self._num_segment_releases, self._num_ooms) - len(self._event_log)
+                                 self._num_segment_releases, self._num_ooms,
+                                 self._num_limit_sets) - len(self._event_log)
 
     def layout(self) -> list[dict]:
         """Every segment in address order, with the blocks that tile it::

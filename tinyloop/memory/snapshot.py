@@ -11,8 +11,9 @@ in ``python -m torch.cuda._memory_viz``:
   ``frames`` [] and ``category`` (the tag; None for a free range).
 - ``device_traces``: one list per device index; ours holds the event log as dicts with
   ``action`` (alloc, free_requested, free_completed, segment_alloc, segment_free), ``addr``,
-  ``size``, ``stream`` 0, ``frames`` [], ``time_us`` and ``category`` (the tag). OOM events stay
-  in ``MemoryPool.events()``; the viewer's "oom" entries need fields we do not have.
+  ``size``, ``stream`` 0, ``frames`` [], ``time_us`` and ``category`` (the tag). OOM and limit
+  events stay in ``MemoryPool.events()`` (the viewer's "oom" entries need fields we do not
+  have, and it has no limit entry), as do the events' size class, cause and request.
 """
 
 from __future__ import annotations
