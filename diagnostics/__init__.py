@@ -21,10 +21,10 @@ own pool class, and CuPy's allocators), ``faults`` (planted leak / cache), ``rec
 
 from __future__ import annotations
 
-from .fragment import analyze_trace, run_fragment, trace_ops
+from .fragment import analyze_trace, run_fragment
 from .leak import run_leak
 from .release import run_release
-from .replay import ReplayDiverged, replay_policies, replay_trace
+from .replay import ReplayDiverged, replay_policies, replay_trace, trace_ops
 from .report import write_report
 from .verdict import (BOUNDED_CACHE_FILLING, EXIT_CODES, INCONCLUSIVE, LEAK, STABLE,
                       UNBOUNDED_CACHE, VERDICTS, Verdict, classify, linear_fit)

@@ -189,28 +189,6 @@ def analyze_trace(events, start: dict | None = None, *,
                                         if m["size"] <= m["free_same_kind_bytes"])}
 
 
-def trace_ops(events, start: dict | None = None) -> list[tuple]:
-    """The alloc / free sequence of a trace as ``("alloc", key, size, tag)`` /
-    ``("free", key)``: first an alloc for every block live in ``start`` and a ``("start",)``
-    marker (replays count misses from there on), then the trace's own. Frees of blocks the
-    trace never saw allocated are dropped."""
-    ops, live, serial = [], {}, 0
-    for ptr, (size, tag) in sorted((start or {}).get("blocks", {}).items()):
-        serial += 1
-        live[ptr] = serial
-        ops.append(("alloc", serial, size, tag))
-    ops.append(("start",))
-    for ev in events:
-        action, addr, size, tag = ev[1], ev[2], ev[3], ev[4]
-        if action == "alloc":
-            serial += 1
-            live[addr] = serial
-            ops.append(("alloc", serial, size, tag))
-        elif action == "free_completed" and addr in live:
-            ops.append(("free", live.pop(addr)))
-    return ops
-
-
 def request_plan(n: int, seed: int, vocab_size: int, max_prompt_tokens: int,
                  max_new_tokens: int, max_seq_len: int) -> list[dict]:
     """``n`` seeded requests: prompt length uniform in 1..max_prompt_tokens (random token ids),

@@ -20,7 +20,7 @@ request, as the device (or the limit) did. The bytes a request asked for before 
 not replayed (the pool's ``requested_bytes``); nothing the pool decides depends on them.
 
 :func:`replay_policies` adds CuPy's ``MemoryPool`` and ``MemoryAsyncPool`` where CUDA is present.
-They replay the alloc / free sequence (:func:`diagnostics.fragment.trace_ops`): they have no
+They replay the alloc / free sequence (:func:`trace_ops`): they have no
 size classes or reservations, so ``packed_scope`` and ``reserve()`` mean nothing to them.
 """
 
@@ -473,13 +473,34 @@ def replay_ops(policy, ops) -> dict:
             "peak_reserved_over_peak_allocated": peak_res / peak_used if peak_used else None}
 
 
+def trace_ops(events, start: dict | None = None) -> list[tuple]:
+    """The alloc / free sequence of a trace as ``("alloc", key, size, tag)`` /
+    ``("free", key)``: first an alloc for every block live in ``start`` and a ``("start",)``
+    marker (replays count misses from there on), then the trace's own. Frees of blocks the
+    trace never saw allocated are dropped."""
+    ops, live, serial = [], {}, 0
+    for ptr, (size, tag) in sorted((start or {}).get("blocks", {}).items()):
+        serial += 1
+        live[ptr] = serial
+        ops.append(("alloc", serial, size, tag))
+    ops.append(("start",))
+    for ev in events:
+        action, addr, size, tag = ev[1], ev[2], ev[3], ev[4]
+        if action == "alloc":
+            serial += 1
+            live[addr] = serial
+            ops.append(("alloc", serial, size, tag))
+        elif action == "free_completed" and addr in live:
+            ops.append(("free", live.pop(addr)))
+    return ops
+
+
 def replay_policies(events, start: dict | None = None, *,
                     cuda: bool | None = None) -> list[dict]:
     """The trace replayed against each policy: TinyLoop's pool (:func:`replay_trace`; when it
     diverges, ``skipped`` with the reason), then CuPy's two where CUDA is present (``cuda=None``
     detects it; ``skipped`` + ``reason`` otherwise). One dict per policy."""
     from tinyloop.backends import cuda_available
-    from .fragment import trace_ops
     out = []
     try:
         out.append(replay_trace(events, start))
