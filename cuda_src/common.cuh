@@ -29,6 +29,28 @@ __device__ __forceinline__ half_t f2h(float f) {
     return h;
 }
 
+// --- what the KV cache stores in FP16 (quant.saturate_f16 / saturate_scales) -------------
+// No finite value becomes infinite: finite values beyond FP16's largest finite value are
+// clamped to +-TL_F16_MAX; NaN and infinities stay non-finite. A quantization unit (an int8
+// row, an h group) holding a NaN or an infinity stores the scale TL_H16_NAN (NumPy's float16
+// NaN bits, so both backends store the same bytes), and reads back as NaN.
+#define TL_F16_MAX 65504.0f
+#define TL_F32_MAX 3.40282347e38f
+#define TL_H16_NAN ((half_t)0x7E00u)
+
+__device__ __forceinline__ bool tl_finite(float x) { return fabsf(x) <= TL_F32_MAX; }
+
+__device__ __forceinline__ half_t f2h_sat(float f) {
+    if (fabsf(f) > TL_F16_MAX && tl_finite(f)) f = f > 0.0f ? TL_F16_MAX : -TL_F16_MAX;
+    return f2h(f);
+}
+
+// A float32 scale or zero of a unit whose inputs are all finite (`ok`), as FP16: clamped to
+// +-TL_F16_MAX; TL_H16_NAN when not ok.
+__device__ __forceinline__ half_t f2h_scale(float s, bool ok) {
+    return ok ? f2h(fminf(fmaxf(s, -TL_F16_MAX), TL_F16_MAX)) : TL_H16_NAN;
+}
+
 // Two floats -> one 32-bit word of two FP16 values, `lo` in the low half (memory order).
 __device__ __forceinline__ unsigned pack_h2(float lo, float hi) {
     return (unsigned)f2h(lo) | ((unsigned)f2h(hi) << 16);

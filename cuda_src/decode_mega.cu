@@ -187,8 +187,8 @@ __device__ __forceinline__ void mk_rope_unit(const MkRope& r, int u, int lane) {
         if (is_q || is_k) {
             float y0, y1;
             rope_rot(h2f(a), h2f(b), r.cs[i], r.cs[half + i], &y0, &y1);
-            dst[2 * i] = f2h(y0);
-            dst[2 * i + 1] = f2h(y1);
+            dst[2 * i] = is_q ? f2h(y0) : f2h_sat(y0);        // K: a page row (saturates)
+            dst[2 * i + 1] = is_q ? f2h(y1) : f2h_sat(y1);
         } else {
             dst[2 * i] = a;
             dst[2 * i + 1] = b;

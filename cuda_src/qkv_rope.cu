@@ -8,7 +8,8 @@
 //   as INT8 codes with one FP16 scale per (K or V, KV head) (int8 pages).
 // The arithmetic is that pair's: each output is rounded to FP16 (gemv_store), then a pair
 // (2i, 2i+1) of a Q or K head is rotated in float by rope.cu's rope_rot with the angle table
-// of rope_table (or the step state's copy of it, STEP_ROPE) and rounded to FP16 again.
+// of rope_table (or the step state's copy of it, STEP_ROPE) and rounded to FP16 again (a K
+// page row through f2h_sat, as rope.cu writes it).
 // Interleaved pairs are adjacent rows, so both rows of a pair are in one block (GEMV_WARPS is
 // even and blocks start at multiples of it): the block exchanges its row totals through
 // shared memory. An int8 row's scale needs the amax of the whole KV head (hd rows, spread over
@@ -83,9 +84,9 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
                 const int i = (int)((row % hd) >> 1);
                 float y0, y1;
                 rope_rot(tot[warp & ~1], tot[warp | 1], cs[i], cs[half + i], &y0, &y1);
-                const half_t y = f2h((row & 1) ? y1 : y0);
-                if (row < q_rows) qkv[row] = y;
-                else if (MODE == KV_FP16) kdst[row - q_rows] = y;
+                const float y = (row & 1) ? y1 : y0;
+                if (row < q_rows) qkv[row] = f2h(y);
+                else if (MODE == KV_FP16) kdst[row - q_rows] = f2h_sat(y);
             } else if (MODE == KV_FP16) {
                 vdst[row - q_rows - k_rows] = f2h(tot[warp]);
             }

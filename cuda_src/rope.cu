@@ -11,10 +11,12 @@
 // Pages (tinyloop/kvcache.py PageLayout): position p of the slot lives in page table[p / P],
 // row p % P; K / V rows [P, n_kv, hd] at byte offsets k_off / v_off; int8 mode: FP16 scales
 // [P, n_kv] at ks_off / vs_off.
-// INT8 (symmetric, one scale per (position, KV head) row; quant.quantize_rows_int8 bit for bit):
-// s = fp16(amax / 127) with the division in float32 (round to nearest), q = rint(x / s) with
-// the division in float32 against the FP16-rounded s, clipped to +-127; s = 0 -> codes 0. The
-// value quantized is the float32 rotated K (not rounded to FP16 first) and the FP16 V.
+// INT8 (symmetric, one scale per (position, KV head) row; quant.quantize_rows_int8 with
+// saturate=True, bit for bit): s = fp16(min(amax / 127, F16_MAX)) with the division in float32
+// (round to nearest), q = rint(x / s) with the division in float32 against the FP16-rounded s,
+// clipped to +-127; s = 0 -> codes 0; a row holding a NaN or an infinity gets s = NaN and
+// codes 0. The value quantized is the float32 rotated K (not rounded to FP16 first) and the
+// FP16 V. fp16 pages store the rotated K through f2h_sat (finite values saturate at F16_MAX).
 #include "common.cuh"
 
 #define KV_FP16 0
@@ -60,6 +62,7 @@ __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
     const int half = hd / 2;
     float x[MAX_PAIRS_PER_LANE][2];
     float amax = 0.0f;
+    bool ok = true;
 #pragma unroll
     for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
         const int i = lane + 32 * u;
@@ -72,11 +75,13 @@ __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
                 x[u][0] = x0;
                 x[u][1] = x1;
             }
+            ok = ok && tl_finite(x[u][0]) && tl_finite(x[u][1]);
             amax = fmaxf(amax, fmaxf(fabsf(x[u][0]), fabsf(x[u][1])));
         }
     }
     amax = warp_max(amax);
-    const half_t s16 = f2h(__fdiv_rn(amax, 127.0f));
+    ok = __all_sync(0xffffffffu, ok);
+    const half_t s16 = f2h_scale(__fdiv_rn(amax, 127.0f), ok);   // NaN: codes 0 below
     const float sc = h2f(s16);
 #pragma unroll
     for (int u = 0; u < MAX_PAIRS_PER_LANE; ++u) {
@@ -162,14 +167,13 @@ __device__ __forceinline__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, 
         const i64 e = 2 * idx;                    // element offset of the pair in Q|K
         float y0, y1;
         rope_rot(h2f(row[e]), h2f(row[e + 1]), cs[i], cs[half + i], &y0, &y1);
-        const half_t r0 = f2h(y0), r1 = f2h(y1);
         if (idx < n_heads * half) {
-            row[e] = r0;
-            row[e + 1] = r1;
+            row[e] = f2h(y0);
+            row[e + 1] = f2h(y1);
         } else {
             half_t* k = (half_t*)(base + k_off) + prow * n_kv * hd + (e - n_heads * hd);
-            k[0] = r0;
-            k[1] = r1;
+            k[0] = f2h_sat(y0);
+            k[1] = f2h_sat(y1);
         }
     }
     if (MODE == KV_FP16) {

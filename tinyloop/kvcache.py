@@ -19,19 +19,30 @@ Storage modes (one per physical layer; ``PageLayout`` gives every part's byte of
 ``int8``    K and V as int8 codes ``[P, n_kv_heads, head_dim]`` plus one float16 scale per
             (position, KV head) ``[P, n_kv_heads]``: symmetric, ``s = fp16(max|x| / 127)``
             (the division in float32, then one rounding to FP16), ``q = clip(rint(x / s),
-            -127, 127)`` against the rounded ``s`` (``quant.quantize_rows_int8``); a row of
-            zeros gets ``s = 0`` and codes 0. Read as ``float32(q) * float32(s)``.
+            -127, 127)`` against the rounded ``s`` (``quant.quantize_rows_int8``,
+            ``saturate=True``); a row of zeros gets ``s = 0`` and codes 0. Read as
+            ``float32(q) * float32(s)``.
 ``h_fp16``  the RMS-normed input of the layer's QKV projection ``h`` (float16 ``[P, d_model]``);
             attention rebuilds K = RoPE(h Wk^T) and V = h Wv^T from it, chunk by chunk.
 ``h_int8``  h quantized per token in groups of ``H_GROUP`` (int8 codes + float16 scales,
             symmetric, as the INT8 weights: ``quant.quantize``).
-``h_int4``  h quantized per token in groups of ``H_GROUP`` (packed 4-bit codes + float16
-            scales and zeros, asymmetric min/max, as the INT4 weights: ``quant.quantize``).
+``h_int4``  per token, the ``H_OUTLIERS`` channels of largest |h| kept as float16 (index and
+            value), then h in groups of ``H_GROUP``: packed 4-bit codes + float16 scale and
+            zero (asymmetric min/max, as the INT4 weights), each group in the plain or the
+            Hadamard basis, whichever reconstructs it better (``numpy_ops.encode_h``).
 =========  ==============================================================================
 
 Why the normed input rather than the raw residual: see ``docs/kv_modes.md`` (measured on the
 embedded model: the residual's outlier channels make its INT8/INT4 codes far worse, and
 rebuilding from it costs one more RMSNorm per chunk).
+
+What FP16 cannot hold (both backends, every FP16 part): no finite value is stored as an
+infinity. Scales and zeros are clamped to FP16's largest finite value (``quant.F16_MAX``), so
+values beyond what they reach saturate (int8: +-127 x 65504); FP16 K/V/h values are clamped
+the same way (``quant.saturate_f16``). A quantization unit (an int8 row, an h group) holding a
+NaN or an infinity gets a NaN scale and codes 0, so it reads back as NaN - that unit only, the
+fault staying visible downstream; FP16 parts (and h_int4's outlier channels) keep NaN and
+infinities as they are.
 """
 
 from __future__ import annotations
@@ -88,7 +99,9 @@ class PageLayout:
     - h_fp16: ``h``          float16 ``[P, d]``
     - h_int8: ``h``          int8 ``[P, d]``; ``h_scale`` float16 ``[P, d / g]``
     - h_int4: ``h``          uint8 ``[P, d / 2]`` (two codes a byte, low nibble first);
-      ``h_scale``, ``h_zero`` float16 ``[P, d / g]``
+      ``h_scale``, ``h_zero`` float16 ``[P, d / g]`` (a scale's sign bit set: that group was
+      quantized in the Hadamard basis); ``h_oidx`` uint16 / ``h_oval`` float16 ``[P, k]``:
+      the k = ``outliers`` channels kept as float16
 
     Raises ConfigError for an unknown mode, a page size < 1, or (h_int*) a d_model that is not
     a multiple of the group size.
@@ -101,8 +114,9 @@ class PageLayout:
     d_model: int
     kv_dtype: str = "float16"
     group_size: int = H_GROUP
-    rotate: int = 0      # h modes: block size of the Hadamard rotation applied before
-                         # quantizing (0 = none); see hadamard_rotate
+    rotate: int = 0      # h_int4: block size of the Hadamard basis a group may be quantized
+                         # in (0 = never); see hadamard_rotate
+    outliers: int = 0    # h_int4: channels per position kept as float16 (H_OUTLIERS)
 
     def __post_init__(self):
         check_mode(self.mode)
@@ -113,15 +127,20 @@ class PageLayout:
             raise ConfigError(f"kv mode {self.mode!r} quantizes h in groups of "
                               f"{self.group_size}, but d_model={self.d_model} is not a "
                               "multiple of it")
+        if self.rotate and (self.mode != "h_int4" or self.rotate != self.group_size):
+            raise ConfigError(f"a Hadamard basis (rotate={self.rotate}) needs kv mode "
+                              f"'h_int4' and blocks of the group size {self.group_size}")
+        if self.outliers and (self.mode != "h_int4" or not 0 < self.outliers < self.d_model):
+            raise ConfigError(f"outliers={self.outliers} needs kv mode 'h_int4' and fewer "
+                              f"than d_model={self.d_model} channels")
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
                    kv_dtype="float16") -> "PageLayout":
         rotate = H_ROTATE.get(mode, 0)
-        if rotate and cfg.d_model % rotate:
-            rotate = 0
+        outliers = min(H_OUTLIERS.get(mode, 0), cfg.d_model - 1)
         return cls(mode, page_size, cfg.n_kv_heads, cfg.head_dim, cfg.d_model,
-                   np.dtype(kv_dtype).name, rotate=rotate)
+                   np.dtype(kv_dtype).name, rotate=rotate, outliers=outliers)
 
     @cached_property
     def parts(self) -> tuple[Part, ...]:
@@ -139,6 +158,9 @@ class PageLayout:
         else:  # h_int4
             spec = [("h", (p, d // 2), "uint8"), ("h_scale", (p, d // g), "float16"),
                     ("h_zero", (p, d // g), "float16")]
+            if self.outliers:
+                spec += [("h_oidx", (p, self.outliers), "uint16"),
+                         ("h_oval", (p, self.outliers), "float16")]
         out, off = [], 0
         for name, shape, dtype in spec:
             part = Part(name, off, shape, dtype)
@@ -173,6 +195,13 @@ class PageLayout:
         have = {p.name: p.offset for p in self.parts}
         return tuple(have.get(n, 0) if n else 0 for n in names)
 
+    @cached_property
+    def outlier_offsets(self) -> tuple[int, int]:
+        """Byte offsets of the h_int4 outlier parts (``h_oidx``, ``h_oval``); (0, 0) when
+        the layout keeps none."""
+        have = {p.name: p.offset for p in self.parts}
+        return (have.get("h_oidx", 0), have.get("h_oval", 0))
+
     @property
     def stores_h(self) -> bool:
         return self.mode in H_MODES
@@ -188,9 +217,12 @@ class PageLayout:
                 for name, a, b, dt, shape in self._view_spec}
 
 
-# Hadamard rotation before quantizing h (QuaRot, Ashkboos et al. 2024): blocks of this many
-# channels, per mode; measured in docs/kv_modes.md.
+# h_int4 (measured in docs/kv_modes.md): the Hadamard basis a group may be quantized in
+# (QuaRot, Ashkboos et al. 2024; blocks of this many channels, one group each), and the
+# channels of largest |h| per position kept as float16 instead (the outliers that would
+# otherwise set their group's range; LLM.int8(), Dettmers et al. 2022, keeps them apart too).
 H_ROTATE = {"h_int4": 32}
+H_OUTLIERS = {"h_int4": 2}
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
@@ -204,18 +236,26 @@ def hadamard_matrix(n: int) -> np.ndarray:
 
 
 def hadamard_rotate(x: np.ndarray, block: int) -> np.ndarray:
-    """Rotate float rows ``x`` [n, d] by a block-diagonal orthonormal Hadamard (blocks of
+    """Rotate float rows ``x`` [..., d] by a block-diagonal orthonormal Hadamard (blocks of
     ``block`` channels). The Sylvester matrix is symmetric and orthonormal, so the same call
-    undoes it. float32 out.
+    undoes it. float32 out, the shape of ``x``.
 
-    Computed as float64 sums of +-x (exact for float32 inputs whose magnitudes in a block
-    span less than about 2^24, so the order of the sum does not matter), one division by
-    sqrt(block), then one rounding to float32: cuda_src/kv_h.cu ``hadamard32`` does the same,
-    so both backends store the same h_int4 codes."""
-    n, d = x.shape
+    Output j of a block: the float64 sum over i = 0, 1, .. in that order of
+    (-1)^popcount(i & j) x_i, one division by sqrt(block), one rounding to float32 (a finite
+    sum beyond float32's range saturates at its largest value): cuda_src/kv_h.cu
+    ``hadamard32`` computes the same in the same order, so both backends store the same
+    h_int4 codes."""
+    x = np.asarray(x, np.float64)
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     signs = np.rint(hadamard_matrix(block) * np.sqrt(block))     # the +-1 Sylvester matrix
-    y = (np.asarray(x, np.float64).reshape(n, d // block, block) @ signs) / np.sqrt(block)
-    return y.reshape(n, d).astype(np.float32)
+    acc = np.zeros_like(blocks)
+    with np.errstate(invalid="ignore"):                          # inf - inf: NaN, as there
+        for i in range(block):                                   # the kernel's order
+            acc += blocks[..., i:i + 1] * signs[i]
+    y = acc / np.sqrt(block)
+    f32_max = float(np.finfo(np.float32).max)
+    y = np.where(np.isfinite(y), np.clip(y, -f32_max, f32_max), y)
+    return y.reshape(x.shape).astype(np.float32)
 
 
 def check_mode(mode) -> str:
@@ -258,8 +298,9 @@ def resolve_kv_modes(spec, cfg: ModelConfig) -> tuple[str, ...]:
 
 
 # kv_mode="auto": per slot kind, the mode with the fewest bytes per token whose measured mean
-# KL against fp16 on the embedded model stays within AUTO_KL_BOUND (docs/kv_modes.md has the
-# table of measurements this is read from).
+# KL against fp16 on the embedded model at depth 4 stays within AUTO_KL_BOUND on every text
+# kind of benchmarks/kv_quality.py (docs/kv_modes.md has the table this is read from;
+# tests/test_kvcache.py checks the two agree). h_int4 is over it, so auto never picks it.
 AUTO_KL_BOUND = 5e-3
 AUTO_TABLE = {"prelude": "int8", "recurrent": "int8", "coda": "int8"}
 

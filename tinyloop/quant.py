@@ -154,6 +154,23 @@ def dequantize(w: QuantWeight, rows: slice | np.ndarray | None = None) -> np.nda
     return deq.reshape(n_out, n_in)
 
 
+F16_MAX = 65504.0           # FP16's largest finite value
+
+
+def saturate_scales(s: np.ndarray, finite: np.ndarray) -> np.ndarray:
+    """float32 scales (or zeros) ``s`` as the KV cache stores them: clamped to
+    +-``F16_MAX`` where ``finite`` (the unit's inputs are all finite), NaN where not."""
+    return np.where(finite, np.clip(s, -F16_MAX, F16_MAX), np.float32(np.nan)).astype(np.float32)
+
+
+def saturate_f16(x: np.ndarray) -> np.ndarray:
+    """float16 of float ``x`` with finite values clamped to +-``F16_MAX`` (no finite value
+    becomes infinite); NaN and infinities are kept."""
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(x), np.clip(x, -F16_MAX, F16_MAX), x).astype(np.float16)
+
+
 def quantize(w: np.ndarray, bits: int = 4, group_size: int = 32) -> QuantWeight:
     """Quantize float ``[out, in]`` per group with round-to-nearest.
 
@@ -187,18 +204,26 @@ def quantize(w: np.ndarray, bits: int = 4, group_size: int = 32) -> QuantWeight:
     return QuantWeight(8, group_size, q.reshape(n_out, n_in), scale, np.zeros_like(scale))
 
 
-def quantize_rows_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_rows_int8(x: np.ndarray, saturate: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric absmax INT8 over the last axis: ``(codes int8 [..., n], scales f16 [...])``.
 
     ``s = fp16(float32(max|x|) / 127)`` (the division in float32, then one rounding to FP16);
     ``q = clip(rint(float32(x) / float32(s)), -127, 127)``, chosen against the rounded ``s``
     (rint: round half to even); a row of zeros gets ``s = 0`` and codes 0. Read back as
     ``float32(q) * float32(s)``. The INT8 weights (GGUF Q8_0) and the ``int8`` KV cache mode
-    (``cuda_src/kvcache.cu`` computes the same, bit for bit) both use it.
+    (``cuda_src/rope.cu`` computes the same, bit for bit) both use it.
+
+    ``saturate`` (the KV cache's rule, ``saturate_scales``): a scale above FP16's largest
+    finite value is clamped to it, so a row with max|x| above ``127 * F16_MAX`` saturates
+    to +-127 codes instead of getting an infinite scale; a row holding a NaN or an infinity
+    gets a NaN scale and codes 0 (it reads back as NaN, that row only). Without it (the
+    weights) such rows get a non-finite scale, which the converter rejects.
     """
     x = np.asarray(x, dtype=np.float32)
     amax = np.abs(x).max(axis=-1)
-    scale = (amax / np.float32(127.0)).astype(np.float16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = amax / np.float32(127.0)
+        scale = (saturate_scales(s, np.isfinite(amax)) if saturate else s).astype(np.float16)
     s32 = scale.astype(np.float32)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(s32 > 0, np.rint(x / s32), np.float32(0.0))

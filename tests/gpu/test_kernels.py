@@ -791,6 +791,69 @@ def test_kv_write_int8_codes_match_numpy(ops, ref, rng, h, hkv, hd, scale):
     assert (np.abs(deq - v) <= 0.5 * step * (1 + 2e-3) + 1e-12).all()
 
 
+def special_kv_rows(rng, h, hkv, hd):
+    """FP16 qkv rows [6, (h + 2 hkv) hd] whose K / V heads FP16 can only just hold: +-65504
+    (RoPE turns such a K pair past FP16's range), FP16 subnormals, zeros, and heads holding
+    NaN, +inf or -inf (one bad head each, the rest random)."""
+    t, kv0 = 6, h * hd
+    qh, _ = qkv_rows(rng, t, h, hkv, hd)
+    kvw = 2 * hkv * hd
+    qh[0, kv0:] = np.where(rng.uniform(size=kvw) < 0.5, -65504.0, 65504.0)
+    qh[1, kv0:] = rng.uniform(-6e-6, 6e-6, kvw)
+    qh[2, kv0:] = 0
+    qh[3, kv0 + 5] = np.nan                                   # K head 0
+    qh[4, kv0 + (2 * hkv - 1) * hd + 1] = np.inf              # the last V head
+    qh[5, kv0 + hkv * hd] = -np.inf                           # V head 0
+    return qh, qh.astype(np.float32)
+
+
+@pytest.mark.parametrize("h,hkv,hd", HEADS)
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_kv_write_special_values_match_numpy(ops, ref, rng, h, hkv, hd, mode):
+    """int8 at position 0 (RoPE the identity): codes and scales byte-identical to the NumPy
+    reference, saturating scales included, a head holding NaN / inf with the NaN scale and
+    codes 0 there too, every other head finite. fp16 at positions 37..: a rotated K pair
+    past FP16's range is stored as +-65504 (finite), NaN / inf stay non-finite where the
+    reference's are."""
+    from tinyloop.quant import saturate_f16
+    qh, q = special_kv_rows(rng, h, hkv, hd)
+    t = qh.shape[0]
+    pos0 = 0 if mode == "int8" else 37
+    c_ref, c_dev = kv_pair(ops, ref, mode, h, hkv, hd, pos0 + t, 16)
+    ref.kv_write(q.copy(), None, pos0, 1e4, h, hkv, hd, c_ref.slot(0))
+    ops.kv_write(cupy.asarray(qh), None, pos0, 1e4, h, hkv, hd, c_dev.slot(0))
+    rows = slice(pos0, pos0 + t)
+    got = {k: v[rows] for k, v in gather(c_dev.slot(0), pos0 + t, True).items()}
+    want = {k: v[rows] for k, v in gather(c_ref.slot(0), pos0 + t, False).items()}
+    if mode == "int8":
+        for name in ("v", "v_scale"):
+            np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8),
+                                          err_msg=name)
+        for name in ("k", "k_scale"):                          # RoPE is exact only at 0
+            np.testing.assert_array_equal(got[name][0].view(np.uint8),
+                                          want[name][0].view(np.uint8), err_msg=name)
+        np.testing.assert_array_equal(np.isnan(got["k_scale"]), np.isnan(want["k_scale"]))
+        bad = {(3, "k", 0), (4, "v", hkv - 1), (5, "v", 0)}
+        for r in range(t):
+            for part in ("k", "v"):
+                for j in range(hkv):
+                    s = got[part + "_scale"][r, j]
+                    assert np.isnan(s) == ((r, part, j) in bad), (r, part, j)
+                    if (r, part, j) in bad:
+                        assert not got[part][r, j].any()
+        assert (np.abs(got["v_scale"][0].astype(np.float32)) <= 65504).all()
+        return
+    for name in ("k", "v"):
+        g = got[name].astype(np.float32)
+        w = saturate_f16(want[name]).astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+        np.testing.assert_array_equal(np.isinf(g), np.isinf(w), err_msg=name)
+        fin = np.isfinite(w)
+        assert_close(g[fin], w[fin], atol=1e-3, rtol=F16_RTOL, what=f"paged {name}")
+    assert np.abs(want["k"][0]).max() > 65504                 # the case is the one meant
+    assert np.isfinite(got["k"][0].astype(np.float32)).all()
+
+
 def copy_pages(src_kv, dst_kv, mode: str, npages: int) -> None:
     """Pages 0..npages-1 of NumPy slot ``src_kv`` into CUDA slot ``dst_kv``, byte for byte,
     each through its own block table (fp16 mode: rounded to FP16 first, on both sides)."""

@@ -100,6 +100,7 @@ KV_KERNEL_MODES = ("fp16", "int8")           # attention.cu / rope.cu instantiat
 # the layer's own QKV weight (CudaOps._h_attention)
 H_KERNEL_MODES = H_MODES
 H_KERNEL_GROUP, H_KERNEL_ROTATE = 32, (0, 32)   # one warp per group; Hadamard blocks of 32
+H_KERNEL_OUTLIERS = 4                           # kv_h.cu H_MAX_OUTLIERS: h_int4 channels kept
 # h_attn_chunk: one block per (query row, head), its warps splitting the chunk's keys: 32 warps
 # for a decode row (few blocks: the keys are the parallelism), 8 for prefill rows (many
 # blocks); at least 8 (the merge gives each of head_dim <= 256 dimensions a thread)
@@ -973,11 +974,13 @@ class CudaOps(Ops):
             raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
                               f"runs {self.kv_modes}")
         if lay.stores_h and (lay.group_size != H_KERNEL_GROUP
-                             or lay.rotate not in H_KERNEL_ROTATE or lay.d_model % 32):
+                             or lay.rotate not in H_KERNEL_ROTATE or lay.d_model % 32
+                             or lay.outliers > H_KERNEL_OUTLIERS):
             raise ConfigError(f"kv mode {lay.mode!r} with group_size={lay.group_size}, "
-                              f"rotate={lay.rotate}, d_model={lay.d_model} has no CUDA kernel: "
-                              f"kv_h.cu takes groups of {H_KERNEL_GROUP}, rotations "
-                              f"{H_KERNEL_ROTATE} and d_model a multiple of 32")
+                              f"rotate={lay.rotate}, outliers={lay.outliers}, "
+                              f"d_model={lay.d_model} has no CUDA kernel: kv_h.cu takes groups "
+                              f"of {H_KERNEL_GROUP}, rotations {H_KERNEL_ROTATE}, at most "
+                              f"{H_KERNEL_OUTLIERS} outliers and d_model a multiple of 32")
         tab = kv.table
         if not (type(tab) is cupy.ndarray and tab.dtype == np.int64 and tab.ndim == 1
                 and tab.flags.c_contiguous):
@@ -993,10 +996,11 @@ class CudaOps(Ops):
 
     def kv_write(self, qkv, h, pos0, theta, n_heads, n_kv_heads, head_dim, kv):
         """Rotate Q in place in ``qkv`` f16 [T, >= (H + 2 Hkv) hd] and store positions
-        pos0..pos0+T-1 of slot ``kv`` through its block table: rotated K and V (fp16), or
-        int8 codes with one FP16 scale per (position, KV head) (``quant.quantize_rows_int8``'s
-        rule, bit for bit), or (store-h modes) the rows of ``h`` f16 [>= T, d_model]
-        (``_h_write``; ``h`` is unused in the K/V modes)."""
+        pos0..pos0+T-1 of slot ``kv`` through its block table: rotated K and V (fp16; a
+        rotated K beyond FP16's range saturates at its largest finite value), or int8 codes
+        with one FP16 scale per (position, KV head) (``quant.quantize_rows_int8(...,
+        saturate=True)``'s rule, bit for bit), or (store-h modes) the rows of ``h`` f16
+        [>= T, d_model] (``_h_write``; ``h`` is unused in the K/V modes)."""
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -1018,9 +1022,8 @@ class CudaOps(Ops):
         """Store-h write of T = qkv rows: Q rotated in place (rope.cu's Q-only write), then
         the rows of ``h`` f16 [>= T, d_model] stored at positions pos0.. (or, with
         ``step_ptr`` != 0, at the device step state's STEP_POS..) in the slot's mode
-        (kv_h.cu ``h_write_*``: FP16 copy, or ``quant.quantize``'s INT8 / INT4 codes bit for
-        bit, after the layout's Hadamard rotation). Arguments besides ``h`` already
-        validated."""
+        (kv_h.cu ``h_write_*``: FP16 copy, or ``numpy_ops.encode_h``'s INT8 / INT4 parts bit
+        for bit). Arguments besides ``h`` already validated."""
         t, ld = qkv.shape
         lay = kv.layout
         d = lay.d_model
@@ -1035,14 +1038,14 @@ class CudaOps(Ops):
             shared_mem=int(head_dim) * 4)
         self._fn("kv_h", f"h_write_{lay.mode}")(
             (t,), (256,), (h.data.ptr, d, int(pos0), step_ptr, table, p, d, *offs[:3],
-                           int(lay.rotate)))
+                           int(lay.rotate), int(lay.outliers), *lay.outlier_offsets))
 
     def _h_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon, table,
                      p, offs) -> None:
         """Store-h attention (``kv_attention`` for a slot storing h), chunk by chunk so the
         scratch stays bounded: for each chunk of C = ``recon.chunk`` positions c0..c0+n-1 of
         the context 0..pos0+T-1: dequantize its h rows into ``recon_h`` f16 [n, d]
-        (kv_h.cu ``h_read_*``, inverse Hadamard for h_int4), K|V = h @ w_kv.T into
+        (kv_h.cu ``h_read_*``: ``numpy_ops.decode_h``), K|V = h @ w_kv.T into
         ``recon_kv`` f16 [n, 2 kv_dim] (``linear``: the GEMM, or the GEMV when n = 1), RoPE
         on its K columns at positions c0.. (rope.cu's Q-only kernel, kv_write's rule), then
         ``h_attn_chunk``: every query row against the chunk under the causal mask, the
@@ -1094,7 +1097,8 @@ class CudaOps(Ops):
         for ci in range(n_chunks):
             c0 = ci * chunk
             n = min(chunk, ctx - c0)
-            read((n,), (256,), (table, p, c0, d, *offs[:3], int(lay.rotate), hbuf.data.ptr))
+            read((n,), (256,), (table, p, c0, d, *offs[:3], int(lay.outliers),
+                                *lay.outlier_offsets, hbuf.data.ptr))
             self.linear(hbuf[:n], recon.w_kv, kvbuf[:n])
             rope((n,), (128,), (kvbuf.data.ptr, 2 * kvd, c0, float(recon.theta),
                                 int(n_kv_heads), 0, int(head_dim), 0, p, 0, 0, 0, 0),

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..kvcache import hadamard_rotate
-from ..quant import QuantWeight, dequantize, quantize, quantize_rows_int8
+from ..quant import (QuantWeight, dequantize, pack_int4, quantize_rows_int8, saturate_f16,
+                     saturate_scales, unpack_int4)
 from .base import Ops, logit_fault, non_finite_logits
 
 
@@ -40,30 +41,146 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def encode_h(h: np.ndarray, layout) -> dict:
-    """Store-h page parts for float32 rows ``h`` [T, d] in ``layout``'s mode: float16
-    (h_fp16); per-token groups of ``layout.group_size`` quantized as the weights are
-    (``quant.quantize``: INT8 symmetric, INT4 asymmetric min/max with FP16 scale and zero)."""
+    """Store-h page parts for float32 rows ``h`` [T, d] in ``layout``'s mode.
+
+    h_fp16: float16. h_int8: per-token groups of ``layout.group_size``, symmetric absmax as
+    the INT8 weights (``quant.quantize_rows_int8``). h_int4: ``encode_h_int4``. What FP16
+    cannot hold saturates (``quant.saturate_f16``, ``saturate=True``): finite values stay
+    finite, a group holding a NaN or an infinity gets a NaN scale and reads back as NaN."""
+    h = np.asarray(h, dtype=np.float32)
     if layout.mode == "h_fp16":
-        return {"h": h.astype(np.float16)}
-    if layout.rotate:
-        h = hadamard_rotate(h, layout.rotate)
-    qw = quantize(h, 8 if layout.mode == "h_int8" else 4, layout.group_size)
-    parts = {"h": np.asarray(qw.qweight), "h_scale": np.asarray(qw.scales)}
+        return {"h": saturate_f16(h)}
     if layout.mode == "h_int4":
-        parts["h_zero"] = np.asarray(qw.zeros)
-    return parts
+        return encode_h_int4(h, layout)
+    n, d = h.shape
+    q, sc = quantize_rows_int8(h.reshape(n, d // layout.group_size, layout.group_size),
+                               saturate=True)
+    return {"h": q.reshape(n, d), "h_scale": sc}
 
 
 def decode_h(rows: dict, layout) -> np.ndarray:
-    """float32 ``[n, d]`` rows of h from store-h page parts (``quant.dequantize``)."""
+    """float32 ``[n, d]`` rows of h from store-h page parts (the inverse of encode_h:
+    ``float32(q) * float32(s)`` for h_int8, ``decode_h_int4`` for h_int4)."""
     if layout.mode == "h_fp16":
         return rows["h"].astype(np.float32)
-    bits = 8 if layout.mode == "h_int8" else 4
-    zeros = rows.get("h_zero")
-    if zeros is None:
-        zeros = np.zeros_like(rows["h_scale"])
-    h = dequantize(QuantWeight(bits, layout.group_size, rows["h"], rows["h_scale"], zeros))
-    return hadamard_rotate(h, layout.rotate) if layout.rotate else h
+    if layout.mode == "h_int4":
+        return decode_h_int4(rows, layout)
+    zeros = np.zeros_like(rows["h_scale"])
+    return dequantize(QuantWeight(8, layout.group_size, rows["h"], rows["h_scale"], zeros))
+
+
+# --- h_int4 ------------------------------------------------------------------------------------
+ROT_FLAG = 0x8000        # an h_int4 scale's sign bit: its group is stored in the Hadamard basis
+
+
+def select_outliers(h: np.ndarray, k: int) -> np.ndarray:
+    """int64 ``[n, k]``: per row of float32 ``h`` [n, d], the k channels of largest |h|,
+    largest first (ties: the lower channel first; NaN ranks below every number)."""
+    key = np.where(np.isnan(h), np.float32(-1.0), np.abs(h))
+    return np.argsort(-key, axis=1, kind="stable")[:, :k]
+
+
+def quantize_int4_groups(x: np.ndarray):
+    """Asymmetric min/max INT4 of each group of float32 ``x`` [..., g], as the INT4 weights
+    (``quant.quantize``) with the KV cache's saturation: ``s = fp16(clamp((hi - lo) / 15))``,
+    ``z = fp16(clamp(lo))`` (clamped to +-F16_MAX), ``q = clip(rint((x - z) / s), 0, 15)``
+    against the rounded s and z, codes 0 where s = 0; a group holding a NaN or an infinity
+    gets NaN scale and zero and codes 0. Returns (codes uint8 [..., g], scale f16 [...],
+    zero f16 [...], back float32 [..., g] = q * s + z in float32)."""
+    finite = np.isfinite(x).all(axis=-1)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        lo, hi = x.min(axis=-1), x.max(axis=-1)
+        scale = saturate_scales((hi - lo) / np.float32(15.0), finite).astype(np.float16)
+        zero = saturate_scales(lo, finite).astype(np.float16)
+        s32 = scale.astype(np.float32)[..., None]
+        z32 = zero.astype(np.float32)[..., None]
+        q = np.where(s32 > 0, np.rint((x - z32) / s32), np.float32(0.0))
+        q = np.clip(q, 0, 15).astype(np.float32)
+        back = q * s32 + z32
+    return q.astype(np.uint8), scale, zero, back
+
+
+def warp_sum(x: np.ndarray) -> np.ndarray:
+    """float32 sum over the last axis (32 lanes) in the order of common.cuh ``warp_sum``: the
+    xor butterfly over offsets 16, 8, 4, 2, 1 (lane 0's result)."""
+    lanes = np.arange(x.shape[-1])
+    v = np.asarray(x, np.float32)
+    o = x.shape[-1] // 2
+    while o:
+        v = v + v[..., lanes ^ o]
+        o //= 2
+    return v[..., 0]
+
+
+def encode_h_int4(h: np.ndarray, layout) -> dict:
+    """h_int4 page parts of float32 rows ``h`` [n, d] (cuda_src/kv_h.cu ``h_write_h_int4``
+    stores the same bytes for the same FP16 rows).
+
+    1. The ``layout.outliers`` channels of largest |h| per row (``select_outliers``) are kept
+       as float16 (``h_oidx``, ``h_oval``; ``quant.saturate_f16``); decode writes them back
+       over whatever their group reconstructs there.
+    2. Each group of ``layout.group_size`` channels is quantized by ``quantize_int4_groups``
+       in up to four ways: its values as they are or with its outlier channels set to 0
+       (they are stored apart), each in the plain basis or (``layout.rotate``) the Hadamard
+       one (``kvcache.hadamard_rotate``). The way whose reconstruction (rotated back) has the
+       smallest float32 sum of squared errors over the group's other channels (``warp_sum``;
+       a non-finite sum counts as infinite) is stored, the first such in that order on a
+       tie; a Hadamard group's scale carries ``ROT_FLAG``. So an outlier no longer sets its
+       group's range, and a group that the rotation would spoil (values already on a 4-bit
+       grid, or one outlier it would smear over the group) stays plain.
+    """
+    n, d = h.shape
+    g, k = layout.group_size, layout.outliers
+    x = h.reshape(n, d // g, g)
+    mask = np.zeros((n, d), bool)
+    parts = {}
+    if k:
+        idx = select_outliers(h, k)
+        np.put_along_axis(mask, idx, True, axis=1)
+        parts["h_oidx"] = idx.astype(np.uint16)
+        parts["h_oval"] = saturate_f16(np.take_along_axis(h, idx, axis=1))
+    mask = mask.reshape(x.shape)
+    inputs = [x, np.where(mask, np.float32(0.0), x)]
+    ways = [(v, False) for v in inputs] + ([(v, True) for v in inputs] if layout.rotate else [])
+    got, sse = [], []
+    for v, rot in ways:
+        codes, sc, zr, back = quantize_int4_groups(hadamard_rotate(v, g) if rot else v)
+        if rot:
+            back = hadamard_rotate(back, g)
+            sc = (sc.view(np.uint16) | np.uint16(ROT_FLAG)).view(np.float16)
+        with np.errstate(over="ignore", invalid="ignore"):
+            err = np.where(mask, np.float32(0.0), back - x)
+            e = warp_sum(err * err)
+        sse.append(np.where(np.isnan(e), np.float32(np.inf), e))
+        got.append((codes, sc, zr))
+    best = np.argmin(np.stack(sse), axis=0)[None]                  # [1, n, groups]: first min
+    codes, sc, zr = (np.stack([w[i] for w in got]) for i in range(3))
+    codes = np.take_along_axis(codes, best[..., None], axis=0)[0]
+    parts.update(h=pack_int4(codes.reshape(n, d)),
+                 h_scale=np.take_along_axis(sc, best, axis=0)[0],
+                 h_zero=np.take_along_axis(zr, best, axis=0)[0])
+    return parts
+
+
+def decode_h_int4(rows: dict, layout) -> np.ndarray:
+    """float32 ``[n, d]`` from h_int4 parts: ``float32(q) * |s| + z`` per group (float32
+    product, then sum), rotated back where the scale carries ``ROT_FLAG``, then the outlier
+    channels overwritten with their float16 values."""
+    g = layout.group_size
+    q = unpack_int4(rows["h"]).astype(np.float32)
+    n, d = q.shape
+    bits = rows["h_scale"].view(np.uint16)
+    rot = (bits & ROT_FLAG) != 0
+    s32 = (bits & ~np.uint16(ROT_FLAG)).view(np.float16).astype(np.float32)[..., None]
+    z32 = rows["h_zero"].astype(np.float32)[..., None]
+    back = q.reshape(n, d // g, g) * s32 + z32
+    if rot.any():
+        back = np.where(rot[..., None], hadamard_rotate(back, g), back)
+    out = back.reshape(n, d)
+    if layout.outliers:
+        np.put_along_axis(out, rows["h_oidx"].astype(np.int64),
+                          rows["h_oval"].astype(np.float32), axis=1)
+    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -211,9 +328,8 @@ class NumpyOps(Ops):
         """Rotate Q in place in ``qkv`` [T, >= (H + 2 Hkv) hd] and store positions
         pos0..pos0+T-1 of slot ``kv`` (a kvcache.SlotKV) through its block table, in its
         layout's mode: rotated K and V (fp16; int8 with per-(position, KV head) scales,
-        ``quant.quantize_rows_int8``), or the rows of ``h`` [T, d] (h modes: float16, or
-        quantized per token in groups by ``quant.quantize``). The pages must exist
-        (RuntimeKVCache.ensure)."""
+        ``quant.quantize_rows_int8(..., saturate=True)``), or the rows of ``h`` [T, d] (h
+        modes: ``encode_h``). The pages must exist (RuntimeKVCache.ensure)."""
         t = qkv.shape[0]
         lay = kv.layout
         qd, kd = n_heads * head_dim, n_kv_heads * head_dim
@@ -224,11 +340,13 @@ class NumpyOps(Ops):
             k = qkv[:, qd:qd + kd].reshape(t, n_kv_heads, head_dim)  # [T, Hkv, hd]
             parts = {"k": apply_rope(k, cos, sin),
                      "v": qkv[:, qd + kd:qd + 2 * kd].reshape(t, n_kv_heads, head_dim)}
+            if lay.kv_dtype == "float16":                      # pages laid out as on CUDA
+                parts = {n: saturate_f16(x) for n, x in parts.items()}
         elif lay.mode == "int8":
             k = qkv[:, qd:qd + kd].reshape(t, n_kv_heads, head_dim)
-            kq, ks = quantize_rows_int8(apply_rope(k, cos, sin))
+            kq, ks = quantize_rows_int8(apply_rope(k, cos, sin), saturate=True)
             vq, vs = quantize_rows_int8(qkv[:, qd + kd:qd + 2 * kd].reshape(
-                t, n_kv_heads, head_dim))
+                t, n_kv_heads, head_dim), saturate=True)
             parts = {"k": kq, "v": vq, "k_scale": ks, "v_scale": vs}
         else:
             parts = encode_h(np.asarray(h, dtype=np.float32)[:t], lay)
