@@ -113,8 +113,8 @@ def special_h_rows(rng, d):
     h[4] = codes * 0.25 - 1.5
     h[5, ::32] = 900.0
     h[6, 40] = np.nan
-    h[7, 70] = np.inf
-    h[8, [3, 99]] = [-np.inf, np.nan]
+    h[7, 70 % d] = np.inf                                  # columns inside any d >= 64
+    h[8, [3, 99 % d]] = [-np.inf, np.nan]
     h[9, :] = 65504.0
     h[9, 5] = -65504.0
     h[10] = rng.uniform(-1, 1, d) * 1e-3
