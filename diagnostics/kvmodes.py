@@ -73,7 +73,7 @@ def run_kvmodes(out_dir, *, model_path: str | None = None, backend: str = "auto"
 def summary(res: dict) -> str:
     d = res["depths"]
     lines = [f"KV bytes per token by storage mode on backend {res['backend']} (fp16 mode: K/V "
-             f"{res['kv_dtype']}) for {res['config']['model']}",
+             f"{res['kv_dtype']}) for {os.path.basename(res['config']['model'])}",
              f"  {'mode':<8}{'per slot':>10}" + "".join(f"{'depth ' + str(x):>14}" for x in d)
              + "   stored as"]
     for r in res["rows"]:
