@@ -7,12 +7,27 @@ here when unset and printed in the report header, so a failing run can be replay
 import os
 
 import numpy as np
+import pytest
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where CUDA is absent)")
     if not os.environ.get("TINYLOOP_TEST_SEED"):
         os.environ["TINYLOOP_TEST_SEED"] = str(np.random.SeedSequence().entropy % 2**31)
+
+
+@pytest.fixture(scope="module")
+def real_model_path():
+    """The real SmolLM2 .tlm: TINYLOOP_TEST_MODEL, else the embedded default (converted once);
+    skips where neither is there."""
+    import tinyloop
+    path = os.environ.get("TINYLOOP_TEST_MODEL")
+    if path:
+        return path
+    try:
+        return tinyloop.default_model_path()
+    except tinyloop.TinyLoopError as e:
+        pytest.skip(f"real model unavailable: {e}")
 
 
 def pytest_report_header(config):

@@ -45,17 +45,6 @@ def _kl_rows(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def real_model_path():
-    path = os.environ.get("TINYLOOP_TEST_MODEL")
-    if path:
-        return path
-    try:
-        return tinyloop.default_model_path()
-    except tinyloop.TinyLoopError as e:
-        pytest.skip(f"real model unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
 def real_text_ids(real_model_path):
     from tests.corpus import PASSAGES
     m = tinyloop.load_model(real_model_path, max_seq_len=16, backend="numpy")

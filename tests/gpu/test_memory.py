@@ -122,19 +122,6 @@ def smol_dims_path(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def real_model_path():
-    import os
-    import tinyloop
-    path = os.environ.get("TINYLOOP_TEST_MODEL")
-    if path:
-        return path
-    try:
-        return tinyloop.default_model_path()
-    except tinyloop.TinyLoopError as e:
-        pytest.skip(f"real model unavailable: {e}")
-
-
 def test_backend_scratch_is_pool_memory_under_its_tag(smol_dims_path):
     """The CUDA backend's own buffers (argmax partials and tickets, the mapped id words, the
     split-K partials, the sampler's scratch) are blocks of the cuda and pinned pools under tag

@@ -59,7 +59,21 @@ def _host_rss_bytes() -> int | None:
     return None
 
 
-class HostRawAllocator:
+class _HostFigures:
+    """The driver-side figures of an allocator of host memory: the host's free / total bytes,
+    the process's RSS, and no NVML figure."""
+
+    def mem_info(self):
+        return _host_meminfo()
+
+    def process_bytes(self):
+        return _host_rss_bytes()
+
+    def nvml_process_bytes(self):
+        return None
+
+
+class HostRawAllocator(_HostFigures):
     """Segments are NumPy uint8 buffers, over-allocated so each starts on a 512-byte boundary.
 
     ``np.empty`` does not touch the pages, so a reserved but unused segment costs address space,
@@ -78,15 +92,6 @@ class HostRawAllocator:
 
     def free(self, ptr: int, handle) -> None:
         pass                                                    # the buffer dies with its handle
-
-    def mem_info(self):
-        return _host_meminfo()
-
-    def process_bytes(self):
-        return _host_rss_bytes()
-
-    def nvml_process_bytes(self):
-        return None
 
     def array(self, handle, offset: int, nbytes: int, shape, dtype, owner):
         return handle[offset:offset + nbytes].view(dtype).reshape(shape)
@@ -165,7 +170,7 @@ class CudaRawAllocator:
         return cp.ndarray(shape, dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
-class PinnedRawAllocator:
+class PinnedRawAllocator(_HostFigures):
     """Segments of page-locked host memory mapped into the device's address space
     (cudaHostAlloc, portable | mapped): with unified addressing the host pointer is valid on
     the device, so kernels write results there that the host reads without a copy. Blocks
@@ -195,15 +200,6 @@ class PinnedRawAllocator:
 
     def free(self, ptr: int, handle) -> None:
         self._rt.freeHost(ptr)
-
-    def mem_info(self):
-        return _host_meminfo()
-
-    def process_bytes(self):
-        return _host_rss_bytes()
-
-    def nvml_process_bytes(self):
-        return None
 
     def array(self, handle, offset: int, nbytes: int, shape, dtype, owner):
         buf = (ctypes.c_char * nbytes).from_address(owner.ptr)
