@@ -4,7 +4,6 @@ API), where the ``#`` lines go, the prefill's progress bar, and the artificial-l
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -19,18 +18,12 @@ from tinyloop.convert.synthetic import (byte_level_tokenizer_json, synthetic_con
                                         synthetic_weights, write_synthetic)
 from tinyloop.format import write_tlm
 
+from .parsers import all_parsers as _parsers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
            n_prelude=1, n_recurrent=2, n_coda=1, max_depth=4)
 SMALL = ["--max-new-tokens", "3", "--backend", "numpy", "--no-progress"]
-
-
-def _parsers(ap: argparse.ArgumentParser):
-    yield ap
-    for act in ap._actions:
-        if isinstance(act, argparse._SubParsersAction):
-            for sub in act.choices.values():
-                yield from _parsers(sub)
 
 
 @pytest.fixture

@@ -24,16 +24,9 @@ from tinyloop.errors import OutOfMemoryError
 import tinyloop.memory
 from tinyloop.memory import get_pool, round_size
 
+from .parsers import all_parsers as _parsers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _parsers(ap: argparse.ArgumentParser):
-    """``ap`` and every subcommand parser under it."""
-    yield ap
-    for act in ap._actions:
-        if isinstance(act, argparse._SubParsersAction):
-            for sub in act.choices.values():
-                yield from _parsers(sub)
 
 
 def _all_parsers():
