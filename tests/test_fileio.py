@@ -138,19 +138,12 @@ def _assert_names_destination(e, path, code):
     assert fileio.TEMP_SUFFIX not in str(e) and ".tmp" not in str(e)
 
 
-class _FailingFile:
-    """A file object whose write fails once ``limit`` bytes are written (as a full disk)."""
+class _FileProxy:
+    """A file object that passes everything to the file ``f`` it wraps (subclasses override
+    what fails)."""
 
-    def __init__(self, f, limit, exc):
-        self._f, self._left, self._exc = f, limit, exc
-
-    def write(self, b):
-        n = memoryview(b).nbytes
-        if n > self._left:
-            self._f.write(memoryview(b).cast("B")[:self._left])
-            raise self._exc
-        self._left -= n
-        return self._f.write(b)
+    def __init__(self, f):
+        self._f = f
 
     def __getattr__(self, name):
         return getattr(self._f, name)
@@ -160,6 +153,22 @@ class _FailingFile:
 
     def __exit__(self, *exc):
         return self._f.__exit__(*exc)
+
+
+class _FailingFile(_FileProxy):
+    """A file object whose write fails once ``limit`` bytes are written (as a full disk)."""
+
+    def __init__(self, f, limit, exc):
+        super().__init__(f)
+        self._left, self._exc = limit, exc
+
+    def write(self, b):
+        n = memoryview(b).nbytes
+        if n > self._left:
+            self._f.write(memoryview(b).cast("B")[:self._left])
+            raise self._exc
+        self._left -= n
+        return self._f.write(b)
 
 
 FAILURES = {
@@ -365,21 +374,9 @@ def test_load_prefix_os_errors_name_the_file(model, tmp_path, monkeypatch):
     before = get_pool("host").stats().allocated_bytes
     real_open = open
 
-    class FailingRead:
-        def __init__(self, f):
-            self._f = f
-
+    class FailingRead(_FileProxy):
         def read(self, n=-1):
             raise OSError(errno.EIO, "Input/output error")
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self._f.__exit__(*exc)
 
     monkeypatch.setattr(prefix, "open", lambda p, mode="r": FailingRead(real_open(p, mode)),
                         raising=False)
