@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from tinyloop.backends.numpy_ops import NumpyOps  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
-from tinyloop.kvcache import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
+from tinyloop.kv.cache import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
 from tinyloop.memory import MemoryPool, packed_scope  # noqa: E402
 
 # SmolLM2-135M's dims (the converted model's header says the same; read without loading it)

@@ -16,7 +16,7 @@ import numpy as np
 from tinyloop.backends import ops_class
 from tinyloop.config import KV_MODES
 from tinyloop.format import read_tlm
-from tinyloop.kvcache import PageLayout, kv_bytes_per_token
+from tinyloop.kv.cache import PageLayout, kv_bytes_per_token
 
 from . import plots
 from .records import write_json

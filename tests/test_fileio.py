@@ -362,7 +362,7 @@ def test_the_cache_conversion_names_the_cache_folder(tiny_gguf, tmp_path, monkey
 def test_load_prefix_os_errors_name_the_file(model, tmp_path, monkeypatch):
     """load_prefix raises the file system's OSError unchanged, naming the path it was given,
     also for a read that fails after the open."""
-    import tinyloop.prefix as prefix
+    import tinyloop.kv.handles as prefix
     with pytest.raises(FileNotFoundError) as info:
         model.load_prefix(tmp_path / "missing.tlpx")
     assert info.value.filename == str(tmp_path / "missing.tlpx")

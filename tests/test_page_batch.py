@@ -18,7 +18,7 @@ import pytest
 from tinyloop.backends.numpy_ops import NumpyOps
 from tinyloop.config import ModelConfig
 from tinyloop.errors import HandleError, OutOfMemoryError
-from tinyloop.kvcache import PageAllocator, PageLayout, RuntimeKVCache, resolve_kv_modes
+from tinyloop.kv.cache import PageAllocator, PageLayout, RuntimeKVCache, resolve_kv_modes
 from tinyloop.memory import FakeRawAllocator, MemoryPool, packed_scope
 from tinyloop.memory.block import contiguous_runs
 

@@ -17,9 +17,9 @@ import pytest
 import tinyloop
 from tinyloop import errors
 from tinyloop.config import KV_MODES
-from tinyloop.kvcache import DEFAULT_PAGE_SIZE
+from tinyloop.kv.cache import DEFAULT_PAGE_SIZE
 from tinyloop.memory import get_pool
-from tinyloop.prefix import _HEADER, encode_key
+from tinyloop.kv.handles import _HEADER, encode_key
 
 from .conftest import TINY, fail_nth_allocation
 
@@ -602,7 +602,7 @@ def test_threads_mixing_pool_inserts_evictions_and_upgrades(tiny_adapter_path):
 def test_upgrade_between_a_calls_check_and_its_prefill_is_refused(plain):
     """A ResumeHandle upgraded by another thread after a call validated it: the call's first
     step refuses it rather than restoring slots of the wrong depth."""
-    from tinyloop.prefix import check_prefix_args, prefill_request
+    from tinyloop.kv.handles import check_prefix_args, prefill_request
     prompt = _ids(30, seed=31)
     with plain.resume_handle(prompt[:20], depth=1, max_depth=3) as rh:
         depth, mode = check_prefix_args(plain, prompt, None, None, rh, None)
@@ -698,7 +698,7 @@ def _mix_id(mix):
 
 def _slots_at_depth(handle, depth):
     """The handle's K/V of every slot at ``depth`` (storage order mapped back), host copies."""
-    from tinyloop.kvcache import room_slots
+    from tinyloop.kv.cache import room_slots
     kv = handle._st.host_state()["kv"]
     return [kv[i] for i in room_slots(handle._model.config, depth, handle._st.kv.depth)]
 
@@ -899,7 +899,7 @@ def test_failed_upgrade_at_any_allocation_leaves_the_handle_as_it_was(two_coda_m
 def test_make_private_is_all_or_nothing(two_coda_model, monkeypatch):
     """RuntimeKVCache.make_private failing in a copy or in the block-table upload, after the
     first layout's batch was made: the cache holds its old pages, nothing stays allocated."""
-    import tinyloop.kvcache as kvcache
+    import tinyloop.kv.cache as kvcache
     m, kv = two_coda_model
     src = m.new_kv_cache(2, 3 * PAGE, kv_mode=kv)
     src.ensure(3 * PAGE)

@@ -21,7 +21,7 @@ from .generate import GenerationResult, Stream, StreamToken
 from .memory import (empty_cache, export_snapshot, memory_report, memory_stats,
                      reset_peak_memory_stats, set_memory_limit)
 from .model import Model, free_model, load_model, vram_usage_bytes
-from .prefix import PrefixCache, PrefixPool, ResumeHandle
+from .kv.handles import PrefixCache, PrefixPool, ResumeHandle
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ from .backends.base import non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
-from .prefix import check_prefix_args, prefill_request
+from .kv.handles import check_prefix_args, prefill_request
 
 
 @dataclass

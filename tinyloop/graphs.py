@@ -41,7 +41,7 @@ import numpy as np
 from .backends.base import STEP_ID, STEP_POS, STEP_WORDS
 from .config import cuda_graphs_enabled
 from .errors import ConfigError, GraphCaptureError
-from .kvcache import SlotKV
+from .kv.cache import SlotKV
 from .megakernel import MegaDecode
 from .memory import packed_scope
 

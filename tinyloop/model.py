@@ -30,8 +30,8 @@ from .generate import generate as _generate
 from .generate import score as _score
 from .generate import stream as _stream
 from .generate import teacher_forced_logits
-from .prefix import drain_orphans, load_prefix, make_prefix, make_resume_handle
-from .kvcache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
+from .kv.handles import drain_orphans, load_prefix, make_prefix, make_resume_handle
+from .kv.cache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
                       RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
 from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
 from .quant import QuantWeight

@@ -9,7 +9,7 @@ import pytest
 
 from tinyloop.backends import cuda_available
 from tinyloop.config import ModelConfig
-from tinyloop.kvcache import PageAllocator, PageLayout, RuntimeKVCache
+from tinyloop.kv.cache import PageAllocator, PageLayout, RuntimeKVCache
 from tinyloop.memory import MemoryPool, packed_scope
 from tinyloop.memory.block import contiguous_runs
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from ..kvcache import hadamard_rotate
+from ..kv.cache import hadamard_rotate
 from ..quant import (QuantWeight, dequantize, pack_int4, quantize_rows_int8, saturate_f16,
                      saturate_scales, unpack_int4)
 from .base import Ops, logit_fault, non_finite_logits

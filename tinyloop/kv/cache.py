@@ -55,10 +55,10 @@ from functools import cached_property
 
 import numpy as np
 
-from .config import KV_MODES, ModelConfig
-from .errors import ConfigError, HandleError
-from .memory import packed_scope
-from .memory.block import contiguous_runs
+from ..config import KV_MODES, ModelConfig
+from ..errors import ConfigError, HandleError
+from ..memory import packed_scope
+from ..memory.block import contiguous_runs
 
 H_MODES = ("h_fp16", "h_int8", "h_int4")
 SLOT_KINDS = ("prelude", "recurrent", "coda")

@@ -45,14 +45,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .config import as_int, parse_size
-from .errors import (BadMagicError, ConfigError, FormatError, HandleError, OutOfMemoryError,
+from ..config import as_int, parse_size
+from ..errors import (BadMagicError, ConfigError, FormatError, HandleError, OutOfMemoryError,
                      SizeOverflowError, TokenizerError, TruncatedFileError,
                      UnsupportedVersionError)
-from .fileio import write_bytes
-from .config import KV_MODES
-from .kvcache import DEFAULT_PAGE_SIZE, PageLayout, RuntimeKVCache, room_slots, slot_layers
-from .memory import round_size
+from ..fileio import write_bytes
+from ..config import KV_MODES
+from .cache import DEFAULT_PAGE_SIZE, PageLayout, RuntimeKVCache, room_slots, slot_layers
+from ..memory import round_size
 
 
 # -- shared helpers ---------------------------------------------------------------------------
