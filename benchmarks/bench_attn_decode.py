@@ -23,7 +23,7 @@ import cupy
 
 from tinyloop.backends import cuda_ops
 from tinyloop.backends.cuda_ops import CudaOps, decode_splits
-from tinyloop.kv.cache import PageLayout
+from tinyloop.kv.layouts import PageLayout
 
 from gpu_timing import time_us
 

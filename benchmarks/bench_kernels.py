@@ -46,7 +46,7 @@ except ImportError:        # --help and the CPU import test work without it
 
 from tinyloop.backends.cuda_ops import CudaOps, decode_splits  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
-from tinyloop.kv.cache import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
+from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
 from tinyloop.memory import MemoryPool  # noqa: E402
 from tinyloop.quant import QuantWeight, dequantize  # noqa: E402
 

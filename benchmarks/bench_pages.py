@@ -7,7 +7,7 @@ view and one memset (~20 us of host time each on the H200's host, all of it befo
 kernel of the prefill). This script times, per (depth, mode):
 
 - ``RuntimeKVCache.ensure(2048)`` (batched: ``PageAllocator.alloc_many``) against
-  ``ensure_one_by_one`` (the reference: ``PageAllocator.alloc`` per page), on a warm pool (the
+  ``tests/kv_reference.ensure_one_by_one`` (the reference: ``PageAllocator.alloc`` per page), on a warm pool (the
   segments of an earlier request are cached, the serving steady state) and a cold one (a fresh
   pool: segments are added as pages are carved), and ``release()`` of the batched cache's
   pages (``unref_many`` -> ``MemoryPool.free_many``: neighbours go back as one run);
@@ -39,7 +39,8 @@ import numpy as np  # noqa: E402
 
 from tinyloop.backends.numpy_ops import NumpyOps  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
-from tinyloop.kv.cache import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
+from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
+from tests.kv_reference import ensure_one_by_one  # noqa: E402
 from tinyloop.memory import MemoryPool, packed_scope  # noqa: E402
 
 # SmolLM2-135M's dims (the converted model's header says the same; read without loading it)
@@ -80,7 +81,7 @@ def bench_ensure(ops, cfg, depth, mode, tokens, repeats, warm: bool, batched: bo
         cache = RuntimeKVCache(ops, pool, cfg, depth, tokens, modes, alloc)
         m0 = getattr(ops, "memsets", 0)
         t0 = time.perf_counter()
-        (cache.ensure if batched else cache.ensure_one_by_one)(tokens)
+        (cache.ensure(tokens) if batched else ensure_one_by_one(cache, tokens))
         t1 = time.perf_counter()
         memsets = getattr(ops, "memsets", None)
         memsets = None if memsets is None else memsets - m0

@@ -1,6 +1,6 @@
 """KV bytes per storage mode for a model: a table and a plot (``python -m diagnostics kvmodes``).
 
-No model is loaded: the figures come from the .tlm header and ``tinyloop.kvcache.PageLayout``
+No model is loaded: the figures come from the .tlm header and ``tinyloop.kv.layouts.PageLayout``
 (the layout the caches are built from) for one backend, named with every figure: the modes
 store the same codes on both, except ``fp16``, whose K/V are the backend's ``kv_dtype``
 (float16 on CUDA, float32 on the NumPy reference: twice the bytes). ``tinyloop inspect`` prints
@@ -16,7 +16,7 @@ import numpy as np
 from tinyloop.backends import ops_class
 from tinyloop.config import KV_MODES
 from tinyloop.format import read_tlm
-from tinyloop.kv.cache import PageLayout, kv_bytes_per_token
+from tinyloop.kv.layouts import PageLayout, kv_bytes_per_token
 
 from . import plots
 from .records import write_json

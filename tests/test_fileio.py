@@ -362,7 +362,7 @@ def test_the_cache_conversion_names_the_cache_folder(tiny_gguf, tmp_path, monkey
 def test_load_prefix_os_errors_name_the_file(model, tmp_path, monkeypatch):
     """load_prefix raises the file system's OSError unchanged, naming the path it was given,
     also for a read that fails after the open."""
-    import tinyloop.kv.handles as prefix
+    import tinyloop.tlpx as tlpx
     with pytest.raises(FileNotFoundError) as info:
         model.load_prefix(tmp_path / "missing.tlpx")
     assert info.value.filename == str(tmp_path / "missing.tlpx")
@@ -378,7 +378,7 @@ def test_load_prefix_os_errors_name_the_file(model, tmp_path, monkeypatch):
         def read(self, n=-1):
             raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(prefix, "open", lambda p, mode="r": FailingRead(real_open(p, mode)),
+    monkeypatch.setattr(tlpx, "open", lambda p, mode="r": FailingRead(real_open(p, mode)),
                         raising=False)
     with pytest.raises(OSError) as info:
         model.load_prefix(path)

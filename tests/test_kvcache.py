@@ -20,8 +20,10 @@ import tinyloop
 from tinyloop.backends.numpy_ops import NumpyOps
 from tinyloop.config import KV_MODES, ModelConfig
 from tinyloop.errors import ConfigError, HandleError
-from tinyloop.kv.cache import (AUTO_KL_BOUND, AUTO_TABLE, PART_ALIGN, PageAllocator, PageLayout,
-                              RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
+from tinyloop.kv.cache import RuntimeKVCache
+from tinyloop.kv.layouts import (AUTO_KL_BOUND, AUTO_TABLE, PART_ALIGN, PageLayout,
+                                 kv_bytes_per_token, resolve_kv_modes)
+from tinyloop.kv.pages import PageAllocator
 from tinyloop.memory import MemoryPool
 from tinyloop.quant import quantize_rows_int8
 
@@ -197,7 +199,7 @@ def _slow_int4_error(x, skip, rotate):
     """Squared error over the channels not in ``skip`` of one group ``x`` [g] quantized the
     way the INT4 weights are (quant.quantize / dequantize), in the plain basis or the
     Hadamard one (rotated there and back with an orthonormal float64 matrix)."""
-    from tinyloop.kv.cache import hadamard_matrix
+    from tinyloop.kv.layouts import hadamard_matrix
     from tinyloop.quant import dequantize, quantize
     hm = hadamard_matrix(x.size)
     y = (hm @ x.astype(np.float64)).astype(np.float32) if rotate else x
@@ -453,7 +455,7 @@ def test_hadamard_rotate_matches_a_slow_sequential_sum():
     output channel j of a block, the float64 sum over i = 0..31 in order of
     (-1)^popcount(i & j) x_i, divided by sqrt(32), rounded once to float32 (so h_int4 codes
     agree on both backends). Also orthonormal: applying it twice gives x back."""
-    from tinyloop.kv.cache import hadamard_rotate
+    from tinyloop.kv.layouts import hadamard_rotate
     rng = np.random.default_rng(8)
     x = (rng.standard_normal((6, 64)) * [[300.0], [0.02], [1.0], [1e-3], [6e3], [0.0]]
          ).astype(np.float16).astype(np.float32)
@@ -527,7 +529,7 @@ def test_paged_fp16_equals_unpaged_reference(p):
 def test_pages_are_reference_counted():
     ops, pool, alloc, cache = _fresh_slot("int8", p=4, capacity=8)
     cache.ensure(8)
-    shared = cache._pages[0][0]
+    shared = cache.page_list(0)[0]
     alloc.ref(shared)                      # a second holder (a prefix cache, issue 9)
     cache.release()
     assert alloc.live_pages == 1 and pool.allocated_bytes == shared.block.nbytes

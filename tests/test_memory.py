@@ -1100,7 +1100,7 @@ def _rss_bytes():
 
 def _pool_objects():
     """Live instances of the pool's and the KV cache's own classes the collector tracks."""
-    from tinyloop.kv.cache import Page, PageAllocator, RuntimeKVCache
+    from tinyloop.kv import Page, PageAllocator, RuntimeKVCache
     from tinyloop.memory.arena import Chunk, Segment
     from tinyloop.model import Model
     kinds = (Chunk, Segment, mem.Block, mem.MemoryPool, Page, PageAllocator, RuntimeKVCache,

@@ -3,7 +3,7 @@ by one). Every batched path is checked against its one-by-one reference on a poo
 state: ``MemoryPool.allocate_many`` / ``free_many`` against ``allocate`` / ``free`` (same
 addresses, sizes, tags, counters, peaks, layout and event log), ``PageAllocator.alloc_many``
 against ``alloc`` (same pages, zeroed bytes), ``RuntimeKVCache.ensure`` against
-``ensure_one_by_one`` (same block tables); and out-of-memory part-way through a batch leaves
+``tests/kv_reference.ensure_one_by_one`` (same block tables); and out-of-memory part-way through a batch leaves
 nothing allocated and nothing lost."""
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import pytest
 from tinyloop.backends.numpy_ops import NumpyOps
 from tinyloop.config import ModelConfig
 from tinyloop.errors import HandleError, OutOfMemoryError
-from tinyloop.kv.cache import PageAllocator, PageLayout, RuntimeKVCache, resolve_kv_modes
+from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache, resolve_kv_modes
 from tinyloop.memory import FakeRawAllocator, MemoryPool, packed_scope
 from tinyloop.memory.block import contiguous_runs
+
+from .kv_reference import ensure_one_by_one
 
 KiB, MiB = 1 << 10, 1 << 20
 SMOL = ModelConfig(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
@@ -313,10 +315,10 @@ def test_ensure_equals_one_by_one(depth, n):
     alloc = PageAllocator(ops, pool)
     modes = ("fp16",) * SMOL.n_layers
     with RuntimeKVCache(ops, pool, SMOL, depth, 128, modes, alloc) as warm:
-        warm.ensure_one_by_one(n)               # segments added; same state after each round
+        ensure_one_by_one(warm, n)               # segments added; same state after each round
     with RuntimeKVCache(ops, pool, SMOL, depth, 128, modes, alloc) as ref:
-        ref.ensure_one_by_one(n // 2 + 1)
-        ref.ensure_one_by_one(n)
+        ensure_one_by_one(ref, n // 2 + 1)
+        ensure_one_by_one(ref, n)
         want = ref.table_host.copy()
         want_bytes = (ref.nbytes, pool.allocated_bytes, pool.by_tag()["kv_cache"])
         for s in range(ref.n_slots):

@@ -17,9 +17,10 @@ import pytest
 import tinyloop
 from tinyloop import errors
 from tinyloop.config import KV_MODES
-from tinyloop.kv.cache import DEFAULT_PAGE_SIZE
+from tinyloop.kv import DEFAULT_PAGE_SIZE
 from tinyloop.memory import get_pool
-from tinyloop.kv.handles import _HEADER, encode_key
+from tinyloop.kv.pool import encode_key
+from tinyloop.tlpx import _HEADER
 
 from .conftest import TINY, fail_nth_allocation
 
@@ -189,7 +190,7 @@ def test_free_model_releases_handles_and_gc_frees_with_warning(tiny_model_path):
     assert _allocated() == before
     assert pc.released and rh.released and pool.stats()["bytes"] == 0
     with pytest.raises(errors.HandleError):
-        pool._check(m)
+        pool.check(m)
 
     m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
     try:
@@ -327,7 +328,7 @@ def test_pool_lru_evicts_exactly_the_shortfall(plain):
     s = pool.stats()
     assert (s["evictions"], s["entries"], s["bytes"]) == (1, 3, 3 * one)
     fp16 = plain.resolve_kv_modes("fp16")
-    assert pool._lookup(prompts[1], 2, fp16) == (None, 0)
+    assert pool.lookup(prompts[1], 2, fp16) == (None, 0)
     # an entry twice as long needs exactly two evictions: the two oldest (2, then 0)
     big = np.concatenate([prompts[4], _ids(L, seed=7)]).astype(np.int32)
     need = pool.entry_bytes(len(big), 2)
@@ -336,8 +337,8 @@ def test_pool_lru_evicts_exactly_the_shortfall(plain):
     s = pool.stats()
     assert s["evictions"] == 3 and s["entries"] == 2
     assert s["bytes"] == _tag("prefix_cache") <= pool.max_bytes
-    assert pool._lookup(prompts[3], 2, fp16)[1] == L
-    assert pool._lookup(prompts[0], 2, fp16) == (None, 0)
+    assert pool.lookup(prompts[3], 2, fp16)[1] == L
+    assert pool.lookup(prompts[0], 2, fp16) == (None, 0)
     # larger than the whole budget: refused, nothing evicted
     huge = _ids(7 * PAGE, seed=9)
     assert pool.entry_bytes(len(huge), 2) > pool.max_bytes
@@ -602,7 +603,7 @@ def test_threads_mixing_pool_inserts_evictions_and_upgrades(tiny_adapter_path):
 def test_upgrade_between_a_calls_check_and_its_prefill_is_refused(plain):
     """A ResumeHandle upgraded by another thread after a call validated it: the call's first
     step refuses it rather than restoring slots of the wrong depth."""
-    from tinyloop.kv.handles import check_prefix_args, prefill_request
+    from tinyloop.generate import check_prefix_args, prefill_request
     prompt = _ids(30, seed=31)
     with plain.resume_handle(prompt[:20], depth=1, max_depth=3) as rh:
         depth, mode = check_prefix_args(plain, prompt, None, None, rh, None)
@@ -698,7 +699,7 @@ def _mix_id(mix):
 
 def _slots_at_depth(handle, depth):
     """The handle's K/V of every slot at ``depth`` (storage order mapped back), host copies."""
-    from tinyloop.kv.cache import room_slots
+    from tinyloop.kv.layouts import room_slots
     kv = handle._st.host_state()["kv"]
     return [kv[i] for i in room_slots(handle._model.config, depth, handle._st.kv.depth)]
 

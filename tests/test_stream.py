@@ -251,7 +251,7 @@ def test_stream_on_a_freed_model_raises_at_the_call(tiny_model_path):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_out_of_memory_part_way_names_step_and_position_and_keeps_the_tokens(
         tiny_model_path, monkeypatch, via, batch):
-    from tinyloop.kv.cache import DEFAULT_PAGE_SIZE
+    from tinyloop.kv import DEFAULT_PAGE_SIZE
     from .conftest import fail_nth_allocation
     m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
     try:

@@ -8,7 +8,7 @@ Public API (pinned; see README.md):
     set_memory_limit()
     TinyLoopError and its family (tinyloop.errors), OutOfMemoryError
     Model.prefill / Model.resume_handle / Model.load_prefix -> PrefixCache / ResumeHandle;
-    PrefixPool(model, max_bytes=None)          (tinyloop.prefix)
+    PrefixPool(model, max_bytes=None)          (tinyloop.kv)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .generate import GenerationResult, Stream, StreamToken
 from .memory import (empty_cache, export_snapshot, memory_report, memory_stats,
                      reset_peak_memory_stats, set_memory_limit)
 from .model import Model, free_model, load_model, vram_usage_bytes
-from .kv.handles import PrefixCache, PrefixPool, ResumeHandle
+from .kv import PrefixCache, PrefixPool, ResumeHandle
 
 __version__ = "0.1.0"
 

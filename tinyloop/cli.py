@@ -302,7 +302,7 @@ def cmd_inspect(a) -> int:
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
     from .config import kv_mode_from_env, parse_size
-    from .kv.cache import H_MODES, resolve_kv_modes
+    from .kv.layouts import H_MODES, resolve_kv_modes
     modes = resolve_kv_modes(a.kv_mode or kv_mode_from_env(), cfg)
     budget = parse_size(a.kv_budget, name="--kv-budget")
     p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk,
@@ -339,7 +339,7 @@ def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int, backend: str) -
     and the positions that fit in ``budget_bytes`` at each."""
     import numpy as np
     from .config import KV_MODES
-    from .kv.cache import PageLayout, kv_bytes_per_token
+    from .kv.layouts import PageLayout, kv_bytes_per_token
     d1, dm = 1, cfg.max_depth
     lines = [f"\nKV cache storage modes on backend {backend} (fp16 mode: K/V "
              f"{np.dtype(kv_dtype).name}; page rounding excluded; budget "

@@ -1,12 +1,17 @@
-"""Sampling loops over a Model: generate / stream / teacher-forced logits / score.
+"""Requests over a Model: generate / stream / teacher-forced logits / score, and the prefills
+that make prefix handles.
 
-The request side of ``model.Model``: these functions use only the Model's public surface
-(``lock``, ``check_alive``, ``check_token_ids``, ``encode_prompt``, ``request_plan``,
-``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``head_sample``, ``decode_step``,
-``ops``, ``pool``); ``model.py``
-imports this module, never the reverse. Each call takes the model's lock for its whole
-duration, allocates its RuntimeKVCache (tag ``kv_cache``) sized for the call, and releases it
-when the call ends, however it ends.
+This module owns a request, in one route: check every argument; get the KV (a fresh
+RuntimeKVCache sized for the call, tag ``kv_cache``, started from a PrefixCache / ResumeHandle
+/ PrefixPool through the ``kv`` package when one is given: :func:`prefill_request`); prefill;
+then decode, one token at a time, through the captured decode step where the backend has one
+(``Model.decode_step``) or the eager forward + head. A request without a prefix touches no
+prefix code. It uses only the Model's public surface (``lock``, ``check_alive``,
+``check_token_ids``, ``encode_prompt``, ``request_plan``, ``resolve_kv_modes``,
+``new_kv_cache``, ``kv_registry``, ``residual_rows``, ``logit_row``, ``forward``, ``head``,
+``head_sample``, ``decode_step``, ``ops``, ``pool``); ``model.py`` imports this module, never
+the reverse. Each call holds the model's lock while it computes and releases its cache when
+it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from .backends.base import non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
-from .kv.handles import check_prefix_args, prefill_request
+from .kv.handles import HandleStorage, PrefixCache, ResumeHandle
+from .kv.layouts import mode_name
+from .kv.pool import PrefixPool, common_prefix
 
 
 @dataclass
@@ -200,7 +207,7 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     ``prefix`` (a PrefixCache / ResumeHandle the prompt's ids start with; it fixes depth and
     kv_mode) or ``prefix_pool`` (a PrefixPool: the longest cached prefix is reused and the
     prompt inserted): only the positions after the cached ones are prefilled
-    (:func:`tinyloop.prefix.prefill_request`); the tokens equal those of an uncached run.
+    (:func:`prefill_request`); the tokens equal those of an uncached run.
 
     The model's lock is held only while a token is computed, never across a ``yield``: each
     step touches only this request's KV cache and the residual row of its own position, so
@@ -256,8 +263,7 @@ def _run(model, req: _Request):
                                          req.prefix, req.prefix_pool)
             else:
                 if len(step_ids) == 1:
-                    # a decode step runs as the megakernel or one captured graph where the
-                    # backend can
+                    # a decode step runs as the captured step where the backend can
                     nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature,
                                             top_k, top_p, u)
                     if nxt is not None:
@@ -437,3 +443,135 @@ def score(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
     lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode, prefix=prefix,
                                                 prefix_pool=prefix_pool)[:-1])
     return lp[np.arange(len(ids) - 1), ids[1:]]
+
+
+# -- the KV of a request that starts from a cache, and the prefills that make handles ---------
+def _depth_arg(model, depth) -> int:
+    return model.config.check_depth(_as_int(depth, "depth") if depth is not None else None)
+
+
+def check_prefix_args(model, ids: np.ndarray, depth, kv_mode, prefix, prefix_pool):
+    """Validate ``depth`` / ``kv_mode`` and ``prefix=`` / ``prefix_pool=`` for a request of
+    ``ids``; return the resolved (depth, modes: one KV mode per physical layer). A prefix fixes
+    both: a different explicit depth or kv_mode is a ConfigError (never a silent re-prefill),
+    as is a prompt that does not start with the prefix's tokens (the message names the first
+    position that differs). Raises HandleError for a released handle or one of another
+    model."""
+    if prefix is not None and prefix_pool is not None:
+        raise ConfigError("pass prefix= or prefix_pool=, not both")
+    if prefix is not None:
+        if not isinstance(prefix, PrefixCache):
+            raise ConfigError(f"prefix must be a PrefixCache or ResumeHandle, got "
+                              f"{type(prefix).__name__}")
+        with model.lock:
+            prefix.check(model)
+            p_depth, p_modes = prefix.depth, prefix.modes
+        if depth is not None and _depth_arg(model, depth) != p_depth:
+            raise ConfigError(f"depth={depth} differs from the prefix's depth {p_depth}; "
+                              f"prefill the prefix at that depth (or upgrade a ResumeHandle)")
+        if kv_mode is not None and model.resolve_kv_modes(kv_mode) != p_modes:
+            raise ConfigError(f"kv_mode={kv_mode!r} differs from the prefix's kv_mode "
+                              f"{mode_name(p_modes)!r}")
+        n = len(prefix)
+        if len(ids) < n:
+            raise ConfigError(f"the prompt ({len(ids)} tokens) is shorter than the prefix "
+                              f"({n} tokens); it must start with the prefix's tokens")
+        m = common_prefix(prefix.ids, ids)
+        if m < n:
+            raise ConfigError(f"the prompt differs from the prefix at position {m} (prompt "
+                              f"token {int(ids[m])}, prefix token {int(prefix.ids[m])}); "
+                              f"it must start with the prefix's {n} tokens")
+        return p_depth, p_modes
+    depth = _depth_arg(model, depth)
+    modes = model.resolve_kv_modes(kv_mode)
+    if prefix_pool is not None:
+        if not isinstance(prefix_pool, PrefixPool):
+            raise ConfigError(f"prefix_pool must be a PrefixPool, got "
+                              f"{type(prefix_pool).__name__}")
+        with model.lock:
+            prefix_pool.check(model)
+    return depth, modes
+
+
+def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache,
+                    prefix=None, prefix_pool=None) -> int:
+    """Fill ``cache`` and the residual rows 0..T-1 for a request's prompt ``ids``: without a
+    prefix, the forward from position 0; with ``prefix`` (or the longest match in
+    ``prefix_pool``) its positions are restored first and the forward runs from there, and the
+    prompt goes into the pool. Returns the number of positions that came from a cache. The
+    prefilled positions run in the forward's absolutely aligned chunks, so every row equals
+    that of an uncached run. Raises ConfigError when the prefix changed depth after the
+    request's checks (an ``upgrade`` in between), HandleError for a released handle. Call
+    under the model's lock."""
+    m, src = 0, None
+    modes = tuple(modes)
+    if prefix is not None:
+        prefix.check(model)
+        if (prefix.depth, prefix.modes) != (depth, modes):
+            raise ConfigError(f"the {prefix.kind} changed to depth {prefix.depth} after this "
+                              f"call began at depth {depth} (an upgrade() ran in between)")
+        m, src = len(prefix), prefix
+    elif prefix_pool is not None:
+        prefix_pool.check(model)
+        src, m = prefix_pool.lookup(ids, depth, modes)
+    if m:
+        src.restore(cache, m, model.residual_rows(0, m))
+    if m < len(ids):
+        model.forward(ids[m:], m, depth, cache)
+        if prefix_pool is not None:
+            prefix_pool.insert(ids, depth, modes, cache, model.residual_rows(0, len(ids)))
+    return m
+
+
+def _prompt_ids(model, prompt) -> np.ndarray:
+    ids = model.encode_prompt(prompt)
+    if len(ids) > model.max_seq_len:
+        raise ConfigError(f"prompt ({len(ids)} tokens) exceeds max_seq_len={model.max_seq_len}")
+    return ids
+
+
+def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
+    """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache. Raises
+    ConfigError / TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
+    model.check_alive()
+    depth = _depth_arg(model, depth)
+    modes = model.resolve_kv_modes(kv_mode)
+    ids = _prompt_ids(model, prompt)
+    with model.lock:
+        model.check_alive()
+        st = HandleStorage(model, depth, len(ids), modes)
+        try:
+            model.forward(ids, 0, depth, st.kv)
+            st.rows[...] = model.residual_rows(0, len(ids))
+            st.hold_pages()
+            return PrefixCache(model, ids, depth, modes, st)
+        except BaseException:
+            st.release()
+            raise
+
+
+def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) -> ResumeHandle:
+    """:meth:`Model.resume_handle`: prefill at ``depth`` keeping what upgrades need (K/V room
+    for ``max_depth`` iterations, the residual snapshot). Raises ConfigError for a max_depth
+    outside depth..the model's, and as :func:`make_prefix`."""
+    model.check_alive()
+    cfg = model.config
+    depth = _depth_arg(model, depth)
+    max_depth = cfg.max_depth if max_depth is None else _as_int(max_depth, "max_depth")
+    if not depth <= max_depth <= cfg.max_depth:
+        raise ConfigError(f"max_depth={max_depth} must be in {depth}..{cfg.max_depth} "
+                          f"(depth={depth}, the model's max_depth={cfg.max_depth})")
+    modes = model.resolve_kv_modes(kv_mode)
+    ids = _prompt_ids(model, prompt)
+    n = len(ids)
+    with model.lock:
+        model.check_alive()
+        st = HandleStorage(model, max_depth, n, modes, snapshot=True)
+        try:
+            model.forward(ids, 0, depth, st.kv.at_depth(depth), snapshot=st.snap)
+            st.rows[...] = model.residual_rows(0, n)
+            st.hold_pages()
+            return ResumeHandle(model, ids, depth, modes, st, max_depth)
+        except BaseException:
+            st.release()
+            raise

@@ -29,10 +29,13 @@ from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
 from .generate import stream as _stream
-from .generate import teacher_forced_logits
-from .kv.handles import drain_orphans, load_prefix, make_prefix, make_resume_handle
-from .kv.cache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
-                      RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
+from .generate import make_prefix, make_resume_handle, teacher_forced_logits
+from .kv.cache import Recon, RuntimeKVCache
+from .kv.handles import load_prefix
+from .kv.layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, kv_bytes_per_token,
+                         resolve_kv_modes)
+from .kv.pages import PageAllocator
+from .kv.registry import KVRegistry
 from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
 from .quant import QuantWeight
 
@@ -175,13 +178,7 @@ class Model:
         self.prefill_chunk = prefill_chunk
         self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
         self._lock = threading.RLock()
-        self._handles = weakref.WeakSet()   # live PrefixCache / ResumeHandle / PrefixPool;
-                                            # released by free() (guarded by _lock)
-        self._prefix_holds: dict = {}       # page addr -> prefix handles holding it (_lock)
-        self._prefix_orphans: list = []     # storage of handles collected unreleased
-        self._kv_caches = weakref.WeakSet()  # every RuntimeKVCache new_kv_cache made that is
-                                            # still referenced (a suspended stream's, a handle's);
-                                            # free() releases them (guarded by _lock)
+        self._kv = KVRegistry()      # live caches and prefix handles; free() releases them
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
@@ -322,14 +319,10 @@ class Model:
             graphs, self._graphs = self._graphs, None
             if graphs is not None:
                 graphs.release()        # its graphs and "graphs" blocks, before the views go
-            for h in list(self._handles):      # prefix caches, resume handles, prefix pools
-                h._model_freed()
-            drain_orphans(self)
-            # then what live requests hold (a stream suspended at a yield, or a generator
-            # never closed): after the handles, whose release needs their pages still live;
-            # the request's next step raises ModelFreedError
-            for cache in list(self._kv_caches):
-                cache.release()
+            # prefix handles and pools, then what live requests hold (a stream suspended at a
+            # yield, or a generator never closed): the request's next step raises
+            # ModelFreedError
+            self._kv.release_all()
             # drop every view into pool memory, so nothing dangles once the blocks go back
             self._layers = []
             self._embed = self._head = self._output_norm = self._adapter = None
@@ -411,6 +404,17 @@ class Model:
         """The per-model re-entrant lock every request holds while it runs the forward."""
         return self._lock
 
+    @property
+    def kv_registry(self) -> KVRegistry:
+        """The model's live KV caches and prefix handles (``kv.registry.KVRegistry``), which
+        :meth:`free` releases."""
+        return self._kv
+
+    @property
+    def kv_pages(self) -> PageAllocator:
+        """The PageAllocator every KV page of this model comes from."""
+        return self._pages
+
     def residual_rows(self, pos0: int, n: int):
         """The final residual rows of positions pos0..pos0+n-1 (float32 ``[n, d_model]`` view
         of ``buffers.main``): what ``head`` reads; prefix caches save and restore them."""
@@ -486,7 +490,7 @@ class Model:
 
     def resolve_kv_modes(self, kv_mode=None) -> tuple[str, ...]:
         """One KV mode per physical layer: ``kv_mode`` (a name, "auto", a dict by slot kind,
-        or a sequence per layer; see kvcache.resolve_kv_modes), or the load's default when
+        or a sequence per layer; see kv.layouts.resolve_kv_modes), or the load's default when
         None. Raises ConfigError naming the bad value."""
         if kv_mode is None:
             return self.kv_modes
@@ -509,8 +513,11 @@ class Model:
                      page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
         """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
         kv_cache; pages are gained as positions are written). ``kv_mode``: see
-        :meth:`resolve_kv_modes`. :meth:`free` releases it if it is still live then."""
+        :meth:`resolve_kv_modes`. :meth:`free` releases it if it is still live then. First
+        releases the storage of prefix handles collected unreleased (``KVRegistry.drain``),
+        so every request and every new handle frees them."""
         self.check_alive()
+        self._kv.drain()
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
         modes = self.resolve_kv_modes(kv_mode)
@@ -519,7 +526,7 @@ class Model:
         with packed_scope():
             cache = RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
                                    self._pages, page_size)
-        self._kv_caches.add(cache)
+        self._kv.track_cache(cache)
         return cache
 
     def _alloc_recon(self) -> dict:
@@ -556,7 +563,7 @@ class Model:
         Writes K/V for every slot into ``cache`` and the final residual rows into
         ``buffers.main[pos0:pos0+T]``. After each chunk, ``on_rows(start, t)`` is called with
         the chunk's absolute start position and length (the residual rows are in ``main``).
-        ``snapshot`` (a ``prefix.ResidualSnapshot``) receives, for every position, the state
+        ``snapshot`` (a ``kv.handles.ResidualSnapshot``) receives, for every position, the state
         entering the recurrent block and the state after iteration ``depth`` (ResumeHandle).
         """
         for start, t in self._chunks(pos0, len(ids)):
@@ -865,7 +872,7 @@ class Model:
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
         (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
-        from cached state (see :mod:`tinyloop.prefix`).
+        from cached state (see :mod:`tinyloop.kv.handles`, :mod:`tinyloop.kv.pool`).
         See :func:`tinyloop.generate.generate` for the sampling rule and errors."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
@@ -885,10 +892,10 @@ class Model:
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
 
-    # -- cached state across calls (tinyloop.prefix) -------------------------------------------
+    # -- cached state across calls (tinyloop.kv) -----------------------------------------------
     def prefill(self, prompt, depth: int | None = None, kv_mode=None):
         """Prefill ``prompt`` (text or ids) once and keep it: returns a
-        :class:`~tinyloop.prefix.PrefixCache` to pass as ``prefix=`` to generate / stream /
+        :class:`~tinyloop.kv.PrefixCache` to pass as ``prefix=`` to generate / stream /
         logits / score, which then prefill only the tokens after it. Raises ConfigError /
         TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
         return make_prefix(self, prompt, depth, kv_mode)
@@ -897,13 +904,14 @@ class Model:
                       kv_mode=None):
         """Prefill ``prompt`` at ``depth`` keeping, for every position, the residual state the
         recurrent block continues from and K/V room for ``max_depth`` iterations (default: the
-        model's): returns a :class:`~tinyloop.prefix.ResumeHandle`; ``rh.upgrade(d2)`` deepens
+        model's): returns a :class:`~tinyloop.kv.ResumeHandle`; ``rh.upgrade(d2)`` deepens
         it by running only the added iterations and the coda."""
         return make_resume_handle(self, prompt, depth, max_depth, kv_mode)
 
     def load_prefix(self, path):
         """Load a prefix saved with ``PrefixCache.save`` / ``ResumeHandle.save`` (see
-        :func:`tinyloop.prefix.load_prefix` for the checks and the errors)."""
+        :func:`tinyloop.kv.handles.load_prefix` and :func:`tinyloop.tlpx.read_prefix` for the
+        checks and the errors)."""
         return load_prefix(self, path)
 
     def __repr__(self) -> str:
@@ -932,7 +940,7 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
     scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);
     ``backend`` "auto" | "cuda" | "numpy"; ``kv_mode``: the KV cache storage mode of every
-    request (a name from ``tinyloop.kvcache.KV_MODES``, "auto", a dict ``{"prelude": m,
+    request (a name from ``tinyloop.config.KV_MODES``, "auto", a dict ``{"prelude": m,
     "recurrent": m, "coda": m}`` or one mode per physical layer; default
     ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,

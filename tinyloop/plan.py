@@ -188,7 +188,7 @@ def request_plan(cfg: ModelConfig, n_tokens: int, depth: int, kv_dtype,
     a single-mode cache, else one entry per mode) and, for logits()/score(), a float32 logits
     block ``[logits_rows, vocab]`` (tag "logits"). ``modes``: one KV mode per physical layer
     (default all "fp16")."""
-    from .kv.cache import DEFAULT_PAGE_SIZE, PageLayout, slot_layers
+    from .kv.layouts import DEFAULT_PAGE_SIZE, PageLayout, slot_layers
     page_size = page_size or DEFAULT_PAGE_SIZE
     modes = modes or ("fp16",) * cfg.n_layers
     pages = -(-n_tokens // page_size)

@@ -708,7 +708,7 @@ def kv_pair(ops, ref, mode, h, hkv, hd, capacity, page_size, d_model=64):
     """The same one-slot paged cache on both backends: (numpy cache, cuda cache).
     ``d_model``: the width of the stored h rows (store-h modes)."""
     from tinyloop.config import ModelConfig
-    from tinyloop.kv.cache import PageAllocator, RuntimeKVCache
+    from tinyloop.kv import PageAllocator, RuntimeKVCache
     from tinyloop.memory import MemoryPool
     cfg = ModelConfig(vocab_size=8, d_model=d_model, n_heads=h, n_kv_heads=hkv, head_dim=hd,
                       ffn_dim=8, n_prelude=1, n_recurrent=0, n_coda=0)

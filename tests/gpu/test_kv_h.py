@@ -26,7 +26,7 @@ import tinyloop  # noqa: E402
 from tinyloop.backends.base import STEP_POS, STEP_WORDS  # noqa: E402
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
-from tinyloop.kv.cache import Recon  # noqa: E402
+from tinyloop.kv import Recon  # noqa: E402
 
 from .test_cuda_model import _kl_rows, _report  # noqa: E402
 from .test_kernels import (SESSION_SEED, assert_close, dev_weight, f16,  # noqa: E402

@@ -18,7 +18,7 @@ import pytest
 import tinyloop
 from tinyloop.backends import cuda_available
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic
-from tinyloop.kv.cache import DEFAULT_PAGE_SIZE
+from tinyloop.kv import DEFAULT_PAGE_SIZE
 
 pytestmark = pytest.mark.gpu
 if not cuda_available():

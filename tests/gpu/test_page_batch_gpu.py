@@ -9,9 +9,11 @@ import pytest
 
 from tinyloop.backends import cuda_available
 from tinyloop.config import ModelConfig
-from tinyloop.kv.cache import PageAllocator, PageLayout, RuntimeKVCache
+from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache
 from tinyloop.memory import MemoryPool, packed_scope
 from tinyloop.memory.block import contiguous_runs
+
+from ..kv_reference import ensure_one_by_one
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_pools"),
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
@@ -60,10 +62,10 @@ def test_ensure_equals_one_by_one_on_the_cuda_pool(ops, depth):
     alloc = PageAllocator(ops, pool)
     modes = ("fp16",) * SMOL.n_layers
     with RuntimeKVCache(ops, pool, SMOL, depth, 2048, modes, alloc) as warm:
-        warm.ensure_one_by_one(2048)                    # add the segments once
+        ensure_one_by_one(warm, 2048)                    # add the segments once
     with RuntimeKVCache(ops, pool, SMOL, depth, 2048, modes, alloc) as ref:
-        ref.ensure_one_by_one(1000)                     # the same two steps as the batch
-        ref.ensure_one_by_one(2048)
+        ensure_one_by_one(ref, 1000)                     # the same two steps as the batch
+        ensure_one_by_one(ref, 2048)
         want = ref.table_host.copy()
     with RuntimeKVCache(ops, pool, SMOL, depth, 2048, modes, alloc) as cache:
         cache.ensure(1000)

@@ -161,14 +161,14 @@ class Ops:
     def attention(self, qkv, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, out):
         raise NotImplementedError
 
-    # --- the paged KV cache: ``kv`` is a kvcache.SlotKV (layout + block table) ---------------
+    # --- the paged KV cache: ``kv`` is a kv.cache.SlotKV (layout + block table) --------------
     def kv_write(self, qkv, h, pos0, theta, n_heads, n_kv_heads, head_dim, kv):
         """Rotate Q in place; store positions pos0.. of the slot in its mode (K/V or h)."""
         raise NotImplementedError
 
     def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
         """Causal GQA attention over the slot's positions 0..pos0+T-1, read through its block
-        table as stored (dequantized / rebuilt from h with ``recon``, a kvcache.Recon)."""
+        table as stored (dequantized / rebuilt from h with ``recon``, a kv.cache.Recon)."""
         raise NotImplementedError
 
     def inject(self, state, e, w, tmp2, tmp1):      # state f32 [T, d] = [state, e] @ W.T

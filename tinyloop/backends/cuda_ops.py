@@ -38,7 +38,7 @@ import numpy as np
 
 from ..config import fused_qkv_rope_enabled, pdl_enabled
 from ..errors import ConfigError
-from ..kv.cache import H_MODES
+from ..kv.layouts import H_MODES
 from ..memory import get_pool
 from ..quant import QuantWeight
 from .base import LOGIT_FAULTS, STEP_POS, STEP_ROPE_MAX, STEP_WORDS, Ops, non_finite_logits

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from ..kv.cache import hadamard_rotate
+from ..kv.layouts import hadamard_rotate
 from ..quant import (QuantWeight, dequantize, pack_int4, quantize_rows_int8, saturate_f16,
                      saturate_scales, unpack_int4)
 from .base import Ops, logit_fault, non_finite_logits
@@ -122,7 +122,7 @@ def encode_h_int4(h: np.ndarray, layout) -> dict:
     2. Each group of ``layout.group_size`` channels is quantized by ``quantize_int4_groups``
        in up to four ways: its values as they are or with its outlier channels set to 0
        (they are stored apart), each in the plain basis or (``layout.rotate``) the Hadamard
-       one (``kvcache.hadamard_rotate``). The way whose reconstruction (rotated back) has the
+       one (``kv.layouts.hadamard_rotate``). The way whose reconstruction (rotated back) has the
        smallest float32 sum of squared errors over the group's other channels (``warp_sum``;
        a non-finite sum counts as infinite) is stored, the first such in that order on a
        tie; a Hadamard group's scale carries ``ROT_FLAG``. So an outlier no longer sets its
@@ -323,10 +323,10 @@ class NumpyOps(Ops):
             res[:, h, :] = p @ v[:, h // group, :]
         out[...] = res.reshape(t, n_heads * head_dim)
 
-    # --- the paged KV cache (kvcache.py) -------------------------------------------------------
+    # --- the paged KV cache (tinyloop/kv) ------------------------------------------------------
     def kv_write(self, qkv, h, pos0, theta, n_heads, n_kv_heads, head_dim, kv):
         """Rotate Q in place in ``qkv`` [T, >= (H + 2 Hkv) hd] and store positions
-        pos0..pos0+T-1 of slot ``kv`` (a kvcache.SlotKV) through its block table, in its
+        pos0..pos0+T-1 of slot ``kv`` (a kv.cache.SlotKV) through its block table, in its
         layout's mode: rotated K and V (fp16; int8 with per-(position, KV head) scales,
         ``quant.quantize_rows_int8(..., saturate=True)``), or the rows of ``h`` [T, d] (h
         modes: ``encode_h``). The pages must exist (RuntimeKVCache.ensure)."""
