@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
+from tinyloop.graphs import decode_graphs, decode_step  # noqa: E402
 from bench_decode import model_or_synthetic  # noqa: E402
 from gpu_timing import time_us  # noqa: E402
 
@@ -37,14 +38,14 @@ REPLAYS = 200
 def replay_us(model, depth: int, ctx: int) -> float:
     """GPU µs per replay of the depth's captured step, REPLAYS back to back from ``ctx``
     (median of 5 batches)."""
-    g = model.decode_graphs
+    g = decode_graphs(model)
     prompt = np.arange(10, 10 + ctx, dtype=np.int32)
     cap = ctx + 5 * REPLAYS + 8
     with model.lock, model.new_kv_cache(depth, cap) as cache:
         model.forward(prompt, 0, depth, cache)
         tok, pos = 11, ctx
         for _ in range(3):                      # eager, capture, one replay
-            tok = model.decode_step(cache, tok, pos, 0.0)
+            tok = decode_step(model, cache, tok, pos, 0.0)
             pos += 1
         graph = g._entries[g.key(cache)].graph
         assert graph is not None, "the step was not captured"

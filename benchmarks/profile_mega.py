@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tinyloop  # noqa: E402
+from tinyloop.graphs import decode_graphs  # noqa: E402
 from bench_decode import model_or_synthetic  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     cfg = m.config
     prompt = [10 + i % 1000 for i in range(a.ctx)]
     m.generate(prompt, max_new_tokens=8, depth=a.depth)            # compile, build, warm
-    mk = m.decode_graphs.mega
+    mk = decode_graphs(m).mega
     if mk.failed or not mk.launches:
         print(f"megakernel did not run: {mk.failed or 'not eligible'}")
         return 1

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
+from tinyloop.graphs import decode_graphs, decode_step  # noqa: E402
 from tinyloop.backends import cuda_ops  # noqa: E402
 from tinyloop.backends.base import STEP_ID, STEP_POS, STEP_WORDS  # noqa: E402
 from tinyloop.quant import QuantWeight  # noqa: E402
@@ -45,7 +46,7 @@ def record_step(model, depth: int, ctx: int, cache) -> list:
         return real(self, grid, block, args, shared_mem)
     cuda_ops._Kernel.__call__ = spy
     try:
-        model.decode_step(cache, 11, ctx, 0.0)      # the key's first step runs eagerly
+        decode_step(model, cache, 11, ctx, 0.0)      # the key's first step runs eagerly
     finally:
         cuda_ops._Kernel.__call__ = real
     return rec
@@ -114,7 +115,7 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
     ops = model.ops
     results = []
     with model.lock, model.new_kv_cache(depth, ctx + 64, kv_mode=kv_mode) as cache:
-        model.decode_graphs.release()       # so the step below runs eagerly (a key's first)
+        decode_graphs(model).release()       # so the step below runs eagerly (a key's first)
         model.forward(np.arange(10, 10 + ctx, dtype=np.int32), 0, depth, cache)
         rec = record_step(model, depth, ctx, cache)
         kv_per_pos = cache.slot(0).layout.bytes_per_token
@@ -123,7 +124,7 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
         state[STEP_ID], state[STEP_POS] = 11, ctx
 
         def reset():
-            ops.from_host(state, model.decode_graphs.step_state)
+            ops.from_host(state, decode_graphs(model).step_state)
         groups = collections.OrderedDict()
         for r in rec:
             groups.setdefault(group_key(r[0].name, r[3]), []).append(r)

@@ -183,7 +183,7 @@ def test_sampling_parameters_are_checked(tiny_model_path):
         assert ops._step_sampling == (0.5, 7, 0.25, 0.0)
         with m.new_kv_cache(1, 40) as c:
             with pytest.raises(ConfigError, match="u must lie"):
-                m.decode_graphs.step(c, 1, 0, (1.0, 0, 1.0, 2.0))
+                graphmod.decode_graphs(m).step(c, 1, 0, (1.0, 0, 1.0, 2.0))
     finally:
         tinyloop.free_model(m)
 
@@ -211,14 +211,15 @@ def test_the_device_state_advances_itself(tiny_model_path, monkeypatch):
     real = NumpyOps.from_host
 
     def from_host(self, host, out):
-        if sys._getframe(1).f_code.co_name == "step" and out is m.decode_graphs.step_state:
+        if (sys._getframe(1).f_code.co_name == "step"
+                and out is graphmod.decode_graphs(m).step_state):
             writes.append(np.array(host))              # written by DecodeGraphs.step
         real(self, host, out)
     monkeypatch.setattr(RecordingOps, "from_host", from_host, raising=False)
     try:
         r = m.generate(_prompt(10, 5), max_new_tokens=7, depth=2)
         eos = r.finish_reason == "eos"
-        state = np.array(m.decode_graphs.step_state)
+        state = np.array(graphmod.decode_graphs(m).step_state)
         assert state[STEP_ID] == (m.config.eos_token_id if eos else r.token_ids[-1])
         assert state[STEP_POS] == 10 + len(r.token_ids) - 1 + eos
         assert len(writes) == 1 and writes[0][STEP_POS] == 10   # only the first decode step
@@ -325,7 +326,7 @@ def test_a_failure_during_capture_ends_it_and_the_next_request_works(tiny_model_
 
 def test_keys_separate_depth_mode_and_constants(tiny_model_path):
     m = _fake_model(tiny_model_path, max_seq_len=64)
-    g = m.decode_graphs
+    g = graphmod.decode_graphs(m)
     try:
         keys = set()
         for depth in (1, 2):
@@ -350,7 +351,7 @@ def test_keys_separate_depth_mode_and_constants(tiny_model_path):
 
 def test_eligibility(tiny_model_path, monkeypatch):
     m = _fake_model(tiny_model_path, max_seq_len=64)
-    g = m.decode_graphs
+    g = graphmod.decode_graphs(m)
     try:
         with m.new_kv_cache(1, 40) as c:
             monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
@@ -400,7 +401,7 @@ def test_lru_eviction_and_release_free_the_graphs_blocks(tiny_model_path, monkey
         # the table of a key: int64 [slots, ceil(64 / 32)]; one state block beside them
         slots = {2: 1 + 2 * 2 + 1, 3: 1 + 2 * 3 + 1}
         tables = sum(-(-(slots[d] * 2 * 8) // 512) * 512 for d in (2, 3))
-        assert st["bytes"] == tables + m.decode_graphs._state_block.nbytes
+        assert st["bytes"] == tables + graphmod.decode_graphs(m)._state_block.nbytes
     finally:
         tinyloop.free_model(m)
     assert all(g.freed for g in m.ops.graphs)
@@ -415,7 +416,7 @@ def check_fault_inside_a_replay(m, prompt) -> None:
     want = m.generate(prompt, max_new_tokens=6, depth=2).token_ids
     os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
     kv0 = m.pool.by_tag().get("kv_cache", 0)
-    g = m.decode_graphs
+    g = graphmod.decode_graphs(m)
     real, calls = g.step, []
     good = m.ops.to_host(m._output_norm).copy()
 

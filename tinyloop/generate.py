@@ -5,12 +5,12 @@ This module owns a request, in one route: check every argument; get the KV (a fr
 RuntimeKVCache sized for the call, tag ``kv_cache``, started from a PrefixCache / ResumeHandle
 / PrefixPool through the ``kv`` package when one is given: :func:`prefill_request`); prefill;
 then decode, one token at a time, through the captured decode step where the backend has one
-(``Model.decode_step``) or the eager forward + head. A request without a prefix touches no
+(``graphs.decode_step``) or the eager forward + head. A request without a prefix touches no
 prefix code. It uses only the Model's public surface (``lock``, ``check_alive``,
 ``check_token_ids``, ``encode_prompt``, ``request_plan``, ``resolve_kv_modes``,
 ``new_kv_cache``, ``kv_registry``, ``residual_rows``, ``logit_row``, ``forward``, ``head``,
-``head_sample``, ``decode_step``, ``ops``, ``pool``); ``model.py`` imports this module, never
-the reverse. Each call holds the model's lock while it computes and releases its cache when
+``head_sample``, ``extra``, ``ops``, ``pool``); ``model.py`` imports this module, never the
+reverse. Each call holds the model's lock while it computes and releases its cache when
 it ends, however it ends.
 """
 
@@ -26,6 +26,7 @@ from .backends.base import non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
+from .graphs import decode_step
 from .kv.handles import HandleStorage, PrefixCache, ResumeHandle
 from .kv.layouts import mode_name
 from .kv.pool import PrefixPool, common_prefix
@@ -264,8 +265,8 @@ def _run(model, req: _Request):
             else:
                 if len(step_ids) == 1:
                     # a decode step runs as the captured step where the backend can
-                    nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature,
-                                            top_k, top_p, u)
+                    nxt = decode_step(model, cache, int(step_ids[0]), pos0, temperature,
+                                      top_k, top_p, u)
                     if nxt is not None:
                         return nxt
                 model.forward(step_ids, pos0, req.depth, cache)

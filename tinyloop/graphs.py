@@ -38,7 +38,7 @@ import weakref
 
 import numpy as np
 
-from .backends.base import STEP_ID, STEP_POS, STEP_WORDS
+from .backends.base import LOGIT_FAULTS, STEP_ID, STEP_POS, STEP_WORDS, non_finite_logits
 from .config import cuda_graphs_enabled
 from .errors import ConfigError, GraphCaptureError
 from .kv.cache import SlotKV
@@ -177,6 +177,11 @@ class DecodeGraphs:
         if blk is not None:
             self._pool.free(blk)
 
+    @property
+    def nbytes(self) -> int:
+        """Pool bytes held under tag ``graphs`` (``stats()["bytes"]``)."""
+        return self.stats()["bytes"]
+
     def stats(self) -> dict:
         """``graphs``: graphs held; ``keys``: their keys; ``captures`` / ``replays`` since
         load; ``bytes``: pool bytes under tag ``graphs`` held for them (rounded blocks)."""
@@ -296,4 +301,34 @@ class DecodeGraphs:
         return graph
 
 
-__all__ = ["DecodeGraphs", "MAX_GRAPHS"]
+def decode_graphs(model) -> DecodeGraphs:
+    """The model's captured decode steps, made at first use and released with the model
+    (``Model.extra``). Raises ModelFreedError after free."""
+    return model.extra("decode_graphs", DecodeGraphs)
+
+
+def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: int = 0,
+                top_p: float = 1.0, u: float = 0.0) -> int | None:
+    """The next token id after ``token`` at position ``pos`` of ``cache``'s request, through
+    the decode megakernel or the captured decode step (:meth:`DecodeGraphs.step`), or None
+    when this step runs neither (megakernel off by ``TINYLOOP_MEGAKERNEL=0`` or not eligible,
+    and graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling the backend cannot capture, or a KV
+    mode it cannot capture): the caller then runs ``Model.forward`` + ``Model.head_sample``
+    with the same (temperature, top_k, top_p, u), which picks the same id
+    (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError (no step /
+    position: the caller adds them) for a non-finite logit row, as ``head_sample`` does, and
+    ConfigError for sampling parameters out of range."""
+    g = decode_graphs(model)
+    if not g.eligible(cache, temperature):
+        return None
+    sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
+    got = g.step(cache, int(token), int(pos), sampling)
+    if got is None:
+        return None
+    nxt, code = got
+    if code:
+        raise non_finite_logits(LOGIT_FAULTS[code])
+    return nxt
+
+
+__all__ = ["DecodeGraphs", "MAX_GRAPHS", "decode_graphs", "decode_step"]

@@ -21,7 +21,6 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .backends.base import LOGIT_FAULTS, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
 from .errors import (ArtificialLoopWarning, ConfigError, FormatError, ModelFreedError,
                      TinyLoopError, TokenizerError)
@@ -182,7 +181,7 @@ class Model:
         self._ops = get_ops(backend)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
-        self._graphs = None      # DecodeGraphs: the captured decode steps (made at first use)
+        self._extras: dict = {}  # name -> model-owned extra made at first use (extra())
         self._loop_warned = False    # ArtificialLoopWarning given (once per model)
         self._rows_hooks: list = []  # watch_forward callbacks
         # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
@@ -316,9 +315,10 @@ class Model:
             self._freed = True
             with _live_lock:
                 _live_models.discard(self)
-            graphs, self._graphs = self._graphs, None
-            if graphs is not None:
-                graphs.release()        # its graphs and "graphs" blocks, before the views go
+            extras, self._extras = self._extras, {}
+            for extra in extras.values():
+                extra.release()         # e.g. the captured steps' "graphs" blocks, before the
+                                        # views go
             # prefix handles and pools, then what live requests hold (a stream suspended at a
             # yield, or a generator never closed): the request's next step raises
             # ModelFreedError
@@ -378,9 +378,20 @@ class Model:
         backend's scratch (tag ``scratch``: the CUDA backend's argmax, split-K and sampler
         scratch), and what its captured decode steps hold under tag ``graphs``:
         ``graph_stats()["bytes"]``, made at the first decode step and released with the
-        model)."""
+        model: every :meth:`extra`'s ``nbytes``)."""
         own = sum(b.nbytes for b in self._blocks) + self._ops.scratch_bytes(self._pool)
-        return own + (self._graphs.stats()["bytes"] if self._graphs is not None else 0)
+        return own + sum(e.nbytes for e in self._extras.values())
+
+    def extra(self, name: str, make):
+        """The model-owned extra ``name`` (``graphs.decode_graphs``: the captured decode
+        steps), made by ``make(model)`` at first use. An extra has ``release()``, which
+        :meth:`free` calls, and ``nbytes``, which :meth:`vram_usage_bytes` counts. Raises
+        ModelFreedError after free."""
+        self.check_alive()
+        got = self._extras.get(name)
+        if got is None:
+            got = self._extras[name] = make(self)
+        return got
 
     # -- the surface request code uses (generate.py, diagnostics, benchmarks) -----------------
     @property
@@ -797,47 +808,17 @@ class Model:
             self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
             self._views(1)["norm"], temperature, top_k, top_p, u))
 
-    @property
-    def decode_graphs(self):
-        """The model's captured decode steps (``graphs.DecodeGraphs``, made at first use)."""
-        if self._graphs is None:
-            from .graphs import DecodeGraphs
-            self._graphs = DecodeGraphs(self)
-        return self._graphs
-
-    def decode_step(self, cache: RuntimeKVCache, token: int, pos: int, temperature: float,
-                    top_k: int = 0, top_p: float = 1.0, u: float = 0.0) -> int | None:
-        """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
-        through the decode megakernel or the captured decode step
-        (``graphs.DecodeGraphs.step``), or None when this step runs neither (megakernel off by
-        ``TINYLOOP_MEGAKERNEL=0`` or not eligible, and graphs off by ``TINYLOOP_CUDA_GRAPHS=0``,
-        sampling the backend cannot capture, or a KV mode it cannot capture): the caller then
-        runs ``forward`` + ``head_sample`` with the same (temperature, top_k, top_p, u), which
-        picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises
-        NonFiniteLogitsError (no step / position: the caller adds them) for a non-finite logit
-        row, as ``head_sample`` does, and ConfigError for sampling parameters out of range."""
-        g = self.decode_graphs
-        if not g.eligible(cache, temperature):
-            return None
-        sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
-        got = g.step(cache, int(token), int(pos), sampling)
-        if got is None:
-            return None
-        nxt, code = got
-        if code:
-            raise non_finite_logits(LOGIT_FAULTS[code])
-        return nxt
-
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
         ``graphs``, with the megakernel's records and scratch), ``keys``, ``captures``,
         ``replays``, ``megakernel`` (launches, grid, blocks per SM that fit, failure)
         (``graphs.DecodeGraphs.stats``)."""
-        if self._graphs is None:
+        graphs = self._extras.get("decode_graphs")
+        if graphs is None:
             return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0,
                     "megakernel": {"launches": 0, "blocks": 0, "blocks_per_sm_fit": 0,
                                    "failed": None}}
-        return self._graphs.stats()
+        return graphs.stats()
 
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,

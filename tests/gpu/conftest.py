@@ -35,15 +35,17 @@ def pytest_report_header(config):
 
 
 def record_decode_steps(model, monkeypatch) -> list:
-    """Wrap ``model.decode_step`` so each step that ran on the device appends (the picked id,
-    a host copy of that step's logit row, the u it was given) to the returned list."""
+    """Wrap the request's captured step (``graphs.decode_step``, as ``generate`` calls it) so
+    each step of ``model`` that ran on the device appends (the picked id, a host copy of that
+    step's logit row, the u it was given) to the returned list."""
+    import tinyloop.generate as generate
     seen = []
-    real = model.decode_step
+    real = generate.decode_step
 
-    def recording(cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0):
-        nxt = real(cache, token, pos, temperature, top_k, top_p, u)
-        if nxt is not None:
+    def recording(m, cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0):
+        nxt = real(m, cache, token, pos, temperature, top_k, top_p, u)
+        if nxt is not None and m is model:
             seen.append((nxt, model.ops.to_host(model.logit_row())[0].copy(), u))
         return nxt
-    monkeypatch.setattr(model, "decode_step", recording)
+    monkeypatch.setattr(generate, "decode_step", recording)
     return seen

@@ -18,6 +18,7 @@ import pytest
 import tinyloop
 from tinyloop.backends import cuda_available
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+from tinyloop.graphs import decode_graphs, decode_step
 from tinyloop.kv import DEFAULT_PAGE_SIZE
 
 pytestmark = pytest.mark.gpu
@@ -159,7 +160,7 @@ def test_step_logits_bitwise_and_against_the_reference(smol_path, monkeypatch, m
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_page_boundaries_and_ctx_one(smol_path, monkeypatch, mode):
     """Decode steps across page boundaries (prompts of P-1, P, P+1 and 2P-1 tokens, six steps
-    each) and a step at position 0 (context length 1, through Model.decode_step on an empty
+    each) and a step at position 0 (context length 1, through graphs.decode_step on an empty
     cache) give the eager tokens."""
     m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda", kv_mode=mode)
     P = DEFAULT_PAGE_SIZE
@@ -182,7 +183,7 @@ def test_page_boundaries_and_ctx_one(smol_path, monkeypatch, mode):
             cache = m.new_kv_cache(depth, 8)
             try:
                 with m.lock:
-                    got = m.decode_step(cache, tok, 0, 0.0)
+                    got = decode_step(m, cache, tok, 0, 0.0)
             finally:
                 cache.release()
             assert m.graph_stats()["megakernel"]["launches"] == n0 + 1
@@ -223,7 +224,7 @@ def test_steps_make_no_pool_allocation(smol_path, monkeypatch):
     scratch), the pool's event log holds no alloc / segment_alloc between launches."""
     _use(monkeypatch, "mega")
     m = tinyloop.load_model(smol_path, max_seq_len=256, backend="cuda")
-    mega, marks = m.decode_graphs.mega, []
+    mega, marks = decode_graphs(m).mega, []
     real = mega.launch
 
     def launch(*a, **k):

@@ -220,10 +220,11 @@ class PrefixPool(Releasable):
                rows) -> None:
         """Insert the request's prompt (its K/V in ``cache`` positions 0..T-1, its final
         residual rows ``rows``, float32 ``[T, d_model]``): the entry takes the full pages by
-        reference and copies a partly filled last page. The new entry is made first, so an insert that fails
-        (OutOfMemoryError: counted as rejected; anything else: raised) leaves the entries as
-        they were. Then entries it extends are dropped (it contains them), and the least
-        recently used entries go, oldest first, until the pool is back within max_bytes."""
+        reference and copies a partly filled last page. The new entry is made first, so an
+        insert that fails (OutOfMemoryError: counted as rejected; anything else: raised) leaves
+        the entries as they were. Then entries it extends are dropped (it contains them), and
+        the least recently used entries go, oldest first, until the pool is back within
+        max_bytes."""
         model = self._model
         key = encode_key(model.fingerprint, depth, modes, ids)
         if key in self._entries:

@@ -18,8 +18,8 @@ class KVRegistry:
     ``track_cache(cache)`` / ``add_handle(h)`` / ``discard_handle(h)`` record them (weakly: a
     dropped object leaves by itself); ``orphan(storage)`` queues the storage of a handle the
     garbage collector finalized unreleased, released at the next :meth:`drain` (each
-    ``Model.new_kv_cache``, a handle upgrade or pool clear, :meth:`release_all`), never inside the collector's callback (which may run in
-    the middle of any allocation)."""
+    ``Model.new_kv_cache``, a handle upgrade or pool clear, :meth:`release_all`), never
+    inside the collector's callback (which may run in the middle of any allocation)."""
 
     def __init__(self):
         self._caches = weakref.WeakSet()
