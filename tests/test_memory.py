@@ -574,11 +574,11 @@ def test_finalizer_free_while_the_lock_is_held_is_deferred():
     pool, _ = fake_pool()
     blk = pool.allocate(100)
     with pool._lock:                            # as if the GC ran inside allocate()
-        pool._free_from_finalizer(blk)
+        pool.free_from_finalizer(blk)
         assert not blk.freed
     assert pool.stats().allocated_bytes == 0 and blk.freed
     other = pool.allocate(100)
-    pool._free_from_finalizer(other)            # lock free: immediate
+    pool.free_from_finalizer(other)            # lock free: immediate
     assert other.freed
 
 
@@ -1263,7 +1263,7 @@ def fake_cupy(monkeypatch):
     fake = _FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     yield fake
-    cupy_hook._reset_for_tests()
+    cupy_hook.reset_for_tests()
 
 
 def test_cupy_installs_are_tokens_removing_one_keeps_the_others(fake_cupy):

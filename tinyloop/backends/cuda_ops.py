@@ -708,7 +708,7 @@ class CudaOps(Ops):
         for name in self._BLOCKS:
             blk = getattr(self, name, None)
             if blk is not None and not blk.freed:
-                blk.pool._free_from_finalizer(blk)
+                blk.pool.free_from_finalizer(blk)
 
     def _fn(self, family: str, kernel: str):
         fn = self._fns.get(kernel)

@@ -51,5 +51,5 @@ __all__ = [
 def _reset_pools_for_tests() -> None:
     """Tests only: remove every CuPy install and routing, then forget every process pool
     (returning their cached segments) and every limit default. Live blocks keep their pool."""
-    cupy_hook._reset_for_tests()
-    registry._reset_for_tests()
+    cupy_hook.reset_for_tests()
+    registry.reset_for_tests()

@@ -9,10 +9,11 @@ class Block:
     """A live allocation of ``nbytes`` (``requested_bytes`` rounded up to 512) at ``ptr``.
 
     ``array(shape, dtype)`` views its bytes (NumPy on the host arena, CuPy on the cuda arena);
-    ``free()`` returns it to the pool (a second ``free`` raises ValueError).
+    ``free()`` returns it to the pool (a second ``free`` raises ValueError). ``chunk`` is the
+    pool's arena chunk under it (None once freed; the pool sets it).
     """
 
-    __slots__ = ("pool", "ptr", "nbytes", "requested_bytes", "tag", "freed", "_chunk",
+    __slots__ = ("pool", "ptr", "nbytes", "requested_bytes", "tag", "freed", "chunk",
                  "__weakref__")
 
     def __init__(self, pool, chunk, requested_bytes: int, tag: str):
@@ -22,7 +23,7 @@ class Block:
         self.requested_bytes = requested_bytes
         self.tag = tag
         self.freed = False
-        self._chunk = chunk
+        self.chunk = chunk
 
     @property
     def device(self) -> str:
@@ -42,8 +43,8 @@ class Block:
         if n > self.requested_bytes:
             raise ValueError(f"a {shape} {dtype} view needs {n} bytes but the block was "
                              f"requested with {self.requested_bytes}")
-        seg = self._chunk.segment
-        return self.pool._raw.array(seg.handle, self.ptr - seg.ptr, n, shape, dtype, self)
+        seg = self.chunk.segment
+        return self.pool.raw.array(seg.handle, self.ptr - seg.ptr, n, shape, dtype, self)
 
     def free(self) -> None:
         self.pool.free(self)
@@ -63,7 +64,7 @@ def contiguous_runs(blocks) -> list[tuple[int, int]]:
     start = end = 0
     seg = None
     for blk in blocks:
-        s = blk._chunk.segment
+        s = blk.chunk.segment
         if blk.ptr == end and s is seg:
             end += blk.nbytes
             continue

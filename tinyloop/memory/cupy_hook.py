@@ -52,7 +52,7 @@ class _BlockOwner:
     def __del__(self):
         # May run inside the garbage collector while this thread holds the pool's lock:
         # the pool defers the free in that case.
-        self.blk.pool._free_from_finalizer(self.blk)
+        self.blk.pool.free_from_finalizer(self.blk)
 
 
 class CupyAllocatorInstall:
@@ -169,7 +169,7 @@ class CupyRouting:
             if key is None:
                 return
             route = _routes.get(key)
-            if route is None:            # dropped by _reset_for_tests
+            if route is None:            # dropped by reset_for_tests
                 return
             route[1] -= 1
             if route[1] == 0:
@@ -192,7 +192,7 @@ def route_cupy_allocations(pool, tag: str = "cupy") -> CupyRouting:
         return CupyRouting(pool, key)
 
 
-def _reset_for_tests() -> None:
+def reset_for_tests() -> None:
     """Remove every install and routing (tests only)."""
     with _lock:
         while _stack:

@@ -275,12 +275,12 @@ class MemoryPool:
             # to the arena as one run: the same end state and events as one free each
             log, arena, i, n = self._log_event, self._arena, 0, len(blocks)
             while i < n:
-                chunk = blocks[i]._chunk
+                chunk = blocks[i].chunk
                 run = [chunk]
                 j = i + 1
-                while j < n and blocks[j]._chunk is not None \
-                        and blocks[j]._chunk.prev is run[-1]:
-                    run.append(blocks[j]._chunk)
+                while j < n and blocks[j].chunk is not None \
+                        and blocks[j].chunk.prev is run[-1]:
+                    run.append(blocks[j].chunk)
                     j += 1
                 if len(run) == 1:
                     self._free_locked(blocks[i])
@@ -290,7 +290,7 @@ class MemoryPool:
                     for blk in blocks[i:j]:
                         log((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
                         blk.freed = True
-                        blk._chunk = None
+                        blk.chunk = None
                         freed += blk.nbytes
                         self._requested_bytes -= blk.requested_bytes
                         self._by_tag[blk.tag] -= blk.nbytes
@@ -462,12 +462,12 @@ class MemoryPool:
     def _free_locked(self, blk: Block) -> None:
         if blk.freed:
             raise ValueError(f"double free of {blk!r}")
-        chunk = blk._chunk
+        chunk = blk.chunk
         log = self._log_event
         log((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
         self._arena.give_back(chunk)
         blk.freed = True
-        blk._chunk = None
+        blk.chunk = None
         self._allocated_bytes -= blk.nbytes
         self._requested_bytes -= blk.requested_bytes
         self._by_tag[blk.tag] -= blk.nbytes
@@ -496,7 +496,13 @@ class MemoryPool:
                 self._peak_by_tag[tag] = by_tag
             blk.tag = tag          # no event: the trace's alloc/free pairs stay as they were
 
-    def _free_from_finalizer(self, blk: Block) -> None:
+    @property
+    def raw(self):
+        """The raw allocator the pool's segments come from (``memory.raw``): views of a
+        block's bytes and the device's figures go through it."""
+        return self._raw
+
+    def free_from_finalizer(self, blk: Block) -> None:
         """Free ``blk`` from a finalizer, which may run while this thread holds _lock."""
         if self._lock.acquire(blocking=False):
             try:

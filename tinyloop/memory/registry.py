@@ -40,7 +40,7 @@ def get_pool(device: str = "host") -> MemoryPool:
         if pool is None:
             pool = MemoryPool(device)
             if _default_limit is _UNSET:
-                limit = memory_limit_from_env(pool._raw.mem_info()[1])
+                limit = memory_limit_from_env(pool.raw.mem_info()[1])
             else:
                 limit = _default_limit
             if limit is not None:
@@ -114,7 +114,7 @@ def export_snapshot(path, device: str | None = None) -> dict:
     return write_snapshot(_pool_for(device), path)
 
 
-def _reset_for_tests() -> None:
+def reset_for_tests() -> None:
     """Forget every process pool (returning their cached segments) and every limit default.
     Blocks still live keep their old pool."""
     global _default_limit
