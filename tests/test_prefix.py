@@ -1022,3 +1022,85 @@ def test_failed_pool_insert_at_any_allocation_leaves_the_entries(plain, monkeypa
             pool.release()
             break
     assert rejected_seen >= 2            # the insert's own allocations were made to fail
+
+
+# -- one route: a request without a prefix runs no prefix code; page holders in one place ----
+PREFIX_CODE = ("tinyloop/kv/handles.py", "tinyloop/kv/pool.py", "tinyloop/tlpx.py")
+
+
+def _files_called(fn) -> set:
+    """The tinyloop source files whose Python functions run while ``fn()`` runs."""
+    import sys
+    seen = set()
+
+    def prof(frame, event, arg):
+        if event == "call":
+            path = frame.f_code.co_filename.replace(os.sep, "/")
+            if "/tinyloop/" in path:
+                seen.add("tinyloop/" + path.rsplit("/tinyloop/", 1)[1])
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_a_request_without_a_prefix_runs_no_prefix_code(plain):
+    """generate / stream / logits / score without prefix= or prefix_pool= call no function of
+    the handle, pool or prefix-file modules; with a prefix they do (the tracer sees them)."""
+    prompt = _ids(40, seed=41)
+    plain_calls = [lambda: plain.generate(prompt, 3), lambda: list(plain.stream(prompt, 3)),
+                   lambda: plain.logits(prompt), lambda: plain.score(prompt)]
+    for call in plain_calls:
+        ran = _files_called(call)
+        assert "tinyloop/generate.py" in ran and "tinyloop/model.py" in ran
+        assert ran.isdisjoint(PREFIX_CODE), sorted(ran & set(PREFIX_CODE))
+    with plain.prefill(prompt[:20]) as pc:
+        assert "tinyloop/kv/handles.py" in _files_called(
+            lambda: plain.generate(prompt, 3, prefix=pc))
+
+
+def test_page_holders_are_counted_by_the_page_allocator(plain):
+    """Pool entries that share a page each hold it once (``Page.holds``), the page is tagged
+    prefix_cache while any holds it and kv_cache once only a request references it, and the
+    model keeps no table of its own."""
+    pages = plain.kv_pages
+    a = _ids(2 * PAGE + 3, seed=51)
+    b = np.concatenate([a[:2 * PAGE], _ids(5, seed=52)])
+    c = np.concatenate([a[:2 * PAGE], _ids(7, seed=53)])
+    b[2 * PAGE] = 3 if a[2 * PAGE] != 3 else 4           # the three part at position 2P
+    c[2 * PAGE] = next(t for t in (5, 6, 7) if t not in (a[2 * PAGE], b[2 * PAGE]))
+    pool = tinyloop.PrefixPool(plain)
+    entries = []
+    for n, prompt in enumerate((a, b, c), start=1):
+        plain.logits(prompt, prefix_pool=pool)
+        entries = [e for e in pool._entries.values()]
+        assert len(entries) == n
+        # the first two pages of every slot are the same Pages in every entry: n holders
+        firsts = [[e.storage.kv.page_list(s)[:2] for s in range(e.storage.kv.n_slots)]
+                  for e in entries]
+        for s, shared in enumerate(firsts[0]):
+            for page in shared:
+                assert all(f[s][0] is shared[0] and f[s][1] is shared[1] for f in firsts)
+                assert page.holds == n and page.refs == n
+    n_slots = entries[0].storage.kv.n_slots
+    # 2 shared pages per slot, and each entry's own last page
+    assert pages.held_pages == n_slots * (2 + len(entries))
+    assert pages.held_pages == pages.live_pages
+    assert not hasattr(plain, "_prefix_holds")
+    pool.release()
+    assert pages.live_pages == pages.held_pages == 0
+
+    with plain.prefill(a[:2 * PAGE]) as pc:
+        held = pc.storage.kv.page_list(0)[0]
+        s = plain.stream(a, 4, prefix=pc)
+        next(s)                                        # the request shares pc's full pages
+        assert (held.holds, held.refs) == (1, 2)
+        page_bytes = _tag("prefix_cache")
+        pc.release()                                   # the last holder goes mid-request
+        assert (held.holds, held.refs) == (0, 1)
+        assert _tag("prefix_cache") == 0 and _tag("kv_cache") >= held.block.nbytes
+        assert page_bytes >= held.block.nbytes
+        assert [t.token_id for t in s]                 # the request still reads the page
+    assert pages.live_pages == 0 and _tag("kv_cache") == 0
