@@ -1,5 +1,5 @@
-"""Host time of KV page allocation: the batched path against the one-page reference (issue 8 /
-issue 10, "prefill 2,048 <= 15 ms"). CPU only: NumPy ops over the host pool.
+"""Host time of KV page allocation: the batched path against the one-page reference (target:
+a 2,048-token prefill's pages within 15 ms). CPU only: NumPy ops over the host pool.
 
 A 2,048-token prefill of SmolLM2-135M at depth 1 needs ceil(2048 / 32) x 30 = 1,920 pages
 (depth 4: 60 slots, 3,840). Before the batch path every page was one pool allocation, one array

@@ -1,4 +1,4 @@
-"""The paged KV cache and its storage modes on the NumPy reference (issue 8).
+"""The paged KV cache and its storage modes on the NumPy reference.
 
 References: the unpaged attention (``NumpyOps.rope_kv`` + ``NumpyOps.attention`` over dense
 [ctx, Hkv, hd] arrays), slow per-row quantizers written here in float32 Python, and the
@@ -530,7 +530,7 @@ def test_pages_are_reference_counted():
     ops, pool, alloc, cache = _fresh_slot("int8", p=4, capacity=8)
     cache.ensure(8)
     shared = cache.page_list(0)[0]
-    alloc.ref(shared)                      # a second holder (a prefix cache, issue 9)
+    alloc.ref(shared)                      # a second reference (a prefix cache's)
     cache.release()
     assert alloc.live_pages == 1 and pool.allocated_bytes == shared.block.nbytes
     alloc.unref(shared)

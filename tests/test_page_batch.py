@@ -1,10 +1,10 @@
-"""Batched KV page allocation (issues 8 and 10: prefill 2,048 spent ~40 ms allocating pages one
-by one). Every batched path is checked against its one-by-one reference on a pool in the same
-state: ``MemoryPool.allocate_many`` / ``free_many`` against ``allocate`` / ``free`` (same
-addresses, sizes, tags, counters, peaks, layout and event log), ``PageAllocator.alloc_many``
-against ``alloc`` (same pages, zeroed bytes), ``RuntimeKVCache.ensure`` against
-``tests/kv_reference.ensure_one_by_one`` (same block tables); and out-of-memory part-way through a batch leaves
-nothing allocated and nothing lost."""
+"""Batched KV page allocation (docs/kv_modes.md "Allocating pages in batches"). Every batched
+path is checked against its one-by-one reference on a pool in the same state:
+``MemoryPool.allocate_many`` / ``free_many`` against ``allocate`` / ``free`` (same addresses,
+sizes, tags, counters, peaks, layout and event log), ``PageAllocator.alloc_many`` against
+``alloc`` (same pages, zeroed bytes), ``RuntimeKVCache.ensure`` against
+``tests/kv_reference.ensure_one_by_one`` (same block tables); and out-of-memory part-way
+through a batch leaves nothing allocated and nothing lost."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The captured decode step: one graph per key, replayed for every decode step of a request
-(issue 10, item 1; docs/architecture.md "The captured decode step").
+(docs/architecture.md "The captured decode step").
 
 A decode step reads its token id and position from a small device **step state** (int32
 ``[STEP_WORDS]``, ``backends.base``): embed reads ``STEP_ID``; the KV write and attention read

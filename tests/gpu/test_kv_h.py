@@ -1,4 +1,4 @@
-"""The store-h KV modes on CUDA (issue 8): kv_h.cu's write against ``numpy_ops.encode_h``
+"""The store-h KV modes on CUDA: kv_h.cu's write against ``numpy_ops.encode_h``
 (identical codes, scales and zeros), the chunked reconstruction attention against
 ``NumpyOps.kv_attention``, and whole models against the NumPy reference (synthetic SmolLM2
 dims: d_model 576, 9 heads, 3 KV heads of 64).
