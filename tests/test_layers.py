@@ -176,9 +176,9 @@ def own_privates(tree: ast.AST) -> set[str]:
     return {n for n in names if n.startswith("_")}
 
 
-def foreign_private_access(path: Path) -> list[str]:
+def foreign_private_access(path: Path, root: Path = ROOT) -> list[str]:
     """``obj._x`` (read or write; obj not ``self`` / ``cls``) where the module defines no
-    ``_x`` of its own: another module's private field."""
+    ``_x`` of its own: another module's private field (named relative to ``root``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     own = own_privates(tree)
     out = []
@@ -187,19 +187,15 @@ def foreign_private_access(path: Path) -> list[str]:
                 and not node.attr.startswith("__") and node.attr not in own
                 and not (isinstance(node.value, ast.Name)
                          and node.value.id in ("self", "cls", "sys", "np"))):
-            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+            out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     return out
 
 
 def test_foreign_private_access_finds_a_planted_read(tmp_path):
-    mod = ROOT / "tinyloop" / "_planted_for_test.py"
-    try:
-        mod.write_text("class A:\n    def __init__(self):\n        self._mine = 1\n\n"
-                       "def f(a, model):\n    a._mine = 2\n    return model._kv\n",
-                       encoding="utf-8")
-        assert foreign_private_access(mod) == ["tinyloop/_planted_for_test.py:7: model._kv"]
-    finally:
-        mod.unlink()
+    mod = tmp_path / "planted.py"
+    mod.write_text("class A:\n    def __init__(self):\n        self._mine = 1\n\n"
+                   "def f(a, model):\n    a._mine = 2\n    return model._kv\n", encoding="utf-8")
+    assert foreign_private_access(mod, tmp_path) == ["planted.py:7: model._kv"]
 
 
 def test_no_module_touches_another_modules_private_fields():
