@@ -8,8 +8,8 @@ Separate runs on separate machines cannot tell a kernel change from host and clo
 ``cuda_src/``) and B (``git archive REF cuda_src`` in a temporary folder) in fresh
 subprocesses, ``--rounds`` times each, on the same GPU, with this checkout's Python host code
 for both: B must keep the kernel entry points and signatures the host launches (a run that
-fails says so). Each run: greedy decode through the captured graph (TINYLOOP_MEGAKERNEL=0,
-TINYLOOP_CUDA_GRAPHS=1), 1.5 s of warm-up, then the median of 4 generations of 128 tokens per
+fails says so). Each run: greedy decode through the captured graph
+(TINYLOOP_CUDA_GRAPHS=1), 1.5 s of warm-up, then the median of 4 generations of 128 tokens per
 depth. Prints per depth the median over rounds of each side and B / A. Without --model a
 synthetic SmolLM2-135M-dims model is written once and shared (bench_decode.smollm2_like).
 """
@@ -32,7 +32,6 @@ _CHILD = r"""
 import json, os, statistics, sys, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
-os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop
 from tinyloop.backends import cuda_ops

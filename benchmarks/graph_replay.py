@@ -11,7 +11,7 @@ capture; the graph key holds the setting, so both live in one model):
     between replays (CUDA events around the batch; median of 5 batches): GPU microseconds per
     step, and the tokens/s that would give;
   - ``host``: the difference per token (the host's reaction, Python and the launch).
-Greedy, megakernel off. Without --model a synthetic SmolLM2-135M-dims model is written
+Greedy. Without --model a synthetic SmolLM2-135M-dims model is written
 (bench_decode.smollm2_like).
 """
 
@@ -25,7 +25,6 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
 from bench_decode import model_or_synthetic  # noqa: E402

@@ -25,7 +25,6 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
 from tinyloop.backends import cuda_ops  # noqa: E402

@@ -29,8 +29,7 @@
 enum { EPI_F16 = 0, EPI_RESID = 1, EPI_SWIGLU = 2, EPI_F32 = 3 };
 
 // The epilogue of output row `row` (by the lane holding its total): EPI_F16 / EPI_F32 store,
-// EPI_RESID read-add-store (the read through L2: decode_mega.cu's residual row is written by
-// other blocks of the same launch), EPI_SWIGLU silu(acc0) * acc1.
+// EPI_RESID read-add-store (the read through L2), EPI_SWIGLU silu(acc0) * acc1.
 template <int EPI>
 __device__ __forceinline__ void gemv_store(void* out, i64 row, float acc0, float acc1) {
     if (EPI == EPI_F16) ((half_t*)out)[row] = f2h(acc0);
@@ -389,7 +388,7 @@ __device__ __forceinline__ void norm_row_v256(const float* __restrict__ xr,
 
 // Loads of one batch: chunks c = c0 + j * LPR (j < GEMV2_U) of `row` (and row + F for SwiGLU)
 // with their scales and zeros; zeros where the chunk is past the row or the row is invalid.
-// LPR: a compile-time constant here (inlined), a runtime value in decode_mega.cu.
+// LPR: a compile-time constant at every call (inlined).
 template <int BITS, bool TWO>
 __device__ __forceinline__ void gemv2_load(uint4 (&wa)[GEMV2_U], float (&sa)[GEMV2_U],
                                            float (&za)[GEMV2_U], uint4 (&wb)[GEMV2_U],

@@ -55,7 +55,7 @@ __device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, f
 
 // INT8 row of one (position, KV head): one warp. src f16 [hd] (K: rotated here with cs; V: as
 // is) -> dst codes i8 [hd] and *scale (quant.quantize_rows_int8's rule, see the file head).
-// src is read through L2 (__ldcg): in decode_mega.cu other blocks wrote it moments before.
+// src is read through L2 (__ldcg): the kernel before wrote it.
 __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
                                                  const float* cs, int hd, i8* dst,
                                                  half_t* scale, int lane) {

@@ -14,7 +14,7 @@ import pytest
 
 from tinyloop.backends import cuda_ops
 from tinyloop.backends.cuda_ops import (ATTN_HEAD_DIMS, FA_HEAD_DIMS, FAMILY_INCLUDES,
-                                         GEOMETRY, KV_KERNEL_MODES, MEGA_HEAD_DIMS,
+                                         GEOMETRY, KV_KERNEL_MODES,
                                          load_source, nvrtc_options)
 
 SRC = Path(__file__).resolve().parents[1] / "cuda_src"
@@ -55,7 +55,7 @@ def test_cu_defaults_equal_the_table(family):
         if name.endswith("HEAD_DIM_ENTRIES"):
             dims = [int(h) for h in re.findall(r"[A-Z]+_ENTRIES\((\d+)\)", got[name])]
             assert dims == [int(h) for h in re.findall(r"\((\d+)\)", value)], (family, name)
-            want = {"attention_prefill": FA_HEAD_DIMS, "decode_mega": MEGA_HEAD_DIMS}
+            want = {"attention_prefill": FA_HEAD_DIMS}
             assert dims == list(want.get(family, ATTN_HEAD_DIMS)), (family, name)
         else:
             assert int(got[name]) == value, (family, name, got[name], value)
@@ -63,25 +63,24 @@ def test_cu_defaults_equal_the_table(family):
 
 def test_every_shared_constant_is_in_the_table():
     # a launch constant the host uses must come from GEOMETRY, not a literal of its own
-    for family in ("gemv", "gemm", "attention", "attention_prefill", "sample", "decode_mega"):
+    for family in ("gemv", "gemm", "attention", "attention_prefill", "sample"):
         assert set(cu_defaults(family)) == set(GEOMETRY[family]), family
 
 
 def test_an_including_family_compiles_with_the_included_geometry():
-    # decode_mega.cu pastes gemv.cu / attention_decode.cu: their -D values must reach it,
-    # and its own GEOMETRY entries too
-    opts = nvrtc_options("decode_mega")
-    for fam in FAMILY_INCLUDES["decode_mega"] + ("decode_mega",):
+    # qkv_rope.cu pastes gemv.cu / rope.cu: their -D values must reach it
+    opts = nvrtc_options("qkv_rope")
+    for fam in FAMILY_INCLUDES["qkv_rope"] + ("qkv_rope",):
         for k, v in GEOMETRY.get(fam, {}).items():
             assert f"-D{k}={v}" in opts, (fam, k)
-    assert GEOMETRY["decode_mega"]["MK_THREADS"] == GEOMETRY["attention_decode"]["DS_THREADS"]
+    assert "-DGEMV_WARPS=8" in opts
 
 
 def test_load_source_pastes_each_include_once():
-    src = load_source("decode_mega")
+    src = load_source("qkv_rope")
     assert src.count("typedef unsigned short half_t;") == 1       # common.cuh once
     assert src.count("__device__ __forceinline__ void kv_write_impl(") == 1         # rope.cu once
-    assert src.count("__device__ __forceinline__ void attn_split_unit(") == 1
+    assert src.count("__device__ __forceinline__ void gemv_norm_impl(") == 1        # gemv.cu once
     assert not re.search(r"^#include", src, re.M)                  # and no CUDA header
 
 
@@ -144,14 +143,11 @@ def test_store_h_kernels_the_host_launches_exist(tmp_path):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_head_dim_option_controls_the_megakernels(tmp_path):
-    one = _compile(tmp_path, "decode_mega",
-                   [o for o in nvrtc_options("decode_mega") if "MK_HEAD_DIM_ENTRIES" not in o]
-                   + ["-DMK_HEAD_DIM_ENTRIES=MK_ENTRIES(64)"])
-    assert b"decode_mega_hd64" in one and b"decode_mega_hd128" not in one
-    # the included families' kernels are compiled out (TL_DEVICE_ONLY): device code only
-    assert b"gemv2_q4_f16_l4" not in one and b"attn_split_fp16_hd64" not in one
-    assert b"kv_write_fp16" not in one and b"embed_q4" not in one
+def test_an_including_family_compiles_the_included_entries_out(tmp_path):
+    # qkv_rope.cu takes gemv.cu's and rope.cu's device code only (TL_DEVICE_ONLY)
+    one = _compile(tmp_path, "qkv_rope", nvrtc_options("qkv_rope"))
+    assert b"qkv_rope_step_q4_fp16" in one
+    assert b"gemv2_q4_f16_l4" not in one and b"kv_write_fp16" not in one
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

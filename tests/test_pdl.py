@@ -77,10 +77,10 @@ def test_every_pdl_kernel_waits_for_its_predecessor():
         assert _preloads_then_waits(fn, preload, touches), fn
 
 
-def test_the_megakernel_and_prefill_kernels_are_not_pdl_launched():
+def test_the_prefill_kernels_are_not_pdl_launched():
     names = {n for _, n, _ in _entries()}
     for n in names:
-        if n.startswith(("decode_mega", "attn_prefill", "gemm", "h_", "rmsnorm")):
+        if n.startswith(("attn_prefill", "gemm", "h_", "rmsnorm")):
             assert not n.startswith(cuda_ops.PDL_KERNELS), n
 
 

@@ -126,11 +126,9 @@ def check_non_finite_generation(path: str, backend: str) -> None:
             assert pool.by_tag()["kv_cache"] == kv0
         m.ops.from_host(good, m._output_norm)
 
-        # the hook below spoils rows of the eager head; a captured decode step or the
-        # megakernel never calls it (tests/test_graphs.py checks faults inside a replayed
-        # step), so both are off here
-        saved_env = {k: os.environ.get(k) for k in ("TINYLOOP_CUDA_GRAPHS",
-                                                     "TINYLOOP_MEGAKERNEL")}
+        # the hook below spoils rows of the eager head; a captured decode step never calls
+        # it (tests/test_graphs.py checks faults inside a replayed step), so graphs are off
+        saved_env = {k: os.environ.get(k) for k in ("TINYLOOP_CUDA_GRAPHS",)}
         os.environ.update({k: "0" for k in saved_env})
         real_head = m.head
         refs = {t: m.generate(prompt, max_new_tokens=8, temperature=t, seed=1).token_ids

@@ -255,38 +255,6 @@ def fused_qkv_rope_enabled(default: bool = True) -> bool:
     return _env_flag("TINYLOOP_FUSED_QKV_ROPE", default)
 
 
-def megakernel_enabled(default: bool = False) -> bool:
-    """``TINYLOOP_MEGAKERNEL``: run an eligible decode step as the persistent megakernel, one
-    cooperative launch per token (tinyloop/megakernel.py; 0 or unset: the captured graph, then
-    eager). Off by default: on the H200 it measured slower than the captured graph (real
-    SmolLM2, depth 1: 887 tok/s at 3 blocks/SM against 1,567; per phase of a layer slot A 8.5,
-    B 7.8, C 3.3, D 6.8, E 3.6 us with ~1 us barriers: benchmarks/profile_mega.py,
-    docs/architecture.md). Raises ConfigError naming the variable for a non-flag."""
-    return _env_flag("TINYLOOP_MEGAKERNEL", default)
-
-
-MEGA_BLOCKS_PER_SM = 0     # default cap of the megakernel's blocks per SM (0 = as many as fit:
-                           # 865 tok/s at 3/SM against 769 at 2/SM and 683 at 1/SM, H200)
-
-
-def megakernel_blocks_per_sm() -> int:
-    """``TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM``: at most this many megakernel blocks per SM (an
-    int 1..32; 0 = as many as fit, the occupancy; unset: MEGA_BLOCKS_PER_SM). Fewer blocks make
-    each grid barrier cheaper, more give the GEMV phases more warps. Raises ConfigError naming
-    the variable for anything else."""
-    raw = os.environ.get("TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM", "").strip()
-    if raw == "":
-        return MEGA_BLOCKS_PER_SM
-    try:
-        val = int(raw)
-    except ValueError:
-        val = -1
-    if not 0 <= val <= 32:
-        raise ConfigError(f"TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM={raw!r}: expected an int 0..32 "
-                          "(0 = the occupancy)")
-    return val
-
-
 KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
 
 

@@ -533,9 +533,6 @@ class Model:
         chunk = planmod.recon_rows(self.max_seq_len)
         self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
                         for lw in self._layers]
-        if getattr(self, "_h_source", "normed") == "residual":   # measurement only
-            self._recons = [dataclasses.replace(r, norm=(lw.attn_norm, self.config.norm_eps))
-                            for r, lw in zip(self._recons, self._layers)]
         return out
 
     def logit_row(self):
@@ -687,9 +684,8 @@ class Model:
     def watch_forward(self, callback):
         """While the block runs, ``callback(start, t)`` is called after every chunk of
         positions start..start+t-1 the forward computes (prefill chunks, eager decode steps,
-        ResumeHandle upgrades; decode steps run as a captured graph or the megakernel are
-        not seen): for progress display. It runs under the model's lock and must not call the
-        model."""
+        ResumeHandle upgrades; decode steps run as a captured graph are not seen): for
+        progress display. It runs under the model's lock and must not call the model."""
         self._rows_hooks.append(callback)
         try:
             yield
@@ -731,16 +727,13 @@ class Model:
             recon = self._recons[li]
         else:
             ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
-        h = norm
-        if recon is not None and recon.norm is not None:
-            h = x                                   # the residual-source measurement
         if step is None:
-            ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+            ops.kv_write(qkv, norm, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, kv)
             ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                              v["att"], recon)
         else:
-            ops.kv_write_step(qkv, h, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+            ops.kv_write_step(qkv, norm, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, kv)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                   v["att"], recon)
@@ -801,10 +794,9 @@ class Model:
     def decode_step(self, cache: RuntimeKVCache, token: int, pos: int, temperature: float,
                     top_k: int = 0, top_p: float = 1.0, u: float = 0.0) -> int | None:
         """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
-        through the decode megakernel or the captured decode step
-        (``graphs.DecodeGraphs.step``), or None when this step runs neither (megakernel off by
-        ``TINYLOOP_MEGAKERNEL=0`` or not eligible, and graphs off by ``TINYLOOP_CUDA_GRAPHS=0``,
-        sampling the backend cannot capture, or a KV mode it cannot capture): the caller then
+        through the captured decode step (``graphs.DecodeGraphs.step``), or None when this
+        step does not run there (graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling the
+        backend cannot capture, or a KV mode it cannot capture): the caller then
         runs ``forward`` + ``head_sample`` with the same (temperature, top_k, top_p, u), which
         picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises
         NonFiniteLogitsError (no step / position: the caller adds them) for a non-finite logit
@@ -813,23 +805,16 @@ class Model:
         if not g.eligible(cache, temperature):
             return None
         sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
-        got = g.step(cache, int(token), int(pos), sampling)
-        if got is None:
-            return None
-        nxt, code = got
+        nxt, code = g.step(cache, int(token), int(pos), sampling)
         if code:
             raise non_finite_logits(LOGIT_FAULTS[code])
         return nxt
 
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
-        ``graphs``, with the megakernel's records and scratch), ``keys``, ``captures``,
-        ``replays``, ``megakernel`` (launches, grid, blocks per SM that fit, failure)
-        (``graphs.DecodeGraphs.stats``)."""
+        ``graphs``), ``keys``, ``captures``, ``replays`` (``graphs.DecodeGraphs.stats``)."""
         if self._graphs is None:
-            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0,
-                    "megakernel": {"launches": 0, "blocks": 0, "blocks_per_sm_fit": 0,
-                                   "failed": None}}
+            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0}
         return self._graphs.stats()
 
     # -- public request API -------------------------------------------------------------------

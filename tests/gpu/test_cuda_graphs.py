@@ -32,13 +32,6 @@ from .test_kernels import HEADS, f16, gather, kv_pair, ops, ref, rng  # noqa: E4
 RUNS = [(1, 30), (4, 30), (2, 600), (4, 600)]     # (depth, prompt length), in this order
 
 
-@pytest.fixture(autouse=True)
-def _megakernel_off(monkeypatch):
-    # these tests are about the captured graph path: the megakernel (on by default) would
-    # run eligible steps in its place (tests/gpu/test_megakernel.py covers it)
-    monkeypatch.setenv("TINYLOOP_MEGAKERNEL", "0")
-
-
 def expected_graph_counts(depths, results) -> tuple[int, int]:
     """(captures, replays) that requests at ``depths`` with ``results`` (GenerationResult,
     in order) must give: a request's decode steps are its new tokens after the first, plus

@@ -969,8 +969,8 @@ def test_sample_nongreedy(ops, rng, temperature, top_k, top_p):
 @pytest.mark.parametrize("vocab", [1, 2, 7, 2003, 49152])
 def test_sample_device_matches_rule(ops, rng, vocab):
     """sample.cu's one-block sampler (temperature > 0) picks sample_from_logits's token, for
-    ties (equal logits ranked by id), +0 / -0, top_k 1 / k / >= vocab, top_p tiny / mid / off;
-    the CuPy sort path (device_sampling = False) agrees. u stays below 1 - 2^-30: within
+    ties (equal logits ranked by id), +0 / -0, top_k 1 / k / >= vocab, top_p tiny / mid / off.
+    u stays below 1 - 2^-30: within
     ~2^-40 of 1 the fixed-point kernel may pick another zero-mass tail token (documented)."""
     for trial in range(12):
         logits = (rng.standard_normal(vocab) * rng.choice([0.5, 3.0, 10.0])).astype(np.float32)
@@ -986,11 +986,20 @@ def test_sample_device_matches_rule(ops, rng, vocab):
             want = sample_from_logits(logits, temperature, top_k, top_p, float(u))
             got = ops.sample(dev, temperature, top_k, top_p, float(u))
             assert got == want, (vocab, trial, temperature, top_k, top_p, u, got, want)
-            ops.device_sampling = False
-            try:
-                assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want
-            finally:
-                ops.device_sampling = True
+
+
+def test_sample_past_the_device_vocabulary_takes_the_rule(ops, rng):
+    """A row longer than the fixed-point sampler takes (2^22) is sampled by the NumPy rule on
+    the host: the same pick, and the same NonFiniteLogitsError for a NaN row."""
+    from tinyloop.backends.cuda_ops import _SAMPLE_MAX_N
+    from tinyloop.errors import NonFiniteLogitsError
+    logits = (rng.standard_normal(_SAMPLE_MAX_N + 5) * 3).astype(np.float32)
+    dev = cupy.asarray(logits)
+    for u in (0.0, 0.37, 0.9):
+        assert ops.sample(dev, 0.8, 40, 0.95, u) == sample_from_logits(logits, 0.8, 40, 0.95, u)
+    dev[7] = np.nan
+    with pytest.raises(NonFiniteLogitsError):
+        ops.sample(dev, 0.8, 0, 1.0, 0.5)
 
 
 def test_sample_top_p_0_is_greedy(ops, rng):
@@ -1014,12 +1023,10 @@ def _faulty_rows(vocab: int) -> list:
 
 
 @pytest.mark.parametrize("vocab", [2, 1000, 49152])
-@pytest.mark.parametrize("temperature,device_sampling", [(0.0, True), (1.0, True),
-                                                         (1.0, False)])
-def test_sample_non_finite_logits_raise(ops, vocab, temperature, device_sampling, monkeypatch):
-    """Both temperature > 0 samplers (sample.cu's, and the CuPy path) and the argmax."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sample_non_finite_logits_raise(ops, vocab, temperature):
+    """The temperature > 0 sampler (sample.cu's) and the argmax."""
     from tinyloop.errors import NonFiniteLogitsError
-    monkeypatch.setattr(ops, "device_sampling", device_sampling)
     for logits, kind in _faulty_rows(vocab):
         dev = cupy.asarray(logits)
         if kind is None:                                        # -inf marks a masked token

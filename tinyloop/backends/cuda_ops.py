@@ -42,6 +42,7 @@ from ..kvcache import H_MODES
 from ..memory import get_pool
 from ..quant import QuantWeight
 from .base import LOGIT_FAULTS, STEP_POS, STEP_ROPE_MAX, STEP_WORDS, Ops, non_finite_logits
+from .numpy_ops import sample_from_logits
 
 try:
     import cupy
@@ -49,7 +50,7 @@ except ImportError:  # the module still imports (for docs / source checks) witho
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
-            "attention_prefill", "elementwise", "sample", "kv_h", "decode_mega", "qkv_rope")
+            "attention_prefill", "elementwise", "sample", "kv_h", "qkv_rope")
 _INCLUDE = '#include "common.cuh"'
 
 # Kernel geometry: the one definition of every launch constant the host and a kernel share.
@@ -60,7 +61,6 @@ ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)   # attention.cu instantiates one
 # attention_prefill.cu (tensor cores) needs head_dim % 16 == 0; other head dims (none built
 # today) run the scalar prefill kernel
 FA_HEAD_DIMS = tuple(hd for hd in ATTN_HEAD_DIMS if hd % 16 == 0)
-MEGA_HEAD_DIMS = (32, 64, 128)    # decode_mega.cu instantiates one megakernel per head dim
 GEOMETRY = {
     "gemv": {"GEMV_WARPS": 8},                   # warps (= output rows) per 32*W-thread block
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
@@ -76,14 +76,10 @@ GEOMETRY = {
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     "sample": {"SMP_THREADS": 1024},             # the temperature sampler's one block
-    "decode_mega": {"MK_THREADS": 128,           # megakernel block (= DS_THREADS: an attention
-                                                 # unit is one block)
-                    "MK_HEAD_DIM_ENTRIES": "".join(f"MK_ENTRIES({hd})" for hd in MEGA_HEAD_DIMS)},
 }
 # A family whose source #includes other families' .cu files (their device code; entries
 # compiled out with TL_DEVICE_ONLY) compiles with their geometry too.
-FAMILY_INCLUDES = {"decode_mega": ("dequant", "gemv", "rope", "attention_decode"),
-                   "qkv_rope": ("gemv", "rope")}
+FAMILY_INCLUDES = {"qkv_rope": ("gemv", "rope")}
 
 
 def nvrtc_options(family: str) -> tuple:
@@ -162,9 +158,7 @@ def gemv_choice(n: int, setting: dict) -> tuple:
                 break
     return ver, lpr
 _SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
-_MEGA_THREADS = GEOMETRY["decode_mega"]["MK_THREADS"]
-_MEGA_MAX_SMEM = 48 * 1024    # megakernel dynamic shared memory without the opt-in attribute
-_SAMPLE_MAX_N = 1 << 22  # sample_topk_topp: u64 sums of 2^40-scaled weights stay < 2^63
+_SAMPLE_MAX_N = 1 << 22  # sample_step: u64 sums of 2^40-scaled weights stay < 2^63
 
 
 def gemv_settings(version: str | None = None, lpr: int | None = None,
@@ -266,24 +260,6 @@ def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
     return lpr, threads, blocks
 
 
-def occupancy_estimate(num_regs: int, static_smem: int, dyn_smem: int, threads: int,
-                       dev: dict) -> int:
-    """Blocks of ``threads`` threads that fit on one SM at once, from the kernel's registers
-    per thread and shared memory (static + dynamic, + 1 KiB the runtime reserves per block on
-    sm_80+) and the device limits in ``dev`` (CuPy's ``Device().attributes`` names); registers
-    are allocated per warp in units of 256. A lower bound of CUDA's occupancy calculator for
-    these inputs (it does not model register-file partitioning, which only lowers it
-    further when the per-warp rounding is already coarse)."""
-    warps = -(-int(threads) // 32)
-    per_warp = -(-int(num_regs) * 32 // 256) * 256
-    by_regs = int(dev.get("MaxRegistersPerMultiprocessor", 65536)) // max(1, warps * per_warp)
-    smem = int(static_smem) + int(dyn_smem) + 1024
-    by_smem = int(dev.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024)) // smem
-    by_threads = int(dev.get("MaxThreadsPerMultiProcessor", _THREADS_PER_SM)) // int(threads)
-    by_blocks = int(dev.get("MaxBlocksPerMultiprocessor", _MAX_BLOCKS_PER_SM))
-    return max(0, min(by_regs, by_smem, by_threads, by_blocks))
-
-
 # --- sources and modules -----------------------------------------------------------------------
 def source_dir() -> Path:
     """The folder holding the ``.cu`` files.
@@ -363,7 +339,7 @@ def get_module(family: str):
 # gemv2_body after the weight preload). Name prefixes; tests/test_pdl.py checks each entry's
 # source. A kernel outside this list is launched plainly even while PDL is on.
 PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_decode_",
-               "embed_q", "argmax_f32", "sample_step", "sample_topk_topp", "swiglu_f16",
+               "embed_q", "argmax_f32", "sample_step", "swiglu_f16",
                "add_f16_to_f32", "concat_inject_", "copy_f16_to_f32", "decode_step_advance",
                "qkv_rope_step_")
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # cuda.h CUlaunchAttributeID
@@ -645,15 +621,18 @@ class CudaOps(Ops):
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
         # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
         # pointer is valid on the device), so greedy decode allocates nothing and copies
-        # nothing back besides these two ints. Then a sampled captured step's parameters
-        # f64 [4] = (temperature, top_k, top_p, u): the host writes them before each replay
-        # and sample.cu's sample_step reads them when it runs (set_step_sampling /
-        # head_sample_step). One pinned block holds both.
-        self._pinned_blk = self._pinned_pool.allocate(8 + 32, "scratch")
+        # nothing back besides these two ints. Then two sets of sampler parameters f64 [4] =
+        # (temperature, top_k, top_p, u) that sample.cu's sample_step reads when it runs: a
+        # captured step's (the host writes them before each replay: set_step_sampling /
+        # head_sample_step) and an eager ``sample``'s, apart so neither overwrites the
+        # other. One pinned block holds all three.
+        self._pinned_blk = self._pinned_pool.allocate(8 + 64, "scratch")
         self._id_ptr = self._pinned_blk.ptr
         self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
         self._smp_ptr = self._id_ptr + 8
         self._smp_view = (ctypes.c_double * 4).from_address(self._smp_ptr)
+        self._esmp_ptr = self._smp_ptr + 32
+        self._esmp_view = (ctypes.c_double * 4).from_address(self._esmp_ptr)
         # Device scratch of the LM head's fused argmax (gemv2_norm_*_argmax): one (value, id)
         # partial per block (at most one resident wave of the smallest blocks), the last-block
         # ticket (0 between launches: the kernel re-arms it) and the device copy of the chosen
@@ -669,22 +648,19 @@ class CudaOps(Ops):
         self._ticket = self._scratch_ptr + self._part_cap * 8
         self._id_dev = self._ticket + 8
         self._qkv_ticket = self._ticket + 16
-        # sample_topk_topp's u64 [vocab] scratch (a pool block, taken at the first use)
+        # sample_step's u64 [vocab] scratch (a pool block, taken at the first use)
         self._wq_blk, self._wq_ptr, self._wq_cap = None, 0, 0
         self._cublas_measured = False       # the first cuBLAS call is measured (NVML)
-        self.device_sampling = True         # False: temperature > 0 through _sample_cupy
         self._capture_stream = None         # the decode-step capture stream (graph_begin)
         self._capturing = None              # that stream while a capture is open
-        self._mega_fit: dict = {}           # (head_dim, smem) -> megakernel blocks per SM;
-                                            # ("why", head_dim, smem) -> mega_why_not
 
     _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk")
 
     def release(self) -> None:
         """Return the backend's scratch blocks to their pools (``Model.free`` calls it after
         the stream is idle; this Ops is not used afterwards). Idempotent."""
-        self._id_view = self._smp_view = None
-        self._id_ptr = self._smp_ptr = self._scratch_ptr = self._ds_ptr = self._wq_ptr = 0
+        self._id_view = self._smp_view = self._esmp_view = None
+        self._id_ptr = self._smp_ptr = self._esmp_ptr = self._scratch_ptr = self._ds_ptr = self._wq_ptr = 0
         self._ds_cap = self._wq_cap = 0
         for name in self._BLOCKS:
             blk = getattr(self, name, None)
@@ -1059,9 +1035,6 @@ class CudaOps(Ops):
         if recon is None or recon.scratch is None:
             raise ConfigError(f"kv mode {lay.mode!r} stores h: attention needs the layer's "
                               "reconstruction (a kvcache.Recon with the phase-5 scratch)")
-        if recon.norm is not None:
-            raise ConfigError("a store-h slot holding the raw residual (Recon.norm: a NumPy-"
-                              "only measurement) has no CUDA kernels")
         if head_dim > 256 or ld % 2:
             raise ConfigError(f"store-h attention needs head_dim <= 256 and an even qkv row "
                               f"(head_dim={head_dim}, qkv columns={ld})")
@@ -1521,8 +1494,8 @@ class CudaOps(Ops):
     @property
     def graph_sampling(self) -> bool:
         """A captured step can sample (temperature > 0) where sample.cu's device sampler runs
-        (``device_sampling``; vocabularies up to 2^22)."""
-        return self.device_sampling
+        (vocabularies up to 2^22: ``head_sample_step`` refuses a larger one)."""
+        return True
 
     def set_step_sampling(self, temperature, top_k, top_p, u) -> None:
         """``Ops.set_step_sampling``: validated, then written to the mapped pinned f64 [4] that
@@ -1539,16 +1512,15 @@ class CudaOps(Ops):
         read at run time from ``set_step_sampling``'s pinned buffer; id and fault code to
         ``step``). Its u64 [vocab] scratch must exist before a capture: the eager step that
         precedes every capture makes it. Raises ConfigError past the device sampler's
-        vocabulary limit or with ``device_sampling`` off."""
+        vocabulary limit."""
         sp = self._step_ptr(step)
         self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
         info = self._info(w)
         out = self._out(out, "out", _F32, 1, info.n)
         n = info.n
-        if not self.device_sampling or n > _SAMPLE_MAX_N:
+        if n > _SAMPLE_MAX_N:
             raise ConfigError(f"a sampled decode step needs the device sampler (vocabulary "
-                              f"<= {_SAMPLE_MAX_N}, device_sampling on); got {n} tokens, "
-                              f"device_sampling={self.device_sampling}")
+                              f"<= {_SAMPLE_MAX_N}); got {n} tokens")
         self._ensure_wq(n)
         self._fn("sample", "sample_step")(
             (1,), (_SAMPLE_THREADS,), (out.data.ptr, n, self._smp_ptr, self._wq_ptr, sp))
@@ -1626,105 +1598,19 @@ class CudaOps(Ops):
         """Nothing to do beyond dropping the reference: CuPy's Graph destroys its graph and
         executable graph when collected (the caller holds the only reference)."""
 
-    # --- the decode megakernel (cuda_src/decode_mega.cu; tinyloop/megakernel.py) -------------
-    mega_kv_modes = ("fp16", "int8")      # the slot modes decode_mega.cu reads and writes
-
-    def mega_weight_record(self, w) -> tuple:
-        """The megakernel's weight record of a device QuantWeight (decode_mega.cu MkW):
-        (qweight, scales, zeros pointers, N, K, bits, log2 g, lanes per row). Lanes per row
-        are those of the GEMV the graph path launches for ``w`` (v2: its lpr; v1: 32, one
-        warp per row), so each output row sums in the same order."""
-        info = self._info(w)
-        return (*info.args, info.n, info.k, int(w.bits), info.lg,
-                info.lpr if info.v2 else 32)
-
-    def mega_splits(self, capacity: int, n_heads: int) -> int:
-        """Attention splits of a slot whose block table holds ``capacity`` positions: the
-        split count the captured step's ``kv_attention_step`` launches (``decode_splits``)."""
-        return decode_splits(capacity, n_heads, self.sms)
-
-    def mega_why_not(self, head_dim: int, smem: int) -> str | None:
-        """Why this backend cannot run the megakernel for ``head_dim`` with ``smem`` bytes of
-        dynamic shared memory (None: it can). Asked every step: cached."""
-        key = ("why", head_dim, smem)
-        if key not in self._mega_fit:
-            self._mega_fit[key] = self._mega_why_not(head_dim, smem)
-        return self._mega_fit[key]
-
-    def _mega_why_not(self, head_dim: int, smem: int) -> str | None:
-        if self.attn_decode != "split":
-            return "TINYLOOP_ATTN_DECODE=v1 (the megakernel runs the split-K attention)"
-        if head_dim not in MEGA_HEAD_DIMS:
-            return f"head_dim={head_dim} (megakernels are built for {MEGA_HEAD_DIMS})"
-        if smem > _MEGA_MAX_SMEM:
-            return f"{smem} bytes of staged activations (at most {_MEGA_MAX_SMEM})"
-        try:
-            # unknown attribute (an older CuPy): try; a refused launch falls back (megakernel.py)
-            coop = int(cupy.cuda.Device().attributes.get("CooperativeLaunch", 1))
-        except Exception:                                # an older CuPy: no .attributes
-            coop = 1
-        if not coop:
-            return "the device does not support cooperative launches"
-        return None
-
-    def mega_grid(self, head_dim: int, smem: int, per_sm: int) -> tuple:
-        """(blocks, blocks per SM that fit) of a megakernel launch: ``per_sm`` blocks per SM
-        (0 = as many as fit), never more than fit co-resident (the occupancy: CUDA's
-        occupancy API where CuPy exposes it, else computed from the kernel's registers and
-        shared memory; the smaller when both exist), so every block reaches every barrier."""
-        key = (head_dim, smem)
-        fit = self._mega_fit.get(key)
-        if fit is None:
-            fn = self._fn("decode_mega", f"decode_mega_hd{int(head_dim)}")
-            # (a lazily loaded kernel may load at its first attribute query: measured)
-            with self._cuda_pool.measure_driver("kernel modules"):
-                attrs = fn.attributes
-                dev = cupy.cuda.Device().attributes
-                fit = occupancy_estimate(attrs["num_regs"], attrs["shared_size_bytes"], smem,
-                                         _MEGA_THREADS, dev)
-                try:
-                    api = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                        fn.kernel.ptr, _MEGA_THREADS, smem))
-                    fit = min(fit, api)
-                except Exception:  # not exposed by this CuPy (or another signature): estimate
-                    pass
-            self._mega_fit[key] = fit
-        if fit < 1:
-            raise ConfigError(f"no megakernel block fits on an SM (head_dim={head_dim}, "
-                              f"{smem} bytes of shared memory)")
-        n = fit if per_sm == 0 else min(fit, per_sm)
-        return self.sms * n, fit
-
-    def mega_launch(self, head_dim: int, blocks: int, smem: int, args: tuple) -> None:
-        """Queue one megakernel launch (decode_mega_hd{head_dim}) on the current stream with
-        cuLaunchCooperativeKernel: the driver refuses (CUDADriverError, nothing queued) a
-        grid that cannot be all co-resident, so the kernel's grid barriers cannot deadlock.
-        ``args`` in the kernel's order: Python ints (pointers, int64) and floats (double);
-        megakernel.py builds them. The module is compiled as every other family (no
-        cooperative-groups header or relocatable link: decode_mega.cu's barrier is its own)."""
-        fn = self._fn("decode_mega", f"decode_mega_hd{int(head_dim)}")
-        vals = [ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int64(int(a))
-                for a in args]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        pool, fn.pool = fn.pool, None            # the first launch is measured, as _Kernel's
-        with (pool.measure_driver("kernel modules") if pool is not None
-              else contextlib.nullcontext()):
-            cupy.cuda.driver.launchCooperativeKernel(
-                fn.kernel.ptr, int(blocks), 1, 1, _MEGA_THREADS, 1, 1, int(smem),
-                cupy.cuda.get_current_stream().ptr, ctypes.addressof(params))
-
     def sample(self, logits, temperature, top_k, top_p, u) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
         ``numpy_ops.sample_from_logits``'s rule; only the id crosses to the host.
 
         temperature <= 0: the argmax kernel writes the id straight to pinned host memory
         (no allocation; one stream synchronisation). Otherwise ``sample.cu``'s one-block
-        sampler (fixed-point weights, radix selects: no sort, no CuPy temporaries), or, with
-        ``device_sampling = False`` or a vocabulary past 2^22, the CuPy sort path (after the
-        argmax kernel, for the fault code). Either way the kernel writes the row's fault code
-        beside the id, so a row with a NaN or +inf, or only -inf, raises NonFiniteLogitsError
-        as on NumPy (checked once the stream has synchronised; no extra pass over the row).
-        Raises ConfigError for u outside [0, 1) or top_k < 0.
+        sampler, the captured step's (fixed-point weights, radix selects: no sort, no CuPy
+        temporaries), with its parameters in pinned memory of their own; a vocabulary past
+        2^22, which its fixed-point sums do not take, is copied to the host and sampled by the
+        NumPy rule itself. Either kernel writes the row's fault code beside the id, so a row
+        with a NaN or +inf, or only -inf, raises NonFiniteLogitsError as on NumPy (checked once
+        the stream has synchronised; no extra pass over the row). Raises ConfigError for u
+        outside [0, 1) or top_k < 0.
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
@@ -1737,20 +1623,15 @@ class CudaOps(Ops):
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
         n = logits.shape[0]
         if temperature <= 0.0:
-            self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
-            cupy.cuda.get_current_stream().synchronize()
-            self._raise_on_fault()
-            return int(self._id_view[0])
-        if self.device_sampling and n <= _SAMPLE_MAX_N:
-            self.sample_launch(logits, temperature, top_k, top_p, u, self._id_ptr)
-            cupy.cuda.get_current_stream().synchronize()
-            self._raise_on_fault()
-            return int(self._id_view[0])
-        self._fn("sample", "argmax_f32")((1,), (1024,), (logits.data.ptr, n, self._id_ptr))
-        picked = self._sample_nongreedy(logits, n, temperature, top_k, top_p, u)
-        cupy.cuda.get_current_stream().synchronize()     # idle already: int() copied the id
+            self._fn("sample", "argmax_f32")((1,), (_SAMPLE_THREADS,),
+                                             (logits.data.ptr, n, self._id_ptr))
+        elif n <= _SAMPLE_MAX_N:
+            self.sample_launch(logits, temperature, top_k, top_p, u)
+        else:
+            return sample_from_logits(cupy.asnumpy(logits), temperature, top_k, top_p, u)
+        cupy.cuda.get_current_stream().synchronize()
         self._raise_on_fault()
-        return picked
+        return int(self._id_view[0])
 
     def _raise_on_fault(self) -> None:
         """Raise NonFiniteLogitsError for the fault code an argmax / sampler kernel wrote
@@ -1759,18 +1640,19 @@ class CudaOps(Ops):
         if code:
             raise non_finite_logits(LOGIT_FAULTS[code])
 
-    def sample_launch(self, logits, temperature, top_k, top_p, u, id_host) -> None:
+    def sample_launch(self, logits, temperature, top_k, top_p, u) -> None:
         """Queue ``sample.cu``'s one-block top-k / top-p sampler (temperature > 0) on f32
-        logits [n] (validated by ``sample``); the id and the row's fault code go to the
-        device ints ``self._id_dev[0..1]`` and, when ``id_host`` is non-zero, to that mapped
-        pinned int [2]. Its u64 [n] scratch is taken once (cudaMalloc, outside the pool) and
-        grown only for a larger vocabulary."""
+        logits [n] (validated by ``sample``; n <= 2^22), its parameters written to the eager
+        sampler's pinned f64 [4] first; the id and the row's fault code go to the mapped
+        pinned int [2] ``step_host_buffer``. Its u64 [n] scratch is a pool block, grown only
+        for a larger vocabulary."""
         n = logits.shape[0]
         self._ensure_wq(n)
-        self._fn("sample", "sample_topk_topp")(
-            (1,), (_SAMPLE_THREADS,), (logits.data.ptr, n, float(temperature), int(top_k),
-                                       float(top_p), float(u), self._wq_ptr, self._id_dev,
-                                       id_host))
+        v = self._esmp_view
+        v[0], v[1], v[2], v[3] = float(temperature), float(int(top_k)), float(top_p), float(u)
+        self._fn("sample", "sample_step")(
+            (1,), (_SAMPLE_THREADS,), (logits.data.ptr, n, self._esmp_ptr, self._wq_ptr,
+                                       self._id_ptr))
 
     def _ensure_wq(self, n: int) -> None:
         """The sampler's u64 [>= n] scratch (cudaMalloc, outside the pool; grown only for a
@@ -1786,29 +1668,3 @@ class CudaOps(Ops):
         self._wq_blk = self._cuda_pool.allocate(8 * n, "scratch")
         self._wq_ptr = self._wq_blk.ptr
         self._wq_cap = n
-
-    @staticmethod
-    def _sample_nongreedy(logits, n, temperature, top_k, top_p, u) -> int:
-        """The temperature > 0 rule of ``sample_from_logits`` in CuPy array code (sort and
-        scans, several temporaries): the path with ``device_sampling = False``, kept as a
-        second implementation of the rule."""
-        z = logits.astype(cupy.float64) / float(temperature)
-        idx = cupy.arange(n, dtype=cupy.float64)
-        order = cupy.lexsort(cupy.stack([idx, -z]))            # by value desc, then id asc
-        if top_k and top_k < n:
-            order = order[:top_k]
-        zk = z[order]
-        p = cupy.exp(zk - zk[0])
-        p /= p.sum()
-        n_keep = cupy.asarray(p.size)
-        if top_p < 1.0:
-            c = cupy.cumsum(p)
-            keep = cupy.searchsorted(c, cupy.asarray([top_p], dtype=cupy.float64),
-                                     side="left")[0] + 1
-            n_keep = cupy.minimum(keep, p.size)
-            p = cupy.where(cupy.arange(p.size) < keep, p, 0.0)
-            p /= p.sum()
-        c = cupy.cumsum(p)
-        pick = cupy.searchsorted(c, (u * c[-1]).reshape(1), side="right")[0]
-        pick = cupy.minimum(pick, n_keep - 1)
-        return int(order[pick])

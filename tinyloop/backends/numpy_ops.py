@@ -397,10 +397,6 @@ class NumpyOps(Ops):
             raise ConfigError(f"kv mode {lay.mode!r} stores h: attention needs the layer's "
                               "reconstruction (its QKV weight and RoPE theta)")
         h = decode_h(rows, lay)                                    # float32 [n, d]
-        if recon.norm is not None:                                 # raw residual stored
-            hn = np.empty_like(h)
-            self.rmsnorm(h, recon.norm[0], recon.norm[1], hn)
-            h = hn
         kvd = n_kv_heads * head_dim
         kv_rows = self._matmul(h, recon.w_kv)                      # [n, 2 kv_dim]
         cos, sin = rope_tables(np.arange(c0, c1), head_dim, recon.theta)
