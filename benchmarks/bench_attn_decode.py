@@ -22,7 +22,7 @@ import numpy as np
 import cupy
 
 from tinyloop.backends import cuda_ops
-from tinyloop.backends.cuda_ops import CudaOps, decode_splits
+from tinyloop.backends.cuda_ops import CudaOps, KernelChoice, decode_splits
 from tinyloop.kvcache import PageLayout
 
 from gpu_timing import time_us
@@ -56,7 +56,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    ops = {v: CudaOps(attn_decode=v) for v in ("v1", "split")}
+    ops = {v: CudaOps(KernelChoice(attn_decode=v)) for v in ("v1", "split")}
     for o in ops.values():
         o.compile_all()
     q = cupy.asarray(rng.standard_normal((1, (H + 2 * HKV) * HD)).astype(np.float16))

@@ -23,7 +23,7 @@ import cupy
 from bench_attn_decode import H, HD, HKV, P, slot
 from gpu_timing import time_us
 
-from tinyloop.backends.cuda_ops import CudaOps
+from tinyloop.backends.cuda_ops import CudaOps, KernelChoice
 
 CASES = ((512, 0), (2048, 0), (512, 1536))     # (T, pos0)
 LAYERS = 30
@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    ops = {v: CudaOps(attn_prefill=v) for v in ("scalar", "mma")}
+    ops = {v: CudaOps(KernelChoice(attn_prefill=v)) for v in ("scalar", "mma")}
     for o in ops.values():
         o.compile_all()
     res = {}

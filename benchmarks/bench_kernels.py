@@ -44,7 +44,7 @@ try:
 except ImportError:        # --help and the CPU import test work without it
     cupy = None
 
-from tinyloop.backends.cuda_ops import CudaOps, decode_splits  # noqa: E402
+from tinyloop.backends.cuda_ops import CudaOps, KernelChoice, decode_splits  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
 from tinyloop.kvcache import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
 from tinyloop.memory import MemoryPool  # noqa: E402
@@ -241,7 +241,7 @@ def per_kernel_table(ops, layers, head, kv, mode, main_, bufs, pos, copy_gbs,
         "argmax (sample)": 4 * VOCAB,
         "head rmsnorm+lm_head+argmax": head.nbytes + 8 * D + 4 * VOCAB,
     }
-    fused = ops.gemv["version"] == "v2"
+    fused = ops.kernels.gemv == "v2"
     x = main_[pos:pos + 1]
     launches = layer_launches(ops, layers, kv, x, (norm, q, a_, h, None), pos, 1, False)
     if fused:
@@ -344,11 +344,12 @@ def main(argv=None) -> int:
     del a, b
 
     # --- decode GEMVs: v1 against v2 (auto geometry and each lanes-per-row) -------------------
-    variants = {"v1": CudaOps(gemv="v1"), "v2": CudaOps(gemv="v2"),
+    variants = {"v1": CudaOps(KernelChoice(gemv="v1")),
+                "v2": CudaOps(KernelChoice(gemv="v2")),
                 "auto": ops}                      # auto: GEMV_BY_SHAPE's pick per shape
     if not args.quick:
         for lpr in (4, 8, 16, 32):
-            variants[f"v2/l{lpr}"] = CudaOps(gemv="v2", gemv_lpr=lpr)
+            variants[f"v2/l{lpr}"] = CudaOps(KernelChoice(gemv="v2", gemv_lpr=lpr))
     gemv = {}
     cases = [("qkv", 960, D, 4, "f16"), ("wo", D, D, 4, "resid"),
              ("gate_up", 2 * FFN, D, 4, "swiglu"), ("down", D, FFN, 4, "resid"),

@@ -3,8 +3,8 @@ against the per-token time of ``generate`` (a script, not a test).
 
     python benchmarks/graph_replay.py [--model PATH] [--depths 1,4] [--pdl 0,1] [--ctx 64]
 
-For each depth and each ``TINYLOOP_PDL`` setting (programmatic dependent launch in the
-capture; the graph key holds the setting, so both live in one model):
+For each depth and each ``--pdl`` setting (``KernelChoice.pdl``: programmatic dependent launch
+in the capture; the graph key holds the setting, so both live in one model):
   - ``generate``: decode tokens/s of greedy generation (median of 5 runs of 128 tokens after
     a warm-up), i.e. the graph replay plus the host's share per token;
   - ``replay``: the same graph launched 200 times back to back with no host synchronisation
@@ -18,6 +18,7 @@ Greedy. Without --model a synthetic SmolLM2-135M-dims model is written
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     rows = []
     for d in [int(x) for x in a.depths.split(",")]:
         for p in a.pdl.split(","):
-            os.environ["TINYLOOP_PDL"] = p
+            m.ops.kernels = dataclasses.replace(m.ops.kernels, pdl=p == "1")
             for _ in range(3):
                 m.generate(prompt, max_new_tokens=64, depth=d)
             tps = statistics.median(m.generate(prompt, max_new_tokens=128,

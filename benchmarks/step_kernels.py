@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 
@@ -126,10 +127,10 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
         groups = collections.OrderedDict()
         for r in rec:
             groups.setdefault(group_key(r[0].name, r[3]), []).append(r)
-        old = os.environ.get("TINYLOOP_PDL")
+        old = ops.kernels
         try:
             for p in pdl.split(","):
-                os.environ["TINYLOOP_PDL"] = p
+                ops.kernels = dataclasses.replace(old, pdl=p == "1")
                 whole = graph_us(ops, rec, reset)
                 print(f"\n== depth {depth}, ctx {ctx}, PDL {p}: {len(rec)} launches, whole step "
                       f"{whole:.1f} us", file=out)
@@ -153,10 +154,7 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
                 results.append({"pdl": p, "depth": depth, "ctx": ctx, "whole_us": whole,
                                 "sum_us": total, "rows": rows})
         finally:
-            if old is None:
-                os.environ.pop("TINYLOOP_PDL", None)
-            else:
-                os.environ["TINYLOOP_PDL"] = old
+            ops.kernels = old
     return results
 
 

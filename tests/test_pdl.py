@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from tinyloop.backends import cuda_ops
-from tinyloop.config import pdl_enabled
 from tinyloop.errors import ConfigError
 
 SRC = Path(cuda_ops.__file__).resolve().parents[2] / "cuda_src"
@@ -110,16 +109,6 @@ def test_kernel_arguments_pack_as_cupy_packs_them():
     assert cuda_ops._dim3((2, 3)) == (2, 3, 1)
     with pytest.raises(ConfigError):
         cuda_ops._dim3((1, 1, 1, 1))
-
-
-def test_pdl_flag(monkeypatch):
-    monkeypatch.delenv("TINYLOOP_PDL", raising=False)
-    assert pdl_enabled() is True
-    monkeypatch.setenv("TINYLOOP_PDL", "0")
-    assert pdl_enabled() is False
-    monkeypatch.setenv("TINYLOOP_PDL", "maybe")
-    with pytest.raises(ConfigError, match="TINYLOOP_PDL"):
-        pdl_enabled()
 
 
 def test_the_step_state_layout_in_rope_cu_matches_base():

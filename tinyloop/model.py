@@ -164,7 +164,7 @@ class Model:
     """
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-                 backend: str = "auto", kv_mode=None):
+                 backend: str = "auto", kv_mode=None, kernels=None):
         self._freed = True           # until the load succeeds there is nothing to free
         self._blocks: list = []      # every model-owned pool block; freed by free()
         max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
@@ -182,7 +182,7 @@ class Model:
         self._kv_caches = weakref.WeakSet()  # every RuntimeKVCache new_kv_cache made that is
                                             # still referenced (a suspended stream's, a handle's);
                                             # free() releases them (guarded by _lock)
-        self._ops = get_ops(backend)
+        self._ops = get_ops(backend, kernels)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
         self._graphs = None      # DecodeGraphs: the captured decode steps (made at first use)
@@ -910,7 +910,7 @@ def artificial_loop_message(model: Model, depth: int) -> str:
 
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-               backend: str = "auto", kv_mode=None) -> Model:
+               backend: str = "auto", kv_mode=None, kernels=None) -> Model:
     """Load a .tlm model, phase by phase (the lifecycle and memory contract,
     docs/architecture.md).
 
@@ -919,11 +919,15 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     ``backend`` "auto" | "cuda" | "numpy"; ``kv_mode``: the KV cache storage mode of every
     request (a name from ``tinyloop.kvcache.KV_MODES``, "auto", a dict ``{"prelude": m,
     "recurrent": m, "coda": m}`` or one mode per physical layer; default
-    ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them).
+    ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them); ``kernels``: the
+    CUDA kernel variants (``tinyloop.backends.cuda_ops.KernelChoice``, for tests and
+    benchmarks; None: the defaults; a non-default choice on the NumPy backend raises
+    ConfigError).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
     """
-    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode)
+    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode,
+                 kernels=kernels)
 
 
 def _check_model(model) -> Model:

@@ -7,6 +7,8 @@ The same step-state logic runs on the CPU through a recording fake in tests/test
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -79,7 +81,7 @@ def test_graphs_on_and_off_give_identical_tokens(real_model_path, real_text_ids,
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_pdl_capture_gives_bit_identical_logits(real_model_path, real_text_ids, monkeypatch,
                                                 mode):
-    """Programmatic dependent launch in the capture (TINYLOOP_PDL, cuda_ops.PDL_KERNELS): the
+    """Programmatic dependent launch in the capture (KernelChoice.pdl, cuda_ops.PDL_KERNELS): the
     same requests (depth 1 -> 4 -> 2 -> 4, prompts of 30 and 600 tokens) give, step by step,
     the same ids and bit-identical logit rows with PDL on and off (a kernel reading its
     predecessor's output before it completed would show here), each setting under its own
@@ -90,7 +92,8 @@ def test_pdl_capture_gives_bit_identical_logits(real_model_path, real_text_ids, 
     try:
         got = {}
         for pdl in ("0", "1"):
-            monkeypatch.setenv("TINYLOOP_PDL", pdl)
+            monkeypatch.setattr(m.ops, "kernels",
+                                dataclasses.replace(m.ops.kernels, pdl=pdl == "1"))
             seen.clear()
             for d, n in RUNS:
                 m.generate(real_text_ids[:n], max_new_tokens=24, depth=d)
@@ -115,7 +118,6 @@ def test_a_driver_refusing_pdl_turns_it_off_with_a_warning(monkeypatch):
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("CUDA_ERROR_INVALID_VALUE (simulated)")
-    monkeypatch.delenv("TINYLOOP_PDL", raising=False)
     ok = CudaOps()
     if ok._cc < 90:
         pytest.skip("PDL needs compute capability 9.0")

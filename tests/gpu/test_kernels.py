@@ -29,7 +29,7 @@ import cupy  # noqa: E402
 
 from tinyloop.backends import cuda_ops  # noqa: E402
 from tinyloop.backends.base import STEP_POS, STEP_WORDS, Ops  # noqa: E402
-from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
+from tinyloop.backends.cuda_ops import CudaOps, KernelChoice  # noqa: E402
 from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
 from tinyloop.errors import ConfigError, NonFiniteLogitsError  # noqa: E402
 from tinyloop.quant import QuantWeight, dequantize, quantize  # noqa: E402
@@ -47,7 +47,7 @@ def ops(request):
     (``@ALL_GEMVS``: each GEMV test runs for v1 and v2)."""
     ver = getattr(request, "param", "v2")      # "auto": GEMV_BY_SHAPE, as a model runs
     if ver not in _OPS:
-        o = _OPS[ver] = CudaOps(gemv=ver)
+        o = _OPS[ver] = CudaOps(KernelChoice(gemv=ver))
         o.compile_all()
     return _OPS[ver]
 
@@ -512,7 +512,8 @@ _V2_OPS: dict = {}
 def v2_ops(lpr, threads):
     """CudaOps whose v2 GEMVs use ``lpr`` lanes per row and ``threads``-thread blocks."""
     if (lpr, threads) not in _V2_OPS:
-        _V2_OPS[(lpr, threads)] = CudaOps(gemv="v2", gemv_lpr=lpr, gemv_threads=threads)
+        _V2_OPS[(lpr, threads)] = CudaOps(KernelChoice(gemv="v2", gemv_lpr=lpr,
+                                                       gemv_threads=threads))
     return _V2_OPS[(lpr, threads)]
 
 
@@ -688,12 +689,11 @@ def test_lm_head_sample_nongreedy(ops, ref, rng, temperature, top_k, top_p):
         assert got == sample_from_logits(logits, temperature, top_k, top_p, float(u))
 
 
-def test_gemv_settings_errors_name_the_setting(monkeypatch):
-    with pytest.raises(ConfigError, match="TINYLOOP_GEMV"):
-        CudaOps(gemv="v3")
-    monkeypatch.setenv("TINYLOOP_GEMV_LPR", "6")
-    with pytest.raises(ConfigError, match="TINYLOOP_GEMV_LPR"):
-        CudaOps()
+def test_gemv_choice_errors_name_the_field(monkeypatch):
+    with pytest.raises(ConfigError, match="KernelChoice.gemv="):
+        CudaOps(KernelChoice(gemv="v3"))
+    monkeypatch.setenv("TINYLOOP_GEMV_LPR", "6")                # no longer read
+    assert CudaOps().kernels.gemv_lpr is None
 
 
 # --- RoPE and attention ------------------------------------------------------------------------
@@ -928,9 +928,10 @@ def test_decode_split(ops, ref, rng, monkeypatch, mode, h, hkv, hd, p, ctx, spli
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 @pytest.mark.parametrize("ctx", [1, 33, 2047, 4096])
 def test_decode_versions_and_step_state(ops, ref, rng, monkeypatch, version, mode, ctx):
-    """TINYLOOP_ATTN_DECODE's both kernels with the host's split rule, and kv_attention_step
-    reading ctx from a device step state (split-K: on the device; v1: on the host)."""
-    monkeypatch.setattr(ops, "attn_decode", version)
+    """KernelChoice.attn_decode's both kernels with the host's split rule, and
+    kv_attention_step reading ctx from a device step state (split-K: on the device; v1: on
+    the host)."""
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_decode=version))
     for step in (False, True):
         _paged_attention_case(ops, ref, rng, mode, 9, 3, 64, 1, ctx - 1, 32, step=step)
 
@@ -1175,6 +1176,7 @@ def test_qkv_rope_step_equals_the_pair(ops, ref, rng, monkeypatch, h, hkv, hd, b
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
         np.testing.assert_array_equal(again[name], want[name], err_msg=name)
     assert np.isfinite(got["qkv"].astype(np.float32)).all() and got["k"].any()
-    monkeypatch.setenv("TINYLOOP_FUSED_QKV_ROPE", "0")         # the switch: the pair runs
+    monkeypatch.setattr(ops, "kernels",                          # the switch: the pair runs
+                        dataclasses.replace(ops.kernels, fused_qkv_rope=False))
     assert not ops.rmsnorm_qkv_kv_step(x, wt, 1e-5, w, poisoned((1, n), cupy.float16), step,
                                        theta, h, hkv, hd, c.slot(0))

@@ -45,13 +45,22 @@ def ops_class(backend: str = "auto"):
     return CudaOps
 
 
-def get_ops(backend: str = "auto"):
+def get_ops(backend: str = "auto", kernels=None):
     """Return an Ops instance for ``backend`` ("auto" picks cuda when available).
 
-    Raises ConfigError for an unknown name, BackendUnavailableError for "cuda" without a
-    device CuPy can see."""
+    ``kernels``: the CUDA kernel variants (``cuda_ops.KernelChoice``; None: the defaults).
+    Raises ConfigError for an unknown name, a ``kernels`` that is not a KernelChoice, or a
+    non-default choice on the NumPy backend (it runs no CUDA kernels, so the choice would be
+    silently ignored); BackendUnavailableError for "cuda" without a device CuPy can see."""
+    from .cuda_ops import KernelChoice     # imports without CuPy
+    choice = KernelChoice.of(kernels)
     cls = ops_class(backend)
-    if cls.name == "cuda" and not cuda_available():
+    if cls.name != "cuda":
+        if choice != KernelChoice():
+            raise ConfigError(f"kernels={choice!r} picks CUDA kernel variants; the "
+                              f"{cls.name} backend runs none")
+        return cls()
+    if not cuda_available():
         raise BackendUnavailableError("backend='cuda' was requested but CuPy cannot see a CUDA "
                                       "device (is cupy-cuda12x/13x installed and a GPU present?)")
-    return cls()
+    return cls(choice)

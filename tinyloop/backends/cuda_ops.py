@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import math
-import os
 import re
 import sys
 import threading
@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import fused_qkv_rope_enabled, pdl_enabled
 from ..errors import ConfigError
 from ..kvcache import H_MODES
 from ..memory import get_pool
@@ -112,12 +111,12 @@ _PF_Q = GEOMETRY["attention"]["PF_Q"]
 _FA_THREADS = 32 * GEOMETRY["attention_prefill"]["FA_WARPS"]
 _FA_Q = 16 * GEOMETRY["attention_prefill"]["FA_WARPS"]    # query rows per block
 _FA_NAMES = {(m, hd): f"attn_fa_{m}_hd{hd}" for m in KV_KERNEL_MODES for hd in FA_HEAD_DIMS}
-ATTN_PREFILL_VERSIONS = ("mma", "scalar")   # TINYLOOP_ATTN_PREFILL: tensor cores | scalar FP32
+ATTN_PREFILL_VERSIONS = ("mma", "scalar")   # KernelChoice.attn_prefill: tensor cores | FP32
 _DC_THREADS = GEOMETRY["attention"]["DC_THREADS"]
 _DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
 _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
                 for hd in ATTN_HEAD_DIMS}
-ATTN_DECODE_VERSIONS = ("split", "v1")   # TINYLOOP_ATTN_DECODE: split-K (default) | v1
+ATTN_DECODE_VERSIONS = ("split", "v1")   # KernelChoice.attn_decode: split-K (default) | v1
 DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
 DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
 _DS_TICKETS = 1024      # split-K decode: per-head merge tickets (query heads at most)
@@ -137,7 +136,7 @@ _GEMV2_THREADS = (64, 128, 256)   # v2 block sizes (norm_row_v256 needs a diviso
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
 GEMV_VERSIONS = ("auto", "v1", "v2")
-# The decode GEMV per weight shape (TINYLOOP_GEMV=auto, the default): the first row whose
+# The decode GEMV per weight shape (KernelChoice.gemv = auto, the default): the first row whose
 # min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). From the
 # H200 per-kernel table at SmolLM2 dims (bench_kernels.py, issue 10): v1 beats v2 on every
 # layer shape (qkv 2.22 vs 2.38 us, norm+qkv 3.80 vs 6.05), v2 at 4 lanes per row wins the LM
@@ -146,73 +145,80 @@ GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
                  (0, "v1", None))      # every layer shape
 
 
-def gemv_choice(n: int, setting: dict) -> tuple:
+def gemv_choice(n: int, kernels: "KernelChoice") -> tuple:
     """(version, forced lanes per row or None) of the decode GEMV over ``n`` output rows under
-    ``setting`` (``gemv_settings``): a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A
-    forced ``lpr`` overrides the table's."""
-    ver, lpr = setting["version"], setting["lpr"]
+    ``kernels``: a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A forced ``gemv_lpr``
+    overrides the table's."""
+    ver, lpr = kernels.gemv, kernels.gemv_lpr
     if ver == "auto":
         for min_rows, v, l in GEMV_BY_SHAPE:
             if n >= min_rows:
                 ver, lpr = v, (lpr if lpr is not None else l)
                 break
     return ver, lpr
+
+
 _SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
 _SAMPLE_MAX_N = 1 << 22  # sample_step: u64 sums of 2^40-scaled weights stay < 2^63
 
 
-def gemv_settings(version: str | None = None, lpr: int | None = None,
-                  threads: int | None = None) -> dict:
-    """The decode GEMV choice: the arguments, else the environment; validated.
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """Which CUDA kernel variant each op runs: an argument of ``load_model`` / ``Model``
+    (``kernels=``) and of ``CudaOps`` for tests and benchmarks; the defaults are the product's
+    paths. Validated on construction (ConfigError naming the field).
 
-    ``version`` / ``TINYLOOP_GEMV`` = auto (default: per weight shape, ``GEMV_BY_SHAPE``) |
-    v2 | v1 (the original one-warp-per-row kernels) forced for every shape; ``lpr`` / ``TINYLOOP_GEMV_LPR`` = 4 | 8 | 16 | 32 forces v2's lanes per row
-    (default: per shape, see ``gemv2_geometry``); ``threads`` / ``TINYLOOP_GEMV_THREADS`` =
-    64 | 128 | 256 forces its block size. Raises ConfigError naming the bad setting.
+    ``gemv``: the decode GEMV (T = 1): ``auto`` (per weight shape, GEMV_BY_SHAPE), or ``v1``
+    (one warp per row) / ``v2`` (lanes per row, x in shared memory) for every shape.
+    ``gemv_lpr``: 4 | 8 | 16 | 32 forces v2's lanes per row (None: per shape,
+    ``gemv2_geometry``); ``gemv_threads``: 64 | 128 | 256 forces its block size (None: per
+    shape). ``attn_decode``: ``split`` (split-K, attention_decode.cu; contexts of at most
+    DS_SINGLE_PASS_MAX keys run the single-pass kernel, ``decode_splits``) or ``v1`` (the
+    single-pass kernel of attention.cu, one block per query head, at every length).
+    ``attn_prefill``: ``mma`` (FlashAttention-2 on tensor cores, attention_prefill.cu; head
+    dims outside FA_HEAD_DIMS or rows without 4-byte alignment run the scalar kernel) or
+    ``scalar`` (attention.cu's FP32 kernel at every T > 1). ``fused_qkv_rope``: in a decode
+    step with fp16 / int8 pages and the v1 QKV GEMV, RMSNorm + QKV + RoPE + the K/V write as
+    one kernel (qkv_rope.cu; False: the fused RMSNorm-GEMV then kv_write_step, its
+    reference). ``pdl``: capture the decode step's kernels with programmatic dependent
+    launch on GPUs of compute capability 9.0+ (False: plain launches; eager launches never
+    use it).
     """
-    ver = version or os.environ.get("TINYLOOP_GEMV", "") or "auto"
-    if ver not in GEMV_VERSIONS:
-        raise ConfigError(f"GEMV version (TINYLOOP_GEMV) {ver!r}: expected one of "
-                          f"{GEMV_VERSIONS}")
-    out = {"version": ver, "lpr": None, "threads": None}
-    for var, key, given, allowed in (("TINYLOOP_GEMV_LPR", "lpr", lpr, _GEMV2_LPR),
-                                     ("TINYLOOP_GEMV_THREADS", "threads", threads,
-                                      _GEMV2_THREADS)):
-        raw = given if given is not None else os.environ.get(var, "")
-        if raw != "":
-            try:
-                val = int(raw)
-            except (TypeError, ValueError):
-                val = None
-            if val not in allowed:
-                raise ConfigError(f"GEMV {key} ({var}) {raw!r}: expected one of {allowed}")
-            out[key] = val
-    return out
 
+    gemv: str = "auto"
+    gemv_lpr: int | None = None
+    gemv_threads: int | None = None
+    attn_decode: str = "split"
+    attn_prefill: str = "mma"
+    fused_qkv_rope: bool = True
+    pdl: bool = True
 
-def attn_decode_setting(version: str | None = None) -> str:
-    """The T = 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_DECODE``: ``split``
-    (default; split-K, attention_decode.cu, falling back to the single-pass kernel where
-    ``decode_splits`` returns 0: contexts of at most DS_SINGLE_PASS_MAX keys) or ``v1`` (one
-    block per query head, attention.cu, at every length). Raises ConfigError naming a bad
-    value."""
-    ver = version or os.environ.get("TINYLOOP_ATTN_DECODE", "") or "split"
-    if ver not in ATTN_DECODE_VERSIONS:
-        raise ConfigError(f"decode attention (TINYLOOP_ATTN_DECODE) {ver!r}: expected one of "
-                          f"{ATTN_DECODE_VERSIONS}")
-    return ver
+    def __post_init__(self):
+        for name, allowed in (("gemv", GEMV_VERSIONS), ("attn_decode", ATTN_DECODE_VERSIONS),
+                              ("attn_prefill", ATTN_PREFILL_VERSIONS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"KernelChoice.{name}={getattr(self, name)!r}: expected one "
+                                  f"of {allowed}")
+        for name, allowed in (("gemv_lpr", _GEMV2_LPR), ("gemv_threads", _GEMV2_THREADS)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                                  or v not in allowed):
+                raise ConfigError(f"KernelChoice.{name}={v!r}: expected None or one of "
+                                  f"{allowed}")
+        for name in ("fused_qkv_rope", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"KernelChoice.{name}={getattr(self, name)!r}: expected "
+                                  "True or False")
 
-
-def attn_prefill_setting(version: str | None = None) -> str:
-    """The T > 1 attention kernel: ``version`` else ``TINYLOOP_ATTN_PREFILL``: ``mma``
-    (default; FlashAttention-2 on tensor cores, attention_prefill.cu, for head dims in
-    FA_HEAD_DIMS) or ``scalar`` (the FP32 kernel of attention.cu, the slow reference; also
-    what ``mma`` falls back to for other head dims). Raises ConfigError naming a bad value."""
-    ver = version or os.environ.get("TINYLOOP_ATTN_PREFILL", "") or "mma"
-    if ver not in ATTN_PREFILL_VERSIONS:
-        raise ConfigError(f"prefill attention (TINYLOOP_ATTN_PREFILL) {ver!r}: expected one of "
-                          f"{ATTN_PREFILL_VERSIONS}")
-    return ver
+    @classmethod
+    def of(cls, kernels) -> "KernelChoice":
+        """``kernels`` itself, or the defaults for None; ConfigError for anything else."""
+        if kernels is None:
+            return cls()
+        if not isinstance(kernels, cls):
+            raise ConfigError(f"kernels must be a KernelChoice or None, got "
+                              f"{type(kernels).__name__}")
+        return kernels
 
 
 def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
@@ -549,14 +555,14 @@ class _WInfo:
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
         # GEMV v2 (the default decode kernels): needs x in shared memory (K <= _NORM_MAX_K)
         # and int row arithmetic (N * 32 < 2^31)
-        st = ops.gemv
-        ver, lpr = gemv_choice(self.n, st)
+        kc = ops.kernels
+        ver, lpr = gemv_choice(self.n, kc)
         self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
                    and self.n * 32 < _NORM_MAX_N)
         self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
         self.geo: dict = {}                       # (rows, cap_wave) -> (threads, blocks)
         if self.v2:
-            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, lpr, st["threads"])[0]
+            self.lpr = gemv2_geometry(self.n, self.k, b, ops.sms, lpr, kc.gemv_threads)[0]
             sfx = f"_l{self.lpr}"
             self.g2 = {e: ops._fn("gemv", f"gemv2_q{b}_{e}{sfx}") for e in ("f16", "resid",
                                                                             "swiglu", "f32")}
@@ -566,7 +572,7 @@ class _WInfo:
 
     def geometry(self, ops, rows: int, cap_wave: bool = False) -> tuple:
         """(threads, blocks) of a v2 launch over ``rows`` output rows."""
-        _, nt, nb = gemv2_geometry(rows, self.k, 8, ops.sms, self.lpr, ops.gemv["threads"],
+        _, nt, nb = gemv2_geometry(rows, self.k, 8, ops.sms, self.lpr, ops.kernels.gemv_threads,
                                    cap_wave)
         return nt, nb
 
@@ -582,13 +588,9 @@ class CudaOps(Ops):
     fp16_cache_default = False    # the GEMV / GEMM kernels read the packed weights directly
     xp = cupy
 
-    def __init__(self, gemv: str | None = None, gemv_lpr: int | None = None,
-                 gemv_threads: int | None = None, attn_decode: str | None = None,
-                 attn_prefill: str | None = None):
-        """``gemv`` / ``gemv_lpr`` / ``gemv_threads``: the decode GEMV choice (see
-        ``gemv_settings``; None reads the environment); ``attn_decode``: the T = 1 attention
-        kernel (``attn_decode_setting``); ``attn_prefill``: the T > 1 one
-        (``attn_prefill_setting``)."""
+    def __init__(self, kernels: KernelChoice | None = None):
+        """``kernels``: the kernel variant of each op (``KernelChoice``; None: the defaults).
+        Raises ConfigError without CuPy or for a ``kernels`` that is not a KernelChoice."""
         if cupy is None:
             raise ConfigError("CudaOps needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)")
         self._fns: dict = {}
@@ -605,9 +607,7 @@ class CudaOps(Ops):
         self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
         self.sms = sms
         self._cc = int(cupy.cuda.Device().compute_capability)     # e.g. 90 for sm_90
-        self.gemv = gemv_settings(gemv, gemv_lpr, gemv_threads)   # v1 | v2, forced geometry
-        self.attn_decode = attn_decode_setting(attn_decode)        # split | v1
-        self.attn_prefill = attn_prefill_setting(attn_prefill)     # mma | scalar
+        self._kernels = KernelChoice.of(kernels)
         # Every buffer of the backend's own is a pool block under tag "scratch": device
         # scratch in the cuda pool, the mapped host words in the pinned pool (blocks of these
         # process pools, returned by release() or, for an Ops no Model owns, when it dies).
@@ -655,6 +655,19 @@ class CudaOps(Ops):
         self._capturing = None              # that stream while a capture is open
 
     _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk")
+
+    @property
+    def kernels(self) -> KernelChoice:
+        """The kernel variant of each op (``KernelChoice``). Assigning another choice (tests
+        and benchmarks comparing variants on one model) drops the per-weight launch
+        parameters, which depend on the GEMV choice; a captured step keys on it
+        (``graph_constants``). Raises ConfigError for a value that is not a KernelChoice."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, choice: KernelChoice) -> None:
+        self._kernels = KernelChoice.of(choice)
+        self._winfo = weakref.WeakKeyDictionary()
 
     def release(self) -> None:
         """Return the backend's scratch blocks to their pools (``Model.free`` calls it after
@@ -1126,7 +1139,7 @@ class CudaOps(Ops):
         if t == 1:
             self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
                               scale_log2, out)
-        elif (self.attn_prefill == "mma" and head_dim in FA_HEAD_DIMS and ld % 2 == 0
+        elif (self.kernels.attn_prefill == "mma" and head_dim in FA_HEAD_DIMS and ld % 2 == 0
               and qkv.data.ptr % 4 == 0 and out.data.ptr % 4 == 0 and ctx < 2**30):
             self._fn("attention_prefill", _FA_NAMES[mode, head_dim])(
                 (((t + _FA_Q - 1) // _FA_Q) * int(n_heads),), (_FA_THREADS,),
@@ -1147,9 +1160,9 @@ class CudaOps(Ops):
         table's capacity and only picks the split count). ``splits`` forces split-K with that
         count (tests)."""
         ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
-        if self.attn_decode == "v1" or ns == 0:
+        if self.kernels.attn_decode == "v1" or ns == 0:
             if step_pos:
-                raise ConfigError("TINYLOOP_ATTN_DECODE=v1 reads the context length on the "
+                raise ConfigError("KernelChoice(attn_decode='v1') reads the context length on the "
                                   "host; the device step state needs the split-K kernel")
             self._fn("attention", _DECODE_NAMES[mode, head_dim])(
                 (int(n_heads),), (_DC_THREADS,),
@@ -1339,19 +1352,20 @@ class CudaOps(Ops):
         """The host-chosen launch constants of a decode step: the GEMV version and forced
         geometry, the test grid cap, the SM count (v2 grids derive from it), the decode
         attention kernel, whether fp16 slots run the fused QKV + RoPE kernel
-        (``TINYLOOP_FUSED_QKV_ROPE``) and whether the capture uses PDL (``pdl_capture``)."""
-        return (repr(self.gemv), self._grid_cap, self.sms, self.attn_decode,
-                fused_qkv_rope_enabled(), self.pdl_capture)
+        (``KernelChoice.fused_qkv_rope``) and whether the capture uses PDL (``pdl_capture``)."""
+        kc = self.kernels
+        return ((kc.gemv, kc.gemv_lpr, kc.gemv_threads), self._grid_cap, self.sms,
+                kc.attn_decode, kc.fused_qkv_rope, self.pdl_capture)
 
     @property
     def pdl_capture(self) -> bool:
         """Whether a decode-step capture launches PDL_KERNELS with programmatic dependent
-        launch: ``TINYLOOP_PDL`` on (``config.pdl_enabled``), a GPU of compute capability
+        launch: ``KernelChoice.pdl`` on, a GPU of compute capability
         9.0 or later (griddepcontrol is sm_90 PTX), and a driver that takes the launch: the
         first ask launches one empty kernel that way, outside any capture (a refusal - an old
         driver, no libcuda - warns once and turns PDL off for this backend, so captures use
         plain launches instead of failing)."""
-        if self._cc < 90 or not pdl_enabled():
+        if self._cc < 90 or not self.kernels.pdl:
             return False
         if self._pdl.launcher is None:
             self._pdl.launcher = self._pdl_probe()
@@ -1420,10 +1434,10 @@ class CudaOps(Ops):
         """``Ops.rmsnorm_qkv_kv_step``: one launch of qkv_rope.cu (RMSNorm + QKV GEMV + RoPE +
         the K/V write at ``step[STEP_POS]``) for an fp16 or int8 slot, with the v1 GEMV the
         pair would use (its RMSNorm-fused kernel), head_dim even and <= STEP_ROPE_MAX, W's
-        rows exactly (H + 2 Hkv) hd and ``TINYLOOP_FUSED_QKV_ROPE`` on; False otherwise
+        rows exactly (H + 2 Hkv) hd and ``KernelChoice.fused_qkv_rope`` on; False otherwise
         (nothing launched). Bit for bit the memory ``rmsnorm_linear`` + ``kv_write_step``
         leave."""
-        if kv.layout.mode not in ("fp16", "int8") or not fused_qkv_rope_enabled():
+        if kv.layout.mode not in ("fp16", "int8") or not self.kernels.fused_qkv_rope:
             return False
         info = self._info(w)
         if info.v2 or head_dim % 2 or head_dim > STEP_ROPE_MAX:
@@ -1446,7 +1460,7 @@ class CudaOps(Ops):
         """``kv_attention`` of one query row over positions 0..step[STEP_POS] (the context
         length read on the device). Split-K (default): the split count comes from the block
         table's capacity (pages per table are in the graph key), each split's page range from
-        the device length; ``TINYLOOP_ATTN_DECODE=v1``: n_heads blocks whatever the length."""
+        the device length; ``KernelChoice(attn_decode="v1")``: n_heads blocks whatever the length."""
         if kv.layout.stores_h:
             # the chunk count depends on the context length: read it on the host (one
             # synchronisation) and run the eager store-h attention; graphs.DecodeGraphs never
@@ -1467,7 +1481,7 @@ class CudaOps(Ops):
         out = self._out(out, "out", _F16, 1, n_heads * head_dim)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         cap = int(kv.table.shape[0]) * kv.layout.page_size
-        if self.attn_decode == "split" and decode_splits(cap, n_heads, self.sms):
+        if self.kernels.attn_decode == "split" and decode_splits(cap, n_heads, self.sms):
             self._attn_decode(qkv, cap, self._step_ptr(step) + 4 * STEP_POS, table, p, offs,
                               kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
             return
