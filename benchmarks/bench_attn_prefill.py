@@ -23,7 +23,7 @@ import cupy
 from bench_attn_decode import H, HD, HKV, P, slot
 from gpu_timing import time_us
 
-from tinyloop.backends.cuda_ops import CudaOps, KernelChoice
+from tinyloop.backends.cuda import CudaOps, KernelChoice
 
 CASES = ((512, 0), (2048, 0), (512, 1536))     # (T, pos0)
 LAYERS = 30

@@ -44,7 +44,8 @@ try:
 except ImportError:        # --help and the CPU import test work without it
     cupy = None
 
-from tinyloop.backends.cuda_ops import CudaOps, KernelChoice, decode_splits  # noqa: E402
+from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
+from tinyloop.backends.cuda.attention import decode_splits  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
 from tinyloop.kvcache import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
 from tinyloop.memory import MemoryPool  # noqa: E402

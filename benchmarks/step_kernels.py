@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
-from tinyloop.backends import cuda_ops  # noqa: E402
+from tinyloop.backends.cuda import launch as cuda_launch  # noqa: E402
 from tinyloop.backends.base import STEP_ID, STEP_POS, STEP_WORDS  # noqa: E402
 from tinyloop.quant import QuantWeight  # noqa: E402
 from bench_decode import model_or_synthetic  # noqa: E402
@@ -38,16 +38,16 @@ from gpu_timing import time_us  # noqa: E402
 def record_step(model, depth: int, ctx: int, cache) -> list:
     """The launches (kernel, grid, block, args, shared_mem) of one eager decode step."""
     rec = []
-    real = cuda_ops._Kernel.__call__
+    real = cuda_launch.Kernel.__call__
 
     def spy(self, grid, block, args, shared_mem=0):
         rec.append((self, grid, block, tuple(args), shared_mem))
         return real(self, grid, block, args, shared_mem)
-    cuda_ops._Kernel.__call__ = spy
+    cuda_launch.Kernel.__call__ = spy
     try:
         model.decode_step(cache, 11, ctx, 0.0)      # the key's first step runs eagerly
     finally:
-        cuda_ops._Kernel.__call__ = real
+        cuda_launch.Kernel.__call__ = real
     return rec
 
 

@@ -3,7 +3,7 @@ of version is tests/test_kernel_choice.py's."""
 
 import pytest
 
-from tinyloop.backends.cuda_ops import gemv2_geometry
+from tinyloop.backends.cuda.gemv import gemv2_geometry
 
 SHAPES = [(960, 576, 4), (576, 576, 4), (1536, 576, 4), (576, 1536, 4), (49152, 576, 8),
           (16384, 8192, 4), (1, 64, 8), (7, 32, 4), (203, 4096, 8)]

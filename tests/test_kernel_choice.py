@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 
 from tinyloop.backends import get_ops
-from tinyloop.backends.cuda_ops import (ATTN_DECODE_VERSIONS, ATTN_PREFILL_VERSIONS,
-                                         GEMV_VERSIONS, KernelChoice, gemv_choice)
+from tinyloop.backends.cuda.choice import (ATTN_DECODE_VERSIONS, ATTN_PREFILL_VERSIONS,
+                                           GEMV_VERSIONS, KernelChoice)
+from tinyloop.backends.cuda.gemv import gemv_choice
 from tinyloop.errors import ConfigError
 
 

@@ -75,3 +75,41 @@ def test_import_graph_has_no_circle():
     assert "tinyloop.memory.cupy_hook" in graph and "tinyloop.model" in graph
     assert "tinyloop.generate" in graph["tinyloop.model"]
     assert cycles(graph) == []
+
+
+# --- the CUDA backend's package: compile / launch / checks / choice below the kernel families,
+# the families below ops.py, which composes them
+CUDA = "tinyloop.backends.cuda"
+CUDA_BASE = {f"{CUDA}.{m}" for m in ("compile", "launch", "checks", "choice")}
+CUDA_FAMILIES = {f"{CUDA}.{m}" for m in ("norms", "gemv", "gemm", "kv", "attention",
+                                          "sampling", "step")}
+# a family may use another's launcher or constants where its op composes it
+CUDA_FAMILY_USES = {f"{CUDA}.gemv": {f"{CUDA}.gemm"}, f"{CUDA}.attention": {f"{CUDA}.kv"}}
+
+
+def test_the_cuda_package_is_layered():
+    graph = import_graph()
+    inside = {m for m in graph if m.startswith(CUDA + ".")}
+    assert CUDA_BASE | CUDA_FAMILIES | {f"{CUDA}.ops"} == inside, inside
+    for m in CUDA_BASE:
+        assert not graph[m] & (CUDA_FAMILIES | {f"{CUDA}.ops", CUDA}), (m, graph[m])
+    for m in CUDA_FAMILIES:
+        others = graph[m] & (CUDA_FAMILIES | {f"{CUDA}.ops", CUDA})
+        assert others <= CUDA_FAMILY_USES.get(m, set()), (m, others)
+    assert "tinyloop.backends.cuda_ops" not in graph      # no shim of the old module
+
+
+def test_no_two_cuda_mixins_define_one_method():
+    """CudaOps composes one mixin per kernel family: a method two of them define would be
+    shadowed silently by the one first in the MRO."""
+    from tinyloop.backends.base import Ops
+    from tinyloop.backends.cuda import CudaOps
+    owner: dict = {}
+    for cls in CudaOps.__mro__:
+        if cls in (Ops, object):
+            continue
+        for name, v in vars(cls).items():
+            if callable(v) or isinstance(v, (property, staticmethod, classmethod)):
+                assert name not in owner or name.startswith("__") and cls is CudaOps, \
+                    (name, owner.get(name), cls.__name__)
+                owner.setdefault(name, cls.__name__)

@@ -920,7 +920,7 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     request (a name from ``tinyloop.kvcache.KV_MODES``, "auto", a dict ``{"prelude": m,
     "recurrent": m, "coda": m}`` or one mode per physical layer; default
     ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them); ``kernels``: the
-    CUDA kernel variants (``tinyloop.backends.cuda_ops.KernelChoice``, for tests and
+    CUDA kernel variants (``tinyloop.backends.cuda.KernelChoice``, for tests and
     benchmarks; None: the defaults; a non-default choice on the NumPy backend raises
     ConfigError).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,

@@ -42,7 +42,7 @@ if not cuda_available():
 
 import cupy  # noqa: E402
 
-from tinyloop.backends.cuda_ops import CudaOps, KernelChoice  # noqa: E402
+from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
 
 from .test_kernels import (F16_RTOL, HEADS, SESSION_SEED, copy_pages, kv_pair,  # noqa: E402,F401

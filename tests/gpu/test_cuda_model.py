@@ -15,7 +15,7 @@ import pytest
 
 import tinyloop
 from tinyloop import errors
-from tinyloop.backends.cuda_ops import KernelChoice
+from tinyloop.backends.cuda import KernelChoice
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 from tinyloop.memory import get_pool
 

@@ -27,9 +27,9 @@ if not cuda_available():
 
 import cupy  # noqa: E402
 
-from tinyloop.backends import cuda_ops  # noqa: E402
+from tinyloop.backends.cuda import attention as cuda_attention  # noqa: E402
 from tinyloop.backends.base import STEP_POS, STEP_WORDS, Ops  # noqa: E402
-from tinyloop.backends.cuda_ops import CudaOps, KernelChoice  # noqa: E402
+from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
 from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
 from tinyloop.errors import ConfigError, NonFiniteLogitsError  # noqa: E402
 from tinyloop.quant import QuantWeight, dequantize, quantize  # noqa: E402
@@ -920,7 +920,7 @@ def test_decode_split(ops, ref, rng, monkeypatch, mode, h, hkv, hd, p, ctx, spli
     than pages leaves splits empty) against NumPy's kv_attention."""
     n = {"1": 1, "P-1": p - 1, "P": p, "P+1": p + 1}.get(ctx) or int(ctx)
     monkeypatch.setattr(ops, "attn_decode", "split")
-    monkeypatch.setattr(cuda_ops, "decode_splits", lambda *a: splits)
+    monkeypatch.setattr(cuda_attention, "decode_splits", lambda *a: splits)
     _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, n - 1, p)
 
 
@@ -992,7 +992,7 @@ def test_sample_device_matches_rule(ops, rng, vocab):
 def test_sample_past_the_device_vocabulary_takes_the_rule(ops, rng):
     """A row longer than the fixed-point sampler takes (2^22) is sampled by the NumPy rule on
     the host: the same pick, and the same NonFiniteLogitsError for a NaN row."""
-    from tinyloop.backends.cuda_ops import _SAMPLE_MAX_N
+    from tinyloop.backends.cuda.sampling import _SAMPLE_MAX_N
     from tinyloop.errors import NonFiniteLogitsError
     logits = (rng.standard_normal(_SAMPLE_MAX_N + 5) * 3).astype(np.float32)
     dev = cupy.asarray(logits)

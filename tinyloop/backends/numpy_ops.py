@@ -113,7 +113,7 @@ def warp_sum(x: np.ndarray) -> np.ndarray:
 
 
 def encode_h_int4(h: np.ndarray, layout) -> dict:
-    """h_int4 page parts of float32 rows ``h`` [n, d] (cuda_src/kv_h.cu ``h_write_h_int4``
+    """h_int4 page parts of float32 rows ``h`` [n, d] (cuda/kernels/kv_h.cu ``h_write_h_int4``
     stores the same bytes for the same FP16 rows).
 
     1. The ``layout.outliers`` channels of largest |h| per row (``select_outliers``) are kept

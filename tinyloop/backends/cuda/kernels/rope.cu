@@ -1,6 +1,6 @@
 // RoPE on the fused QKV rows, and the paged KV-cache write (fp16 / int8 modes; Q-only for the
 // store-h modes, whose h rows kv_h.cu writes; the store-h reconstruction also runs the Q-only
-// kernel on its rebuilt K rows: cuda_ops.CudaOps._h_attention).
+// kernel on its rebuilt K rows: tinyloop/backends/cuda/attention.py _h_attention).
 //
 // Checked against: NumpyOps.kv_write with numpy_ops.rope_tables / apply_rope and
 // quant.quantize_rows_int8 (tests/gpu/test_kernels.py::test_kv_write_*).

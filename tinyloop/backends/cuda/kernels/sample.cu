@@ -10,9 +10,15 @@
 // (common.cuh argmax_before) and codes.
 #include "common.cuh"
 
+// Threads of the argmax's and the sampler's one block (compile.py GEOMETRY; at most 32 warps:
+// the block reductions keep one value per warp).
+#ifndef SMP_THREADS
+#define SMP_THREADS 1024
+#endif
+
 // logits f32 [n]; writes the chosen id to result[0] and the fault code to result[1] (device or
-// mapped pinned host memory). grid = 1, block = 1024.
-extern "C" __global__ void __launch_bounds__(1024)
+// mapped pinned host memory). grid = 1, block = SMP_THREADS.
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     argmax_f32(const float* __restrict__ logits, i64 n, int* __restrict__ result) {
     TL_PDL_ENTER();
     __shared__ float sv[32];
@@ -50,11 +56,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 // picked (a -inf logit, a masked token, has w = 0). A row with a NaN or +inf logit, or only
 // -inf, is not sampled: id 0 and its fault code (logit_fault_code) are written instead.
 //
-// Scratch: wq u64 [n] (device, preallocated by the host). grid = 1, block = 1024.
+// Scratch: wq u64 [n] (device, preallocated by the host). grid = 1, block = SMP_THREADS.
 // ================================================================================================
-#ifndef SMP_THREADS
-#define SMP_THREADS 1024
-#endif
 #define SMP_FIX 1099511627776.0          // 2^40
 
 typedef unsigned long long u64;

@@ -32,7 +32,10 @@
 #define H_INT8 1
 #define H_INT4 2
 #define H_MAX_PAIRS 4            // h_attn_chunk: head_dim <= 256 (<= 4 pairs per lane)
-#define H_MAX_OUTLIERS 4         // h_int4: outlier channels per row (cuda_ops H_KERNEL_OUTLIERS)
+// h_int4: outlier channels per row, at most (compile.py GEOMETRY)
+#ifndef H_MAX_OUTLIERS
+#define H_MAX_OUTLIERS 4
+#endif
 #define H_ROT_FLAG 0x8000u       // h_int4 scale's sign bit: the group is in the Hadamard basis
 
 // y_lane = (sum_i +-x_i) / sqrt(32), the sign of x_i being (-1)^popcount(i & lane): the

@@ -25,7 +25,7 @@
 // chunk) reads 8 dims of V with one 16-byte (fp16) / 8-byte (int8) load per key of its slice.
 #include "common.cuh"
 
-// Launch geometry shared with the host (tinyloop/backends/cuda_ops.py GEOMETRY; -D from the
+// Launch geometry shared with the host (tinyloop/backends/cuda/compile.py GEOMETRY; -D from the
 // host, defaults here for a standalone nvcc build, kept equal by tests/test_kernel_geometry.py).
 #ifndef DS_THREADS
 #define DS_THREADS 128
@@ -341,7 +341,7 @@ __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, cons
     }
 #define DS_ENTRIES(HD) DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)
 
-// The supported head dims (ATTN_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
+// The supported head dims (ATTN_HEAD_DIMS in compile.py GEOMETRY; -D from the host).
 #ifndef DS_HEAD_DIM_ENTRIES
 #define DS_HEAD_DIM_ENTRIES                                                                    \
     DS_ENTRIES(16) DS_ENTRIES(32) DS_ENTRIES(48) DS_ENTRIES(64) DS_ENTRIES(80) DS_ENTRIES(96)  \
