@@ -207,3 +207,8 @@ def test_gemm_refuses_a_tile_it_was_not_written_for(tmp_path):
                            str(tmp_path / "g.cubin"), str(src)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "64 x 64 tile" in proc.stderr
+
+
+def test_the_v2_gemv_launch_bound_covers_every_block_size():
+    from tinyloop.backends.cuda.choice import GEMV2_THREADS
+    assert GEOMETRY["gemv"]["GEMV2_MAX_THREADS"] == max(GEMV2_THREADS)

@@ -1012,7 +1012,7 @@ def test_sample_top_p_0_is_greedy(ops, rng):
 
 
 def _faulty_rows(vocab: int) -> list:
-    """(logits, kind) rows no token can be sampled from, as issue 11 reported them."""
+    """(logits, kind) rows no token can be sampled from, of each fault kind."""
     base = np.linspace(-3, 3, vocab, dtype=np.float32)
     nan_one, pinf, ninf_some = base.copy(), base.copy(), base.copy()
     nan_one[vocab - 1] = np.nan                                 # the last element: the

@@ -44,9 +44,10 @@ DS_SINGLE_PASS_MAX = 128
 def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
     """Split count of the split-K decode attention for a context of ``ctx`` keys, or 0 for
     the single-pass kernel (``ctx <= DS_SINGLE_PASS_MAX``, or a rule outcome of one split:
-    one split does the single-pass work plus a combine launch; see DS_SINGLE_PASS_MAX). Otherwise from the power-of-two length bucket ``b = max(DS_MIN_KEYS,
-    2^ceil(log2 ctx))``: ``b / DS_MIN_KEYS`` splits, capped so n_heads * splits is about two
-    blocks per SM and at DS_MAX_SPLITS. A function of the bucket only, so a captured graph
+    one split does the single-pass work plus a combine launch; see DS_SINGLE_PASS_MAX).
+    Otherwise from the power-of-two length bucket ``b = max(DS_MIN_KEYS, 2^ceil(log2 ctx))``:
+    ``b / DS_MIN_KEYS`` splits, capped so n_heads * splits is about two blocks per SM and at
+    DS_MAX_SPLITS. A function of the bucket only, so a captured graph
     keyed by the bucket (or by the block table's capacity, whose ctx it passes) launches a
     valid grid for every length in it; each split's page range is computed on the device from
     the real length. The one place the split / single-pass choice is made."""
@@ -215,10 +216,10 @@ class AttentionOps:
             c0 = ci * chunk
             n = min(chunk, ctx - c0)
             read((n,), (_H_THREADS,), (table, p, c0, d, *offs[:3], int(lay.outliers),
-                                *lay.outlier_offsets, hbuf.data.ptr))
+                                       *lay.outlier_offsets, hbuf.data.ptr))
             self.linear(hbuf[:n], recon.w_kv, kvbuf[:n])
             rope((n,), (_KVW_THREADS,), (kvbuf.data.ptr, 2 * kvd, c0, float(recon.theta),
-                                int(n_kv_heads), 0, int(head_dim), 0, p, 0, 0, 0, 0),
+                                         int(n_kv_heads), 0, int(head_dim), 0, p, 0, 0, 0, 0),
                  shared_mem=int(head_dim) * 4)
             attn((t, int(n_heads)), (nt,),
                  (qkv.data.ptr, ld, int(pos0), kvbuf.data.ptr, c0, n, int(n_heads),
@@ -229,7 +230,8 @@ class AttentionOps:
         """``kv_attention`` of one query row over positions 0..step[STEP_POS] (the context
         length read on the device). Split-K (default): the split count comes from the block
         table's capacity (pages per table are in the graph key), each split's page range from
-        the device length; ``KernelChoice(attn_decode="v1")``: n_heads blocks whatever the length."""
+        the device length; ``KernelChoice(attn_decode="v1")``: n_heads blocks whatever the
+        length."""
         if kv.layout.stores_h:
             # the chunk count depends on the context length: read it on the host (one
             # synchronisation) and run the eager store-h attention; graphs.DecodeGraphs never

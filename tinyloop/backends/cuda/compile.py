@@ -37,7 +37,8 @@ GEOMETRY = {
     "dequant": {"DQ_THREADS": 256},              # embed / dequant_f16: threads per row
     "rmsnorm": {"RMS_THREADS": 256},             # threads per row
     "elementwise": {"EW_THREADS": 256},          # threads per block (one element each)
-    "gemv": {"GEMV_WARPS": 8},                   # warps (= output rows) per 32*W-thread block
+    "gemv": {"GEMV_WARPS": 8,                    # warps (= output rows) per 32*W-thread block
+             "GEMV2_MAX_THREADS": 256},          # v2: the largest block (its launch bound)
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
              "GEMM_THREADS": 128},               # 4 warps in 2 x 2
     "rope": {"KVW_THREADS": 128,                 # kv_write*: threads per position row

@@ -61,8 +61,9 @@ class GemmOps:
         try:
             out = blk.array((n, k), np.float16)
             self._fn("dequant", f"dequant_f16_q{w.bits}")(
-                (n,), (_DQ_THREADS,), (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr, k,
-                               _log2g(w), out.data.ptr))
+                (n,), (_DQ_THREADS,),
+                (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr, k, _log2g(w),
+                 out.data.ptr))
         except BaseException:
             pool.free(blk)
             raise

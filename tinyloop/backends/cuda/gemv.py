@@ -102,8 +102,9 @@ class _WInfo:
                                                                                 "f32")}
                           if self.k <= _NORM_MAX_K and self.n <= _NORM_MAX_N else None)
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
-        # GEMV v2 (the default decode kernels): needs x in shared memory (K <= _NORM_MAX_K)
-        # and int row arithmetic (N * 32 < 2^31)
+        # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights): needs x in shared memory
+        # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
+        # runs v1, which takes any shape
         kc = ops.kernels
         ver, lpr = gemv_choice(self.n, kc)
         self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
@@ -220,7 +221,8 @@ class GemvOps:
         tmp = self._out(tmp, "tmp", _F16, t, n2)
         self._matmul(x, w, info, tmp, "f16", n2)
         self._fn("elementwise", "swiglu_f16")(
-            ((f + _EW_THREADS - 1) // _EW_THREADS, t), (_EW_THREADS,), (tmp.data.ptr, f, out.data.ptr))
+            ((f + _EW_THREADS - 1) // _EW_THREADS, t), (_EW_THREADS,),
+            (tmp.data.ptr, f, out.data.ptr))
 
     def inject(self, state, e, w, tmp2, tmp1):
         """state f32 [T, d] = [state, e] @ W.T, W [d, 2d]; e f32 or f16 [T, d].
@@ -244,14 +246,16 @@ class GemvOps:
         _aligned(tmp2, "tmp2")
         kern = "concat_inject_f16" if e.dtype == np.float16 else "concat_inject_f32"
         self._fn("elementwise", kern)(
-            ((d + _EW_THREADS - 1) // _EW_THREADS, t), (_EW_THREADS,), (state.data.ptr, e.data.ptr, d, tmp2.data.ptr))
+            ((d + _EW_THREADS - 1) // _EW_THREADS, t), (_EW_THREADS,),
+            (state.data.ptr, e.data.ptr, d, tmp2.data.ptr))
         if t > 1 and _fp16_of(w) is not None:
             _dev(tmp1, "tmp1", np.float16, 2)
             tmp1 = _rows(tmp1, "tmp1", t)
             _shape(tmp1, "tmp1", (t, d))
             self._cublas_matmul(tmp2, _fp16_of(w).T, out=tmp1)
             self._fn("elementwise", "copy_f16_to_f32")(
-                ((t * d + _EW_THREADS - 1) // _EW_THREADS,), (_EW_THREADS,), (tmp1.data.ptr, t * d, state.data.ptr))
+                ((t * d + _EW_THREADS - 1) // _EW_THREADS,), (_EW_THREADS,),
+                (tmp1.data.ptr, t * d, state.data.ptr))
             return
         self._matmul(tmp2, w, info, state, "f32", d)
 

@@ -74,8 +74,9 @@ class KVOps:
                           table, p, offs)
             return
         self._fn("rope", f"kv_write_{kv.layout.mode}")(
-            (t,), (_KVW_THREADS,), (qkv.data.ptr, ld, int(pos0), float(theta), int(n_heads),
-                           int(n_kv_heads), int(head_dim), table, p, *offs),
+            (t,), (_KVW_THREADS,),
+            (qkv.data.ptr, ld, int(pos0), float(theta), int(n_heads), int(n_kv_heads),
+             int(head_dim), table, p, *offs),
             shared_mem=int(head_dim) * 4)
 
     def _h_write(self, qkv, h, pos0, step_ptr, theta, n_heads, n_kv_heads, head_dim, kv, table,
@@ -94,12 +95,14 @@ class KVOps:
         h = _rows(h, "h", t)
         where = step_ptr if step_ptr else int(pos0)
         self._fn("rope", "kv_write_step_qonly" if step_ptr else "kv_write_qonly")(
-            (t,), (_KVW_THREADS,), (qkv.data.ptr, ld, where, float(theta), int(n_heads),
-                           int(n_kv_heads), int(head_dim), 0, p, 0, 0, 0, 0),
+            (t,), (_KVW_THREADS,),
+            (qkv.data.ptr, ld, where, float(theta), int(n_heads), int(n_kv_heads),
+             int(head_dim), 0, p, 0, 0, 0, 0),
             shared_mem=int(head_dim) * 4)
         self._fn("kv_h", f"h_write_{lay.mode}")(
-            (t,), (_H_THREADS,), (h.data.ptr, d, int(pos0), step_ptr, table, p, d, *offs[:3],
-                           int(lay.rotate), int(lay.outliers), *lay.outlier_offsets))
+            (t,), (_H_THREADS,),
+            (h.data.ptr, d, int(pos0), step_ptr, table, p, d, *offs[:3], int(lay.rotate),
+             int(lay.outliers), *lay.outlier_offsets))
 
     def _step_kv(self, kv) -> tuple:
         mode = kv.layout.mode
@@ -128,8 +131,9 @@ class KVOps:
             return
         table, p, offs = self._step_kv(kv)
         self._fn("rope", f"kv_write_step_{kv.layout.mode}")(
-            (1,), (_KVW_THREADS,), (qkv.data.ptr, ld, self._step_ptr(step), float(theta), int(n_heads),
-                           int(n_kv_heads), int(head_dim), table, p, *offs),
+            (1,), (_KVW_THREADS,),
+            (qkv.data.ptr, ld, self._step_ptr(step), float(theta), int(n_heads),
+             int(n_kv_heads), int(head_dim), table, p, *offs),
             shared_mem=int(head_dim) * 4)
 
     def rmsnorm_qkv_kv_step(self, x, weight, eps, w, qkv, step, theta, n_heads, n_kv_heads,

@@ -9,6 +9,7 @@ that reason.
 from __future__ import annotations
 
 import ctypes
+import re
 
 import numpy as np
 
@@ -107,11 +108,80 @@ class PdlSwitch:
         self.launcher = None
 
 
+# Argument signatures, declared per kernel (a pattern over its names) and checked once, at a
+# kernel's first launch: p = a pointer (an int address, 0 for none, or a cupy.ndarray),
+# i = an i64 (a Python int), f = a double (a Python float). Every entry takes only these: a
+# Python int travels as int64 and a float as double (CuPy's packing), so an ``int`` or
+# ``float`` parameter would read garbage. tests/test_pdl.py checks each pattern against the
+# entries of kernels/*.cu.
+_PAGED = "pi" + "iiii"                 # block table, P, then the four part offsets
+SIGNATURES = (
+    (r"embed_q\d+", "ppppiiiip"),
+    (r"dequant_f16_q\d+", "pppiip"),
+    (r"rmsnorm_f32_f16", "ppfip"),
+    (r"swiglu_f16", "pip"),
+    (r"(add|copy)_f16_to_f32", "pip"),
+    (r"concat_inject_f(16|32)", "ppip"),
+    (r"gemv_q\d+_\w+", "ppppiiiip"),
+    (r"gemv_norm_q\d+_\w+", "ppfpppiiiip"),
+    (r"gemv2_q\d+_\w+_l\w+", "ppppiiiip"),
+    (r"gemv2_norm_q\d+_argmax_l\w+", "ppfpppiiipppppp"),
+    (r"gemv2_norm_q\d+_(?!argmax)\w+_l\w+", "ppfpppiiiip"),
+    (r"gemm_q\d+_\w+", "ppppiiiipi"),
+    (r"qkv_rope_step_q\d+_\w+", "ppfpppiiipp" + "fiii" + _PAGED + "p"),
+    (r"kv_write_step_\w+", "pip" + "fiii" + _PAGED),
+    (r"kv_write_(?!step_)\w+", "pii" + "fiii" + _PAGED),
+    (r"decode_step_advance", "ppfi"),
+    (r"attn_prefill_\w+_hd\w+", "piii" + _PAGED + "iifp"),
+    (r"attn_decode_step_\w+_hd\w+", "pp" + _PAGED + "iifp"),
+    (r"attn_decode_(?!step_)\w+_hd\w+", "pi" + _PAGED + "iifp"),
+    (r"attn_split_\w+_hd\w+", "pip" + _PAGED + "iifppp"),
+    (r"attn_fa_\w+_hd\w+", "piii" + _PAGED + "iifip"),
+    (r"h_write_\w+", "piipp" + "iiiiiiiii"),
+    (r"h_read_\w+", "piiiiiiiiip"),
+    (r"h_attn_chunk", "piipiiiiifpiip"),
+    (r"argmax_f32", "pip"),
+    (r"sample_step", "pippp"),
+)
+_SIG_RE = tuple((re.compile(pat), kinds) for pat, kinds in SIGNATURES)
+
+
+def signature(name: str) -> str:
+    """The declared argument kinds of kernel ``name`` (the first pattern of SIGNATURES that
+    matches it whole). Raises ConfigError for a kernel with no declaration."""
+    for pat, kinds in _SIG_RE:
+        if pat.fullmatch(name):
+            return kinds
+    raise ConfigError(f"kernel {name!r} has no declared argument signature "
+                      "(launch.SIGNATURES)")
+
+
+def check_args(name: str, kinds: str, args: tuple) -> None:
+    """Raise ConfigError naming the kernel and the argument when ``args`` do not fit
+    ``kinds`` (see SIGNATURES): the count, or an argument of the wrong Python type (a bool,
+    a NumPy scalar other than int64 / float64, which CuPy would pack at another width)."""
+    if len(args) != len(kinds):
+        raise ConfigError(f"kernel {name} takes {len(kinds)} arguments ({kinds}), got "
+                          f"{len(args)}")
+    for i, (a, k) in enumerate(zip(args, kinds)):
+        if isinstance(a, (bool, np.bool_)):
+            ok = False
+        elif k == "f":
+            ok = isinstance(a, (float, np.float64))
+        else:
+            ok = isinstance(a, (int, np.int64)) or (
+                k == "p" and cupy is not None and isinstance(a, cupy.ndarray))
+        if not ok:
+            want = {"p": "a pointer (int)", "i": "an i64 (int)", "f": "a double (float)"}[k]
+            raise ConfigError(f"kernel {name} argument {i} must be {want}, got "
+                              f"{type(a).__name__} {a!r}")
+
+
 class Kernel:
     """A RawKernel of a family, called as CuPy's (grid, block, args, shared_mem=); launched
     with PDL while its backend's switch is on and its name is in PDL_KERNELS."""
 
-    __slots__ = ("raw", "name", "pdl", "switch", "pool")
+    __slots__ = ("raw", "name", "pdl", "switch", "pool", "kinds")
 
     def __init__(self, raw, name: str, switch: PdlSwitch, pool=None):
         self.raw = raw
@@ -119,6 +189,7 @@ class Kernel:
         self.pdl = name.startswith(PDL_KERNELS)
         self.switch = switch
         self.pool = pool           # until the first launch: the pool that measures it
+        self.kinds = signature(name)    # checked against the first launch's arguments
 
     def __getattr__(self, name):
         # everything else is the RawKernel's (.kernel: CuPy's Function, .attributes, ...)
@@ -127,6 +198,9 @@ class Kernel:
         return getattr(self.raw, name)
 
     def __call__(self, grid, block, args, shared_mem=0):
+        if self.kinds is not None:
+            check_args(self.name, self.kinds, args)
+            self.kinds = None                    # once: the call sites pass fixed types
         if self.pool is not None:
             # a lazily loaded module loads the kernel at its first launch: measured
             pool, self.pool = self.pool, None

@@ -48,8 +48,9 @@ class NormOps:
                 self.from_host(host.astype(np.int32), dev)
             _shape(out, "out", (t, d))
             self._fn("dequant", f"embed_q{w.bits}")(
-                (t,), (_DQ_THREADS,), (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr,
-                               ids_ptr, id0, d, vocab, _log2g(w), out.data.ptr))
+                (t,), (_DQ_THREADS,),
+                (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr, ids_ptr, id0, d,
+                 vocab, _log2g(w), out.data.ptr))
         finally:
             # the launch is queued: the block may go back at once (every later use of it is
             # on this stream, after the kernel)

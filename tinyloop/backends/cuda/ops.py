@@ -132,7 +132,8 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         """Return the backend's scratch blocks to their pools (``Model.free`` calls it after
         the stream is idle; this Ops is not used afterwards). Idempotent."""
         self._id_view = self._smp_view = self._esmp_view = None
-        self._id_ptr = self._smp_ptr = self._esmp_ptr = self._scratch_ptr = self._ds_ptr = self._wq_ptr = 0
+        self._id_ptr = self._smp_ptr = self._esmp_ptr = 0
+        self._scratch_ptr = self._ds_ptr = self._wq_ptr = 0
         self._ds_cap = self._wq_cap = 0
         for name in self._BLOCKS:
             blk = getattr(self, name, None)

@@ -86,7 +86,8 @@ class StepOps:
             raise ConfigError("host_out must be step_host_buffer()'s mapped pinned buffer")
         hd = int(head_dim) if theta is not None and head_dim is not None else 0
         self._fn("rope", "decode_step_advance")(
-            (1,), (_STEP_ADVANCE_THREADS,), (self._step_ptr(step), self._id_ptr, float(theta or 0.0), hd))
+            (1,), (_STEP_ADVANCE_THREADS,),
+            (self._step_ptr(step), self._id_ptr, float(theta or 0.0), hd))
 
     def step_host_buffer(self):
         """The mapped pinned int32 [2] the sampled id and fault code land in (shared with

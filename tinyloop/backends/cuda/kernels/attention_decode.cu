@@ -187,8 +187,9 @@ __device__ __forceinline__ void ds_chunk(const float* qs, float* ps, float* red,
 // threads (the split kernel below: h = blockIdx.x, s = blockIdx.y). qkv is read through L2
 // (__ldcg): the kernel before it in the step wrote it.
 // PRE: *pre holds the unit's first chunk, already loaded (ds_load + ds_load_key); the other
-// chunks (all of them without PRE) are read as they are used, which keeps registers low. out: null, or where the head's output goes when this is its only split
-// (o / l, f16 [n_heads * HD]) instead of the partial.
+// chunks (all of them without PRE) are read as they are used, which keeps registers low.
+// out: null, or where the head's output goes when this is its only split (o / l, f16
+// [n_heads * HD]) instead of the partial.
 template <int MODE, int HD, bool PRE = false>
 __device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 ctx,
                                                 const i64* __restrict__ table, i64 P, i64 k_off,
