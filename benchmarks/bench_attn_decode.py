@@ -1,8 +1,8 @@
 """Decode attention (T = 1) over the paged KV cache: v1 (one block per query head,
 attention.cu) against split-K (attention_decode.cu), GPU µs per launch (CUDA events, median of
 200 with the 10th-90th percentile spread), at SmolLM2 dims (9 query heads, 3 KV heads, head
-dim 64, pages of 32) for each K/V page mode and context 128, 192, 256, 512, 2048, 2110, 4096
-(issue 10).
+dim 64, pages of 32) for each K/V page mode and context 128, 192, 256, 512, 2048, 2110,
+4096.
 
 The KV pages are one device array cut into page-sized pieces with random contents (timing only;
 correctness is tests/gpu/test_kernels.py::test_decode_split). Also prints the split count the

@@ -266,7 +266,7 @@ def per_kernel_table(ops, layers, head, kv, mode, main_, bufs, pos, copy_gbs,
     return table
 
 
-# op kinds of the prefill table (issue 10: where the 2,048-token prefill's time goes)
+# op kinds of the prefill table (where the 2,048-token prefill's time goes)
 PREFILL_KINDS = {"rmsnorm": "norms", "qkv GEMM": "GEMMs", "wo GEMM+residual": "GEMMs",
                  "gate_up GEMM+swiglu": "GEMMs", "down GEMM+residual": "GEMMs",
                  "kv_write": "kv write", "attention": "attention"}

@@ -1305,7 +1305,7 @@ def test_cupy_routing_is_counted_and_never_removes_a_users_install(fake_cupy):
     assert fake_cupy.current == "cupy-default"
 
 
-# --- a limit that is not a multiple of 512 B (issue 11, fault 5) --------------------------
+# --- a limit that is not a multiple of 512 B ----------------------------------------------
 @pytest.mark.parametrize("limit", [100_000_000, 1000, 512 * 7 + 1, 3 * MiB + 1])
 def test_allocation_of_exactly_a_100_000_000_byte_limit_fits_an_empty_pool(limit):
     pool, raw = fake_pool(limit_bytes=limit)
@@ -1333,7 +1333,7 @@ def test_percentage_limit_is_rounded_to_blocks_and_fits_an_allocation_of_itself(
     mem.get_pool("host").allocate(100_000_001).free()
 
 
-# --- releasing at interpreter exit (issue 11, fault 7) -------------------------------------
+# --- releasing at interpreter exit ----------------------------------------------------------
 def _imports_fail(monkeypatch):
     """Make every import statement fail as it does once ``sys.meta_path`` is None."""
     import builtins

@@ -1,4 +1,4 @@
-"""Sampling edges (issue 11, faults 2 and 3): top_p = 0 is greedy; logits with a NaN or +inf,
+"""Sampling edges: top_p = 0 is greedy; logits with a NaN or +inf,
 or only -inf, raise NonFiniteLogitsError naming the step and position instead of being sampled;
 NaN or inf norm weights and scales are refused by the writer and the loader.
 
@@ -73,7 +73,7 @@ def _row(values, n=50):
     return out
 
 
-FAULTY = [                                  # (name, logits, kind), as issue 11 reported them
+FAULTY = [                                  # (name, logits, kind) of each fault kind
     ("all NaN", np.full(7, NAN), "nan"),
     ("[0, +inf]", np.array([0, INF], np.float32), "+inf"),
     ("all -inf", np.full(7, -INF), "all -inf"),

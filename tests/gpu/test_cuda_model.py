@@ -315,13 +315,14 @@ def test_cuda_budget_out_of_memory_leaves_nothing(small_path):
 
 
 def test_cuda_non_finite_logits_name_step_and_position(small_path):
-    """Issue 11, fault 3 on the CUDA sampler (greedy kernel flag and the CuPy path)."""
+    """A non-finite logit row on the CUDA samplers (the argmax's and the temperature
+    sampler's fault code) names the step and position."""
     from ..test_sampling import check_non_finite_generation
     check_non_finite_generation(small_path, "cuda")
 
 
 def test_cuda_exit_with_live_model_is_clean(small_path):
-    """Issue 11, fault 7: a script that ends with a live CUDA model exits without "Exception
+    """A script that ends with a live CUDA model exits without "Exception
     ignored ... sys.meta_path is None"; only the model dropped mid-run warns."""
     from ..test_api import check_exit_output, run_exit_script
     check_exit_output(*run_exit_script(small_path, "cuda"))
