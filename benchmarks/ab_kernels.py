@@ -8,8 +8,8 @@ Separate runs on separate machines cannot tell a kernel change from host and clo
 ``cuda_src/``) and B (``git archive REF cuda_src`` in a temporary folder) in fresh
 subprocesses, ``--rounds`` times each, on the same GPU, with this checkout's Python host code
 for both: B must keep the kernel entry points and signatures the host launches (a run that
-fails says so). Each run: greedy decode through the captured graph (TINYLOOP_MEGAKERNEL=0,
-TINYLOOP_CUDA_GRAPHS=1), 1.5 s of warm-up, then the median of 4 generations of 128 tokens per
+fails says so). Each run: greedy decode through the captured graph
+(TINYLOOP_CUDA_GRAPHS=1), 1.5 s of warm-up, then the median of 4 generations of 128 tokens per
 depth. Prints per depth the median over rounds of each side and B / A. Without --model a
 synthetic SmolLM2-135M-dims model is written once and shared (bench_decode.smollm2_like).
 """
@@ -32,13 +32,12 @@ _CHILD = r"""
 import json, os, statistics, sys, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
-os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop
-from tinyloop.backends import cuda_ops
+from tinyloop.backends.cuda import compile as cuda_compile
 src = {src!r}
 if src:
-    cuda_ops.source_dir = lambda: Path(src)
+    cuda_compile.source_dir = lambda: Path(src)
 m = tinyloop.load_model({model!r}, max_seq_len=1024, backend="cuda")
 prompt = list(range(10, 26))
 t0 = time.perf_counter()
@@ -53,18 +52,35 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# where a commit keeps its kernels: the package's folder, or (older commits) cuda_src/
+KERNEL_DIRS = ("tinyloop/backends/cuda/kernels", "cuda_src")
+
+
+def kernel_dir(ref: str) -> str:
+    """The folder of ``KERNEL_DIRS`` that git commit ``ref`` holds. Raises
+    CalledProcessError for an unknown ref, FileNotFoundError when it holds neither."""
+    for d in KERNEL_DIRS:
+        names = subprocess.run(["git", "-C", REPO, "ls-tree", "--name-only", ref, d + "/"],
+                               capture_output=True, text=True, check=True).stdout.split()
+        if names:
+            return d
+    raise FileNotFoundError(f"commit {ref} holds none of {KERNEL_DIRS}")
+
+
 def extract_sources(ref: str, dest: str) -> str:
-    """``cuda_src/`` of git commit ``ref`` unpacked under ``dest``; returns its path. Raises
-    CalledProcessError for an unknown ref."""
+    """The kernel folder of git commit ``ref`` (``kernel_dir``) unpacked under ``dest``;
+    returns its path. Raises CalledProcessError for an unknown ref."""
+    d = kernel_dir(ref)
+    os.makedirs(dest, exist_ok=True)
     tar = os.path.join(dest, "src.tar")
     with open(tar, "wb") as f:
-        subprocess.run(["git", "-C", REPO, "archive", ref, "cuda_src"], stdout=f, check=True)
+        subprocess.run(["git", "-C", REPO, "archive", ref, d], stdout=f, check=True)
     with tarfile.open(tar) as t:
         try:
             t.extractall(dest, filter="data")
         except TypeError:                 # a Python without extraction filters
             t.extractall(dest)
-    return os.path.join(dest, "cuda_src")
+    return os.path.join(dest, d)
 
 
 def run_side(src: str | None, model: str, depths: tuple) -> dict:

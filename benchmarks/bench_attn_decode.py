@@ -21,8 +21,9 @@ import numpy as np
 
 import cupy
 
-from tinyloop.backends import cuda_ops
-from tinyloop.backends.cuda_ops import CudaOps, decode_splits
+from tinyloop.backends.cuda import CudaOps, KernelChoice
+from tinyloop.backends.cuda import attention as cuda_attention
+from tinyloop.backends.cuda.attention import decode_splits
 from tinyloop.kv.layouts import PageLayout
 
 from gpu_timing import time_us
@@ -56,7 +57,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    ops = {v: CudaOps(attn_decode=v) for v in ("v1", "split")}
+    ops = {v: CudaOps(KernelChoice(attn_decode=v)) for v in ("v1", "split")}
     for o in ops.values():
         o.compile_all()
     q = cupy.asarray(rng.standard_normal((1, (H + 2 * HKV) * HD)).astype(np.float16))
@@ -76,14 +77,14 @@ def main() -> int:
                 outs[v] = cupy.asnumpy(out).astype(np.float32)
             # split-K even where the rule falls back to single-pass (one split at ctx <= 128):
             # the column that checks DS_SINGLE_PASS_MAX
-            rule = cuda_ops.decode_splits
-            cuda_ops.decode_splits = lambda c, h, s: max(1, rule(c, h, s))
+            rule = cuda_attention.decode_splits
+            cuda_attention.decode_splits = lambda c, h, s: max(1, rule(c, h, s))
             try:
                 out = cupy.empty((1, H * HD), cupy.float16)
                 row["forced"] = time_us(lambda out=out: ops["split"].kv_attention(
                     q, kv, ctx - 1, H, HKV, HD, out))
             finally:
-                cuda_ops.decode_splits = rule
+                cuda_attention.decode_splits = rule
             row["max_abs_diff_v1_split"] = float(np.abs(outs["v1"] - outs["split"]).max())
             res[f"{mode}/{ctx}"] = row
             f = lambda t: f"{t[0]:7.2f} ({t[1]:.2f}-{t[2]:.2f})"   # noqa: E731

@@ -2,7 +2,7 @@
 against FlashAttention-2 on tensor cores (attention_prefill.cu), GPU µs per launch (CUDA
 events, median of 50 with the 10th-90th percentile spread) and TFLOP/s, at SmolLM2 dims (9
 query heads, 3 KV heads, head dim 64, pages of 32) for each K/V page mode, T = 512 and 2,048
-from position 0 and a 512-token chunk after 1,536 positions (issue 10).
+from position 0 and a 512-token chunk after 1,536 positions.
 
 FLOPs: 4 hd per causal (query, key) pair (2 for Q K^T, 2 for P V), summed over the pairs and
 the query heads: H * 4 hd * sum_i (pos0 + i + 1); 4.83 GFLOP per layer at T = 2,048 (half of
@@ -23,7 +23,7 @@ import cupy
 from bench_attn_decode import H, HD, HKV, P, slot
 from gpu_timing import time_us
 
-from tinyloop.backends.cuda_ops import CudaOps
+from tinyloop.backends.cuda import CudaOps, KernelChoice
 
 CASES = ((512, 0), (2048, 0), (512, 1536))     # (T, pos0)
 LAYERS = 30
@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    ops = {v: CudaOps(attn_prefill=v) for v in ("scalar", "mma")}
+    ops = {v: CudaOps(KernelChoice(attn_prefill=v)) for v in ("scalar", "mma")}
     for o in ops.values():
         o.compile_all()
     res = {}

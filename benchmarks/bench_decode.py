@@ -1,27 +1,22 @@
 """Decode and prefill speed of the CUDA backend, with the memory it used (a script, not a test).
 
     python benchmarks/bench_decode.py [--model PATH] [--out DIR] [--no-peer]
-                                      [--mega-blocks-per-sm 1,0] [--no-step-table]
+                                      [--no-step-table]
 
 Without --model it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
 GPU machine. Measures (CUDA events / synchronised wall clock, medians of repeats, after a
 warm-up):
   - decode tokens/s at batch 1, depths 1, 2 and 4 (greedy; median of 5 generations of 128
-    tokens after 2 s of sustained decoding, with the SM clock read then), three ways: the
-    persistent decode megakernel, one cooperative launch per token (TINYLOOP_MEGAKERNEL=1),
-    the decode step replayed as one captured CUDA graph (TINYLOOP_MEGAKERNEL=0,
-    TINYLOOP_CUDA_GRAPHS=1) and eager (both 0);
-  - the megakernel's grid: decode tokens/s at depths 1 and 4 for each blocks-per-SM cap of
-    ``--mega-blocks-per-sm`` (TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM; 0 = the occupancy), with the
-    grid launched and the blocks per SM that fit;
+    tokens after 2 s of sustained decoding, with the SM clock read then), two ways: the
+    decode step replayed as one captured CUDA graph (TINYLOOP_CUDA_GRAPHS=1) and eager (0);
   - prefill time and tokens/s for 512- and 2048-token prompts;
   - weight bytes read per decoded token against the device-to-device copy bandwidth measured
     in the same run (bytes read + written per second);
   - per KV storage mode (``--kv-modes``): KV bytes per token at depths 1, 2 and 4, decode
-    tokens/s there as megakernel / graphs / eager, decode tokens/s at depth 1 after a 1,024-token
+    tokens/s there as graphs / eager, decode tokens/s at depth 1 after a 1,024-token
     prompt (graphs; the store-h modes rebuild K/V over the whole context every step: their
-    cost grows with it; they run eagerly, never as a captured graph or the megakernel),
+    cost grows with it; they run eagerly, never as a captured graph),
     prefill of 2,048 tokens;
   - the captured graphs the model holds at the end (count, keys) and the pool bytes under
     tag ``graphs``;
@@ -117,33 +112,23 @@ def sm_clock_mhz() -> int | None:
 DEPTHS = (1, 2, 4)
 
 
-PATH_ENV = {"mega": {"TINYLOOP_MEGAKERNEL": "1", "TINYLOOP_CUDA_GRAPHS": "1"},
-            "graphs": {"TINYLOOP_MEGAKERNEL": "0", "TINYLOOP_CUDA_GRAPHS": "1"},
-            "eager": {"TINYLOOP_MEGAKERNEL": "0", "TINYLOOP_CUDA_GRAPHS": "0"}}
+PATH_ENV = {"graphs": {"TINYLOOP_CUDA_GRAPHS": "1"},
+            "eager": {"TINYLOOP_CUDA_GRAPHS": "0"}}
 
 
 def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
-                 warmup_s: float = 2.0, kv_mode=None, path: str = "mega",
-                 env: dict | None = None, prompt_len: int = 16) -> dict:
+                 warmup_s: float = 2.0, kv_mode=None, path: str = "graphs",
+                 prompt_len: int = 16) -> dict:
     """Median decode tokens/s over ``reps`` generations, after ``warmup_s`` seconds of
     sustained decoding (a launch-bound loop leaves the GPU mostly idle, and an idle H200 sits
     at a low clock: timing before it has ramped up measures the clock, not the code).
-    ``path``: ``mega`` (the decode megakernel), ``graphs`` (megakernel off: the captured CUDA
-    graph) or ``eager`` (both off); ``env``: more environment settings for the run;
-    ``prompt_len``: tokens of the (fixed) prompt, so the decode runs at that context."""
-    want = {**PATH_ENV[path], **(env or {})}
+    ``path``: ``graphs`` (the captured CUDA graph) or ``eager``; ``prompt_len``: tokens of
+    the (fixed) prompt, so the decode runs at that context."""
+    want = PATH_ENV[path]
     old = {k: os.environ.get(k) for k in want}
     os.environ.update(want)
     try:
-        if path == "mega" and model.graph_stats()["megakernel"]["failed"]:
-            return _not_run(model.graph_stats()["megakernel"]["failed"])
-        out = _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len)
-        if path == "mega":
-            mk = model.graph_stats()["megakernel"]
-            if mk["failed"]:             # the timed steps fell back to the graph
-                return _not_run(mk["failed"])
-            out.update(blocks=mk["blocks"], blocks_per_sm_fit=mk["blocks_per_sm_fit"])
-        return out
+        return _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len)
     finally:
         for k, v in old.items():
             if v is None:
@@ -153,10 +138,9 @@ def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
 
 
 def _not_run(why: str) -> dict:
-    """A megakernel figure that could not be measured (its launch failed): NaN, with why."""
+    """A figure that is not measured (the path does not run the mode): NaN, with why."""
     nan = float("nan")
-    return {"median": nan, "min": nan, "max": nan, "sm_clock_mhz": None, "blocks": 0,
-            "blocks_per_sm_fit": 0, "error": why}
+    return {"median": nan, "min": nan, "max": nan, "sm_clock_mhz": None, "error": why}
 
 
 def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len=16) -> dict:
@@ -217,7 +201,7 @@ def peer_transformers(cfg, new_tokens: int = 128, prefill: int = 2048) -> dict:
 
 def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
     """Per KV storage mode: KV bytes per token at DEPTHS (all slots), decode tokens/s there
-    as megakernel / graphs / eager (bench_decode), prefill of 2,048 tokens (ms, median of 5)."""
+    as graphs / eager (bench_decode), prefill of 2,048 tokens (ms, median of 5)."""
     names = model.ops.kv_modes if modes == "all" else tuple(modes.split(","))
     out = {}
     for mode in names:
@@ -227,39 +211,20 @@ def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
                 continue
             r[f"kv_bytes_per_token_depth{depth}"] = model.kv_bytes_per_token(depth, mode)
             eager = bench_decode(model, depth, new_tokens, kv_mode=mode, path="eager")
-            # a mode the megakernel / the captured step does not run would fall back to the
-            # eager path there: not measured twice more, reported as not run
+            # a mode the captured step does not run would fall back to the eager path
+            # there: not measured twice, reported as not run
             ops = model.ops
-            r[f"decode_depth{depth}_mega"] = (
-                bench_decode(model, depth, new_tokens, kv_mode=mode, path="mega")
-                if mode in getattr(ops, "mega_kv_modes", ()) else
-                _not_run(f"kv mode {mode} does not run as the megakernel"))
             r[f"decode_depth{depth}"] = (
                 bench_decode(model, depth, new_tokens, kv_mode=mode, path="graphs")
                 if mode in ops.graph_kv_modes else
                 _not_run(f"kv mode {mode} does not run as a captured graph"))
             r[f"decode_depth{depth}_eager"] = eager
-        # the default decode path (captured graphs; the eager step where the mode has none):
-        # bench_decode's own default is the megakernel, which this column used to measure
+        # the default decode path (captured graphs; the eager step where the mode has none)
         r["decode_depth1_ctx1024"] = bench_decode(
             model, 1, 64, reps=3, warmup_s=0.5, kv_mode=mode, prompt_len=1024,
             path="graphs" if mode in model.ops.graph_kv_modes else "eager")
         r["prefill_2048_ms"] = bench_prefill(model, 2048, kv_mode=mode)
         out[mode] = r
-    return out
-
-
-def bench_mega_grid(model, per_sm: str, new_tokens: int) -> dict:
-    """Megakernel decode tokens/s at depths 1 and 4 (fp16 KV) per blocks-per-SM cap."""
-    out = {}
-    for n in per_sm.split(","):
-        n = n.strip()
-        for depth in (1, 4):
-            if depth > model.config.max_depth:
-                continue
-            out[f"{n}/depth{depth}"] = bench_decode(
-                model, depth, new_tokens, path="mega",
-                env={"TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM": n})
     return out
 
 
@@ -278,8 +243,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-modes", default="all",
                     help="KV storage modes to measure per mode (comma list; all = every mode "
                          "the CUDA backend runs); the headline figures use fp16")
-    ap.add_argument("--mega-blocks-per-sm", default="1,0",
-                    help="megakernel blocks-per-SM caps to sweep (comma list; 0 = occupancy)")
     a = ap.parse_args(argv)
     tmp = None
     path = a.model
@@ -296,20 +259,15 @@ def main(argv=None) -> int:
         for depth in DEPTHS:
             if depth > model.config.max_depth:
                 continue
-            mega = bench_decode(model, depth, a.new_tokens, path="mega")
             dec = bench_decode(model, depth, a.new_tokens, path="graphs")
             res[f"decode_depth{depth}_eager"] = bench_decode(model, depth, a.new_tokens,
                                                              path="eager")
-            res[f"decode_depth{depth}_mega"] = mega
-            res[f"decode_depth{depth}_mega_tokens_per_s"] = mega["median"]
             tps = dec["median"]
             wb = weight_bytes_per_token(model, depth)
             res[f"decode_depth{depth}"] = dec
             res[f"decode_depth{depth}_tokens_per_s"] = tps
             res[f"weight_bytes_per_token_depth{depth}"] = wb
             res[f"weight_GBps_depth{depth}"] = wb * tps / 1e9
-            res[f"weight_GBps_depth{depth}_mega"] = wb * mega["median"] / 1e9
-        res["mega_grid"] = bench_mega_grid(model, a.mega_blocks_per_sm, a.new_tokens)
         for n in (512, 2048):
             ms = bench_prefill(model, n)
             res[f"prefill_{n}_ms"] = ms
@@ -318,12 +276,7 @@ def main(argv=None) -> int:
         gs = model.graph_stats()
         res["graphs"] = {"count": gs["graphs"], "captures": gs["captures"],
                          "replays": gs["replays"], "keys": [str(k) for k in gs["keys"]],
-                         "bytes": gs["bytes"], "megakernel": gs["megakernel"]}
-        try:                        # the megakernel's compiled resources (ptxas -v's figures)
-            fn = model.ops._fn("decode_mega", f"decode_mega_hd{model.config.head_dim}")
-            res["graphs"]["kernel_attributes"] = dict(fn.attributes)
-        except Exception as e:  # no kernel for this head dim: reported, not fatal
-            res["graphs"]["kernel_attributes"] = {"error": f"{type(e).__name__}: {e}"}
+                         "bytes": gs["bytes"]}
         st = tinyloop.memory_stats("cuda")
         res["graphs"]["pool_tag_bytes"] = st.by_tag.get("graphs", 0)
         res["pool"] = {"allocated_bytes": st.allocated_bytes, "reserved_bytes": st.reserved_bytes,
@@ -358,11 +311,6 @@ def main(argv=None) -> int:
     for d in DEPTHS:
         if f"decode_depth{d}_tokens_per_s" in res:
             dec, eag = res[f"decode_depth{d}"], res[f"decode_depth{d}_eager"]
-            mk = res[f"decode_depth{d}_mega"]
-            rows.append((f"decode depth {d} (megakernel)", f"{mk['median']:,.1f} tok/s "
-                         f"(median; {mk['min']:,.0f}-{mk['max']:,.0f}; SM {mk['sm_clock_mhz']} "
-                         f"MHz; {1e6 / mk['median']:,.0f} us/tok)  "
-                         f"{res[f'weight_GBps_depth{d}_mega']:,.0f} GB/s; grid {mk['blocks']}"))
             rows.append((f"decode depth {d} (graphs)", f"{dec['median']:,.1f} tok/s (median; "
                          f"{dec['min']:,.0f}-{dec['max']:,.0f}; SM {dec['sm_clock_mhz']} MHz)"
                          f"  {res[f'weight_bytes_per_token_depth{d}'] / 2**20:.1f} MiB weights/tok"
@@ -377,16 +325,6 @@ def main(argv=None) -> int:
     rows.append(("captured graphs held / captures",
                  f"{g['count']} / {g['captures']} ({g['replays']:,d} replays); tag graphs "
                  f"{g['pool_tag_bytes']:,d} B"))
-    rows.append(("megakernel launches / failure", f"{g['megakernel']['launches']:,d} / "
-                 f"{g['megakernel']['failed']}"))
-    ka = g.get("kernel_attributes")
-    if ka:
-        rows.append(("megakernel regs / static smem / local", f"{ka.get('num_regs')} / "
-                     f"{ka.get('shared_size_bytes')} B / {ka.get('local_size_bytes')} B"))
-    for key, r in res.get("mega_grid", {}).items():
-        n, d = key.split("/")
-        rows.append((f"megakernel {n or '0'} blk/SM, {d}", f"{_fmt(r)} tok/s; grid {r['blocks']}"
-                     f" (fit {r['blocks_per_sm_fit']}/SM)"))
     rows.append(("pool peak allocated / reserved",
                  f"{res['pool']['peak_allocated_bytes'] / 2**20:.1f} / "
                  f"{res['pool']['peak_reserved_bytes'] / 2**20:.1f} MiB"))
@@ -400,16 +338,15 @@ def main(argv=None) -> int:
                          f"{peer['prefill_2048_ms']:.1f} ms"))
     for k, v in rows:
         print(f"  {k:<34}{v}")
-    print("\n  KV storage modes: bytes/token (all slots) | decode tok/s megakernel / graphs / "
+    print("\n  KV storage modes: bytes/token (all slots) | decode tok/s graphs / "
           "eager (median, min-max) | decode d1 after 1024 tokens (graphs) | prefill 2048")
     for mode, r in res.get("kv_modes", {}).items():
         parts = []
         for d in DEPTHS:
             if f"decode_depth{d}" in r:
                 dec, eag = r[f"decode_depth{d}"], r[f"decode_depth{d}_eager"]
-                mk = r[f"decode_depth{d}_mega"]
                 parts.append(f"d{d}: {r[f'kv_bytes_per_token_depth{d}']:,d} B, "
-                             f"{_fmt(mk)} / {_fmt(dec)} / {_fmt(eag)} tok/s")
+                             f"{_fmt(dec)} / {_fmt(eag)} tok/s")
         long = r["decode_depth1_ctx1024"]
         print(f"  {mode:<8}" + " | ".join(parts) + f" | {long['median']:,.1f} tok/s"
               f" | {r['prefill_2048_ms']:.1f} ms")

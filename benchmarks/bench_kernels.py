@@ -44,7 +44,8 @@ try:
 except ImportError:        # --help and the CPU import test work without it
     cupy = None
 
-from tinyloop.backends.cuda_ops import CudaOps, decode_splits  # noqa: E402
+from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
+from tinyloop.backends.cuda.attention import decode_splits  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
 from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
 from tinyloop.memory import MemoryPool  # noqa: E402
@@ -241,7 +242,7 @@ def per_kernel_table(ops, layers, head, kv, mode, main_, bufs, pos, copy_gbs,
         "argmax (sample)": 4 * VOCAB,
         "head rmsnorm+lm_head+argmax": head.nbytes + 8 * D + 4 * VOCAB,
     }
-    fused = ops.gemv["version"] == "v2"
+    fused = ops.kernels.gemv == "v2"
     x = main_[pos:pos + 1]
     launches = layer_launches(ops, layers, kv, x, (norm, q, a_, h, None), pos, 1, False)
     if fused:
@@ -344,11 +345,12 @@ def main(argv=None) -> int:
     del a, b
 
     # --- decode GEMVs: v1 against v2 (auto geometry and each lanes-per-row) -------------------
-    variants = {"v1": CudaOps(gemv="v1"), "v2": CudaOps(gemv="v2"),
+    variants = {"v1": CudaOps(KernelChoice(gemv="v1")),
+                "v2": CudaOps(KernelChoice(gemv="v2")),
                 "auto": ops}                      # auto: GEMV_BY_SHAPE's pick per shape
     if not args.quick:
         for lpr in (4, 8, 16, 32):
-            variants[f"v2/l{lpr}"] = CudaOps(gemv="v2", gemv_lpr=lpr)
+            variants[f"v2/l{lpr}"] = CudaOps(KernelChoice(gemv="v2", gemv_lpr=lpr))
     gemv = {}
     cases = [("qkv", 960, D, 4, "f16"), ("wo", D, D, 4, "resid"),
              ("gate_up", 2 * FFN, D, 4, "swiglu"), ("down", D, FFN, 4, "resid"),
@@ -608,19 +610,13 @@ def main(argv=None) -> int:
     res["stack_decode"] = stack
     res["decode_kernel_table"] = tables
 
-    # --- sampling at temperature > 0 over a 49,152 logit row: device sampler vs CuPy sort ------
+    # --- sampling at temperature > 0 over a 49,152 logit row: the device sampler --------------
     lg = cupy.asarray((rng.standard_normal(VOCAB) * 3).astype(np.float32))
     samp = {}
     for cfg in ((0.8, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.95)):
-        row = {}
-        for how in ("device", "cupy"):
-            ops.device_sampling = how == "device"
-            try:
-                row[f"{how}_wall_us"] = host_us(lambda: ops.sample(lg, *cfg, 0.37), 200)
-                row[f"{how}_id"] = ops.sample(lg, *cfg, 0.37)
-            finally:
-                ops.device_sampling = True
-        row["gpu_us"] = graph_us(lambda: ops.sample_launch(lg, *cfg, 0.37, 0), n=10)
+        row = {"device_wall_us": host_us(lambda: ops.sample(lg, *cfg, 0.37), 200),
+               "device_id": ops.sample(lg, *cfg, 0.37)}
+        row["gpu_us"] = graph_us(lambda: ops.sample_launch(lg, *cfg, 0.37), n=10)
         samp["T={} top_k={} top_p={}".format(*cfg)] = row
     res["sample_nongreedy"] = samp
 
@@ -670,11 +666,9 @@ def main(argv=None) -> int:
     for key, tab in tables.items():
         print_kernel_table(f"one decode step, {key} (KV mode / GEMV), ctx {ctx0 + 62}", tab,
                            copy_gbs)
-    print("\nsampling (temperature > 0, 49,152 logits): device sampler vs the CuPy sort path")
+    print("\nsampling (temperature > 0, 49,152 logits): the device sampler")
     for k_, v in samp.items():
-        print(f"  {k_:<26} device {v['device_wall_us']:8.1f} us wall ({v['gpu_us']:.1f} us GPU)"
-              f"   cupy {v['cupy_wall_us']:8.1f} us wall   same id: "
-              f"{v['device_id'] == v['cupy_id']}")
+        print(f"  {k_:<26} device {v['device_wall_us']:8.1f} us wall ({v['gpu_us']:.1f} us GPU)")
     print(f"\n30-layer decode step + head + greedy pick, ctx ~{ctx0}:")
     print(f"{'mode/GEMV':<10}{'eager wall ms/tok (min-max)':>30}{'tok/s':>8}{'eager GPU us':>14}"
           f"{'graph GPU us':>14}{'graph tok/s bound':>19}")

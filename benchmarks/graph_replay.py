@@ -3,21 +3,22 @@ against the per-token time of ``generate`` (a script, not a test).
 
     python benchmarks/graph_replay.py [--model PATH] [--depths 1,4] [--pdl 0,1] [--ctx 64]
 
-For each depth and each ``TINYLOOP_PDL`` setting (programmatic dependent launch in the
-capture; the graph key holds the setting, so both live in one model):
+For each depth and each ``--pdl`` setting (``KernelChoice.pdl``: programmatic dependent launch
+in the capture; the graph key holds the setting, so both live in one model):
   - ``generate``: decode tokens/s of greedy generation (median of 5 runs of 128 tokens after
     a warm-up), i.e. the graph replay plus the host's share per token;
   - ``replay``: the same graph launched 200 times back to back with no host synchronisation
     between replays (CUDA events around the batch; median of 5 batches): GPU microseconds per
     step, and the tokens/s that would give;
   - ``host``: the difference per token (the host's reaction, Python and the launch).
-Greedy, megakernel off. Without --model a synthetic SmolLM2-135M-dims model is written
+Greedy. Without --model a synthetic SmolLM2-135M-dims model is written
 (bench_decode.smollm2_like).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -25,7 +26,6 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
 from tinyloop.graphs import decode_graphs, decode_step  # noqa: E402
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     rows = []
     for d in [int(x) for x in a.depths.split(",")]:
         for p in a.pdl.split(","):
-            os.environ["TINYLOOP_PDL"] = p
+            m.ops.kernels = dataclasses.replace(m.ops.kernels, pdl=p == "1")
             for _ in range(3):
                 m.generate(prompt, max_new_tokens=64, depth=d)
             tps = statistics.median(m.generate(prompt, max_new_tokens=128,

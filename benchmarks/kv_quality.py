@@ -1,7 +1,7 @@
 """Quality of each KV storage mode against fp16 on the embedded model (a script, not a test).
 
     python benchmarks/kv_quality.py [--backend numpy] [--depths 1,4] [--modes ...]
-                                    [--h-source normed|residual] [--out FILE.json]
+                                    [--out FILE.json]
 
 Teacher-forced logits of a fixed set of texts of four kinds (``TEXTS`` below, written for
 this measurement: prose - stories, technical writing, a recipe, history, a letter; code -
@@ -11,8 +11,6 @@ numbers - tables, lists, timetables, measurements, an invoice) at each depth, on
 over every position of KL(p_fp16 || p_mode) (nats) and top-1 agreement (argmax equal), with
 the spread over texts (min..max of the per-text means). Targets: int8 <= 2e-3,
 h_fp16 <= 1e-4, h_int8 <= 5e-3, h_int4 <= 0.05 (at depth 4, on every kind).
-``--h-source residual`` stores the raw residual instead of the RMS-normed QKV input (the
-measured alternative; NumPy backend only).
 """
 
 from __future__ import annotations
@@ -248,16 +246,12 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--depths", default="1,4")
     ap.add_argument("--modes", default="int8,h_fp16,h_int8,h_int4")
-    ap.add_argument("--h-source", choices=("normed", "residual"), default="normed")
     ap.add_argument("--texts", type=int, default=None,
                     help="the first N texts of each kind (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     path = a.model or tinyloop.default_model_path()
     model = tinyloop.load_model(path, max_seq_len=1024, backend=a.backend)
-    if a.h_source == "residual":
-        model._h_source = "residual"         # a measurement switch, not an API
-        model._recon_scratch = None
     try:
         texts = {k: v[:a.texts] for k, v in TEXTS.items()}
         rows = measure(model, texts, [int(d) for d in a.depths.split(",")],
@@ -266,7 +260,7 @@ def main(argv=None) -> int:
         tinyloop.free_model(model)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"model": path, "backend": a.backend, "h_source": a.h_source,
+            json.dump({"model": path, "backend": a.backend,
                        "rows": rows}, f, indent=1)
     return 0
 

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["TINYLOOP_MEGAKERNEL"] = "0"
 os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop  # noqa: E402
 from tinyloop.graphs import decode_graphs, decode_step  # noqa: E402
-from tinyloop.backends import cuda_ops  # noqa: E402
+from tinyloop.backends.cuda import launch as cuda_launch  # noqa: E402
 from tinyloop.backends.base import STEP_ID, STEP_POS, STEP_WORDS  # noqa: E402
 from tinyloop.quant import QuantWeight  # noqa: E402
 from bench_decode import model_or_synthetic  # noqa: E402
@@ -39,16 +39,16 @@ from gpu_timing import time_us  # noqa: E402
 def record_step(model, depth: int, ctx: int, cache) -> list:
     """The launches (kernel, grid, block, args, shared_mem) of one eager decode step."""
     rec = []
-    real = cuda_ops._Kernel.__call__
+    real = cuda_launch.Kernel.__call__
 
     def spy(self, grid, block, args, shared_mem=0):
         rec.append((self, grid, block, tuple(args), shared_mem))
         return real(self, grid, block, args, shared_mem)
-    cuda_ops._Kernel.__call__ = spy
+    cuda_launch.Kernel.__call__ = spy
     try:
         decode_step(model, cache, 11, ctx, 0.0)      # the key's first step runs eagerly
     finally:
-        cuda_ops._Kernel.__call__ = real
+        cuda_launch.Kernel.__call__ = real
     return rec
 
 
@@ -128,10 +128,10 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
         groups = collections.OrderedDict()
         for r in rec:
             groups.setdefault(group_key(r[0].name, r[3]), []).append(r)
-        old = os.environ.get("TINYLOOP_PDL")
+        old = ops.kernels
         try:
             for p in pdl.split(","):
-                os.environ["TINYLOOP_PDL"] = p
+                ops.kernels = dataclasses.replace(old, pdl=p == "1")
                 whole = graph_us(ops, rec, reset)
                 print(f"\n== depth {depth}, ctx {ctx}, PDL {p}: {len(rec)} launches, whole step "
                       f"{whole:.1f} us", file=out)
@@ -155,10 +155,7 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
                 results.append({"pdl": p, "depth": depth, "ctx": ctx, "whole_us": whole,
                                 "sum_us": total, "rows": rows})
         finally:
-            if old is None:
-                os.environ.pop("TINYLOOP_PDL", None)
-            else:
-                os.environ["TINYLOOP_PDL"] = old
+            ops.kernels = old
     return results
 
 

@@ -38,7 +38,6 @@ x() { local n=$1; shift; [[ " ${SKIP:-} " == *" $n "* ]] && { echo "== $n: skipp
     -p no:cacheprovider tests/gpu/test_memory.py tests/gpu/test_cuda_model.py
 [[ -n "$M" ]] && XT=300 x bench_real python3 benchmarks/bench_decode.py --model "$M" \
     --kv-modes "${BENCH_KV_MODES:-all}" --out "$W/real"
-[[ -n "$M" ]] && XT=90 x profile_mega python3 benchmarks/profile_mega.py --model "$M"
 [[ -n "$M" ]] && XT=150 x graph_replay python3 benchmarks/graph_replay.py --model "$M" --depths 1,2,4
 [[ -n "$M" ]] && XT=90 x step_kernels python3 benchmarks/step_kernels.py --model "$M" --pdl 1
 [[ $PART != suite ]] && x bench_attn python3 benchmarks/bench_attn_decode.py --out "$W/attn_decode.json"
@@ -61,8 +60,7 @@ tar czf "$FINAL/logs.tgz" -C "$W" . 2>/dev/null
 echo; echo "================ SUMMARY ================"
 [[ -f "$W/gpu_suite_summary.txt" ]] && tail -n 10 "$W/gpu_suite_summary.txt"
 [[ -f "$W/gpu_real_tests.log" ]] && { echo "-- GPU tests on the real model:"; grep -E "passed|failed|^FAILED|^ERROR" "$W/gpu_real_tests.log" | tail -n 6; }
-[[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; grep -E "decode depth|prefill|peer|captured|megakernel" "$W/bench_real.log" | head -24; tail -n 8 "$W/bench_real.log"; }
-[[ -f "$W/profile_mega.log" ]] && tail -n 13 "$W/profile_mega.log"
+[[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; grep -E "decode depth|prefill|peer|captured" "$W/bench_real.log" | head -24; tail -n 8 "$W/bench_real.log"; }
 [[ -f "$W/graph_replay.log" ]] && grep -E "^depth" "$W/graph_replay.log"
 [[ -f "$W/step_kernels.log" ]] && grep -vE "cupy|Traceback|File|^ |^$" "$W/step_kernels.log" | tail -n 12
 tail -n 14 "$W/bench_attn.log" 2>/dev/null

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one go, on a machine with an NVIDIA GPU (run from anywhere):
-#   1. nvcc compile check of cuda_src/ (.ci/compile_cuda.sh), when nvcc is present;
+#   1. nvcc compile check of tinyloop/backends/cuda/kernels/ (.ci/compile_cuda.sh), when nvcc is present;
 #   2. every GPU test (pytest -m gpu), JUnit XML + log;
 #   3. the benchmarks: benchmarks/bench_kernels.py (kernel micro-benchmarks) and
 #      benchmarks/bench_decode.py (end-to-end decode/prefill, pool stats, peer figure),

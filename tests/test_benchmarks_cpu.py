@@ -55,20 +55,28 @@ def test_bench_pages_runs_on_the_cpu():
 
 
 def test_ab_kernels_extracts_another_commits_kernels(tmp_path):
-    """benchmarks/ab_kernels.py side B: a commit's cuda_src/ unpacked intact (compared with
-    git's own copy of each file), and --help without a GPU."""
+    """benchmarks/ab_kernels.py side B: a commit's kernel folder unpacked intact (compared
+    with git's own copy of each file; this commit's package folder and an older commit's
+    cuda_src/), and --help without a GPU."""
     mod = _load("ab_kernels")
-    ref = subprocess.run(["git", "-C", ROOT, "rev-list", "--max-count=1", "HEAD"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    src = mod.extract_sources(ref, str(tmp_path))
-    names = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", ref, "cuda_src/"],
-                           capture_output=True, text=True, check=True).stdout.split()
-    assert len(names) >= 10 and "cuda_src/common.cuh" in names
-    for name in names:
-        want = subprocess.run(["git", "-C", ROOT, "show", f"{ref}:{name}"],
-                              capture_output=True, check=True).stdout
-        with open(os.path.join(src, os.path.basename(name)), "rb") as f:
-            assert f.read() == want, name
+    head = subprocess.run(["git", "-C", ROOT, "rev-list", "--max-count=1", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # the last commit whose tree still has cuda_src/ (None in a clone without that history)
+    old = subprocess.run(["git", "-C", ROOT, "log", "--format=%H", "-1", "--", "cuda_src/"],
+                         capture_output=True, text=True).stdout.strip() or None
+    for ref in (head, old and f"{old}~1"):
+        if ref is None:
+            continue
+        d = mod.kernel_dir(ref)
+        src = mod.extract_sources(ref, str(tmp_path / ref[:12]))
+        names = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", ref, d + "/"],
+                               capture_output=True, text=True, check=True).stdout.split()
+        assert len(names) >= 10 and f"{d}/common.cuh" in names
+        for name in names:
+            want = subprocess.run(["git", "-C", ROOT, "show", f"{ref}:{name}"],
+                                  capture_output=True, check=True).stdout
+            with open(os.path.join(src, os.path.basename(name)), "rb") as f:
+                assert f.read() == want, name
     r = _run("ab_kernels", "--help")
     assert r.returncode == 0, r.stderr
     assert "REF" in r.stdout or "ref" in r.stdout

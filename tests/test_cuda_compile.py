@@ -1,5 +1,5 @@
 """Compile every kernel source with nvcc for sm_90 (CI has nvcc but no GPU), so a syntax or
-type error in cuda_src/ never lands. Skips where nvcc is absent."""
+type error in the kernel sources (tinyloop/backends/cuda/kernels/) never lands. Skips where nvcc is absent."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+SRC = pathlib.Path(__file__).resolve().parent.parent / "tinyloop" / "backends" / "cuda" / "kernels"
 KERNELS = sorted(SRC.glob("*.cu"))
 NVCC = shutil.which("nvcc") or next(
     (str(p) for p in (pathlib.Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None)

@@ -5,8 +5,9 @@ kernel's page partition, per-split online-softmax partials and combine against a
 import numpy as np
 import pytest
 
-from tinyloop.backends.cuda_ops import (DS_MAX_SPLITS, DS_MIN_KEYS, DS_SINGLE_PASS_MAX,
-                                        GEOMETRY, decode_splits)
+from tinyloop.backends.cuda.attention import (DS_MAX_SPLITS, DS_MIN_KEYS,
+                                              DS_SINGLE_PASS_MAX, decode_splits)
+from tinyloop.backends.cuda.compile import GEOMETRY
 
 DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
 

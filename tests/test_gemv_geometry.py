@@ -1,9 +1,9 @@
-"""The CUDA backend's decode-GEMV launch geometry and settings (pure Python: no GPU needed)."""
+"""The CUDA backend's decode-GEMV launch geometry (pure Python: no GPU needed); the choice
+of version is tests/test_kernel_choice.py's."""
 
 import pytest
 
-from tinyloop.backends.cuda_ops import gemv2_geometry, gemv_settings
-from tinyloop.errors import ConfigError
+from tinyloop.backends.cuda.gemv import gemv2_geometry
 
 SHAPES = [(960, 576, 4), (576, 576, 4), (1536, 576, 4), (576, 1536, 4), (49152, 576, 8),
           (16384, 8192, 4), (1, 64, 8), (7, 32, 4), (203, 4096, 8)]
@@ -27,32 +27,3 @@ def test_gemv2_geometry_covers_every_row(n, k, bits, sms):
 
 def test_gemv2_geometry_forced():
     assert gemv2_geometry(960, 576, 4, 132, lpr=8, threads=256) == (8, 256, 30)
-
-
-def test_gemv_settings(monkeypatch):
-    for var in ("TINYLOOP_GEMV", "TINYLOOP_GEMV_LPR", "TINYLOOP_GEMV_THREADS"):
-        monkeypatch.delenv(var, raising=False)
-    assert gemv_settings() == {"version": "auto", "lpr": None, "threads": None}
-    monkeypatch.setenv("TINYLOOP_GEMV", "v1")
-    monkeypatch.setenv("TINYLOOP_GEMV_LPR", "16")
-    assert gemv_settings() == {"version": "v1", "lpr": 16, "threads": None}
-    assert gemv_settings("v2", 4, 128) == {"version": "v2", "lpr": 4, "threads": 128}
-    with pytest.raises(ConfigError, match=r"TINYLOOP_GEMV\) 'v3'"):
-        gemv_settings("v3")
-    with pytest.raises(ConfigError, match=r"TINYLOOP_GEMV_THREADS\) 100"):
-        gemv_settings(threads=100)
-    monkeypatch.setenv("TINYLOOP_GEMV_LPR", "six")
-    with pytest.raises(ConfigError, match=r"TINYLOOP_GEMV_LPR\) 'six'"):
-        gemv_settings()
-
-
-def test_gemv_choice_by_shape():
-    """auto: v1 for the layer shapes, v2 at 4 lanes per row for an LM-head-sized weight; a
-    forced version or lpr wins (TINYLOOP_GEMV / TINYLOOP_GEMV_LPR)."""
-    from tinyloop.backends.cuda_ops import gemv_choice
-    auto = {"version": "auto", "lpr": None, "threads": None}
-    assert [gemv_choice(n, auto) for n in (576, 960, 3072, 49152)] == \
-        [("v1", None)] * 3 + [("v2", 4)]
-    assert gemv_choice(960, dict(auto, version="v2")) == ("v2", None)
-    assert gemv_choice(49152, dict(auto, version="v1")) == ("v1", None)
-    assert gemv_choice(49152, dict(auto, lpr=16)) == ("v2", 16)

@@ -92,15 +92,14 @@ FORBIDDEN = {("tinyloop.model", "tinyloop.graphs"), ("tinyloop.model", "tinyloop
 
 def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """(importer, imported) edges that go up the route's layers: within KV_CHAIN or ROUTE to
-    a later entry, from KV_CHAIN to anything of ROUTE (or the kv package's __init__, or the
-    megakernel), and every FORBIDDEN edge."""
+    a later entry, from KV_CHAIN to anything of ROUTE (or the kv package's __init__), and every FORBIDDEN edge."""
     bad = []
     for chain in (KV_CHAIN, ROUTE):
         for i, mod in enumerate(chain):
             bad += [(mod, m) for m in sorted(graph.get(mod, ())) if m in chain[i + 1:]]
     for mod in KV_CHAIN:
         bad += [(mod, m) for m in sorted(graph.get(mod, ()))
-                if m in ROUTE or m == "tinyloop.kv" or m == "tinyloop.megakernel"]
+                if m in ROUTE or m == "tinyloop.kv"]
     bad += sorted(e for e in FORBIDDEN if e[1] in graph.get(e[0], ()))
     return bad
 
@@ -150,9 +149,6 @@ def test_only_the_request_and_the_captured_step_run_the_forward():
 
 
 # -- private fields stay in their module -------------------------------------------------------
-# the decode megakernel reads the Model's weight records directly (it leaves the product with
-# the CUDA backend's package)
-PRIVATE_ACCESS_ALLOWED = {"tinyloop/megakernel.py"}
 
 
 def own_privates(tree: ast.AST) -> set[str]:
@@ -202,6 +198,43 @@ def test_no_module_touches_another_modules_private_fields():
     found = []
     for pkg in ("tinyloop", "diagnostics"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            if path.relative_to(ROOT).as_posix() not in PRIVATE_ACCESS_ALLOWED:
-                found += foreign_private_access(path)
+            found += foreign_private_access(path)
     assert found == []
+
+
+# --- the CUDA backend's package: compile / launch / checks / choice below the kernel families,
+# the families below ops.py, which composes them
+CUDA = "tinyloop.backends.cuda"
+CUDA_BASE = {f"{CUDA}.{m}" for m in ("compile", "launch", "checks", "choice")}
+CUDA_FAMILIES = {f"{CUDA}.{m}" for m in ("norms", "gemv", "gemm", "kv", "attention",
+                                          "sampling", "step")}
+# a family may use another's launcher or constants where its op composes it
+CUDA_FAMILY_USES = {f"{CUDA}.gemv": {f"{CUDA}.gemm"}, f"{CUDA}.attention": {f"{CUDA}.kv"}}
+
+
+def test_the_cuda_package_is_layered():
+    graph = import_graph()
+    inside = {m for m in graph if m.startswith(CUDA + ".")}
+    assert CUDA_BASE | CUDA_FAMILIES | {f"{CUDA}.ops"} == inside, inside
+    for m in CUDA_BASE:
+        assert not graph[m] & (CUDA_FAMILIES | {f"{CUDA}.ops", CUDA}), (m, graph[m])
+    for m in CUDA_FAMILIES:
+        others = graph[m] & (CUDA_FAMILIES | {f"{CUDA}.ops", CUDA})
+        assert others <= CUDA_FAMILY_USES.get(m, set()), (m, others)
+    assert "tinyloop.backends.cuda_ops" not in graph      # no shim of the old module
+
+
+def test_no_two_cuda_mixins_define_one_method():
+    """CudaOps composes one mixin per kernel family: a method two of them define would be
+    shadowed silently by the one first in the MRO."""
+    from tinyloop.backends.base import Ops
+    from tinyloop.backends.cuda import CudaOps
+    owner: dict = {}
+    for cls in CudaOps.__mro__:
+        if cls in (Ops, object):
+            continue
+        for name, v in vars(cls).items():
+            if callable(v) or isinstance(v, (property, staticmethod, classmethod)):
+                assert name not in owner or name.startswith("__") and cls is CudaOps, \
+                    (name, owner.get(name), cls.__name__)
+                owner.setdefault(name, cls.__name__)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (issue 10): the kernels cuda_ops launches with PDL inside a
+"""Programmatic dependent launch: the kernels the CUDA backend launches with PDL inside a
 captured decode step all wait for their predecessor before touching its output, and the
 driver structures are laid out as cuda.h declares them. CPU-only (source and ctypes checks);
 tests/gpu/test_cuda_graphs.py runs the captured step with PDL on and off."""
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyloop.backends import cuda_ops
-from tinyloop.config import pdl_enabled
+from tinyloop.backends.cuda import compile as cuda_compile
+from tinyloop.backends.cuda import launch as cuda_launch
 from tinyloop.errors import ConfigError
 
-SRC = Path(cuda_ops.__file__).resolve().parents[2] / "cuda_src"
+SRC = Path(cuda_compile.__file__).resolve().parent / "kernels"
 _ENTRY = re.compile(r'extern "C" __global__ void(?:[\s\\]+__launch_bounds__\((?:[^()]|\([^()]*\))*\))?'
                     r'[\s\\]+([\w#]+)\s*\(')
 
@@ -64,8 +64,8 @@ def _preloads_then_waits(func: str, preload: str, touches) -> bool:
 def test_every_pdl_kernel_waits_for_its_predecessor():
     entries = _entries()
     assert len(entries) > 60                       # the parse found the macro-made entries too
-    pdl = [(f, n, b) for f, n, b in entries if n.startswith(cuda_ops.PDL_KERNELS)]
-    for prefix in cuda_ops.PDL_KERNELS:            # no stale prefix
+    pdl = [(f, n, b) for f, n, b in entries if n.startswith(cuda_launch.PDL_KERNELS)]
+    for prefix in cuda_launch.PDL_KERNELS:            # no stale prefix
         assert any(n.startswith(prefix) for _, n, _ in pdl), prefix
     for f, n, body in pdl:
         first = body[1:].lstrip(" \t\n\\")
@@ -77,49 +77,39 @@ def test_every_pdl_kernel_waits_for_its_predecessor():
         assert _preloads_then_waits(fn, preload, touches), fn
 
 
-def test_the_megakernel_and_prefill_kernels_are_not_pdl_launched():
+def test_the_prefill_kernels_are_not_pdl_launched():
     names = {n for _, n, _ in _entries()}
     for n in names:
-        if n.startswith(("decode_mega", "attn_prefill", "gemm", "h_", "rmsnorm")):
-            assert not n.startswith(cuda_ops.PDL_KERNELS), n
+        if n.startswith(("attn_prefill", "gemm", "h_", "rmsnorm")):
+            assert not n.startswith(cuda_launch.PDL_KERNELS), n
 
 
 def test_driver_structures_match_cuda_h():
     # CUlaunchAttribute: id (4) + pad (4) + value union (64); CUlaunchConfig: 7 uints, then
     # the stream handle at offset 32, attrs at 40, numAttrs at 48; 56 bytes in all (x86-64)
-    assert ctypes.sizeof(cuda_ops._CULaunchAttribute) == 72
-    assert cuda_ops._CULaunchAttribute.value.offset == 8
-    assert cuda_ops._CULaunchConfig.hStream.offset == 32
-    assert cuda_ops._CULaunchConfig.attrs.offset == 40
-    assert cuda_ops._CULaunchConfig.numAttrs.offset == 48
-    assert ctypes.sizeof(cuda_ops._CULaunchConfig) == 56
+    assert ctypes.sizeof(cuda_launch._CULaunchAttribute) == 72
+    assert cuda_launch._CULaunchAttribute.value.offset == 8
+    assert cuda_launch._CULaunchConfig.hStream.offset == 32
+    assert cuda_launch._CULaunchConfig.attrs.offset == 40
+    assert cuda_launch._CULaunchConfig.numAttrs.offset == 48
+    assert ctypes.sizeof(cuda_launch._CULaunchConfig) == 56
 
 
 def test_kernel_arguments_pack_as_cupy_packs_them():
-    assert cuda_ops._kernel_arg(-3).value == -3
-    assert isinstance(cuda_ops._kernel_arg(7), ctypes.c_int64)
-    assert isinstance(cuda_ops._kernel_arg(0.5), ctypes.c_double)
-    raw = bytes(cuda_ops._kernel_arg(np.float32(1.5)))
+    assert cuda_launch._kernel_arg(-3).value == -3
+    assert isinstance(cuda_launch._kernel_arg(7), ctypes.c_int64)
+    assert isinstance(cuda_launch._kernel_arg(0.5), ctypes.c_double)
+    raw = bytes(cuda_launch._kernel_arg(np.float32(1.5)))
     assert raw == np.float32(1.5).tobytes()
-    assert bytes(cuda_ops._kernel_arg(np.int32(-2))) == np.int32(-2).tobytes()
+    assert bytes(cuda_launch._kernel_arg(np.int32(-2))) == np.int32(-2).tobytes()
     with pytest.raises(ConfigError, match="bool"):
-        cuda_ops._kernel_arg(True)
+        cuda_launch._kernel_arg(True)
     with pytest.raises(ConfigError, match="str"):
-        cuda_ops._kernel_arg("x")
-    assert cuda_ops._dim3(5) == (5, 1, 1)
-    assert cuda_ops._dim3((2, 3)) == (2, 3, 1)
+        cuda_launch._kernel_arg("x")
+    assert cuda_launch._dim3(5) == (5, 1, 1)
+    assert cuda_launch._dim3((2, 3)) == (2, 3, 1)
     with pytest.raises(ConfigError):
-        cuda_ops._dim3((1, 1, 1, 1))
-
-
-def test_pdl_flag(monkeypatch):
-    monkeypatch.delenv("TINYLOOP_PDL", raising=False)
-    assert pdl_enabled() is True
-    monkeypatch.setenv("TINYLOOP_PDL", "0")
-    assert pdl_enabled() is False
-    monkeypatch.setenv("TINYLOOP_PDL", "maybe")
-    with pytest.raises(ConfigError, match="TINYLOOP_PDL"):
-        pdl_enabled()
+        cuda_launch._dim3((1, 1, 1, 1))
 
 
 def test_the_step_state_layout_in_rope_cu_matches_base():

@@ -1,4 +1,4 @@
-"""Sampling edges (issue 11, faults 2 and 3): top_p = 0 is greedy; logits with a NaN or +inf,
+"""Sampling edges: top_p = 0 is greedy; logits with a NaN or +inf,
 or only -inf, raise NonFiniteLogitsError naming the step and position instead of being sampled;
 NaN or inf norm weights and scales are refused by the writer and the loader.
 
@@ -73,7 +73,7 @@ def _row(values, n=50):
     return out
 
 
-FAULTY = [                                  # (name, logits, kind), as issue 11 reported them
+FAULTY = [                                  # (name, logits, kind) of each fault kind
     ("all NaN", np.full(7, NAN), "nan"),
     ("[0, +inf]", np.array([0, INF], np.float32), "+inf"),
     ("all -inf", np.full(7, -INF), "all -inf"),
@@ -126,11 +126,9 @@ def check_non_finite_generation(path: str, backend: str) -> None:
             assert pool.by_tag()["kv_cache"] == kv0
         m.ops.from_host(good, m._output_norm)
 
-        # the hook below spoils rows of the eager head; a captured decode step or the
-        # megakernel never calls it (tests/test_graphs.py checks faults inside a replayed
-        # step), so both are off here
-        saved_env = {k: os.environ.get(k) for k in ("TINYLOOP_CUDA_GRAPHS",
-                                                     "TINYLOOP_MEGAKERNEL")}
+        # the hook below spoils rows of the eager head; a captured decode step never calls
+        # it (tests/test_graphs.py checks faults inside a replayed step), so graphs are off
+        saved_env = {k: os.environ.get(k) for k in ("TINYLOOP_CUDA_GRAPHS",)}
         os.environ.update({k: "0" for k in saved_env})
         real_head = m.head
         refs = {t: m.generate(prompt, max_new_tokens=8, temperature=t, seed=1).token_ids

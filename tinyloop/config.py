@@ -1,8 +1,12 @@
-"""Model configuration and the environment knobs, parsed in one place.
+"""Model configuration and the user's settings, read in one place.
 
 ``ModelConfig`` is a frozen dataclass: the dims stored in a .tlm header, plus derived fields.
-Environment variables are operational knobs only (never model dims); each is parsed by one
-function here that raises ``ConfigError`` (a ``ValueError``) naming the variable on bad input.
+``SETTINGS`` is the one table of what a user may set through the environment (KV mode,
+memory limit, FP16 cache, CUDA graphs; never model dims): each ``Setting`` names its
+variable, type, default, parser and meaning, and ``setting(name)`` is the only reader of
+``os.environ`` in tinyloop/ (besides ``cache_dir``'s XDG_CACHE_HOME). A bad value raises
+``ConfigError`` (a ``ValueError``) naming the variable. Kernel variants are not settings:
+they are ``kernels=`` arguments of ``load_model`` (``backends.cuda.KernelChoice``).
 """
 
 from __future__ import annotations
@@ -207,107 +211,99 @@ def parse_size(text: str, *, name: str = "size", total_bytes: int | None = None)
     return int(value)
 
 
-def _env_flag(name: str, default: bool = False) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
+KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
+
+
+def _parse_flag(raw: str, env: str) -> bool:
     v = raw.strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+    raise ConfigError(f"{env}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
-def fp16_cache_enabled(default: bool = False) -> bool:
-    """``TINYLOOP_FP16_CACHE``: keep dequantized copies of weights for the GEMMs.
-
-    CUDA: FP16 copies of the hot prefill GEMM weights (default off). NumPy reference: float32
-    copies of every quantized weight (default on: without them every GEMM dequantizes its
-    weight first, which makes decode many times slower; the README gives the measured factor
-    for the default model). Raises ConfigError naming the variable for a non-flag.
-    """
-    return _env_flag("TINYLOOP_FP16_CACHE", default)
-
-
-def cuda_graphs_enabled(default: bool = True) -> bool:
-    """``TINYLOOP_CUDA_GRAPHS``: replay the decode step as one captured CUDA graph per key
-    (default on; 0 keeps the eager path, one launch per kernel from Python). Raises
-    ConfigError naming the variable for a value that is not a flag."""
-    return _env_flag("TINYLOOP_CUDA_GRAPHS", default)
-
-
-def pdl_enabled(default: bool = True) -> bool:
-    """``TINYLOOP_PDL``: capture the decode step's kernels with programmatic dependent launch
-    (PDL: cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, on GPUs
-    of compute capability 9.0 and later), so each kernel's blocks start, and load their
-    weights, while the kernel before it still runs (cuda_src/common.cuh ``pdl_wait``). Default
-    on; 0 captures plain launches. Eager launches never use it. Raises ConfigError naming the
-    variable for a value that is not a flag."""
-    return _env_flag("TINYLOOP_PDL", default)
-
-
-def fused_qkv_rope_enabled(default: bool = True) -> bool:
-    """``TINYLOOP_FUSED_QKV_ROPE``: in a decode step with fp16 KV pages, run RMSNorm + the QKV
-    GEMV + RoPE + the K/V page write as one kernel (cuda_src/qkv_rope.cu) instead of the fused
-    RMSNorm-GEMV then kv_write_step (default on; 0 keeps the pair, the kernel's reference).
-    Raises ConfigError naming the variable for a value that is not a flag."""
-    return _env_flag("TINYLOOP_FUSED_QKV_ROPE", default)
-
-
-def megakernel_enabled(default: bool = False) -> bool:
-    """``TINYLOOP_MEGAKERNEL``: run an eligible decode step as the persistent megakernel, one
-    cooperative launch per token (tinyloop/megakernel.py; 0 or unset: the captured graph, then
-    eager). Off by default: on the H200 it measured slower than the captured graph (real
-    SmolLM2, depth 1: 887 tok/s at 3 blocks/SM against 1,567; per phase of a layer slot A 8.5,
-    B 7.8, C 3.3, D 6.8, E 3.6 us with ~1 us barriers: benchmarks/profile_mega.py,
-    docs/architecture.md). Raises ConfigError naming the variable for a non-flag."""
-    return _env_flag("TINYLOOP_MEGAKERNEL", default)
-
-
-MEGA_BLOCKS_PER_SM = 0     # default cap of the megakernel's blocks per SM (0 = as many as fit:
-                           # 865 tok/s at 3/SM against 769 at 2/SM and 683 at 1/SM, H200)
-
-
-def megakernel_blocks_per_sm() -> int:
-    """``TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM``: at most this many megakernel blocks per SM (an
-    int 1..32; 0 = as many as fit, the occupancy; unset: MEGA_BLOCKS_PER_SM). Fewer blocks make
-    each grid barrier cheaper, more give the GEMV phases more warps. Raises ConfigError naming
-    the variable for anything else."""
-    raw = os.environ.get("TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM", "").strip()
-    if raw == "":
-        return MEGA_BLOCKS_PER_SM
-    try:
-        val = int(raw)
-    except ValueError:
-        val = -1
-    if not 0 <= val <= 32:
-        raise ConfigError(f"TINYLOOP_MEGAKERNEL_BLOCKS_PER_SM={raw!r}: expected an int 0..32 "
-                          "(0 = the occupancy)")
-    return val
-
-
-KV_MODES = ("fp16", "int8", "h_fp16", "h_int8", "h_int4")
-
-
-def kv_mode_from_env() -> str:
-    """``TINYLOOP_KV_MODE``: the default KV cache storage mode of ``load_model`` (one of
-    KV_MODES or "auto"; unset or empty: "fp16"). Raises ConfigError naming the variable."""
-    raw = os.environ.get("TINYLOOP_KV_MODE")
-    if raw is None or raw.strip() == "":
-        return "fp16"
+def _parse_kv_mode(raw: str, env: str) -> str:
     v = raw.strip().lower()
     if v not in KV_MODES + ("auto",):
-        raise ConfigError(f"TINYLOOP_KV_MODE={raw!r}: expected one of {KV_MODES} or 'auto'")
+        raise ConfigError(f"{env}={raw!r}: expected one of {KV_MODES} or 'auto'")
     return v
 
 
-def memory_limit_from_env(total_bytes: int | None) -> int | None:
-    """``TINYLOOP_MEMORY_LIMIT``: the pool's hard budget in bytes (None when unset)."""
-    raw = os.environ.get("TINYLOOP_MEMORY_LIMIT")
+def _parse_limit(raw: str, env: str) -> str:
+    """The limit's text, checked as far as it can be without the device total (a
+    percentage is resolved by ``memory_limit_from_env``)."""
+    text = raw.strip()
+    parse_size(text, name=env, total_bytes=None if not text.endswith("%") else 1)
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One user setting: ``name`` (the key of SETTINGS), its environment variable ``env``,
+    the ``type`` of its value, the ``default`` when the variable is unset or empty (None:
+    the reader decides, e.g. per backend), ``parse(raw, env)`` (raises ConfigError naming
+    ``env``) and ``doc`` (what it sets; the README lists the same)."""
+
+    name: str
+    env: str
+    type: type
+    default: object
+    parse: object
+    doc: str
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("kv_mode", "TINYLOOP_KV_MODE", str, "fp16", _parse_kv_mode,
+            "the default kv_mode of load_model: one of KV_MODES or 'auto'"),
+    Setting("memory_limit", "TINYLOOP_MEMORY_LIMIT", str, None, _parse_limit,
+            "the pool's hard budget: bytes, 512M, 4G or a percentage of the device; unset: "
+            "no limit"),
+    Setting("fp16_cache", "TINYLOOP_FP16_CACHE", bool, None, _parse_flag,
+            "dequantized weight copies for the GEMMs: CUDA FP16 copies of the prefill GEMM "
+            "weights (default off), NumPy float32 copies of every weight (default on)"),
+    Setting("cuda_graphs", "TINYLOOP_CUDA_GRAPHS", bool, True, _parse_flag,
+            "replay the decode step as one captured CUDA graph per key (0: eager launches)"),
+)}
+
+
+def setting(name: str, default=None):
+    """The value of setting ``name`` (a key of SETTINGS) from its environment variable,
+    parsed; unset or empty: ``default`` when given, else the Setting's default. Raises
+    ConfigError naming the variable for a bad value, KeyError for an unknown name."""
+    s = SETTINGS[name]
+    raw = os.environ.get(s.env)
     if raw is None or raw.strip() == "":
+        return s.default if default is None else default
+    return s.parse(raw, s.env)
+
+
+def fp16_cache_enabled(default: bool = False) -> bool:
+    """``TINYLOOP_FP16_CACHE`` (``SETTINGS["fp16_cache"]``); unset: ``default`` (the backend's
+    ``fp16_cache_default``). Raises ConfigError naming the variable for a non-flag."""
+    return bool(setting("fp16_cache", default))
+
+
+def cuda_graphs_enabled() -> bool:
+    """``TINYLOOP_CUDA_GRAPHS`` (``SETTINGS["cuda_graphs"]``, default on). Raises
+    ConfigError naming the variable for a non-flag."""
+    return bool(setting("cuda_graphs"))
+
+
+def kv_mode_from_env() -> str:
+    """``TINYLOOP_KV_MODE`` (``SETTINGS["kv_mode"]``): the default KV cache storage mode of
+    ``load_model`` (unset or empty: "fp16"). Raises ConfigError naming the variable."""
+    return setting("kv_mode")
+
+
+def memory_limit_from_env(total_bytes: int | None) -> int | None:
+    """``TINYLOOP_MEMORY_LIMIT`` (``SETTINGS["memory_limit"]``): the pool's hard budget in
+    bytes (None when unset; a percentage is of ``total_bytes``). Raises ConfigError naming the
+    variable."""
+    text = setting("memory_limit")
+    if text is None:
         return None
-    return parse_size(raw, name="TINYLOOP_MEMORY_LIMIT", total_bytes=total_bytes)
+    return parse_size(text, name=SETTINGS["memory_limit"].env, total_bytes=total_bytes)
 
 
 def cache_dir() -> str:

@@ -42,7 +42,6 @@ from .backends.base import LOGIT_FAULTS, STEP_ID, STEP_POS, STEP_WORDS, non_fini
 from .config import cuda_graphs_enabled
 from .errors import ConfigError, GraphCaptureError
 from .kv.cache import SlotKV
-from .megakernel import MegaDecode
 from .memory import packed_scope
 
 MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyond this)
@@ -51,12 +50,10 @@ MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyon
 class _Entry:
     """One key's graph and its block table (tag ``graphs``)."""
 
-    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound",
-                 "mega")
+    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound")
 
     def __init__(self):
         self.graph = None
-        self.mega = None           # megakernel.MegaDecode's program for this key (tag graphs)
         self.table = self.table_block = self.table_host = None
         self.slots: list = []
         self.warm = False          # one eager run done under this key
@@ -79,19 +76,10 @@ class DecodeGraphs:
         self._expect = None             # (owner ref, id, pos) the device state holds now
         self.captures = 0               # graphs captured since load
         self.replays = 0
-        self.mega = MegaDecode(model)   # the megakernel: run in place of a replay when it can
 
     # --- policy ---------------------------------------------------------------------------
     def eligible(self, cache, temperature: float) -> bool:
-        """Whether a step of ``cache``'s request runs here: as the megakernel
-        (``MegaDecode.why_not`` is None; any temperature: the sampler runs after it), or as a
-        graph (``_graph_eligible``)."""
-        if self.mega.why_not(cache) is None:
-            return True
-        return self._graph_eligible(cache, temperature)
-
-    def _graph_eligible(self, cache, temperature: float) -> bool:
-        """Graphs on (``TINYLOOP_CUDA_GRAPHS``), greedy or a backend that samples inside the
+        """Whether a step of ``cache``'s request runs as a graph: graphs on (``TINYLOOP_CUDA_GRAPHS``), greedy or a backend that samples inside the
         step (``Ops.graph_sampling``), and every slot's KV mode capturable here."""
         if not self._ops.graph_kv_modes:
             return False
@@ -148,9 +136,6 @@ class DecodeGraphs:
         return ent
 
     def _free_entry(self, ent: _Entry) -> None:
-        p, ent.mega = ent.mega, None
-        if p is not None:
-            self.mega.free_program(p)
         g, ent.graph = ent.graph, None
         if g is not None:
             # the executable graph's device memory goes with the last reference: measured,
@@ -170,7 +155,6 @@ class DecodeGraphs:
         entries, self._entries = list(self._entries.values()), collections.OrderedDict()
         for ent in entries:
             self._free_entry(ent)
-        self.mega.release()
         self.step_state = self.row = None
         self._expect = None
         blk, self._state_block = self._state_block, None
@@ -185,13 +169,11 @@ class DecodeGraphs:
     def stats(self) -> dict:
         """``graphs``: graphs held; ``keys``: their keys; ``captures`` / ``replays`` since
         load; ``bytes``: pool bytes under tag ``graphs`` held for them (rounded blocks)."""
-        nbytes = sum(e.table_block.nbytes + (e.mega.block.nbytes if e.mega else 0)
-                     for e in self._entries.values())
+        nbytes = sum(e.table_block.nbytes for e in self._entries.values())
         nbytes += self._state_block.nbytes if self._state_block is not None else 0
-        nbytes += self.mega.nbytes()
         return {"graphs": sum(e.graph is not None for e in self._entries.values()),
                 "keys": list(self._entries), "captures": self.captures,
-                "replays": self.replays, "bytes": nbytes, "megakernel": self.mega.stats()}
+                "replays": self.replays, "bytes": nbytes}
 
     # --- the step -------------------------------------------------------------------------
     def _bind(self, ent: _Entry, cache) -> None:
@@ -204,19 +186,16 @@ class DecodeGraphs:
         ent.bound = weakref.ref(cache)
 
     def step(self, cache, token: int, pos: int, sampling: tuple | None = None
-             ) -> tuple[int, int] | None:
+             ) -> tuple[int, int]:
         """One decode step of ``cache``'s request: embed ``token`` at position ``pos``, every
         slot, the head; returns (next id, fault code: 0 or a ``LOGIT_FAULTS`` key). Greedy, or
-        with ``sampling`` = (temperature > 0, top_k, top_p, u) sampled by the device sampler.
-        Runs as the megakernel where it can (``MegaDecode``; sampled: the kernel writes the
-        logit row and ``Ops.sample`` picks from it), else as the key's graph: the parameters
-        go to ``Ops.set_step_sampling`` before the launch, so the graph captured for the key
-        serves every setting; captured on the key's second use and replayed from then on.
-        None when the step can run neither way (the megakernel's launch failed with graphs
-        off): the caller then runs the eager forward + ``head_sample``. Raises ConfigError
-        for ``pos`` outside the cache's capacity or sampling parameters out of range,
-        GraphCaptureError for a capture that allocated, NonFiniteLogitsError from a sampled
-        megakernel step, and what the ops raise."""
+        with ``sampling`` = (temperature > 0, top_k, top_p, u) sampled by the device sampler:
+        the parameters go to ``Ops.set_step_sampling`` before the launch, so the graph
+        captured for the key serves every setting. Run eagerly on the key's first use,
+        captured on its second and replayed from then on. The caller checks ``eligible``
+        first. Raises ConfigError for ``pos`` outside the cache's capacity or sampling
+        parameters out of range, GraphCaptureError for a capture that allocated, and what the
+        ops raise."""
         if not 0 <= pos < cache.capacity:
             raise ConfigError(f"decode position {pos} is outside the request's capacity "
                               f"{cache.capacity}")
@@ -234,14 +213,7 @@ class DecodeGraphs:
             state[STEP_ID], state[STEP_POS] = token, pos
             self._ops.from_host(state, self.step_state)
         ops, m = self._ops, self._model
-        if self._mega_step(ent, cache, not sampled):
-            if sampled:
-                self._expect = None          # the state holds the argmax, not the pick
-                return int(ops.sample(m.logit_row(), *sampling)), 0
-        elif not self._graph_eligible(cache, sampling[0] if sampled else 0.0):
-            return None                      # the megakernel's launch failed and no graph may
-                                             # run: the caller runs forward + head_sample
-        elif ent.graph is None and not ent.warm:
+        if ent.graph is None and not ent.warm:
             m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out,
                               sampled)
             ent.warm = True
@@ -257,22 +229,6 @@ class DecodeGraphs:
         nxt, code = int(self._host_out[0]), int(self._host_out[1])
         self._expect = (weakref.ref(cache), nxt, pos + 1)
         return nxt, code
-
-    def _mega_step(self, ent: _Entry, cache, greedy: bool) -> bool:
-        """Queue the step as the megakernel when it can run; False when it cannot (or its
-        launch failed: then it is off for the model, with one warning)."""
-        mk = self.mega
-        if mk.why_not(cache) is not None:
-            return False
-        if ent.mega is None:
-            ent.mega = mk.prepare(ent, cache)
-        try:
-            mk.launch(ent.mega, self.step_state, self.row,
-                      self._host_out.ctypes.data if greedy else 0)
-        except Exception as exc:       # nothing was queued: the state is as before
-            mk.disable(exc)
-            return False
-        return True
 
     def _capture(self, ent: _Entry, depth: int, sampled: bool = False):
         ops, pool, m = self._ops, self._pool, self._model
@@ -310,9 +266,8 @@ def decode_graphs(model) -> DecodeGraphs:
 def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: int = 0,
                 top_p: float = 1.0, u: float = 0.0) -> int | None:
     """The next token id after ``token`` at position ``pos`` of ``cache``'s request, through
-    the decode megakernel or the captured decode step (:meth:`DecodeGraphs.step`), or None
-    when this step runs neither (megakernel off by ``TINYLOOP_MEGAKERNEL=0`` or not eligible,
-    and graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling the backend cannot capture, or a KV
+    the captured decode step (:meth:`DecodeGraphs.step`), or None when this step does not
+    run there (graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling the backend cannot capture, or a KV
     mode it cannot capture): the caller then runs ``Model.forward`` + ``Model.head_sample``
     with the same (temperature, top_k, top_p, u), which picks the same id
     (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError (no step /
@@ -322,10 +277,7 @@ def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: i
     if not g.eligible(cache, temperature):
         return None
     sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
-    got = g.step(cache, int(token), int(pos), sampling)
-    if got is None:
-        return None
-    nxt, code = got
+    nxt, code = g.step(cache, int(token), int(pos), sampling)
     if code:
         raise non_finite_logits(LOGIT_FAULTS[code])
     return nxt

@@ -166,7 +166,7 @@ class Model:
     """
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-                 backend: str = "auto", kv_mode=None):
+                 backend: str = "auto", kv_mode=None, kernels=None):
         self._freed = True           # until the load succeeds there is nothing to free
         self._blocks: list = []      # every model-owned pool block; freed by free()
         max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
@@ -178,7 +178,7 @@ class Model:
         self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
         self._lock = threading.RLock()
         self._kv = KVRegistry()      # live caches and prefix handles; free() releases them
-        self._ops = get_ops(backend)
+        self._ops = get_ops(backend, kernels)
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
         self._extras: dict = {}  # name -> model-owned extra made at first use (extra())
@@ -551,9 +551,6 @@ class Model:
         chunk = planmod.recon_rows(self.max_seq_len)
         self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
                         for lw in self._layers]
-        if getattr(self, "_h_source", "normed") == "residual":   # measurement only
-            self._recons = [dataclasses.replace(r, norm=(lw.attn_norm, self.config.norm_eps))
-                            for r, lw in zip(self._recons, self._layers)]
         return out
 
     def logit_row(self):
@@ -705,9 +702,8 @@ class Model:
     def watch_forward(self, callback):
         """While the block runs, ``callback(start, t)`` is called after every chunk of
         positions start..start+t-1 the forward computes (prefill chunks, eager decode steps,
-        ResumeHandle upgrades; decode steps run as a captured graph or the megakernel are
-        not seen): for progress display. It runs under the model's lock and must not call the
-        model."""
+        ResumeHandle upgrades; decode steps run as a captured graph are not seen): for
+        progress display. It runs under the model's lock and must not call the model."""
         self._rows_hooks.append(callback)
         try:
             yield
@@ -749,16 +745,13 @@ class Model:
             recon = self._recons[li]
         else:
             ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
-        h = norm
-        if recon is not None and recon.norm is not None:
-            h = x                                   # the residual-source measurement
         if step is None:
-            ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+            ops.kv_write(qkv, norm, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, kv)
             ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                              v["att"], recon)
         else:
-            ops.kv_write_step(qkv, h, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+            ops.kv_write_step(qkv, norm, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, kv)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                   v["att"], recon)
@@ -810,14 +803,10 @@ class Model:
 
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
-        ``graphs``, with the megakernel's records and scratch), ``keys``, ``captures``,
-        ``replays``, ``megakernel`` (launches, grid, blocks per SM that fit, failure)
-        (``graphs.DecodeGraphs.stats``)."""
+        ``graphs``), ``keys``, ``captures``, ``replays`` (``graphs.DecodeGraphs.stats``)."""
         graphs = self._extras.get("decode_graphs")
         if graphs is None:
-            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0,
-                    "megakernel": {"launches": 0, "blocks": 0, "blocks_per_sm_fit": 0,
-                                   "failed": None}}
+            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0}
         return graphs.stats()
 
     # -- public request API -------------------------------------------------------------------
@@ -914,7 +903,7 @@ def artificial_loop_message(model: Model, depth: int) -> str:
 
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-               backend: str = "auto", kv_mode=None) -> Model:
+               backend: str = "auto", kv_mode=None, kernels=None) -> Model:
     """Load a .tlm model, phase by phase (the lifecycle and memory contract,
     docs/architecture.md).
 
@@ -923,11 +912,15 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     ``backend`` "auto" | "cuda" | "numpy"; ``kv_mode``: the KV cache storage mode of every
     request (a name from ``tinyloop.config.KV_MODES``, "auto", a dict ``{"prelude": m,
     "recurrent": m, "coda": m}`` or one mode per physical layer; default
-    ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them).
+    ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them); ``kernels``: the
+    CUDA kernel variants (``tinyloop.backends.cuda.KernelChoice``, for tests and
+    benchmarks; None: the defaults; a non-default choice on the NumPy backend raises
+    ConfigError).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
     """
-    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode)
+    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode,
+                 kernels=kernels)
 
 
 def _check_model(model) -> Model:

@@ -211,7 +211,7 @@ def quantize_rows_int8(x: np.ndarray, saturate: bool = False) -> tuple[np.ndarra
     ``q = clip(rint(float32(x) / float32(s)), -127, 127)``, chosen against the rounded ``s``
     (rint: round half to even); a row of zeros gets ``s = 0`` and codes 0. Read back as
     ``float32(q) * float32(s)``. The INT8 weights (GGUF Q8_0) and the ``int8`` KV cache mode
-    (``cuda_src/rope.cu`` computes the same, bit for bit) both use it.
+    (``backends/cuda/kernels/rope.cu`` computes the same, bit for bit) both use it.
 
     ``saturate`` (the KV cache's rule, ``saturate_scales``): a scale above FP16's largest
     finite value is clamped to it, so a row with max|x| above ``127 * F16_MAX`` saturates

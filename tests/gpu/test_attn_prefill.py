@@ -1,6 +1,6 @@
-"""Prefill attention (T > 1) on tensor cores (attention_prefill.cu, TINYLOOP_ATTN_PREFILL=mma)
-against the NumPy oracle (NumpyOps.kv_attention), an independent float64 reference over the
-values the kernel stages, and the scalar FP32 kernel (attention.cu, =scalar).
+"""Prefill attention (T > 1) on tensor cores (attention_prefill.cu, KernelChoice.attn_prefill
+mma) against the NumPy oracle (NumpyOps.kv_attention), an independent float64 reference over
+the values the kernel stages, and the scalar FP32 kernel (attention.cu, scalar).
 
 Tolerance (argued, computed per output element). The mma kernel reads the same K/V the oracle
 reads, except that int8 pages are dequantized in float32 and then rounded to FP16 for the MMA
@@ -28,6 +28,8 @@ running max rises tile after tile and the online-softmax rescale is exercised.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -40,7 +42,7 @@ if not cuda_available():
 
 import cupy  # noqa: E402
 
-from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
+from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
 
 from .test_kernels import (F16_RTOL, HEADS, SESSION_SEED, copy_pages, kv_pair,  # noqa: E402,F401
@@ -100,9 +102,10 @@ def _ref64(ref, kv, q, pos0, h, hkv, hd):
 
 
 def _run(ops, monkeypatch, version, qh, c_dev, pos0, h, hkv, hd, spare=3):
-    """kv_attention with TINYLOOP_ATTN_PREFILL=``version`` into a NaN-poisoned buffer with
-    ``spare`` rows more than T; checks the spare rows are untouched; returns out [T, h hd]."""
-    monkeypatch.setattr(ops, "attn_prefill", version)
+    """kv_attention with KernelChoice.attn_prefill = ``version`` into a NaN-poisoned buffer
+    with ``spare`` rows more than T; checks the spare rows are untouched; returns out
+    [T, h hd]."""
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_prefill=version))
     t = qh.shape[0]
     buf = poisoned((t + spare, h * hd), cupy.float16)
     ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, buf)
@@ -174,10 +177,9 @@ def test_prefill_odd_row_pitch_falls_back_to_scalar(ops, ref, rng, monkeypatch):
     _case(ops, ref, rng, monkeypatch, "fp16", 9, 3, 64, 70, 5, 32, extra=7)
 
 
-def test_prefill_setting_is_validated_and_read_from_the_environment(monkeypatch):
-    monkeypatch.setenv("TINYLOOP_ATTN_PREFILL", "scalar")
-    assert CudaOps().attn_prefill == "scalar"
-    monkeypatch.delenv("TINYLOOP_ATTN_PREFILL")
-    assert CudaOps().attn_prefill == "mma"
-    with pytest.raises(ConfigError, match="TINYLOOP_ATTN_PREFILL"):
-        CudaOps(attn_prefill="flash")
+def test_prefill_choice_is_an_argument(monkeypatch):
+    monkeypatch.setenv("TINYLOOP_ATTN_PREFILL", "scalar")          # no longer read
+    assert CudaOps().kernels.attn_prefill == "mma"
+    assert CudaOps(KernelChoice(attn_prefill="scalar")).kernels.attn_prefill == "scalar"
+    with pytest.raises(ConfigError, match="KernelChoice or None"):
+        CudaOps("scalar")

@@ -7,6 +7,8 @@ The same step-state logic runs on the CPU through a recording fake in tests/test
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -22,7 +24,8 @@ if not cuda_available():
 import cupy  # noqa: E402
 
 from tinyloop.backends.base import STEP_POS, STEP_WORDS  # noqa: E402
-from tinyloop.backends.cuda_ops import _SAMPLE_THREADS as SMP, CudaOps  # noqa: E402
+from tinyloop.backends.cuda import CudaOps  # noqa: E402
+from tinyloop.backends.cuda.sampling import _SAMPLE_THREADS as SMP  # noqa: E402
 
 from .conftest import record_decode_steps  # noqa: E402
 from ..test_graphs import capture_events, check_fault_inside_a_replay  # noqa: E402
@@ -30,13 +33,6 @@ from .test_cuda_model import real_model_path, real_text_ids, small_path  # noqa:
 from .test_kernels import HEADS, f16, gather, kv_pair, ops, ref, rng  # noqa: E402,F401
 
 RUNS = [(1, 30), (4, 30), (2, 600), (4, 600)]     # (depth, prompt length), in this order
-
-
-@pytest.fixture(autouse=True)
-def _megakernel_off(monkeypatch):
-    # these tests are about the captured graph path: the megakernel (on by default) would
-    # run eligible steps in its place (tests/gpu/test_megakernel.py covers it)
-    monkeypatch.setenv("TINYLOOP_MEGAKERNEL", "0")
 
 
 def expected_graph_counts(depths, results) -> tuple[int, int]:
@@ -86,7 +82,7 @@ def test_graphs_on_and_off_give_identical_tokens(real_model_path, real_text_ids,
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_pdl_capture_gives_bit_identical_logits(real_model_path, real_text_ids, monkeypatch,
                                                 mode):
-    """Programmatic dependent launch in the capture (TINYLOOP_PDL, cuda_ops.PDL_KERNELS): the
+    """Programmatic dependent launch in the capture (KernelChoice.pdl, launch.PDL_KERNELS): the
     same requests (depth 1 -> 4 -> 2 -> 4, prompts of 30 and 600 tokens) give, step by step,
     the same ids and bit-identical logit rows with PDL on and off (a kernel reading its
     predecessor's output before it completed would show here), each setting under its own
@@ -97,7 +93,8 @@ def test_pdl_capture_gives_bit_identical_logits(real_model_path, real_text_ids, 
     try:
         got = {}
         for pdl in ("0", "1"):
-            monkeypatch.setenv("TINYLOOP_PDL", pdl)
+            monkeypatch.setattr(m.ops, "kernels",
+                                dataclasses.replace(m.ops.kernels, pdl=pdl == "1"))
             seen.clear()
             for d, n in RUNS:
                 m.generate(real_text_ids[:n], max_new_tokens=24, depth=d)
@@ -118,16 +115,15 @@ def test_a_driver_refusing_pdl_turns_it_off_with_a_warning(monkeypatch):
     """The first ``pdl_capture`` probes one PDL launch outside any capture; a refusal (here a
     launcher whose launch raises, as an old driver's would) warns once and leaves captures
     with plain launches, instead of failing every capture."""
-    from tinyloop.backends import cuda_ops
+    from tinyloop.backends.cuda import launch
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("CUDA_ERROR_INVALID_VALUE (simulated)")
-    monkeypatch.delenv("TINYLOOP_PDL", raising=False)
     ok = CudaOps()
     if ok._cc < 90:
         pytest.skip("PDL needs compute capability 9.0")
     assert ok.pdl_capture is True and ok._pdl.launcher not in (None, False)
-    monkeypatch.setattr(cuda_ops._PdlLauncher, "launch", refuse)
+    monkeypatch.setattr(launch.PdlLauncher, "launch", refuse)
     ops = CudaOps()
     with pytest.warns(RuntimeWarning, match="programmatic dependent launch is unavailable"):
         assert ops.pdl_capture is False

@@ -15,6 +15,7 @@ import pytest
 
 import tinyloop
 from tinyloop import errors
+from tinyloop.backends.cuda import KernelChoice
 from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 from tinyloop.memory import get_pool
 
@@ -141,9 +142,9 @@ def test_synthetic_depths_match_reference(small_path, chunk, fp16, monkeypatch):
 
 
 @pytest.mark.parametrize("kv_mode", ["fp16", "int8"])
-def test_synthetic_long_prompt_prefill_kernels_match_reference(small_path, kv_mode, monkeypatch):
+def test_synthetic_long_prompt_prefill_kernels_match_reference(small_path, kv_mode):
     """A 300-token prompt (five 64-row q tiles, many key tiles, pages of 32): both prefill
-    attention kernels (TINYLOOP_ATTN_PREFILL=mma, the tensor-core default, and =scalar) against
+    attention kernels (KernelChoice.attn_prefill mma, the tensor-core default, and scalar) against
     the NumPy reference at depths 1 and 3, in one chunk and in chunks of 100 (pos0 > 0)."""
     ids = np.random.default_rng(11).integers(0, SMALL["vocab_size"], 300)
     ref = tinyloop.load_model(small_path, max_seq_len=320, backend="numpy", kv_mode=kv_mode)
@@ -151,11 +152,10 @@ def test_synthetic_long_prompt_prefill_kernels_match_reference(small_path, kv_mo
     try:
         for kernel in ("mma", "scalar"):
             for chunk in (0, 100):
-                monkeypatch.setenv("TINYLOOP_ATTN_PREFILL", kernel)
                 models[kernel, chunk] = tinyloop.load_model(
                     small_path, max_seq_len=320, prefill_chunk=chunk, backend="cuda",
-                    kv_mode=kv_mode)
-                assert models[kernel, chunk]._ops.attn_prefill == kernel
+                    kv_mode=kv_mode, kernels=KernelChoice(attn_prefill=kernel))
+                assert models[kernel, chunk].ops.kernels.attn_prefill == kernel
         for depth in (1, 3):
             want = ref.logits(ids, depth=depth)
             for (kernel, chunk), cu in models.items():
@@ -315,13 +315,14 @@ def test_cuda_budget_out_of_memory_leaves_nothing(small_path):
 
 
 def test_cuda_non_finite_logits_name_step_and_position(small_path):
-    """Issue 11, fault 3 on the CUDA sampler (greedy kernel flag and the CuPy path)."""
+    """A non-finite logit row on the CUDA samplers (the argmax's and the temperature
+    sampler's fault code) names the step and position."""
     from ..test_sampling import check_non_finite_generation
     check_non_finite_generation(small_path, "cuda")
 
 
 def test_cuda_exit_with_live_model_is_clean(small_path):
-    """Issue 11, fault 7: a script that ends with a live CUDA model exits without "Exception
+    """A script that ends with a live CUDA model exits without "Exception
     ignored ... sys.meta_path is None"; only the model dropped mid-run warns."""
     from ..test_api import check_exit_output, run_exit_script
     check_exit_output(*run_exit_script(small_path, "cuda"))

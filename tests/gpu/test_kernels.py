@@ -27,9 +27,9 @@ if not cuda_available():
 
 import cupy  # noqa: E402
 
-from tinyloop.backends import cuda_ops  # noqa: E402
+from tinyloop.backends.cuda import attention as cuda_attention  # noqa: E402
 from tinyloop.backends.base import STEP_POS, STEP_WORDS, Ops  # noqa: E402
-from tinyloop.backends.cuda_ops import CudaOps  # noqa: E402
+from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
 from tinyloop.backends.numpy_ops import NumpyOps, sample_from_logits  # noqa: E402
 from tinyloop.errors import ConfigError, NonFiniteLogitsError  # noqa: E402
 from tinyloop.quant import QuantWeight, dequantize, quantize  # noqa: E402
@@ -47,7 +47,7 @@ def ops(request):
     (``@ALL_GEMVS``: each GEMV test runs for v1 and v2)."""
     ver = getattr(request, "param", "v2")      # "auto": GEMV_BY_SHAPE, as a model runs
     if ver not in _OPS:
-        o = _OPS[ver] = CudaOps(gemv=ver)
+        o = _OPS[ver] = CudaOps(KernelChoice(gemv=ver))
         o.compile_all()
     return _OPS[ver]
 
@@ -512,7 +512,8 @@ _V2_OPS: dict = {}
 def v2_ops(lpr, threads):
     """CudaOps whose v2 GEMVs use ``lpr`` lanes per row and ``threads``-thread blocks."""
     if (lpr, threads) not in _V2_OPS:
-        _V2_OPS[(lpr, threads)] = CudaOps(gemv="v2", gemv_lpr=lpr, gemv_threads=threads)
+        _V2_OPS[(lpr, threads)] = CudaOps(KernelChoice(gemv="v2", gemv_lpr=lpr,
+                                                       gemv_threads=threads))
     return _V2_OPS[(lpr, threads)]
 
 
@@ -688,12 +689,11 @@ def test_lm_head_sample_nongreedy(ops, ref, rng, temperature, top_k, top_p):
         assert got == sample_from_logits(logits, temperature, top_k, top_p, float(u))
 
 
-def test_gemv_settings_errors_name_the_setting(monkeypatch):
-    with pytest.raises(ConfigError, match="TINYLOOP_GEMV"):
-        CudaOps(gemv="v3")
-    monkeypatch.setenv("TINYLOOP_GEMV_LPR", "6")
-    with pytest.raises(ConfigError, match="TINYLOOP_GEMV_LPR"):
-        CudaOps()
+def test_gemv_choice_errors_name_the_field(monkeypatch):
+    with pytest.raises(ConfigError, match="KernelChoice.gemv="):
+        CudaOps(KernelChoice(gemv="v3"))
+    monkeypatch.setenv("TINYLOOP_GEMV_LPR", "6")                # no longer read
+    assert CudaOps().kernels.gemv_lpr is None
 
 
 # --- RoPE and attention ------------------------------------------------------------------------
@@ -920,7 +920,7 @@ def test_decode_split(ops, ref, rng, monkeypatch, mode, h, hkv, hd, p, ctx, spli
     than pages leaves splits empty) against NumPy's kv_attention."""
     n = {"1": 1, "P-1": p - 1, "P": p, "P+1": p + 1}.get(ctx) or int(ctx)
     monkeypatch.setattr(ops, "attn_decode", "split")
-    monkeypatch.setattr(cuda_ops, "decode_splits", lambda *a: splits)
+    monkeypatch.setattr(cuda_attention, "decode_splits", lambda *a: splits)
     _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, n - 1, p)
 
 
@@ -928,9 +928,10 @@ def test_decode_split(ops, ref, rng, monkeypatch, mode, h, hkv, hd, p, ctx, spli
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 @pytest.mark.parametrize("ctx", [1, 33, 2047, 4096])
 def test_decode_versions_and_step_state(ops, ref, rng, monkeypatch, version, mode, ctx):
-    """TINYLOOP_ATTN_DECODE's both kernels with the host's split rule, and kv_attention_step
-    reading ctx from a device step state (split-K: on the device; v1: on the host)."""
-    monkeypatch.setattr(ops, "attn_decode", version)
+    """KernelChoice.attn_decode's both kernels with the host's split rule, and
+    kv_attention_step reading ctx from a device step state (split-K: on the device; v1: on
+    the host)."""
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_decode=version))
     for step in (False, True):
         _paged_attention_case(ops, ref, rng, mode, 9, 3, 64, 1, ctx - 1, 32, step=step)
 
@@ -969,8 +970,8 @@ def test_sample_nongreedy(ops, rng, temperature, top_k, top_p):
 @pytest.mark.parametrize("vocab", [1, 2, 7, 2003, 49152])
 def test_sample_device_matches_rule(ops, rng, vocab):
     """sample.cu's one-block sampler (temperature > 0) picks sample_from_logits's token, for
-    ties (equal logits ranked by id), +0 / -0, top_k 1 / k / >= vocab, top_p tiny / mid / off;
-    the CuPy sort path (device_sampling = False) agrees. u stays below 1 - 2^-30: within
+    ties (equal logits ranked by id), +0 / -0, top_k 1 / k / >= vocab, top_p tiny / mid / off.
+    u stays below 1 - 2^-30: within
     ~2^-40 of 1 the fixed-point kernel may pick another zero-mass tail token (documented)."""
     for trial in range(12):
         logits = (rng.standard_normal(vocab) * rng.choice([0.5, 3.0, 10.0])).astype(np.float32)
@@ -986,11 +987,20 @@ def test_sample_device_matches_rule(ops, rng, vocab):
             want = sample_from_logits(logits, temperature, top_k, top_p, float(u))
             got = ops.sample(dev, temperature, top_k, top_p, float(u))
             assert got == want, (vocab, trial, temperature, top_k, top_p, u, got, want)
-            ops.device_sampling = False
-            try:
-                assert ops.sample(dev, temperature, top_k, top_p, float(u)) == want
-            finally:
-                ops.device_sampling = True
+
+
+def test_sample_past_the_device_vocabulary_takes_the_rule(ops, rng):
+    """A row longer than the fixed-point sampler takes (2^22) is sampled by the NumPy rule on
+    the host: the same pick, and the same NonFiniteLogitsError for a NaN row."""
+    from tinyloop.backends.cuda.sampling import _SAMPLE_MAX_N
+    from tinyloop.errors import NonFiniteLogitsError
+    logits = (rng.standard_normal(_SAMPLE_MAX_N + 5) * 3).astype(np.float32)
+    dev = cupy.asarray(logits)
+    for u in (0.0, 0.37, 0.9):
+        assert ops.sample(dev, 0.8, 40, 0.95, u) == sample_from_logits(logits, 0.8, 40, 0.95, u)
+    dev[7] = np.nan
+    with pytest.raises(NonFiniteLogitsError):
+        ops.sample(dev, 0.8, 0, 1.0, 0.5)
 
 
 def test_sample_top_p_0_is_greedy(ops, rng):
@@ -1002,7 +1012,7 @@ def test_sample_top_p_0_is_greedy(ops, rng):
 
 
 def _faulty_rows(vocab: int) -> list:
-    """(logits, kind) rows no token can be sampled from."""
+    """(logits, kind) rows no token can be sampled from, of each fault kind."""
     base = np.linspace(-3, 3, vocab, dtype=np.float32)
     nan_one, pinf, ninf_some = base.copy(), base.copy(), base.copy()
     nan_one[vocab - 1] = np.nan                                 # the last element: the
@@ -1014,12 +1024,10 @@ def _faulty_rows(vocab: int) -> list:
 
 
 @pytest.mark.parametrize("vocab", [2, 1000, 49152])
-@pytest.mark.parametrize("temperature,device_sampling", [(0.0, True), (1.0, True),
-                                                         (1.0, False)])
-def test_sample_non_finite_logits_raise(ops, vocab, temperature, device_sampling, monkeypatch):
-    """Both temperature > 0 samplers (sample.cu's, and the CuPy path) and the argmax."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sample_non_finite_logits_raise(ops, vocab, temperature):
+    """The temperature > 0 sampler (sample.cu's) and the argmax."""
     from tinyloop.errors import NonFiniteLogitsError
-    monkeypatch.setattr(ops, "device_sampling", device_sampling)
     for logits, kind in _faulty_rows(vocab):
         dev = cupy.asarray(logits)
         if kind is None:                                        # -inf marks a masked token
@@ -1168,6 +1176,7 @@ def test_qkv_rope_step_equals_the_pair(ops, ref, rng, monkeypatch, h, hkv, hd, b
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
         np.testing.assert_array_equal(again[name], want[name], err_msg=name)
     assert np.isfinite(got["qkv"].astype(np.float32)).all() and got["k"].any()
-    monkeypatch.setenv("TINYLOOP_FUSED_QKV_ROPE", "0")         # the switch: the pair runs
+    monkeypatch.setattr(ops, "kernels",                          # the switch: the pair runs
+                        dataclasses.replace(ops.kernels, fused_qkv_rope=False))
     assert not ops.rmsnorm_qkv_kv_step(x, wt, 1e-5, w, poisoned((1, n), cupy.float16), step,
                                        theta, h, hkv, hd, c.slot(0))

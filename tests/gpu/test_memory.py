@@ -151,7 +151,7 @@ import json, sys
 import tinyloop, tinyloop.memory as mem
 m = tinyloop.load_model(sys.argv[1], max_seq_len=1024, backend="cuda")
 ids = list(range(1, 200))
-m.generate(ids, max_new_tokens=16)                                 # graphs, megakernel
+m.generate(ids, max_new_tokens=16)                                 # graphs
 m.generate(ids, max_new_tokens=8, temperature=0.7, seed=3)         # sampled steps
 m.logits(ids[:64])
 s = mem.memory_stats("cuda")

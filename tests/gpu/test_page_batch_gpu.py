@@ -24,7 +24,7 @@ SMOL = ModelConfig(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head_
 
 @pytest.fixture
 def ops():
-    from tinyloop.backends.cuda_ops import CudaOps
+    from tinyloop.backends.cuda import CudaOps
     return CudaOps()
 
 

@@ -1,7 +1,7 @@
 """Backends: each implements the small set of ops the forward is written against.
 
-``numpy_ops.NumpyOps`` is the reference (the oracle); ``cuda_ops.CudaOps`` runs RawModule
-kernels from ``cuda_src/``. ``resolve_backend(name)`` is the one place "auto" is decided;
+``numpy_ops.NumpyOps`` is the reference (the oracle); ``cuda.CudaOps`` (the ``cuda`` package)
+runs NVRTC-compiled kernels from ``cuda/kernels/``. ``resolve_backend(name)`` is the one place "auto" is decided;
 ``ops_class(name)`` gives a backend's class (its ``device``, ``act_dtype``, ``kv_dtype``
 without building it) and ``get_ops(name)`` an instance.
 """
@@ -41,17 +41,26 @@ def ops_class(backend: str = "auto"):
     if resolve_backend(backend) == "numpy":
         from .numpy_ops import NumpyOps
         return NumpyOps
-    from .cuda_ops import CudaOps           # imports without CuPy (for these class facts)
+    from .cuda import CudaOps               # imports without CuPy (for these class facts)
     return CudaOps
 
 
-def get_ops(backend: str = "auto"):
+def get_ops(backend: str = "auto", kernels=None):
     """Return an Ops instance for ``backend`` ("auto" picks cuda when available).
 
-    Raises ConfigError for an unknown name, BackendUnavailableError for "cuda" without a
-    device CuPy can see."""
+    ``kernels``: the CUDA kernel variants (``cuda.KernelChoice``; None: the defaults).
+    Raises ConfigError for an unknown name, a ``kernels`` that is not a KernelChoice, or a
+    non-default choice on the NumPy backend (it runs no CUDA kernels, so the choice would be
+    silently ignored); BackendUnavailableError for "cuda" without a device CuPy can see."""
+    from .cuda.choice import KernelChoice  # imports without CuPy
+    choice = KernelChoice.of(kernels)
     cls = ops_class(backend)
-    if cls.name == "cuda" and not cuda_available():
+    if cls.name != "cuda":
+        if choice != KernelChoice():
+            raise ConfigError(f"kernels={choice!r} picks CUDA kernel variants; the "
+                              f"{cls.name} backend runs none")
+        return cls()
+    if not cuda_available():
         raise BackendUnavailableError("backend='cuda' was requested but CuPy cannot see a CUDA "
                                       "device (is cupy-cuda12x/13x installed and a GPU present?)")
-    return cls()
+    return cls(choice)

@@ -113,7 +113,7 @@ def warp_sum(x: np.ndarray) -> np.ndarray:
 
 
 def encode_h_int4(h: np.ndarray, layout) -> dict:
-    """h_int4 page parts of float32 rows ``h`` [n, d] (cuda_src/kv_h.cu ``h_write_h_int4``
+    """h_int4 page parts of float32 rows ``h`` [n, d] (cuda/kernels/kv_h.cu ``h_write_h_int4``
     stores the same bytes for the same FP16 rows).
 
     1. The ``layout.outliers`` channels of largest |h| per row (``select_outliers``) are kept
@@ -397,10 +397,6 @@ class NumpyOps(Ops):
             raise ConfigError(f"kv mode {lay.mode!r} stores h: attention needs the layer's "
                               "reconstruction (its QKV weight and RoPE theta)")
         h = decode_h(rows, lay)                                    # float32 [n, d]
-        if recon.norm is not None:                                 # raw residual stored
-            hn = np.empty_like(h)
-            self.rmsnorm(h, recon.norm[0], recon.norm[1], hn)
-            h = hn
         kvd = n_kv_heads * head_dim
         kv_rows = self._matmul(h, recon.w_kv)                      # [n, 2 kv_dim]
         cos, sin = rope_tables(np.arange(c0, c1), head_dim, recon.theta)

@@ -2,7 +2,7 @@
 // query row (T = 1) of every query head against keys 0..ctx-1.
 //
 // Checked against: NumpyOps.kv_attention (tests/gpu/test_kernels.py::test_decode_split_*), which
-// reads the same page layout (tinyloop/kvcache.py PageLayout) through the same block table.
+// reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
 // Query head h reads KV head h / (n_heads / n_kv); scale 1/sqrt(head_dim); scores in log2 units
 // (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
 //
@@ -16,7 +16,7 @@
 // the PDL wait (attn_split_step). With n_used == 1 the block writes out = o / l itself;
 // otherwise it writes the partial (m, l, o[HD]) - running max, sum of 2^(s-m), unnormalised
 // sum of 2^(s-m) v - to part[(h * nsplit + s) * (HD + 2)]: o[0..HD-1], m, l (attn_split_unit;
-// in decode_mega.cu an empty split writes m = -inf, l = 0, o = 0), and the last of the head's
+// an empty split writes m = -inf, l = 0, o = 0), and the last of the head's
 // blocks merges the partials (attn_split_merge, attn_combine_head): M = max_s m_s,
 // out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0 always holds key 0, so M is finite.
 // ctx comes from the host (ctx > 0) or, when step_pos is not null, from the device step state
@@ -25,7 +25,7 @@
 // chunk) reads 8 dims of V with one 16-byte (fp16) / 8-byte (int8) load per key of its slice.
 #include "common.cuh"
 
-// Launch geometry shared with the host (tinyloop/backends/cuda_ops.py GEOMETRY; -D from the
+// Launch geometry shared with the host (tinyloop/backends/cuda/compile.py GEOMETRY; -D from the
 // host, defaults here for a standalone nvcc build, kept equal by tests/test_kernel_geometry.py).
 #ifndef DS_THREADS
 #define DS_THREADS 128
@@ -34,7 +34,7 @@
 // Keys [k0, k1) of split s of nsplit over ctx keys in pages of P: a split owns
 // pps = max(ceil(npages / nsplit), min_pps) whole pages (min_pps: the split kernel asks for a
 // full chunk of DS_THREADS keys, so a short context runs in one split per head and skips the
-// merge; the megakernel passes 1).
+// merge).
 __device__ __forceinline__ i64 ds_pages_per_split(i64 ctx, i64 P, i64 nsplit, i64 min_pps) {
     const i64 npages = (ctx + P - 1) / P, pps = (npages + nsplit - 1) / nsplit;
     return pps > min_pps ? pps : min_pps;
@@ -184,12 +184,12 @@ __device__ __forceinline__ void ds_chunk(const float* qs, float* ps, float* red,
 }
 
 // One (query head h, split s of nsplit) unit over keys 0..ctx-1, run by a block of DS_THREADS
-// threads (the split kernel below: h = blockIdx.x, s = blockIdx.y; decode_mega.cu: a grid-stride
-// loop over units). qkv is read through L2 (__ldcg): the megakernel rewrites it every layer.
+// threads (the split kernel below: h = blockIdx.x, s = blockIdx.y). qkv is read through L2
+// (__ldcg): the kernel before it in the step wrote it.
 // PRE: *pre holds the unit's first chunk, already loaded (ds_load + ds_load_key); the other
-// chunks (all of them without PRE) are read as they are used, which keeps the megakernel's
-// registers low. out: null, or where the head's output goes when this is its only split
-// (o / l, f16 [n_heads * HD]) instead of the partial.
+// chunks (all of them without PRE) are read as they are used, which keeps registers low.
+// out: null, or where the head's output goes when this is its only split (o / l, f16
+// [n_heads * HD]) instead of the partial.
 template <int MODE, int HD, bool PRE = false>
 __device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 ctx,
                                                 const i64* __restrict__ table, i64 P, i64 k_off,
@@ -342,7 +342,7 @@ __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, cons
     }
 #define DS_ENTRIES(HD) DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)
 
-// The supported head dims (ATTN_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
+// The supported head dims (ATTN_HEAD_DIMS in compile.py GEOMETRY; -D from the host).
 #ifndef DS_HEAD_DIM_ENTRIES
 #define DS_HEAD_DIM_ENTRIES                                                                    \
     DS_ENTRIES(16) DS_ENTRIES(32) DS_ENTRIES(48) DS_ENTRIES(64) DS_ENTRIES(80) DS_ENTRIES(96)  \

@@ -12,7 +12,7 @@
 #include "common.cuh"
 
 // Launch geometry shared with the host: the host passes these as -D options from
-// tinyloop/backends/cuda_ops.py GEOMETRY (the one definition); the values below are defaults
+// tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
 // for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
 #ifndef BM
 #define BM 64

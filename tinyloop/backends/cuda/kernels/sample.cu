@@ -10,9 +10,15 @@
 // (common.cuh argmax_before) and codes.
 #include "common.cuh"
 
+// Threads of the argmax's and the sampler's one block (compile.py GEOMETRY; at most 32 warps:
+// the block reductions keep one value per warp).
+#ifndef SMP_THREADS
+#define SMP_THREADS 1024
+#endif
+
 // logits f32 [n]; writes the chosen id to result[0] and the fault code to result[1] (device or
-// mapped pinned host memory). grid = 1, block = 1024.
-extern "C" __global__ void __launch_bounds__(1024)
+// mapped pinned host memory). grid = 1, block = SMP_THREADS.
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     argmax_f32(const float* __restrict__ logits, i64 n, int* __restrict__ result) {
     TL_PDL_ENTER();
     __shared__ float sv[32];
@@ -50,11 +56,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 // picked (a -inf logit, a masked token, has w = 0). A row with a NaN or +inf logit, or only
 // -inf, is not sampled: id 0 and its fault code (logit_fault_code) are written instead.
 //
-// Scratch: wq u64 [n] (device, preallocated by the host). grid = 1, block = 1024.
+// Scratch: wq u64 [n] (device, preallocated by the host). grid = 1, block = SMP_THREADS.
 // ================================================================================================
-#ifndef SMP_THREADS
-#define SMP_THREADS 1024
-#endif
 #define SMP_FIX 1099511627776.0          // 2^40
 
 typedef unsigned long long u64;
@@ -312,18 +315,11 @@ __device__ void sample_impl(const float* __restrict__ logits, i64 n64, double te
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SMP_THREADS)
-    sample_topk_topp(const float* logits, i64 n64, double temp, i64 top_k, double top_p,
-                     double u, u64* wq, int* id_dev, int* id_host) {
-    TL_PDL_ENTER();
-    sample_impl(logits, n64, temp, top_k, top_p, u, wq, id_dev, id_host);
-}
-
-// The sampled head of a captured decode step (tinyloop/graphs.py): the same rule, its
-// parameters read when the kernel runs from prm f64 [4] = (temperature, top_k, top_p, u) in
-// mapped pinned host memory that the host fills before each replay (CudaOps.set_step_sampling),
-// so one captured graph serves every step and every setting; the id and the fault code go to
-// the device step state step[0..1] (STEP_ID, STEP_FAULT).
+// The one temperature sampler: its parameters read when the kernel runs from prm f64 [4] =
+// (temperature, top_k, top_p, u) in mapped pinned host memory that the host fills first, so
+// one captured decode step (tinyloop/graphs.py) serves every step and every setting
+// (CudaOps.set_step_sampling); the id and the fault code go to step[0..1]: the device step
+// state (STEP_ID, STEP_FAULT), or for an eager CudaOps.sample a mapped pinned int [2].
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     sample_step(const float* logits, i64 n64, const volatile double* prm, u64* wq, int* step) {
     TL_PDL_ENTER();

@@ -1,9 +1,9 @@
 // The store-h KV modes (h_fp16, h_int8, h_int4): writing the normed QKV input h into the
 // slot's pages, reading it back for reconstruction, and attention over one reconstructed chunk
-// with the online-softmax state carried across chunks (tinyloop/kvcache.py PageLayout).
+// with the online-softmax state carried across chunks (tinyloop/kv/layouts.py PageLayout).
 //
 // Checked against: numpy_ops.encode_h / decode_h (quant.quantize_rows_int8,
-// numpy_ops.encode_h_int4 / decode_h_int4, kvcache.hadamard_rotate) and
+// numpy_ops.encode_h_int4 / decode_h_int4, kv.layouts.hadamard_rotate) and
 // NumpyOps.kv_attention (tests/gpu/test_kv_h.py).
 //
 // Page parts (byte offsets from the page start, given by the host): h_fp16: h f16 [P, d];
@@ -32,11 +32,14 @@
 #define H_INT8 1
 #define H_INT4 2
 #define H_MAX_PAIRS 4            // h_attn_chunk: head_dim <= 256 (<= 4 pairs per lane)
-#define H_MAX_OUTLIERS 4         // h_int4: outlier channels per row (cuda_ops H_KERNEL_OUTLIERS)
+// h_int4: outlier channels per row, at most (compile.py GEOMETRY)
+#ifndef H_MAX_OUTLIERS
+#define H_MAX_OUTLIERS 4
+#endif
 #define H_ROT_FLAG 0x8000u       // h_int4 scale's sign bit: the group is in the Hadamard basis
 
 // y_lane = (sum_i +-x_i) / sqrt(32), the sign of x_i being (-1)^popcount(i & lane): the
-// orthonormal Sylvester Hadamard of order 32 (kvcache.hadamard_rotate, in the same arithmetic:
+// orthonormal Sylvester Hadamard of order 32 (kv.layouts.hadamard_rotate, in the same arithmetic:
 // float64 sums of float32 values, exact while a group's magnitudes span < ~2^24, one float64
 // division, one rounding to float32). Every lane of the warp calls it with its own x.
 __device__ __forceinline__ float hadamard32(float x, int lane) {

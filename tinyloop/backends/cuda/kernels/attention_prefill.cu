@@ -37,7 +37,7 @@
 #include "common.cuh"
 
 // Launch geometry shared with the host: the host passes these as -D options from
-// tinyloop/backends/cuda_ops.py GEOMETRY (the one definition); the values below are defaults
+// tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
 // for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
 #ifndef FA_WARPS
 #define FA_WARPS 4
@@ -305,7 +305,7 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     }
 #define FA_ENTRIES(HD) FA_ENTRIES_MODE(KV_FP16, fp16, HD) FA_ENTRIES_MODE(KV_INT8, int8, HD)
 
-// The head dims built (FA_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
+// The head dims built (FA_HEAD_DIMS in compile.py GEOMETRY; -D from the host).
 #ifndef FA_HEAD_DIM_ENTRIES
 #define FA_HEAD_DIM_ENTRIES                                                                    \
     FA_ENTRIES(16) FA_ENTRIES(32) FA_ENTRIES(48) FA_ENTRIES(64) FA_ENTRIES(80) FA_ENTRIES(96)  \

@@ -20,17 +20,20 @@
 #include "common.cuh"
 
 // Launch geometry shared with the host: the host passes these as -D options from
-// tinyloop/backends/cuda_ops.py GEOMETRY (the one definition); the values below are defaults
+// tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
 // for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
+#endif
+// the largest v2 block (GEMV2_THREADS in tinyloop/backends/cuda/choice.py): its launch bound
+#ifndef GEMV2_MAX_THREADS
+#define GEMV2_MAX_THREADS 256
 #endif
 
 enum { EPI_F16 = 0, EPI_RESID = 1, EPI_SWIGLU = 2, EPI_F32 = 3 };
 
 // The epilogue of output row `row` (by the lane holding its total): EPI_F16 / EPI_F32 store,
-// EPI_RESID read-add-store (the read through L2: decode_mega.cu's residual row is written by
-// other blocks of the same launch), EPI_SWIGLU silu(acc0) * acc1.
+// EPI_RESID read-add-store (the read through L2), EPI_SWIGLU silu(acc0) * acc1.
 template <int EPI>
 __device__ __forceinline__ void gemv_store(void* out, i64 row, float acc0, float acc1) {
     if (EPI == EPI_F16) ((half_t*)out)[row] = f2h(acc0);
@@ -321,7 +324,8 @@ GEMV_NORM_ENTRY(gemv_norm_q8_f32, 8, EPI_F32)
 #endif  // TL_DEVICE_ONLY
 
 // ================================================================================================
-// GEMV v2 (the default decode path; v1 above stays selectable: TINYLOOP_GEMV=v1).
+// GEMV v2 (the LM head's decode GEMV by default; every layer shape runs v1 above:
+// tinyloop/backends/cuda/gemv.py GEMV_BY_SHAPE, KernelChoice.gemv forces either).
 //
 // Checked against: the same NumPy references as v1 (tests/gpu/test_kernels.py::test_linear*,
 // ::test_lm_head, ::test_rmsnorm_*_fused with T=1, run for v1 and v2) and
@@ -389,7 +393,7 @@ __device__ __forceinline__ void norm_row_v256(const float* __restrict__ xr,
 
 // Loads of one batch: chunks c = c0 + j * LPR (j < GEMV2_U) of `row` (and row + F for SwiGLU)
 // with their scales and zeros; zeros where the chunk is past the row or the row is invalid.
-// LPR: a compile-time constant here (inlined), a runtime value in decode_mega.cu.
+// LPR: a compile-time constant at every call (inlined).
 template <int BITS, bool TWO>
 __device__ __forceinline__ void gemv2_load(uint4 (&wa)[GEMV2_U], float (&sa)[GEMV2_U],
                                            float (&za)[GEMV2_U], uint4 (&wb)[GEMV2_U],
@@ -553,7 +557,7 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
 
 #ifndef TL_DEVICE_ONLY
 #define GEMV2_ENTRY(NAME, BITS, EPI, LPR)                                                     \
-    extern "C" __global__ void __launch_bounds__(256)                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV2_MAX_THREADS)                          \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
              i64 F, i64 log2g, void* out) {                                                   \
         gemv2_body<BITS, EPI, LPR, false, false>(x, nullptr, 0.0, qw, sc, zr, (int)N, (int)K, \
@@ -562,7 +566,7 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
     }
 
 #define GEMV2_NORM_ENTRY(NAME, BITS, EPI, LPR)                                                \
-    extern "C" __global__ void __launch_bounds__(256)                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV2_MAX_THREADS)                          \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
              const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
         gemv2_body<BITS, EPI, LPR, true, false>(x, weight, eps, qw, sc, zr, (int)N, (int)K,   \
@@ -573,7 +577,7 @@ __device__ __forceinline__ void gemv2_body(const void* __restrict__ xin,
 // out f32 [N] logits (written too: the API keeps the row); part_v / part_i [>= grid];
 // ticket: one u32, 0 before the first launch; id_dev: int [2]; id_host: mapped int [2] or null.
 #define GEMV2_ARGMAX_ENTRY(NAME, BITS, LPR)                                                   \
-    extern "C" __global__ void __launch_bounds__(256)                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV2_MAX_THREADS)                          \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
              const half_t* zr, i64 N, i64 K, i64 log2g, float* out, float* part_v,            \
              int* part_i, unsigned* ticket, int* id_dev, int* id_host) {                      \

@@ -1,6 +1,6 @@
 // RoPE on the fused QKV rows, and the paged KV-cache write (fp16 / int8 modes; Q-only for the
 // store-h modes, whose h rows kv_h.cu writes; the store-h reconstruction also runs the Q-only
-// kernel on its rebuilt K rows: cuda_ops.CudaOps._h_attention).
+// kernel on its rebuilt K rows: tinyloop/backends/cuda/attention.py _h_attention).
 //
 // Checked against: NumpyOps.kv_write with numpy_ops.rope_tables / apply_rope and
 // quant.quantize_rows_int8 (tests/gpu/test_kernels.py::test_kv_write_*).
@@ -8,7 +8,7 @@
 // angle pos * theta^(-2i/head_dim). The angle and its cos/sin are computed in double, as the
 // reference does, so large positions stay accurate; the rotation itself is float.
 //
-// Pages (tinyloop/kvcache.py PageLayout): position p of the slot lives in page table[p / P],
+// Pages (tinyloop/kv/layouts.py PageLayout): position p of the slot lives in page table[p / P],
 // row p % P; K / V rows [P, n_kv, hd] at byte offsets k_off / v_off; int8 mode: FP16 scales
 // [P, n_kv] at ks_off / vs_off.
 // INT8 (symmetric, one scale per (position, KV head) row; quant.quantize_rows_int8 with
@@ -55,7 +55,7 @@ __device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, f
 
 // INT8 row of one (position, KV head): one warp. src f16 [hd] (K: rotated here with cs; V: as
 // is) -> dst codes i8 [hd] and *scale (quant.quantize_rows_int8's rule, see the file head).
-// src is read through L2 (__ldcg): in decode_mega.cu other blocks wrote it moments before.
+// src is read through L2 (__ldcg): the kernel before wrote it.
 __device__ __forceinline__ void kv_int8_row_warp(const half_t* src, bool rotate,
                                                  const float* cs, int hd, i8* dst,
                                                  half_t* scale, int lane) {

@@ -1,7 +1,7 @@
 // Causal attention with grouped-query heads over the paged KV cache: prefill and decode.
 //
 // Checked against: NumpyOps.kv_attention (tests/gpu/test_kernels.py::test_paged_attention_*),
-// which reads the same page layout (tinyloop/kvcache.py PageLayout) through the same block table.
+// which reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
 // Query head h reads KV head h / (n_heads / n_kv); query row i (absolute position pos0 + i)
 // sees keys 0..pos0+i; scale 1/sqrt(head_dim). Online softmax (Milakov & Gimelshein 2018;
 // FlashAttention, Dao et al. 2022): no [T, ctx] scratch. Scores are kept in log2 units
@@ -23,7 +23,7 @@
 // float. grid = (ceil(T / 64), n_heads); q tiles are taken in reverse so the longest (last)
 // causal rows start first.
 // Launch geometry shared with the host: the host passes these as -D options from
-// tinyloop/backends/cuda_ops.py GEOMETRY (the one definition); the values below are defaults
+// tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
 // for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
 #ifndef PF_Q
 #define PF_Q 64
@@ -236,7 +236,7 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
     }
 #define ATTN_ENTRIES(HD) ATTN_ENTRIES_MODE(KV_FP16, fp16, HD) ATTN_ENTRIES_MODE(KV_INT8, int8, HD)
 
-// The supported head dims (ATTN_HEAD_DIMS in cuda_ops.py GEOMETRY; -D from the host).
+// The supported head dims (ATTN_HEAD_DIMS in compile.py GEOMETRY; -D from the host).
 #ifndef ATTN_HEAD_DIM_ENTRIES
 #define ATTN_HEAD_DIM_ENTRIES                                                                  \
     ATTN_ENTRIES(16) ATTN_ENTRIES(32) ATTN_ENTRIES(48) ATTN_ENTRIES(64) ATTN_ENTRIES(80)       \

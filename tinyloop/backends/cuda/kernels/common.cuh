@@ -1,8 +1,8 @@
 // Shared helpers for every TinyLoop kernel family (no CUDA headers needed: NVRTC and nvcc alike).
 //
-// cuda_ops.py pastes this file in place of the `#include "common.cuh"` line before handing a
-// source to cupy.RawModule (so CuPy's on-disk cache key covers it); .ci/compile_cuda.sh passes
-// -I cuda_src to nvcc instead.
+// tinyloop/backends/cuda/compile.py pastes this file in place of the `#include "common.cuh"`
+// line before handing a source to cupy.RawModule (so CuPy's on-disk cache key covers it);
+// .ci/compile_cuda.sh passes -I tinyloop/backends/cuda/kernels to nvcc instead.
 //
 // Conventions: FP16 values travel as raw bits (`half_t`, unsigned short) and convert through
 // PTX `cvt`; integer kernel parameters are `long long` and float parameters `double`, so the
@@ -67,8 +67,8 @@ __device__ __forceinline__ float dq(float q, float s, float z) {
 
 // --- programmatic dependent launch (PDL; sm_90+, PTX ISA "griddepcontrol") ------------------
 // A captured decode step launches its kernels with cuLaunchKernelEx and the attribute
-// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (tinyloop/backends/cuda_ops.py
-// PDL_KERNELS, _PdlLauncher), so a kernel's blocks may start while the kernel before it still
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (tinyloop/backends/cuda/launch.py
+// PDL_KERNELS, PdlLauncher), so a kernel's blocks may start while the kernel before it still
 // runs (CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"). The rule
 // for every kernel so launched: before pdl_wait() it may only read what no kernel of the step
 // writes - constant inputs (weights), the step state's position (advanced at the end of the
@@ -186,7 +186,7 @@ __device__ __forceinline__ int logit_fault_code(float top) {
     return top != top ? 1 : (top == -TL_NEG_INF ? 2 : (top == TL_NEG_INF ? 3 : 0));
 }
 
-// --- paged KV reads (attention.cu, attention_decode.cu; layout: tinyloop/kvcache.py PageLayout)
+// --- paged KV reads (attention.cu, attention_decode.cu; layout: tinyloop/kv/layouts.py PageLayout)
 // MODE 0 = fp16 (K/V FP16), MODE 1 = int8 (K/V = float(q) * float(scale), the product rounded
 // once in float32 as the NumPy reference does).
 #define KV_FP16 0
