@@ -58,7 +58,7 @@ def fmt_value(v) -> str:
 
 
 def fmt_config(cfg: ModelConfig) -> str:
-    return ", ".join(f"{k}={fmt_value(v)}" for k, v in cfg.to_dict().items())
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in cfg.identity_dict().items())
 
 
 def resolve_prefill_chunk(a) -> int:
@@ -293,7 +293,7 @@ def cmd_inspect(a) -> int:
         depth = cfg.check_depth(a.depth)
         layout = f.quant_layout()
         print(f"file      {a.model}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
-        for k, v in cfg.to_dict().items():
+        for k, v in cfg.identity_dict().items():
             print(f"  {k:<15} {fmt_value(v)}")
         print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
               f"at max depth {cfg.max_depth}: {cfg.n_slots(cfg.max_depth)}")

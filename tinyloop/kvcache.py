@@ -783,3 +783,4 @@ class Recon:
     scratch: object = None
     norm: tuple | None = None     # (weight, eps): the stored h is the raw residual (measured
                                   # alternative, NumPy only: docs/kv_modes.md), RMSNorm first
+    bias: object = None           # float32 [2 kv_dim]: the K and V rows of a qkv_bias model

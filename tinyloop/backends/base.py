@@ -166,13 +166,50 @@ class Ops:
         """Rotate Q in place; store positions pos0.. of the slot in its mode (K/V or h)."""
         raise NotImplementedError
 
-    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None,
+                     window: int = 0):
         """Causal GQA attention over the slot's positions 0..pos0+T-1, read through its block
-        table as stored (dequantized / rebuilt from h with ``recon``, a kvcache.Recon)."""
+        table as stored (dequantized / rebuilt from h with ``recon``, a kvcache.Recon).
+        ``window`` > 0: the query at position p reads only keys p-window+1..p (sliding-window
+        layers); the forward passes it only for such layers."""
         raise NotImplementedError
 
     def inject(self, state, e, w, tmp2, tmp1):      # state f32 [T, d] = [state, e] @ W.T
         raise NotImplementedError
+
+    # --- the ops of the VERSION 2 architecture facts (config.ModelConfig) --------------------
+    # The NumPy reference runs them; a backend without them refuses such a model at load
+    # (model.backend_missing_features).
+    def scale(self, x, s: float) -> None:
+        """x f32 [T, d] *= s (``embed_scale``)."""
+        raise NotImplementedError
+
+    def add_bias(self, x, bias) -> None:
+        """x act [T, n] += bias f32 [n] (``qkv_bias``: before RoPE and the K/V write)."""
+        raise NotImplementedError
+
+    def norm_residual(self, x, weight, eps) -> None:
+        """x f32 [T, d] = rmsnorm(x) in place, kept in float32 (``loop_norm``, ``exit_norm``:
+        the final norm run on the residual stream itself)."""
+        raise NotImplementedError
+
+    def linear_norm_residual(self, x, w, weight, eps, residual, tmp) -> None:
+        """residual f32 [T, d] += rmsnorm(x @ W.T): a "pre_post" layer's branch output normed
+        before the add (Ouro); ``tmp`` act [T, d] scratch."""
+        raise NotImplementedError
+
+    def linear_residual_norm(self, x, w, weight, eps, residual) -> None:
+        """residual f32 [T, d] = rmsnorm(residual + x @ W.T): a "sandwich" layer's norm after
+        the add (Huginn)."""
+        raise NotImplementedError
+
+    def init_state(self, out, pos0: int, std: float, seed: int) -> None:
+        """out f32 [T, d] = the seeded initial state of positions pos0..pos0+T-1
+        (``numpy_ops.seeded_state``: a truncated normal that depends only on the seed, the
+        position and the channel). Drawn on the host and copied in, on every backend."""
+        from .numpy_ops import seeded_state
+        t, d = out.shape
+        self.from_host(seeded_state(pos0, t, d, std, seed), out)
 
     def lm_head(self, x, w, out):                   # x act [T, d]; out f32 [T, vocab]
         raise NotImplementedError
