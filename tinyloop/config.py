@@ -24,7 +24,7 @@ INJECTION_KINDS = ("none", "adapter")
 LAYER_NORM_KINDS = ("pre", "pre_post", "sandwich")
 # What the recurrent state starts from: "prelude" (the prelude output itself), "zeros", or
 # "normal": a truncated normal (std ``state_std``, cut at +-3 std) drawn per position from
-# ``state_seed`` (numpy_ops.seeded_state), so equal seeds give equal runs.
+# ``state_seed`` (backends.base.seeded_state), so equal seeds give equal runs.
 STATE_INITS = ("prelude", "zeros", "normal")
 # The facts added in .tlm VERSION 2, with the defaults a VERSION 1 file means.
 V2_DEFAULTS = {"layer_norms": "pre", "loop_norm": False, "exit_norm": False,
@@ -48,7 +48,7 @@ class ModelConfig:
     between two passes of the recurrent block (Ouro's norm after every loop, Nanbeige's loop
     boundary norm); ``exit_norm``: ``output_norm`` runs on the state leaving the recurrent
     block, before the coda (Huginn's ``ln_f``, used twice); ``state_init`` / ``state_std`` /
-    ``state_seed`` (STATE_INITS); ``embed_scale``: the embedding rows are multiplied by it;
+    ``state_seed`` (STATE_INITS; ``backends.base.seeded_state``); ``embed_scale``: the embedding rows are multiplied by it;
     ``qkv_bias``: a float32 bias over the QKV rows (``blk.{i}.attn_qkv_bias``); ``exit_gate``:
     the file holds Ouro's per-loop exit gate (``exit_gate.weight`` [d], ``exit_gate.bias``
     [1]), which the forward, as vLLM and llama.cpp, does not read (every loop runs);

@@ -205,9 +205,8 @@ class Ops:
 
     def init_state(self, out, pos0: int, std: float, seed: int) -> None:
         """out f32 [T, d] = the seeded initial state of positions pos0..pos0+T-1
-        (``numpy_ops.seeded_state``: a truncated normal that depends only on the seed, the
+        (``seeded_state`` below: a truncated normal that depends only on the seed, the
         position and the channel). Drawn on the host and copied in, on every backend."""
-        from .numpy_ops import seeded_state
         t, d = out.shape
         self.from_host(seeded_state(pos0, t, d, std, seed), out)
 
@@ -376,6 +375,49 @@ class Ops:
 
     def graph_free(self, graph) -> None:
         """Release ``graph`` (and what the driver holds for it)."""
+
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function of uint64 ``x`` (Steele, Lea & Flood 2014), elementwise:
+    the counter-based hash the seeded state draws from."""
+    with np.errstate(over="ignore"):
+        z = (np.asarray(x, np.uint64) + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+STATE_TRUNCATE = 3.0     # the seeded state's normal is cut at +-3 std (Huginn's trunc_normal_)
+
+
+def seeded_state(pos0: int, t: int, d: int, std: float, seed: int) -> np.ndarray:
+    """float32 ``[t, d]``: the initial recurrent state of positions pos0..pos0+t-1 for
+    ``state_init="normal"``. Element (p, i) is std * z with z standard normal cut at
+    +-STATE_TRUNCATE: Box-Muller over two uniforms from ``splitmix64`` of the counter
+    (seed, p, i, attempt), the first attempt 0, 1, ... whose z lies within the cut. It depends
+    on nothing but (seed, p, i), so a position's state is the same in every chunk, prefix and
+    request, and equal seeds make runs repeatable."""
+    p = np.arange(pos0, pos0 + t, dtype=np.uint64)[:, None]
+    i = np.arange(d, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        base = splitmix64(splitmix64(splitmix64(np.uint64(seed)) ^ p) ^ (i << np.uint64(8)))
+    z = np.zeros((t, d))
+    todo = np.ones((t, d), bool)
+    for attempt in range(64):
+        a = np.uint64(2 * attempt)
+        u1 = (splitmix64(base ^ a) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        u2 = (splitmix64(base ^ (a + np.uint64(1))) >> np.uint64(11)).astype(np.float64) \
+            * 2.0 ** -53
+        cand = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+        take = todo & (np.abs(cand) <= STATE_TRUNCATE)
+        z[take] = cand[take]
+        todo &= ~take
+        if not todo.any():
+            break
+    return (z * std).astype(np.float32)
 
 
 STEP_ID, STEP_FAULT, STEP_POS = 0, 1, 2
