@@ -7,6 +7,8 @@
         MODEL: a .tlm path, or ``default`` (the embedded model; also used when MODEL is left out)
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
         SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
+    tinyloop convert DIR DST.tlm [--bits 4|8] [--group-size G] [--max-depth M]
+        DIR: a Hugging Face folder (config.json + .safetensors) of Ouro, Huginn or Nanbeige
     tinyloop convert --synthetic DST.tlm [--seed S] [--dims k=v,...]
     tinyloop inspect [MODEL] [--max-seq-len N] [--prefill-chunk C] [--backend B] [--kv-mode M]
         [--kv-budget BYTES]
@@ -262,6 +264,12 @@ def cmd_convert(a) -> int:
         print(f"wrote {a.src}: {fmt_config(cfg)}")
         return 0
     from .convert import convert
+    if os.path.isdir(a.src):
+        from .convert.hf import convert_hf
+        cfg = convert_hf(a.src, a.dst, bits=a.bits, group_size=a.group_size,
+                         state_seed=a.seed, max_depth=a.max_depth)
+        print(f"wrote {a.dst}: {fmt_config(cfg)}")
+        return 0
     start, _, end = a.recurrent.partition(":")
     try:
         rec = (int(start), int(end))
@@ -273,7 +281,7 @@ def cmd_convert(a) -> int:
         from .default import default_gguf_path
         src = default_gguf_path()
     cfg = convert(src, a.dst, recurrent=rec, default_depth=a.default_depth,
-                  max_depth=a.max_depth)
+                  max_depth=8 if a.max_depth is None else a.max_depth)
     print(f"wrote {a.dst}: {fmt_config(cfg)}")
     return 0
 
@@ -393,8 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert a llama-architecture GGUF into a looped .tlm model, "
                                    "or write a synthetic model with random weights.")
     c.add_argument("src", metavar="SRC",
-                   help=f"source .gguf, or '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-"
-                        f"Instruct GGUF (with --synthetic: the output .tlm path)")
+                   help=f"source .gguf, a Hugging Face folder (config.json + .safetensors of "
+                        f"Ouro, Huginn or Nanbeige), or '{DEFAULT_MODEL}' for the embedded "
+                        f"SmolLM2-135M-Instruct GGUF (with --synthetic: the output .tlm path)")
     c.add_argument("dst", nargs="?", metavar="DST",
                    help="output .tlm path: required without --synthetic, not given with it "
                         "(no default)")
@@ -402,19 +411,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers A..B-1 form the recurrent block (default: %(default)s)")
     c.add_argument("--default-depth", type=int, default=1, metavar="D",
                    help="depth used when a request names none (default: %(default)s)")
-    c.add_argument("--max-depth", type=int, default=8, metavar="M",
-                   help="largest depth a request may ask for (default: %(default)s)")
+    c.add_argument("--max-depth", type=int, default=None, metavar="M",
+                   help="largest depth a request may ask for (default: 8 for a GGUF; a "
+                        "folder's own loop count)")
     c.add_argument("--synthetic", action="store_true",
                    help="write a synthetic model to SRC instead of converting (default: off)")
     c.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="with --synthetic: seed of the random weights (default: %(default)s)")
+                   help="with --synthetic: seed of the random weights; with a folder: seed of "
+                        "a seeded initial state (Huginn) (default: %(default)s)")
     c.add_argument("--dims", default="", metavar="K=V,...",
                    help="with --synthetic: dims to change, e.g. d_model=256,n_recurrent=4 "
                         "(default: none, SmolLM2-135M's dims)")
     c.add_argument("--bits", type=int, default=4, metavar="B",
-                   help="with --synthetic: weight bits, 4 or 8 (default: %(default)s)")
+                   help="with --synthetic or a folder: weight bits, 4 or 8 (default: "
+                        "%(default)s)")
     c.add_argument("--group-size", type=int, default=32, metavar="G",
-                   help="with --synthetic: quantization group size (default: %(default)s)")
+                   help="with --synthetic or a folder: quantization group size (default: "
+                        "%(default)s)")
     c.set_defaults(fn=cmd_convert)
     i = sub.add_parser("inspect", help="header, dims and the memory plan of a model",
                        description="Print a .tlm file's header and dims and the bytes of each "

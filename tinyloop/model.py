@@ -999,7 +999,13 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
+    A folder (Hugging Face config.json + .safetensors of Ouro, Huginn or Nanbeige) is
+    converted once into the cache folder (INT4, group 32: ``convert.hf.cached_folder_conversion``,
+    ConversionError on a bad checkpoint) and that .tlm file is loaded.
     """
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        from .convert.hf import cached_folder_conversion
+        path = cached_folder_conversion(path)
     return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode)
 
 
