@@ -23,20 +23,35 @@ GROUP = 32
 
 # --- weights ------------------------------------------------------------------------------
 def grid_matrix(rng, rows: int, cols: int, std: float | None = None) -> np.ndarray:
-    """float32 [rows, cols] that INT8 group quantization (g = 32) represents exactly."""
+    """float32 [rows, cols] that INT8 group quantization (g = 32) represents exactly: codes in
+    -127..127 (one +-127 per group) times a power-of-two scale per group, so every value has
+    at most 7 significant bits and BF16 and FP16 hold it exactly too."""
     std = 1.0 / math.sqrt(cols) if std is None else std
     g = cols // GROUP
     q = rng.integers(-127, 128, size=(rows, g, GROUP))
     lead = rng.integers(0, GROUP, size=(rows, g))
     np.put_along_axis(q, lead[..., None], np.where(rng.random((rows, g, 1)) < 0.5, 127, -127),
                       axis=2)
-    s = np.float16(std / 73.0) * np.exp2(rng.integers(-1, 2, size=(rows, g, 1)))
-    s = s.astype(np.float16).astype(np.float32)
-    return (q.astype(np.float32) * s).reshape(rows, cols)
+    s = np.exp2(np.round(np.log2(std / 73.0)) + rng.integers(-1, 2, size=(rows, g, 1)))
+    return (q * s).astype(np.float32).reshape(rows, cols)
+
+
+def bf16_exact(a) -> np.ndarray:
+    """float32 ``a`` rounded to the nearest BF16 value (8 significant bits), as float32."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
 
 
 def norm_weight(rng, d: int) -> np.ndarray:
-    return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    """Norm weights near 1 that BF16 and FP16 hold exactly (1 + k / 64)."""
+    return (1.0 + rng.integers(-8, 9, d) / 64.0).astype(np.float32)
+
+
+def small(rng, shape, std=0.1) -> np.ndarray:
+    """Small float32 values BF16 and FP16 hold exactly (k / 256, |k| < 128)."""
+    return (np.clip(np.round(rng.standard_normal(shape) * std * 256), -127, 127) / 256.0
+            ).astype(np.float32)
 
 
 def save(folder: str, config: dict, tensors: dict, *, shards: int = 1) -> None:
@@ -76,7 +91,7 @@ def ouro_checkpoint(seed=0, *, d=256, heads=2, kv_heads=2, head_dim=128, ffn=320
     t = {"model.embed_tokens.weight": grid_matrix(rng, vocab, d, 1.0),
          "model.norm.weight": norm_weight(rng, d),
          "lm_head.weight": grid_matrix(rng, vocab, d, 2.0 / math.sqrt(d)),
-         "model.early_exit_gate.weight": (0.1 * rng.standard_normal((1, d))).astype(np.float32),
+         "model.early_exit_gate.weight": small(rng, (1, d)),
          "model.early_exit_gate.bias": np.array([0.3], np.float32)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -103,7 +118,7 @@ def nanbeige_checkpoint(seed=0, *, d=128, heads=4, kv_heads=2, head_dim=64, ffn=
            "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-5,
            "rope_theta": theta, "tie_word_embeddings": True, "num_loops": loops,
            "skip_loop_final_norm": skip_loop_final_norm, "vocab_size": vocab}
-    t = {"model.embed_tokens.weight": grid_matrix(rng, vocab, d, 1.0),
+    t = {"model.embed_tokens.weight": grid_matrix(rng, vocab, d, 0.3),
          "model.norm.weight": norm_weight(rng, d)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -143,8 +158,7 @@ def huginn_checkpoint(seed=0, *, d=192, heads=2, ffn=256, prelude=1, core=2, cod
               + [f"transformer.coda.{k}." for k in range(coda)])
     for p in blocks:
         t[p + "attn.Wqkv.weight"] = grid_matrix(rng, 3 * d, d)
-        t[p + "attn.qk_bias"] = (0.1 * rng.standard_normal((2, 1, heads, d // heads))
-                                 ).astype(np.float32)
+        t[p + "attn.qk_bias"] = small(rng, (2, 1, heads, d // heads))
         t[p + "attn.proj.weight"] = grid_matrix(rng, d, d)
         t[p + "mlp.fc.weight"] = grid_matrix(rng, 2 * ffn, d)
         t[p + "mlp.proj.weight"] = grid_matrix(rng, d, ffn)
@@ -180,6 +194,36 @@ def rope_pairs(x, pos, theta):
     return out
 
 
+def deq8(x, axis_group=None):
+    """The documented symmetric INT8 rounding (quant.quantize_rows_int8's rule) over the last
+    axis, or over groups of ``axis_group`` along it: s = fp16(max|x| / 127) in float32,
+    q = rint(x / s), read back q * s."""
+    x = np.asarray(x, np.float32)
+    shape = x.shape
+    if axis_group:
+        x = x.reshape(*shape[:-1], shape[-1] // axis_group, axis_group)
+    s = (np.abs(x).max(-1, keepdims=True) / np.float32(127)).astype(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(s > 0, np.rint(x / s), 0.0)
+    return (np.clip(q, -127, 127) * s).astype(np.float64).reshape(shape)
+
+
+def stored_h(h, mode):
+    """What attention rebuilds K and V from in a store-h KV mode (else ``h`` itself)."""
+    if mode == "h_fp16":
+        return np.asarray(h, np.float32).astype(np.float16).astype(np.float64)
+    if mode == "h_int8":
+        return deq8(h, 32)
+    return h
+
+
+def stored_kv(k, v, mode):
+    """K (after RoPE) and V as the int8 KV mode reads them back: per position and head."""
+    if mode == "int8":
+        return deq8(k), deq8(v)
+    return k, v
+
+
 def attend(q, k, v, window=None):
     """Causal attention (optionally sliding: key j visible to query i when i - window < j)."""
     T, H, hd = q.shape
@@ -205,7 +249,7 @@ def f64(t):
     return {k: np.asarray(v, np.float64) for k, v in t.items()}
 
 
-def ouro_logits(cfg, t, ids, loops):
+def ouro_logits(cfg, t, ids, loops, mode=None):
     """Ouro's forward (decoder layer with four norms; self.norm after every loop feeding the
     next; lm_head on the normed state) at ``loops`` loops."""
     t = f64(t)
@@ -218,11 +262,13 @@ def ouro_logits(cfg, t, ids, loops):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
             h = rms(x, t[p + "input_layernorm.weight"], eps)
+            hk = stored_h(h, mode)
             q = rope_half((h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd), pos,
                           theta)
-            k = rope_half((h @ t[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, hd), pos,
+            k = rope_half((hk @ t[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, hd), pos,
                           theta)
-            v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, hd)
+            v = (hk @ t[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, hd)
+            k, v = stored_kv(k, v, mode)
             win = cfg["sliding_window"] if cfg["layer_types"][i] == "sliding_attention" \
                 else None
             a = attend(q, k, v, win) @ t[p + "self_attn.o_proj.weight"].T
@@ -235,7 +281,7 @@ def ouro_logits(cfg, t, ids, loops):
     return x @ t["lm_head.weight"].T
 
 
-def nanbeige_logits(cfg, t, ids, loops):
+def nanbeige_logits(cfg, t, ids, loops, mode=None):
     """nanbeige.cpp's graph: llama layers over n_loops passes, output_norm at each loop
     boundary unless skip_loop_final_norm, then result_norm and the (tied) output."""
     t = f64(t)
@@ -248,11 +294,13 @@ def nanbeige_logits(cfg, t, ids, loops):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
             h = rms(x, t[p + "input_layernorm.weight"], eps)
+            hk = stored_h(h, mode)
             q = rope_half((h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd), pos,
                           theta)
-            k = rope_half((h @ t[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, hd), pos,
+            k = rope_half((hk @ t[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, hd), pos,
                           theta)
-            v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, hd)
+            v = (hk @ t[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, hd)
+            k, v = stored_kv(k, v, mode)
             x = x + attend(q, k, v) @ t[p + "self_attn.o_proj.weight"].T
             h = rms(x, t[p + "post_attention_layernorm.weight"], eps)
             x = x + (silu(h @ t[p + "mlp.gate_proj.weight"].T)
@@ -292,7 +340,7 @@ def documented_state(T: int, d: int, std: float, seed: int) -> np.ndarray:
     return out * std
 
 
-def huginn_logits(cfg, t, ids, steps, state_seed=0):
+def huginn_logits(cfg, t, ids, steps, mode=None, state_seed=0):
     """raven_modeling_minimal.py's forward at ``steps`` recurrences: wte * embed_scale,
     prelude SandwichBlocks, state = the seeded truncated normal (times embed_scale), each step
     adapter(cat[state, prelude out]) then the core blocks, ln_f, coda, ln_f, tied head."""
@@ -304,10 +352,12 @@ def huginn_logits(cfg, t, ids, steps, state_seed=0):
 
     def block(x, p):
         h = rms(x, t[p + "norm_1.weight"], eps)
-        q, k, v = np.split(h @ t[p + "attn.Wqkv.weight"].T, 3, axis=1)
+        q = (h @ t[p + "attn.Wqkv.weight"].T)[:, :d]
+        _, k, v = np.split(stored_h(h, mode) @ t[p + "attn.Wqkv.weight"].T, 3, axis=1)
         q = q.reshape(T, H, hd) + t[p + "attn.qk_bias"][0]
         k = k.reshape(T, H, hd) + t[p + "attn.qk_bias"][1]
-        a = attend(rope_pairs(q, pos, theta), rope_pairs(k, pos, theta), v.reshape(T, H, hd))
+        k, v = stored_kv(rope_pairs(k, pos, theta), v.reshape(T, H, hd), mode)
+        a = attend(rope_pairs(q, pos, theta), k, v)
         x = rms(a @ t[p + "attn.proj.weight"].T + x, t[p + "norm_2.weight"], eps)
         h = rms(x, t[p + "norm_3.weight"], eps)
         g, u = np.split(h @ t[p + "mlp.fc.weight"].T, 2, axis=1)
