@@ -409,3 +409,29 @@ def test_cuda_refuses_the_new_facts_by_name(folders):
                                   head_dim=16, ffn_dim=96, n_prelude=1, n_recurrent=2,
                                   n_coda=1, max_depth=3))
     assert backend_missing_features(plain, "cuda") == []
+
+
+def test_inspect_an_ouro_1_4b_shaped_folder(tmp_path, capsys):
+    """config.json alone (the published Ouro-1.4B dims): 24 layers x 4 loops = 96 slots at
+    depth 4; fp16 K/V (CUDA's kv dtype) take 2 (K, V) x 16 heads x 128 x 2 bytes per slot."""
+    from tinyloop import cli
+    conf = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 2048,
+            "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+            "tie_word_embeddings": False, "total_ut_steps": 4, "vocab_size": 49152,
+            "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": 28}
+    os.makedirs(tmp_path / "ouro14")
+    with open(tmp_path / "ouro14" / "config.json", "w") as f:
+        json.dump(conf, f)
+    assert cli.main(["inspect", str(tmp_path / "ouro14"), "--backend", "cuda",
+                     "--max-seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "at max depth 4: 96" in out
+    per_slot = 2 * 16 * 128 * 2
+    rows = {int(line.split()[0]): line.split() for line in out.split("by depth")[1]
+            .splitlines()[2:] if line.strip()}
+    assert sorted(rows) == [1, 2, 3, 4]
+    for d, cols in rows.items():
+        assert int(cols[1]) == 24 * d
+        assert int(cols[2].replace(",", "")) == 24 * d * per_slot

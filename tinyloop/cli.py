@@ -12,6 +12,7 @@
     tinyloop convert --synthetic DST.tlm [--seed S] [--dims k=v,...]
     tinyloop inspect [MODEL] [--max-seq-len N] [--prefill-chunk C] [--backend B] [--kv-mode M]
         [--kv-budget BYTES]
+        MODEL may be a Hugging Face folder: planned from its config.json alone
     tinyloop --version
 
 Also ``python -m tinyloop``. ``--help`` text is plain (no RST markup): every option states its
@@ -287,20 +288,44 @@ def cmd_convert(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    from . import plan as planmod
     from .backends import ops_class
-    from .format import read_tlm
     from .config import check_load_args
     a.prefill_chunk = resolve_prefill_chunk(a)
     check_load_args(a.max_seq_len, a.prefill_chunk)
     a.model = resolve_model_arg(a.model)
     ops = ops_class(a.backend)          # the backend's dtypes; no device needed
     backend = ops.name
-    with read_tlm(a.model) as f:
+    if os.path.isdir(a.model):
+        cfg, layout = _inspect_folder(a.model)
+    else:
+        cfg, layout = _inspect_file(a.model)
+    depth = cfg.check_depth(a.depth)
+    return _inspect_plan(a, ops, backend, cfg, layout, depth)
+
+
+def _inspect_folder(src: str):
+    """Print a Hugging Face folder's config as the .tlm load_model(DIR) makes of it (INT4,
+    group 32); return (config, quant layout)."""
+    from .convert.hf import folder_config
+    from .format import expected_tensors
+    arch, cfg = folder_config(src)
+    print(f"folder    {src}  (config.json: {arch}; planned as load_model(DIR) converts it: "
+          f"INT4, group 32)")
+    for k, v in cfg.identity_dict().items():
+        print(f"  {k:<15} {fmt_value(v)}")
+    print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
+          f"at max depth {cfg.max_depth}: {cfg.n_slots(cfg.max_depth)}")
+    layout = {n: (4, 32) for n, (k, _) in expected_tensors(cfg).items() if k == "quant"}
+    return cfg, layout
+
+
+def _inspect_file(path: str):
+    """Print a .tlm file's header and dims; return (config, quant layout)."""
+    from .format import read_tlm
+    with read_tlm(path) as f:
         cfg = f.config
-        depth = cfg.check_depth(a.depth)
         layout = f.quant_layout()
-        print(f"file      {a.model}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
+        print(f"file      {path}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
         for k, v in cfg.identity_dict().items():
             print(f"  {k:<15} {fmt_value(v)}")
         print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
@@ -309,6 +334,12 @@ def cmd_inspect(a) -> int:
         groups = sorted({g for _, g in layout.values()})
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
+    return cfg, layout
+
+
+def _inspect_plan(a, ops, backend, cfg, layout, depth) -> int:
+    """The memory plan of ``cfg`` on ``backend`` and the KV tables (``tinyloop inspect``)."""
+    from . import plan as planmod
     from .config import kv_mode_from_env, parse_size
     from .kvcache import H_MODES, resolve_kv_modes
     modes = resolve_kv_modes(a.kv_mode or kv_mode_from_env(), cfg)
@@ -338,7 +369,38 @@ def cmd_inspect(a) -> int:
           f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
           f"{kv_total:,d}  {fmt_bytes(kv_total)}")
     print(kv_mode_table(cfg, ops.kv_dtype, budget, backend))
+    print(kv_depth_table(cfg, ops.kv_dtype, backend))
     return 0
+
+
+def kv_depths(cfg: ModelConfig) -> list[int]:
+    """The depths the per-depth KV table lists: every depth up to 8, else 1, 2, 4, ... and
+    the default and maximum depths."""
+    if cfg.max_depth <= 8:
+        return list(range(1, cfg.max_depth + 1))
+    ds = {cfg.default_depth, cfg.max_depth}
+    d = 1
+    while d < cfg.max_depth:
+        ds.add(d)
+        d *= 2
+    return sorted(ds)
+
+
+def kv_depth_table(cfg: ModelConfig, kv_dtype, backend: str) -> str:
+    """KV cache bytes per token over all slots at each depth (``kv_depths``), per storage
+    mode on ``backend`` (page rounding excluded)."""
+    import numpy as np
+    from .config import KV_MODES
+    from .kvcache import kv_bytes_per_token
+    modes = [m for m in KV_MODES if m not in ("h_int8", "h_int4") or cfg.d_model % 32 == 0]
+    lines = [f"\nKV cache bytes per token by depth on backend {backend} (all slots; fp16 "
+             f"mode: K/V {np.dtype(kv_dtype).name}; page rounding excluded)",
+             f"  {'depth':>5}{'slots':>7}" + "".join(f"{m:>12}" for m in modes)]
+    for d in kv_depths(cfg):
+        row = "".join(f"{kv_bytes_per_token(cfg, d, (m,) * cfg.n_layers, kv_dtype):>12,d}"
+                      for m in modes)
+        lines.append(f"  {d:>5}{cfg.n_slots(d):>7}{row}")
+    return "\n".join(lines)
 
 
 def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int, backend: str) -> str:

@@ -184,6 +184,16 @@ def _shards(src: str) -> tuple[list[str], dict | None]:
     return [os.path.join(src, f) for f in files], None
 
 
+class _NoTensors:
+    """Stands in for a folder's tensor table when only config.json is read (``folder_config``):
+    dims come from config.json alone."""
+
+    table: dict = {}
+
+    def __contains__(self, name: str) -> bool:
+        return False
+
+
 class _Tensors:
     """The checked tensor table of a folder's shards; reads one tensor as float32."""
 
@@ -493,9 +503,10 @@ def _huginn(c: _Conf, t: _Tensors, state_seed: int):
 # --------------------------------------------------------------------------------------------
 # The converter
 # --------------------------------------------------------------------------------------------
-def read_hf_folder(src, *, state_seed: int = 0):
+def read_hf_folder(src, *, state_seed: int = 0, tensors: bool = True):
     """(architecture, ModelConfig, tensor iterator factory, ignored names, _Tensors) of the
-    folder ``src``, every header checked (nothing read yet but the headers)."""
+    folder ``src``, every header checked (nothing read yet but the headers); with
+    ``tensors=False`` only config.json is read (the vocabulary size then comes from it)."""
     src = os.fspath(src)
     if not os.path.isdir(src):
         raise ConversionError(f"{src}: not a folder")
@@ -506,7 +517,7 @@ def read_hf_folder(src, *, state_seed: int = 0):
     if not isinstance(conf, dict):
         raise ConversionError(f"{cpath}: config.json must be a JSON object")
     arch = architecture_of(conf, cpath)
-    t = _Tensors(src)
+    t = _Tensors(src) if tensors else _NoTensors()
     c = _Conf(conf, cpath)
     if arch == "huginn":
         facts, tensors, ignore = _huginn(c, t, state_seed)
@@ -518,6 +529,13 @@ def read_hf_folder(src, *, state_seed: int = 0):
     except ConfigError as e:
         raise ConversionError(f"{cpath}: the dims do not make a model: {e}") from None
     return arch, cfg, tensors, ignore, t
+
+
+def folder_config(src) -> tuple[str, ModelConfig]:
+    """(architecture, ModelConfig) of the folder ``src`` from its config.json alone (what
+    ``tinyloop inspect DIR`` plans with); raises ConversionError as convert_hf."""
+    arch, cfg, *_ = read_hf_folder(src, tensors=False)
+    return arch, cfg
 
 
 def _tokenizer(src: str):
