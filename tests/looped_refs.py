@@ -36,6 +36,15 @@ def grid_matrix(rng, rows: int, cols: int, std: float | None = None) -> np.ndarr
     return (q * s).astype(np.float32).reshape(rows, cols)
 
 
+def _mat(exact: bool, rng, rows: int, cols: int, std: float | None = None) -> np.ndarray:
+    """``grid_matrix`` with ``exact``, else plain Gaussian weights of the same std (what
+    quantization loses on: benchmarks/looped_quant.py)."""
+    if exact:
+        return grid_matrix(rng, rows, cols, std)
+    std = 1.0 / math.sqrt(cols) if std is None else std
+    return (std * rng.standard_normal((rows, cols))).astype(np.float32)
+
+
 def bf16_exact(a) -> np.ndarray:
     """float32 ``a`` rounded to the nearest BF16 value (8 significant bits), as float32."""
     u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
@@ -76,8 +85,8 @@ def save(folder: str, config: dict, tensors: dict, *, shards: int = 1) -> None:
 
 
 # --- Ouro -----------------------------------------------------------------------------------
-def ouro_checkpoint(seed=0, *, d=256, heads=2, kv_heads=2, head_dim=128, ffn=320, layers=2,
-                    vocab=96, loops=3, sliding=(1,), window=5, theta=1e6):
+def ouro_checkpoint(seed=0, *, exact=True, d=256, heads=2, kv_heads=2, head_dim=128,
+                    ffn=320, layers=2, vocab=96, loops=3, sliding=(1,), window=5, theta=1e6):
     rng = np.random.default_rng(seed)
     cfg = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": d,
            "intermediate_size": ffn, "num_hidden_layers": layers,
@@ -88,20 +97,20 @@ def ouro_checkpoint(seed=0, *, d=256, heads=2, kv_heads=2, head_dim=128, ffn=320
            "sliding_window": window if sliding else None, "max_window_layers": layers,
            "layer_types": ["sliding_attention" if i in sliding else "full_attention"
                            for i in range(layers)], "bos_token_id": 1, "eos_token_id": 2}
-    t = {"model.embed_tokens.weight": grid_matrix(rng, vocab, d, 1.0),
+    t = {"model.embed_tokens.weight": _mat(exact, rng, vocab, d, 1.0),
          "model.norm.weight": norm_weight(rng, d),
-         "lm_head.weight": grid_matrix(rng, vocab, d, 2.0 / math.sqrt(d)),
+         "lm_head.weight": _mat(exact, rng, vocab, d, 2.0 / math.sqrt(d)),
          "model.early_exit_gate.weight": small(rng, (1, d)),
          "model.early_exit_gate.bias": np.array([0.3], np.float32)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = grid_matrix(rng, heads * head_dim, d)
-        t[p + "self_attn.k_proj.weight"] = grid_matrix(rng, kv_heads * head_dim, d)
-        t[p + "self_attn.v_proj.weight"] = grid_matrix(rng, kv_heads * head_dim, d)
-        t[p + "self_attn.o_proj.weight"] = grid_matrix(rng, d, heads * head_dim)
-        t[p + "mlp.gate_proj.weight"] = grid_matrix(rng, ffn, d)
-        t[p + "mlp.up_proj.weight"] = grid_matrix(rng, ffn, d)
-        t[p + "mlp.down_proj.weight"] = grid_matrix(rng, d, ffn)
+        t[p + "self_attn.q_proj.weight"] = _mat(exact, rng, heads * head_dim, d)
+        t[p + "self_attn.k_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
+        t[p + "self_attn.v_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
+        t[p + "self_attn.o_proj.weight"] = _mat(exact, rng, d, heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = _mat(exact, rng, ffn, d)
+        t[p + "mlp.up_proj.weight"] = _mat(exact, rng, ffn, d)
+        t[p + "mlp.down_proj.weight"] = _mat(exact, rng, d, ffn)
         for n in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
                   "post_attention_layernorm_2"):
             t[p + n + ".weight"] = norm_weight(rng, d)
@@ -109,8 +118,8 @@ def ouro_checkpoint(seed=0, *, d=256, heads=2, kv_heads=2, head_dim=128, ffn=320
 
 
 # --- Nanbeige -------------------------------------------------------------------------------
-def nanbeige_checkpoint(seed=0, *, d=128, heads=4, kv_heads=2, head_dim=64, ffn=192, layers=2,
-                        vocab=96, loops=3, skip_loop_final_norm=False, theta=5e5):
+def nanbeige_checkpoint(seed=0, *, exact=True, d=128, heads=4, kv_heads=2, head_dim=64,
+                        ffn=192, layers=2, vocab=96, loops=3, skip_loop_final_norm=False, theta=5e5):
     rng = np.random.default_rng(seed)
     cfg = {"architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige",
            "hidden_size": d, "intermediate_size": ffn, "num_hidden_layers": layers,
@@ -118,25 +127,25 @@ def nanbeige_checkpoint(seed=0, *, d=128, heads=4, kv_heads=2, head_dim=64, ffn=
            "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-5,
            "rope_theta": theta, "tie_word_embeddings": True, "num_loops": loops,
            "skip_loop_final_norm": skip_loop_final_norm, "vocab_size": vocab}
-    t = {"model.embed_tokens.weight": grid_matrix(rng, vocab, d, 0.3),
+    t = {"model.embed_tokens.weight": _mat(exact, rng, vocab, d, 0.3),
          "model.norm.weight": norm_weight(rng, d)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = grid_matrix(rng, heads * head_dim, d)
-        t[p + "self_attn.k_proj.weight"] = grid_matrix(rng, kv_heads * head_dim, d)
-        t[p + "self_attn.v_proj.weight"] = grid_matrix(rng, kv_heads * head_dim, d)
-        t[p + "self_attn.o_proj.weight"] = grid_matrix(rng, d, heads * head_dim)
-        t[p + "mlp.gate_proj.weight"] = grid_matrix(rng, ffn, d)
-        t[p + "mlp.up_proj.weight"] = grid_matrix(rng, ffn, d)
-        t[p + "mlp.down_proj.weight"] = grid_matrix(rng, d, ffn)
+        t[p + "self_attn.q_proj.weight"] = _mat(exact, rng, heads * head_dim, d)
+        t[p + "self_attn.k_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
+        t[p + "self_attn.v_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
+        t[p + "self_attn.o_proj.weight"] = _mat(exact, rng, d, heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = _mat(exact, rng, ffn, d)
+        t[p + "mlp.up_proj.weight"] = _mat(exact, rng, ffn, d)
+        t[p + "mlp.down_proj.weight"] = _mat(exact, rng, d, ffn)
         t[p + "input_layernorm.weight"] = norm_weight(rng, d)
         t[p + "post_attention_layernorm.weight"] = norm_weight(rng, d)
     return cfg, t
 
 
 # --- Huginn ---------------------------------------------------------------------------------
-def huginn_checkpoint(seed=0, *, d=192, heads=2, ffn=256, prelude=1, core=2, coda=1,
-                      vocab=96, recurrence=4, theta=50000.0):
+def huginn_checkpoint(seed=0, *, exact=True, d=192, heads=2, ffn=256, prelude=1, core=2,
+                      coda=1, vocab=96, recurrence=4, theta=50000.0):
     rng = np.random.default_rng(seed)
     std = math.sqrt(2 / (5 * d))
     cfg = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
@@ -148,20 +157,20 @@ def huginn_checkpoint(seed=0, *, d=192, heads=2, ffn=256, prelude=1, core=2, cod
            "padded_vocab_size": vocab, "injection_type": "linear", "state_init": "like-init",
            "test_time_noise": 0, "block_size": 4096,
            "init_values": {"std": std, "embed_scale": math.sqrt(d)}}
-    wte = grid_matrix(rng, vocab, d, 0.05)
+    wte = _mat(exact, rng, vocab, d, 0.05)
     t = {"transformer.wte.weight": wte, "lm_head.weight": wte.copy(),
          "transformer.ln_f.weight": norm_weight(rng, d),
-         "transformer.adapter.weight": grid_matrix(rng, d, 2 * d, 0.7 / math.sqrt(d)),
+         "transformer.adapter.weight": _mat(exact, rng, d, 2 * d, 0.7 / math.sqrt(d)),
          "freqs_cis": np.zeros((1, 16, 1, d // heads // 2, 2), np.float32)}
     blocks = ([f"transformer.prelude.{i}." for i in range(prelude)]
               + [f"transformer.core_block.{j}." for j in range(core)]
               + [f"transformer.coda.{k}." for k in range(coda)])
     for p in blocks:
-        t[p + "attn.Wqkv.weight"] = grid_matrix(rng, 3 * d, d)
+        t[p + "attn.Wqkv.weight"] = _mat(exact, rng, 3 * d, d)
         t[p + "attn.qk_bias"] = small(rng, (2, 1, heads, d // heads))
-        t[p + "attn.proj.weight"] = grid_matrix(rng, d, d)
-        t[p + "mlp.fc.weight"] = grid_matrix(rng, 2 * ffn, d)
-        t[p + "mlp.proj.weight"] = grid_matrix(rng, d, ffn)
+        t[p + "attn.proj.weight"] = _mat(exact, rng, d, d)
+        t[p + "mlp.fc.weight"] = _mat(exact, rng, 2 * ffn, d)
+        t[p + "mlp.proj.weight"] = _mat(exact, rng, d, ffn)
         for n in ("norm_1", "norm_2", "norm_3", "norm_4"):
             t[p + n + ".weight"] = norm_weight(rng, d)
     return cfg, t

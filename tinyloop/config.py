@@ -48,7 +48,8 @@ class ModelConfig:
     between two passes of the recurrent block (Ouro's norm after every loop, Nanbeige's loop
     boundary norm); ``exit_norm``: ``output_norm`` runs on the state leaving the recurrent
     block, before the coda (Huginn's ``ln_f``, used twice); ``state_init`` / ``state_std`` /
-    ``state_seed`` (STATE_INITS; ``backends.base.seeded_state``); ``embed_scale``: the embedding rows are multiplied by it;
+    ``state_seed`` (STATE_INITS; ``backends.base.seeded_state``); ``embed_scale``: the
+    embedding rows are multiplied by it;
     ``qkv_bias``: a float32 bias over the QKV rows (``blk.{i}.attn_qkv_bias``); ``exit_gate``:
     the file holds Ouro's per-loop exit gate (``exit_gate.weight`` [d], ``exit_gate.bias``
     [1]), which the forward, as vLLM and llama.cpp, does not read (every loop runs);
