@@ -435,3 +435,34 @@ def test_inspect_an_ouro_1_4b_shaped_folder(tmp_path, capsys):
     for d, cols in rows.items():
         assert int(cols[1]) == 24 * d
         assert int(cols[2].replace(",", "")) == 24 * d * per_slot
+
+
+def test_readme_looped_section_commands_parse_and_run(tmp_path, folders, monkeypatch, capsys):
+    """The README's looped-checkpoint commands parse with the real parser; with a tiny Ouro
+    folder in place of the download, its inspect and convert lines run as written."""
+    import re
+    import shlex
+    from tinyloop import cli
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    sec = text[text.index("## Running a looped checkpoint"):]
+    block = re.findall(r"```bash\n(.*?)```", sec, flags=re.S)[0]
+    cmds = [shlex.split(ln, comments=True) for ln in block.splitlines() if ln.strip()]
+    tl = [c for c in cmds if c[0] == "tinyloop"]
+    assert all(c[:2] == ["huggingface-cli", "download"] for c in cmds if c[0] != "tinyloop")
+    assert len(tl) == 6
+    for argv in tl:
+        cli.build_parser().parse_args(argv[1:])
+    # a tiny Ouro folder where the download would be: the inspect and convert lines run
+    monkeypatch.chdir(tmp_path)
+    _, cfg, t, _ = folders["ouro"]
+    L.save(str(tmp_path / "Ouro-1.4B"), cfg, t)
+    ran = 0
+    for argv in tl:
+        if argv[1] in ("inspect", "convert") and "Ouro-1.4B" in argv:
+            assert cli.main(argv[1:]) == 0, argv
+            ran += 1
+    assert ran == 2
+    out = capsys.readouterr().out
+    assert "by depth" in out and "wrote ouro-1.4b.tlm" in out

@@ -4,7 +4,8 @@
         the embedded default model on a default chat prompt: prints the model's path, the text,
         tokens/s and a memory summary
     tinyloop generate [MODEL] PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
-        MODEL: a .tlm path, or ``default`` (the embedded model; also used when MODEL is left out)
+        MODEL: a .tlm path, a Hugging Face folder (Ouro, Huginn, Nanbeige: converted once into
+        the cache), or ``default`` (the embedded model; also used when MODEL is left out)
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
         SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
     tinyloop convert DIR DST.tlm [--bits 4|8] [--group-size G] [--max-depth M]
@@ -42,8 +43,10 @@ DEFAULT_MAX_SEQ_LEN = 2048
 # --prefill-chunk when not given, per backend: the NumPy backend prefills a long prompt faster
 # in chunks (its attention scores and GEMM operands stay small); CUDA in one pass
 DEFAULT_PREFILL_CHUNK = {"numpy": 256, "cuda": 0}
-MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}': the embedded SmolLM2-135M-Instruct, "
-              f"converted once into the cache folder (the default when MODEL is left out)")
+MODEL_HELP = (f"a .tlm file, a Hugging Face folder of Ouro, Huginn or Nanbeige (converted "
+              f"once into the cache folder), or '{DEFAULT_MODEL}': the embedded "
+              f"SmolLM2-135M-Instruct, converted once into the cache folder (the default when "
+              f"MODEL is left out)")
 
 
 def note(text: str) -> None:
@@ -459,8 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--raw)")
     _add_sampling(g)
     g.set_defaults(fn=cmd_generate)
-    c = sub.add_parser("convert", help="GGUF -> .tlm, or a synthetic model",
-                       description="Convert a llama-architecture GGUF into a looped .tlm model, "
+    c = sub.add_parser("convert", help="GGUF or Hugging Face folder -> .tlm, or a synthetic "
+                       "model",
+                       description="Convert a llama-architecture GGUF or a Hugging Face folder "
+                                   "of Ouro, Huginn or Nanbeige into a looped .tlm model, "
                                    "or write a synthetic model with random weights.")
     c.add_argument("src", metavar="SRC",
                    help=f"source .gguf, a Hugging Face folder (config.json + .safetensors of "
