@@ -1004,6 +1004,9 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     ConversionError on a bad checkpoint) and that .tlm file is loaded.
     """
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise TinyLoopError(f"model path is not a file: {os.fspath(path)} (a folder loads "
+                                "only as a Hugging Face checkpoint, with its config.json)")
         from .convert.hf import cached_folder_conversion
         path = cached_folder_conversion(path)
     return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode)
