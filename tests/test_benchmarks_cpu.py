@@ -114,3 +114,16 @@ def test_step_kernels_bytes_per_launch():
     r = _run("bench_decode", "--help")
     assert r.returncode == 0, r.stderr
     assert "--no-step-table" in r.stdout
+
+
+def test_looped_quant_runs_on_the_cpu():
+    """benchmarks/looped_quant.py: one row per (architecture, bits, depth); INT8 closer to the
+    unquantized checkpoint than INT4 at every depth."""
+    r = _run("looped_quant", "--seeds", "1", "--tokens", "16")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[2:] if ln.strip()]
+    assert {row[0] for row in rows} == {"ouro", "huginn", "nanbeige"} and len(rows) == 18
+    kl = {(a, int(b), int(d)): float(m) for a, b, d, m, *_ in rows}
+    for (a, b, d), v in kl.items():
+        if b == 8:
+            assert v < kl[(a, 4, d)]

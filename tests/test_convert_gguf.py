@@ -165,8 +165,10 @@ def test_bad_options_raise(tiny_gguf, tmp_path, opts):
 
 def test_convert_dispatch(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ConversionError, match="safetensors conversion is not implemented yet"):
+    with pytest.raises(ConversionError, match="pass the folder that holds the .safetensors"):
         convert(tmp_path / "model.safetensors", tmp_path / "x.tlm")
+    with pytest.raises(ConversionError, match="config.json is missing"):
+        convert(tmp_path, tmp_path / "x.tlm")           # a folder: the Hugging Face converter
     with pytest.raises(ConversionError, match="expected a .gguf"):
         convert(tmp_path / "model.bin", tmp_path / "x.tlm")
 

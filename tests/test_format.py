@@ -213,3 +213,67 @@ def test_writer_refuses_a_tokenizer_larger_than_the_vocab(tmp_path):
 
 def test_prefix_struct_is_24_bytes():
     assert PREFIX.size == 24 and struct.calcsize("<8sIIQ") == 24
+
+
+V1_FIXTURE = pathlib.Path(__file__).parent / "data" / "v1_synthetic.tlm"
+V1_KEYS = {"vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+           "n_prelude", "n_recurrent", "n_coda", "default_depth", "max_depth", "rope_theta",
+           "norm_eps", "injection", "tied_head", "bos_token_id", "eos_token_id"}
+
+
+def test_a_file_of_the_version_1_writer_loads_and_is_rewritten_byte_for_byte(tmp_path):
+    """tests/data/v1_synthetic.tlm was written by the VERSION 1 writer (write_synthetic of
+    commit ca4b00d, seed 5): it loads, and today's writer writes the same model to the same
+    bytes (VERSION 1, the same config keys), so older readers read it and its fingerprint
+    and saved prefixes stay valid."""
+    from tinyloop.convert.synthetic import write_synthetic
+    version, header, _ = _split(V1_FIXTURE)
+    assert version == 1 and set(header["config"]) == V1_KEYS
+    with read_tlm(V1_FIXTURE) as f:
+        cfg = f.config
+        assert (cfg.layer_norms, cfg.loop_norm, cfg.state_init, cfg.qkv_bias) == \
+            ("pre", False, "prelude", False)
+    again = tmp_path / "again.tlm"
+    write_synthetic(again, cfg, seed=5)
+    assert again.read_bytes() == V1_FIXTURE.read_bytes()
+    m = tinyloop.load_model(str(V1_FIXTURE), backend="numpy", max_seq_len=16)
+    try:
+        assert np.isfinite(m.logits([1, 2, 3], depth=3)).all()
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_version_2_facts_need_a_version_2_file(tmp_path):
+    from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+    cfg = synthetic_config(dict(vocab_size=64, d_model=32, n_heads=2, n_kv_heads=1,
+                                head_dim=16, ffn_dim=64, n_prelude=0, n_recurrent=2,
+                                n_coda=0, max_depth=2, layer_norms="pre_post",
+                                loop_norm=True))
+    p = tmp_path / "v2.tlm"
+    write_synthetic(p, cfg, seed=1)
+    version, header, data = _split(p)
+    assert version == 2 and header["config"]["layer_norms"] == "pre_post"
+    names = {e["name"] for e in header["tensors"]}
+    assert {"blk.1.attn_post_norm", "blk.1.ffn_post_norm"} <= names
+    with read_tlm(p) as f:
+        assert f.config == cfg
+    bad = _write(tmp_path / "as_v1.tlm", header, data, version=1)
+    with pytest.raises(errors.InconsistentDimsError, match="need .tlm VERSION 2"):
+        read_tlm(bad)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"layer_norms": "post"}, "layer_norms"),
+    ({"state_init": "normal"}, "state_std"),
+    ({"state_init": "normal", "state_std": 0.5}, "injection='adapter'"),
+    ({"sliding_window": 4}, "given together"),
+    ({"sliding_window": 4, "sliding_layers": [3]}, "0..n_layers-1"),
+    ({"embed_scale": 0.0}, "embed_scale"),
+    ({"loop_norm": 1}, "loop_norm"),
+])
+def test_version_2_facts_are_validated(change, match):
+    from tinyloop.config import ModelConfig
+    base = dict(vocab_size=64, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64,
+                n_prelude=0, n_recurrent=2, n_coda=0, max_depth=2)
+    with pytest.raises(errors.ConfigError, match=match):
+        ModelConfig(**{**base, **change})

@@ -4,12 +4,16 @@
         the embedded default model on a default chat prompt: prints the model's path, the text,
         tokens/s and a memory summary
     tinyloop generate [MODEL] PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
-        MODEL: a .tlm path, or ``default`` (the embedded model; also used when MODEL is left out)
+        MODEL: a .tlm path, a Hugging Face folder (Ouro, Huginn, Nanbeige: converted once into
+        the cache), or ``default`` (the embedded model; also used when MODEL is left out)
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
         SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
+    tinyloop convert DIR DST.tlm [--bits 4|8] [--group-size G] [--max-depth M]
+        DIR: a Hugging Face folder (config.json + .safetensors) of Ouro, Huginn or Nanbeige
     tinyloop convert --synthetic DST.tlm [--seed S] [--dims k=v,...]
     tinyloop inspect [MODEL] [--max-seq-len N] [--prefill-chunk C] [--backend B] [--kv-mode M]
         [--kv-budget BYTES]
+        MODEL may be a Hugging Face folder: planned from its config.json alone
     tinyloop --version
 
 Also ``python -m tinyloop``. ``--help`` text is plain (no RST markup): every option states its
@@ -39,8 +43,10 @@ DEFAULT_MAX_SEQ_LEN = 2048
 # --prefill-chunk when not given, per backend: the NumPy backend prefills a long prompt faster
 # in chunks (its attention scores and GEMM operands stay small); CUDA in one pass
 DEFAULT_PREFILL_CHUNK = {"numpy": 256, "cuda": 0}
-MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}': the embedded SmolLM2-135M-Instruct, "
-              f"converted once into the cache folder (the default when MODEL is left out)")
+MODEL_HELP = (f"a .tlm file, a Hugging Face folder of Ouro, Huginn or Nanbeige (converted "
+              f"once into the cache folder), or '{DEFAULT_MODEL}': the embedded "
+              f"SmolLM2-135M-Instruct, converted once into the cache folder (the default when "
+              f"MODEL is left out)")
 
 
 def note(text: str) -> None:
@@ -58,7 +64,7 @@ def fmt_value(v) -> str:
 
 
 def fmt_config(cfg: ModelConfig) -> str:
-    return ", ".join(f"{k}={fmt_value(v)}" for k, v in cfg.to_dict().items())
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in cfg.identity_dict().items())
 
 
 def resolve_prefill_chunk(a) -> int:
@@ -262,6 +268,12 @@ def cmd_convert(a) -> int:
         print(f"wrote {a.src}: {fmt_config(cfg)}")
         return 0
     from .convert import convert
+    if os.path.isdir(a.src):
+        from .convert.hf import convert_hf
+        cfg = convert_hf(a.src, a.dst, bits=a.bits, group_size=a.group_size,
+                         state_seed=a.seed, max_depth=a.max_depth)
+        print(f"wrote {a.dst}: {fmt_config(cfg)}")
+        return 0
     start, _, end = a.recurrent.partition(":")
     try:
         rec = (int(start), int(end))
@@ -273,27 +285,51 @@ def cmd_convert(a) -> int:
         from .default import default_gguf_path
         src = default_gguf_path()
     cfg = convert(src, a.dst, recurrent=rec, default_depth=a.default_depth,
-                  max_depth=a.max_depth)
+                  max_depth=8 if a.max_depth is None else a.max_depth)
     print(f"wrote {a.dst}: {fmt_config(cfg)}")
     return 0
 
 
 def cmd_inspect(a) -> int:
-    from . import plan as planmod
     from .backends import ops_class
-    from .format import read_tlm
     from .config import check_load_args
     a.prefill_chunk = resolve_prefill_chunk(a)
     check_load_args(a.max_seq_len, a.prefill_chunk)
     a.model = resolve_model_arg(a.model)
     ops = ops_class(a.backend)          # the backend's dtypes; no device needed
     backend = ops.name
-    with read_tlm(a.model) as f:
+    if os.path.isdir(a.model):
+        cfg, layout = _inspect_folder(a.model)
+    else:
+        cfg, layout = _inspect_file(a.model)
+    depth = cfg.check_depth(a.depth)
+    return _inspect_plan(a, ops, backend, cfg, layout, depth)
+
+
+def _inspect_folder(src: str):
+    """Print a Hugging Face folder's config as the .tlm load_model(DIR) makes of it (INT4,
+    group 32); return (config, quant layout)."""
+    from .convert.hf import folder_config
+    from .format import expected_tensors
+    arch, cfg = folder_config(src)
+    print(f"folder    {src}  (config.json: {arch}; planned as load_model(DIR) converts it: "
+          f"INT4, group 32)")
+    for k, v in cfg.identity_dict().items():
+        print(f"  {k:<15} {fmt_value(v)}")
+    print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
+          f"at max depth {cfg.max_depth}: {cfg.n_slots(cfg.max_depth)}")
+    layout = {n: (4, 32) for n, (k, _) in expected_tensors(cfg).items() if k == "quant"}
+    return cfg, layout
+
+
+def _inspect_file(path: str):
+    """Print a .tlm file's header and dims; return (config, quant layout)."""
+    from .format import read_tlm
+    with read_tlm(path) as f:
         cfg = f.config
-        depth = cfg.check_depth(a.depth)
         layout = f.quant_layout()
-        print(f"file      {a.model}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
-        for k, v in cfg.to_dict().items():
+        print(f"file      {path}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
+        for k, v in cfg.identity_dict().items():
             print(f"  {k:<15} {fmt_value(v)}")
         print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
               f"at max depth {cfg.max_depth}: {cfg.n_slots(cfg.max_depth)}")
@@ -301,6 +337,12 @@ def cmd_inspect(a) -> int:
         groups = sorted({g for _, g in layout.values()})
         print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
         print(f"  metadata       {f.metadata}")
+    return cfg, layout
+
+
+def _inspect_plan(a, ops, backend, cfg, layout, depth) -> int:
+    """The memory plan of ``cfg`` on ``backend`` and the KV tables (``tinyloop inspect``)."""
+    from . import plan as planmod
     from .config import kv_mode_from_env, parse_size
     from .kv.layouts import H_MODES, resolve_kv_modes
     modes = resolve_kv_modes(a.kv_mode or kv_mode_from_env(), cfg)
@@ -330,7 +372,38 @@ def cmd_inspect(a) -> int:
           f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
           f"{kv_total:,d}  {fmt_bytes(kv_total)}")
     print(kv_mode_table(cfg, ops.kv_dtype, budget, backend))
+    print(kv_depth_table(cfg, ops.kv_dtype, backend))
     return 0
+
+
+def kv_depths(cfg: ModelConfig) -> list[int]:
+    """The depths the per-depth KV table lists: every depth up to 8, else 1, 2, 4, ... and
+    the default and maximum depths."""
+    if cfg.max_depth <= 8:
+        return list(range(1, cfg.max_depth + 1))
+    ds = {cfg.default_depth, cfg.max_depth}
+    d = 1
+    while d < cfg.max_depth:
+        ds.add(d)
+        d *= 2
+    return sorted(ds)
+
+
+def kv_depth_table(cfg: ModelConfig, kv_dtype, backend: str) -> str:
+    """KV cache bytes per token over all slots at each depth (``kv_depths``), per storage
+    mode on ``backend`` (page rounding excluded)."""
+    import numpy as np
+    from .config import KV_MODES
+    from .kv.layouts import kv_bytes_per_token
+    modes = [m for m in KV_MODES if m not in ("h_int8", "h_int4") or cfg.d_model % 32 == 0]
+    lines = [f"\nKV cache bytes per token by depth on backend {backend} (all slots; fp16 "
+             f"mode: K/V {np.dtype(kv_dtype).name}; page rounding excluded)",
+             f"  {'depth':>5}{'slots':>7}" + "".join(f"{m:>12}" for m in modes)]
+    for d in kv_depths(cfg):
+        row = "".join(f"{kv_bytes_per_token(cfg, d, (m,) * cfg.n_layers, kv_dtype):>12,d}"
+                      for m in modes)
+        lines.append(f"  {d:>5}{cfg.n_slots(d):>7}{row}")
+    return "\n".join(lines)
 
 
 def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int, backend: str) -> str:
@@ -389,12 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "--raw)")
     _add_sampling(g)
     g.set_defaults(fn=cmd_generate)
-    c = sub.add_parser("convert", help="GGUF -> .tlm, or a synthetic model",
-                       description="Convert a llama-architecture GGUF into a looped .tlm model, "
+    c = sub.add_parser("convert", help="GGUF or Hugging Face folder -> .tlm, or a synthetic "
+                       "model",
+                       description="Convert a llama-architecture GGUF or a Hugging Face folder "
+                                   "of Ouro, Huginn or Nanbeige into a looped .tlm model, "
                                    "or write a synthetic model with random weights.")
     c.add_argument("src", metavar="SRC",
-                   help=f"source .gguf, or '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-"
-                        f"Instruct GGUF (with --synthetic: the output .tlm path)")
+                   help=f"source .gguf, a Hugging Face folder (config.json + .safetensors of "
+                        f"Ouro, Huginn or Nanbeige), or '{DEFAULT_MODEL}' for the embedded "
+                        f"SmolLM2-135M-Instruct GGUF (with --synthetic: the output .tlm path)")
     c.add_argument("dst", nargs="?", metavar="DST",
                    help="output .tlm path: required without --synthetic, not given with it "
                         "(no default)")
@@ -402,19 +478,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers A..B-1 form the recurrent block (default: %(default)s)")
     c.add_argument("--default-depth", type=int, default=1, metavar="D",
                    help="depth used when a request names none (default: %(default)s)")
-    c.add_argument("--max-depth", type=int, default=8, metavar="M",
-                   help="largest depth a request may ask for (default: %(default)s)")
+    c.add_argument("--max-depth", type=int, default=None, metavar="M",
+                   help="largest depth a request may ask for (default: 8 for a GGUF; a "
+                        "folder's own loop count)")
     c.add_argument("--synthetic", action="store_true",
                    help="write a synthetic model to SRC instead of converting (default: off)")
     c.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="with --synthetic: seed of the random weights (default: %(default)s)")
+                   help="with --synthetic: seed of the random weights; with a folder: seed of "
+                        "a seeded initial state (Huginn) (default: %(default)s)")
     c.add_argument("--dims", default="", metavar="K=V,...",
                    help="with --synthetic: dims to change, e.g. d_model=256,n_recurrent=4 "
                         "(default: none, SmolLM2-135M's dims)")
     c.add_argument("--bits", type=int, default=4, metavar="B",
-                   help="with --synthetic: weight bits, 4 or 8 (default: %(default)s)")
+                   help="with --synthetic or a folder: weight bits, 4 or 8 (default: "
+                        "%(default)s)")
     c.add_argument("--group-size", type=int, default=32, metavar="G",
-                   help="with --synthetic: quantization group size (default: %(default)s)")
+                   help="with --synthetic or a folder: quantization group size (default: "
+                        "%(default)s)")
     c.set_defaults(fn=cmd_convert)
     i = sub.add_parser("inspect", help="header, dims and the memory plan of a model",
                        description="Print a .tlm file's header and dims and the bytes of each "

@@ -22,6 +22,19 @@ import numpy as np
 from .errors import ConfigError
 
 INJECTION_KINDS = ("none", "adapter")
+# Where a layer's RMSNorms sit (f = the attention or the FFN branch, n1/n2 its two norms):
+# "pre": x += f(n1(x)) (llama, Nanbeige); "pre_post": x += n2(f(n1(x))) (Ouro's four norms);
+# "sandwich": x = n2(x + f(n1(x))) (Huginn's SandwichBlock: the second norm after the add).
+LAYER_NORM_KINDS = ("pre", "pre_post", "sandwich")
+# What the recurrent state starts from: "prelude" (the prelude output itself), "zeros", or
+# "normal": a truncated normal (std ``state_std``, cut at +-3 std) drawn per position from
+# ``state_seed`` (backends.base.seeded_state), so equal seeds give equal runs.
+STATE_INITS = ("prelude", "zeros", "normal")
+# The facts added in .tlm VERSION 2, with the defaults a VERSION 1 file means.
+V2_DEFAULTS = {"layer_norms": "pre", "loop_norm": False, "exit_norm": False,
+               "state_init": "prelude", "state_std": 0.0, "state_seed": 0, "embed_scale": 1.0,
+               "qkv_bias": False, "exit_gate": False, "sliding_window": 0,
+               "sliding_layers": ()}
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -32,6 +45,20 @@ class ModelConfig:
     Layers run as prelude (``n_prelude``) -> recurrent block (``n_recurrent`` layers applied
     ``depth`` times with shared weights) -> coda (``n_coda``) -> final RMSNorm -> LM head.
     A pass at depth d touches ``n_slots(d) = P + R*d + C`` attention slots (KV entries).
+    A loop of the whole stack (Ouro, Nanbeige) is P = 0, R = layers, C = 0.
+
+    The architecture facts (VERSION 2; their defaults are today's llama-style loop):
+    ``layer_norms`` (LAYER_NORM_KINDS); ``loop_norm``: ``output_norm`` also runs on the state
+    between two passes of the recurrent block (Ouro's norm after every loop, Nanbeige's loop
+    boundary norm); ``exit_norm``: ``output_norm`` runs on the state leaving the recurrent
+    block, before the coda (Huginn's ``ln_f``, used twice); ``state_init`` / ``state_std`` /
+    ``state_seed`` (STATE_INITS; ``backends.base.seeded_state``); ``embed_scale``: the
+    embedding rows are multiplied by it;
+    ``qkv_bias``: a float32 bias over the QKV rows (``blk.{i}.attn_qkv_bias``); ``exit_gate``:
+    the file holds Ouro's per-loop exit gate (``exit_gate.weight`` [d], ``exit_gate.bias``
+    [1]), which the forward, as vLLM and llama.cpp, does not read (every loop runs);
+    ``sliding_window`` (positions, 0 = none) and ``sliding_layers`` (the physical layers that
+    attend only to the last ``sliding_window`` positions, the query's own included).
     """
 
     vocab_size: int
@@ -51,8 +78,21 @@ class ModelConfig:
     tied_head: bool = True
     bos_token_id: int = -1
     eos_token_id: int = -1
+    layer_norms: str = "pre"
+    loop_norm: bool = False
+    exit_norm: bool = False
+    state_init: str = "prelude"
+    state_std: float = 0.0
+    state_seed: int = 0
+    embed_scale: float = 1.0
+    qkv_bias: bool = False
+    exit_gate: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple = ()
 
     def __post_init__(self):
+        if isinstance(self.sliding_layers, list):      # from a JSON header
+            object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         self.validate()
 
     # -- derived -------------------------------------------------------------------------------
@@ -136,9 +176,74 @@ class ModelConfig:
             v = getattr(self, name)
             if not -1 <= v < self.vocab_size:
                 raise ConfigError(f"{name}={v} is outside -1..vocab_size-1")
+        self._validate_arch()
+
+    def _validate_arch(self) -> None:
+        """The VERSION 2 facts: kinds, flags, the seeded state, the sliding window."""
+        for name, kinds in (("layer_norms", LAYER_NORM_KINDS), ("state_init", STATE_INITS)):
+            v = getattr(self, name)
+            if not isinstance(v, str) or v not in kinds:
+                raise ConfigError(f"{name}={v!r} is not one of {kinds}")
+        for name in ("loop_norm", "exit_norm", "qkv_bias", "exit_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("state_std", "embed_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name} must be a finite number, got {v!r}")
+        if not self.embed_scale > 0:
+            raise ConfigError(f"embed_scale must be > 0, got {self.embed_scale!r}")
+        if self.state_std < 0 or (self.state_init == "normal") != (self.state_std > 0):
+            raise ConfigError(f"state_std={self.state_std!r} must be > 0 exactly when "
+                              f"state_init is 'normal' (state_init={self.state_init!r})")
+        for name, lo, hi in (("state_seed", 0, (1 << 63) - 1),
+                             ("sliding_window", 0, 1 << 24)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{name} must be an int in {lo}..{hi}, got {v!r}")
+        if self.state_init != "prelude" and self.n_recurrent == 0:
+            raise ConfigError(f"state_init={self.state_init!r} needs a recurrent block")
+        if self.state_init != "prelude" and self.injection != "adapter":
+            raise ConfigError(f"state_init={self.state_init!r} discards the prelude output, "
+                              "so it needs injection='adapter' to feed it to the loop")
+        if (self.loop_norm or self.exit_norm) and self.n_recurrent == 0:
+            raise ConfigError("loop_norm / exit_norm need a recurrent block (n_recurrent > 0)")
+        layers = self.sliding_layers
+        if not isinstance(layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ConfigError(f"sliding_layers must be a list of layer indices, got {layers!r}")
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.n_layers
+                                                      for i in layers):
+            raise ConfigError(f"sliding_layers={list(layers)} must be distinct, ascending "
+                              f"indices in 0..n_layers-1={self.n_layers - 1}")
+        if bool(layers) != (self.sliding_window > 0):
+            raise ConfigError(f"sliding_window={self.sliding_window} and sliding_layers="
+                              f"{list(layers)} must be given together")
+
+    def window(self, layer: int) -> int:
+        """The sliding window of physical layer ``layer`` (positions; 0 = full attention)."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
+    @property
+    def arch_facts(self) -> dict:
+        """The VERSION 2 facts that differ from their VERSION 1 meaning (empty for a model a
+        VERSION 1 file can hold)."""
+        return {k: getattr(self, k) for k, v in V2_DEFAULTS.items() if getattr(self, k) != v}
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["sliding_layers"] = list(self.sliding_layers)
+        return d
+
+    def identity_dict(self) -> dict:
+        """``to_dict`` without the VERSION 2 facts left at their defaults: what a model's
+        fingerprint hashes, so a model VERSION 1 could hold keeps its fingerprint (and its
+        saved prefix files)."""
+        d = self.to_dict()
+        for k in V2_DEFAULTS:
+            if k not in self.arch_facts:
+                del d[k]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -3,7 +3,7 @@
 Layout (all integers little-endian):
 
     offset 0   MAGIC        8 bytes  b"TINYLOOP"
-    offset 8   VERSION      u32
+    offset 8   VERSION      u32      1, or 2 when the config holds VERSION 2 facts
     offset 12  reserved     u32      (0)
     offset 16  HEADER_LEN   u64      bytes of the UTF-8 JSON header that follows
     offset 24  header       JSON     {"config": {...}, "tensors": [...], "chat_template": str,
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import V2_DEFAULTS, ModelConfig
 from .errors import (BadMagicError, ConfigError, FormatError, InconsistentDimsError,
                      NonFiniteWeightError, SizeOverflowError, TensorBoundsError,
                      TensorOverlapError, TensorShapeError, TruncatedFileError,
@@ -37,8 +37,8 @@ from .fileio import atomic_write
 from .quant import QuantWeight, check_quant_parts, non_finite_message
 
 MAGIC = b"TINYLOOP"
-VERSION = 1
-VERSION_MAX = 1
+VERSION = 2                # the newest version this writer writes
+VERSION_MAX = 2
 ALIGN = 64
 PREFIX = struct.Struct("<8sIIQ")          # magic, version, reserved, header_len
 MAX_HEADER_BYTES = 256 << 20              # a header larger than this is refused
@@ -73,15 +73,30 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
         out["output"] = ("quant", (cfg.vocab_size, d))
     if cfg.injection == "adapter":
         out["inject.adapter"] = ("quant", (d, 2 * d))
+    if cfg.exit_gate:
+        out["exit_gate.weight"] = ("float", (d,))
+        out["exit_gate.bias"] = ("float", (1,))
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         out[p + "attn_norm"] = ("float", (d,))
         out[p + "attn_qkv"] = ("quant", (cfg.qkv_dim, d))
+        if cfg.qkv_bias:
+            out[p + "attn_qkv_bias"] = ("float", (cfg.qkv_dim,))
         out[p + "attn_output"] = ("quant", (d, cfg.q_dim))
+        if cfg.layer_norms != "pre":
+            out[p + "attn_post_norm"] = ("float", (d,))
         out[p + "ffn_norm"] = ("float", (d,))
         out[p + "ffn_gate_up"] = ("quant", (2 * cfg.ffn_dim, d))
         out[p + "ffn_down"] = ("quant", (d, cfg.ffn_dim))
+        if cfg.layer_norms != "pre":
+            out[p + "ffn_post_norm"] = ("float", (d,))
     return out
+
+
+def header_version(cfg: ModelConfig) -> int:
+    """The version a file of ``cfg`` is written as: 1 when VERSION 1 can hold the model (no
+    VERSION 2 fact differs from its default), so older readers still read it; else 2."""
+    return 2 if cfg.arch_facts else 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,12 +158,14 @@ def write_tlm(path, config: ModelConfig, tensors: dict, *, tokenizer_json: str |
         entries.append({"name": name, "dtype": dt, "shape": list(a.shape), "offset": off,
                         "nbytes": int(a.nbytes)})
         off = align(off + a.nbytes)
-    header = json.dumps({"config": config.to_dict(), "tensors": entries,
+    version = header_version(config)
+    header = json.dumps({"config": config.to_dict() if version >= 2 else
+                         config.identity_dict(), "tensors": entries,
                          "chat_template": chat_template, "metadata": metadata or {}},
                         separators=(",", ":")).encode("utf-8")
     data_start = align(PREFIX.size + len(header))
     with atomic_write(path, "the model file") as f:
-        f.write(PREFIX.pack(MAGIC, VERSION, 0, len(header)))
+        f.write(PREFIX.pack(MAGIC, version, 0, len(header)))
         f.write(header)
         f.write(b"\0" * (data_start - PREFIX.size - len(header)))
         pos = 0
@@ -227,8 +244,14 @@ class TLMFile:
         if not isinstance(header, dict):
             raise FormatError(f"{self.path}: header must be a JSON object")
         self.data_start = align(PREFIX.size + header_len)
+        raw_cfg = header.get("config")
+        if self.version < 2 and isinstance(raw_cfg, dict):
+            newer = sorted(set(raw_cfg) & set(V2_DEFAULTS))
+            if newer:
+                raise InconsistentDimsError(f"{self.path}: config keys {newer} need .tlm "
+                                            f"VERSION 2, the file says {self.version}")
         try:
-            self.config = ModelConfig.from_dict(header.get("config"))
+            self.config = ModelConfig.from_dict(raw_cfg)
         except ConfigError as e:
             raise InconsistentDimsError(f"{self.path}: {e}") from None
         self.chat_template = header.get("chat_template", "")

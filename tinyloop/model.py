@@ -50,6 +50,28 @@ class Layer:
     ffn_gate_up: object
     ffn_down: object
     attn_kv: object = None      # the K and V rows of attn_qkv (views): store-h reconstruction
+    qkv_bias: object = None     # f32 [qkv_dim] (config.qkv_bias)
+    attn_post_norm: object = None   # f32 [d]: the second norm of each branch (layer_norms
+    ffn_post_norm: object = None    # "pre_post" / "sandwich")
+
+
+# What each VERSION 2 fact needs from a backend, as the refusal names it.
+_FEATURE_TEXT = {"layer_norms": "post-branch and sandwich norms (layer_norms)",
+                 "loop_norm": "the loop-boundary norm (loop_norm)",
+                 "exit_norm": "the recurrence exit norm (exit_norm)",
+                 "state_init": "a zero or seeded initial state (state_init)",
+                 "embed_scale": "a scaled embedding (embed_scale)",
+                 "qkv_bias": "Q/K/V bias (qkv_bias)",
+                 "sliding_window": "sliding-window attention (sliding_window)"}
+
+
+def backend_missing_features(cfg, backend: str) -> list[str]:
+    """The architecture facts of ``cfg`` the ``backend``'s kernels do not run yet (the
+    NumPy reference runs every one; the CUDA kernels none of the VERSION 2 facts except the
+    exit gate, which no forward reads)."""
+    if backend == "numpy":
+        return []
+    return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts]
 
 
 def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
@@ -82,7 +104,7 @@ def model_fingerprint(f) -> bytes:
     bytes in ``expected_tensors`` order. ``f``: an open TLMFile."""
     import json
     h = hashlib.sha256(b"tinyloop-model-fingerprint-v1\0")
-    h.update(json.dumps(f.config.to_dict(), sort_keys=True).encode())
+    h.update(json.dumps(f.config.identity_dict(), sort_keys=True).encode())
     for name, (kind, _) in planmod.expected_tensors(f.config).items():
         if kind == "quant":
             q = f.quant_weight(name)
@@ -211,6 +233,11 @@ class Model:
             raise TinyLoopError(f"model path is not a file: {self.path}")
         with read_tlm(self.path) as f:
             cfg = self.config = f.config
+            missing = backend_missing_features(cfg, self._ops.name)
+            if missing:
+                raise ConfigError(f"{self.path}: {'; '.join(missing)} are not yet supported "
+                                  f"on the {self._ops.name} backend (the numpy backend runs "
+                                  f"them: backend='numpy')")
             self.chat_template = f.chat_template
             self.metadata = dict(f.metadata)
             tok_json = f.tokenizer_json
@@ -271,7 +298,10 @@ class Model:
         self._layers = [Layer(*(w[f"blk.{i}.{n}"] for n in
                                 ("attn_norm", "attn_qkv", "attn_output", "ffn_norm",
                                  "ffn_gate_up", "ffn_down")),
-                              attn_kv=kv_rows_of(w[f"blk.{i}.attn_qkv"], cfg.q_dim))
+                              attn_kv=kv_rows_of(w[f"blk.{i}.attn_qkv"], cfg.q_dim),
+                              qkv_bias=w.get(f"blk.{i}.attn_qkv_bias"),
+                              attn_post_norm=w.get(f"blk.{i}.attn_post_norm"),
+                              ffn_post_norm=w.get(f"blk.{i}.ffn_post_norm"))
                         for i in range(cfg.n_layers)]
         # phase 4: the BufferPool (logit_row stays lazy)
         self._reserve_phase(4)
@@ -549,7 +579,9 @@ class Model:
                     out[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
                 self._blocks.append(blk)
         chunk = planmod.recon_rows(self.max_seq_len)
-        self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
+        q_dim = self.config.q_dim
+        self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out,
+                              bias=None if lw.qkv_bias is None else lw.qkv_bias[q_dim:])
                         for lw in self._layers]
         return out
 
@@ -640,6 +672,8 @@ class Model:
         else:
             ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
             ops.embed(self._embed, v["ids"], x)
+        if self.config.embed_scale != 1.0:
+            ops.scale(x, self.config.embed_scale)
         self._check_loop_depth(depth)
         self._stack(x, v, depth, cache.slot, pos0, None, snapshot)
         for hook in self._rows_hooks:
@@ -661,6 +695,11 @@ class Model:
                 self._ops.copy(x, e)
             if snapshot is not None:
                 snapshot.put_entry(pos0, x)
+            if cfg.state_init == "zeros":
+                self._ops.zero(x)
+            elif cfg.state_init == "normal":
+                self._ops.init_state(x, pos0 if step is None else self._ops.step_pos(step),
+                                     cfg.state_std, cfg.state_seed)
             self._iterations(x, e, 0, depth, pos0, v, kv_of, step)
             if snapshot is not None:
                 snapshot.put_state(pos0, x)
@@ -713,8 +752,11 @@ class Model:
     def _iterations(self, x, e, it0: int, it1: int, pos0, v: dict, kv_of, step) -> None:
         """Recurrent iterations it0..it1-1 (0-based) over the rows ``x``; ``e`` is the prelude
         output the adapter injects (None without injection)."""
-        p, r = self.config.n_prelude, self.config.n_recurrent
+        cfg = self.config
+        p, r = cfg.n_prelude, cfg.n_recurrent
         for it in range(it0, it1):
+            if it > 0 and cfg.loop_norm:        # the final norm between two passes
+                self._ops.norm_residual(x, self._output_norm, cfg.norm_eps)
             if e is not None:
                 self._ops.inject(x, e, self._adapter, v["cat"], v["norm"])
             for j in range(r):
@@ -723,6 +765,8 @@ class Model:
     def _coda(self, x, depth: int, pos0, v: dict, kv_of, step) -> None:
         cfg = self.config
         p, r = cfg.n_prelude, cfg.n_recurrent
+        if cfg.exit_norm:                       # the final norm on the state leaving the loop
+            self._ops.norm_residual(x, self._output_norm, cfg.norm_eps)
         for c in range(cfg.n_coda):
             self._layer(p + r + c, kv_of(p + r * depth + c), x, pos0, v, step)
 
@@ -730,7 +774,10 @@ class Model:
         cfg, ops, lw = self.config, self._ops, self._layers[li]
         norm, qkv = v["norm"], v["qkv"]
         recon = None
-        if step is not None and not kv.layout.stores_h and ops.rmsnorm_qkv_kv_step(
+        window = cfg.window(li)
+        win = {"window": window} if window else {}    # only sliding layers pass it
+        if lw.qkv_bias is None and step is not None and not kv.layout.stores_h and \
+                ops.rmsnorm_qkv_kv_step(
                 x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, step, cfg.rope_theta,
                 cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv):
             # one launch did rmsnorm_linear + kv_write_step (CUDA, fp16 / int8 pages)
@@ -745,11 +792,13 @@ class Model:
             recon = self._recons[li]
         else:
             ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
+        if lw.qkv_bias is not None:
+            ops.add_bias(qkv, lw.qkv_bias)
         if step is None:
             ops.kv_write(qkv, norm, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, kv)
             ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             v["att"], recon)
+                             v["att"], recon, **win)
         else:
             ops.kv_write_step(qkv, norm, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, kv)
@@ -761,10 +810,21 @@ class Model:
         """A layer after its attention: O projection + residual, RMSNorm + gate/up + SwiGLU,
         down projection + residual."""
         cfg, ops = self.config, self._ops
-        ops.linear_residual(v["att"], lw.attn_output, x)
-        ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
+        eps = cfg.norm_eps
+        if cfg.layer_norms == "pre":
+            ops.linear_residual(v["att"], lw.attn_output, x)
+        elif cfg.layer_norms == "pre_post":
+            ops.linear_norm_residual(v["att"], lw.attn_output, lw.attn_post_norm, eps, x, norm)
+        else:
+            ops.linear_residual_norm(v["att"], lw.attn_output, lw.attn_post_norm, eps, x)
+        ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, eps, lw.ffn_gate_up, v["gate_up"],
                                   v["h"], norm)
-        ops.linear_residual(v["h"], lw.ffn_down, x)
+        if cfg.layer_norms == "pre":
+            ops.linear_residual(v["h"], lw.ffn_down, x)
+        elif cfg.layer_norms == "pre_post":
+            ops.linear_norm_residual(v["h"], lw.ffn_down, lw.ffn_post_norm, eps, x, norm)
+        else:
+            ops.linear_residual_norm(v["h"], lw.ffn_down, lw.ffn_post_norm, eps, x)
 
     def decode_step_ops(self, step, x, depth: int, slots, host_out,
                         sampled: bool = False) -> None:
@@ -780,6 +840,8 @@ class Model:
         cfg, ops = self.config, self._ops
         v = self._views(1)
         ops.embed(self._embed, step[:1], x)
+        if cfg.embed_scale != 1.0:
+            ops.scale(x, cfg.embed_scale)
         self._stack(x, v, depth, slots.__getitem__, None, step)
         head = ops.head_sample_step if sampled else ops.head_argmax_step
         head(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(), v["norm"], step)
@@ -918,7 +980,16 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     ConfigError).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
+    A folder (Hugging Face config.json + .safetensors of Ouro, Huginn or Nanbeige) is
+    converted once into the cache folder (INT4, group 32: ``convert.hf.cached_folder_conversion``,
+    ConversionError on a bad checkpoint) and that .tlm file is loaded.
     """
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise TinyLoopError(f"model path is not a file: {os.fspath(path)} (a folder loads "
+                                "only as a Hugging Face checkpoint, with its config.json)")
+        from .convert.hf import cached_folder_conversion
+        path = cached_folder_conversion(path)
     return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode,
                  kernels=kernels)
 

@@ -166,13 +166,49 @@ class Ops:
         """Rotate Q in place; store positions pos0.. of the slot in its mode (K/V or h)."""
         raise NotImplementedError
 
-    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None,
+                     window: int = 0):
         """Causal GQA attention over the slot's positions 0..pos0+T-1, read through its block
-        table as stored (dequantized / rebuilt from h with ``recon``, a kv.cache.Recon)."""
+        table as stored (dequantized / rebuilt from h with ``recon``, a kv.cache.Recon).
+        ``window`` > 0: the query at position p reads only keys p-window+1..p (sliding-window
+        layers); the forward passes it only for such layers."""
         raise NotImplementedError
 
     def inject(self, state, e, w, tmp2, tmp1):      # state f32 [T, d] = [state, e] @ W.T
         raise NotImplementedError
+
+    # --- the ops of the VERSION 2 architecture facts (config.ModelConfig) --------------------
+    # The NumPy reference runs them; a backend without them refuses such a model at load
+    # (model.backend_missing_features).
+    def scale(self, x, s: float) -> None:
+        """x f32 [T, d] *= s (``embed_scale``)."""
+        raise NotImplementedError
+
+    def add_bias(self, x, bias) -> None:
+        """x act [T, n] += bias f32 [n] (``qkv_bias``: before RoPE and the K/V write)."""
+        raise NotImplementedError
+
+    def norm_residual(self, x, weight, eps) -> None:
+        """x f32 [T, d] = rmsnorm(x) in place, kept in float32 (``loop_norm``, ``exit_norm``:
+        the final norm run on the residual stream itself)."""
+        raise NotImplementedError
+
+    def linear_norm_residual(self, x, w, weight, eps, residual, tmp) -> None:
+        """residual f32 [T, d] += rmsnorm(x @ W.T): a "pre_post" layer's branch output normed
+        before the add (Ouro); ``tmp`` act [T, d] scratch."""
+        raise NotImplementedError
+
+    def linear_residual_norm(self, x, w, weight, eps, residual) -> None:
+        """residual f32 [T, d] = rmsnorm(residual + x @ W.T): a "sandwich" layer's norm after
+        the add (Huginn)."""
+        raise NotImplementedError
+
+    def init_state(self, out, pos0: int, std: float, seed: int) -> None:
+        """out f32 [T, d] = the seeded initial state of positions pos0..pos0+T-1
+        (``seeded_state`` below: a truncated normal that depends only on the seed, the
+        position and the channel). Drawn on the host and copied in, on every backend."""
+        t, d = out.shape
+        self.from_host(seeded_state(pos0, t, d, std, seed), out)
 
     def lm_head(self, x, w, out):                   # x act [T, d]; out f32 [T, vocab]
         raise NotImplementedError
@@ -339,6 +375,49 @@ class Ops:
 
     def graph_free(self, graph) -> None:
         """Release ``graph`` (and what the driver holds for it)."""
+
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function of uint64 ``x`` (Steele, Lea & Flood 2014), elementwise:
+    the counter-based hash the seeded state draws from."""
+    with np.errstate(over="ignore"):
+        z = (np.asarray(x, np.uint64) + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+STATE_TRUNCATE = 3.0     # the seeded state's normal is cut at +-3 std (Huginn's trunc_normal_)
+
+
+def seeded_state(pos0: int, t: int, d: int, std: float, seed: int) -> np.ndarray:
+    """float32 ``[t, d]``: the initial recurrent state of positions pos0..pos0+t-1 for
+    ``state_init="normal"``. Element (p, i) is std * z with z standard normal cut at
+    +-STATE_TRUNCATE: Box-Muller over two uniforms from ``splitmix64`` of the counter
+    (seed, p, i, attempt), the first attempt 0, 1, ... whose z lies within the cut. It depends
+    on nothing but (seed, p, i), so a position's state is the same in every chunk, prefix and
+    request, and equal seeds make runs repeatable."""
+    p = np.arange(pos0, pos0 + t, dtype=np.uint64)[:, None]
+    i = np.arange(d, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        base = splitmix64(splitmix64(splitmix64(np.uint64(seed)) ^ p) ^ (i << np.uint64(8)))
+    z = np.zeros((t, d))
+    todo = np.ones((t, d), bool)
+    for attempt in range(64):
+        a = np.uint64(2 * attempt)
+        u1 = (splitmix64(base ^ a) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        u2 = (splitmix64(base ^ (a + np.uint64(1))) >> np.uint64(11)).astype(np.float64) \
+            * 2.0 ** -53
+        cand = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+        take = todo & (np.abs(cand) <= STATE_TRUNCATE)
+        z[take] = cand[take]
+        todo &= ~take
+        if not todo.any():
+            break
+    return (z * std).astype(np.float32)
 
 
 STEP_ID, STEP_FAULT, STEP_POS = 0, 1, 2

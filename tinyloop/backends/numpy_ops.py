@@ -399,16 +399,22 @@ class NumpyOps(Ops):
         h = decode_h(rows, lay)                                    # float32 [n, d]
         kvd = n_kv_heads * head_dim
         kv_rows = self._matmul(h, recon.w_kv)                      # [n, 2 kv_dim]
+        bias = getattr(recon, "bias", None)                        # the K and V bias rows
+        if bias is not None:
+            kv_rows += np.asarray(bias, np.float32)
         cos, sin = rope_tables(np.arange(c0, c1), head_dim, recon.theta)
         k = apply_rope(kv_rows[:, :kvd].reshape(n, n_kv_heads, head_dim), cos, sin)
         v = kv_rows[:, kvd:2 * kvd].reshape(n, n_kv_heads, head_dim)
         return k.astype(np.float64), v.astype(np.float64)
 
-    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None,
+                     window: int = 0):
         """Causal GQA attention of the (rotated) Q rows of ``qkv`` [T, ...] over positions
         0..pos0+T-1 of slot ``kv``, read through its block table chunk by chunk (chunks of
         ``recon.chunk`` positions for h modes, else of one page) with an online-softmax merge
-        across chunks (Milakov & Gimelshein 2018), in float64. out [T, H hd]."""
+        across chunks (Milakov & Gimelshein 2018), in float64. out [T, H hd]. ``window`` > 0:
+        the query at position p reads keys p-window+1..p only (chunks wholly before every
+        query's window are skipped)."""
         t = qkv.shape[0]
         q = qkv[:, :n_heads * head_dim].reshape(t, n_heads, head_dim).astype(np.float64)
         q *= 1.0 / np.sqrt(head_dim)
@@ -421,11 +427,14 @@ class NumpyOps(Ops):
         qpos = pos0 + np.arange(t)
         step = recon.chunk if (kv.layout.stores_h and recon is not None) else \
             max(kv.page_size, 256 // kv.page_size * kv.page_size)
-        for c0 in range(0, ctx, step):
+        first = 0 if window <= 0 else max(0, pos0 - window + 1) // step * step
+        for c0 in range(first, ctx, step):
             c1 = min(ctx, c0 + step)
             k, v = self.kv_rows(kv, c0, c1, n_kv_heads, head_dim, recon)  # [n, Hkv, hd]
             s = np.einsum("tkgd,nkd->tkgn", qg, k)                 # [T, Hkv, G, n]
             future = np.arange(c0, c1)[None, :] > qpos[:, None]    # [T, n]
+            if window > 0:                                         # and keys left behind
+                future |= np.arange(c0, c1)[None, :] <= qpos[:, None] - window
             s = np.where(future[:, None, None, :], -np.inf, s)
             m_new = np.maximum(m, s.max(axis=-1))
             # rows whose every key so far is masked keep m = -inf: no contribution yet
@@ -443,6 +452,24 @@ class NumpyOps(Ops):
 
     def lm_head(self, x, w, out):
         out[...] = self._matmul(x, w)
+
+    def scale(self, x, s):
+        x *= np.float32(s)
+
+    def add_bias(self, x, bias):
+        x += np.asarray(bias, np.float32)
+
+    def norm_residual(self, x, weight, eps):
+        self.rmsnorm(x, weight, eps, x)         # rmsnorm reads x into float64 first
+
+    def linear_norm_residual(self, x, w, weight, eps, residual, tmp):
+        tmp[...] = self._matmul(x, w)
+        self.rmsnorm(tmp, weight, eps, tmp)
+        residual += tmp
+
+    def linear_residual_norm(self, x, w, weight, eps, residual):
+        residual += self._matmul(x, w).astype(np.float32)
+        self.rmsnorm(residual, weight, eps, residual)
 
     def sample(self, logits, temperature, top_k, top_p, u):
         return sample_from_logits(logits, temperature, top_k, top_p, u)

@@ -31,7 +31,8 @@ def synthetic_weights(cfg: ModelConfig, seed: int, bits: int = 4,
     out = {}
     for name, (kind, shape) in expected_tensors(cfg).items():
         if kind == "float":
-            out[name] = (1.0 + 0.02 * rng.standard_normal(shape)).astype(np.float32)
+            base = 0.0 if name.endswith("_bias") or name.startswith("exit_gate.") else 1.0
+            out[name] = (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)
             continue
         rows, cols = shape
         if name == "inject.adapter":

@@ -310,13 +310,13 @@ class DepthView:
 class Recon:
     """What a store-h slot's attention needs to rebuild K and V: ``w_kv`` (the K and V rows of
     the layer's QKV weight, a QuantWeight ``[2 kv_dim, d]``), RoPE ``theta``, the
-    reconstruction ``chunk`` (positions rebuilt at a time; bounds the scratch), and ``scratch``
-    (the backend's reconstruction buffers, or None on the NumPy reference)."""
+    reconstruction ``chunk`` (positions rebuilt at a time; bounds the scratch), ``scratch``
+    (the backend's reconstruction buffers, or None on the NumPy reference), and ``bias``
+    (float32 ``[2 kv_dim]``: the K and V rows of a ``qkv_bias`` model's bias, or None)."""
 
     w_kv: object
     theta: float
     chunk: int
     scratch: object = None
-    norm: tuple | None = None     # (weight, eps): the stored h is the raw residual (measured
-                                  # alternative, NumPy only: docs/kv_modes.md), RMSNorm first
+    bias: object = None
 
