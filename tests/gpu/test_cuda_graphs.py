@@ -29,7 +29,7 @@ from tinyloop.backends.cuda.sampling import _SAMPLE_THREADS as SMP  # noqa: E402
 
 from .conftest import record_decode_steps  # noqa: E402
 from ..test_graphs import capture_events, check_fault_inside_a_replay  # noqa: E402
-from .test_cuda_model import real_model_path, real_text_ids, small_path  # noqa: E402,F401
+from .test_cuda_model import real_text_ids, small_path  # noqa: E402,F401
 from .test_kernels import HEADS, f16, gather, kv_pair, ops, ref, rng  # noqa: E402,F401
 
 RUNS = [(1, 30), (4, 30), (2, 600), (4, 600)]     # (depth, prompt length), in this order
