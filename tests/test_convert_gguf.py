@@ -243,6 +243,11 @@ def write_tiny_gguf(path, *, arch="llama", n_layers=4, d=64, n_heads=4, n_kv_hea
             raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
             raw[:, :, 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
             w.add_tensor(name, raw.reshape(shape[0], nb * 144), raw_dtype=qt)
+        elif qt in gguf.GGML_QUANT_SIZES:   # random blocks; bytes < 0x40: every f16 is finite
+            block, type_size = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 0x40, size=(shape[0], shape[1] // block * type_size),
+                               dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qt)
         else:
             raise AssertionError(qt)
     norm_names = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(n_layers)
