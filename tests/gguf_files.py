@@ -1,9 +1,11 @@
 """Real llama.cpp-quantized GGUF files and an independent float64 forward of a GGUF's weights,
 shared by tests/test_gguf_kquants.py and benchmarks/gguf_import.py.
 
-- ``float_gguf(src, dst, n_layers)``: the first ``n_layers`` layers of a llama GGUF rewritten
-  with F16 matrices (the source's values, dequantized by the ``gguf`` package) and F32 norms;
-  every metadata key is copied, ``llama.block_count`` set to ``n_layers``.
+- ``float_gguf(src, dst, n_layers, n_vocab)``: the first ``n_layers`` layers of a llama GGUF
+  rewritten with F16 matrices (the source's values, dequantized by the ``gguf`` package) and F32
+  norms; every metadata key is copied, ``llama.block_count`` set to ``n_layers``. With
+  ``n_vocab`` the vocabulary keeps its first ``n_vocab`` tokens (their embedding rows) and the
+  merges among them, so files stay small and text still tokenizes into real tokens.
 - ``llama_quantize(src, dst, ftype)``: llama.cpp's own quantizer
   (``llama_cpp.llama_model_quantize``), in a child process (tests/llama_peer.py) so that a
   native crash fails the caller instead of killing it.
@@ -27,19 +29,28 @@ HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_peer.py
 FTYPES = {"Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 
 
-def float_gguf(src, dst, n_layers: int | None = None) -> None:
+def float_gguf(src, dst, n_layers: int | None = None, n_vocab: int | None = None) -> None:
     """Rewrite the llama GGUF ``src`` as ``dst`` with F16 matrices and F32 vectors, keeping
-    the first ``n_layers`` layers (all when None)."""
+    the first ``n_layers`` layers and ``n_vocab`` tokens (all when None)."""
     import gguf
     r = gguf.GGUFReader(str(src))
     arch = r.fields["general.architecture"].contents()
     n = int(r.fields[f"{arch}.block_count"].contents())
     n_layers = n if n_layers is None else n_layers
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    n_vocab = len(tokens) if n_vocab is None else n_vocab
+    kept = set(tokens[:n_vocab])
+    edits = {f"{arch}.block_count": n_layers, f"{arch}.vocab_size": n_vocab,
+             "tokenizer.ggml.tokens": tokens[:n_vocab],
+             "tokenizer.ggml.token_type": r.fields["tokenizer.ggml.token_type"].contents()[
+                 :n_vocab],
+             "tokenizer.ggml.merges": [m for m in r.fields["tokenizer.ggml.merges"].contents()
+                                       if {*m.split(" "), m.replace(" ", "")} <= kept]}
     w = gguf.GGUFWriter(str(dst), arch)
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
             continue
-        val = n_layers if key == f"{arch}.block_count" else f.contents()
+        val = edits.get(key, f.contents())
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, val, f.types[0], sub_type=sub)
     w.add_file_type(1)                                    # LLAMA_FTYPE_MOSTLY_F16
@@ -48,6 +59,8 @@ def float_gguf(src, dst, n_layers: int | None = None) -> None:
             continue
         x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
             [int(s) for s in reversed(t.shape)])          # GGML ne0 is innermost
+        if t.name in ("token_embd.weight", "output.weight"):
+            x = x[:n_vocab]
         w.add_tensor(t.name, x.astype(np.float16 if x.ndim == 2 else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,5 +1,6 @@
 """GGUF k-quant files (Q4_K_M, Q5_K_M, Q6_K and the Q5_0 / Q5_1 / Q8_0 fallbacks they hold) made
-by llama.cpp's own quantizer from the first layers of SmolLM2-135M, imported and checked:
+by llama.cpp's own quantizer from the first layers (and first 2048 tokens) of SmolLM2-135M,
+imported and checked:
 
 - ``gguf.quants.dequantize`` (what the converter reads) equals, bit for bit, a decoder written
   here from ggml's block layouts (tests/ggml_blocks.py), on random blocks and on every tensor of
@@ -37,8 +38,9 @@ from .test_convert_gguf import _assert_bit_identical, _check_every_tensor, \
     _split_source_tensor, write_tiny_gguf
 
 T = gguf.GGMLQuantizationType
-LAYERS = 2                        # SmolLM2's first layers: real weights, a fast forward
-N_TOKENS = 64
+LAYERS = 4                        # SmolLM2's first layers and tokens: real weights, small files
+N_VOCAB = 2048
+N_TOKENS = 128
 EXACT_FILES = ("Q8_0", "Q5_0", "Q5_1")          # every tensor of one of the lossless types
 KQUANT_FILES = ("Q4_K_M", "Q5_K_M", "Q6_K")
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -75,7 +77,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     from tinyloop.default import default_gguf_path
     work = tmp_path_factory.mktemp("kquants")
     out = {"F16": str(work / "smol.F16.gguf")}
-    float_gguf(default_gguf_path(), out["F16"], LAYERS)
+    float_gguf(default_gguf_path(), out["F16"], LAYERS, N_VOCAB)
     for ftype in FTYPES:
         out[ftype] = str(work / f"smol.{ftype}.gguf")
         llama_quantize(out["F16"], out[ftype], ftype)
