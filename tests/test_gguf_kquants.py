@@ -27,7 +27,7 @@ gguf = pytest.importorskip("gguf")
 import tinyloop
 from tinyloop.cli import main
 from tinyloop.convert.gguf import convert_gguf
-from tinyloop.errors import ConversionError
+from tinyloop.errors import ConversionError, TinyLoopError
 from tinyloop.format import read_tlm
 
 from . import ggml_blocks
@@ -272,6 +272,13 @@ def test_load_model_and_cli_take_a_q4_k_m_file(files, token_ids, tmp_path, monke
         assert tlm.metadata["source_types"] == _types(src)
     want = _tinyloop_logits(src, str(tmp_path / "x.tlm"), token_ids, bits=4)
     np.testing.assert_array_equal(via_load, want)
+    with pytest.raises(TinyLoopError, match="model file not found: .*missing.gguf"):
+        tinyloop.load_model(tmp_path / "missing.gguf", backend="numpy")
+    bad = tmp_path / "iq2.gguf"
+    write_tiny_gguf(bad, types={"blk.0.attn_q.weight": T.IQ2_XXS})
+    with pytest.raises(ConversionError, match="'blk.0.attn_q.weight' has GGML type IQ2_XXS"):
+        tinyloop.load_model(bad, backend="numpy")
+    assert os.listdir(tmp_path / "xdg" / "tinyloop") == [os.path.basename(m.path)]
 
 
 def test_llama_cpp_agrees_on_each_file(files, reference, token_ids, tmp_path):

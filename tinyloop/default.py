@@ -130,12 +130,15 @@ def cached_conversion(src, cache: str | None = None, **options) -> str:
 def model_file(path) -> str:
     """``path`` as a .tlm file to load: a ``.gguf`` path (any case of the suffix) is converted
     once into the cache folder with ``GGUF_OPTIONS`` (:func:`cached_conversion`) and that
-    .tlm path returned; any other path is returned as given. Raises ConversionError for a
-    GGUF the converter refuses, FileWriteError when the cache cannot be written."""
+    .tlm path returned; any other path is returned as given. Raises TinyLoopError for a
+    missing GGUF (as the loader does for a missing .tlm), ConversionError for a GGUF the
+    converter refuses, FileWriteError when the cache cannot be written."""
     path = os.fspath(path)
-    if path.lower().endswith(".gguf"):
-        return cached_conversion(path, **GGUF_OPTIONS)
-    return path
+    if not path.lower().endswith(".gguf"):
+        return path
+    if not os.path.isfile(path):
+        raise TinyLoopError(f"model file not found: {path}")
+    return cached_conversion(path, **GGUF_OPTIONS)
 
 
 def default_model_path() -> str:
