@@ -282,14 +282,23 @@ def test_load_model_and_cli_take_a_q4_k_m_file(files, token_ids, tmp_path, monke
 
 
 def test_llama_cpp_agrees_on_each_file(files, reference, token_ids, tmp_path):
-    """llama.cpp running each quantized file against TinyLoop's INT8 import of it: top-1 and
-    mean KL within the peer check's bounds (tests/test_peer_llamacpp.py: llama.cpp quantizes
-    activations to 8 bits for its dot products, so equality is not expected)."""
-    from .test_peer_llamacpp import MAX_MEAN_KL, MIN_TOP1, _llama_logits
-    text = PASSAGES[0]
+    """llama.cpp running each quantized file against TinyLoop's INT8 import of it. llama.cpp
+    quantizes activations to 8 bits for its dot products, so equality is not expected: its
+    distance to the exact float64 forward of the same file, KL(llama.cpp || src), is its own
+    error. To first order independent errors add, so KL(llama.cpp || ours) stays within
+    KL(llama.cpp || src) + KL(src || ours), here with a factor 1.5 for the second-order
+    terms; and under the peer check's mean KL bound (tests/test_peer_llamacpp.py). Top-1 on
+    this truncated model's flat distributions flips on near-ties, so it gets only a coarse
+    floor (a wrong RoPE convention gives about 35%)."""
+    from .test_peer_llamacpp import MAX_MEAN_KL, _llama_logits
     for ftype in FTYPES:
-        ((ids, theirs),) = _llama_logits(files[ftype], [text], tmp_path)
+        ((ids, theirs),) = _llama_logits(files[ftype], [PASSAGES[0]], tmp_path)
         assert ids[:N_TOKENS] == token_ids
-        ours = _tinyloop_logits(files[ftype], str(tmp_path / "x.tlm"), ids, bits=8)
+        theirs = theirs[:N_TOKENS].astype(np.float64)
+        ours = _tinyloop_logits(files[ftype], str(tmp_path / "x.tlm"), token_ids, bits=8)
         kl, top1 = kl_top1(theirs, ours)
-        assert top1 >= MIN_TOP1 and kl.mean() <= MAX_MEAN_KL, (ftype, top1, kl.mean())
+        kl_own, _ = kl_top1(theirs, reference(ftype))
+        kl_import, _ = kl_top1(reference(ftype), ours)
+        assert kl.mean() <= 1.5 * (kl_own.mean() + kl_import.mean()), (ftype, kl.mean(),
+                                                                       kl_own.mean())
+        assert kl.mean() <= MAX_MEAN_KL and top1 >= 0.9, (ftype, top1, kl.mean())
