@@ -130,11 +130,13 @@ def cached_conversion(src, cache: str | None = None, **options) -> str:
 def model_file(path) -> str:
     """``path`` as a .tlm file to load: a ``.gguf`` path (any case of the suffix) is converted
     once into the cache folder with ``GGUF_OPTIONS`` (:func:`cached_conversion`) and that
-    .tlm path returned; any other path is returned as given. Raises TinyLoopError for a
+    .tlm path returned; anything else is returned as given. Raises TinyLoopError for a
     missing GGUF (as the loader does for a missing .tlm), ConversionError for a GGUF the
     converter refuses, FileWriteError when the cache cannot be written."""
+    if not isinstance(path, (str, os.PathLike)):
+        return path                     # the loader names what is wrong with it
     path = os.fspath(path)
-    if not path.lower().endswith(".gguf"):
+    if not isinstance(path, str) or not path.lower().endswith(".gguf"):
         return path
     if not os.path.isfile(path):
         raise TinyLoopError(f"model file not found: {path}")
