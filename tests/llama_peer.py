@@ -8,6 +8,10 @@ Usage: ``python -X faulthandler tests/llama_peer.py REQUEST.json OUT.npz``. REQU
 ``{"gguf": path, "texts": [str, ...]}``; OUT receives, for text i, ``ids{i}`` (int64 ``[T]``:
 llama.cpp's tokens, no BOS, special tokens parsed) and ``scores{i}`` (float32 ``[T, vocab]``:
 its teacher-forced next-token logits at every position).
+
+A REQUEST of ``{"quantize": {"src": path, "dst": path, "ftype": int, "threads": int}}`` runs
+llama.cpp's quantizer instead (``llama_model_quantize``; ``ftype`` a ``llama_ftype`` value of
+llama.h) and writes nothing to OUT.
 """
 
 from __future__ import annotations
@@ -33,12 +37,26 @@ def llama_logits(gguf: str, texts: list[str]) -> dict[str, np.ndarray]:
     return out
 
 
+def quantize(src: str, dst: str, ftype: int, threads: int) -> int:
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    return llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         req = json.load(f)
+    if "quantize" in req:
+        q = req["quantize"]
+        rc = quantize(q["src"], q["dst"], q["ftype"], q["threads"])
+        if rc != 0:
+            print(f"llama_model_quantize returned {rc}", file=sys.stderr)
+        return 1 if rc else 0
     np.savez(argv[1], **llama_logits(req["gguf"], req["texts"]))
     return 0
 

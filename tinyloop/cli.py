@@ -43,10 +43,10 @@ DEFAULT_MAX_SEQ_LEN = 2048
 # --prefill-chunk when not given, per backend: the NumPy backend prefills a long prompt faster
 # in chunks (its attention scores and GEMM operands stay small); CUDA in one pass
 DEFAULT_PREFILL_CHUNK = {"numpy": 256, "cuda": 0}
-MODEL_HELP = (f"a .tlm file, a Hugging Face folder of Ouro, Huginn or Nanbeige (converted "
-              f"once into the cache folder), or '{DEFAULT_MODEL}': the embedded "
-              f"SmolLM2-135M-Instruct, converted once into the cache folder (the default when "
-              f"MODEL is left out)")
+MODEL_HELP = (f"a .tlm file, a Hugging Face folder of Ouro, Huginn or Nanbeige, a llama .gguf "
+              f"file (each converted once into the cache folder), or '{DEFAULT_MODEL}': the "
+              f"embedded SmolLM2-135M-Instruct, converted once into the cache folder (the "
+              f"default when MODEL is left out)")
 
 
 def note(text: str) -> None:
@@ -77,11 +77,13 @@ def resolve_prefill_chunk(a) -> int:
 
 def resolve_model_arg(model: str | None) -> str:
     """MODEL as given on the command line -> a .tlm path: None or ``default`` is the embedded
-    default model (:func:`tinyloop.default_model_path`, converting it on first use)."""
+    default model (:func:`tinyloop.default_model_path`, converting it on first use); a .gguf
+    file is converted once into the cache (:func:`tinyloop.default.model_file`)."""
     if model is None or model == DEFAULT_MODEL:
         from .default import default_model_path
         return default_model_path()
-    return model
+    from .default import model_file
+    return model_file(model)
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:

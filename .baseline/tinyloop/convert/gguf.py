@@ -1,0 +1,395 @@
+"""GGUF (llama architecture) -> .tlm conversion.
+
+Files from outside are hostile: :func:`tinyloop.convert.gguf_check.check_gguf` first walks the
+header with overflow-safe bounds checks (every count, length, offset and size against the file
+length, tensor dims and types, alignment), and only then does the ``gguf`` package's
+``GGUFReader`` parse it; metadata values are read with their GGUF type checked, norm weights
+and scales must be finite, and the tokenizer's vocab and merges must agree. Every failure is
+a ConversionError naming the field. Each weight is mapped as follows (see docs/format.md,
+"GGUF mapping"):
+
+- Q4_1 (block of 32: ``d`` f16, ``m`` f16, 16 bytes ``qs``; element j in the low nibble of
+  ``qs[j]``, element j+16 in the high nibble) -> INT4, g = 32, scale = d, zero = m, nibbles
+  repacked to TinyLoop's order (byte k holds elements 2k (low) and 2k+1 (high)). Lossless.
+- Q8_0 (block of 32: ``d`` f16, 32 int8) -> INT8, g = 32, scale = d, zero = 0. Lossless.
+- Q4_0 (block of 32: ``d`` f16, 16 bytes of nibbles, value = d * (q - 8)) -> INT8 codes q - 8,
+  g = 32, scale = d, zero = 0. Lossless.
+- F32 / F16 / BF16 matrices -> :func:`tinyloop.quant.quantize` with the ``bits`` and
+  ``group_size`` options (lossy, as any quantization is).
+- any other type the ``gguf`` package can dequantize (K-quants, IQ*, Q5_*, ...) ->
+  ``gguf.quants.dequantize`` then INT8, g = 32 (lossy, close); listed in the metadata.
+- 1-D norm weights stay float32.
+
+"Lossless" means: dequantizing the .tlm weight (``q * scale + zero`` in float32) gives exactly
+the float32 values of ``gguf.quants.dequantize`` (up to the sign of zero: ``-0.0 + 0`` is
+``+0.0``); tests/test_convert_gguf.py checks it for every tensor of the real model.
+
+Q, K and V rows are fused into ``blk.{i}.attn_qkv`` and gate, up rows into
+``blk.{i}.ffn_gate_up`` with :func:`tinyloop.quant.concat_rows` (no requantization).
+
+RoPE: llama GGUF files store Q and K rows already permuted for GGML's "normal" (interleaved
+pair) RoPE, which is what TinyLoop's forward uses (tinyloop/backends/numpy_ops.py), so the rows
+are copied as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+
+import numpy as np
+
+from ..config import GROUP_SIZES, ModelConfig
+from ..errors import ConfigError, ConversionError, FormatError, TokenizerError
+from ..format import write_tlm
+from ..quant import QuantWeight, concat_rows, non_finite_message, pack_int4, quantize
+from .gguf_check import check_gguf
+
+CONVERTER_VERSION = 2   # bump when the output of convert_gguf changes for the same input
+
+_BLOCK = 32             # elements per Q4_0 / Q4_1 / Q8_0 block
+_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                  "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ConversionError("reading GGUF files needs the 'gguf' package: "
+                              "pip install gguf") from None
+    return gguf
+
+
+# --------------------------------------------------------------------------------------------
+# Block repacking (vectorised over the raw block bytes)
+# --------------------------------------------------------------------------------------------
+def _blocks(data: np.ndarray, rows: int, in_features: int, block_bytes: int) -> np.ndarray:
+    """Raw uint8 tensor bytes -> ``[rows, n_blocks, block_bytes]``."""
+    n_blocks = in_features // _BLOCK
+    raw = np.ascontiguousarray(data).view(np.uint8)
+    if raw.size != rows * n_blocks * block_bytes:
+        raise ConversionError(f"tensor data has {raw.size} bytes, expected "
+                              f"{rows * n_blocks * block_bytes} for [{rows}, {in_features}]")
+    return raw.reshape(rows, n_blocks, block_bytes)
+
+
+def q4_1_to_quant(data: np.ndarray, rows: int, in_features: int) -> QuantWeight:
+    """GGUF Q4_1 bytes of a ``[rows, in_features]`` matrix -> INT4 QuantWeight (g = 32)."""
+    b = _blocks(data, rows, in_features, 20)                      # [rows, nb, 20]
+    d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[:, :, 0]   # [rows, nb]
+    m = np.ascontiguousarray(b[:, :, 2:4]).view(np.float16)[:, :, 0]
+    qs = b[:, :, 4:20]                                            # [rows, nb, 16]
+    # GGML order: element j (0..15) in the low nibble of qs[j], element j+16 in its high nibble
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2)          # [rows, nb, 32]
+    packed = pack_int4(codes.reshape(rows, in_features))          # byte k: 2k low, 2k+1 high
+    return QuantWeight(4, _BLOCK, packed, d.copy(), m.copy())
+
+
+def q8_0_to_quant(data: np.ndarray, rows: int, in_features: int) -> QuantWeight:
+    """GGUF Q8_0 bytes of a ``[rows, in_features]`` matrix -> INT8 QuantWeight (g = 32)."""
+    b = _blocks(data, rows, in_features, 34)                      # [rows, nb, 34]
+    d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[:, :, 0]   # [rows, nb]
+    q = np.ascontiguousarray(b[:, :, 2:34]).view(np.int8)         # [rows, nb, 32]
+    return QuantWeight(8, _BLOCK, q.reshape(rows, in_features), d.copy(), np.zeros_like(d))
+
+
+def q4_0_to_quant(data: np.ndarray, rows: int, in_features: int) -> QuantWeight:
+    """GGUF Q4_0 bytes -> INT8 QuantWeight with codes q - 8 (g = 32); lossless."""
+    b = _blocks(data, rows, in_features, 18)                      # [rows, nb, 18]
+    d = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[:, :, 0]
+    qs = b[:, :, 2:18]                                            # [rows, nb, 16]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int8) - np.int8(8)
+    return QuantWeight(8, _BLOCK, codes.reshape(rows, in_features), d.copy(), np.zeros_like(d))
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF metadata
+# --------------------------------------------------------------------------------------------
+_INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}
+_WANT = {"int": ("an integer", _INT_TYPES), "float": ("a number", _INT_TYPES | {"FLOAT32",
+                                                                                "FLOAT64"}),
+         "str": ("a string", {"STRING"})}
+_REQUIRED = object()
+MAX_DIM = (1 << 31) - 1     # any dimension or count read from metadata stays below this
+
+
+def _meta(reader, layout, key: str, kind: str, default=_REQUIRED):
+    """Metadata ``key`` checked to be of ``kind`` ("int" | "float" | "str"): ints within
+    0..MAX_DIM, floats finite. Raises ConversionError naming the key."""
+    vtype = layout.keys.get(key)
+    if vtype is None:
+        if default is _REQUIRED:
+            raise ConversionError(f"GGUF metadata key {key!r} is missing")
+        return default
+    what, types = _WANT[kind]
+    if vtype not in types:
+        raise ConversionError(f"GGUF metadata key {key!r} must be {what}, got a {vtype}")
+    v = reader.fields[key].contents()
+    if kind == "int" and not 0 <= v <= MAX_DIM:
+        raise ConversionError(f"GGUF metadata key {key!r} = {v} is outside 0..{MAX_DIM}")
+    if kind == "float" and not math.isfinite(v):
+        raise ConversionError(f"GGUF metadata key {key!r} = {v} is not finite")
+    return v
+
+
+def _token_id(reader, layout, key: str, n_tokens: int) -> int:
+    """A bos/eos id: -1 when absent, else within the vocab."""
+    v = _meta(reader, layout, key, "int", -1)
+    if not -1 <= v < n_tokens:
+        raise ConversionError(f"GGUF metadata key {key!r} = {v} is not a token id of the "
+                              f"{n_tokens}-token vocab")
+    return v
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConversionError(f"{name} must be an int, got {v!r}")
+    return v
+
+
+# --------------------------------------------------------------------------------------------
+# Converter
+# --------------------------------------------------------------------------------------------
+def convert_gguf(src, dst, *, recurrent=(10, 20), default_depth: int = 1, max_depth: int = 8,
+                 bits: int = 4, group_size: int = 32) -> ModelConfig:
+    """Convert a llama-architecture GGUF file ``src`` into the .tlm file ``dst``.
+
+    ``recurrent`` is a half-open range ``(start, end)`` of the GGUF's layers that becomes the
+    recurrent block: P = start prelude layers, R = end - start recurrent layers, C = n - end
+    coda layers; layers keep their order (GGUF layer i is .tlm ``blk.{i}``). ``None`` makes a
+    plain model (P = n, R = C = 0, max_depth 1). ``default_depth`` and ``max_depth`` go into the
+    header (depth 1 is exactly the source model). ``bits`` (4 or 8) and ``group_size``
+    (32/64/128) apply only to F32/F16/BF16 matrices; Q4_1/Q8_0/Q4_0 convert losslessly with
+    g = 32.
+
+    Returns the ModelConfig written. Raises ConversionError (its message starts with ``src``
+    and names the field) for a file that is not well-formed GGUF (``check_gguf``: truncated,
+    sizes or offsets past the end, more than 4 dims, ...), a non-llama file, a bad
+    ``recurrent`` range or option, missing/unexpected tensors, metadata of the wrong type,
+    non-finite norm weights or scales, and unsupported or inconsistent tokenizers. The dims
+    and the tokenizer are checked from the header before any tensor is converted. The output
+    is written atomically (temp file + rename).
+    """
+    gguf = _gguf()
+    src = os.fspath(src)
+    if bits not in (4, 8):
+        raise ConversionError(f"bits must be 4 or 8, got {bits!r}")
+    if group_size not in GROUP_SIZES:
+        raise ConversionError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    layout = check_gguf(src)                  # structure first: raises ConversionError
+    try:
+        reader = gguf.GGUFReader(src)
+    except Exception as e:     # the structure passed check_gguf: a limit of the reader itself
+        raise ConversionError(f"{src}: the gguf package cannot read this file: "
+                              f"{type(e).__name__}: {e}") from None
+    try:
+        return _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth,
+                        bits, group_size)
+    except ConversionError as e:
+        msg = str(e)
+        raise ConversionError(msg if msg.startswith(src) else f"{src}: {msg}") from None
+
+
+def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth, bits,
+             group_size) -> ModelConfig:
+    def meta(key, kind, default=_REQUIRED):
+        return _meta(reader, layout, key, kind, default)
+
+    arch = meta("general.architecture", "str", None)
+    if arch != "llama":
+        raise ConversionError(f"architecture {arch!r} is not supported; only 'llama' GGUF "
+                              "files can be converted")
+    n_layers = meta("llama.block_count", "int")
+    d_model = meta("llama.embedding_length", "int")
+    ffn_dim = meta("llama.feed_forward_length", "int")
+    n_heads = meta("llama.attention.head_count", "int")
+    if n_heads == 0:
+        raise ConversionError("GGUF metadata key 'llama.attention.head_count' is 0")
+    n_kv_heads = meta("llama.attention.head_count_kv", "int", n_heads)
+    head_dim = meta("llama.attention.key_length", "int", d_model // n_heads)
+    if meta("llama.attention.value_length", "int", head_dim) != head_dim:
+        raise ConversionError("key_length != value_length is not supported")
+    rope_dims = meta("llama.rope.dimension_count", "int", head_dim)
+    if rope_dims != head_dim:
+        raise ConversionError(f"partial RoPE (rope.dimension_count={rope_dims} < "
+                              f"head_dim={head_dim}) is not supported")
+    scaling = meta("llama.rope.scaling.type", "str", "none")
+    if scaling != "none" or "rope_freqs.weight" in {t.name for t in layout.tensors}:
+        raise ConversionError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
+    rope_theta = float(meta("llama.rope.freq_base", "float", 10000.0))
+    norm_eps = float(meta("llama.attention.layer_norm_rms_epsilon", "float"))
+
+    # -- the recurrent block ------------------------------------------------------------------
+    if recurrent is None:
+        p, r, c = n_layers, 0, 0
+        if max_depth != 1 or default_depth != 1:
+            raise ConversionError("without a recurrent block, default_depth and max_depth "
+                                  "must be 1")
+    else:
+        try:
+            start, end = recurrent
+        except (TypeError, ValueError):
+            raise ConversionError(f"recurrent must be a (start, end) pair of layer indices, "
+                                  f"got {recurrent!r}") from None
+        start, end = _check_int("recurrent start", start), _check_int("recurrent end", end)
+        if not 0 <= start < end <= n_layers:
+            raise ConversionError(f"recurrent=({start}, {end}) is not a non-empty range "
+                                  f"[start, end) within the model's {n_layers} layers "
+                                  f"(need 0 <= start < end <= {n_layers})")
+        p, r, c = start, end - start, n_layers - end
+    _check_int("default_depth", default_depth)
+    _check_int("max_depth", max_depth)
+    if not 1 <= default_depth <= max_depth:
+        raise ConversionError(f"need 1 <= default_depth ({default_depth}) <= max_depth "
+                              f"({max_depth})")
+
+    # -- the config, from the header alone (before any tensor is converted) -------------------
+    infos = {t.name: t for t in layout.tensors}
+    emb = infos.get("token_embd.weight")
+    if emb is None:
+        raise ConversionError("tensor 'token_embd.weight' is missing")
+    if len(emb.dims) != 2:
+        raise ConversionError(f"tensor 'token_embd.weight' has shape {list(emb.dims)}, "
+                              "expected a matrix")
+    vocab_size = emb.dims[1]                                # GGML order: ne1 = rows
+    tied = "output.weight" not in infos
+    from ..tokenizer import build_tokenizer_json_from_gguf
+    try:
+        tokenizer_json = build_tokenizer_json_from_gguf(reader)
+    except TokenizerError as e:
+        raise ConversionError(str(e)) from None
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_tokens != vocab_size:
+        raise ConversionError(f"the tokenizer has {n_tokens} tokens but token_embd has "
+                              f"{vocab_size} rows")
+    bos = _token_id(reader, layout, "tokenizer.ggml.bos_token_id", n_tokens)
+    eos = _token_id(reader, layout, "tokenizer.ggml.eos_token_id", n_tokens)
+    chat_template = meta("tokenizer.chat_template", "str", "")
+    try:
+        cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
+                          n_kv_heads=n_kv_heads, head_dim=head_dim, ffn_dim=ffn_dim,
+                          n_prelude=p, n_recurrent=r, n_coda=c,
+                          default_depth=default_depth, max_depth=max_depth,
+                          rope_theta=rope_theta, norm_eps=norm_eps, injection="none",
+                          tied_head=tied, bos_token_id=bos, eos_token_id=eos)
+    except ConfigError as e:
+        raise ConversionError(str(e)) from None
+
+    # -- tensors --------------------------------------------------------------------------------
+    tensors_by_name = {t.name: t for t in reader.tensors}
+    lossy: dict[str, str] = {}
+
+    def take(name: str):
+        t = tensors_by_name.pop(name, None)
+        if t is None:
+            raise ConversionError(f"tensor {name!r} is missing")
+        return t
+
+    def finite(name: str, what: str, a) -> None:
+        bad = non_finite_message(what, a)
+        if bad:
+            raise ConversionError(f"tensor {name!r}: {bad}")
+
+    def matrix(name: str) -> QuantWeight:
+        t = take(name)
+        if len(t.shape) != 2:
+            raise ConversionError(f"tensor {name!r} has shape {list(t.shape)}, expected a "
+                                  "matrix")
+        in_features, rows = (int(x) for x in t.shape)   # GGML order: ne0 = in_features
+        qt = t.tensor_type
+        T = gguf.GGMLQuantizationType
+        if qt == T.Q4_1:
+            w = q4_1_to_quant(t.data, rows, in_features)
+        elif qt == T.Q8_0:
+            w = q8_0_to_quant(t.data, rows, in_features)
+        elif qt == T.Q4_0:
+            w = q4_0_to_quant(t.data, rows, in_features)
+        else:
+            try:
+                dense = gguf.quants.dequantize(t.data, qt).reshape(rows, in_features)
+            except NotImplementedError as e:
+                raise ConversionError(f"tensor {name!r}: {e}") from None
+            finite(name, "weight", dense)     # before quantize: it would hide the element
+            if qt in (T.F32, T.F16, T.BF16):
+                if in_features % group_size:
+                    raise ConversionError(f"{name!r} in_features={in_features} is not a "
+                                          f"multiple of group_size={group_size}")
+                lossy[name] = f"{qt.name} -> INT{bits} g{group_size}"
+                w = quantize(dense, bits=bits, group_size=group_size)
+            else:
+                lossy[name] = f"{qt.name} -> dequantize -> INT8 g32"
+                w = quantize(dense, bits=8, group_size=32)
+        finite(name, "scales", w.scales)      # GGUF block scales, or from a huge dense value
+        finite(name, "zeros", w.zeros)
+        return w
+
+    def vector(name: str, n: int) -> np.ndarray:
+        t = take(name)
+        if [int(x) for x in t.shape] != [n]:
+            raise ConversionError(f"tensor {name!r} has shape {list(t.shape)}, expected [{n}]")
+        try:
+            v = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(n)
+        except NotImplementedError as e:
+            raise ConversionError(f"tensor {name!r}: {e}") from None
+        finite(name, "weight", v)
+        return v
+
+    def fuse(name: str, parts: list[str]) -> QuantWeight:
+        qws = [matrix(n) for n in parts]
+        try:
+            return concat_rows(qws)
+        except ConfigError as e:
+            raise ConversionError(f"cannot fuse {parts} into {name}: {e} (use group_size=32 "
+                                  "to match the quantized tensors)") from None
+
+    out: dict[str, object] = {}
+    out["token_embd"] = matrix("token_embd.weight")
+    out["output_norm"] = vector("output_norm.weight", d_model)
+    if not tied:
+        out["output"] = matrix("output.weight")
+    for i in range(n_layers):
+        g = f"blk.{i}."
+        out[g + "attn_norm"] = vector(g + "attn_norm.weight", d_model)
+        out[g + "attn_qkv"] = fuse(g + "attn_qkv", [g + "attn_q.weight", g + "attn_k.weight",
+                                                    g + "attn_v.weight"])
+        out[g + "attn_output"] = matrix(g + "attn_output.weight")
+        out[g + "ffn_norm"] = vector(g + "ffn_norm.weight", d_model)
+        out[g + "ffn_gate_up"] = fuse(g + "ffn_gate_up", [g + "ffn_gate.weight",
+                                                          g + "ffn_up.weight"])
+        out[g + "ffn_down"] = matrix(g + "ffn_down.weight")
+    if tensors_by_name:
+        raise ConversionError(f"tensors this converter does not understand: "
+                              f"{sorted(tensors_by_name)[:8]}")
+
+    metadata = {
+        "source": os.path.basename(src),
+        "source_sha256": _sha256(src),
+        "source_format": "gguf",
+        "source_name": meta("general.name", "str", ""),
+        "source_architecture": arch,
+        # a plain llama's layers, never trained to run more than once: depths above 1
+        # degrade the text (tinyloop.model.loop_is_artificial)
+        "loop": "artificial",
+        "converter": "tinyloop.convert.gguf",
+        "converter_version": CONVERTER_VERSION,
+        "options": {"recurrent": None if recurrent is None else [p, p + r],
+                    "default_depth": default_depth, "max_depth": max_depth, "bits": bits,
+                    "group_size": group_size},
+        "lossy_tensors": lossy,
+    }
+    try:
+        write_tlm(dst, cfg, out, tokenizer_json=tokenizer_json, chat_template=chat_template,
+                  metadata=metadata)
+    except FormatError as e:     # the converted tensors disagree with the dims in the header
+        raise ConversionError(str(e)) from None
+    return cfg

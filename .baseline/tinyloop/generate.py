@@ -1,0 +1,439 @@
+"""Sampling loops over a Model: generate / stream / teacher-forced logits / score.
+
+The request side of ``model.Model``: these functions use only the Model's public surface
+(``lock``, ``check_alive``, ``check_token_ids``, ``encode_prompt``, ``request_plan``,
+``new_kv_cache``, ``logit_row``, ``forward``, ``head``, ``head_sample``, ``decode_step``,
+``ops``, ``pool``); ``model.py``
+imports this module, never the reverse. Each call takes the model's lock for its whole
+duration, allocates its RuntimeKVCache (tag ``kv_cache``) sized for the call, and releases it
+when the call ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backends.base import non_finite_logits
+from .config import DEFAULT_MAX_NEW_TOKENS
+from .config import as_int as _as_int
+from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
+from .prefix import check_prefix_args, prefill_request
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` returns (and :attr:`Stream.result` holds once a stream ended).
+
+    ``token_ids`` (new tokens only), ``text`` (their decoded text, cut before a stop string),
+    ``prompt_token_ids``, ``finish_reason`` ("length" | "eos" | "stop"; "error" in the
+    ``partial`` result an error carries, ``TinyLoopError.partial``), ``depth``,
+    ``prefill_ms``, ``decode_ms``, ``decode_tokens_per_s`` (new tokens after the first
+    over the decode time; 0.0 when fewer than 2 tokens), and ``cached_tokens`` (prompt
+    positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled).
+    """
+
+    token_ids: list
+    text: str
+    prompt_token_ids: list
+    finish_reason: str
+    depth: int
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamToken:
+    """One streamed token: its id, the text it completes (may be empty: mid-character, held
+    back while it may still become a stop string, or the token that completed a stop string),
+    and ``finish_reason`` ("length" | "eos" | "stop") on the last piece when the stream knows
+    it is the last as it yields it, else None (the last token before an EOS is yielded before
+    the EOS is known, when nothing was held back: :attr:`Stream.finish_reason` says it)."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float, np.integer, np.floating))
+            and not isinstance(v, (bool, np.bool_)))
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    """Raise ConfigError naming the first bad sampling argument (NumPy scalars are fine)."""
+    if (not _is_number(max_new_tokens) or not float(max_new_tokens).is_integer()
+            or max_new_tokens < 0):
+        raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not _is_number(top_k) or not float(top_k).is_integer() or top_k < 0:
+        raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if not _is_number(top_p) or not 0 <= top_p <= 1:
+        raise ConfigError(f"top_p must be in [0, 1] (0 = greedy), got {top_p!r}")
+
+
+def _normalise_stop(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
+    stop = list(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ConfigError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+    return stop
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A generation request whose arguments passed every check (:func:`_check_request`)."""
+
+    ids: np.ndarray            # int32 [T] prompt ids
+    max_new_tokens: int
+    depth: int
+    kv_mode: tuple             # one KV mode per physical layer
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stops: list
+    prefix: object
+    prefix_pool: object
+
+
+def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
+                   stop, kv_mode, prefix, prefix_pool) -> _Request:
+    """Every argument check of generate / stream, in one place, before any work: both raise
+    the same error for the same bad argument, at the call."""
+    model.check_alive()
+    cfg = model.config
+    if depth is not None:
+        cfg.check_depth(_as_int(depth, "depth"))
+    max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if seed is not None:
+        seed = _as_int(seed, "seed")
+        if seed < 0:
+            raise ConfigError(f"seed must be None or an int >= 0, got {seed}")
+    stops = _normalise_stop(stop)
+    model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
+    ids = model.encode_prompt(prompt)
+    depth, modes = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
+    total = len(ids) + max_new_tokens
+    if total > model.max_seq_len:
+        raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
+                          f"{total} exceeds max_seq_len={model.max_seq_len}")
+    return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
+                    float(top_p), seed, stops, prefix, prefix_pool)
+
+
+class Stream:
+    """What :func:`stream` returns: an iterator of :class:`StreamToken` (``next``, ``for``,
+    ``close()``). Once it ended, :attr:`result` is the GenerationResult :func:`generate` would
+    have returned (also the ``StopIteration`` value) and :attr:`finish_reason` says why it
+    ended; both are None before. An error that ends it part-way carries the partial result
+    (``TinyLoopError.partial``)."""
+
+    def __init__(self, gen):
+        self._gen = gen
+        self._result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamToken:
+        try:
+            return next(self._gen)
+        except StopIteration as e:
+            if e.value is not None:
+                self._result = e.value
+            raise
+
+    def close(self) -> None:
+        """Stop the stream now, releasing its KV cache (idempotent)."""
+        self._gen.close()
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._result
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self._result is None else self._result.finish_reason
+
+
+def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+           top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
+           prefix_pool=None) -> Stream:
+    """A :class:`Stream` of StreamToken, one per new token. Sampling rule: see
+    ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
+    ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
+
+    Every argument is checked here, at the call (the same checks and errors as
+    :func:`generate`); the work starts at the first ``next``.
+
+    Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
+    contains a ``stop`` string (the text is cut before the earliest one). The yielded ids are
+    :func:`generate`'s ``token_ids`` (the token that completed a stop string included, with
+    the text before the stop string) and their texts joined equal its ``text``: a token's text
+    leaves out the tail that could still grow into a stop string (or is part of a UTF-8
+    character split across tokens); that tail comes with a later token once it cannot, and
+    such a token is yielded only after the next one is known, so a tail left at EOS still
+    arrives with it.
+
+    Raises, at the call: ConfigError (bad arguments, prompt + max_new_tokens > max_seq_len),
+    TokenizerError (ids out of range / no tokenizer for text), ModelFreedError, HandleError
+    (a released prefix). At a ``next``: ModelFreedError (the model was freed while the stream
+    was open), NonFiniteLogitsError (logits with NaN or +inf, or all -inf), OutOfMemoryError
+    (both name the ``step``, 0 for the first new token, and the ``position`` sampled from),
+    HandleError (the prefix was released meanwhile); each carries ``partial``, the
+    GenerationResult of the tokens so far.
+
+    ``prefix`` (a PrefixCache / ResumeHandle the prompt's ids start with; it fixes depth and
+    kv_mode) or ``prefix_pool`` (a PrefixPool: the longest cached prefix is reused and the
+    prompt inserted): only the positions after the cached ones are prefilled
+    (:func:`tinyloop.prefix.prefill_request`); the tokens equal those of an uncached run.
+
+    The model's lock is held only while a token is computed, never across a ``yield``: each
+    step touches only this request's KV cache and the residual row of its own position, so
+    other callers may run between two steps of an open stream. The KV cache is made at the
+    first step and released as soon as the last token is known (before it is yielded), when
+    the stream is closed, or by ``free_model``.
+    """
+    req = _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
+                         stop, kv_mode, prefix, prefix_pool)
+    return Stream(_run(model, req))
+
+
+def _run(model, req: _Request):
+    """The generation loop behind :func:`stream` and :func:`generate`: yields StreamToken,
+    returns the GenerationResult."""
+    cfg, tok = model.config, model.tokenizer
+    ids = req.ids
+    total = len(ids) + req.max_new_tokens
+    temperature, top_k, top_p = req.temperature, req.top_k, req.top_p
+    rng = np.random.default_rng(req.seed)
+    new: list[int] = []
+    cache = None
+    cached = 0
+    prefill_ms = 0.0
+    t1 = None                  # when the prefill ended
+
+    def result(reason: str, text: str) -> GenerationResult:
+        decode_ms = 0.0 if t1 is None else (time.perf_counter() - t1) * 1e3
+        n = len(new)
+        tps = (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else 0.0
+        return GenerationResult(token_ids=list(new), text=text,
+                                prompt_token_ids=ids.tolist(), finish_reason=reason,
+                                depth=req.depth, prefill_ms=prefill_ms, decode_ms=decode_ms,
+                                decode_tokens_per_s=tps, cached_tokens=cached)
+
+    if req.max_new_tokens == 0:
+        return result("length", "")
+
+    def step(step_ids, pos0: int) -> int:
+        """Forward ``step_ids`` at ``pos0`` (the prompt: from the cached prefix on), then
+        head + sample, atomically under the lock."""
+        nonlocal cache, cached
+        with model.lock:
+            model.check_alive()
+            if cache is None:
+                cache = model.new_kv_cache(req.depth, total, kv_mode=req.kv_mode)
+            row = model.logit_row()
+            pos = pos0 + len(step_ids) - 1
+            # one u per sampled token, drawn the same way on every path (graph or eager)
+            u = float(rng.random()) if temperature > 0 else 0.0
+            if pos0 == 0:
+                cached = prefill_request(model, step_ids, req.depth, req.kv_mode, cache,
+                                         req.prefix, req.prefix_pool)
+            else:
+                if len(step_ids) == 1:
+                    # a decode step runs as the megakernel or one captured graph where the
+                    # backend can
+                    nxt = model.decode_step(cache, int(step_ids[0]), pos0, temperature,
+                                            top_k, top_p, u)
+                    if nxt is not None:
+                        return nxt
+                model.forward(step_ids, pos0, req.depth, cache)
+            return model.head_sample(pos, row, temperature, top_k, top_p, u)
+
+    stops = req.stops
+    text = ""          # decoded text of ``new`` (cut before a stop string once one is hit)
+    dec = tok.stream() if tok is not None else None
+    pos = len(ids) - 1  # the position the current step samples from
+    try:
+        t0 = time.perf_counter()
+        nxt = step(ids, 0)
+        t1 = time.perf_counter()
+        prefill_ms = (t1 - t0) * 1e3
+        pos = len(ids)
+        sent = 0           # characters of ``text`` already yielded
+        pending = None     # (id, text) of a token whose yield waits for the next token: its
+                           # text ends in what may become a stop string or a split character,
+                           # and if the next token is EOS that tail must travel with it
+        one = np.empty(1, dtype=np.int32)
+        while True:
+            if nxt == cfg.eos_token_id:
+                text += dec.flush() if dec is not None else ""
+                cache.release()
+                res = result("eos", text)
+                if pending is not None:
+                    yield StreamToken(pending[0], pending[1] + text[sent:], "eos")
+                return res
+            new.append(nxt)
+            start = len(text)
+            text += dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
+            cut = _first_stop(text, stops, start)
+            if cut is not None or len(new) >= req.max_new_tokens:
+                if cut is not None:
+                    reason, text = "stop", text[:cut]
+                else:
+                    reason = "length"
+                    text += dec.flush() if dec is not None else ""
+                cache.release()              # free the request's memory before the last yield
+                res = result(reason, text)
+                if pending is not None:
+                    yield StreamToken(*pending)
+                yield StreamToken(nxt, text[sent:], reason)
+                return res
+            # yield only text no stop string can still claim: hold back the longest tail that
+            # is the start of a stop string
+            held = _stop_prefix_len(text, stops)
+            safe = max(sent, len(text) - held)
+            piece, sent = text[sent:safe], safe
+            if pending is not None:
+                yield StreamToken(*pending)
+                pending = None
+            if held or (dec is not None and dec.holding):
+                pending = (nxt, piece)
+            else:
+                yield StreamToken(nxt, piece)
+            one[0] = nxt
+            nxt = step(one, pos)
+            pos += 1
+    except TinyLoopError as e:
+        partial = result("error", text + (dec.flush() if dec is not None else ""))
+        err = _located(e, len(new), pos)
+        err.partial = partial
+        if err is e:
+            raise
+        raise err.with_traceback(e.__traceback__) from None
+    finally:
+        if cache is not None:
+            cache.release()
+
+
+def _located(e: TinyLoopError, step: int, position: int) -> TinyLoopError:
+    """``e`` with the generation step and the position it samples from, for the errors that
+    carry them (NonFiniteLogitsError, OutOfMemoryError) and do not have them yet; else ``e``."""
+    if isinstance(e, NonFiniteLogitsError) and e.step is None:
+        return non_finite_logits(e.kind, step=step, position=position)
+    if isinstance(e, OutOfMemoryError) and e.step is None:
+        what = ("the prefill" if step == 0 else "decode") + f" step {step}"
+        return OutOfMemoryError(
+            f"{what} (the token sampled from position {position}): {e}",
+            requested_bytes=e.requested_bytes, tag=e.tag, allocated_bytes=e.allocated_bytes,
+            reserved_bytes=e.reserved_bytes, limit_bytes=e.limit_bytes,
+            device_free_bytes=e.device_free_bytes, device=e.device, step=step,
+            position=position)
+    return e
+
+
+def _first_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the earliest stop string occurrence that ends past ``text[:start]`` begins."""
+    hits = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
+             top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
+             prefix_pool=None) -> GenerationResult:
+    """Run :func:`stream` to completion and return its GenerationResult (the same code: the
+    same tokens, text and finish reason, the same argument checks and errors).
+
+    Holds the model's lock for the whole call (the lock is re-entrant, so the stream's
+    per-token acquisitions nest): concurrent generate/logits/score calls on one Model run one
+    after another, never interleaved.
+    """
+    s = stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed, stop,
+               kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+    with model.lock:
+        for _ in s:
+            pass
+    return s.result
+
+
+def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
+                          prefix_pool=None) -> np.ndarray:
+    """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits).
+
+    With ``prefix`` / ``prefix_pool`` the cached positions are restored, not recomputed: their
+    rows come from the cached final residuals through the head."""
+    model.check_alive()
+    cfg = model.config
+    if depth is not None:
+        cfg.check_depth(_as_int(depth, "depth"))
+    ids = model.encode_prompt(token_ids)         # text or ids; empty: [BOS]
+    if len(ids) > model.max_seq_len:
+        raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
+    depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
+    out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
+    with model.lock:
+        model.check_alive()
+        ops = model.ops
+        block = {e.name: e for e in model.request_plan(len(ids), depth, logits=True,
+                                                       kv_mode=kv_mode)}["logits"]
+        rows = block.shape[0]
+        with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode) as cache:
+            block_arr, blk = ops.empty(model.pool, block.shape, block.dtype, block.tag)
+            try:
+                prefill_request(model, ids, depth, kv_mode, cache, prefix, prefix_pool)
+                # the final rows of every position are in the residual buffer now: the head
+                # runs over row blocks at absolute multiples of ``rows``, so a position's
+                # logits come from the same block whichever positions came from a cache
+                for r0 in range(0, len(ids), rows):
+                    n = min(rows, len(ids) - r0)
+                    view = block_arr.reshape(-1)[:n * cfg.vocab_size].reshape(
+                        n, cfg.vocab_size)
+                    model.head(r0, n, view)
+                    out[r0:r0 + n] = ops.to_host(view)
+            finally:
+                model.pool.free(blk)
+    return out
+
+
+def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis (max-subtracted)."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def score(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
+          prefix_pool=None) -> np.ndarray:
+    """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
+    ids = model.encode_prompt(token_ids)
+    if len(ids) < 2:
+        raise ConfigError("score needs at least 2 tokens (a context and a next token)")
+    lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode, prefix=prefix,
+                                                prefix_pool=prefix_pool)[:-1])
+    return lp[np.arange(len(ids) - 1), ids[1:]]

@@ -1,0 +1,299 @@
+"""The captured decode step: one graph per key, replayed for every decode step of a request
+(issue 10, item 1; docs/architecture.md "The captured decode step").
+
+A decode step reads its token id and position from a small device **step state** (int32
+``[STEP_WORDS]``, ``backends.base``): embed reads ``STEP_ID``; the KV write and attention read
+``STEP_POS`` (context length = pos + 1); the head writes the next id (and the row's fault code)
+back - the fused greedy argmax, or with temperature > 0 the device sampler, whose parameters
+(temperature, top_k, top_p and the host-drawn u) the host writes to pinned memory before each
+replay (``Ops.set_step_sampling``) - and ``step_advance`` moves the position on. Nothing of
+the step is read or computed on the host, so the launches of one step can be captured once (CuPy stream capture on
+CUDA: ``Stream.begin_capture`` / ``end_capture``, then ``Graph.launch``) and replayed; the host
+reads the 8-byte (id, fault) result after each replay, for stop / EOS / streaming.
+
+Every address a captured step touches is fixed while its graph lives: the step state and the
+decode residual row (one pool block, tag ``graphs``), the model's scratch views and logit row,
+the weights, and per graph a block table ``[slots, ceil(max_seq_len / P)]`` (tag ``graphs``):
+a request binds a graph by copying its own block tables there (after allocating pages for its
+whole capacity, ``RuntimeKVCache.ensure``), so one graph serves every request with its key.
+
+**Key**: (depth, the KV mode of every slot, page size, pages per table, the backend's
+host-chosen launch constants, ``Ops.graph_constants``, and greedy or sampled). A graph is replayed only under the key
+it was captured with; other keys get their own graph (at most ``MAX_GRAPHS``, least recently
+used dropped first). The decode attention reads the context length on the device with a fixed
+grid, so no length bucket enters the key.
+
+**Rules**: the first step under a new key runs the same launches eagerly (kernels load, every
+argument is validated with an ordinary error); the next step captures. The pool must make no
+allocation between capture begin and end (checked from its counters: a capture that allocated
+is discarded and raises); a failure during capture ends the capture (``Ops.graph_abort``) and
+leaves the stream usable. ``release`` frees every graph and its ``graphs`` blocks.
+``TINYLOOP_CUDA_GRAPHS=0`` (``config.cuda_graphs_enabled``) keeps the eager path.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+
+import numpy as np
+
+from .backends.base import STEP_ID, STEP_POS, STEP_WORDS
+from .config import cuda_graphs_enabled
+from .errors import ConfigError, GraphCaptureError
+from .kvcache import SlotKV
+from .megakernel import MegaDecode
+from .memory import packed_scope
+
+MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyond this)
+
+
+class _Entry:
+    """One key's graph and its block table (tag ``graphs``)."""
+
+    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound",
+                 "mega")
+
+    def __init__(self):
+        self.graph = None
+        self.mega = None           # megakernel.MegaDecode's program for this key (tag graphs)
+        self.table = self.table_block = self.table_host = None
+        self.slots: list = []
+        self.warm = False          # one eager run done under this key
+        self.bound = None          # weakref to the RuntimeKVCache whose tables are copied in
+
+
+class DecodeGraphs:
+    """The captured decode steps of one Model (see the module doc). Not locked: the Model's
+    lock serialises every call."""
+
+    def __init__(self, model):
+        self._model = model
+        self._ops = model.ops
+        self._pool = model.pool
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._state_block = None
+        self.step_state = None          # int32 [STEP_WORDS] device array
+        self.row = None                 # f32 [1, d_model]: the decode residual row
+        self._host_out = None
+        self._expect = None             # (owner ref, id, pos) the device state holds now
+        self.captures = 0               # graphs captured since load
+        self.replays = 0
+        self.mega = MegaDecode(model)   # the megakernel: run in place of a replay when it can
+
+    # --- policy ---------------------------------------------------------------------------
+    def eligible(self, cache, temperature: float) -> bool:
+        """Whether a step of ``cache``'s request runs here: as the megakernel
+        (``MegaDecode.why_not`` is None; any temperature: the sampler runs after it), or as a
+        graph (``_graph_eligible``)."""
+        if self.mega.why_not(cache) is None:
+            return True
+        return self._graph_eligible(cache, temperature)
+
+    def _graph_eligible(self, cache, temperature: float) -> bool:
+        """Graphs on (``TINYLOOP_CUDA_GRAPHS``), greedy or a backend that samples inside the
+        step (``Ops.graph_sampling``), and every slot's KV mode capturable here."""
+        if not self._ops.graph_kv_modes:
+            return False
+        if temperature > 0.0 and not self._ops.graph_sampling:
+            return False
+        if not set(cache.modes) <= set(self._ops.graph_kv_modes):
+            return False
+        return cuda_graphs_enabled()
+
+    def key(self, cache, sampled: bool = False) -> tuple:
+        """The graph key of a step of ``cache``'s request (see the module doc); ``sampled``:
+        the step ends in the device sampler instead of the argmax (temperature > 0)."""
+        return (cache.depth, tuple(lay.mode for lay in cache.layouts), cache.page_size,
+                self._pages(cache.page_size), self._ops.graph_constants(), bool(sampled))
+
+    def _pages(self, page_size: int) -> int:
+        return -(-self._model.max_seq_len // page_size)
+
+    # --- memory ---------------------------------------------------------------------------
+    def _ensure_state(self) -> None:
+        if self._state_block is not None:
+            return
+        d = self._model.config.d_model
+        ops = self._ops
+        with packed_scope():
+            blk = self._pool.allocate(STEP_WORDS * 4 + 16 + d * 4, "graphs")
+        try:
+            self.step_state = blk.array((STEP_WORDS,), np.int32)
+            off = (STEP_WORDS * 4 + 16) // 4        # the row starts 16-byte aligned
+            self.row = blk.array((off + d,), np.float32)[off:].reshape(1, d)
+            ops.zero(self.step_state)
+            self._host_out = ops.step_host_buffer()
+        except BaseException:
+            self._pool.free(blk)
+            raise
+        self._state_block = blk
+
+    def _entry(self, key, cache) -> _Entry:
+        ent = self._entries.get(key)
+        if ent is not None:
+            self._entries.move_to_end(key)
+            return ent
+        while len(self._entries) >= MAX_GRAPHS:
+            _, old = self._entries.popitem(last=False)
+            self._free_entry(old)
+        ent = _Entry()
+        shape = (cache.n_slots, self._pages(cache.page_size))
+        with packed_scope():
+            ent.table, ent.table_block = self._ops.empty(self._pool, shape, np.int64, "graphs")
+        ent.table_host = np.zeros(shape, np.int64)
+        ent.slots = [SlotKV(cache.layouts[s], ent.table[s], ent.table_host[s],
+                            cache.slot(s).allocator) for s in range(cache.n_slots)]
+        self._entries[key] = ent
+        return ent
+
+    def _free_entry(self, ent: _Entry) -> None:
+        p, ent.mega = ent.mega, None
+        if p is not None:
+            self.mega.free_program(p)
+        g, ent.graph = ent.graph, None
+        if g is not None:
+            # the executable graph's device memory goes with the last reference: measured,
+            # as its instantiation was, so the "cuda graphs" line follows what is held
+            with self._pool.measure_driver("cuda graphs"):
+                self._ops.graph_free(g)
+                del g
+        ent.slots = []
+        ent.table = None
+        blk, ent.table_block = ent.table_block, None
+        if blk is not None:
+            self._pool.free(blk)
+
+    def release(self) -> None:
+        """Free every graph and every ``graphs`` block (after the stream is idle)."""
+        self._ops.synchronize()
+        entries, self._entries = list(self._entries.values()), collections.OrderedDict()
+        for ent in entries:
+            self._free_entry(ent)
+        self.mega.release()
+        self.step_state = self.row = None
+        self._expect = None
+        blk, self._state_block = self._state_block, None
+        if blk is not None:
+            self._pool.free(blk)
+
+    def stats(self) -> dict:
+        """``graphs``: graphs held; ``keys``: their keys; ``captures`` / ``replays`` since
+        load; ``bytes``: pool bytes under tag ``graphs`` held for them (rounded blocks)."""
+        nbytes = sum(e.table_block.nbytes + (e.mega.block.nbytes if e.mega else 0)
+                     for e in self._entries.values())
+        nbytes += self._state_block.nbytes if self._state_block is not None else 0
+        nbytes += self.mega.nbytes()
+        return {"graphs": sum(e.graph is not None for e in self._entries.values()),
+                "keys": list(self._entries), "captures": self.captures,
+                "replays": self.replays, "bytes": nbytes, "megakernel": self.mega.stats()}
+
+    # --- the step -------------------------------------------------------------------------
+    def _bind(self, ent: _Entry, cache) -> None:
+        """Copy ``cache``'s block tables into the entry's (pages for its whole capacity)."""
+        cache.ensure(cache.capacity)
+        n = cache.max_pages
+        ent.table_host[...] = 0
+        ent.table_host[:, :n] = cache.table_host
+        self._ops.from_host(ent.table_host, ent.table)
+        ent.bound = weakref.ref(cache)
+
+    def step(self, cache, token: int, pos: int, sampling: tuple | None = None
+             ) -> tuple[int, int] | None:
+        """One decode step of ``cache``'s request: embed ``token`` at position ``pos``, every
+        slot, the head; returns (next id, fault code: 0 or a ``LOGIT_FAULTS`` key). Greedy, or
+        with ``sampling`` = (temperature > 0, top_k, top_p, u) sampled by the device sampler.
+        Runs as the megakernel where it can (``MegaDecode``; sampled: the kernel writes the
+        logit row and ``Ops.sample`` picks from it), else as the key's graph: the parameters
+        go to ``Ops.set_step_sampling`` before the launch, so the graph captured for the key
+        serves every setting; captured on the key's second use and replayed from then on.
+        None when the step can run neither way (the megakernel's launch failed with graphs
+        off): the caller then runs the eager forward + ``head_sample``. Raises ConfigError
+        for ``pos`` outside the cache's capacity or sampling parameters out of range,
+        GraphCaptureError for a capture that allocated, NonFiniteLogitsError from a sampled
+        megakernel step, and what the ops raise."""
+        if not 0 <= pos < cache.capacity:
+            raise ConfigError(f"decode position {pos} is outside the request's capacity "
+                              f"{cache.capacity}")
+        self._ensure_state()
+        sampled = sampling is not None
+        if sampled:
+            self._ops.set_step_sampling(*sampling)
+        key = self.key(cache, sampled)
+        ent = self._entry(key, cache)
+        if ent.bound is None or ent.bound() is not cache:
+            self._bind(ent, cache)
+        exp = self._expect
+        if exp is None or exp[0]() is not cache or exp[1] != token or exp[2] != pos:
+            state = np.zeros(STEP_WORDS, np.int32)
+            state[STEP_ID], state[STEP_POS] = token, pos
+            self._ops.from_host(state, self.step_state)
+        ops, m = self._ops, self._model
+        if self._mega_step(ent, cache, not sampled):
+            if sampled:
+                self._expect = None          # the state holds the argmax, not the pick
+                return int(ops.sample(m.logit_row(), *sampling)), 0
+        elif not self._graph_eligible(cache, sampling[0] if sampled else 0.0):
+            return None                      # the megakernel's launch failed and no graph may
+                                             # run: the caller runs forward + head_sample
+        elif ent.graph is None and not ent.warm:
+            m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out,
+                              sampled)
+            ent.warm = True
+        elif ent.graph is None:
+            ent.graph = self._capture(ent, cache.depth, sampled)
+            with self._pool.measure_driver("cuda graphs"):   # the first launch uploads it
+                ops.graph_launch(ent.graph)
+            self.replays += 1
+        else:
+            ops.graph_launch(ent.graph)
+            self.replays += 1
+        ops.graph_sync()
+        nxt, code = int(self._host_out[0]), int(self._host_out[1])
+        self._expect = (weakref.ref(cache), nxt, pos + 1)
+        return nxt, code
+
+    def _mega_step(self, ent: _Entry, cache, greedy: bool) -> bool:
+        """Queue the step as the megakernel when it can run; False when it cannot (or its
+        launch failed: then it is off for the model, with one warning)."""
+        mk = self.mega
+        if mk.why_not(cache) is not None:
+            return False
+        if ent.mega is None:
+            ent.mega = mk.prepare(ent, cache)
+        try:
+            mk.launch(ent.mega, self.step_state, self.row,
+                      self._host_out.ctypes.data if greedy else 0)
+        except Exception as exc:       # nothing was queued: the state is as before
+            mk.disable(exc)
+            return False
+        return True
+
+    def _capture(self, ent: _Entry, depth: int, sampled: bool = False):
+        ops, pool, m = self._ops, self._pool, self._model
+        m.logit_row()                                   # exists before capture
+        before = pool.stats()
+        ops.graph_begin()
+        try:
+            m.decode_step_ops(self.step_state, self.row, depth, ent.slots, self._host_out,
+                              sampled)
+            with pool.measure_driver("cuda graphs"):     # instantiation: device memory
+                graph = ops.graph_end()
+        except BaseException:
+            ops.graph_abort()
+            raise
+        after = pool.stats()
+        if (after.num_allocs, after.num_segment_allocs) != (before.num_allocs,
+                                                            before.num_segment_allocs):
+            with pool.measure_driver("cuda graphs"):
+                ops.graph_free(graph)
+                del graph
+            n = after.num_allocs - before.num_allocs
+            raise GraphCaptureError(
+                f"the decode-step capture allocated from the pool ({n} blocks): every array "
+                "of the step must exist before the capture begins")
+        self.captures += 1
+        return graph
+
+
+__all__ = ["DecodeGraphs", "MAX_GRAPHS"]

@@ -1,0 +1,961 @@
+"""Model: the load phases, the BufferPool, and the looped forward written once over the ops.
+
+Implements the TinyLoop lifecycle and memory contract (docs/architecture.md): load_model /
+free_model / vram_usage_bytes and the five load phases.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import hashlib
+import os
+import sys
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import plan as planmod
+from .backends import get_ops
+from .backends.base import LOGIT_FAULTS, non_finite_logits
+from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
+from .errors import (ArtificialLoopWarning, ConfigError, FormatError, ModelFreedError,
+                     TinyLoopError, TokenizerError)
+from .format import read_tlm
+from .generate import generate as _generate
+from .generate import score as _score
+from .generate import stream as _stream
+from .generate import teacher_forced_logits
+from .prefix import drain_orphans, load_prefix, make_prefix, make_resume_handle
+from .kvcache import (DEFAULT_PAGE_SIZE, H_MODES, PageAllocator, PageLayout, Recon,
+                      RuntimeKVCache, kv_bytes_per_token, resolve_kv_modes)
+from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
+from .quant import QuantWeight
+
+
+@dataclass
+class Layer:
+    """One transformer layer's device weights."""
+
+    attn_norm: object
+    attn_qkv: object
+    attn_output: object
+    ffn_norm: object
+    ffn_gate_up: object
+    ffn_down: object
+    attn_kv: object = None      # the K and V rows of attn_qkv (views): store-h reconstruction
+
+
+def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
+    """Views of the K and V output rows (``q_dim`` onwards) of a fused QKV QuantWeight."""
+    fp16 = None if w.fp16 is None else w.fp16[q_dim:]
+    return QuantWeight(w.bits, w.group_size, w.qweight[q_dim:], w.scales[q_dim:],
+                       w.zeros[q_dim:], fp16)
+
+
+def loop_is_artificial(metadata: dict) -> bool:
+    """Whether a .tlm file's recurrent block was cut from a plain (non-looped) transformer, so
+    its layers were never trained to run more than once: the header's ``metadata["loop"]``
+    ("artificial" / "trained") where recorded, else derived from the converter it names
+    (``tinyloop.convert.gguf`` reads only plain llama GGUFs). Synthetic models (random
+    weights) make no claim: False."""
+    loop = metadata.get("loop")
+    if loop is not None:
+        return loop == "artificial"
+    return metadata.get("converter") == "tinyloop.convert.gguf"
+
+
+def _file_identity(path: str) -> tuple:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def model_fingerprint(f) -> bytes:
+    """SHA-256 over a .tlm file's model identity: its config (dims, recurrent layout P/R/C,
+    max_depth, injection) as sorted JSON, then every weight tensor's name, dtype, shape and
+    bytes in ``expected_tensors`` order. ``f``: an open TLMFile."""
+    import json
+    h = hashlib.sha256(b"tinyloop-model-fingerprint-v1\0")
+    h.update(json.dumps(f.config.to_dict(), sort_keys=True).encode())
+    for name, (kind, _) in planmod.expected_tensors(f.config).items():
+        if kind == "quant":
+            q = f.quant_weight(name)
+            arrays = (q.qweight, q.scales, q.zeros)
+        else:
+            arrays = (f.array(name),)
+        h.update(b"\0" + name.encode() + b"\0")
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(memoryview(a).cast("B"))
+    return h.digest()
+
+
+class BufferPool:
+    """The Model's reusable activation buffers (the contract's load phase 4): contiguous row views.
+
+    ``rows(name, t, cols)`` returns a C-contiguous ``[t, cols]`` view of the first t*cols
+    elements of buffer ``name``, so every op sees contiguous arrays whatever the width.
+    """
+
+    def __init__(self, arrays: dict):
+        self._flat = {name: a.reshape(-1) for name, a in arrays.items()}
+        self.main = arrays["main"]
+        self.capacity_rows = arrays["norm"].shape[0]
+
+    def rows(self, name: str, t: int, cols: int):
+        return self._flat[name][:t * cols].reshape(t, cols)
+
+    def flat(self, name: str):
+        return self._flat[name]
+
+
+# Models loaded and not yet freed. At interpreter exit they are freed by an atexit hook, while
+# imports, CuPy and the CUDA context still work: ending the program is a normal way to be done
+# with a model, so that gives no ResourceWarning (a Model garbage-collected while the program
+# runs does). The hook is registered at the first load, after the backend imported CuPy, so it
+# runs before any exit hook CuPy registered (atexit runs hooks last-in, first-out).
+_live_lock = threading.RLock()      # re-entrant: a collection inside add() may free a model
+_live_models: "weakref.WeakSet[Model]" = weakref.WeakSet()   # guarded by _live_lock
+_exit_hook_registered = False                                  # guarded by _live_lock
+
+
+def _track(model: "Model") -> None:
+    global _exit_hook_registered
+    with _live_lock:
+        _live_models.add(model)
+        if not _exit_hook_registered:
+            atexit.register(_free_live_models)
+            _exit_hook_registered = True
+
+
+_EXIT_LOCK_WAIT_S = 2.0     # how long the exit hook waits for a request (a daemon thread's)
+
+
+def _free_live_models() -> None:
+    """Free every model still loaded (the atexit hook). A model whose lock a (daemon) thread
+    holds past _EXIT_LOCK_WAIT_S is left to the process's end rather than waited for."""
+    with _live_lock:
+        models = list(_live_models)
+    for model in models:
+        if model._lock.acquire(timeout=_EXIT_LOCK_WAIT_S):
+            try:
+                model.free()
+            finally:
+                model._lock.release()
+
+
+class Model:
+    """A loaded looped model. Create with :func:`tinyloop.load_model`.
+
+    Attributes: ``config`` (ModelConfig), ``tokenizer`` (Tokenizer or None), ``backend``
+    ("numpy" | "cuda"), ``max_seq_len``, ``prefill_chunk``, ``path``, ``plan`` (list of
+    PlanEntry), ``fingerprint`` (see the property). Calls on one Model are serialized by a
+    per-model lock (the contract's lock-per-model pattern): ``generate``, ``logits`` and
+    ``score`` hold it for the whole call,
+    so concurrent callers wait and are never interleaved. ``stream`` holds it for each token
+    (forward + head + sample of one step) but not while suspended at a ``yield``, so a stream
+    a caller stops reading never blocks the model; a step touches only its own request's KV
+    cache and residual row, so whatever runs between two steps cannot disturb it.
+    """
+
+    def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
+                 backend: str = "auto", kv_mode=None):
+        self._freed = True           # until the load succeeds there is nothing to free
+        self._blocks: list = []      # every model-owned pool block; freed by free()
+        max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"path must be a str or os.PathLike, got {path!r}")
+        self.path = os.fspath(path)
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
+        self._lock = threading.RLock()
+        self._handles = weakref.WeakSet()   # live PrefixCache / ResumeHandle / PrefixPool;
+                                            # released by free() (guarded by _lock)
+        self._prefix_holds: dict = {}       # page addr -> prefix handles holding it (_lock)
+        self._prefix_orphans: list = []     # storage of handles collected unreleased
+        self._kv_caches = weakref.WeakSet()  # every RuntimeKVCache new_kv_cache made that is
+                                            # still referenced (a suspended stream's, a handle's);
+                                            # free() releases them (guarded by _lock)
+        self._ops = get_ops(backend)
+        self.backend = self._ops.name
+        self._pool = get_pool(self._ops.device)
+        self._graphs = None      # DecodeGraphs: the captured decode steps (made at first use)
+        self._loop_warned = False    # ArtificialLoopWarning given (once per model)
+        self._rows_hooks: list = []  # watch_forward callbacks
+        # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
+        self._cupy_routing = (route_cupy_allocations(self._pool) if self._ops.name == "cuda"
+                              else None)
+        try:
+            with packed_scope():
+                self._load()
+        except BaseException:
+            self._release_blocks()
+            self._ops.release()
+            self._stop_cupy_routing()
+            raise
+        self._freed = False
+        _track(self)
+
+    def _stop_cupy_routing(self) -> None:
+        if self._cupy_routing is not None:
+            self._cupy_routing.release()
+
+    # -- load phases --------------------------------------------------------------------------
+    def _load(self) -> None:
+        # phase 1: header parse + validation (no device memory)
+        if not os.path.exists(self.path):
+            raise TinyLoopError(f"model file not found: {self.path}")
+        if not os.path.isfile(self.path):
+            raise TinyLoopError(f"model path is not a file: {self.path}")
+        with read_tlm(self.path) as f:
+            cfg = self.config = f.config
+            self.chat_template = f.chat_template
+            self.metadata = dict(f.metadata)
+            tok_json = f.tokenizer_json
+            layout = f.quant_layout()
+            self.kv_modes = resolve_kv_modes(self._kv_mode_spec, cfg)
+            self._check_kv_modes(self.kv_modes)
+            store_h = any(m in H_MODES for m in self.kv_modes)
+            self.plan = planmod.backend_load_plan(self._ops, cfg, layout, self.max_seq_len,
+                                                  self.prefill_chunk, store_h=store_h)
+            self.tokenizer = None
+            if tok_json is not None:
+                from .tokenizer import Tokenizer
+                self.tokenizer = Tokenizer.from_json(tok_json, chat_template=self.chat_template,
+                                                     bos_token_id=cfg.bos_token_id,
+                                                     eos_token_id=cfg.eos_token_id)
+                if self.tokenizer.vocab_size > cfg.vocab_size:
+                    raise TokenizerError(
+                        f"{self.path}: the embedded tokenizer has {self.tokenizer.vocab_size} "
+                        f"tokens but the model's vocab_size is {cfg.vocab_size}")
+            # A plan that cannot fit fails here, before anything is allocated, naming each
+            # phase's bytes against the room. One that can goes into one reserved segment
+            # (the caller's packed_scope), so only that segment has a rounding tail; failing
+            # that, into one exact segment per phase, reserved as the phase starts.
+            phases = planmod.load_phases(self.plan)
+            self._pool.check_room([(label, tag, n) for _, label, tag, n in phases],
+                                  f"loading {os.path.basename(self.path)}")
+            whole = self._pool.reserve(sum(n for *_, n in phases), "weights")
+            self._phase_reserve = ({} if whole else
+                                   {ph: (tag, n) for ph, _, tag, n in phases})
+            self._reserve_phase(2)
+            # phase 2: quantized weights (packed codes + FP16 scales/zeros), norm weights
+            w = {}
+            with tag_scope("weights"):
+                for name, (kind, _) in planmod.expected_tensors(cfg).items():
+                    if kind == "quant":
+                        dev, blocks = self._ops.upload_weight(f.quant_weight(name),
+                                                              self._pool)
+                        self._blocks.extend(blocks)
+                    else:
+                        dev, blk = self._ops.upload_array(np.asarray(f.array(name)),
+                                                          self._pool)
+                        self._blocks.append(blk)
+                    w[name] = dev
+            self._file_identity = _file_identity(self.path)
+            self._fingerprint = None
+        # phase 3: optional FP16 caches for the hot prefill GEMMs (the plan's phase-3 entries)
+        self._reserve_phase(3)
+        for e in self.plan:
+            if e.phase == 3:
+                name = e.name.removesuffix(".fp16")
+                arr, blk = self._ops.make_fp16_cache(w[name], self._pool, e.tag)
+                self._blocks.append(blk)
+                w[name] = dataclasses.replace(w[name], fp16=arr)
+        self._embed = w["token_embd"]
+        self._head = w["token_embd"] if cfg.tied_head else w["output"]
+        self._output_norm = w["output_norm"]
+        self._adapter = w.get("inject.adapter")
+        self._layers = [Layer(*(w[f"blk.{i}.{n}"] for n in
+                                ("attn_norm", "attn_qkv", "attn_output", "ffn_norm",
+                                 "ffn_gate_up", "ffn_down")),
+                              attn_kv=kv_rows_of(w[f"blk.{i}.attn_qkv"], cfg.q_dim))
+                        for i in range(cfg.n_layers)]
+        # phase 4: the BufferPool (logit_row stays lazy)
+        self._reserve_phase(4)
+        arrays = {}
+        for e in self.plan:
+            if e.phase == 4 and not e.lazy:
+                arrays[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+                self._blocks.append(blk)
+        self._buf = BufferPool(arrays)
+        self._view_cache: dict = {}
+        self._logit_row = None
+        # phase 5: reconstruction scratch of the store-h KV modes (lazy when no default
+        # mode stores h: a per-call kv_mode may still ask for one)
+        self._recon_scratch = None
+        if store_h:
+            self._reserve_phase(5)
+            self._recon_scratch = self._alloc_recon()
+        self._phase_reserve = {}
+        self._pages = PageAllocator(self._ops, self._pool)
+
+    def _reserve_phase(self, phase: int) -> None:
+        """When the load's one segment could not be had: one segment of exactly the phase's
+        bytes (no 2 MiB rounding, so the phases together take what the plan says), best
+        effort like ``MemoryPool.reserve``."""
+        want = self._phase_reserve.pop(phase, None)
+        if want is not None:
+            self._pool.reserve(want[1], want[0], exact=True)
+
+    def _release_blocks(self) -> None:
+        blocks, self._blocks = self._blocks, []
+        for blk in reversed(blocks):
+            self._pool.free(blk)
+
+    def free(self) -> None:
+        """Return every model-owned block to the pool, and release what the model's live
+        handles (PrefixCache, ResumeHandle, PrefixPool) and live requests (a stream's KV
+        cache) hold: afterwards those raise HandleError / ModelFreedError. Idempotent."""
+        with self._lock:
+            if self._freed:
+                return
+            self._freed = True
+            with _live_lock:
+                _live_models.discard(self)
+            graphs, self._graphs = self._graphs, None
+            if graphs is not None:
+                graphs.release()        # its graphs and "graphs" blocks, before the views go
+            for h in list(self._handles):      # prefix caches, resume handles, prefix pools
+                h._model_freed()
+            drain_orphans(self)
+            # then what live requests hold (a stream suspended at a yield, or a generator
+            # never closed): after the handles, whose release needs their pages still live;
+            # the request's next step raises ModelFreedError
+            for cache in list(self._kv_caches):
+                cache.release()
+            # drop every view into pool memory, so nothing dangles once the blocks go back
+            self._layers = []
+            self._embed = self._head = self._output_norm = self._adapter = None
+            self._buf = None
+            self._view_cache = {}
+            self._logit_row = None
+            self._recon_scratch = None
+            self._recons = []
+            self._release_blocks()
+            self._ops.synchronize()
+            self._ops.release()         # the backend's own scratch blocks
+            self._stop_cupy_routing()
+
+    def __del__(self):
+        # A Model dropped without free_model() would otherwise keep its blocks forever (the
+        # pool holds them, not the Model): free them, and say so, as an unclosed file does.
+        # Not so once the interpreter is finalizing: the exit hook has freed every model it
+        # could, a warning could not be shown, and a lock held by a daemon thread (frozen by
+        # now) would never be released, so free only if the lock is free this instant.
+        if getattr(self, "_freed", True):
+            return
+        if sys.is_finalizing():
+            if self._lock.acquire(blocking=False):
+                try:
+                    self.free()
+                finally:
+                    self._lock.release()
+            return
+        warnings.warn(f"Model({self.path!r}) was garbage-collected without free_model(); "
+                      f"freeing its {self.vram_usage_bytes()} bytes now", ResourceWarning,
+                      stacklevel=2)
+        self.free()
+
+    @property
+    def fingerprint(self) -> bytes:
+        """The model's identity, under which prefix caches are keyed and saved: 32 bytes of
+        SHA-256 over the config (dims, recurrent layout P/R/C, max_depth, injection) and
+        every weight tensor's bytes (:func:`model_fingerprint`). Hashed from the file on first
+        use (so loading pays nothing for it) and kept; raises FormatError when the file
+        changed since the load (its size, mtime or inode differ), since its bytes would then
+        not be this model's."""
+        with self._lock:
+            if self._fingerprint is None:
+                if _file_identity(self.path) != self._file_identity:
+                    raise FormatError(f"{self.path} changed since it was loaded; its "
+                                      f"fingerprint would not be this model's (load it again)")
+                with read_tlm(self.path) as f:
+                    self._fingerprint = model_fingerprint(f)
+            return self._fingerprint
+
+    def vram_usage_bytes(self) -> int:
+        """Bytes of pool blocks the model owns (weights, FP16 caches, buffers, logit_row, its
+        backend's scratch (tag ``scratch``: the CUDA backend's argmax, split-K and sampler
+        scratch), and what its captured decode steps hold under tag ``graphs``:
+        ``graph_stats()["bytes"]``, made at the first decode step and released with the
+        model)."""
+        own = sum(b.nbytes for b in self._blocks) + self._ops.scratch_bytes(self._pool)
+        return own + (self._graphs.stats()["bytes"] if self._graphs is not None else 0)
+
+    # -- the surface request code uses (generate.py, diagnostics, benchmarks) -----------------
+    @property
+    def ops(self):
+        """The backend's Ops instance (``base.Ops``): ``act_dtype``, ``kv_dtype``, ``empty``,
+        ``to_host``, ``sample``, ..."""
+        return self._ops
+
+    @property
+    def pool(self):
+        """The MemoryPool every block of this model and its requests comes from."""
+        return self._pool
+
+    @property
+    def device(self) -> str:
+        """The pool's device: "host" (NumPy backend) or "cuda"."""
+        return self._pool.device
+
+    @property
+    def lock(self):
+        """The per-model re-entrant lock every request holds while it runs the forward."""
+        return self._lock
+
+    def residual_rows(self, pos0: int, n: int):
+        """The final residual rows of positions pos0..pos0+n-1 (float32 ``[n, d_model]`` view
+        of ``buffers.main``): what ``head`` reads; prefix caches save and restore them."""
+        return self._buf.main[pos0:pos0 + n]
+
+    @property
+    def injects(self) -> bool:
+        """Whether each recurrent iteration injects the prelude output (``inject.adapter``)."""
+        return self._adapter is not None
+
+    def check_alive(self) -> None:
+        """Raise ModelFreedError once the model was freed."""
+        if self._freed:
+            raise ModelFreedError("this Model was freed with free_model(); load it again")
+
+    def request_plan(self, n_tokens: int, depth: int, logits: bool = False,
+                     kv_mode=None) -> list:
+        """``plan.request_plan`` for this model: the paged KV cache of ``n_tokens`` positions
+        at ``depth`` in ``kv_mode`` (default the load's; block tables and pages at the
+        backend's kv_dtype) and, with ``logits``, the logits block of a logits()/score() call
+        (``plan.logits_block_rows`` rows)."""
+        rows = (planmod.logits_block_rows(n_tokens, self.max_seq_len, self.prefill_chunk)
+                if logits else 0)
+        return planmod.request_plan(self.config, n_tokens, depth, self._ops.kv_dtype,
+                                    logits_rows=rows, modes=self.resolve_kv_modes(kv_mode))
+
+    def check_token_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
+        """``token_ids`` as int32 [T] after checking it is a non-empty 1-D sequence of ints
+        in 0..vocab_size-1. Raises ConfigError (shape/dtype/empty), TokenizerError (range)."""
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ConfigError(f"{what} must be a 1-D sequence of ints, got shape {ids.shape} "
+                              f"dtype {ids.dtype}")
+        if ids.size == 0:
+            raise ConfigError(f"{what} is empty")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TokenizerError(f"{what}[{i}]={int(ids[i])} is outside 0..vocab_size-1="
+                                 f"{self.config.vocab_size - 1}")
+        return ids.astype(np.int32)
+
+    def encode_prompt(self, prompt) -> np.ndarray:
+        """Text (encoded with the tokenizer) or token ids -> int32 ids ``[T]``, T >= 1.
+
+        An empty prompt (``""``, text that encodes to no token, or ``[]``) is the BOS token
+        alone: the request starts from the start of a sequence. Raises ConfigError for an
+        empty prompt when the model has no BOS token, and as :meth:`check_token_ids`;
+        TokenizerError for text without a tokenizer or ids out of range."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TokenizerError("this model file has no tokenizer: pass token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TokenizerError(f"prompt is not valid Unicode text ({e.reason} at index "
+                                     f"{e.start})") from None
+            prompt = self.tokenizer.encode(prompt)
+        arr = np.asarray(prompt)
+        if arr.ndim == 1 and arr.size == 0:
+            if self.config.bos_token_id < 0:
+                raise ConfigError("the prompt is empty and this model has no BOS token to "
+                                  "start from: pass at least one token")
+            return np.array([self.config.bos_token_id], dtype=np.int32)
+        return self.check_token_ids(prompt, "prompt")
+
+    def _check_kv_modes(self, modes) -> None:
+        if self._ops.name == "cuda":
+            missing = sorted(set(modes) - set(self._ops.kv_modes))
+            if missing:
+                raise ConfigError(f"kv mode(s) {missing} have no CUDA kernels yet; this backend "
+                                  f"runs {self._ops.kv_modes}")
+
+    def resolve_kv_modes(self, kv_mode=None) -> tuple[str, ...]:
+        """One KV mode per physical layer: ``kv_mode`` (a name, "auto", a dict by slot kind,
+        or a sequence per layer; see kvcache.resolve_kv_modes), or the load's default when
+        None. Raises ConfigError naming the bad value."""
+        if kv_mode is None:
+            return self.kv_modes
+        modes = resolve_kv_modes(kv_mode, self.config)
+        self._check_kv_modes(modes)
+        return modes
+
+    def kv_bytes_per_token(self, depth: int | None = None, kv_mode=None) -> int:
+        """Bytes a request's KV cache holds per position at ``depth`` (default: the model's),
+        over all slots, scales and zeros included, page rounding excluded."""
+        depth = self.config.check_depth(depth)
+        return kv_bytes_per_token(self.config, depth, self.resolve_kv_modes(kv_mode),
+                                  self._ops.kv_dtype)
+
+    def kv_page_layout(self, mode: str, page_size: int = DEFAULT_PAGE_SIZE) -> PageLayout:
+        """The PageLayout of ``mode`` pages on this model's backend."""
+        return PageLayout.for_config(self.config, mode, page_size, self._ops.kv_dtype)
+
+    def new_kv_cache(self, depth: int, capacity: int, kv_mode=None,
+                     page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
+        """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
+        kv_cache; pages are gained as positions are written). ``kv_mode``: see
+        :meth:`resolve_kv_modes`. :meth:`free` releases it if it is still live then."""
+        self.check_alive()
+        if capacity > self.max_seq_len:
+            raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
+        modes = self.resolve_kv_modes(kv_mode)
+        if any(m in H_MODES for m in modes) and self._recon_scratch is None:
+            self._recon_scratch = self._alloc_recon()
+        with packed_scope():
+            cache = RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
+                                   self._pages, page_size)
+        self._kv_caches.add(cache)
+        return cache
+
+    def _alloc_recon(self) -> dict:
+        """Phase 5: the reconstruction scratch (model-owned, tag scratch)."""
+        out = {}
+        for e in self.plan:
+            if e.phase == 5:
+                with packed_scope():
+                    out[e.name], blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+                self._blocks.append(blk)
+        chunk = planmod.recon_rows(self.max_seq_len)
+        self._recons = [Recon(lw.attn_kv, self.config.rope_theta, chunk, out)
+                        for lw in self._layers]
+        if getattr(self, "_h_source", "normed") == "residual":   # measurement only
+            self._recons = [dataclasses.replace(r, norm=(lw.attn_norm, self.config.norm_eps))
+                            for r, lw in zip(self._recons, self._layers)]
+        return out
+
+    def logit_row(self):
+        """The lazily allocated float32 [1, vocab] logit row (model-owned, tag logits)."""
+        if self._logit_row is None:
+            (e,) = [e for e in self.plan if e.name == "logit_row"]
+            with packed_scope():
+                self._logit_row, blk = self._ops.empty(self._pool, e.shape, e.dtype, e.tag)
+            self._blocks.append(blk)
+        return self._logit_row
+
+    # -- the forward --------------------------------------------------------------------------
+    def forward(self, ids: np.ndarray, pos0: int, depth: int, cache: RuntimeKVCache,
+                on_rows=None, snapshot=None) -> None:
+        """Run ``ids`` (int32 [T], positions pos0..pos0+T-1) through the model, chunk by chunk
+        (chunks end at absolute multiples of the scratch rows: :meth:`_chunks`).
+
+        Writes K/V for every slot into ``cache`` and the final residual rows into
+        ``buffers.main[pos0:pos0+T]``. After each chunk, ``on_rows(start, t)`` is called with
+        the chunk's absolute start position and length (the residual rows are in ``main``).
+        ``snapshot`` (a ``prefix.ResidualSnapshot``) receives, for every position, the state
+        entering the recurrent block and the state after iteration ``depth`` (ResumeHandle).
+        """
+        for start, t in self._chunks(pos0, len(ids)):
+            cache.ensure(start + t)
+            c0 = start - pos0
+            self._forward_chunk(ids[c0:c0 + t], start, t, depth, cache, snapshot)
+            if on_rows is not None:
+                on_rows(start, t)
+
+    def deepen(self, pos0: int, n: int, depth_from: int, depth_to: int, cache: RuntimeKVCache,
+               snapshot, on_rows=None) -> None:
+        """Continue positions pos0..pos0+n-1 from iteration ``depth_from`` to ``depth_to``.
+
+        Reads the state after iteration ``depth_from`` (and the state entering the recurrent
+        block, for the injection) from ``snapshot``, runs recurrent iterations
+        depth_from+1..depth_to (0-based depth_from..depth_to-1; their K/V go to slots
+        P + t*R + j of ``cache``) and the coda (slots P + R*depth_to + c), writes the state
+        after iteration ``depth_to`` back into ``snapshot`` and the final rows into ``main``.
+        Equal to a fresh forward at ``depth_to``: the prelude and iterations < depth_from
+        depend only on earlier positions' same-slot K/V, which ``cache`` already holds.
+        """
+        for start, t in self._chunks(pos0, n):
+            cache.ensure(start + t)
+            self._deepen_chunk(start, t, depth_from, depth_to, cache, snapshot)
+            if on_rows is not None:
+                on_rows(start, t)
+
+    def _chunks(self, pos0: int, n: int):
+        """(start, t) of the chunks covering positions pos0..pos0+n-1: row blocks aligned to
+        absolute multiples of the scratch rows R, so a position is computed in the same block
+        (same rows, same attention context) wherever the request's forward began (after a
+        prefix, a pool hit, a resume handle, or from 0)."""
+        r = self._buf.capacity_rows
+        pos, end = pos0, pos0 + n
+        while pos < end:
+            t = min(end, (pos // r + 1) * r) - pos
+            yield pos, t
+            pos += t
+
+    def _views(self, t: int) -> dict:
+        """Contiguous ``[t, cols]`` views of the scratch buffers, made once per chunk length
+        (the decode step reuses the t=1 set, so the hot path only indexes)."""
+        v = self._view_cache.get(t)
+        if v is None:
+            cfg, b = self.config, self._buf
+            d = cfg.d_model
+            v = {"norm": b.rows("norm", t, d), "qkv": b.rows("scratch1", t, cfg.qkv_dim),
+                 "att": b.rows("attn_down", t, cfg.q_dim),
+                 "h": b.rows("attn_down", t, cfg.ffn_dim),
+                 "gate_up": b.rows("scratch1", t, 2 * cfg.ffn_dim),
+                 "cat": b.rows("scratch1", t, 2 * d), "ids": b.flat("ids")[:t]}
+            if self._adapter is not None:
+                v["inject"] = b.rows("inject", t, d)
+            if len(self._view_cache) > 8:      # a few chunk lengths recur; keep it bounded
+                self._view_cache.clear()
+            self._view_cache[t] = v
+        return v
+
+    def _forward_chunk(self, ids, pos0: int, t: int, depth: int, cache: RuntimeKVCache,
+                       snapshot=None) -> None:
+        ops = self._ops
+        v = self._views(t)
+        x = self._buf.main[pos0:pos0 + t]                           # [T, d] float32
+        if t == 1:
+            ops.embed(self._embed, ids, x)       # one host id: travels as a kernel argument
+        else:
+            ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
+            ops.embed(self._embed, v["ids"], x)
+        self._check_loop_depth(depth)
+        self._stack(x, v, depth, cache.slot, pos0, None, snapshot)
+        for hook in self._rows_hooks:
+            hook(pos0, t)
+
+    def _stack(self, x, v: dict, depth: int, kv_of, pos0, step, snapshot=None) -> None:
+        """Every layer slot of the looped stack over residual rows ``x``: prelude, ``depth``
+        passes of the recurrent block (with the injection adapter), coda. ``kv_of(slot)``
+        gives a slot's SlotKV; positions come from ``pos0`` (host) or, when ``step`` is given,
+        from the device step state (``Ops.kv_write_step``). ``snapshot`` (ResumeHandle) keeps
+        the rows entering and leaving the recurrent block."""
+        cfg = self.config
+        for i in range(cfg.n_prelude):
+            self._layer(i, kv_of(i), x, pos0, v, step)
+        if cfg.n_recurrent:
+            e = None
+            if self._adapter is not None:
+                e = v["inject"]                                      # prelude output [T, d]
+                self._ops.copy(x, e)
+            if snapshot is not None:
+                snapshot.put_entry(pos0, x)
+            self._iterations(x, e, 0, depth, pos0, v, kv_of, step)
+            if snapshot is not None:
+                snapshot.put_state(pos0, x)
+        self._coda(x, depth, pos0, v, kv_of, step)
+
+    def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
+                      cache: RuntimeKVCache, snapshot) -> None:
+        self._check_loop_depth(depth_to)
+        v = self._views(t)
+        x = self._buf.main[pos0:pos0 + t]
+        snapshot.get_state(pos0, x)
+        e = None
+        if self._adapter is not None:
+            e = v["inject"]
+            snapshot.get_entry(pos0, e)
+        self._iterations(x, e, depth_from, depth_to, pos0, v, cache.slot, None)
+        snapshot.put_state(pos0, x)
+        self._coda(x, depth_to, pos0, v, cache.slot, None)
+        for hook in self._rows_hooks:
+            hook(pos0, t)
+
+    @property
+    def loop_is_artificial(self) -> bool:
+        """True when the recurrent block was cut from a plain transformer (a converted llama
+        GGUF, such as the embedded default model): depths above ``config.default_depth``
+        then degrade the text (:func:`loop_is_artificial`)."""
+        return loop_is_artificial(self.metadata)
+
+    def _check_loop_depth(self, depth: int) -> None:
+        """Warn once per model (ArtificialLoopWarning) when a forward runs deeper than the
+        default depth on a model whose loop is artificial."""
+        if depth > self.config.default_depth and not self._loop_warned \
+                and self.loop_is_artificial:
+            self._loop_warned = True
+            warnings.warn(artificial_loop_message(self, depth), ArtificialLoopWarning,
+                          stacklevel=2)
+
+    @contextlib.contextmanager
+    def watch_forward(self, callback):
+        """While the block runs, ``callback(start, t)`` is called after every chunk of
+        positions start..start+t-1 the forward computes (prefill chunks, eager decode steps,
+        ResumeHandle upgrades; decode steps run as a captured graph or the megakernel are
+        not seen): for progress display. It runs under the model's lock and must not call the
+        model."""
+        self._rows_hooks.append(callback)
+        try:
+            yield
+        finally:
+            self._rows_hooks.remove(callback)
+
+    def _iterations(self, x, e, it0: int, it1: int, pos0, v: dict, kv_of, step) -> None:
+        """Recurrent iterations it0..it1-1 (0-based) over the rows ``x``; ``e`` is the prelude
+        output the adapter injects (None without injection)."""
+        p, r = self.config.n_prelude, self.config.n_recurrent
+        for it in range(it0, it1):
+            if e is not None:
+                self._ops.inject(x, e, self._adapter, v["cat"], v["norm"])
+            for j in range(r):
+                self._layer(p + j, kv_of(p + it * r + j), x, pos0, v, step)
+
+    def _coda(self, x, depth: int, pos0, v: dict, kv_of, step) -> None:
+        cfg = self.config
+        p, r = cfg.n_prelude, cfg.n_recurrent
+        for c in range(cfg.n_coda):
+            self._layer(p + r + c, kv_of(p + r * depth + c), x, pos0, v, step)
+
+    def _layer(self, li: int, kv, x, pos0, v: dict, step=None) -> None:
+        cfg, ops, lw = self.config, self._ops, self._layers[li]
+        norm, qkv = v["norm"], v["qkv"]
+        recon = None
+        if step is not None and not kv.layout.stores_h and ops.rmsnorm_qkv_kv_step(
+                x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, step, cfg.rope_theta,
+                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv):
+            # one launch did rmsnorm_linear + kv_write_step (CUDA, fp16 / int8 pages)
+            ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                  v["att"], None)
+            self._layer_rest(lw, x, v, norm)
+            return
+        if kv.layout.stores_h:
+            # the normed rows are what the slot stores, so the pair runs unfused
+            ops.rmsnorm(x, lw.attn_norm, cfg.norm_eps, norm)
+            ops.linear(norm, lw.attn_qkv, qkv)
+            recon = self._recons[li]
+        else:
+            ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
+        h = norm
+        if recon is not None and recon.norm is not None:
+            h = x                                   # the residual-source measurement
+        if step is None:
+            ops.kv_write(qkv, h, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                         cfg.head_dim, kv)
+            ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                             v["att"], recon)
+        else:
+            ops.kv_write_step(qkv, h, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                              cfg.head_dim, kv)
+            ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                  v["att"], recon)
+        self._layer_rest(lw, x, v, norm)
+
+    def _layer_rest(self, lw, x, v: dict, norm) -> None:
+        """A layer after its attention: O projection + residual, RMSNorm + gate/up + SwiGLU,
+        down projection + residual."""
+        cfg, ops = self.config, self._ops
+        ops.linear_residual(v["att"], lw.attn_output, x)
+        ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, cfg.norm_eps, lw.ffn_gate_up, v["gate_up"],
+                                  v["h"], norm)
+        ops.linear_residual(v["h"], lw.ffn_down, x)
+
+    def decode_step_ops(self, step, x, depth: int, slots, host_out,
+                        sampled: bool = False) -> None:
+        """Issue one decode step driven by the device step state ``step`` (int32
+        [STEP_WORDS], ``backends.base``): embed ``step[STEP_ID]`` into the residual row ``x``
+        f32 [1, d], run every slot (``slots[s]``: SlotKV) at position ``step[STEP_POS]``, final
+        RMSNorm + LM head into ``logit_row()`` with the next id written back to ``step`` (the
+        argmax, or with ``sampled`` the device sampler under the parameters of
+        ``Ops.set_step_sampling``, read when it runs), then advance the position and copy
+        (id, fault) to ``host_out``. Reads nothing on the host,
+        so ``graphs.DecodeGraphs`` captures it once per key and replays it every step. Every
+        array it touches exists before (no allocation)."""
+        cfg, ops = self.config, self._ops
+        v = self._views(1)
+        ops.embed(self._embed, step[:1], x)
+        self._stack(x, v, depth, slots.__getitem__, None, step)
+        head = ops.head_sample_step if sampled else ops.head_argmax_step
+        head(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(), v["norm"], step)
+        ops.step_advance(step, host_out, cfg.rope_theta, cfg.head_dim)
+
+    def head(self, pos0: int, t: int, out) -> None:
+        """Final RMSNorm + LM head of residual rows pos0..pos0+t into ``out`` f32 [t, vocab]."""
+        cfg = self.config
+        self._ops.rmsnorm_lm_head(self._buf.main[pos0:pos0 + t], self._output_norm,
+                                  cfg.norm_eps, self._head, out, self._views(t)["norm"])
+
+    def head_sample(self, pos: int, out, temperature: float, top_k: int, top_p: float,
+                    u: float) -> int:
+        """Final RMSNorm + LM head of residual row ``pos`` into ``out`` f32 [1, vocab], then the
+        next token id by ``numpy_ops.sample_from_logits``'s rule (``Ops.rmsnorm_lm_head_sample``:
+        one fused launch for greedy decode on the CUDA backend, only the id crosses)."""
+        cfg = self.config
+        return int(self._ops.rmsnorm_lm_head_sample(
+            self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
+            self._views(1)["norm"], temperature, top_k, top_p, u))
+
+    @property
+    def decode_graphs(self):
+        """The model's captured decode steps (``graphs.DecodeGraphs``, made at first use)."""
+        if self._graphs is None:
+            from .graphs import DecodeGraphs
+            self._graphs = DecodeGraphs(self)
+        return self._graphs
+
+    def decode_step(self, cache: RuntimeKVCache, token: int, pos: int, temperature: float,
+                    top_k: int = 0, top_p: float = 1.0, u: float = 0.0) -> int | None:
+        """The next token id after ``token`` at position ``pos`` of ``cache``'s request,
+        through the decode megakernel or the captured decode step
+        (``graphs.DecodeGraphs.step``), or None when this step runs neither (megakernel off by
+        ``TINYLOOP_MEGAKERNEL=0`` or not eligible, and graphs off by ``TINYLOOP_CUDA_GRAPHS=0``,
+        sampling the backend cannot capture, or a KV mode it cannot capture): the caller then
+        runs ``forward`` + ``head_sample`` with the same (temperature, top_k, top_p, u), which
+        picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises
+        NonFiniteLogitsError (no step / position: the caller adds them) for a non-finite logit
+        row, as ``head_sample`` does, and ConfigError for sampling parameters out of range."""
+        g = self.decode_graphs
+        if not g.eligible(cache, temperature):
+            return None
+        sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
+        got = g.step(cache, int(token), int(pos), sampling)
+        if got is None:
+            return None
+        nxt, code = got
+        if code:
+            raise non_finite_logits(LOGIT_FAULTS[code])
+        return nxt
+
+    def graph_stats(self) -> dict:
+        """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
+        ``graphs``, with the megakernel's records and scratch), ``keys``, ``captures``,
+        ``replays``, ``megakernel`` (launches, grid, blocks per SM that fit, failure)
+        (``graphs.DecodeGraphs.stats``)."""
+        if self._graphs is None:
+            return {"graphs": 0, "keys": [], "captures": 0, "replays": 0, "bytes": 0,
+                    "megakernel": {"launches": 0, "blocks": 0, "blocks_per_sm_fit": 0,
+                                   "failed": None}}
+        return self._graphs.stats()
+
+    # -- public request API -------------------------------------------------------------------
+    def logits(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
+               prefix_pool=None) -> np.ndarray:
+        """Next-token logits at every position (teacher forcing).
+
+        ``token_ids``: 1-D ints, 1 <= T <= max_seq_len, or text (encoded as generate does;
+        an empty prompt is [BOS]: :meth:`encode_prompt`). Returns float32 ``[T, vocab]``: row t
+        is the distribution of token t+1 given tokens 0..t. Honours prefill_chunk (chunk by
+        chunk). Attention reads what the KV cache stores (``kv_mode``: this call's storage
+        mode, default the load's), so the logits show a mode's true quality. ``prefix``
+        (PrefixCache / ResumeHandle the ids start with) or ``prefix_pool`` (PrefixPool):
+        positions that come from the cache are not recomputed (their rows come from the cached
+        residuals through the head). Raises ConfigError / TokenizerError on bad input,
+        ModelFreedError after free, HandleError for a released handle.
+        """
+        return teacher_forced_logits(self, token_ids, depth, kv_mode, prefix=prefix,
+                                     prefix_pool=prefix_pool)
+
+    def score(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
+              prefix_pool=None) -> np.ndarray:
+        """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2;
+        ``token_ids`` as in :meth:`logits`, so an empty one is [BOS], T = 1: ConfigError).
+        ``kv_mode`` / ``prefix`` / ``prefix_pool`` as in :meth:`logits`."""
+        return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 depth: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
+                 prefix_pool=None):
+        """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
+        text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
+        (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
+        from cached state (see :mod:`tinyloop.prefix`).
+        See :func:`tinyloop.generate.generate` for the sampling rule and errors."""
+        return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                         kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               depth: int | None = None,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
+               prefix_pool=None):
+        """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
+        of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
+        (``text`` is the newly decodable text, possibly empty); the ids and texts are
+        generate's, and ``.result`` / ``.finish_reason`` say how it ended. Arguments are
+        checked at the call, as generate checks them."""
+        return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                       kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+
+    # -- cached state across calls (tinyloop.prefix) -------------------------------------------
+    def prefill(self, prompt, depth: int | None = None, kv_mode=None):
+        """Prefill ``prompt`` (text or ids) once and keep it: returns a
+        :class:`~tinyloop.prefix.PrefixCache` to pass as ``prefix=`` to generate / stream /
+        logits / score, which then prefill only the tokens after it. Raises ConfigError /
+        TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
+        return make_prefix(self, prompt, depth, kv_mode)
+
+    def resume_handle(self, prompt, depth: int | None = None, max_depth: int | None = None,
+                      kv_mode=None):
+        """Prefill ``prompt`` at ``depth`` keeping, for every position, the residual state the
+        recurrent block continues from and K/V room for ``max_depth`` iterations (default: the
+        model's): returns a :class:`~tinyloop.prefix.ResumeHandle`; ``rh.upgrade(d2)`` deepens
+        it by running only the added iterations and the coda."""
+        return make_resume_handle(self, prompt, depth, max_depth, kv_mode)
+
+    def load_prefix(self, path):
+        """Load a prefix saved with ``PrefixCache.save`` / ``ResumeHandle.save`` (see
+        :func:`tinyloop.prefix.load_prefix` for the checks and the errors)."""
+        return load_prefix(self, path)
+
+    def __repr__(self) -> str:
+        c = self.config
+        state = "freed" if self._freed else f"{self.vram_usage_bytes() / 2**20:.1f} MiB"
+        return (f"Model({os.path.basename(self.path)!r}, backend={self.backend}, d_model="
+                f"{c.d_model}, layers P/R/C={c.n_prelude}/{c.n_recurrent}/{c.n_coda}, "
+                f"max_depth={c.max_depth}, {state})")
+
+
+def artificial_loop_message(model: Model, depth: int) -> str:
+    """One line: ``depth`` is above the default depth of a model whose loop is artificial."""
+    c = model.config
+    a, b = c.n_prelude, c.n_prelude + c.n_recurrent
+    return (f"depth {depth} on {os.path.basename(model.path)}, whose loop is artificial: its "
+            f"recurrent block (layers {a}..{b - 1}) comes from a plain model never trained "
+            f"to run it more than once, so depths above {c.default_depth} degrade the text, "
+            f"typically into gibberish (depth {c.default_depth} is the original model)")
+
+
+def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
+               backend: str = "auto", kv_mode=None) -> Model:
+    """Load a .tlm model, phase by phase (the lifecycle and memory contract,
+    docs/architecture.md).
+
+    Args: ``path`` to a .tlm file; ``max_seq_len`` (positions, >= 1); ``prefill_chunk`` (0 =
+    scratch buffers sequence-wide; > 0 = chunk-wide, prefill runs chunk by chunk);
+    ``backend`` "auto" | "cuda" | "numpy"; ``kv_mode``: the KV cache storage mode of every
+    request (a name from ``tinyloop.kvcache.KV_MODES``, "auto", a dict ``{"prelude": m,
+    "recurrent": m, "coda": m}`` or one mode per physical layer; default
+    ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them).
+    Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
+    OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
+    """
+    return Model(path, max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode)
+
+
+def _check_model(model) -> Model:
+    if not isinstance(model, Model):
+        raise ConfigError(f"expected a tinyloop Model, got {type(model).__name__}")
+    return model
+
+
+def free_model(model: Model) -> None:
+    """Free every byte the model owns, and what its open streams and prefix handles hold
+    (idempotent): allocated returns to its value before the load. The model, its handles and
+    its streams are unusable afterwards (ModelFreedError / HandleError). Raises ConfigError
+    when ``model`` is not a Model."""
+    _check_model(model).free()
+
+
+def vram_usage_bytes(model: Model) -> int:
+    """Bytes the model owns in the pool (0 after free_model). Raises ConfigError when
+    ``model`` is not a Model."""
+    return _check_model(model).vram_usage_bytes()

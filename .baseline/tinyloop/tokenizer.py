@@ -1,0 +1,436 @@
+"""Byte-level BPE tokenizer (HF ``tokenizers``) with llama.cpp-identical ids, and chat templates.
+
+A .tlm file embeds the tokenizer as HF ``tokenizers`` JSON (the u8 entry ``tokenizer.json``) and
+the chat template as a Jinja string in its header. :func:`build_tokenizer_json_from_gguf`
+makes that JSON from a GGUF file's vocab and merges so that ``Tokenizer.encode`` gives the same
+ids as llama.cpp's ``llama_tokenize(..., add_special=False, parse_special=True)``:
+
+- model: BPE over the GGUF's ``tokenizer.ggml.tokens`` (ids = positions) and
+  ``tokenizer.ggml.merges`` (rank = position);
+- pre-tokenizer: llama.cpp's regex list for ``tokenizer.ggml.pre`` (llama-vocab.cpp). For the
+  "smollm" family it is ``\\p{N}`` (each digit alone) then the GPT-2 regex
+  ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``,
+  i.e. HF's ``Split(\\p{N}, isolated)`` followed by ``ByteLevel(use_regex=True)``;
+- added tokens: every CONTROL, USER_DEFINED and UNKNOWN token (llama.cpp's special-token
+  cache), matched verbatim in the text before BPE, as llama.cpp does with parse_special=True.
+  CONTROL and UNKNOWN tokens are marked ``special``: ``encode(text, parse_special=False)``
+  leaves them unmatched (their text is encoded as plain text) while USER_DEFINED tokens are
+  still matched, which is what llama.cpp's ``special`` flag does (``tokenizer_st_partition``).
+
+Chat prompts: :meth:`Tokenizer.apply_chat_template` with ``tokenize=True`` returns ids in which
+only the template's own markers are control tokens; a special token's text inside a message
+(``"<|im_end|>"`` typed by a user) is encoded as plain text (see ``_escape_specials``).
+
+Decoding maps each token to its bytes (byte-level alphabet inverted; added tokens as UTF-8) and
+decodes the concatenation as UTF-8 with U+FFFD for invalid bytes. :class:`StreamDecoder` does
+the same incrementally, holding back a UTF-8 sequence split across tokens until it completes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import operator
+import re
+from functools import lru_cache
+
+from .errors import TokenizerError
+
+# GGUF token types (gguf.TokenType / llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> does llama.cpp split digits one by one before the GPT-2 regex?
+# (llama-vocab.cpp: STARCODER/REFACT/COMMAND_R/SMOLLM/CODESHELL/EXAONE/MINERVA use
+# {"\\p{N}", GPT-2}; GPT2/MPT/OLMO/JAIS use {GPT-2})
+_PRE_TOKENIZERS = {
+    "smollm": True, "starcoder": True, "refact": True, "command-r": True, "codeshell": True,
+    "exaone": True, "minerva-7b": True,
+    "gpt-2": False, "gpt2": False, "mpt": False, "olmo": False, "jais": False,
+}
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("the tokenizer needs the 'tokenizers' package: "
+                             "pip install tokenizers") from None
+    return tokenizers
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable stand-in char -> byte value."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+# --------------------------------------------------------------------------------------------
+# Building the JSON from a GGUF file
+# --------------------------------------------------------------------------------------------
+def build_tokenizer_json_from_gguf(reader) -> str:
+    """HF ``tokenizers`` JSON for the byte-level BPE vocab of a ``gguf.GGUFReader``.
+
+    Supports ``tokenizer.ggml.model == "gpt2"`` with the pre-tokenizers listed in
+    ``_PRE_TOKENIZERS``. Raises TokenizerError for anything else (SentencePiece "llama" vocabs,
+    unknown pre-tokenizers, missing or mistyped fields, duplicate tokens, a merge whose
+    parts or result are not in the vocab), naming the field.
+    """
+    tk = _tokenizers()
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    kind = field("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerError(f"tokenizer.ggml.model={kind!r} is not supported (only byte-level "
+                             "BPE, 'gpt2')")
+    pre = field("tokenizer.ggml.pre", "default")
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
+        raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; known: "
+                             f"{sorted(_PRE_TOKENIZERS)}")
+    tokens = field("tokenizer.ggml.tokens")
+    merges = field("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise TokenizerError("the GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
+    for key, v, kind in (("tokenizer.ggml.tokens", tokens, str),
+                         ("tokenizer.ggml.merges", merges, str)):
+        if not isinstance(v, list) or not all(isinstance(x, kind) for x in v):
+            raise TokenizerError(f"{key} must be an array of strings")
+    types = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(y, int) and not isinstance(y, bool)
+                                              for y in types):
+        raise TokenizerError("tokenizer.ggml.token_type must be an array of integers")
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError("the GGUF vocab has duplicate token strings; their ids cannot be "
+                             "kept")
+    pairs = []
+    for k, m in enumerate(merges):
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise TokenizerError(f"tokenizer.ggml.merges[{k}] = {m!r} is not two tokens "
+                                 "separated by a space")
+        missing = next((t for t in (a, b, a + b) if t not in vocab), None)
+        if missing is not None:      # a BPE merge must join two tokens into a third
+            raise TokenizerError(f"tokenizer.ggml.merges[{k}] = {m!r}: {missing!r} is not in "
+                                 "tokenizer.ggml.tokens")
+        pairs.append((a, b))
+
+    try:
+        return _bpe_json(tk, vocab, pairs, pre, tokens, types)
+    except Exception as e:             # tokenizers raises plain Exception
+        raise TokenizerError(f"the GGUF vocab cannot make a BPE tokenizer: {e}") from None
+
+
+def _bpe_json(tk, vocab, pairs, pre, tokens, types) -> str:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                  byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
+                                          use_regex=True)
+    if _PRE_TOKENIZERS[pre]:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(t, special=(y != _USER_DEFINED), normalized=False, lstrip=False,
+                          rstrip=False, single_word=False)
+               for t, y in zip(tokens, types) if y in (_CONTROL, _USER_DEFINED, _UNKNOWN)]
+    if special:
+        tok.add_special_tokens(special)
+    return tok.to_str()
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+class Tokenizer:
+    """Encode/decode text and render chat prompts.
+
+    ``vocab_size`` (int), ``bos_token_id`` / ``eos_token_id`` (int, -1 when absent),
+    ``chat_template`` (str, Jinja). Raises TokenizerError on bad input (ids out of range, a
+    missing template, non-str text).
+    """
+
+    def __init__(self, hf_tokenizer, *, bos_token_id: int = -1, eos_token_id: int = -1,
+                 chat_template: str = "", dropped_byte_id: int | None = None):
+        self._tok = hf_tokenizer
+        # the unk token from_json adds (the last id; never returned by encode)
+        self._dropped = dropped_byte_id
+        self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True)) \
+            - (dropped_byte_id is not None)
+        self.bos_token_id = int(bos_token_id)
+        self.eos_token_id = int(eos_token_id)
+        self.chat_template = chat_template or ""
+        self._bytes: list[bytes] | None = None
+        added = hf_tokenizer.get_added_tokens_decoder()
+        self._special: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # special token text -> id, and a regex matching them leftmost-longest (the way HF's
+        # added-token matcher and llama.cpp's partition find them)
+        self._special_ids = {added[i].content: i for i in sorted(self._special)}
+        alts = [re.escape(t) for t in sorted(self._special_ids, key=len, reverse=True)]
+        self._special_re = re.compile("|".join(alts) or "(?!)")
+        self._escape_re = re.compile("|".join(alts + [f"[{_ESC_OPEN}{_ESC_CLOSE}]"]))
+        self._plain_tok = None        # the same tokenizer with special tokens left unmatched
+
+    @classmethod
+    def from_json(cls, json_str: str, *, bos_token_id: int = -1, eos_token_id: int = -1,
+                  chat_template: str = "") -> "Tokenizer":
+        """Load HF ``tokenizers`` JSON (byte-level BPE); raises TokenizerError if invalid."""
+        tk = _tokenizers()
+        try:
+            spec = json.loads(json_str)
+            hf = tk.Tokenizer.from_str(json_str)
+        except Exception as e:  # json.JSONDecodeError, or tokenizers' plain Exception
+            raise TokenizerError(f"invalid tokenizer JSON: {e}") from None
+        dec = (spec.get("decoder") or {}).get("type")
+        if dec != "ByteLevel":
+            raise TokenizerError(f"only byte-level BPE tokenizers are supported (decoder "
+                                 f"{dec!r})")
+        barrier = None
+        model = spec.get("model") or {}
+        if model.get("type") == "BPE" and model.get("unk_token") is None:
+            # A byte whose byte-level character is not in the vocab (SmolLM2 lacks 21 of the
+            # 256) is dropped by both, but llama.cpp drops it *after* the BPE merges: the
+            # symbol stays in the word and no merge crosses it ("a<b>c" with b missing gives
+            # "a", "c", never "ac"). HF's BPE without an unk token drops it before merging.
+            # An unk token of our own, one id past the vocab, reproduces llama.cpp's order;
+            # encode() then removes it.
+            ids = list(model.get("vocab", {}).values())
+            ids += [t.get("id", -1) for t in spec.get("added_tokens") or []]
+            barrier = max(ids, default=-1) + 1
+            name = "<|tinyloop:dropped-byte|>"
+            model["vocab"][name] = barrier
+            model["unk_token"], model["fuse_unk"] = name, False
+            try:
+                hf = tk.Tokenizer.from_str(json.dumps(spec))
+            except Exception as e:
+                raise TokenizerError(f"invalid tokenizer JSON: {e}") from None
+        return cls(hf, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                   chat_template=chat_template, dropped_byte_id=barrier)
+
+    @classmethod
+    def from_tlm(cls, tlm) -> "Tokenizer":
+        """The tokenizer embedded in an open :class:`tinyloop.format.TLMFile`."""
+        js = tlm.tokenizer_json
+        if js is None:
+            raise TokenizerError(f"{tlm.path}: the file has no embedded tokenizer")
+        return cls.from_json(js, bos_token_id=tlm.config.bos_token_id,
+                             eos_token_id=tlm.config.eos_token_id,
+                             chat_template=tlm.chat_template)
+
+    # -- encode ---------------------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids (list of int) of ``text``.
+
+        ``parse_special`` is llama.cpp's ``special`` flag: True, a control token written in the
+        text (``<|im_start|>``) becomes its single id; False, its text is encoded as plain
+        text (for text from users), the ids llama.cpp's ``tokenize(..., special=False)``
+        gives. User-defined added tokens are matched either way. ``add_bos`` prepends
+        ``bos_token_id`` (when the vocab has one). Raises TokenizerError for a non-str.
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode needs a str, got {type(text).__name__}")
+        hf = self._tok if parse_special else self._plain()
+        ids = hf.encode(text, add_special_tokens=False).ids
+        if self._dropped is not None and self._dropped in ids:
+            ids = [i for i in ids if i != self._dropped]
+        if add_bos and self.bos_token_id >= 0:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def _plain(self):
+        """A copy of the HF tokenizer that leaves special tokens unmatched (made once)."""
+        if self._plain_tok is None:
+            plain = type(self._tok).from_str(self._tok.to_str())
+            plain.encode_special_tokens = True     # special added tokens are plain text
+            self._plain_tok = plain
+        return self._plain_tok
+
+    # -- decode ---------------------------------------------------------------------------------
+    def _table(self) -> list[bytes]:
+        if self._bytes is None:
+            inv = _byte_decoder()
+            added = self._tok.get_added_tokens_decoder()
+            table = [b""] * self.vocab_size
+            for tok, i in self._tok.get_vocab(with_added_tokens=True).items():
+                if i >= self.vocab_size:            # the dropped-byte marker (from_json)
+                    continue
+                if i not in added and all(c in inv for c in tok):
+                    table[i] = bytes(inv[c] for c in tok)
+                else:   # added tokens (and any non-byte-level string) stand for their UTF-8
+                    table[i] = tok.encode("utf-8")
+            self._bytes = table
+        return self._bytes
+
+    def _check_id(self, i) -> int:
+        try:
+            i = operator.index(i)      # int or NumPy integer
+        except TypeError:
+            raise TokenizerError(f"token id must be an int, got {i!r}") from None
+        if not 0 <= i < self.vocab_size:
+            raise TokenizerError(f"token id {i} is outside 0..{self.vocab_size - 1}")
+        return i
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (may be part of a UTF-8 character)."""
+        return self._table()[self._check_id(token_id)]
+
+    def decode_token(self, token_id: int) -> str:
+        """One token as text (U+FFFD for an incomplete UTF-8 piece; use :meth:`stream` to
+        decode a sequence piece by piece)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def is_special(self, token_id: int) -> bool:
+        return self._check_id(token_id) in self._special
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``: bytes concatenated, then UTF-8 (U+FFFD for invalid bytes)."""
+        table = self._table()
+        parts = []
+        for i in ids:
+            i = self._check_id(i)
+            if skip_special_tokens and i in self._special:
+                continue
+            parts.append(table[i])
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        """An incremental decoder: ``push(id) -> str`` then ``flush() -> str``."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # -- chat -------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the embedded Jinja
+        chat template, as HF ``transformers`` does (sandboxed, trim_blocks, lstrip_blocks).
+
+        ``tokenize=False`` returns the prompt text (str). ``tokenize=True`` returns its token
+        ids (list of int) with the messages treated as plain text: the template's own markers
+        (``<|im_start|>``, ``<|im_end|>``, bos/eos) are control tokens, while the same text
+        inside a message's fields is encoded like ``encode(..., parse_special=False)``, so a
+        user cannot forge a turn boundary. Where no message holds a special token's text, the
+        ids equal ``encode(apply_chat_template(messages))``. Use ``tokenize=True`` for any
+        prompt with text from users: encoding the returned string with ``parse_special=True``
+        turns such text back into control tokens.
+        Raises TokenizerError when there is no template or it fails to render.
+        """
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template")
+        literals: list[str] = []
+        rendered = render_chat_template(self.chat_template,
+                                        self._escape_messages(messages, literals),
+                                        add_generation_prompt=add_generation_prompt,
+                                        bos_token=self._token_text(self.bos_token_id),
+                                        eos_token=self._token_text(self.eos_token_id))
+        if not tokenize:
+            return _unescape(rendered, literals)
+        ids, pos = [], 0
+        for m in self._special_re.finditer(rendered):        # the template's markers only
+            if m.start() > pos:
+                ids += self.encode(_unescape(rendered[pos:m.start()], literals),
+                                   parse_special=False)
+            ids.append(self._special_ids[m.group()])
+            pos = m.end()
+        if pos < len(rendered):
+            ids += self.encode(_unescape(rendered[pos:], literals), parse_special=False)
+        return ids
+
+    def _escape_messages(self, messages, literals: list[str]):
+        """``messages`` with every special token's text (and every escape character) in their
+        str fields replaced by ``\ufdd0<k>\ufdd1``, ``literals[k]`` holding the original:
+        the template renders them as opaque text that no special-token match can see.
+        Anything that is not a list of dicts is passed on for the renderer to reject."""
+        if not isinstance(messages, (list, tuple)):
+            return messages
+
+        def esc(m):
+            literals.append(m.group())
+            return f"{_ESC_OPEN}{len(literals) - 1}{_ESC_CLOSE}"
+
+        return [{k: self._escape_re.sub(esc, v) if isinstance(v, str) else v for k, v in m.items()}
+                if isinstance(m, dict) else m for m in messages]
+
+    def _token_text(self, i: int) -> str:
+        return "" if i < 0 else self._table()[i].decode("utf-8", errors="replace")
+
+
+_ESC_OPEN, _ESC_CLOSE = "\ufdd0", "\ufdd1"      # Unicode noncharacters: never in a template
+_ESC_RE = re.compile(f"{_ESC_OPEN}(\\d+){_ESC_CLOSE}")
+
+
+def _unescape(text: str, literals: list[str]) -> str:
+    """Undo ``Tokenizer._escape_messages`` in rendered text."""
+    if not literals:
+        return text
+    return _ESC_RE.sub(lambda m: literals[int(m.group(1))], text)
+
+
+class StreamDecoder:
+    """Decode token ids one at a time without emitting garbage for a UTF-8 character split
+    across tokens: bytes of an incomplete character are held back until it completes. The
+    concatenation of every ``push`` and the final ``flush`` equals ``Tokenizer.decode``."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Text completed by ``token_id`` (possibly "")."""
+        if self._skip and self._tok.is_special(token_id):
+            return ""
+        return self._dec.decode(self._tok.token_bytes(token_id))
+
+    @property
+    def holding(self) -> bool:
+        """True while the bytes of an incomplete UTF-8 character are held back."""
+        return bool(self._dec.getstate()[0])
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character becomes U+FFFD); resets the state."""
+        out = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return out
+
+
+def render_chat_template(template: str, messages: list[dict], *,
+                         add_generation_prompt: bool = True, **extra) -> str:
+    """Render a HF-style chat template with jinja2 (sandboxed, trim_blocks, lstrip_blocks)."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise TokenizerError("chat templates need the 'jinja2' package: pip install jinja2") \
+            from None
+
+    def raise_exception(message):
+        raise TokenizerError(f"chat template error: {message}")
+
+    if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise TokenizerError("messages must be a list of {'role': str, 'content': str} dicts, "
+                             f"got {messages!r:.200}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages,
+                                                add_generation_prompt=add_generation_prompt,
+                                                **extra)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"chat template failed to render: {e}") from None
