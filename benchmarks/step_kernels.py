@@ -1,11 +1,12 @@
 """Where one captured decode step's time goes: per kernel, whole step, and the host's share.
 
     python -m benchmarks step_kernels [--model PATH|default|synthetic] [--depths 1] [--ctx 64]
-                                      [--pdl 0,1] [--kv-mode fp16] [--no-replay] [--cprofile]
+                                      [--pdl 0,1] [--table-depths D] [--kv-mode fp16]
+                                      [--no-replay] [--cprofile]
 
 The one decode-step profiler. For each depth and each ``--pdl`` setting
 (``KernelChoice.pdl``: programmatic dependent launch in the capture):
-  - per kernel: records every kernel launch of one decode step (the eager step that precedes
+  - per kernel (at ``--table-depths``, default the same depths): records every kernel launch of one decode step (the eager step that precedes
     a capture, with its real arguments), groups the launches by kernel, and captures each
     group alone as a graph (its launches in step order): the graph's replay time (CUDA events,
     median of 20 replays after 5) divided by the group's launches is that kernel's cost inside
@@ -18,9 +19,9 @@ The one decode-step profiler. For each depth and each ``--pdl`` setting
     the model's own captured step launched 200 times back to back with no host
     synchronisation between replays (CUDA events around the batch; median of 5 batches) as
     GPU µs per step, and the difference per token (the host's reaction, Python and launch).
-With --cprofile, cProfile's top functions by own time over one greedy generation.
-The isolated per-kernel replays rewrite the model's scratch with stale inputs: the model is
-freed after. With --out, writes step_kernels.json there.
+With --cprofile, cProfile's top functions by own time over one greedy generation per depth.
+The isolated per-kernel replays rewrite the model's scratch with stale inputs: the tables come
+last and the model is freed after. With --out, writes step_kernels.json there.
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="1", help="comma list of depths")
     ap.add_argument("--ctx", type=int, default=64, help="tokens of context before the step")
     ap.add_argument("--pdl", default="0,1", help="comma list of PDL settings (0, 1)")
+    ap.add_argument("--table-depths", default=None,
+                    help="comma list of depths of the per-kernel tables (default: --depths)")
     ap.add_argument("--kv-mode", default=None, help="KV storage mode (default: the model's)")
     ap.add_argument("--no-replay", action="store_true",
                     help="skip the generate / back-to-back replay / host line")
@@ -226,16 +229,18 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     path = model_path(a.model)
     m = tinyloop.load_model(path, max_seq_len=2048, backend="cuda")
-    res = {"model": model_label(a.model, path), "depths": {}}
+    depths = [int(x) for x in a.depths.split(",")]
+    table_depths = depths if a.table_depths is None else \
+        [int(x) for x in a.table_depths.split(",")]
+    res = {"model": model_label(a.model, path), "replay": {}, "kernels": {}}
     try:
         old = m.ops.kernels
-        for d in [int(x) for x in a.depths.split(",")]:
-            r = res["depths"][d] = {}
+        for d in depths:
             if not a.no_replay:
                 for p in a.pdl.split(","):
                     m.ops.kernels = dataclasses.replace(old, pdl=p == "1")
                     try:
-                        g = r[f"pdl{p}"] = generate_vs_replay(m, d, a.ctx)
+                        g = res["replay"][f"depth{d}_pdl{p}"] = generate_vs_replay(m, d, a.ctx)
                     finally:
                         m.ops.kernels = old
                     print(f"depth {d} pdl {p}: generate {g['generate_tokens_per_s']:7.1f} tok/s"
@@ -244,10 +249,10 @@ def main(argv=None) -> int:
                           f"{g['host_us']:6.1f} us/token", flush=True)
             if a.cprofile:
                 cprofile_generate(m, d)
-            # last for this model: the isolated replays leave its scratch stale
-            r["kernels"] = step_table(m, d, a.ctx, a.kv_mode, a.pdl)
         res["graphs"] = m.graph_stats()["graphs"]
         print(f"graphs: {res['graphs']} captured")
+        for d in table_depths:          # last: the isolated replays leave the scratch stale
+            res["kernels"][f"depth{d}"] = step_table(m, d, a.ctx, a.kv_mode, a.pdl)
     finally:
         tinyloop.free_model(m)
     write_json(a.out, "step_kernels.json", res)
