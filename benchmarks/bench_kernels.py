@@ -418,6 +418,7 @@ def main(argv=None) -> int:
     w_small = rand_qw(rng, 960, D)
     x1 = cupy.asarray(rng.standard_normal((1, D)).astype(np.float16))
     o1 = cupy.empty((1, 960), cupy.float16)
+    ops.linear(x1, w_small, o1)            # first use: the weight's launch info is built
     (bare,) = record_launches(lambda: ops.linear(x1, w_small, o1))    # one GEMV launch
     res["host_us"] = {
         "linear_T1": host_us(lambda: ops.linear(x1, w_small, o1)),

@@ -24,6 +24,8 @@ import tinyloop
 from tests import looped_refs as L
 from tinyloop.convert.hf import convert_hf
 
+from .common import format_table
+
 
 def measure(arch: str, seed: int, bits: int, group: int, tokens: int, work: str) -> dict:
     """depth -> (KL per position, top-1 agreement per position) for one checkpoint."""
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     print(f"KL(p_float64 unquantized || p_tinyloop) over {a.tokens} positions x {a.seeds} "
           f"checkpoints, group {a.group_size}, NumPy backend, fp16 KV mode")
-    print(f"{'arch':<9}{'bits':>5}{'depth':>6}{'KL mean':>12}{'KL max':>12}{'top-1':>8}")
+    rows = []
     with tempfile.TemporaryDirectory() as work:
         for arch in L.ARCHS:
             for bits in (8, 4):
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
                         t.append(top)
                 for d, (k, t) in per.items():
                     k, t = np.concatenate(k), np.concatenate(t)
-                    print(f"{arch:<9}{bits:>5}{d:>6}{k.mean():>12.2e}{k.max():>12.2e}"
-                          f"{t.mean():>8.3f}")
+                    rows.append((arch, bits, d, f"{k.mean():.2e}", f"{k.max():.2e}",
+                                 f"{t.mean():.3f}"))
+    print(format_table(("arch", "bits", "depth", "KL_mean", "KL_max", "top-1"), rows))
     return 0
