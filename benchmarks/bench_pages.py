@@ -3,18 +3,18 @@
 Target: a 2,048-token prefill's pages within 15 ms. CPU only: NumPy ops over the host pool.
 
 A 2,048-token prefill of SmolLM2-135M at depth 1 needs ceil(2048 / 32) x 30 = 1,920 pages
-(depth 4: 60 slots, 3,840). Before the batch path every page was one pool allocation, one array
-view and one memset (~20 us of host time each on the H200's host, all of it before the first
-kernel of the prefill). This script times, per (depth, mode):
+(depth 4: 60 slots, 3,840), all allocated on the host before the first kernel of the prefill;
+the one-page reference makes one pool allocation, one array view and one memset per page
+(figures in docs/kv_modes.md). This benchmark times, per (depth, mode):
 
 - ``RuntimeKVCache.ensure(2048)`` (batched: ``PageAllocator.alloc_many``) against
-  ``tests/kv_reference.ensure_one_by_one`` (the reference: ``PageAllocator.alloc`` per page), on a warm pool (the
-  segments of an earlier request are cached, the serving steady state) and a cold one (a fresh
+  ``tests/kv_reference.ensure_one_by_one`` (the reference: ``PageAllocator.alloc`` per page),
+  on a warm pool (the segments of an earlier request are cached, the serving steady state) and a cold one (a fresh
   pool: segments are added as pages are carved), and ``release()`` of the batched cache's
   pages (``unref_many`` -> ``MemoryPool.free_many``: neighbours go back as one run);
 - with the host memset as it is (it writes the bytes: real memory traffic on the host, unlike
   CUDA's asynchronous cudaMemsetAsync) and with zeroing stubbed out to a counter, which is the
-  host cost the CUDA backend sees (plus ~2-3 us per counted memset launch);
+  host cost the CUDA backend sees (plus one launch per counted memset);
 - the pool alone: ``MemoryPool.allocate_many`` / ``free_many`` of 1,920 page-sized blocks
   against 1,920 ``allocate`` / ``free`` calls.
 
