@@ -1,17 +1,18 @@
-"""Decode speed with this checkout's kernels against another commit's, on one machine (a
-script, not a test).
+"""Decode speed with this checkout's kernels against another commit's, on one machine.
 
-    python benchmarks/ab_kernels.py REF [--rounds N] [--depths 1,4] [--model PATH]
+    python -m benchmarks ab_kernels REF [--rounds N] [--depths 1,4] [--model PATH]
 
 Separate runs on separate machines cannot tell a kernel change from host and clock variation
-(batch-1 decode here is partly host-bound), so this alternates A (this checkout's
-``cuda_src/``) and B (``git archive REF cuda_src`` in a temporary folder) in fresh
+(batch-1 decode here is partly host-bound), so this alternates A (this checkout's kernel
+folder) and B (``git archive REF`` of that commit's kernel folder, ``KERNEL_DIRS``, in a
+temporary folder) in fresh
 subprocesses, ``--rounds`` times each, on the same GPU, with this checkout's Python host code
 for both: B must keep the kernel entry points and signatures the host launches (a run that
 fails says so). Each run: greedy decode through the captured graph
-(TINYLOOP_CUDA_GRAPHS=1), 1.5 s of warm-up, then the median of 4 generations of 128 tokens per
-depth. Prints per depth the median over rounds of each side and B / A. Without --model a
-synthetic SmolLM2-135M-dims model is written once and shared (bench_decode.smollm2_like).
+(the default), 1.5 s of warm-up, then the median of 4 generations of 128 tokens per
+depth. Prints per depth the median (min-max) over rounds of each side and B / A. By default
+(--model synthetic) a synthetic SmolLM2-135M-dims model is written once and shared
+(common.write_synthetic_model).
 """
 
 from __future__ import annotations
@@ -19,20 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from .common import add_model_arg, model_path, spread
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r"""
-import json, os, statistics, sys, time
+import json, statistics, time
 from pathlib import Path
-sys.path.insert(0, {bench!r})
-os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
 import tinyloop
 from tinyloop.backends.cuda import compile as cuda_compile
 src = {src!r}
@@ -86,7 +85,7 @@ def extract_sources(ref: str, dest: str) -> str:
 def run_side(src: str | None, model: str, depths: tuple) -> dict:
     """One fresh-process measurement: {depth: tok/s}; raises RuntimeError with the child's
     tail when it fails."""
-    code = _CHILD.format(bench=HERE, src=src or "", model=model, depths=depths)
+    code = _CHILD.format(src=src or "", model=model, depths=depths)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     for line in p.stdout.splitlines():
@@ -98,20 +97,15 @@ def run_side(src: str | None, model: str, depths: tuple) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("ref", help="git commit whose cuda_src/ is side B")
+    ap.add_argument("ref", help="git commit whose kernel folder is side B")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--depths", default="1,4")
-    ap.add_argument("--model", default=None)
+    add_model_arg(ap)
     a = ap.parse_args(argv)
     depths = tuple(int(x) for x in a.depths.split(","))
     tmp = tempfile.mkdtemp(prefix="tl_ab_")
     b_src = extract_sources(a.ref, tmp)
-    model = a.model
-    if model is None:
-        sys.path.insert(0, HERE)
-        from bench_decode import smollm2_like
-        model = os.path.join(tmp, "smollm2_dims.tlm")
-        smollm2_like(model)
+    model = model_path(a.model)
     res = {"A": {d: [] for d in depths}, "B": {d: [] for d in depths}}
     for r in range(a.rounds):
         for side, src in (("A", None), ("B", b_src)):
@@ -123,12 +117,7 @@ def main(argv=None) -> int:
     print(f"\ngreedy decode through the captured graph, tok/s (median of {a.rounds} rounds;"
           f" A = this checkout, B = {a.ref})")
     for d in depths:
-        ma, mb = statistics.median(res["A"][d]), statistics.median(res["B"][d])
-        print(f"  depth {d}: A {ma:,.1f} ({min(res['A'][d]):,.0f}-{max(res['A'][d]):,.0f})"
-              f"  B {mb:,.1f} ({min(res['B'][d]):,.0f}-{max(res['B'][d]):,.0f})"
-              f"  B/A {mb / ma:.3f}")
+        ta, tb = spread(res["A"][d]), spread(res["B"][d])
+        print(f"  depth {d}: A {ta.fmt(',.1f')}  B {tb.fmt(',.1f')}  B/A "
+              f"{tb.median / ta.median:.3f}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

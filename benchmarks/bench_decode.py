@@ -1,15 +1,15 @@
-"""Decode and prefill speed of the CUDA backend, with the memory it used (a script, not a test).
+"""Decode and prefill speed of the CUDA backend, with the memory it used.
 
-    python benchmarks/bench_decode.py [--model PATH] [--out DIR] [--no-peer]
-                                      [--no-step-table]
+    python -m benchmarks bench_decode [--model PATH|default|synthetic] [--out DIR] [--no-peer]
 
-Without --model it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
+By default (--model synthetic) it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
 GPU machine. Measures (CUDA events / synchronised wall clock, medians of repeats, after a
 warm-up):
   - decode tokens/s at batch 1, depths 1, 2 and 4 (greedy; median of 5 generations of 128
     tokens after 2 s of sustained decoding, with the SM clock read then), two ways: the
-    decode step replayed as one captured CUDA graph (TINYLOOP_CUDA_GRAPHS=1) and eager (0);
+    decode step replayed as one captured CUDA graph (the ``cuda_graphs`` setting on) and
+    eager (off);
   - prefill time and tokens/s for 512- and 2048-token prompts;
   - weight bytes read per decoded token against the device-to-device copy bandwidth measured
     in the same run (bytes read + written per second);
@@ -21,80 +21,50 @@ warm-up):
   - the captured graphs the model holds at the end (count, keys) and the pool bytes under
     tag ``graphs``;
   - the pool's stats after the run;
-  - one captured decode step (depth 1, 64 tokens of context, PDL on) kernel by kernel
-    (step_kernels.step_table): µs per launch and per step, the bytes each launch must read
-    and the GB/s that gives;
   - a peer figure: the same token counts through PyTorch + transformers (LlamaForCausalLM with
     the same dims, FP16, eager attention, random weights) on the same GPU.
-Prints a table last; with --out writes bench_decode.json there.
+Prints a table last; with --out writes bench_decode.json there. One captured decode step
+kernel by kernel is the ``step_kernels`` benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 import tinyloop
-from tinyloop.convert.synthetic import synthetic_config, synthetic_weights
-from tinyloop.format import write_tlm
-from tinyloop.quant import quantize
 
-
-def smollm2_like(path: str, seed: int = 0) -> None:
-    """SmolLM2-135M dims; INT4 layers, INT8 embedding (as the Q4_1 GGUF), max depth 4."""
-    cfg = synthetic_config(max_depth=4, bos_token_id=1, eos_token_id=2)
-    w = synthetic_weights(cfg, seed, bits=4, group_size=32)
-    rng = np.random.default_rng(seed + 1)
-    w["token_embd"] = quantize((rng.standard_normal((cfg.vocab_size, cfg.d_model)) * 0.08)
-                               .astype(np.float32), 8, 32)
-    write_tlm(path, cfg, w, metadata={"source": "synthetic SmolLM2-135M dims", "seed": seed})
-
-
-def model_or_synthetic(path: str | None) -> str:
-    """``path`` (a --model argument), or, when None, a synthetic SmolLM2-dims model written
-    once into a new temporary folder (``smollm2_like``); returns the model's path."""
-    if path is None:
-        path = os.path.join(tempfile.mkdtemp(), "smollm2_dims.tlm")
-        smollm2_like(path)
-    return path
+from .common import (add_model_arg, gpu_time_us, model_label, model_path, spread,
+                     user_setting, write_json)
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second / 1e9 (median of
+    ``reps`` copies of ``nbytes``); the ceiling for the decode GEMVs."""
     import cupy
     a = cupy.ones(nbytes // 4, dtype=cupy.float32)
     b = cupy.empty_like(a)
-    cupy.copyto(b, a)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        cupy.copyto(b, a)
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    us = gpu_time_us(lambda: cupy.copyto(b, a), reps=reps, warmup=1).median
     del a, b
-    return 2 * nbytes / statistics.median(times) / 1e9
+    return 2 * nbytes / (us * 1e-6) / 1e9
 
 
 def weight_bytes_per_token(model, depth: int) -> int:
-    """Bytes of quantized weights one decode step reads at ``depth`` (layers x visits + head)."""
+    """Bytes of quantized weights one decode step reads at ``depth``: each layer's matrices
+    times its visits (prelude and coda once, the recurrent block ``depth`` times), the head
+    (``output``, or the tied ``token_embd``) and the injection adapter once per iteration."""
     cfg = model.config
-    visits = ([1] * cfg.n_prelude + [depth] * cfg.n_recurrent + [1] * cfg.n_coda)
-    total = 0
-    for lw, v in zip(model._layers, visits):
-        for w in (lw.attn_qkv, lw.attn_output, lw.ffn_gate_up, lw.ffn_down):
-            total += v * w.nbytes
-    total += model._head.nbytes
-    if model._adapter is not None:
-        total += depth * model._adapter.nbytes
+    visits = [1] * cfg.n_prelude + [depth] * cfg.n_recurrent + [1] * cfg.n_coda
+    ws = model.quant_weights()
+    total = sum(v * ws[f"blk.{i}.{n}"].nbytes for i, v in enumerate(visits)
+                for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"))
+    total += ws.get("output", ws["token_embd"]).nbytes
+    if "inject.adapter" in ws:
+        total += depth * ws["inject.adapter"].nbytes
     return total
 
 
@@ -112,8 +82,7 @@ def sm_clock_mhz() -> int | None:
 DEPTHS = (1, 2, 4)
 
 
-PATH_ENV = {"graphs": {"TINYLOOP_CUDA_GRAPHS": "1"},
-            "eager": {"TINYLOOP_CUDA_GRAPHS": "0"}}
+PATH_GRAPHS = {"graphs": "1", "eager": "0"}      # the cuda_graphs setting of each path
 
 
 def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
@@ -124,17 +93,8 @@ def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
     at a low clock: timing before it has ramped up measures the clock, not the code).
     ``path``: ``graphs`` (the captured CUDA graph) or ``eager``; ``prompt_len``: tokens of
     the (fixed) prompt, so the decode runs at that context."""
-    want = PATH_ENV[path]
-    old = {k: os.environ.get(k) for k in want}
-    os.environ.update(want)
-    try:
+    with user_setting("cuda_graphs", PATH_GRAPHS[path]):
         return _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
 
 
 def _not_run(why: str) -> dict:
@@ -149,10 +109,9 @@ def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len=
     while time.perf_counter() - t < warmup_s:
         model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode)
     clock = sm_clock_mhz()
-    tps = sorted(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
+    tps = spread(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
                                 kv_mode=kv_mode).decode_tokens_per_s for _ in range(reps))
-    return {"median": statistics.median(tps), "min": tps[0], "max": tps[-1],
-            "sm_clock_mhz": clock}
+    return {"median": tps.median, "min": tps.min, "max": tps.max, "sm_clock_mhz": clock}
 
 
 def bench_prefill(model, n: int, reps: int = 5, kv_mode=None) -> float:
@@ -234,22 +193,15 @@ def _fmt(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--out", default=None)
+    add_model_arg(ap)
+    ap.add_argument("--out", default=None, help="directory for bench_decode.json")
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--no-step-table", action="store_true",
-                    help="skip the per-kernel table of one captured step (step_kernels.py)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--kv-modes", default="all",
                     help="KV storage modes to measure per mode (comma list; all = every mode "
                          "the CUDA backend runs); the headline figures use fp16")
     a = ap.parse_args(argv)
-    tmp = None
-    path = a.model
-    if path is None:
-        tmp = tempfile.mkdtemp()
-        path = os.path.join(tmp, "smollm2_dims.tlm")
-        smollm2_like(path)
+    path = model_path(a.model)
     res: dict = {"model": path}
     bw = copy_bandwidth_gbs()
     res["copy_bandwidth_GBps"] = bw
@@ -287,12 +239,6 @@ def main(argv=None) -> int:
                        "device_free_bytes": st.device_free_bytes}
         res["vram_usage_bytes"] = tinyloop.vram_usage_bytes(model)
         report = tinyloop.memory_report("cuda")
-        step_text = ""
-        if not a.no_step_table:     # last: its isolated replays leave the scratch stale
-            from step_kernels import step_table     # it imports this module: not at the top
-            buf = io.StringIO()
-            res["step_kernels"] = step_table(model, 1, 64, None, "1", out=buf)
-            step_text = buf.getvalue()
     finally:
         tinyloop.free_model(model)
     if not a.no_peer:
@@ -300,13 +246,9 @@ def main(argv=None) -> int:
             res["peer_transformers"] = peer_transformers(model.config, a.new_tokens)
         except Exception as e:  # the peer is a reference figure; its absence is reported
             res["peer_transformers"] = {"error": f"{type(e).__name__}: {e}"}
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bench_decode.json"), "w") as f:
-            json.dump(res, f, indent=2, default=str)
+    write_json(a.out, "bench_decode.json", res)
     print(report)
-    print("\n== TinyLoop CUDA benchmark (" + ("synthetic SmolLM2-135M dims" if tmp else path)
-          + ") ==")
+    print(f"\n== TinyLoop CUDA benchmark ({model_label(a.model, path)}) ==")
     rows = [("copy bandwidth (read+write)", f"{bw:,.0f} GB/s")]
     for d in DEPTHS:
         if f"decode_depth{d}_tokens_per_s" in res:
@@ -350,9 +292,6 @@ def main(argv=None) -> int:
         long = r["decode_depth1_ctx1024"]
         print(f"  {mode:<8}" + " | ".join(parts) + f" | {long['median']:,.1f} tok/s"
               f" | {r['prefill_2048_ms']:.1f} ms")
-    if step_text:
-        print("\n  One captured decode step, per kernel (step_kernels.py; KB a launch must read "
-              "and the GB/s that gives):" + step_text)
     sys.stdout.flush()
     return 0
 

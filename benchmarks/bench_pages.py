@@ -1,19 +1,20 @@
-"""Host time of KV page allocation: the batched path against the one-page reference (target:
-a 2,048-token prefill's pages within 15 ms). CPU only: NumPy ops over the host pool.
+"""Host time of KV page allocation: the batched path against the one-page reference (CPU).
+
+Target: a 2,048-token prefill's pages within 15 ms. CPU only: NumPy ops over the host pool.
 
 A 2,048-token prefill of SmolLM2-135M at depth 1 needs ceil(2048 / 32) x 30 = 1,920 pages
-(depth 4: 60 slots, 3,840). Before the batch path every page was one pool allocation, one array
-view and one memset (~20 us of host time each on the H200's host, all of it before the first
-kernel of the prefill). This script times, per (depth, mode):
+(depth 4: 60 slots, 3,840), all allocated on the host before the first kernel of the prefill;
+the one-page reference makes one pool allocation, one array view and one memset per page
+(figures in docs/kv_modes.md). This benchmark times, per (depth, mode):
 
 - ``RuntimeKVCache.ensure(2048)`` (batched: ``PageAllocator.alloc_many``) against
-  ``tests/kv_reference.ensure_one_by_one`` (the reference: ``PageAllocator.alloc`` per page), on a warm pool (the
-  segments of an earlier request are cached, the serving steady state) and a cold one (a fresh
+  ``tests/kv_reference.ensure_one_by_one`` (the reference: ``PageAllocator.alloc`` per page),
+  on a warm pool (the segments of an earlier request are cached, the serving steady state) and a cold one (a fresh
   pool: segments are added as pages are carved), and ``release()`` of the batched cache's
   pages (``unref_many`` -> ``MemoryPool.free_many``: neighbours go back as one run);
 - with the host memset as it is (it writes the bytes: real memory traffic on the host, unlike
   CUDA's asynchronous cudaMemsetAsync) and with zeroing stubbed out to a counter, which is the
-  host cost the CUDA backend sees (plus ~2-3 us per counted memset launch);
+  host cost the CUDA backend sees (plus one launch per counted memset);
 - the pool alone: ``MemoryPool.allocate_many`` / ``free_many`` of 1,920 page-sized blocks
   against 1,920 ``allocate`` / ``free`` calls.
 
@@ -21,27 +22,24 @@ Pages use the CUDA page size (float16 K/V: 24,576 B for fp16 at SmolLM2's dims).
 the median of ``--repeats`` runs with its min-max spread, in ms (on a shared host the
 minimum is the steadier figure).
 
-    python benchmarks/bench_pages.py                 # real SmolLM2 dims from the converted file
-    python benchmarks/bench_pages.py --repeats 31 --tokens 512
+    python -m benchmarks bench_pages                 # SmolLM2-135M's dims
+    python -m benchmarks bench_pages --repeats 31 --tokens 512
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from tests.kv_reference import ensure_one_by_one
+from tinyloop.backends.numpy_ops import NumpyOps
+from tinyloop.config import ModelConfig
+from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache
+from tinyloop.memory import MemoryPool, packed_scope
 
-from tinyloop.backends.numpy_ops import NumpyOps  # noqa: E402
-from tinyloop.config import ModelConfig  # noqa: E402
-from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache  # noqa: E402
-from tests.kv_reference import ensure_one_by_one  # noqa: E402
-from tinyloop.memory import MemoryPool, packed_scope  # noqa: E402
+from .common import spread
 
 # SmolLM2-135M's dims (the converted model's header says the same; read without loading it)
 SMOL = ModelConfig(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
@@ -67,8 +65,8 @@ class StubZeroOps(HostOps16):
 
 
 def _stat(ts) -> str:
-    ms = [t * 1e3 for t in ts]
-    return f"{statistics.median(ms):8.2f} [{min(ms):.2f}-{max(ms):.2f}]"
+    t = spread(x * 1e3 for x in ts)
+    return f"{t.median:8.2f} [{t.min:.2f}-{t.max:.2f}]"
 
 
 def bench_ensure(ops, cfg, depth, mode, tokens, repeats, warm: bool, batched: bool):
@@ -125,7 +123,9 @@ def bench_pool(nbytes: int, n: int, repeats: int):
             out["free x n"].append(t2 - t1)
             out["allocate_many"].append(t3 - t2)
             out["free_many"].append(t4 - t3)
-    pool._check()
+    left = pool.stats().allocated_bytes
+    if left:
+        raise RuntimeError(f"the pool still holds {left} B after the pool benchmark")
     return out
 
 
@@ -152,7 +152,7 @@ def main(argv=None):
                                        warm, batched=False)
                     new = bench_ensure(ops_cls(), cfg, depth, mode, args.tokens, args.repeats,
                                        warm, batched=True)
-                    speed = statistics.median(ref[0]) / statistics.median(new[0])
+                    speed = spread(ref[0]).median / spread(new[0]).median
                     ms = "-" if ref[2] is None else f"{ref[2]}/{new[2]}"
                     print(f"{depth:>5} {mode:>5} {zeroing:>8} {'warm' if warm else 'cold':>5} "
                           f"{new[3]:>6} {_stat(ref[0]):>24} {_stat(new[0]):>24} "
@@ -163,8 +163,5 @@ def main(argv=None):
     print(f"\npool alone: {n} blocks of {nbytes} B (tag kv_cache, packed), warm pool, ms "
           f"median [min-max] of {args.repeats}")
     for k, ts in bench_pool(nbytes, n, args.repeats).items():
-        print(f"  {k:>14}: {_stat(ts)}   ({statistics.median(ts) / n * 1e6:.2f} us per block)")
-
-
-if __name__ == "__main__":
-    main()
+        print(f"  {k:>14}: {_stat(ts)}   ({spread(ts).median / n * 1e6:.2f} us per block)")
+    return 0

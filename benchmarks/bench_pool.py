@@ -11,24 +11,20 @@ sizes vary, the case that fragments a cache). Per request: one kv_cache block si
 prompt + generated tokens; per 512-token prefill chunk: activation scratch and the last row's
 logits; per decode step: small scratch and a logits row. Every block is freed.
 
-    python benchmarks/bench_pool.py                # cuda if CuPy sees a GPU, else host
-    python benchmarks/bench_pool.py --device host --requests 200
+    python -m benchmarks bench_pool                # cuda if CuPy sees a GPU, else host
+    python -m benchmarks bench_pool --device host --requests 200
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from tinyloop.memory import MemoryPool  # noqa: E402
+from tinyloop.memory import MemoryPool
 
 D_MODEL, KV_DIM, N_SLOTS, FFN, VOCAB, QKV = 2048, 256, 12, 5632, 32000, 2048 + 2 * 256
 CHUNK = 512
@@ -191,7 +187,4 @@ def main(argv=None):
               f"{'' if r['segments'] is None else r['segments']:>10}")
     print("us/pair: wall time of one alloc + its free, Python loop included (same loop for "
           "every allocator); peak allocated is after each allocator's rounding")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

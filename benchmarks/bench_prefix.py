@@ -1,10 +1,11 @@
-"""What prefix caching buys (issue 9): a script, not a test.
+"""What prefix caching buys: time to first token, depth upgrades, a pool over a chat trace.
 
-    python benchmarks/bench_prefix.py [--backend cuda|numpy] [--model PATH] [--out DIR]
+    python -m benchmarks bench_prefix [--backend cuda|numpy] [--model PATH] [--out DIR]
         [--system-tokens 1024] [--user-tokens 32] [--repeats 5] [--turns 40]
 
-Without --model it writes the synthetic model with SmolLM2-135M's dims (P/R/C = 10/10/10, max
-depth 4; ``bench_decode.smollm2_like``), so nothing has to be carried to the GPU machine.
+By default (--model synthetic) it writes the synthetic model with SmolLM2-135M's dims (P/R/C =
+10/10/10, max depth 4; ``common.write_synthetic_model``), so nothing has to be carried to the
+GPU machine.
 Measures, after a warm-up, as medians of ``--repeats`` runs with their min..max spread
 (synchronised wall clock):
 
@@ -29,18 +30,15 @@ Prints a table; with --out writes bench_prefix.json there.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import sys
-import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tinyloop
+from tinyloop.config import parse_size
 
-import tinyloop  # noqa: E402
+from .common import (add_model_arg, model_label, model_path, spread, wall_time_ms,
+                     write_json)
 
 
 def _sync(model) -> None:
@@ -49,16 +47,8 @@ def _sync(model) -> None:
 
 def _timed(model, fn, repeats: int) -> dict:
     """Median and spread (ms) of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(model)
-        t0 = time.perf_counter()
-        fn()
-        _sync(model)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "runs": len(times)}
+    t = wall_time_ms(fn, reps=repeats, warmup=1, sync=model.ops.synchronize)
+    return {"median_ms": t.median, "min_ms": t.min, "max_ms": t.max, "runs": t.runs}
 
 
 def _fmt(t: dict) -> str:
@@ -96,8 +86,8 @@ def upgrades(model, prompt, pairs, repeats) -> list[dict]:
             if i:                                   # the first is the warm-up
                 times.append((time.perf_counter() - t0) * 1e3)
             rh.release()
-        up = {"median_ms": statistics.median(times), "min_ms": min(times),
-              "max_ms": max(times), "runs": len(times)}
+        t = spread(times)
+        up = {"median_ms": t.median, "min_ms": t.min, "max_ms": t.max, "runs": t.runs}
         fresh = _timed(model, lambda: model.resume_handle(prompt, depth=d2,
                                                           max_depth=d2).release(), repeats)
         share = ((cfg.n_recurrent * (d2 - d) + cfg.n_coda)
@@ -152,8 +142,8 @@ def chat_trace(model, args, rng) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "numpy"))
-    ap.add_argument("--model", default=None, help="a .tlm (default: synthetic SmolLM2 dims)")
-    ap.add_argument("--out", default=None)
+    add_model_arg(ap)
+    ap.add_argument("--out", default=None, help="directory for bench_prefix.json")
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--user-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
@@ -167,23 +157,16 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="1,4", help="depths of the TTFT figures")
     ap.add_argument("--upgrades", default="1-2,1-4,2-4", help="from-to depth pairs")
     args = ap.parse_args(argv)
-    from tinyloop.config import parse_size
     args.pool_bytes = parse_size(args.pool_bytes, name="--pool-bytes")
     skip = set(filter(None, args.skip.split(",")))
 
-    tmp = None
-    path = args.model
-    if path is None:
-        from bench_decode import smollm2_like
-        tmp = tempfile.TemporaryDirectory()
-        path = os.path.join(tmp.name, "smollm2_like.tlm")
-        smollm2_like(path)
+    path = model_path(args.model)
     model = tinyloop.load_model(path, max_seq_len=args.max_seq_len, backend=args.backend)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     system = rng.integers(3, vocab, args.system_tokens).astype(np.int32)
     user = rng.integers(3, vocab, args.user_tokens).astype(np.int32)
-    out = {"model": path if args.model else "synthetic SmolLM2-135M dims",
+    out = {"model": model_label(args.model, path),
            "backend": model.backend, "config": model.config.to_dict(), "args": vars(args)}
     print(f"{model}")
     try:
@@ -222,14 +205,5 @@ def main(argv=None) -> int:
                   f"pool, {c['ttft_sum_ms_no_pool']:.0f} ms without")
     finally:
         tinyloop.free_model(model)
-        if tmp is not None:
-            tmp.cleanup()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_prefix.json"), "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    write_json(args.out, "bench_prefix.json", out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,7 @@ PASSAGES on the NumPy backend. Printed per file and bits, over every position:
 - llama.cpp running the source file against TinyLoop's import (KL(llama || ours), top-1), and
   against the float64 forward of the same file (what llama.cpp's own 8-bit activations cost).
 
-Run: ``PYTHONPATH=. python benchmarks/gguf_import.py [--layers N] [--vocab V] [--texts K]``
+Run: ``python -m benchmarks gguf_import [--layers N] [--vocab V] [--texts K]``
 (CPU only; the whole model takes a few minutes on two cores). docs/gguf_import.md holds the
 output.
 """
@@ -27,19 +27,6 @@ from collections import Counter
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-
-import tinyloop  # noqa: E402
-from tinyloop.convert.gguf import convert_gguf  # noqa: E402
-from tinyloop.default import default_gguf_path  # noqa: E402
-
-from tests.corpus import PASSAGES  # noqa: E402
-from tests.gguf_files import FTYPES, float_gguf, gguf_weights, kl_top1, llama_quantize, \
-    reference_logits  # noqa: E402
-from tests.test_peer_llamacpp import _llama_logits  # noqa: E402
-
-
 def tensor_types(path: str) -> str:
     """The GGML types of a file's matrices, most frequent first: "Q5_0 x20, Q8_0 x5"."""
     import gguf
@@ -52,6 +39,14 @@ def forward_all(fn, ids_per_text):
 
 
 def main(argv=None) -> int:
+    import tinyloop
+    from tinyloop.convert.gguf import convert_gguf
+    from tinyloop.default import default_gguf_path
+
+    from tests.corpus import PASSAGES
+    from tests.gguf_files import (FTYPES, float_gguf, gguf_weights, kl_top1, llama_quantize,
+                                  reference_logits)
+    from tests.test_peer_llamacpp import _llama_logits
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers "
                     "(default: all 30)")

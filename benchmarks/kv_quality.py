@@ -1,7 +1,7 @@
-"""Quality of each KV storage mode against fp16 on the embedded model (a script, not a test).
+"""Quality of each KV storage mode against fp16 on the embedded model (KL, top-1).
 
-    python benchmarks/kv_quality.py [--backend numpy] [--depths 1,4] [--modes ...]
-                                    [--out FILE.json]
+    python -m benchmarks kv_quality [--model default] [--backend numpy] [--depths 1,4]
+                                    [--modes ...] [--out FILE.json]
 
 Teacher-forced logits of a fixed set of texts of four kinds (``TEXTS`` below, written for
 this measurement: prose - stories, technical writing, a recipe, history, a letter; code -
@@ -16,13 +16,14 @@ h_fp16 <= 1e-4, h_int8 <= 5e-3, h_int4 <= 0.05 (at depth 4, on every kind).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 
 import tinyloop
 from tinyloop.generate import log_softmax_rows
+
+from .common import DEFAULT, add_model_arg, model_path, write_json
 
 TARGETS = {"int8": 2e-3, "h_fp16": 1e-4, "h_int8": 5e-3, "h_int4": 0.05}
 
@@ -242,15 +243,15 @@ def measure(model, texts: dict, depths, modes) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None)
+    add_model_arg(ap, default=DEFAULT)
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--depths", default="1,4")
     ap.add_argument("--modes", default="int8,h_fp16,h_int8,h_int4")
     ap.add_argument("--texts", type=int, default=None,
                     help="the first N texts of each kind (default: all)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="a .json file or a directory for it")
     a = ap.parse_args(argv)
-    path = a.model or tinyloop.default_model_path()
+    path = model_path(a.model)
     model = tinyloop.load_model(path, max_seq_len=1024, backend=a.backend)
     try:
         texts = {k: v[:a.texts] for k, v in TEXTS.items()}
@@ -258,12 +259,5 @@ def main(argv=None) -> int:
                        a.modes.split(","))
     finally:
         tinyloop.free_model(model)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"model": path, "backend": a.backend,
-                       "rows": rows}, f, indent=1)
+    write_json(a.out, "kv_quality.json", {"model": path, "backend": a.backend, "rows": rows})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
-"""INT4 / INT8 against the unquantized checkpoint, KL per depth, per looped architecture
-(a script, not a test; CPU, NumPy backend).
+"""INT4 / INT8 against the unquantized checkpoint, KL per depth, per looped architecture (CPU).
 
-    python benchmarks/looped_quant.py [--seeds 3] [--tokens 48] [--group-size 32]
+    python -m benchmarks looped_quant [--seeds 3] [--tokens 48] [--group-size 32]
 
+CPU, NumPy backend.
 For Ouro, Huginn and Nanbeige: tiny random checkpoints with the published names and Gaussian
 weights (tests/looped_refs.py, ``exact=False``), converted at INT4 and at INT8
 (``convert.hf.convert_hf``); teacher-forced logits of random token ids on the NumPy backend
@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+import tinyloop
+from tests import looped_refs as L
+from tinyloop.convert.hf import convert_hf
 
-import looped_refs as L  # noqa: E402
-
-import tinyloop  # noqa: E402
-from tinyloop.convert.hf import convert_hf  # noqa: E402
+from .common import format_table
 
 
 def measure(arch: str, seed: int, bits: int, group: int, tokens: int, work: str) -> dict:
@@ -62,7 +59,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     print(f"KL(p_float64 unquantized || p_tinyloop) over {a.tokens} positions x {a.seeds} "
           f"checkpoints, group {a.group_size}, NumPy backend, fp16 KV mode")
-    print(f"{'arch':<9}{'bits':>5}{'depth':>6}{'KL mean':>12}{'KL max':>12}{'top-1':>8}")
+    rows = []
     with tempfile.TemporaryDirectory() as work:
         for arch in L.ARCHS:
             for bits in (8, 4):
@@ -75,10 +72,7 @@ def main(argv=None) -> int:
                         t.append(top)
                 for d, (k, t) in per.items():
                     k, t = np.concatenate(k), np.concatenate(t)
-                    print(f"{arch:<9}{bits:>5}{d:>6}{k.mean():>12.2e}{k.max():>12.2e}"
-                          f"{t.mean():>8.3f}")
+                    rows.append((arch, bits, d, f"{k.mean():.2e}", f"{k.max():.2e}",
+                                 f"{t.mean():.3f}"))
+    print(format_table(("arch", "bits", "depth", "KL_mean", "KL_max", "top-1"), rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,18 +1,27 @@
-"""Per-kernel GPU time of one captured decode step (a script, not a test).
+"""Where one captured decode step's time goes: per kernel, whole step, and the host's share.
 
-    python benchmarks/step_kernels.py [--model PATH] [--depth 1] [--ctx 64] [--pdl 0,1]
-                                      [--kv-mode fp16]
+    python -m benchmarks step_kernels [--model PATH|default|synthetic] [--depths 1] [--ctx 64]
+                                      [--pdl 0,1] [--table-depths D] [--kv-mode fp16]
+                                      [--no-replay] [--cprofile]
 
-Records every kernel launch of one decode step (the eager step that precedes a capture, with
-its real arguments), groups the launches by kernel, and captures each group alone as a graph
-(its launches in step order, with or without programmatic dependent launch): the graph's
-replay time (CUDA events, median of 20 replays after 5) divided by the group's launches is
-that kernel's cost inside a captured step, launch gap included. Prints a table per PDL
-setting: kernel, launches per step, µs per launch, µs per step, the bytes a launch must read
-(its weight's codes + scales + zeros, or the attention's K / V for the context) and the GB/s
-that gives, and the sum against the whole step's replay (benchmarks/graph_replay.py).
-bench_decode.py prints the same table (step_table) for the model it measured. The isolated
-replays rewrite the model's scratch with stale inputs: the model is freed after.
+The one decode-step profiler. For each depth and each ``--pdl`` setting
+(``KernelChoice.pdl``: programmatic dependent launch in the capture):
+  - per kernel (at ``--table-depths``, default the same depths): records every kernel launch of one decode step (the eager step that precedes
+    a capture, with its real arguments), groups the launches by kernel, and captures each
+    group alone as a graph (its launches in step order): the graph's replay time (CUDA events,
+    median of 20 replays after 5) divided by the group's launches is that kernel's cost inside
+    a captured step, launch gap included. A table: kernel, launches per step, µs per launch,
+    µs per step, the bytes a launch must read (its weight's codes + scales + zeros, or the
+    attention's K / V for the context) and the GB/s that gives, and the sum against the whole
+    step's replay;
+  - unless --no-replay, one line ``depth D pdl P: generate ... | replay ... | host ...``:
+    decode tokens/s of greedy ``generate`` (median of 5 runs of 128 tokens after a warm-up),
+    the model's own captured step launched 200 times back to back with no host
+    synchronisation between replays (CUDA events around the batch; median of 5 batches) as
+    GPU µs per step, and the difference per token (the host's reaction, Python and launch).
+With --cprofile, cProfile's top functions by own time over one greedy generation per depth.
+The isolated per-kernel replays rewrite the model's scratch with stale inputs: the tables come
+last and the model is freed after. With --out, writes step_kernels.json there.
 """
 
 from __future__ import annotations
@@ -20,36 +29,26 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import os
+import statistics
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["TINYLOOP_CUDA_GRAPHS"] = "1"
-import tinyloop  # noqa: E402
-from tinyloop.graphs import decode_graphs, decode_step  # noqa: E402
-from tinyloop.backends.cuda import launch as cuda_launch  # noqa: E402
-from tinyloop.backends.base import STEP_ID, STEP_POS, STEP_WORDS  # noqa: E402
-from tinyloop.quant import QuantWeight  # noqa: E402
-from bench_decode import model_or_synthetic  # noqa: E402
-from gpu_timing import time_us  # noqa: E402
+import tinyloop
+from tinyloop.backends.base import STEP_ID, STEP_POS, STEP_WORDS
+from tinyloop.graphs import decode_graphs, decode_step
+from tinyloop.quant import QuantWeight
+
+from .common import (add_model_arg, gpu_time_us, model_label, model_path, record_launches,
+                     write_json)
+
+REPLAYS = 200
 
 
 def record_step(model, depth: int, ctx: int, cache) -> list:
     """The launches (kernel, grid, block, args, shared_mem) of one eager decode step."""
-    rec = []
-    real = cuda_launch.Kernel.__call__
-
-    def spy(self, grid, block, args, shared_mem=0):
-        rec.append((self, grid, block, tuple(args), shared_mem))
-        return real(self, grid, block, args, shared_mem)
-    cuda_launch.Kernel.__call__ = spy
-    try:
-        decode_step(model, cache, 11, ctx, 0.0)      # the key's first step runs eagerly
-    finally:
-        cuda_launch.Kernel.__call__ = real
-    return rec
+    # the key's first step runs eagerly
+    return record_launches(lambda: decode_step(model, cache, 11, ctx, 0.0))
 
 
 def group_key(name: str, args: tuple) -> str:
@@ -74,7 +73,8 @@ def graph_us(ops, launches, reset, reps: int = 20) -> float:
         ops.graph_abort()
         raise
     try:
-        return time_us(lambda: ops.graph_launch(graph), reps=reps, warmup=5, setup=reset)[0]
+        return gpu_time_us(lambda: ops.graph_launch(graph), reps=reps, warmup=5,
+                           setup=reset).median
     finally:
         ops.graph_free(graph)
 
@@ -83,10 +83,7 @@ def weight_bytes(model) -> dict:
     """Device address of each quantized weight's codes -> (bytes of codes + scales + zeros,
     rows): what a launch reading that weight streams (an embedding lookup reads one row)."""
     out = {}
-    ws = [model._head, model._embed]
-    for lw in model._layers:
-        ws.extend(w for w in vars(lw).values() if isinstance(w, QuantWeight))
-    for w in ws:
+    for w in model.quant_weights().values():
         if isinstance(w, QuantWeight):
             out[w.qweight.data.ptr] = (w.qweight.nbytes + w.scales.nbytes + w.zeros.nbytes,
                                        w.shape[0])
@@ -159,22 +156,104 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
     return results
 
 
+def replay_us(model, depth: int, ctx: int) -> float:
+    """GPU µs per replay of the depth's captured step, REPLAYS back to back from ``ctx``
+    (median of 5 batches)."""
+    g = decode_graphs(model)
+    prompt = np.arange(10, 10 + ctx, dtype=np.int32)
+    cap = ctx + 5 * REPLAYS + 8
+    with model.lock, model.new_kv_cache(depth, cap) as cache:
+        model.forward(prompt, 0, depth, cache)
+        tok, pos = 11, ctx
+        for _ in range(3):                      # eager, capture, one replay
+            tok = decode_step(model, cache, tok, pos, 0.0)
+            pos += 1
+        graph = g.captured(cache)
+        if graph is None:
+            raise RuntimeError("the decode step was not captured (graphs off, or a KV mode "
+                               "the captured step does not run)")
+        ops = model.ops
+
+        def batch():
+            for _ in range(REPLAYS):
+                ops.graph_launch(graph)
+        try:
+            us = gpu_time_us(batch, reps=5, warmup=0).median / REPLAYS
+        finally:
+            g.forget_device_state()             # the device state ran ahead of the host's
+    return us
+
+
+def generate_vs_replay(model, depth: int, ctx: int) -> dict:
+    """Greedy ``generate`` tokens/s against the captured step's back-to-back replay at
+    ``depth`` after ``ctx`` tokens; ``host_us``: the difference per token."""
+    prompt = list(range(10, 10 + ctx))
+    for _ in range(3):
+        model.generate(prompt, max_new_tokens=64, depth=depth)
+    tps = statistics.median(model.generate(prompt, max_new_tokens=128, depth=depth)
+                            .decode_tokens_per_s for _ in range(5))
+    us = replay_us(model, depth, ctx)
+    return {"generate_tokens_per_s": tps, "replay_us": us, "replay_tokens_per_s": 1e6 / us,
+            "host_us": 1e6 / tps - us}
+
+
+def cprofile_generate(model, depth: int, tokens: int = 128, top: int = 22) -> None:
+    """cProfile's ``top`` functions by own time over one greedy generation."""
+    import cProfile
+    import pstats
+    prompt = list(range(10, 26))
+    model.generate(prompt, max_new_tokens=16, depth=depth)
+    prof = cProfile.Profile()
+    prof.enable()
+    model.generate(prompt, max_new_tokens=tokens, depth=depth)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--depth", type=int, default=1)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--pdl", default="0,1")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    add_model_arg(ap)
+    ap.add_argument("--depths", default="1", help="comma list of depths")
+    ap.add_argument("--ctx", type=int, default=64, help="tokens of context before the step")
+    ap.add_argument("--pdl", default="0,1", help="comma list of PDL settings (0, 1)")
+    ap.add_argument("--table-depths", default=None,
+                    help="comma list of depths of the per-kernel tables (default: --depths)")
     ap.add_argument("--kv-mode", default=None, help="KV storage mode (default: the model's)")
+    ap.add_argument("--no-replay", action="store_true",
+                    help="skip the generate / back-to-back replay / host line")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also print cProfile's top functions over one generation")
+    ap.add_argument("--out", default=None, help="directory for step_kernels.json")
     a = ap.parse_args(argv)
-    path = model_or_synthetic(a.model)
+    path = model_path(a.model)
     m = tinyloop.load_model(path, max_seq_len=2048, backend="cuda")
+    depths = [int(x) for x in a.depths.split(",")]
+    table_depths = depths if a.table_depths is None else \
+        [int(x) for x in a.table_depths.split(",")]
+    res = {"model": model_label(a.model, path), "replay": {}, "kernels": {}}
     try:
-        step_table(m, a.depth, a.ctx, a.kv_mode, a.pdl)
+        old = m.ops.kernels
+        for d in depths:
+            if not a.no_replay:
+                for p in a.pdl.split(","):
+                    m.ops.kernels = dataclasses.replace(old, pdl=p == "1")
+                    try:
+                        g = res["replay"][f"depth{d}_pdl{p}"] = generate_vs_replay(m, d, a.ctx)
+                    finally:
+                        m.ops.kernels = old
+                    print(f"depth {d} pdl {p}: generate {g['generate_tokens_per_s']:7.1f} tok/s"
+                          f" | replay {g['replay_us']:7.1f} us/step "
+                          f"({g['replay_tokens_per_s']:7.1f} tok/s) | host "
+                          f"{g['host_us']:6.1f} us/token", flush=True)
+            if a.cprofile:
+                cprofile_generate(m, d)
+        res["graphs"] = m.graph_stats()["graphs"]
+        print(f"graphs: {res['graphs']} captured")
+        for d in table_depths:          # last: the isolated replays leave the scratch stale
+            res["kernels"][f"depth{d}"] = step_table(m, d, a.ctx, a.kv_mode, a.pdl)
     finally:
         tinyloop.free_model(m)
+    write_json(a.out, "step_kernels.json", res)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

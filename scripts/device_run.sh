@@ -37,19 +37,30 @@ x() { local n=$1; shift; [[ " ${SKIP:-} " == *" $n "* ]] && { echo "== $n: skipp
 [[ -n "$M" && $PART == real ]] && XT=300 x gpu_real_tests python3 -m pytest -m gpu -q -rfEs \
     -p no:cacheprovider tests/gpu/test_memory.py tests/gpu/test_cuda_model.py tests/gpu/test_cuda_graphs.py
 # A/B against an earlier tree: a copy of its tinyloop/, cuda_src/ and benchmarks/ in .baseline/
-# (scripts/baseline.sh REV writes it), measured in the same call, before and after this tree's run
-ab() { [[ -n "$M" && -d .baseline && -n "${BASELINE:-}" ]] && XT=240 x "bench_baseline$1" \
-    env PYTHONPATH="$PWD/.baseline" python3 .baseline/benchmarks/bench_decode.py --model "$M" \
-    --kv-modes fp16 --no-peer --no-step-table ${BASELINE_ARGS:-} --out "$W/baseline$1"; }
+# (scripts/baseline.sh REV writes it), measured in the same call, before and after this tree's run.
+# A tree with the benchmarks package runs it from .baseline/ (so its own tinyloop/ is imported);
+# an older one has the script (and its per-kernel step table, left out here)
+ab() { [[ -n "$M" && -d .baseline && -n "${BASELINE:-}" ]] || return 0
+    if [[ -f .baseline/benchmarks/__main__.py ]]; then
+        XT=240 x "bench_baseline$1" env -C .baseline PYTHONPATH="$PWD/.baseline" python3 -m \
+            benchmarks bench_decode --model "$M" --kv-modes fp16 --no-peer ${BASELINE_ARGS:-} \
+            --out "$W/baseline$1"
+    else
+        XT=240 x "bench_baseline$1" env PYTHONPATH="$PWD/.baseline" python3 \
+            .baseline/benchmarks/bench_decode.py --model "$M" --kv-modes fp16 --no-peer \
+            --no-step-table ${BASELINE_ARGS:-} --out "$W/baseline$1"
+    fi; }
 ab 1
-[[ -n "$M" ]] && XT=300 x bench_real python3 benchmarks/bench_decode.py --model "$M" \
+[[ -n "$M" ]] && XT=300 x bench_real python3 -m benchmarks bench_decode --model "$M" \
     --kv-modes "${BENCH_KV_MODES:-all}" --out "$W/real"
 ab 2
-[[ -n "$M" ]] && XT=150 x graph_replay python3 benchmarks/graph_replay.py --model "$M" --depths 1,2,4
-[[ -n "$M" ]] && XT=90 x step_kernels python3 benchmarks/step_kernels.py --model "$M" --pdl 1
-[[ $PART != suite ]] && x bench_attn python3 benchmarks/bench_attn_decode.py --out "$W/attn_decode.json"
-[[ $PART != suite ]] && x bench_attn_prefill python3 benchmarks/bench_attn_prefill.py --out "$W/attn_prefill.json"
-[[ $PART != suite ]] && x bench_pool python3 benchmarks/bench_pool.py --device cuda
+# the decode-step profiler: generate against the graph replayed back to back per depth and PDL
+# setting ("depth D pdl P: ..." lines), then depth 1's captured step kernel by kernel
+[[ -n "$M" ]] && XT=240 x step_kernels python3 -m benchmarks step_kernels --model "$M" \
+    --depths 1,2,4 --table-depths 1 --pdl 0,1
+[[ $PART != suite ]] && x bench_attn python3 -m benchmarks bench_attn_decode --out "$W/attn_decode.json"
+[[ $PART != suite ]] && x bench_attn_prefill python3 -m benchmarks bench_attn_prefill --out "$W/attn_prefill.json"
+[[ $PART != suite ]] && x bench_pool python3 -m benchmarks bench_pool --device cuda
 if [[ -n "$M" ]]; then
     x diag_leak python3 -m diagnostics leak --backend cuda --model "$M" --requests 40 --out "$W/diag" --no-progress
     x diag_fragment python3 -m diagnostics fragment --backend cuda --model "$M" --requests 120 --max-prompt-tokens 1500 --out "$W/diag" --no-progress
@@ -69,8 +80,8 @@ echo; echo "================ SUMMARY ================"
 [[ -f "$W/gpu_real_tests.log" ]] && { echo "-- GPU tests on the real model:"; grep -E "passed|failed|^FAILED|^ERROR" "$W/gpu_real_tests.log" | tail -n 6; }
 [[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; grep -E "decode depth|prefill|peer|captured" "$W/bench_real.log" | head -24; tail -n 8 "$W/bench_real.log"; }
 for f in "$W"/bench_baseline*.log; do [[ -f $f ]] && { echo "-- $(basename $f .log) (.baseline tree):"; grep -E "decode depth|prefill|graphs" "$f" | head -12; }; done
-[[ -f "$W/graph_replay.log" ]] && grep -E "^depth" "$W/graph_replay.log"
-[[ -f "$W/step_kernels.log" ]] && grep -vE "cupy|Traceback|File|^ |^$" "$W/step_kernels.log" | tail -n 12
+[[ -f "$W/step_kernels.log" ]] && { grep -E "^depth" "$W/step_kernels.log"
+    grep -vE "cupy|Traceback|File|^ |^$|^depth" "$W/step_kernels.log" | tail -n 12; }
 tail -n 14 "$W/bench_attn.log" 2>/dev/null
 tail -n 8 "$W/bench_attn_prefill.log" 2>/dev/null
 tail -n 6 "$W/bench_pool.log" 2>/dev/null

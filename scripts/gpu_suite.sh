@@ -2,9 +2,10 @@
 # The whole GPU suite in one go, on a machine with an NVIDIA GPU (run from anywhere):
 #   1. nvcc compile check of tinyloop/backends/cuda/kernels/ (.ci/compile_cuda.sh), when nvcc is present;
 #   2. every GPU test (pytest -m gpu), JUnit XML + log;
-#   3. the benchmarks: benchmarks/bench_kernels.py (kernel micro-benchmarks) and
-#      benchmarks/bench_decode.py (end-to-end decode/prefill, pool stats, peer figure),
-#      benchmarks/bench_prefix.py (prefix caching: TTFT, upgrades, a pool over a chat trace).
+#   3. the benchmarks (python -m benchmarks NAME): bench_kernels (kernel micro-benchmarks),
+#      bench_decode (end-to-end decode/prefill, pool stats, peer figure) with step_kernels
+#      (one captured decode step: generate against replay, kernel by kernel), bench_prefix
+#      (prefix caching: TTFT, upgrades, a pool over a chat trace).
 # Full logs go to $OUT (default ./gpu_suite_out); a short summary table is printed last.
 # Exit status: nonzero if any step failed. Env: SKIP_NVCC, SKIP_BENCH_DECODE, SKIP_BENCH_PREFIX, JUNIT=1 (XML),
 # STEP_TIMEOUT (seconds per step, default 900), PYTHON.
@@ -35,18 +36,19 @@ if command -v nvcc >/dev/null && [[ -z "${SKIP_NVCC:-}" ]]; then
 fi
 step tests pytest_gpu.log $PY -m pytest -m gpu tests -q -rfEs --continue-on-collection-errors \
     -p no:cacheprovider ${JUNIT:+--junitxml="$OUT/pytest_gpu.xml"}
-step bench_kernels bench_kernels.log $PY benchmarks/bench_kernels.py --out "$OUT"
-if [[ -f benchmarks/bench_decode.py && -z "${SKIP_BENCH_DECODE:-}" ]]; then
-    step bench_decode bench_decode.log $PY benchmarks/bench_decode.py --out "$OUT"
+step bench_kernels bench_kernels.log $PY -m benchmarks bench_kernels --out "$OUT"
+if [[ -z "${SKIP_BENCH_DECODE:-}" ]]; then
+    step bench_decode bench_decode.log $PY -m benchmarks bench_decode --out "$OUT"
+    step step_kernels step_kernels.log $PY -m benchmarks step_kernels --pdl 1 --out "$OUT"
 fi
-if [[ -f benchmarks/bench_prefix.py && -z "${SKIP_BENCH_PREFIX:-}" ]]; then
-    step bench_prefix bench_prefix.log $PY benchmarks/bench_prefix.py --backend cuda --out "$OUT"
+if [[ -z "${SKIP_BENCH_PREFIX:-}" ]]; then
+    step bench_prefix bench_prefix.log $PY -m benchmarks bench_prefix --backend cuda --out "$OUT"
 fi
 
 echo
 echo "== summary (logs in $OUT)"
 printf '%-14s %-6s %6s  %s\n' step status secs detail
-for name in compile tests bench_kernels bench_decode bench_prefix; do
+for name in compile tests bench_kernels bench_decode step_kernels bench_prefix; do
     [[ -n "${status[$name]+x}" ]] || continue
     detail=""
     case $name in
@@ -54,6 +56,7 @@ for name in compile tests bench_kernels bench_decode bench_prefix; do
         compile) detail="$(grep -c '^ok' "$OUT/compile.log") ok, $(grep -c '^FAIL' "$OUT/compile.log") failed";;
         bench_kernels) detail=$(grep -E '^30-layer stack' "$OUT/bench_kernels.log" | tail -n 1);;
         bench_decode) detail=$(grep -iE 'decode|tok' "$OUT/bench_decode.log" | tail -n 1);;
+        step_kernels) detail=$(grep -E '^depth 1 pdl 1' "$OUT/step_kernels.log" | tail -n 1);;
         bench_prefix) detail=$(grep -E 'depth 1: no cache' "$OUT/bench_prefix.log" | tail -n 1);;
     esac
     printf '%-14s %-6s %6s  %s\n' "$name" "$([[ ${status[$name]} == 0 ]] && echo ok || echo FAIL:${status[$name]})" "${secs[$name]}" "$detail"

@@ -580,3 +580,31 @@ print("exiting", flush=True)
     assert p.returncode == 0 and p.stdout == "exiting\n", p.stderr
     assert "Exception ignored" not in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert "ResourceWarning" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_path", "tiny_adapter_path"])
+def test_quant_weights_name_every_quantized_tensor(fixture, request):
+    """Model.quant_weights: the file's quantized tensors by name (``output`` only where the
+    head is untied), each with the bytes its codes, scales and zeros take at the file's bits
+    and group size (counted here from the shape); refused after free."""
+    from tinyloop.format import read_tlm
+    path = request.getfixturevalue(fixture)
+    with read_tlm(path) as f:
+        want = {}
+        for n in f.quant_names():
+            q = f.quant_weight(n)
+            rows, cols = q.shape
+            want[n] = rows * cols * q.bits // 8 + 2 * 2 * rows * (cols // q.group_size)
+        tied = f.config.tied_head
+    m = tinyloop.load_model(path, backend="numpy")
+    try:
+        got = m.quant_weights()
+        if tied:
+            want.pop("output", None)
+        assert set(got) == set(want)
+        assert {n: w.nbytes for n, w in got.items()} == want
+        assert ("inject.adapter" in got) == m.injects
+    finally:
+        tinyloop.free_model(m)
+    with pytest.raises(errors.ModelFreedError):
+        m.quant_weights()

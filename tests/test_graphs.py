@@ -446,3 +446,42 @@ def test_a_fault_inside_a_replay_names_step_and_position(tiny_model_path, monkey
         check_fault_inside_a_replay(m, _prompt(9, 4))
     finally:
         tinyloop.free_model(m)
+
+
+def test_captured_graph_replayed_outside_step_then_resynchronised(tiny_model_path,
+                                                                 monkeypatch):
+    """DecodeGraphs.captured: None until the key's second step captures, then the graph a
+    benchmark replays alone. Replays launched outside ``step`` advance the device position
+    past what the host expects; after ``forget_device_state`` the next step writes its own
+    token and position and returns the token an eager step at that position returns."""
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = _fake_model(tiny_model_path, max_seq_len=64)
+    prompt = np.array(_prompt(10, 7), np.int32)
+    try:
+        g = graphmod.decode_graphs(m)
+        with m.lock, m.new_kv_cache(1, 40) as cache:
+            m.forward(prompt, 0, 1, cache)
+            tok, pos = 11, 10
+            tok = graphmod.decode_step(m, cache, tok, pos, 0.0)     # eager
+            assert g.captured(cache) is None
+            pos += 1
+            tok = graphmod.decode_step(m, cache, tok, pos, 0.0)     # captured
+            pos += 1
+            graph = g.captured(cache)
+            assert graph is not None and g.captured(cache, sampled=True) is None
+            for _ in range(3):                                      # outside step
+                m.ops.graph_launch(graph)
+            assert int(g.step_state[STEP_POS]) == pos + 3
+            g.forget_device_state()
+            got = graphmod.decode_step(m, cache, tok, pos, 0.0)
+            assert int(g.step_state[STEP_POS]) == pos + 1
+        # the same request again, every step eager (a key's first step after a release)
+        with m.lock, m.new_kv_cache(1, 40) as cache:
+            m.forward(prompt, 0, 1, cache)
+            t = 11
+            for p in range(10, pos + 1):
+                g.release()
+                t = graphmod.decode_step(m, cache, t, p, 0.0)
+        assert got == t
+    finally:
+        tinyloop.free_model(m)

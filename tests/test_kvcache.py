@@ -699,10 +699,7 @@ def test_h_int4_at_depth_4_meets_its_target_on_the_real_model():
     """The embedded SmolLM2, NumPy backend, depth 4: h_int4's mean KL against fp16 on the
     first chat and the first numbers text of benchmarks/kv_quality.py stays within the
     benchmark's h_int4 target (the two kinds it missed by most)."""
-    spec = importlib.util.spec_from_file_location("_kv_quality",
-                                                  ROOT / "benchmarks" / "kv_quality.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import kv_quality as bench
     m = tinyloop.load_model(tinyloop.default_model_path(), max_seq_len=512, backend="numpy")
     try:
         for kind in ("chat", "numbers"):

@@ -175,6 +175,17 @@ class DecodeGraphs:
                 "keys": list(self._entries), "captures": self.captures,
                 "replays": self.replays, "bytes": nbytes}
 
+    def captured(self, cache, sampled: bool = False):
+        """The graph captured for ``cache``'s key (``key(cache, sampled)``), or None before
+        the key's second step: what a benchmark replays to time the step alone."""
+        ent = self._entries.get(self.key(cache, sampled))
+        return None if ent is None else ent.graph
+
+    def forget_device_state(self) -> None:
+        """Mark the device step state unknown (a caller launched a captured graph outside
+        ``step``, which advanced it): the next ``step`` writes its token and position."""
+        self._expect = None
+
     # --- the step -------------------------------------------------------------------------
     def _bind(self, ent: _Entry, cache) -> None:
         """Copy ``cache``'s block tables into the entry's (pages for its whole capacity)."""

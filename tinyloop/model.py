@@ -461,6 +461,24 @@ class Model:
         of ``buffers.main``): what ``head`` reads; prefix caches save and restore them."""
         return self._buf.main[pos0:pos0 + n]
 
+    def quant_weights(self) -> dict:
+        """Every quantized weight the model holds on its device, by GGUF-style name
+        (``token_embd``; ``output`` unless the head is tied to the embedding;
+        ``blk.{i}.attn_qkv`` / ``attn_output`` / ``ffn_gate_up`` / ``ffn_down`` per layer in
+        storage order; ``inject.adapter`` where the model injects): ``QuantWeight`` values
+        (or plain arrays for unquantized tensors), whose ``nbytes`` give what a decode step
+        streams. Raises ModelFreedError after free."""
+        self.check_alive()
+        out = {"token_embd": self._embed}
+        if self._head is not self._embed:
+            out["output"] = self._head
+        for i, lw in enumerate(self._layers):
+            for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"):
+                out[f"blk.{i}.{n}"] = getattr(lw, n)
+        if self._adapter is not None:
+            out["inject.adapter"] = self._adapter
+        return out
+
     @property
     def injects(self) -> bool:
         """Whether each recurrent iteration injects the prelude output (``inject.adapter``)."""
