@@ -376,7 +376,7 @@ def test_cli_inspect_and_synthetic(tmp_path, capsys):
         assert needle in capsys.readouterr().err, argv
 
 
-# --- exit with a live model (issue 11, fault 7) --------------------------------------------
+# --- exit with a live model -----------------------------------------------------------
 EXIT_SCRIPT = r"""
 import atexit, gc, sys, warnings
 warnings.simplefilter("always")                  # every ResourceWarning is printed
@@ -447,7 +447,7 @@ def test_exit_with_live_numpy_model_frees_it_cleanly(tiny_model_path):
     check_exit_output(*run_exit_script(tiny_model_path, "numpy"))
 
 
-# --- stop strings while streaming (issue 11, fault 4) --------------------------------------
+# --- stop strings while streaming -----------------------------------------------------
 class ScriptedOps:
     """The model's ops with ``sample`` replaced by a fixed script of token ids."""
 

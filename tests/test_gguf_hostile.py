@@ -1,4 +1,4 @@
-"""Hostile and broken GGUF files (issue 11, fault 6): every one raises ConversionError naming the
+"""Hostile and broken GGUF files: every one raises ConversionError naming the
 field, before any large allocation, and ``tinyloop convert`` prints one line and exits 1.
 
 The files are generated: a valid tiny llama GGUF from the ``gguf`` package's writer

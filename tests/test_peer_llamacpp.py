@@ -1,4 +1,4 @@
-"""Depth 1 of the converted SmolLM2 agrees with llama.cpp on the same GGUF (issue #2, §7).
+"""Depth 1 of the converted SmolLM2 agrees with llama.cpp on the same GGUF.
 
 Teacher-forced next-token logits over several hundred positions of varied text (prose, code,
 chat, French): top-1 agreement >= 95% and mean KL(llama.cpp || ours) <= 0.02. llama.cpp

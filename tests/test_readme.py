@@ -1,7 +1,6 @@
 """The README's commands: .ci/run runs exactly its test command; every command-line example
 parses with the real parsers, names no file a new user lacks, and the cheap ones run as written
-(the full set, and the two fresh-machine commands, were run by hand in a fresh venv on a clean
-clone: see the issue 11 report)."""
+(the two fresh-machine commands themselves run in CI's clean clone, not here)."""
 
 from __future__ import annotations
 

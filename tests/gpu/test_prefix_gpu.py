@@ -1,4 +1,4 @@
-"""Prefix caching on the CUDA backend (issue 9): reuse equals no reuse within 1e-3 x max|logit|
+"""Prefix caching on the CUDA backend: reuse equals no reuse within 1e-3 x max|logit|
 with the same argmax and the same greedy tokens; upgrades equal fresh prefills; save on the GPU
 and load gives the same state; the pool's bytes equal its tag on the cuda pool."""
 
