@@ -395,15 +395,25 @@ def test_cli_convert_and_load_model_folder_caches(tmp_path, folders, monkeypatch
     np.testing.assert_array_equal(got[0], got[1])
 
 
-def test_cuda_refuses_the_new_facts_by_name(folders):
+def test_cuda_refuses_only_the_sliding_window_by_name(folders):
+    """The CUDA kernels run every VERSION 2 fact but sliding-window attention: Huginn (sandwich
+    norms, seeded state, Q/K/V bias, embedding scale) and Nanbeige load; Ouro's sliding layers
+    are refused by name, an unknown backend is refused every fact."""
     from tinyloop.model import backend_missing_features
-    with tinyloop.format.read_tlm(folders["huginn"][3]) as f:
-        cfg = f.config
-    missing = backend_missing_features(cfg, "cuda")
-    assert any("sandwich norms" in m for m in missing)
-    assert any("seeded initial state" in m for m in missing)
-    assert any("Q/K/V bias" in m for m in missing)
-    assert backend_missing_features(cfg, "numpy") == []
+    cfgs = {}
+    for arch in ("huginn", "nanbeige", "ouro"):
+        with tinyloop.format.read_tlm(folders[arch][3]) as f:
+            cfgs[arch] = f.config
+    assert cfgs["huginn"].arch_facts and cfgs["nanbeige"].arch_facts
+    assert backend_missing_features(cfgs["huginn"], "cuda") == []
+    assert backend_missing_features(cfgs["nanbeige"], "cuda") == []
+    assert backend_missing_features(cfgs["ouro"], "cuda") == [
+        "sliding-window attention (sliding_window)"]
+    other = backend_missing_features(cfgs["huginn"], "some-future-backend")
+    assert any("Q/K/V bias" in m for m in other)
+    assert any("seeded initial state" in m for m in other)
+    for cfg in cfgs.values():
+        assert backend_missing_features(cfg, "numpy") == []
     from tinyloop.convert.synthetic import synthetic_config
     plain = synthetic_config(dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2,
                                   head_dim=16, ffn_dim=96, n_prelude=1, n_recurrent=2,

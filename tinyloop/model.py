@@ -65,13 +65,16 @@ _FEATURE_TEXT = {"layer_norms": "post-branch and sandwich norms (layer_norms)",
                  "sliding_window": "sliding-window attention (sliding_window)"}
 
 
+# The facts each backend's kernels do not run yet; a backend not named here runs none.
+_BACKEND_LACKS = {"numpy": (), "cuda": ("sliding_window",)}
+
+
 def backend_missing_features(cfg, backend: str) -> list[str]:
     """The architecture facts of ``cfg`` the ``backend``'s kernels do not run yet (the
-    NumPy reference runs every one; the CUDA kernels none of the VERSION 2 facts except the
-    exit gate, which no forward reads)."""
-    if backend == "numpy":
-        return []
-    return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts]
+    NumPy reference runs every one; the CUDA kernels every one but sliding-window
+    attention; the exit gate no forward reads)."""
+    lacks = _BACKEND_LACKS.get(backend, tuple(_FEATURE_TEXT))
+    return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts and k in lacks]
 
 
 def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
@@ -697,9 +700,10 @@ class Model:
                 snapshot.put_entry(pos0, x)
             if cfg.state_init == "zeros":
                 self._ops.zero(x)
-            elif cfg.state_init == "normal":
-                self._ops.init_state(x, pos0 if step is None else self._ops.step_pos(step),
-                                     cfg.state_std, cfg.state_seed)
+            elif cfg.state_init == "normal" and step is None:
+                self._ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
+            elif cfg.state_init == "normal":     # the position read on the device
+                self._ops.init_state_step(x, step, cfg.state_std, cfg.state_seed)
             self._iterations(x, e, 0, depth, pos0, v, kv_of, step)
             if snapshot is not None:
                 snapshot.put_state(pos0, x)
@@ -782,7 +786,7 @@ class Model:
                 cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv):
             # one launch did rmsnorm_linear + kv_write_step (CUDA, fp16 / int8 pages)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                  v["att"], None)
+                                  v["att"], None, **win)
             self._layer_rest(lw, x, v, norm)
             return
         if kv.layout.stores_h:
@@ -803,7 +807,7 @@ class Model:
             ops.kv_write_step(qkv, norm, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, kv)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                  v["att"], recon)
+                                  v["att"], recon, **win)
         self._layer_rest(lw, x, v, norm)
 
     def _layer_rest(self, lw, x, v: dict, norm) -> None:
