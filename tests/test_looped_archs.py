@@ -476,3 +476,26 @@ def test_readme_looped_section_commands_parse_and_run(tmp_path, folders, monkeyp
     assert ran == 2
     out = capsys.readouterr().out
     assert "by depth" in out and "wrote ouro-1.4b.tlm" in out
+
+
+@pytest.mark.parametrize("arch", sorted(L.ARCHS))
+def test_a_captured_decode_step_runs_every_fact_like_the_eager_forward(folders, monkeypatch,
+                                                                       arch):
+    """The decode step as graphs.DecodeGraphs captures it (tests/test_graphs.py's recording
+    fake: no host read while recording) at the deepest loop: every greedy token is the argmax
+    of the teacher-forced eager logits, so the seeded state (Huginn) is drawn at the device
+    step's position and the sliding layers (Ouro) keep their window inside the step."""
+    from .test_graphs import RecordingOps
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(folders[arch][3], backend="numpy", max_seq_len=64)
+    m._ops = RecordingOps()
+    try:
+        depth = m.config.max_depth
+        prompt = _ids(12, m.config.vocab_size, seed=3).tolist()
+        res = m.generate(prompt, max_new_tokens=8, depth=depth)
+        assert m.graph_stats()["replays"] >= 1
+        toks = prompt + res.token_ids
+        want = m.logits(toks[:-1], depth=depth)[len(prompt) - 1:].argmax(axis=1)
+        assert res.token_ids == want[:len(res.token_ids)].tolist()
+    finally:
+        tinyloop.free_model(m)
