@@ -899,7 +899,7 @@ def test_paged_attention_prefill(ops, ref, rng, monkeypatch, mode, h, hkv, hd, t
     """The scalar prefill kernel (attention.cu, the slow reference) against NumPy with this
     file's float tolerance; the tensor-core kernel, which rounds int8 K/V and P to FP16, has
     its own argued bounds in tests/gpu/test_attn_prefill.py."""
-    monkeypatch.setattr(ops, "attn_prefill", "scalar")
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_prefill="scalar"))
     _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p)
 
 
@@ -919,7 +919,7 @@ def test_decode_split(ops, ref, rng, monkeypatch, mode, h, hkv, hd, p, ctx, spli
     """Split-K decode attention (attention_decode.cu) with a forced split count (more splits
     than pages leaves splits empty) against NumPy's kv_attention."""
     n = {"1": 1, "P-1": p - 1, "P": p, "P+1": p + 1}.get(ctx) or int(ctx)
-    monkeypatch.setattr(ops, "attn_decode", "split")
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_decode="split"))
     monkeypatch.setattr(cuda_attention, "decode_splits", lambda *a: splits)
     _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, n - 1, p)
 
