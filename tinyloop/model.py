@@ -780,11 +780,11 @@ class Model:
         recon = None
         window = cfg.window(li)
         win = {"window": window} if window else {}    # only sliding layers pass it
-        if lw.qkv_bias is None and step is not None and not kv.layout.stores_h and \
-                ops.rmsnorm_qkv_kv_step(
+        if step is not None and not kv.layout.stores_h and ops.rmsnorm_qkv_kv_step(
                 x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, step, cfg.rope_theta,
-                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv):
-            # one launch did rmsnorm_linear + kv_write_step (CUDA, fp16 / int8 pages)
+                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv, bias=lw.qkv_bias):
+            # one launch did rmsnorm_linear (+ add_bias) + kv_write_step (CUDA, fp16 / int8
+            # pages)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                   v["att"], None, **win)
             self._layer_rest(lw, x, v, norm)

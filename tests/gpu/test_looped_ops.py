@@ -187,3 +187,44 @@ def test_a_sliding_window_is_refused_by_name(ops, rng):
     qkv = cupy.zeros((1, 3 * 64), cupy.float16)
     with pytest.raises(ConfigError, match="sliding-window"):
         ops.kv_attention(qkv, None, 0, 1, 1, 64, cupy.zeros((1, 64), cupy.float16), window=4)
+
+
+# --- the Q/K/V bias inside the fused decode-step prologue ---------------------------------------
+@pytest.mark.parametrize("ops", ["auto"], indirect=True)    # v1 on layer shapes: the pair's
+@pytest.mark.parametrize("h,hkv,hd,d", [(16, 16, 128, 2048), (55, 55, 96, 5280),
+                                        (20, 4, 128, 2560)])
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_qkv_rope_step_with_bias_equals_the_unfused_ops(ops, ref, rng, h, hkv, hd, d, mode):
+    """qkv_rope.cu with a bias leaves qkv and the page row at the step's position bit for bit
+    as rmsnorm_linear + add_bias + kv_write_step do (Huginn's decode step keeps the one
+    fused launch)."""
+    from .test_kernels import gather, kv_pair
+    pos, theta = 45, 50000.0
+    n = (h + 2 * hkv) * hd
+    w = dev_weight(ops, rand_weight(rng, n, d, 4, 32))
+    wt = cupy.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32))
+    x = cupy.asarray(rng.standard_normal((1, d)).astype(np.float32))
+    bias = cupy.asarray((rng.standard_normal(n) * 0.5).astype(np.float32))
+    state = np.zeros(STEP_WORDS, np.int32)
+    state[STEP_POS] = pos
+    step = cupy.asarray(state)
+    got, want = {}, {}
+    for fused, out in ((True, got), (False, want)):
+        _, c = kv_pair(ops, ref, mode, h, hkv, hd, pos + 1, 32, d_model=d)
+        qkv = poisoned((1, n), cupy.float16)
+        if fused:
+            assert ops.rmsnorm_qkv_kv_step(x, wt, 1e-6, w, qkv, step, theta, h, hkv, hd,
+                                           c.slot(0), bias=bias)
+        else:
+            ops.rmsnorm_linear(x, wt, 1e-6, w, qkv, cupy.empty((1, d), cupy.float16))
+            ops.add_bias(qkv, bias)
+            ops.kv_write_step(qkv, None, step, theta, h, hkv, hd, c.slot(0))
+        out["qkv"] = cupy.asnumpy(qkv)
+        rows = gather(c.slot(0), pos + 1, dev=True)
+        out.update({part: r[pos] for part, r in rows.items()})
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    with pytest.raises(ConfigError, match="bias"):
+        _, c = kv_pair(ops, ref, mode, h, hkv, hd, pos + 1, 32, d_model=d)
+        ops.rmsnorm_qkv_kv_step(x, wt, 1e-6, w, poisoned((1, n), cupy.float16), step, theta,
+                                h, hkv, hd, c.slot(0), bias=bias[:-1])

@@ -278,9 +278,10 @@ class Ops:
         return int(self.to_host(step)[STEP_POS])
 
     def rmsnorm_qkv_kv_step(self, x, weight, eps, w, qkv, step, theta, n_heads, n_kv_heads,
-                            head_dim, kv) -> bool:
-        """Optionally ``rmsnorm_linear`` (x f32 [1, d] -> qkv f16 [1, (H + 2 Hkv) hd]) and
-        ``kv_write_step`` in one fused launch; True when done, False when this backend (or
+                            head_dim, kv, bias=None) -> bool:
+        """Optionally ``rmsnorm_linear`` (x f32 [1, d] -> qkv f16 [1, (H + 2 Hkv) hd]), with
+        ``bias`` (f32 [(H + 2 Hkv) hd] or None) ``add_bias``, and ``kv_write_step`` in one
+        fused launch; True when done, False when this backend (or
         this slot's mode / this weight) has no fused kernel: the caller then runs the pair.
         The base backend never fuses."""
         return False

@@ -133,7 +133,7 @@ SIGNATURES = (
     (r"gemv2_norm_q\d+_argmax_l\w+", "ppfpppiiipppppp"),
     (r"gemv2_norm_q\d+_(?!argmax)\w+_l\w+", "ppfpppiiiip"),
     (r"gemm_q\d+_\w+", "ppppiiiipi"),
-    (r"qkv_rope_step_q\d+_\w+", "ppfpppiiipp" + "fiii" + _PAGED + "p"),
+    (r"qkv_rope_step_q\d+_\w+", "ppfpppiiipp" + "fiii" + _PAGED + "pp"),
     (r"kv_write_step_\w+", "pip" + "fiii" + _PAGED),
     (r"kv_write_(?!step_)\w+", "pii" + "fiii" + _PAGED),
     (r"decode_step_advance", "ppfi"),
