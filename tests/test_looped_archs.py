@@ -499,3 +499,33 @@ def test_a_captured_decode_step_runs_every_fact_like_the_eager_forward(folders, 
         assert res.token_ids == want[:len(res.token_ids)].tolist()
     finally:
         tinyloop.free_model(m)
+
+
+def test_cuda_names_a_head_dim_it_has_no_kernel_for(tmp_path):
+    """The published shapes (head dims 128, 96, 128; Huginn's d 5280) pass the CUDA backend's
+    load check; a head dim without an attention kernel is named (the Model refuses it at
+    load: tests/gpu/test_looped_cuda.py)."""
+    import importlib.util
+    from tinyloop.backends.cuda import CudaOps
+    from tinyloop.backends.numpy_ops import NumpyOps
+    from tinyloop.convert.hf import folder_config
+    spec = importlib.util.spec_from_file_location(
+        "_bench_looped", os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+                                      "bench_looped.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, (conf, _) in bench.ARCHS.items():
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "config.json", "w") as f:
+            json.dump(conf, f)
+        _, cfg = folder_config(str(tmp_path / name))
+        assert CudaOps.config_problems(cfg) == [], name
+    from tinyloop.convert.synthetic import synthetic_config
+    odd = synthetic_config(dict(vocab_size=64, d_model=112, n_heads=1, n_kv_heads=1,
+                                head_dim=112, ffn_dim=64, n_prelude=1, n_recurrent=1,
+                                n_coda=1, max_depth=2))
+    from tinyloop.backends.cuda.compile import ATTN_HEAD_DIMS
+    assert 112 not in ATTN_HEAD_DIMS
+    (problem,) = CudaOps.config_problems(odd)
+    assert problem.startswith("head_dim=112 has no CUDA attention kernel")
+    assert NumpyOps.config_problems(odd) == []

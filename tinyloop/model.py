@@ -241,6 +241,10 @@ class Model:
                 raise ConfigError(f"{self.path}: {'; '.join(missing)} are not yet supported "
                                   f"on the {self._ops.name} backend (the numpy backend runs "
                                   f"them: backend='numpy')")
+            problems = self._ops.config_problems(cfg)
+            if problems:
+                raise ConfigError(f"{self.path}: {'; '.join(problems)} (the numpy backend "
+                                  "runs any shape: backend='numpy')")
             self.chat_template = f.chat_template
             self.metadata = dict(f.metadata)
             tok_json = f.tokenizer_json

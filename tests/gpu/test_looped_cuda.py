@@ -169,3 +169,18 @@ def test_nanbeige_without_the_boundary_norm_runs_on_cuda_like_numpy(tmp_path):
         finally:
             tinyloop.free_model(m)
     assert L.kl_rows(out["numpy"], out["cuda"]).max() <= 2e-3
+
+
+def test_a_head_dim_without_a_kernel_is_refused_at_load(tmp_path):
+    """Named at load with nothing allocated, not at the first attention call."""
+    from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+    cfg = synthetic_config(dict(vocab_size=64, d_model=224, n_heads=2, n_kv_heads=2,
+                                head_dim=112, ffn_dim=64, n_prelude=1, n_recurrent=1,
+                                n_coda=1, max_depth=2))
+    path = str(tmp_path / "hd112.tlm")
+    write_synthetic(path, cfg, tokenizer=False)
+    pool = get_pool("cuda")
+    before = pool.allocated_bytes
+    with pytest.raises(errors.ConfigError, match="head_dim=112 has no CUDA attention kernel"):
+        tinyloop.load_model(path, backend="cuda", max_seq_len=64)
+    assert pool.allocated_bytes == before

@@ -66,6 +66,12 @@ class Ops:
     xp = np
 
     # --- memory ---------------------------------------------------------------------------
+    @classmethod
+    def config_problems(cls, cfg) -> list[str]:
+        """What in ``cfg`` (a ModelConfig) this backend's kernels cannot run, each naming the
+        dim (``Model`` refuses such a model at load, before allocating); [] here."""
+        return []
+
     def empty(self, pool, shape, dtype, tag):
         """Allocate ``shape``/``dtype`` from ``pool`` under ``tag``; return (array, block)."""
         dtype = np.dtype(dtype)

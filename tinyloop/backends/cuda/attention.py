@@ -63,6 +63,14 @@ class AttentionOps:
     """``kv_attention`` / ``kv_attention_step`` of ``base.Ops`` on the device (mixed into
     CudaOps)."""
 
+    @classmethod
+    def config_problems(cls, cfg) -> list[str]:
+        """``Ops.config_problems``: a head dim with no attention kernel (ATTN_HEAD_DIMS)."""
+        if cfg.head_dim not in ATTN_HEAD_DIMS:
+            return [f"head_dim={cfg.head_dim} has no CUDA attention kernel (built for "
+                    f"{ATTN_HEAD_DIMS})"]
+        return []
+
     def _heads_ok(self, n_heads, n_kv_heads, head_dim, ld):
         key = (n_heads, n_kv_heads, head_dim, ld)
         if key not in self._heads_seen:
