@@ -153,5 +153,4 @@ class NormOps:
     def init_state_step(self, out, step, std, seed):
         """``init_state`` of one row at the device step state's position ``step[STEP_POS]``
         (int32 [STEP_WORDS]), read by the kernel: no host read, so a captured step holds it."""
-        _dev(step, "step", np.int32, 1)
-        self._init_state(out, 0, step.data.ptr, std, seed)
+        self._init_state(out, 0, self._step_ptr(step), std, seed)
