@@ -29,6 +29,9 @@ if not cuda_available():
 from tinyloop.backends.cuda import CudaOps  # noqa: E402
 
 KL_MEAN = 2e-3           # fp16 kernels vs the float64-accumulating reference, mean over rows
+# the modes that round K/V or h to codes: a value on a rounding boundary may round the other
+# way in FP16 than in float32 (test_cuda_model.py::test_kv_modes_match_reference's bound)
+KL_MEAN_CODES = 5e-3
 TOP1 = 0.9               # greedy agreement of the two backends' rows
 SEQ = 64
 PROMPT = 40
@@ -58,11 +61,11 @@ def _depths(m) -> list:
     return sorted({1, min(2, m.config.max_depth), m.config.max_depth})
 
 
-def _agree(want, got, what):
+def _agree(want, got, what, bound=KL_MEAN):
     assert np.isfinite(got).all(), what
     kl = float(L.kl_rows(want, got).mean())
     top1 = float((want.argmax(axis=1) == got.argmax(axis=1)).mean())
-    assert kl <= KL_MEAN and top1 >= TOP1, (what, kl, top1)
+    assert kl <= bound and top1 >= TOP1, (what, kl, top1)
 
 
 @pytest.mark.parametrize("arch", list(MAKERS))
@@ -78,7 +81,8 @@ def test_logits_match_numpy(tlms, arch, mode, chunk):
     try:
         for depth in _depths(ref):
             _agree(ref.logits(ids, depth=depth), cu.logits(ids, depth=depth),
-                   f"{arch} {mode} chunk={chunk} depth={depth}")
+                   f"{arch} {mode} chunk={chunk} depth={depth}",
+                   KL_MEAN if mode in ("fp16", "h_fp16") else KL_MEAN_CODES)
     finally:
         tinyloop.free_model(cu)
         tinyloop.free_model(ref)
