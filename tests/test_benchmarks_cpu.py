@@ -377,3 +377,22 @@ def test_gguf_import_table_on_a_small_case(tmp_path):
         (f, b) for f in ("Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K") for b in "48"]
     for c in rows[:6]:                          # Q8_0 / Q5_0 / Q5_1: the weights are the source's
         assert float(c[4].split("/")[1]) < 1e-8
+
+
+def test_bench_looped_writes_loadable_models_of_every_architecture(tmp_path):
+    """bench_looped's random-weight writer on shrunk dims, run end to end on the NumPy
+    backend: every architecture loads, decodes and prefills, and the weight bytes per token
+    it reports grow with the depth by the recurrent layers' bytes."""
+    proc = _run("bench_looped", "--backend", "numpy", "--shrink", "16", "--reps", "1",
+                "--warmup", "0", "--new-tokens", "3", "--prefill", "16", "--depths", "1,2",
+                "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    import json
+    rows = json.load(open(tmp_path / "bench_looped.json"))
+    assert sorted({r["arch"] for r in rows}) == ["huginn", "nanbeige", "ouro"]
+    for arch in ("huginn", "nanbeige", "ouro"):
+        r1, r2 = [r for r in rows if r["arch"] == arch]
+        assert r1["depth"] == 1 and r2["depth"] == 2
+        assert r2["weight_bytes_per_token"] > r1["weight_bytes_per_token"]
+        assert r1["decode_tok_s"]["median"] > 0 and r1["prefill_16_ms"] > 0
+        assert r1["floor_tok_s"] == 4.8e12 / r1["weight_bytes_per_token"]

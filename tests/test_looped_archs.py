@@ -395,15 +395,25 @@ def test_cli_convert_and_load_model_folder_caches(tmp_path, folders, monkeypatch
     np.testing.assert_array_equal(got[0], got[1])
 
 
-def test_cuda_refuses_the_new_facts_by_name(folders):
+def test_cuda_refuses_only_the_sliding_window_by_name(folders):
+    """The CUDA kernels run every VERSION 2 fact but sliding-window attention: Huginn (sandwich
+    norms, seeded state, Q/K/V bias, embedding scale) and Nanbeige load; Ouro's sliding layers
+    are refused by name, an unknown backend is refused every fact."""
     from tinyloop.model import backend_missing_features
-    with tinyloop.format.read_tlm(folders["huginn"][3]) as f:
-        cfg = f.config
-    missing = backend_missing_features(cfg, "cuda")
-    assert any("sandwich norms" in m for m in missing)
-    assert any("seeded initial state" in m for m in missing)
-    assert any("Q/K/V bias" in m for m in missing)
-    assert backend_missing_features(cfg, "numpy") == []
+    cfgs = {}
+    for arch in ("huginn", "nanbeige", "ouro"):
+        with tinyloop.format.read_tlm(folders[arch][3]) as f:
+            cfgs[arch] = f.config
+    assert cfgs["huginn"].arch_facts and cfgs["nanbeige"].arch_facts
+    assert backend_missing_features(cfgs["huginn"], "cuda") == []
+    assert backend_missing_features(cfgs["nanbeige"], "cuda") == []
+    assert backend_missing_features(cfgs["ouro"], "cuda") == [
+        "sliding-window attention (sliding_window)"]
+    other = backend_missing_features(cfgs["huginn"], "some-future-backend")
+    assert any("Q/K/V bias" in m for m in other)
+    assert any("seeded initial state" in m for m in other)
+    for cfg in cfgs.values():
+        assert backend_missing_features(cfg, "numpy") == []
     from tinyloop.convert.synthetic import synthetic_config
     plain = synthetic_config(dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2,
                                   head_dim=16, ffn_dim=96, n_prelude=1, n_recurrent=2,
@@ -466,3 +476,51 @@ def test_readme_looped_section_commands_parse_and_run(tmp_path, folders, monkeyp
     assert ran == 2
     out = capsys.readouterr().out
     assert "by depth" in out and "wrote ouro-1.4b.tlm" in out
+
+
+@pytest.mark.parametrize("arch", sorted(L.ARCHS))
+def test_a_captured_decode_step_runs_every_fact_like_the_eager_forward(folders, monkeypatch,
+                                                                       arch):
+    """The decode step as graphs.DecodeGraphs captures it (tests/test_graphs.py's recording
+    fake: no host read while recording) at the deepest loop: every greedy token is the argmax
+    of the teacher-forced eager logits, so the seeded state (Huginn) is drawn at the device
+    step's position and the sliding layers (Ouro) keep their window inside the step."""
+    from .test_graphs import RecordingOps
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(folders[arch][3], backend="numpy", max_seq_len=64)
+    m._ops = RecordingOps()
+    try:
+        depth = m.config.max_depth
+        prompt = _ids(12, m.config.vocab_size, seed=3).tolist()
+        res = m.generate(prompt, max_new_tokens=8, depth=depth)
+        assert m.graph_stats()["replays"] >= 1
+        toks = prompt + res.token_ids
+        want = m.logits(toks[:-1], depth=depth)[len(prompt) - 1:].argmax(axis=1)
+        assert res.token_ids == want[:len(res.token_ids)].tolist()
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_cuda_names_a_head_dim_it_has_no_kernel_for(tmp_path):
+    """The published shapes (head dims 128, 96, 128; Huginn's d 5280) pass the CUDA backend's
+    load check; a head dim without an attention kernel is named (the Model refuses it at
+    load: tests/gpu/test_looped_cuda.py)."""
+    from benchmarks import bench_looped as bench
+    from tinyloop.backends.cuda import CudaOps
+    from tinyloop.backends.numpy_ops import NumpyOps
+    from tinyloop.convert.hf import folder_config
+    for name, (conf, _) in bench.ARCHS.items():
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "config.json", "w") as f:
+            json.dump(conf, f)
+        _, cfg = folder_config(str(tmp_path / name))
+        assert CudaOps.config_problems(cfg) == [], name
+    from tinyloop.convert.synthetic import synthetic_config
+    odd = synthetic_config(dict(vocab_size=64, d_model=112, n_heads=1, n_kv_heads=1,
+                                head_dim=112, ffn_dim=64, n_prelude=1, n_recurrent=1,
+                                n_coda=1, max_depth=2))
+    from tinyloop.backends.cuda.compile import ATTN_HEAD_DIMS
+    assert 112 not in ATTN_HEAD_DIMS
+    (problem,) = CudaOps.config_problems(odd)
+    assert problem.startswith("head_dim=112 has no CUDA attention kernel")
+    assert NumpyOps.config_problems(odd) == []

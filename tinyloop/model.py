@@ -65,13 +65,16 @@ _FEATURE_TEXT = {"layer_norms": "post-branch and sandwich norms (layer_norms)",
                  "sliding_window": "sliding-window attention (sliding_window)"}
 
 
+# The facts each backend's kernels do not run yet; a backend not named here runs none.
+_BACKEND_LACKS = {"numpy": (), "cuda": ("sliding_window",)}
+
+
 def backend_missing_features(cfg, backend: str) -> list[str]:
     """The architecture facts of ``cfg`` the ``backend``'s kernels do not run yet (the
-    NumPy reference runs every one; the CUDA kernels none of the VERSION 2 facts except the
-    exit gate, which no forward reads)."""
-    if backend == "numpy":
-        return []
-    return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts]
+    NumPy reference runs every one; the CUDA kernels every one but sliding-window
+    attention; the exit gate no forward reads)."""
+    lacks = _BACKEND_LACKS.get(backend, tuple(_FEATURE_TEXT))
+    return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts and k in lacks]
 
 
 def kv_rows_of(w: QuantWeight, q_dim: int) -> QuantWeight:
@@ -238,6 +241,10 @@ class Model:
                 raise ConfigError(f"{self.path}: {'; '.join(missing)} are not yet supported "
                                   f"on the {self._ops.name} backend (the numpy backend runs "
                                   f"them: backend='numpy')")
+            problems = self._ops.config_problems(cfg)
+            if problems:
+                raise ConfigError(f"{self.path}: {'; '.join(problems)} (the numpy backend "
+                                  "runs any shape: backend='numpy')")
             self.chat_template = f.chat_template
             self.metadata = dict(f.metadata)
             tok_json = f.tokenizer_json
@@ -715,9 +722,10 @@ class Model:
                 snapshot.put_entry(pos0, x)
             if cfg.state_init == "zeros":
                 self._ops.zero(x)
-            elif cfg.state_init == "normal":
-                self._ops.init_state(x, pos0 if step is None else self._ops.step_pos(step),
-                                     cfg.state_std, cfg.state_seed)
+            elif cfg.state_init == "normal" and step is None:
+                self._ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
+            elif cfg.state_init == "normal":     # the position read on the device
+                self._ops.init_state_step(x, step, cfg.state_std, cfg.state_seed)
             self._iterations(x, e, 0, depth, pos0, v, kv_of, step)
             if snapshot is not None:
                 snapshot.put_state(pos0, x)
@@ -794,13 +802,13 @@ class Model:
         recon = None
         window = cfg.window(li)
         win = {"window": window} if window else {}    # only sliding layers pass it
-        if lw.qkv_bias is None and step is not None and not kv.layout.stores_h and \
-                ops.rmsnorm_qkv_kv_step(
+        if step is not None and not kv.layout.stores_h and ops.rmsnorm_qkv_kv_step(
                 x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, step, cfg.rope_theta,
-                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv):
-            # one launch did rmsnorm_linear + kv_write_step (CUDA, fp16 / int8 pages)
+                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv, bias=lw.qkv_bias):
+            # one launch did rmsnorm_linear (+ add_bias) + kv_write_step (CUDA, fp16 / int8
+            # pages)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                  v["att"], None)
+                                  v["att"], None, **win)
             self._layer_rest(lw, x, v, norm)
             return
         if kv.layout.stores_h:
@@ -821,7 +829,7 @@ class Model:
             ops.kv_write_step(qkv, norm, step, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, kv)
             ops.kv_attention_step(qkv, kv, step, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                  v["att"], recon)
+                                  v["att"], recon, **win)
         self._layer_rest(lw, x, v, norm)
 
     def _layer_rest(self, lw, x, v: dict, norm) -> None:

@@ -66,6 +66,12 @@ class Ops:
     xp = np
 
     # --- memory ---------------------------------------------------------------------------
+    @classmethod
+    def config_problems(cls, cfg) -> list[str]:
+        """What in ``cfg`` (a ModelConfig) this backend's kernels cannot run, each naming the
+        dim (``Model`` refuses such a model at load, before allocating); [] here."""
+        return []
+
     def empty(self, pool, shape, dtype, tag):
         """Allocate ``shape``/``dtype`` from ``pool`` under ``tag``; return (array, block)."""
         dtype = np.dtype(dtype)
@@ -210,6 +216,12 @@ class Ops:
         t, d = out.shape
         self.from_host(seeded_state(pos0, t, d, std, seed), out)
 
+    def init_state_step(self, out, step, std: float, seed: int) -> None:
+        """``init_state`` of the one row out f32 [1, d] at position ``step[STEP_POS]`` of the
+        device step state (int32 [STEP_WORDS]); a backend that captures decode steps draws it
+        on the device (the base reads the position on the host)."""
+        self.init_state(out, self.step_pos(step), std, seed)
+
     def lm_head(self, x, w, out):                   # x act [T, d]; out f32 [T, vocab]
         raise NotImplementedError
 
@@ -272,9 +284,10 @@ class Ops:
         return int(self.to_host(step)[STEP_POS])
 
     def rmsnorm_qkv_kv_step(self, x, weight, eps, w, qkv, step, theta, n_heads, n_kv_heads,
-                            head_dim, kv) -> bool:
-        """Optionally ``rmsnorm_linear`` (x f32 [1, d] -> qkv f16 [1, (H + 2 Hkv) hd]) and
-        ``kv_write_step`` in one fused launch; True when done, False when this backend (or
+                            head_dim, kv, bias=None) -> bool:
+        """Optionally ``rmsnorm_linear`` (x f32 [1, d] -> qkv f16 [1, (H + 2 Hkv) hd]), with
+        ``bias`` (f32 [(H + 2 Hkv) hd] or None) ``add_bias``, and ``kv_write_step`` in one
+        fused launch; True when done, False when this backend (or
         this slot's mode / this weight) has no fused kernel: the caller then runs the pair.
         The base backend never fuses."""
         return False
@@ -283,11 +296,12 @@ class Ops:
         """``kv_write`` of one row at position ``step[STEP_POS]``."""
         self.kv_write(qkv, h, self.step_pos(step), theta, n_heads, n_kv_heads, head_dim, kv)
 
-    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
+    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None,
+                          window: int = 0):
         """``kv_attention`` of one query row at position ``step[STEP_POS]`` (context length
-        ``step[STEP_POS] + 1``)."""
+        ``step[STEP_POS] + 1``; ``window`` as there)."""
         self.kv_attention(qkv, kv, self.step_pos(step), n_heads, n_kv_heads, head_dim, out,
-                          recon)
+                          recon, window=window)
 
     def head_argmax_step(self, x, weight, eps, w, out, norm, step) -> None:
         """Greedy head into the step state: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out``
@@ -391,6 +405,7 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 STATE_TRUNCATE = 3.0     # the seeded state's normal is cut at +-3 std (Huginn's trunc_normal_)
+STATE_ATTEMPTS = 64      # draws per element before it is left 0 (cuda init_state_f32 too)
 
 
 def seeded_state(pos0: int, t: int, d: int, std: float, seed: int) -> np.ndarray:
@@ -406,7 +421,7 @@ def seeded_state(pos0: int, t: int, d: int, std: float, seed: int) -> np.ndarray
         base = splitmix64(splitmix64(splitmix64(np.uint64(seed)) ^ p) ^ (i << np.uint64(8)))
     z = np.zeros((t, d))
     todo = np.ones((t, d), bool)
-    for attempt in range(64):
+    for attempt in range(STATE_ATTEMPTS):
         a = np.uint64(2 * attempt)
         u1 = (splitmix64(base ^ a) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
         u2 = (splitmix64(base ^ (a + np.uint64(1))) >> np.uint64(11)).astype(np.float64) \

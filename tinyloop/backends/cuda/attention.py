@@ -63,6 +63,14 @@ class AttentionOps:
     """``kv_attention`` / ``kv_attention_step`` of ``base.Ops`` on the device (mixed into
     CudaOps)."""
 
+    @classmethod
+    def config_problems(cls, cfg) -> list[str]:
+        """``Ops.config_problems``: a head dim with no attention kernel (ATTN_HEAD_DIMS)."""
+        if cfg.head_dim not in ATTN_HEAD_DIMS:
+            return [f"head_dim={cfg.head_dim} has no CUDA attention kernel (built for "
+                    f"{ATTN_HEAD_DIMS})"]
+        return []
+
     def _heads_ok(self, n_heads, n_kv_heads, head_dim, ld):
         key = (n_heads, n_kv_heads, head_dim, ld)
         if key not in self._heads_seen:
@@ -81,7 +89,14 @@ class AttentionOps:
             raise ConfigError(f"qkv has {ld} columns, need (n_heads + 2*n_kv_heads)*head_dim "
                               f"= {need}")
 
-    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None):
+    @staticmethod
+    def _no_window(window) -> None:
+        if window:
+            raise ConfigError(f"sliding-window attention (window={window}) has no CUDA "
+                              "kernel yet; the numpy backend runs it")
+
+    def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None,
+                     window: int = 0):
         """out f16 [T, H hd]: causal GQA attention of the (rotated) Q rows of ``qkv`` over
         positions 0..pos0+T-1 of slot ``kv``, read through its device block table (fp16, or
         int8 dequantized in the inner loop). T = 1: decode kernel; T > 1: prefill, on tensor
@@ -89,6 +104,7 @@ class AttentionOps:
         in FA_HEAD_DIMS or the rows do not allow its 4-byte loads (then attention.cu's scalar
         kernel). Store-h modes: K/V rebuilt chunk by chunk through ``recon`` (a kv.cache.Recon
         with the phase-5 scratch; ``_h_attention``), T = 1 and T > 1 alike."""
+        self._no_window(window)
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -169,6 +185,7 @@ class AttentionOps:
         (kv_h.cu ``h_read_*``: ``numpy_ops.decode_h``), K|V = h @ w_kv.T into
         ``recon_kv`` f16 [n, 2 kv_dim] (``linear``: the GEMM, or the GEMV when n = 1), RoPE
         on its K columns at positions c0.. (rope.cu's Q-only kernel, kv_write's rule), then
+        (the K and V bias rows added first when ``recon.bias`` is set),
         ``h_attn_chunk``: every query row against the chunk under the causal mask, the
         online-softmax state carried in ``recon_state`` f32 [>= T, H (hd + 2)] and normalised
         into ``out`` after the last chunk. 4 launches per chunk; the chunk count is
@@ -218,6 +235,8 @@ class AttentionOps:
             read((n,), (_H_THREADS,), (table, p, c0, d, *offs[:3], int(lay.outliers),
                                        *lay.outlier_offsets, hbuf.data.ptr))
             self.linear(hbuf[:n], recon.w_kv, kvbuf[:n])
+            if getattr(recon, "bias", None) is not None:     # the K and V rows of qkv_bias
+                self.add_bias(kvbuf[:n], recon.bias)
             rope((n,), (_KVW_THREADS,), (kvbuf.data.ptr, 2 * kvd, c0, float(recon.theta),
                                          int(n_kv_heads), 0, int(head_dim), 0, p, 0, 0, 0, 0),
                  shared_mem=int(head_dim) * 4)
@@ -226,12 +245,14 @@ class AttentionOps:
                   int(n_kv_heads), int(head_dim), scale_log2, state.data.ptr, int(ci == 0),
                   int(ci == n_chunks - 1), out.data.ptr), shared_mem=smem)
 
-    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None):
+    def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None,
+                          window: int = 0):
         """``kv_attention`` of one query row over positions 0..step[STEP_POS] (the context
         length read on the device). Split-K (default): the split count comes from the block
         table's capacity (pages per table are in the graph key), each split's page range from
         the device length; ``KernelChoice(attn_decode="v1")``: n_heads blocks whatever the
-        length."""
+        length. ``window`` > 0 (sliding-window layers) raises ConfigError: no kernel yet."""
+        self._no_window(window)
         if kv.layout.stores_h:
             # the chunk count depends on the context length: read it on the host (one
             # synchronisation) and run the eager store-h attention; graphs.DecodeGraphs never

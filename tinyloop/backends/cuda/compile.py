@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from ...errors import ConfigError
+from ..base import STATE_ATTEMPTS
 
 try:
     import cupy
@@ -36,7 +37,9 @@ FA_HEAD_DIMS = tuple(hd for hd in ATTN_HEAD_DIMS if hd % 16 == 0)
 GEOMETRY = {
     "dequant": {"DQ_THREADS": 256},              # embed / dequant_f16: threads per row
     "rmsnorm": {"RMS_THREADS": 256},             # threads per row
-    "elementwise": {"EW_THREADS": 256},          # threads per block (one element each)
+    "elementwise": {"EW_THREADS": 256,           # threads per block (one element each)
+                    # init_state_f32: base.seeded_state's draws per element
+                    "STATE_ATTEMPTS": STATE_ATTEMPTS},
     "gemv": {"GEMV_WARPS": 8,                    # warps (= output rows) per 32*W-thread block
              "GEMV2_MAX_THREADS": 256},          # v2: the largest block (its launch bound)
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W

@@ -10,7 +10,7 @@ import numpy as np
 from ...errors import ConfigError
 from ...kv.layouts import H_MODES
 from ..base import STEP_ROPE_MAX
-from .checks import _F16, _dev, _fast_ok, _rows, _shape
+from .checks import _F16, _F32, _dev, _fast_ok, _rows, _shape
 from .compile import GEOMETRY, cupy
 
 KV_KERNEL_MODES = ("fp16", "int8")           # attention.cu / rope.cu instantiate each
@@ -137,13 +137,14 @@ class KVOps:
             shared_mem=int(head_dim) * 4)
 
     def rmsnorm_qkv_kv_step(self, x, weight, eps, w, qkv, step, theta, n_heads, n_kv_heads,
-                            head_dim, kv) -> bool:
+                            head_dim, kv, bias=None) -> bool:
         """``Ops.rmsnorm_qkv_kv_step``: one launch of qkv_rope.cu (RMSNorm + QKV GEMV + RoPE +
         the K/V write at ``step[STEP_POS]``) for an fp16 or int8 slot, with the v1 GEMV the
         pair would use (its RMSNorm-fused kernel), head_dim even and <= STEP_ROPE_MAX, W's
         rows exactly (H + 2 Hkv) hd and ``KernelChoice.fused_qkv_rope`` on; False otherwise
         (nothing launched). Bit for bit the memory ``rmsnorm_linear`` + ``kv_write_step``
-        leave."""
+        leave; with ``bias`` (f32 [(H + 2 Hkv) hd], ``qkv_bias``) as ``rmsnorm_linear`` +
+        ``add_bias`` + ``kv_write_step``."""
         if kv.layout.mode not in ("fp16", "int8") or not self.kernels.fused_qkv_rope:
             return False
         info = self._info(w)
@@ -154,11 +155,15 @@ class KVOps:
             return False
         out = self._out(qkv, "qkv", _F16, 1, info.n)
         self._heads_ok(n_heads, n_kv_heads, head_dim, out.shape[1])
+        if bias is not None and not _fast_ok(bias, _F32, 1, info.n):
+            _dev(bias, "bias", np.float32, 1)
+            _shape(bias, "bias", (info.n,))
         table, p, offs = self._step_kv(kv)
         blocks = min((info.n + _GEMV_ROWS - 1) // _GEMV_ROWS, self._norm_blocks)
         self._fn("qkv_rope", f"qkv_rope_step_q{w.bits}_{kv.layout.mode}")(
             (blocks,), (32 * _GEMV_ROWS,),
             (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k, info.lg,
              out.data.ptr, self._step_ptr(step), float(theta), int(n_heads), int(n_kv_heads),
-             int(head_dim), table, p, *offs, self._qkv_ticket), shared_mem=2 * info.k)
+             int(head_dim), table, p, *offs, self._qkv_ticket,
+             0 if bias is None else bias.data.ptr), shared_mem=2 * info.k)
         return True

@@ -23,7 +23,7 @@ from .compile import cupy
 PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_decode_",
                "embed_q", "argmax_f32", "sample_step", "swiglu_f16",
                "add_f16_to_f32", "concat_inject_", "copy_f16_to_f32", "decode_step_advance",
-               "qkv_rope_step_")
+               "qkv_rope_step_", "scale_f32", "add_bias_f16", "init_state_f32")
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # cuda.h CUlaunchAttributeID
 
 
@@ -119,6 +119,11 @@ SIGNATURES = (
     (r"embed_q\d+", "ppppiiiip"),
     (r"dequant_f16_q\d+", "pppiip"),
     (r"rmsnorm_f32_f16", "ppfip"),
+    (r"rmsnorm_f32_inplace", "ppfi"),
+    (r"rmsnorm_f16_add_f32", "ppfip"),
+    (r"scale_f32", "pif"),
+    (r"add_bias_f16", "ppi"),
+    (r"init_state_f32", "pipiffi"),
     (r"swiglu_f16", "pip"),
     (r"(add|copy)_f16_to_f32", "pip"),
     (r"concat_inject_f(16|32)", "ppip"),
@@ -128,7 +133,7 @@ SIGNATURES = (
     (r"gemv2_norm_q\d+_argmax_l\w+", "ppfpppiiipppppp"),
     (r"gemv2_norm_q\d+_(?!argmax)\w+_l\w+", "ppfpppiiiip"),
     (r"gemm_q\d+_\w+", "ppppiiiipi"),
-    (r"qkv_rope_step_q\d+_\w+", "ppfpppiiipp" + "fiii" + _PAGED + "p"),
+    (r"qkv_rope_step_q\d+_\w+", "ppfpppiiipp" + "fiii" + _PAGED + "pp"),
     (r"kv_write_step_\w+", "pip" + "fiii" + _PAGED),
     (r"kv_write_(?!step_)\w+", "pii" + "fiii" + _PAGED),
     (r"decode_step_advance", "ppfi"),

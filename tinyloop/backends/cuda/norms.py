@@ -1,19 +1,26 @@
-"""Embedding and RMSNorm (kernels/dequant.cu, kernels/rmsnorm.cu): a mixin of CudaOps."""
+"""Embedding and RMSNorm (kernels/dequant.cu, kernels/rmsnorm.cu), and the looped
+architectures' norms and elementwise ops around them (embedding scale, Q/K/V bias, the
+seeded initial state: kernels/elementwise.cu): a mixin of CudaOps."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...errors import ConfigError
+from ..base import STATE_TRUNCATE
 from .checks import _F16, _F32, _dev, _fast_ok, _log2g, _shape, _weight
 from .compile import GEOMETRY, cupy
 
 _DQ_THREADS = GEOMETRY["dequant"]["DQ_THREADS"]
 _RMS_THREADS = GEOMETRY["rmsnorm"]["RMS_THREADS"]
+_EW_THREADS = GEOMETRY["elementwise"]["EW_THREADS"]
+_U64 = 1 << 64
 
 
 class NormOps:
-    """``embed`` and ``rmsnorm`` of ``base.Ops`` on the device (mixed into CudaOps)."""
+    """``embed``, ``rmsnorm`` and the VERSION 2 facts' ops (``scale``, ``add_bias``,
+    ``norm_residual``, ``linear_norm_residual``, ``linear_residual_norm``, ``init_state``,
+    ``init_state_step``) of ``base.Ops`` on the device (mixed into CudaOps)."""
 
     def embed(self, w, ids, out):
         """out f32 [T, d] = dequantized rows ``ids`` of ``w`` ([vocab, d]).
@@ -68,3 +75,82 @@ class NormOps:
         out = self._out(out, "out", _F16, t, d)
         self._fn("rmsnorm", "rmsnorm_f32_f16")(
             (t,), (_RMS_THREADS,), (x.data.ptr, weight.data.ptr, float(eps), d, out.data.ptr))
+
+    def _resid(self, x, name: str):
+        """Validate a residual-stream array x f32 [T, d] (contiguous); return (T, d)."""
+        if not _fast_ok(x, _F32, 2):
+            _dev(x, name, np.float32, 2)
+        return x.shape
+
+    def _norm_weight(self, weight, d: int) -> None:
+        if not _fast_ok(weight, _F32, 1, d):
+            _dev(weight, "weight", np.float32, 1)
+            _shape(weight, "weight", (d,))
+
+    def scale(self, x, s):
+        """x f32 [T, d] *= s (one launch)."""
+        t, d = self._resid(x, "x")
+        n = t * d
+        self._fn("elementwise", "scale_f32")(
+            ((n + _EW_THREADS - 1) // _EW_THREADS,), (_EW_THREADS,), (x.data.ptr, n, float(s)))
+
+    def add_bias(self, x, bias):
+        """x f16 [T, n] += bias f32 [n] (the fused QKV rows, before RoPE and the K/V write)."""
+        if not _fast_ok(x, _F16, 2):
+            _dev(x, "x", np.float16, 2)
+        t, n = x.shape
+        if not _fast_ok(bias, _F32, 1, n):
+            _dev(bias, "bias", np.float32, 1)
+            _shape(bias, "bias", (n,))
+        self._fn("elementwise", "add_bias_f16")(
+            ((n + _EW_THREADS - 1) // _EW_THREADS, t), (_EW_THREADS,),
+            (x.data.ptr, bias.data.ptr, n))
+
+    def norm_residual(self, x, weight, eps):
+        """x f32 [T, d] = rmsnorm(x) * weight f32 [d], in place, kept in float32."""
+        t, d = self._resid(x, "x")
+        self._norm_weight(weight, d)
+        self._fn("rmsnorm", "rmsnorm_f32_inplace")(
+            (t,), (_RMS_THREADS,), (x.data.ptr, weight.data.ptr, float(eps), d))
+
+    def linear_norm_residual(self, x, w, weight, eps, residual, tmp):
+        """residual f32 [T, d] += rmsnorm(x f16 [T, in] @ W.T) * weight; ``tmp`` f16
+        [>= T, d] takes the product (the GEMV / GEMM, then one norm-and-add launch)."""
+        t, d = self._resid(residual, "residual")
+        self._norm_weight(weight, d)
+        tmp = self._out(tmp, "tmp", _F16, t, d)
+        self.linear(x, w, tmp)
+        self._fn("rmsnorm", "rmsnorm_f16_add_f32")(
+            (t,), (_RMS_THREADS,),
+            (tmp.data.ptr, weight.data.ptr, float(eps), d, residual.data.ptr))
+
+    def linear_residual_norm(self, x, w, weight, eps, residual):
+        """residual f32 [T, d] = rmsnorm(residual + x f16 [T, in] @ W.T) * weight (the
+        residual GEMV / GEMM, then the in-place norm)."""
+        t, d = self._resid(residual, "residual")
+        self._norm_weight(weight, d)
+        self.linear_residual(x, w, residual)
+        self.norm_residual(residual, weight, eps)
+
+    def _init_state(self, out, pos0: int, step_ptr: int, std: float, seed: int) -> None:
+        t, d = self._resid(out, "out")
+        seed = int(seed)
+        if not 0 <= seed < _U64:
+            raise ConfigError(f"state seed {seed} is outside 0..2**64-1")
+        if pos0 < 0:
+            raise ConfigError(f"init_state: pos0 must be >= 0, got {pos0}")
+        self._fn("elementwise", "init_state_f32")(
+            ((d + _EW_THREADS - 1) // _EW_THREADS, t), (_EW_THREADS,),
+            (out.data.ptr, int(pos0), int(step_ptr), d, float(std), float(STATE_TRUNCATE),
+             seed - _U64 if seed >= 1 << 63 else seed))    # the kernel reads the u64 bits
+
+    def init_state(self, out, pos0, std, seed):
+        """out f32 [T, d] = ``base.seeded_state(pos0, T, d, std, seed)``, drawn on the device
+        (one launch, nothing copied from the host). Raises ConfigError for a seed outside
+        0..2**64-1 or a negative pos0."""
+        self._init_state(out, int(pos0), 0, std, seed)
+
+    def init_state_step(self, out, step, std, seed):
+        """``init_state`` of one row at the device step state's position ``step[STEP_POS]``
+        (int32 [STEP_WORDS]), read by the kernel: no host read, so a captured step holds it."""
+        self._init_state(out, 0, self._step_ptr(step), std, seed)

@@ -136,7 +136,9 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
 // Decode (one query row): block = one query head, 1024 threads. Keys go in chunks of 1024, one
 // key per thread for the score (a full 16-byte-load dot product over the K row); then
 // thread (slice, dim pair) accumulates p * V over the chunk's keys of its slice; the slices
-// are summed at the end. grid = n_heads.
+// are summed at the end. NSL = DC_THREADS / (HD / 2) slices: where HD / 2 does not divide
+// DC_THREADS (head dims 48, 80, 96) the leftover threads take part in the scores only.
+// grid = n_heads.
 #ifndef DC_THREADS
 #define DC_THREADS 1024
 #endif
@@ -183,7 +185,7 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
         o1 *= alpha;
         m = m_new;
         const int nk = (int)(ctx - c0 < DC_THREADS ? ctx - c0 : DC_THREADS);
-        for (int jj = sl; jj < nk; jj += NSL) {
+        for (int jj = sl; sl < NSL && jj < nk; jj += NSL) {   // leftover threads: no slice
             i64 row;
             const char* base = kv_page(table, P, c0 + jj, &row);
             float v2[2];
@@ -194,8 +196,10 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
         }
         __syncthreads();                                    // ps is rewritten next chunk
     }
-    osum[sl * HD + 2 * dp] = o0;
-    osum[sl * HD + 2 * dp + 1] = o1;
+    if (sl < NSL) {
+        osum[sl * HD + 2 * dp] = o0;
+        osum[sl * HD + 2 * dp + 1] = o1;
+    }
     __syncthreads();
     for (int i = tid; i < HD; i += DC_THREADS) {
         float acc = 0.0f;

@@ -129,16 +129,21 @@ __device__ __forceinline__ float gemv_row_acc(const u8* __restrict__ qw,
         }
         acc1 = warp_sum(acc1);
     } else {
-        int c = lane;
-        for (; c + 96 < chunks; c += 128) {       // four 16-byte loads in flight per lane
-            const uint4 a0 = w0[c], a1 = w0[c + 32], a2 = w0[c + 64], a3 = w0[c + 96];
-            acc0 += chunk_dot<BITS>(a0, x, c, sc, zr, row, ngroups, log2g);
-            acc0 += chunk_dot<BITS>(a1, x, c + 32, sc, zr, row, ngroups, log2g);
-            acc0 += chunk_dot<BITS>(a2, x, c + 64, sc, zr, row, ngroups, log2g);
-            acc0 += chunk_dot<BITS>(a3, x, c + 96, sc, zr, row, ngroups, log2g);
+        // Batches of up to four 16-byte loads per lane, all issued before any is used, the
+        // ragged last batch too: a row of C chunks costs ceil(C / 128) dependent DRAM round
+        // trips (a 5632-wide INT4 row, 176 chunks: 2, where one load at a time past the last
+        // full batch cost 3). The chunks are summed in the order c, c + 32, c + 64, ..., so
+        // the total is the same float sum as one chunk at a time.
+        for (int c = lane; c < chunks; c += 128) {
+            uint4 a[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                a[j] = c + 32 * j < chunks ? w0[c + 32 * j] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (c + 32 * j < chunks)
+                    acc0 += chunk_dot<BITS>(a[j], x, c + 32 * j, sc, zr, row, ngroups, log2g);
         }
-        for (; c < chunks; c += 32)
-            acc0 += chunk_dot<BITS>(w0[c], x, c, sc, zr, row, ngroups, log2g);
     }
     acc1_out = acc1;
     return warp_sum(acc0);

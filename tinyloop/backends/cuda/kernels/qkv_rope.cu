@@ -2,8 +2,9 @@
 // RMSNorm of the residual row + the QKV GEMV (gemv.cu v1: one warp per output row, the
 // normalized row in shared memory) + RoPE on Q and K + the K / V write into the slot's page at
 // the step state's position. It replaces gemv_norm_q*_f16 followed by kv_write_step_{fp16,int8}
-// and leaves memory exactly as that pair does:
-//   qkv f16 [(H + 2 Hkv) hd] holds the GEMV output with Q rotated in place (K and V as
+// and leaves memory exactly as that pair does (with a Q/K/V bias, bias f32 [N] not null: as
+// gemv_norm_q*_f16, add_bias_f16 and kv_write_step do):
+//   qkv f16 [(H + 2 Hkv) hd] holds the GEMV output (plus the bias) with Q rotated in place (K and V as
 //   computed); the page row at pos holds the rotated K and the V, as FP16 (fp16 pages), or
 //   as INT8 codes with one FP16 scale per (K or V, KV head) (int8 pages).
 // The arithmetic is that pair's: each output is rounded to FP16 (gemv_store), then a pair
@@ -44,7 +45,8 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
                                               i64 n_heads, i64 n_kv, i64 hd,
                                               const i64* __restrict__ table, i64 P, i64 k_off,
                                               i64 v_off, i64 ks_off, i64 vs_off,
-                                              unsigned* __restrict__ ticket) {
+                                              unsigned* __restrict__ ticket,
+                                              const float* __restrict__ bias) {
     half_t* xs = (half_t*)gemv_smem;
     __shared__ float cs[STEP_ROPE_MAX];
     __shared__ float tot[GEMV_WARPS];
@@ -73,7 +75,8 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
             const float acc = gemv_row_acc<BITS, EPI_F16>(qw, sc, zr, xs, row, K, 0,
                                                           (int)log2g, lane, unused);
             if (lane == 0) {
-                const half_t y = f2h(acc);        // gemv_store's FP16 output
+                half_t y = f2h(acc);              // gemv_store's FP16 output
+                if (bias != nullptr) y = f2h(h2f(y) + bias[row]);   // add_bias_f16's rounding
                 qkv[row] = y;
                 tot[warp] = h2f(y);
             }
@@ -110,10 +113,10 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc,  \
              const half_t* zr, i64 N, i64 K, i64 log2g, half_t* qkv, const int* step,          \
              double theta, i64 n_heads, i64 n_kv, i64 hd, const i64* table, i64 P, i64 k_off,  \
-             i64 v_off, i64 ks_off, i64 vs_off, unsigned* ticket) {                            \
+             i64 v_off, i64 ks_off, i64 vs_off, unsigned* ticket, const float* bias) {         \
         qkv_rope_impl<BITS, MODE>(x, weight, eps, qw, sc, zr, N, K, log2g, qkv, step, theta,   \
                                   n_heads, n_kv, hd, table, P, k_off, v_off, ks_off, vs_off,   \
-                                  ticket);                                                     \
+                                  ticket, bias);                                               \
     }
 
 QKV_ROPE_ENTRY(qkv_rope_step_q4_fp16, 4, KV_FP16)

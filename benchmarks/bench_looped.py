@@ -1,0 +1,247 @@
+"""Decode and prefill speed of the real looped architectures' shapes on the CUDA backend (a
+script, not a test).
+
+    python benchmarks/bench_looped.py [--arch ouro|huginn|nanbeige ...] [--depths 1,2,4]
+                                      [--bits 4] [--group-size 32] [--reps 5]
+                                      [--new-tokens 128] [--prefill 2048] [--out DIR]
+
+Each model is written straight as a .tlm with random quantized weights (codes drawn uniformly,
+scales and zeros chosen so every projection has weights of mean 0 and variance 1 / in, the
+synthetic models' scale): the speed does not depend on the values, so no checkpoint has to be
+carried to the GPU machine. The configs come from ``tinyloop.convert.hf.folder_config`` on a
+config.json with the published dims, so the model is what converting the checkpoint gives:
+  - ouro: Ouro-1.4B (24 layers x 2048, 16 heads of 128 without KV grouping, FFN 5632, vocab
+    49152, 4 loops; every layer on full attention, as the published config);
+  - huginn: Huginn-0125 (3.5B: 2 prelude / 4 recurrent / 2 coda layers x 5280, 55 heads of 96,
+    FFN 17920, vocab 65536, the linear injection; a few of its recurrences);
+  - nanbeige: a Nanbeige-3B-shaped llama loop (d 2560, 20 query heads of 128 over 4 KV heads;
+    the dims in NANBEIGE_3B are not checked against a published config).
+Measures per depth (after a warm-up of sustained decoding, CUDA graphs on):
+  - decode tokens/s at batch 1 after a 16-token prompt: median and min-max of ``--reps``
+    generations of ``--new-tokens`` tokens;
+  - the weight bytes one decode step reads (every layer visit, the injection adapter per
+    recurrence, the LM head) and the fraction of the H200 floor (4.8 TB/s: the tokens/s
+    reading them once at that bandwidth) the median reaches;
+  - prefill of ``--prefill`` tokens: median ms of ``--reps``.
+Prints a table; with --out writes bench_looped.json there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from .common import user_setting
+
+H200_BYTES_PER_S = 4.8e12        # HBM3e peak: the floor a weight-streaming decode can reach
+
+OURO_1_4B = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 2048,
+             "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+             "num_key_value_heads": 16, "head_dim": 128, "hidden_act": "silu",
+             "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+             "total_ut_steps": 4, "vocab_size": 49152, "use_sliding_window": False,
+             "sliding_window": None, "max_window_layers": 24, "bos_token_id": 1,
+             "eos_token_id": 2}
+HUGINN_3_5B = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
+               "n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
+               "intermediate_size": 17920, "n_layers_in_prelude": 2,
+               "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
+               "mean_recurrence": 32, "norm_eps": 1e-6, "rope_base": 50000.0,
+               "qk_bias": True, "bias": False, "tie_embeddings": True, "vocab_size": 65536,
+               "padded_vocab_size": 65536, "injection_type": "linear",
+               "state_init": "like-init", "test_time_noise": 0, "block_size": 4096,
+               "init_values": {"std": (2 / (5 * 5280)) ** 0.5, "embed_scale": 5280 ** 0.5}}
+NANBEIGE_3B = {"architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige",
+               "hidden_size": 2560, "intermediate_size": 10496, "num_hidden_layers": 32,
+               "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128,
+               "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 7e7,
+               "tie_word_embeddings": False, "num_loops": 2, "skip_loop_final_norm": False,
+               "vocab_size": 166144}
+ARCHS = {"ouro": (OURO_1_4B, (1, 2, 3, 4)), "huginn": (HUGINN_3_5B, (1, 4, 8)),
+         "nanbeige": (NANBEIGE_3B, (1, 2))}
+
+
+def random_quant(rng, rows: int, cols: int, bits: int, group_size: int, std: float):
+    """A QuantWeight [rows, cols] of uniformly random codes whose dequantized values have
+    mean 0 and standard deviation ``std`` (INT4: zero = -7.5 s; INT8: symmetric)."""
+    from tinyloop.quant import QuantWeight
+    groups = cols // group_size
+    if bits == 4:
+        q = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        s = std / np.sqrt((16 ** 2 - 1) / 12)            # a uniform code's std: sqrt(21.25)
+        z = -7.5 * s
+    else:
+        q = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
+        s, z = std / np.sqrt((255 ** 2 - 1) / 12), 0.0
+    scales = np.full((rows, groups), s, np.float16)
+    zeros = np.full((rows, groups), z, np.float16)
+    return QuantWeight(bits, group_size, q, scales, zeros)
+
+
+def write_random_model(conf: dict, path: str, bits: int = 4, group_size: int = 32,
+                       seed: int = 0):
+    """Write a .tlm of the model ``conf`` (a config.json dict) with random weights; returns its
+    ModelConfig."""
+    from tinyloop.convert.hf import folder_config
+    from tinyloop.format import expected_tensors, write_tlm
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(conf, f)
+    _, cfg = folder_config(folder)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, (kind, shape) in expected_tensors(cfg).items():
+        if kind == "float":
+            base = 0.0 if name.endswith("_bias") or name.startswith("exit_gate.") else 1.0
+            tensors[name] = (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)
+            continue
+        rows, cols = shape
+        std = 2.0 / np.sqrt(cols) if name in ("token_embd", "output") else 1.0 / np.sqrt(cols)
+        tensors[name] = random_quant(rng, rows, cols, bits, group_size, std)
+    write_tlm(path, cfg, tensors, metadata={"source": "bench_looped random weights",
+                                            "seed": seed, "bits": bits,
+                                            "group_size": group_size})
+    return cfg
+
+
+_WIDTHS = ("hidden_size", "n_embd", "intermediate_size", "vocab_size", "padded_vocab_size")
+_COUNTS = ("num_hidden_layers", "max_window_layers", "n_layers_in_recurrent_block",
+           "num_attention_heads", "num_key_value_heads")
+
+
+def shrunk(conf: dict, k: int) -> dict:
+    """``conf`` with widths, layer and head counts divided by ``k`` (head dims kept; at least
+    one of each), for a CPU smoke run of this script."""
+    c = json.loads(json.dumps(conf))
+    heads = c["num_attention_heads"] // k or 1
+    kv = max(1, c["num_key_value_heads"] // k)
+    while heads % kv:
+        kv -= 1
+    hd = c.get("head_dim") or (c.get("hidden_size") or c["n_embd"]) // c["num_attention_heads"]
+    for key in _WIDTHS + _COUNTS:
+        if key in c:
+            c[key] = max(1, c[key] // k)
+    c["num_attention_heads"], c["num_key_value_heads"] = heads, kv
+    for key in ("hidden_size", "n_embd"):
+        if key in c:
+            c[key] = heads * hd if key == "n_embd" else max(32, c[key] // 32 * 32)
+    c["intermediate_size"] = max(32, c["intermediate_size"] // 32 * 32)
+    if "init_values" in c:
+        c["init_values"]["embed_scale"] = c["n_embd"] ** 0.5
+    return c
+
+
+def weight_bytes_per_token(model, depth: int) -> int:
+    """Bytes of quantized weights one decode step reads at ``depth`` (layer visits, the
+    injection adapter once per recurrence, the LM head)."""
+    cfg = model.config
+    visits = [1] * cfg.n_prelude + [depth] * cfg.n_recurrent + [1] * cfg.n_coda
+    w = model.quant_weights()
+    total = sum(v * w[f"blk.{i}.{n}"].nbytes for i, v in enumerate(visits)
+                for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"))
+    total += w.get("output", w["token_embd"]).nbytes
+    if "inject.adapter" in w:
+        total += depth * w["inject.adapter"].nbytes
+    return total
+
+
+def bench_decode(model, depth: int, new_tokens: int, reps: int, warmup_s: float = 2.0) -> dict:
+    """Decode tokens/s (graphs on) after ``warmup_s`` s of sustained decoding (an idle GPU
+    sits at a low clock): median, min and max of ``reps`` generations."""
+    with user_setting("cuda_graphs", "1"):
+        prompt = [10 + i for i in range(16)]
+        t = time.perf_counter()
+        while time.perf_counter() - t < warmup_s:
+            model.generate(prompt, max_new_tokens=new_tokens, depth=depth, stop=[])
+        tps = sorted(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
+                                    stop=[]).decode_tokens_per_s for _ in range(reps))
+    return {"median": statistics.median(tps), "min": tps[0], "max": tps[-1]}
+
+
+def bench_prefill(model, n: int, depth: int, reps: int) -> float:
+    """Median ms of prefilling ``n`` random tokens at ``depth``."""
+    ids = np.random.default_rng(n).integers(3, model.config.vocab_size, n).tolist()
+    model.generate(ids, max_new_tokens=1, depth=depth)                 # warm-up
+    return statistics.median(model.generate(ids, max_new_tokens=1, depth=depth).prefill_ms
+                             for _ in range(reps))
+
+
+def run_arch(name: str, depths, args) -> list:
+    import tinyloop
+    conf, default_depths = ARCHS[name]
+    if args.shrink > 1:
+        conf = shrunk(conf, args.shrink)
+    path = os.path.join(tempfile.mkdtemp(), f"{name}.tlm")
+    t = time.perf_counter()
+    cfg = write_random_model(conf, path, args.bits, args.group_size)
+    print(f"{name}: wrote {os.path.getsize(path) / 1e9:.2f} GB in "
+          f"{time.perf_counter() - t:.0f} s", flush=True)
+    depths = [d for d in (depths or default_depths) if d <= cfg.max_depth]
+    m = tinyloop.load_model(path, backend=args.backend, max_seq_len=args.prefill + 256)
+    rows = []
+    try:
+        for depth in depths:
+            nbytes = weight_bytes_per_token(m, depth)
+            dec = bench_decode(m, depth, args.new_tokens, args.reps, args.warmup)
+            floor = H200_BYTES_PER_S / nbytes
+            rows.append({"arch": name, "depth": depth, "bits": args.bits,
+                         "group_size": args.group_size, "decode_tok_s": dec,
+                         "weight_bytes_per_token": nbytes, "floor_tok_s": floor,
+                         "fraction_of_floor": dec["median"] / floor,
+                         f"prefill_{args.prefill}_ms": bench_prefill(m, args.prefill, depth,
+                                                                     args.reps)})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        tinyloop.free_model(m)
+        os.remove(path)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", action="append", choices=sorted(ARCHS),
+                    help="architecture(s) to run (default: all)")
+    ap.add_argument("--depths", default=None,
+                    help="comma-separated depths (default: per architecture)")
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    ap.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=float, default=2.0,
+                    help="seconds of decoding before each depth's timed runs")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--out", default=None, help="folder for bench_looped.json")
+    ap.add_argument("--backend", default="cuda", help="cuda (numpy: a CPU smoke run)")
+    ap.add_argument("--shrink", type=int, default=1,
+                    help="divide layer counts and widths by this (a CPU smoke run)")
+    args = ap.parse_args(argv)
+    depths = [int(d) for d in args.depths.split(",")] if args.depths else None
+    rows = []
+    for name in args.arch or list(ARCHS):
+        if name == "huginn" and args.group_size != 32:
+            print("huginn: d 5280 takes groups of 32 only; skipped", flush=True)
+            continue
+        rows += run_arch(name, depths, args)
+    print(f"\n{'arch':10s} {'depth':>5s} {'tok/s':>8s} {'min-max':>15s} {'MB/tok':>8s} "
+          f"{'floor':>7s} {'of floor':>8s} {'prefill ms':>10s}")
+    for r in rows:
+        d = r["decode_tok_s"]
+        print(f"{r['arch']:10s} {r['depth']:5d} {d['median']:8.1f} "
+              f"{d['min']:7.1f}-{d['max']:<7.1f} {r['weight_bytes_per_token'] / 1e6:8.1f} "
+              f"{r['floor_tok_s']:7.0f} {r['fraction_of_floor']:8.1%} "
+              f"{r[f'prefill_{args.prefill}_ms']:10.1f}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_looped.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
