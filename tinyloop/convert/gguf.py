@@ -266,7 +266,7 @@ def convert_gguf(src, dst, *, recurrent=_AUTO, default_depth: int | None = None,
     and names the field) for a file that is not well-formed GGUF (``check_gguf``: truncated,
     sizes or offsets past the end, more than 4 dims, a tensor whose ne0 is not a multiple of
     its type's block, ...), a tensor of a GGML type outside ``SUPPORTED_TYPES`` (naming the
-    tensor and the type), a non-llama file, a bad
+    tensor and the type), a file of another architecture, a bad
     ``recurrent`` range or option, missing/unexpected tensors, metadata of the wrong type,
     non-finite norm weights or scales, unsupported or inconsistent tokenizers, and a Nanbeige
     loop count outside 1..MAX_LOOPS or whose layers * loops exceed MAX_LOOPED_LAYERS (the key
