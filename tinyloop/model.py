@@ -88,7 +88,8 @@ def loop_is_artificial(metadata: dict) -> bool:
     """Whether a .tlm file's recurrent block was cut from a plain (non-looped) transformer, so
     its layers were never trained to run more than once: the header's ``metadata["loop"]``
     ("artificial" / "trained") where recorded, else derived from the converter it names
-    (``tinyloop.convert.gguf`` reads only plain llama GGUFs). Synthetic models (random
+    (files without the key come from ``tinyloop.convert.gguf`` versions that read only
+    plain llama GGUFs; it records "trained" for a Nanbeige GGUF). Synthetic models (random
     weights) make no claim: False."""
     loop = metadata.get("loop")
     if loop is not None:

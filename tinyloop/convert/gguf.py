@@ -1,4 +1,4 @@
-"""GGUF (llama architecture) -> .tlm conversion.
+"""GGUF (llama and Nanbeige architectures) -> .tlm conversion.
 
 Files from outside are hostile: :func:`tinyloop.convert.gguf_check.check_gguf` first walks the
 header with overflow-safe bounds checks (every count, length, offset and size against the file
@@ -36,6 +36,14 @@ tensor's GGML type.
 
 Q, K and V rows are fused into ``blk.{i}.attn_qkv`` and gate, up rows into
 ``blk.{i}.ffn_gate_up`` with :func:`tinyloop.quant.concat_rows` (no requantization).
+
+Architectures (``general.architecture``): ``llama``, and ``nanbeige`` (llama.cpp's
+src/models/nanbeige.cpp): llama's keys under ``nanbeige.``, llama's tensors and RoPE, and the
+whole stack trained to run ``nanbeige.num_loops`` times with shared weights, ``output_norm``
+at each loop boundary unless ``nanbeige.skip_loop_final_norm``. It becomes a whole-stack loop
+(P = 0, R = layers, C = 0, ``loop_norm = not skip_loop_final_norm``) whose default and
+maximum depth are ``num_loops``; depth k runs the stack k times with the boundary norm
+between passes, which is what llama.cpp computes for the same file with ``num_loops = k``.
 
 RoPE: llama GGUF files store Q and K rows already permuted for GGML's "normal" (interleaved
 pair) RoPE, which is what TinyLoop's forward uses (tinyloop/backends/numpy_ops.py), so the rows
@@ -154,13 +162,18 @@ SUPPORTED_TYPES = tuple(EXACT_TYPES) + REQUANTIZED_TYPES
 _INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}
 _WANT = {"int": ("an integer", _INT_TYPES), "float": ("a number", _INT_TYPES | {"FLOAT32",
                                                                                 "FLOAT64"}),
-         "str": ("a string", {"STRING"})}
+         "str": ("a string", {"STRING"}), "bool": ("true or false", {"BOOL"})}
 _REQUIRED = object()
 MAX_DIM = (1 << 31) - 1     # any dimension or count read from metadata stays below this
+ARCHITECTURES = ("llama", "nanbeige")
+MAX_LOOPS = 4096            # ModelConfig's bound on max_depth
+# llama.cpp's LLAMA_MAX_LAYERS: it refuses a Nanbeige file whose layers * num_loops exceed it
+MAX_LOOPED_LAYERS = 512
+_AUTO = object()            # convert_gguf's ``recurrent`` when not given
 
 
 def _meta(reader, layout, key: str, kind: str, default=_REQUIRED):
-    """Metadata ``key`` checked to be of ``kind`` ("int" | "float" | "str"): ints within
+    """Metadata ``key`` checked to be of ``kind`` ("int" | "float" | "str" | "bool"): ints within
     0..MAX_DIM, floats finite. Raises ConversionError naming the key."""
     vtype = layout.keys.get(key)
     if vtype is None:
@@ -195,6 +208,30 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _nanbeige_loop(meta, n_layers: int) -> tuple[int, bool]:
+    """(``nanbeige.num_loops``, ``nanbeige.skip_loop_final_norm``), defaults 1 and false as
+    llama.cpp's; the loop count within 1..MAX_LOOPS and layers * loops within
+    MAX_LOOPED_LAYERS. Raises ConversionError naming the key."""
+    key = "nanbeige.num_loops"
+    loops = meta(key, "int", 1)
+    if not 1 <= loops <= MAX_LOOPS:
+        raise ConversionError(f"GGUF metadata key {key!r} = {loops} is outside 1..{MAX_LOOPS}")
+    if n_layers * loops > MAX_LOOPED_LAYERS:
+        raise ConversionError(f"GGUF metadata key {key!r} = {loops} times the {n_layers} "
+                              f"layers makes {n_layers * loops} layer passes, more than the "
+                              f"{MAX_LOOPED_LAYERS} llama.cpp allows")
+    return loops, bool(meta("nanbeige.skip_loop_final_norm", "bool", False))
+
+
+def _is_pair(v, pair: tuple[int, int]) -> bool:
+    try:
+        a, b = v
+    except (TypeError, ValueError):
+        return False
+    return all(not isinstance(x, bool) and isinstance(x, int) for x in (a, b)) and \
+        (a, b) == pair
+
+
 def _check_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConversionError(f"{name} must be an int, got {v!r}")
@@ -204,15 +241,23 @@ def _check_int(name: str, v) -> int:
 # --------------------------------------------------------------------------------------------
 # Converter
 # --------------------------------------------------------------------------------------------
-def convert_gguf(src, dst, *, recurrent=(10, 20), default_depth: int = 1, max_depth: int = 8,
-                 bits: int = 4, group_size: int = 32) -> ModelConfig:
-    """Convert a llama-architecture GGUF file ``src`` into the .tlm file ``dst``.
+def convert_gguf(src, dst, *, recurrent=_AUTO, default_depth: int | None = None,
+                 max_depth: int | None = None, bits: int = 4,
+                 group_size: int = 32) -> ModelConfig:
+    """Convert a llama or Nanbeige GGUF file ``src`` into the .tlm file ``dst``.
 
-    ``recurrent`` is a half-open range ``(start, end)`` of the GGUF's layers that becomes the
-    recurrent block: P = start prelude layers, R = end - start recurrent layers, C = n - end
-    coda layers; layers keep their order (GGUF layer i is .tlm ``blk.{i}``). ``None`` makes a
-    plain model (P = n, R = C = 0, max_depth 1). ``default_depth`` and ``max_depth`` go into the
-    header (depth 1 is exactly the source model). ``bits`` (4 or 8) and ``group_size``
+    llama: ``recurrent`` is a half-open range ``(start, end)`` of the GGUF's layers that
+    becomes the recurrent block (default ``(10, 20)``): P = start prelude layers, R = end -
+    start recurrent layers, C = n - end coda layers; layers keep their order (GGUF layer i is
+    .tlm ``blk.{i}``). ``None`` makes a plain model (P = n, R = C = 0, depths 1).
+    ``default_depth`` (default 1) and ``max_depth`` (default 8, or 1 for a plain model) go
+    into the header (depth 1 is exactly the source model).
+
+    Nanbeige: the file's own loop, the whole stack (``recurrent`` not given, ``None`` or
+    ``(0, n)``); ``default_depth`` defaults to ``nanbeige.num_loops`` and ``max_depth`` to the
+    larger of the two (depth k = k passes of the stack, see the module docstring).
+
+    ``bits`` (4 or 8) and ``group_size``
     (32/64/128) apply to the matrices that are quantized again (``REQUANTIZED_TYPES``: F32,
     F16, BF16, Q4_K, Q5_K, Q6_K, after exact dequantization); Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
     convert losslessly with g = 32 (``EXACT_TYPES``).
@@ -221,10 +266,12 @@ def convert_gguf(src, dst, *, recurrent=(10, 20), default_depth: int = 1, max_de
     and names the field) for a file that is not well-formed GGUF (``check_gguf``: truncated,
     sizes or offsets past the end, more than 4 dims, a tensor whose ne0 is not a multiple of
     its type's block, ...), a tensor of a GGML type outside ``SUPPORTED_TYPES`` (naming the
-    tensor and the type), a non-llama file, a bad
+    tensor and the type), a file of another architecture, a bad
     ``recurrent`` range or option, missing/unexpected tensors, metadata of the wrong type,
-    non-finite norm weights or scales, and unsupported or inconsistent tokenizers. The dims
-    and the tokenizer are checked from the header before any tensor is converted. The output
+    non-finite norm weights or scales, unsupported or inconsistent tokenizers, and a Nanbeige
+    loop count outside 1..MAX_LOOPS or whose layers * loops exceed MAX_LOOPED_LAYERS (the key
+    named). The dims, the loop and the tokenizer are checked from the header before any
+    tensor is converted. The output
     is written atomically (temp file + rename).
     """
     gguf = _gguf()
@@ -253,36 +300,54 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
         return _meta(reader, layout, key, kind, default)
 
     arch = meta("general.architecture", "str", None)
-    if arch != "llama":
-        raise ConversionError(f"architecture {arch!r} is not supported; only 'llama' GGUF "
-                              "files can be converted")
-    n_layers = meta("llama.block_count", "int")
-    d_model = meta("llama.embedding_length", "int")
-    ffn_dim = meta("llama.feed_forward_length", "int")
-    n_heads = meta("llama.attention.head_count", "int")
+    if arch not in ARCHITECTURES:
+        raise ConversionError(f"architecture {arch!r} is not supported; only "
+                              f"{' and '.join(map(repr, ARCHITECTURES))} GGUF files can be "
+                              "converted")
+    n_layers = meta(f"{arch}.block_count", "int")
+    d_model = meta(f"{arch}.embedding_length", "int")
+    ffn_dim = meta(f"{arch}.feed_forward_length", "int")
+    n_heads = meta(f"{arch}.attention.head_count", "int")
     if n_heads == 0:
-        raise ConversionError("GGUF metadata key 'llama.attention.head_count' is 0")
-    n_kv_heads = meta("llama.attention.head_count_kv", "int", n_heads)
-    head_dim = meta("llama.attention.key_length", "int", d_model // n_heads)
-    if meta("llama.attention.value_length", "int", head_dim) != head_dim:
+        raise ConversionError(f"GGUF metadata key '{arch}.attention.head_count' is 0")
+    n_kv_heads = meta(f"{arch}.attention.head_count_kv", "int", n_heads)
+    head_dim = meta(f"{arch}.attention.key_length", "int", d_model // n_heads)
+    if meta(f"{arch}.attention.value_length", "int", head_dim) != head_dim:
         raise ConversionError("key_length != value_length is not supported")
-    rope_dims = meta("llama.rope.dimension_count", "int", head_dim)
+    rope_dims = meta(f"{arch}.rope.dimension_count", "int", head_dim)
     if rope_dims != head_dim:
         raise ConversionError(f"partial RoPE (rope.dimension_count={rope_dims} < "
                               f"head_dim={head_dim}) is not supported")
-    scaling = meta("llama.rope.scaling.type", "str", "none")
+    scaling = meta(f"{arch}.rope.scaling.type", "str", "none")
     if scaling != "none" or "rope_freqs.weight" in {t.name for t in layout.tensors}:
         raise ConversionError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
-    rope_theta = float(meta("llama.rope.freq_base", "float", 10000.0))
-    norm_eps = float(meta("llama.attention.layer_norm_rms_epsilon", "float"))
+    rope_theta = float(meta(f"{arch}.rope.freq_base", "float", 10000.0))
+    norm_eps = float(meta(f"{arch}.attention.layer_norm_rms_epsilon", "float"))
 
     # -- the recurrent block ------------------------------------------------------------------
-    if recurrent is None:
+    facts = {}
+    if arch == "nanbeige":
+        loops, skip_norm = _nanbeige_loop(meta, n_layers)
+        if not (recurrent is _AUTO or recurrent is None
+                or _is_pair(recurrent, (0, n_layers))):
+            raise ConversionError(f"a Nanbeige GGUF loops its whole stack of {n_layers} "
+                                  f"layers: recurrent must be (0, {n_layers}) or not given, "
+                                  f"got {recurrent!r}")
+        p, r, c = 0, n_layers, 0
+        default_depth = loops if default_depth is None else default_depth
+        max_depth = max(loops, default_depth) if max_depth is None else max_depth
+        facts["loop_norm"] = not skip_norm
+    elif recurrent is None:
         p, r, c = n_layers, 0, 0
+        default_depth = 1 if default_depth is None else default_depth
+        max_depth = 1 if max_depth is None else max_depth
         if max_depth != 1 or default_depth != 1:
             raise ConversionError("without a recurrent block, default_depth and max_depth "
                                   "must be 1")
     else:
+        recurrent = (10, 20) if recurrent is _AUTO else recurrent
+        default_depth = 1 if default_depth is None else default_depth
+        max_depth = 8 if max_depth is None else max_depth
         try:
             start, end = recurrent
         except (TypeError, ValueError):
@@ -328,7 +393,7 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
                           n_prelude=p, n_recurrent=r, n_coda=c,
                           default_depth=default_depth, max_depth=max_depth,
                           rope_theta=rope_theta, norm_eps=norm_eps, injection="none",
-                          tied_head=tied, bos_token_id=bos, eos_token_id=eos)
+                          tied_head=tied, bos_token_id=bos, eos_token_id=eos, **facts)
     except ConfigError as e:
         raise ConversionError(str(e)) from None
 
@@ -429,11 +494,11 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
         "source_name": meta("general.name", "str", ""),
         "source_architecture": arch,
         # a plain llama's layers, never trained to run more than once: depths above 1
-        # degrade the text (tinyloop.model.loop_is_artificial)
-        "loop": "artificial",
+        # degrade the text (tinyloop.model.loop_is_artificial); Nanbeige's are trained to loop
+        "loop": "trained" if arch == "nanbeige" else "artificial",
         "converter": "tinyloop.convert.gguf",
         "converter_version": CONVERTER_VERSION,
-        "options": {"recurrent": None if recurrent is None else [p, p + r],
+        "options": {"recurrent": [p, p + r] if r else None,
                     "default_depth": default_depth, "max_depth": max_depth, "bits": bits,
                     "group_size": group_size},
         "lossy_tensors": lossy,
