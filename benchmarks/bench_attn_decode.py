@@ -6,7 +6,7 @@ launch (CUDA events, median of 200 with the min-max spread), at SmolLM2 dims (9 
 2048, 2110, 4096.
 
 The KV pages are one device array cut into page-sized pieces with random contents (timing only;
-correctness is tests/gpu/test_kernels.py::test_decode_split). Also prints the split count the
+correctness is tests/kernels/test_kernels_gpu.py::test_decode_split). Also prints the split count the
 host rule picks (0 = the single-pass kernel: the "default" column then times v1) and a
 "split-K forced" column (at least one split: the crossover check of DS_SINGLE_PASS_MAX).
 One call on the device:  python -m benchmarks bench_attn_decode [--out f.json]

@@ -10,7 +10,7 @@ FLOPs: 4 hd per causal (query, key) pair (2 for Q K^T, 2 for P V), summed over t
 the query heads: H * 4 hd * sum_i (pos0 + i + 1); 4.83 GFLOP per layer at T = 2,048 (half of
 that if one counts multiply-adds). The 30-layer column is 30 launches' worth. Pages: one
 device array cut into page-sized pieces with random contents (common.random_kv_slot; timing
-only: correctness is tests/gpu/test_attn_prefill.py). Also prints max |mma - scalar|.
+only: correctness is tests/kernels/test_attn_prefill_gpu.py). Also prints max |mma - scalar|.
 One call on the device:  python -m benchmarks bench_attn_prefill [--out f.json]
 """
 

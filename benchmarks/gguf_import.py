@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from tests.corpus import PASSAGES
     from tests.gguf_files import (FTYPES, float_gguf, gguf_weights, kl_top1, llama_quantize,
                                   reference_logits)
-    from tests.test_peer_llamacpp import _llama_logits
+    from tests.convert.test_peer_llamacpp import _llama_logits
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers "
                     "(default: all 30)")

@@ -23,7 +23,7 @@ MIB = float(1 << 20)
 TAG_COLORS = {"weights": "#4c72b0", "fp16_cache": "#8172b2", "buffers": "#55a868",
               "logits": "#ccb974", "kv_cache": "#c44e52", "prefix_cache": "#da8bc3",
               "resume": "#8c8c8c", "scratch": "#64b5cd", "cupy": "#937860", "graphs": "#2ca02c",
-              "other": "#e17c05"}      # one per memory.tags.TAGS (tests/test_diagnostics.py)
+              "other": "#e17c05"}      # one per memory.tags.TAGS (tests/diagnostics/)
 VERDICT_COLORS = {"STABLE": "#2e7d32", "LEAK": "#c62828", "UNBOUNDED CACHE": "#ef6c00",
                   "BOUNDED CACHE, FILLING": "#1565c0", "INCONCLUSIVE": "#616161"}
 CONTEXT_BAND_COLOR = "#f2c14e"

@@ -35,7 +35,8 @@ x() { local n=$1; shift; [[ " ${SKIP:-} " == *" $n "* ]] && { echo "== $n: skipp
 [[ $PART == suite ]] && M=""
 # the GPU tests that take the real model (TINYLOOP_TEST_MODEL), when the suite ran without it
 [[ -n "$M" && $PART == real ]] && XT=300 x gpu_real_tests python3 -m pytest -m gpu -q -rfEs \
-    -p no:cacheprovider tests/gpu/test_memory.py tests/gpu/test_cuda_model.py tests/gpu/test_cuda_graphs.py
+    -p no:cacheprovider tests/memory/test_memory_gpu.py tests/model/test_cuda_model.py \
+    tests/model/test_cuda_graphs.py
 # A/B against an earlier tree: a copy of its tinyloop/, cuda_src/ and benchmarks/ in .baseline/
 # (scripts/baseline.sh REV writes it), measured in the same call, before and after this tree's run.
 # A tree with the benchmarks package runs it from .baseline/ (so its own tinyloop/ is imported);

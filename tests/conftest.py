@@ -1,7 +1,16 @@
-"""Shared fixtures: small synthetic looped models written once per session."""
+"""Shared fixtures: small synthetic looped models written once per session, the pools, the
+real model, the CUDA/NumPy op pairs of the kernel tests, and the ``gpu`` marker's skip.
+
+GPU tests draw fresh random inputs every session from ``TINYLOOP_TEST_SEED``; it is chosen
+here when unset and printed in the report header, so a failing run can be replayed exactly.
+"""
 
 from __future__ import annotations
 
+import os
+import zlib
+
+import numpy as np
 import pytest
 
 from tinyloop import errors
@@ -11,6 +20,15 @@ from tinyloop.convert.synthetic import synthetic_config, write_synthetic
 
 TINY = dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
             n_prelude=1, n_recurrent=2, n_coda=1, max_depth=4, rope_theta=10000.0)
+
+
+def pytest_configure(config):
+    if not os.environ.get("TINYLOOP_TEST_SEED"):
+        os.environ["TINYLOOP_TEST_SEED"] = str(np.random.SeedSequence().entropy % 2**31)
+
+
+def pytest_report_header(config):
+    return f"TINYLOOP_TEST_SEED={os.environ.get('TINYLOOP_TEST_SEED')}"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,3 +98,65 @@ def fail_nth_allocation(monkeypatch, pool, failing_tag: str, nth: int) -> dict:
     monkeypatch.setattr(pool, "allocate", flaky)
     monkeypatch.setattr(pool, "allocate_many", flaky_many)
     return seen
+
+
+@pytest.fixture(scope="module")
+def real_model_path():
+    """The real SmolLM2 .tlm: TINYLOOP_TEST_MODEL, else the embedded default (converted once);
+    skips where neither is there."""
+    import tinyloop
+    path = os.environ.get("TINYLOOP_TEST_MODEL")
+    if path:
+        return path
+    try:
+        return tinyloop.default_model_path()
+    except tinyloop.TinyLoopError as e:
+        pytest.skip(f"real model unavailable: {e}")
+
+
+def record_decode_steps(model, monkeypatch) -> list:
+    """Wrap the request's captured step (``graphs.decode_step``, as ``generate`` calls it) so
+    each step of ``model`` that ran on the device appends (the picked id, a host copy of that
+    step's logit row, the u it was given) to the returned list."""
+    import tinyloop.generate as generate
+    seen = []
+    real = generate.decode_step
+
+    def recording(m, cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0):
+        nxt = real(m, cache, token, pos, temperature, top_k, top_p, u)
+        if nxt is not None and m is model:
+            seen.append((nxt, model.ops.to_host(model.logit_row())[0].copy(), u))
+        return nxt
+    monkeypatch.setattr(generate, "decode_step", recording)
+    return seen
+
+
+# --- the kernel tests' op pairs (tests/kernels, and the GPU tests built on them) ---------------
+_OPS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def ops(request):
+    """CudaOps with the default decode GEMV (v2), or the version a test passes indirectly
+    (``@ALL_GEMVS``: each GEMV test runs for v1 and v2)."""
+    from tinyloop.backends.cuda import CudaOps, KernelChoice
+    ver = getattr(request, "param", "v2")      # "auto": GEMV_BY_SHAPE, as a model runs
+    if ver not in _OPS:
+        o = _OPS[ver] = CudaOps(KernelChoice(gemv=ver))
+        o.compile_all()
+    return _OPS[ver]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The NumPy reference ops (the oracle)."""
+    from tinyloop.backends.numpy_ops import NumpyOps
+    return NumpyOps()
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's node id and TINYLOOP_TEST_SEED: fresh inputs every
+    session, replayable with the seed the header prints."""
+    seed = zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("TINYLOOP_TEST_SEED") or 0)
+    return np.random.default_rng(seed)

@@ -1,5 +1,5 @@
 """Real llama.cpp-quantized GGUF files and an independent float64 forward of a GGUF's weights,
-shared by tests/test_gguf_kquants.py and benchmarks/gguf_import.py.
+shared by tests/convert/test_gguf_kquants.py and benchmarks/gguf_import.py.
 
 - ``float_gguf(src, dst, n_layers, n_vocab)``: the first ``n_layers`` layers of a llama GGUF
   rewritten with F16 matrices (the source's values, dequantized by the ``gguf`` package) and F32

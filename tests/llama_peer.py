@@ -1,4 +1,4 @@
-"""llama.cpp's side of the peer check (tests/test_peer_llamacpp.py), run in a child process.
+"""llama.cpp's side of the peer check (tests/convert/test_peer_llamacpp.py), run in a child process.
 
 llama.cpp is native code compiled on the installing machine: a build that executes an
 instruction the CPU rejects (SIGILL) or crashes otherwise would kill the whole pytest process.

@@ -28,8 +28,8 @@ a ConversionError naming the field. Each weight is mapped as follows (see docs/f
 
 "Lossless" means: dequantizing the .tlm weight (``q * scale + zero`` in float32) gives exactly
 the float32 values of ``gguf.quants.dequantize`` (up to the sign of zero: ``-0.0 + 0`` is
-``+0.0``); tests/test_convert_gguf.py checks it for every tensor of the real model and
-tests/test_gguf_kquants.py for files made by llama.cpp's quantizer, where
+``+0.0``); tests/convert/test_convert_gguf.py checks it for every tensor of the real model and
+tests/convert/test_gguf_kquants.py for files made by llama.cpp's quantizer, where
 ``gguf.quants.dequantize`` itself is checked bit for bit against a decoder written from ggml's
 block layouts (tests/ggml_blocks.py). The metadata's ``source_types`` records every source
 tensor's GGML type.

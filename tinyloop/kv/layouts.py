@@ -290,7 +290,7 @@ def resolve_kv_modes(spec, cfg: ModelConfig) -> tuple[str, ...]:
 # kv_mode="auto": per slot kind, the mode with the fewest bytes per token whose measured mean
 # KL against fp16 on the embedded model at depth 4 stays within AUTO_KL_BOUND on every text
 # kind of benchmarks/kv_quality.py (docs/kv_modes.md has the table this is read from;
-# tests/test_kvcache.py checks the two agree). h_int4 is over it, so auto never picks it.
+# tests/kv/test_kvcache.py checks the two agree). h_int4 is over it, so auto never picks it.
 AUTO_KL_BOUND = 5e-3
 AUTO_TABLE = {"prelude": "int8", "recurrent": "int8", "coda": "int8"}
 

@@ -17,7 +17,7 @@ Four implementations: ``HostRawAllocator`` (NumPy buffers, so the whole pool run
 GPU), ``CudaRawAllocator`` (cudaMalloc / cudaFree through CuPy, imported lazily),
 ``PinnedRawAllocator`` (page-locked host memory mapped for the device, cudaHostAlloc) and
 ``FakeRawAllocator`` (addresses only, for exact-address tests). They are the only places in
-TinyLoop that call a raw allocation function (tests/test_memory.py checks it).
+TinyLoop that call a raw allocation function (tests/memory/test_memory.py checks it).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ constant of every family: each entry goes to NVRTC as ``-DNAME=value``; a consta
 kernel itself uses is repeated in its .cu only as an ``#ifndef NAME`` default (so nvcc
 compiles the file standalone, .ci/compile_cuda.sh), and an entry the kernel does not name is
 a block size of a kernel written for any block size (the host launches with it).
-tests/test_kernel_geometry.py checks both.
+tests/kernels/test_kernel_geometry.py checks both.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from .compile import cupy
 
 # The kernels a captured decode step may launch with PDL: each calls kernels/common.cuh's
 # pdl_wait() before it reads anything an earlier kernel writes (TL_PDL_ENTER at its top, or in
-# gemv2_body after the weight preload). Name prefixes; tests/test_pdl.py checks each entry's
+# gemv2_body after the weight preload). Name prefixes; tests/kernels/test_pdl.py checks each entry's
 # source. A kernel outside this list is launched plainly even while PDL is on.
 PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_decode_",
                "embed_q", "argmax_f32", "sample_step", "swiglu_f16",
@@ -112,7 +112,7 @@ class PdlSwitch:
 # kernel's first launch: p = a pointer (an int address, 0 for none, or a cupy.ndarray),
 # i = an i64 (a Python int), f = a double (a Python float). Every entry takes only these: a
 # Python int travels as int64 and a float as double (CuPy's packing), so an ``int`` or
-# ``float`` parameter would read garbage. tests/test_pdl.py checks each pattern against the
+# ``float`` parameter would read garbage. tests/kernels/test_pdl.py checks each pattern against the
 # entries of kernels/*.cu.
 _PAGED = "pi" + "iiii"                 # block table, P, then the four part offsets
 SIGNATURES = (

@@ -1,6 +1,6 @@
 // Causal attention with grouped-query heads over the paged KV cache: prefill and decode.
 //
-// Checked against: NumpyOps.kv_attention (tests/gpu/test_kernels.py::test_paged_attention_*),
+// Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_paged_attention_*),
 // which reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
 // Query head h reads KV head h / (n_heads / n_kv); query row i (absolute position pos0 + i)
 // sees keys 0..pos0+i; scale 1/sqrt(head_dim). Online softmax (Milakov & Gimelshein 2018;
@@ -24,7 +24,7 @@
 // causal rows start first.
 // Launch geometry shared with the host: the host passes these as -D options from
 // tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
-// for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
+// for a standalone nvcc build, kept equal to the table by tests/kernels/test_kernel_geometry.py.
 #ifndef PF_Q
 #define PF_Q 64
 #endif

@@ -1,7 +1,7 @@
 // Split-K decode attention ("flash-decoding", Dao et al. 2023) over the paged KV cache: one
 // query row (T = 1) of every query head against keys 0..ctx-1.
 //
-// Checked against: NumpyOps.kv_attention (tests/gpu/test_kernels.py::test_decode_split_*), which
+// Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_decode_split_*), which
 // reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
 // Query head h reads KV head h / (n_heads / n_kv); scale 1/sqrt(head_dim); scores in log2 units
 // (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
@@ -26,7 +26,7 @@
 #include "common.cuh"
 
 // Launch geometry shared with the host (tinyloop/backends/cuda/compile.py GEOMETRY; -D from the
-// host, defaults here for a standalone nvcc build, kept equal by tests/test_kernel_geometry.py).
+// host, defaults here for a standalone nvcc build, kept equal by tests/kernels/test_kernel_geometry.py).
 #ifndef DS_THREADS
 #define DS_THREADS 128
 #endif

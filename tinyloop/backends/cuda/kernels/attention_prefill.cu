@@ -2,7 +2,7 @@
 // (Dao 2023) with mma.sync m16n8k16 (FP16 inputs, FP32 accumulation).
 //
 // Checked against: NumpyOps.kv_attention and the scalar kernel attn_prefill_* of attention.cu
-// (tests/gpu/test_attn_prefill.py). Same contract as the scalar kernel: query head h reads KV
+// (tests/kernels/test_attn_prefill_gpu.py). Same contract as the scalar kernel: query head h reads KV
 // head h / (n_heads / n_kv); query row i (absolute position pos0 + i) sees keys 0..pos0+i;
 // scale 1/sqrt(head_dim); key j of the slot lives in page table[j / P], row j % P (vLLM's
 // PagedAttention, Kwon et al. 2023; rows [P, n_kv, HD], parts at byte offsets k_off / v_off,
@@ -38,7 +38,7 @@
 
 // Launch geometry shared with the host: the host passes these as -D options from
 // tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
-// for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
+// for a standalone nvcc build, kept equal to the table by tests/kernels/test_kernel_geometry.py.
 #ifndef FA_WARPS
 #define FA_WARPS 4
 #endif

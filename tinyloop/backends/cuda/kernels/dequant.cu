@@ -1,7 +1,7 @@
 // Dequantization of group-quantized rows: the embedding gather and the FP16 weight cache.
 //
 // Checked against: tinyloop.backends.numpy_ops.NumpyOps.embed and tinyloop.quant.dequantize
-// (tests/gpu/test_kernels.py::test_embed, ::test_fp16_cache).
+// (tests/kernels/test_kernels_gpu.py::test_embed, ::test_fp16_cache).
 // Layout (tinyloop/quant.py): INT4 uint8 [rows, K/2], element 2k in the low nibble of byte k;
 // INT8 int8 [rows, K]; FP16 scale/zero [rows, K/g]; w = q*scale + zero in float32.
 #include "common.cuh"

@@ -2,7 +2,7 @@
 //
 // Checked against: NumpyOps.linear_swiglu (silu(g) * u, numpy_ops.silu), NumpyOps.linear_residual
 // (the cuBLAS FP16-cache path's `residual += x @ W.T`), NumpyOps.inject (`[state, e]`)
-// (tests/gpu/test_kernels.py::test_linear_swiglu, ::test_linear_residual, ::test_inject).
+// (tests/kernels/test_kernels_gpu.py::test_linear_swiglu, ::test_linear_residual, ::test_inject).
 #include "common.cuh"
 
 // gu f16 [T, 2F] (gate columns 0..F, up columns F..2F) -> out f16 [T, F] = silu(g) * u.

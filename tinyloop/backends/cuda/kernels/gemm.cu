@@ -1,7 +1,7 @@
 // Tiled quantized GEMM for prefill (T > 1): Y = X @ W.T, X f16 [M, K], W group-quantized [N, K].
 //
 // Checked against: NumpyOps.linear / linear_residual / linear_swiglu (GEMM into tmp, then
-// elementwise.cu's swiglu) / lm_head / inject at T > 1 (tests/gpu/test_kernels.py::test_linear*).
+// elementwise.cu's swiglu) / lm_head / inject at T > 1 (tests/kernels/test_kernels_gpu.py::test_linear*).
 //
 // Block tile 64 (rows of X) x 64 (rows of W) x 32 (K), 4 warps in 2 x 2, each 32 x 32 through
 // mma.sync m16n8k16 (FP16 inputs, FP32 accumulation; plain sm_80+ PTX, so NVRTC needs no
@@ -13,7 +13,7 @@
 
 // Launch geometry shared with the host: the host passes these as -D options from
 // tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
-// for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
+// for a standalone nvcc build, kept equal to the table by tests/kernels/test_kernel_geometry.py.
 #ifndef BM
 #define BM 64
 #endif

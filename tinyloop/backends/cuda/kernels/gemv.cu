@@ -1,7 +1,7 @@
 // Quantized GEMV for decode (T = 1): y = x @ W.T with W group-quantized (INT4 / INT8, g = 32/64/128).
 //
 // Checked against: NumpyOps.linear / linear_residual / linear_swiglu / lm_head / inject at T = 1
-// (tests/gpu/test_kernels.py::test_linear* with T=1, ::test_lm_head, ::test_inject), and the
+// (tests/kernels/test_kernels_gpu.py::test_linear* with T=1, ::test_lm_head, ::test_inject), and the
 // RMSNorm-fused entries gemv_norm_* against NumpyOps' rmsnorm + linear / linear_swiglu / lm_head
 // composition and against CudaOps' own unfused composition (::test_rmsnorm_fused*).
 //
@@ -21,7 +21,7 @@
 
 // Launch geometry shared with the host: the host passes these as -D options from
 // tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
-// for a standalone nvcc build, kept equal to the table by tests/test_kernel_geometry.py.
+// for a standalone nvcc build, kept equal to the table by tests/kernels/test_kernel_geometry.py.
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
 #endif
@@ -332,7 +332,7 @@ GEMV_NORM_ENTRY(gemv_norm_q8_f32, 8, EPI_F32)
 // GEMV v2 (the LM head's decode GEMV by default; every layer shape runs v1 above:
 // tinyloop/backends/cuda/gemv.py GEMV_BY_SHAPE, KernelChoice.gemv forces either).
 //
-// Checked against: the same NumPy references as v1 (tests/gpu/test_kernels.py::test_linear*,
+// Checked against: the same NumPy references as v1 (tests/kernels/test_kernels_gpu.py::test_linear*,
 // ::test_lm_head, ::test_rmsnorm_*_fused with T=1, run for v1 and v2) and
 // ::test_lm_head_argmax (the fused argmax against numpy.argmax of the kernel's own logits and of
 // the reference logits).

@@ -4,7 +4,7 @@
 //
 // Checked against: numpy_ops.encode_h / decode_h (quant.quantize_rows_int8,
 // numpy_ops.encode_h_int4 / decode_h_int4, kv.layouts.hadamard_rotate) and
-// NumpyOps.kv_attention (tests/gpu/test_kv_h.py).
+// NumpyOps.kv_attention (tests/kv/test_kv_h_gpu.py).
 //
 // Page parts (byte offsets from the page start, given by the host): h_fp16: h f16 [P, d];
 // h_int8: codes i8 [P, d], scales f16 [P, d/32]; h_int4: codes u8 [P, d/2] (two a byte, low

@@ -20,7 +20,7 @@
 // kv_write_step_int8 does.
 //
 // Checked against: gemv_norm_q*_f16 + kv_write_step_* on the same inputs, bit for bit
-// (tests/gpu/test_kernels.py::test_qkv_rope_step_equals_the_pair), and through them NumpyOps.
+// (tests/kernels/test_kernels_gpu.py::test_qkv_rope_step_equals_the_pair), and through them NumpyOps.
 #include "common.cuh"
 #define TL_DEVICE_ONLY
 #include "gemv.cu"

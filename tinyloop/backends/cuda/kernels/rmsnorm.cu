@@ -1,7 +1,7 @@
 // RMSNorm from the FP32 residual stream to FP16 activations, float accumulation.
 //
 // Checked against: tinyloop.backends.numpy_ops.NumpyOps.rmsnorm
-// (tests/gpu/test_kernels.py::test_rmsnorm).
+// (tests/kernels/test_kernels_gpu.py::test_rmsnorm).
 // out[t, i] = x[t, i] / sqrt(mean(x[t]^2) + eps) * weight[i]   (Zhang & Sennrich 2019)
 #include "common.cuh"
 

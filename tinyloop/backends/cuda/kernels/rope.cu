@@ -3,7 +3,7 @@
 // kernel on its rebuilt K rows: tinyloop/backends/cuda/attention.py _h_attention).
 //
 // Checked against: NumpyOps.kv_write with numpy_ops.rope_tables / apply_rope and
-// quant.quantize_rows_int8 (tests/gpu/test_kernels.py::test_kv_write_*).
+// quant.quantize_rows_int8 (tests/kernels/test_kernels_gpu.py::test_kv_write_*).
 // Interleaved pairs (GGML "normal" / GPT-J): pair i of each head, (x[2i], x[2i+1]), rotates by
 // angle pos * theta^(-2i/head_dim). The angle and its cos/sin are computed in double, as the
 // reference does, so large positions stay accurate; the rotation itself is float.

