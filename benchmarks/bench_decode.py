@@ -39,7 +39,7 @@ import numpy as np
 import tinyloop
 
 from .common import (add_model_arg, gpu_time_us, model_label, model_path, spread,
-                     user_setting, write_json)
+                     user_setting, weight_bytes_per_token, write_json)
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -51,21 +51,6 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
     us = gpu_time_us(lambda: cupy.copyto(b, a), reps=reps, warmup=1).median
     del a, b
     return 2 * nbytes / (us * 1e-6) / 1e9
-
-
-def weight_bytes_per_token(model, depth: int) -> int:
-    """Bytes of quantized weights one decode step reads at ``depth``: each layer's matrices
-    times its visits (prelude and coda once, the recurrent block ``depth`` times), the head
-    (``output``, or the tied ``token_embd``) and the injection adapter once per iteration."""
-    cfg = model.config
-    visits = [1] * cfg.n_prelude + [depth] * cfg.n_recurrent + [1] * cfg.n_coda
-    ws = model.quant_weights()
-    total = sum(v * ws[f"blk.{i}.{n}"].nbytes for i, v in enumerate(visits)
-                for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"))
-    total += ws.get("output", ws["token_embd"]).nbytes
-    if "inject.adapter" in ws:
-        total += depth * ws["inject.adapter"].nbytes
-    return total
 
 
 def sm_clock_mhz() -> int | None:

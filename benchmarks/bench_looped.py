@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from .common import user_setting
+from .common import user_setting, weight_bytes_per_token
 
 H200_BYTES_PER_S = 4.8e12        # HBM3e peak: the floor a weight-streaming decode can reach
 
@@ -135,20 +135,6 @@ def shrunk(conf: dict, k: int) -> dict:
     if "init_values" in c:
         c["init_values"]["embed_scale"] = c["n_embd"] ** 0.5
     return c
-
-
-def weight_bytes_per_token(model, depth: int) -> int:
-    """Bytes of quantized weights one decode step reads at ``depth`` (layer visits, the
-    injection adapter once per recurrence, the LM head)."""
-    cfg = model.config
-    visits = [1] * cfg.n_prelude + [depth] * cfg.n_recurrent + [1] * cfg.n_coda
-    w = model.quant_weights()
-    total = sum(v * w[f"blk.{i}.{n}"].nbytes for i, v in enumerate(visits)
-                for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"))
-    total += w.get("output", w["token_embd"]).nbytes
-    if "inject.adapter" in w:
-        total += depth * w["inject.adapter"].nbytes
-    return total
 
 
 def bench_decode(model, depth: int, new_tokens: int, reps: int, warmup_s: float = 2.0) -> dict:

