@@ -258,29 +258,34 @@ def f64(t):
     return {k: np.asarray(v, np.float64) for k, v in t.items()}
 
 
+def llama_attention(t, p, h, cfg, mode=None, window=None):
+    """The llama-style attention branch of layer prefix ``p`` (q/k/v/o_proj, rotate-half RoPE
+    at positions 0..T-1, K/V as ``mode`` stores them) over the normed rows ``h`` [T, d]: the
+    o_proj output [T, d] (Ouro and Nanbeige share it)."""
+    T = len(h)
+    H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    pos, theta = np.arange(T), cfg["rope_theta"]
+    hk = stored_h(h, mode)
+    q = rope_half((h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd), pos, theta)
+    k = rope_half((hk @ t[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, hd), pos, theta)
+    v = (hk @ t[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, hd)
+    k, v = stored_kv(k, v, mode)
+    return attend(q, k, v, window) @ t[p + "self_attn.o_proj.weight"].T
+
+
 def ouro_logits(cfg, t, ids, loops, mode=None):
     """Ouro's forward (decoder layer with four norms; self.norm after every loop feeding the
     next; lm_head on the normed state) at ``loops`` loops."""
     t = f64(t)
-    d, H, Hkv, hd = (cfg["hidden_size"], cfg["num_attention_heads"],
-                     cfg["num_key_value_heads"], cfg["head_dim"])
-    eps, theta, T = cfg["rms_norm_eps"], cfg["rope_theta"], len(ids)
-    pos = np.arange(T)
+    eps = cfg["rms_norm_eps"]
     x = t["model.embed_tokens.weight"][ids]
     for _ in range(loops):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
             h = rms(x, t[p + "input_layernorm.weight"], eps)
-            hk = stored_h(h, mode)
-            q = rope_half((h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd), pos,
-                          theta)
-            k = rope_half((hk @ t[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, hd), pos,
-                          theta)
-            v = (hk @ t[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, hd)
-            k, v = stored_kv(k, v, mode)
             win = cfg["sliding_window"] if cfg["layer_types"][i] == "sliding_attention" \
                 else None
-            a = attend(q, k, v, win) @ t[p + "self_attn.o_proj.weight"].T
+            a = llama_attention(t, p, h, cfg, mode, win)
             x = x + rms(a, t[p + "input_layernorm_2.weight"], eps)
             h = rms(x, t[p + "post_attention_layernorm.weight"], eps)
             m = (silu(h @ t[p + "mlp.gate_proj.weight"].T) * (h @ t[p + "mlp.up_proj.weight"].T)
@@ -294,23 +299,13 @@ def nanbeige_logits(cfg, t, ids, loops, mode=None):
     """nanbeige.cpp's graph: llama layers over n_loops passes, output_norm at each loop
     boundary unless skip_loop_final_norm, then result_norm and the (tied) output."""
     t = f64(t)
-    d, H, Hkv, hd = (cfg["hidden_size"], cfg["num_attention_heads"],
-                     cfg["num_key_value_heads"], cfg["head_dim"])
-    eps, theta, T = cfg["rms_norm_eps"], cfg["rope_theta"], len(ids)
-    pos = np.arange(T)
+    eps = cfg["rms_norm_eps"]
     x = t["model.embed_tokens.weight"][ids]
     for lp in range(loops):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
             h = rms(x, t[p + "input_layernorm.weight"], eps)
-            hk = stored_h(h, mode)
-            q = rope_half((h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd), pos,
-                          theta)
-            k = rope_half((hk @ t[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, hd), pos,
-                          theta)
-            v = (hk @ t[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, hd)
-            k, v = stored_kv(k, v, mode)
-            x = x + attend(q, k, v) @ t[p + "self_attn.o_proj.weight"].T
+            x = x + llama_attention(t, p, h, cfg, mode)
             h = rms(x, t[p + "post_attention_layernorm.weight"], eps)
             x = x + (silu(h @ t[p + "mlp.gate_proj.weight"].T)
                      * (h @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
