@@ -1143,6 +1143,28 @@ def test_free_model_returns_host_memory_at_once_without_the_collector(tmp_path):
         gc.enable()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's statm")
+def test_a_released_host_segment_leaves_the_process_whatever_the_c_heap_did_before():
+    """Host segments are their own memory maps: once glibc's malloc has raised its mmap
+    threshold (freeing a large block does that), a segment from the C heap with live heap
+    blocks after it could not be given back, and its pages stayed resident after release."""
+    import ctypes
+    from tinyloop.memory.raw import HostRawAllocator
+    big = np.ones(30 * MiB, np.uint8)
+    del big                                      # glibc's mmap threshold now sits near 30 MiB
+    raw = HostRawAllocator()
+    segs, pins = [], []
+    for _ in range(8):
+        _, h = raw.malloc(8 * MiB)
+        h[:] = 1                                 # resident
+        segs.append(h)
+        pins.append(ctypes.create_string_buffer(200_000))    # heap blocks after each segment
+    loaded = _rss_bytes()
+    segs.clear()
+    assert loaded - _rss_bytes() >= 0.75 * 64 * MiB
+    assert len(pins) == 8
+
+
 def test_load_over_budget_raises_ours_and_leaves_nothing(tiny_model_path):
     import tinyloop
     start = mem.memory_stats("host")

@@ -23,6 +23,7 @@ TinyLoop that call a raw allocation function (tests/memory/test_memory.py checks
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 
 import numpy as np
@@ -74,10 +75,14 @@ class _HostFigures:
 
 
 class HostRawAllocator(_HostFigures):
-    """Segments are NumPy uint8 buffers, over-allocated so each starts on a 512-byte boundary.
+    """Segments are anonymous memory maps viewed as NumPy uint8 buffers (page-aligned, so on a
+    512-byte boundary).
 
-    ``np.empty`` does not touch the pages, so a reserved but unused segment costs address space,
-    not resident memory (the host analogue of CUDA's reserved-but-free bytes).
+    A map's pages are touched only when written, so a reserved but unused segment costs address
+    space, not resident memory (the host analogue of CUDA's reserved-but-free bytes); and a
+    released segment is unmapped as soon as its buffer dies, whatever the C allocator's heap
+    did before (``malloc`` may serve even large requests from its heap once its mmap threshold
+    has grown, and then keeps the freed pages).
     """
 
     device = "host"
@@ -85,9 +90,11 @@ class HostRawAllocator(_HostFigures):
     context_bytes = None
 
     def malloc(self, nbytes: int):
-        raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)      # MemoryError when no room
-        skip = (-raw.ctypes.data) % ALIGNMENT
-        buf = raw[skip:skip + nbytes]                           # keeps `raw` alive
+        try:
+            mm = mmap.mmap(-1, max(int(nbytes), 1))
+        except OSError as e:                                    # ENOMEM: no room
+            raise MemoryError(f"cannot map {nbytes} bytes of host memory: {e}") from None
+        buf = np.frombuffer(mm, dtype=np.uint8, count=nbytes)   # keeps `mm` mapped
         return buf.ctypes.data, buf
 
     def free(self, ptr: int, handle) -> None:
