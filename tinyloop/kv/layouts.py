@@ -232,7 +232,7 @@ def hadamard_rotate(x: np.ndarray, block: int) -> np.ndarray:
 
     Output j of a block: the float64 sum over i = 0, 1, .. in that order of
     (-1)^popcount(i & j) x_i, one division by sqrt(block), one rounding to float32 (a finite
-    sum beyond float32's range saturates at its largest value): cuda_src/kv_h.cu
+    sum beyond float32's range saturates at its largest value): backends/cuda/kernels/kv_h.cu
     ``hadamard32`` computes the same in the same order, so both backends store the same
     h_int4 codes."""
     x = np.asarray(x, np.float64)

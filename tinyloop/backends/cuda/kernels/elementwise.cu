@@ -61,7 +61,7 @@ extern "C" __global__ void copy_f16_to_f32(const half_t* __restrict__ y, i64 n,
 
 // --- the looped architectures' elementwise ops ------------------------------------------------
 // Checked against NumpyOps.scale, NumpyOps.add_bias and base.seeded_state
-// (tests/gpu/test_looped_ops.py).
+// (tests/model/test_looped_ops_gpu.py).
 
 // x f32 [n] *= s (embed_scale). grid = ceil(n / 256), block = 256.
 extern "C" __global__ void scale_f32(float* __restrict__ x, i64 n, double s) {

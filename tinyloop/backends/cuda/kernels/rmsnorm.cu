@@ -21,7 +21,7 @@ extern "C" __global__ void rmsnorm_f32_f16(const float* __restrict__ x,
 
 // The norms of the looped architectures, on the residual stream (float accumulation, as
 // above). Checked against NumpyOps.norm_residual / linear_norm_residual
-// (tests/gpu/test_looped_ops.py).
+// (tests/model/test_looped_ops_gpu.py).
 
 // x f32 [T, d] = rmsnorm(x) * weight, in place (loop_norm, exit_norm, a sandwich layer's norm
 // after the add). Each thread rewrites only the elements it read, after the block's sum, so
