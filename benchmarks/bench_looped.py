@@ -89,6 +89,7 @@ def write_random_model(conf: dict, path: str, bits: int = 4, group_size: int = 3
     """Write a .tlm of the model ``conf`` (a config.json dict) with random weights; returns its
     ModelConfig."""
     from tinyloop.convert.hf import folder_config
+    from tinyloop.convert.synthetic import float_tensor
     from tinyloop.format import expected_tensors, write_tlm
     folder = tempfile.mkdtemp()
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -98,8 +99,7 @@ def write_random_model(conf: dict, path: str, bits: int = 4, group_size: int = 3
     tensors = {}
     for name, (kind, shape) in expected_tensors(cfg).items():
         if kind == "float":
-            base = 0.0 if name.endswith("_bias") or name.startswith("exit_gate.") else 1.0
-            tensors[name] = (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)
+            tensors[name] = float_tensor(rng, name, shape)
             continue
         rows, cols = shape
         std = 2.0 / np.sqrt(cols) if name in ("token_embd", "output") else 1.0 / np.sqrt(cols)

@@ -84,6 +84,18 @@ def save(folder: str, config: dict, tensors: dict, *, shards: int = 1) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
+def _llama_projections(p, exact, rng, d, heads, kv_heads, head_dim, ffn) -> dict:
+    """The q/k/v/o and gate/up/down matrices of layer prefix ``p`` in llama's naming (Ouro and
+    Nanbeige), drawn in that order."""
+    return {p + "self_attn.q_proj.weight": _mat(exact, rng, heads * head_dim, d),
+            p + "self_attn.k_proj.weight": _mat(exact, rng, kv_heads * head_dim, d),
+            p + "self_attn.v_proj.weight": _mat(exact, rng, kv_heads * head_dim, d),
+            p + "self_attn.o_proj.weight": _mat(exact, rng, d, heads * head_dim),
+            p + "mlp.gate_proj.weight": _mat(exact, rng, ffn, d),
+            p + "mlp.up_proj.weight": _mat(exact, rng, ffn, d),
+            p + "mlp.down_proj.weight": _mat(exact, rng, d, ffn)}
+
+
 # --- Ouro -----------------------------------------------------------------------------------
 def ouro_checkpoint(seed=0, *, exact=True, d=256, heads=2, kv_heads=2, head_dim=128,
                     ffn=320, layers=2, vocab=96, loops=3, sliding=(1,), window=5, theta=1e6):
@@ -104,13 +116,7 @@ def ouro_checkpoint(seed=0, *, exact=True, d=256, heads=2, kv_heads=2, head_dim=
          "model.early_exit_gate.bias": np.array([0.3], np.float32)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = _mat(exact, rng, heads * head_dim, d)
-        t[p + "self_attn.k_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
-        t[p + "self_attn.v_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
-        t[p + "self_attn.o_proj.weight"] = _mat(exact, rng, d, heads * head_dim)
-        t[p + "mlp.gate_proj.weight"] = _mat(exact, rng, ffn, d)
-        t[p + "mlp.up_proj.weight"] = _mat(exact, rng, ffn, d)
-        t[p + "mlp.down_proj.weight"] = _mat(exact, rng, d, ffn)
+        t.update(_llama_projections(p, exact, rng, d, heads, kv_heads, head_dim, ffn))
         for n in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
                   "post_attention_layernorm_2"):
             t[p + n + ".weight"] = norm_weight(rng, d)
@@ -131,13 +137,7 @@ def nanbeige_checkpoint(seed=0, *, exact=True, d=128, heads=4, kv_heads=2, head_
          "model.norm.weight": norm_weight(rng, d)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = _mat(exact, rng, heads * head_dim, d)
-        t[p + "self_attn.k_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
-        t[p + "self_attn.v_proj.weight"] = _mat(exact, rng, kv_heads * head_dim, d)
-        t[p + "self_attn.o_proj.weight"] = _mat(exact, rng, d, heads * head_dim)
-        t[p + "mlp.gate_proj.weight"] = _mat(exact, rng, ffn, d)
-        t[p + "mlp.up_proj.weight"] = _mat(exact, rng, ffn, d)
-        t[p + "mlp.down_proj.weight"] = _mat(exact, rng, d, ffn)
+        t.update(_llama_projections(p, exact, rng, d, heads, kv_heads, head_dim, ffn))
         t[p + "input_layernorm.weight"] = norm_weight(rng, d)
         t[p + "post_attention_layernorm.weight"] = norm_weight(rng, d)
     return cfg, t

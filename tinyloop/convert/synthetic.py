@@ -24,6 +24,13 @@ SMOLLM2_DIMS = dict(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head
                     norm_eps=1e-5, tied_head=True)
 
 
+def float_tensor(rng, name: str, shape) -> np.ndarray:
+    """A random float32 tensor of ``expected_tensors``' "float" kind: biases and the exit gate
+    near 0, norm weights near 1 (N(base, 0.02^2))."""
+    base = 0.0 if name.endswith("_bias") or name.startswith("exit_gate.") else 1.0
+    return (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)
+
+
 def synthetic_weights(cfg: ModelConfig, seed: int, bits: int = 4,
                       group_size: int = 32) -> dict:
     """Name -> QuantWeight / float32 array for every tensor ``cfg`` needs (deterministic)."""
@@ -31,8 +38,7 @@ def synthetic_weights(cfg: ModelConfig, seed: int, bits: int = 4,
     out = {}
     for name, (kind, shape) in expected_tensors(cfg).items():
         if kind == "float":
-            base = 0.0 if name.endswith("_bias") or name.startswith("exit_gate.") else 1.0
-            out[name] = (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)
+            out[name] = float_tensor(rng, name, shape)
             continue
         rows, cols = shape
         if name == "inject.adapter":
