@@ -423,8 +423,7 @@ def test_rmsnorm_fused_grid_stride(ops, rng, monkeypatch, bits):
         return [cupy.asnumpy(o) for o in (o1, o2, o3)]
     full = run()
     for cap in (1, 3):
-        monkeypatch.setattr(ops, "_norm_blocks", cap)      # v1's RMSNorm-fused grid
-        monkeypatch.setattr(ops, "_grid_cap", cap)         # every v2 grid
+        monkeypatch.setattr(ops, "_grid_cap", cap)         # every v2 and RMSNorm-fused grid
         for a, b in zip(run(), full):
             assert np.isfinite(a).all() and np.array_equal(a, b), f"grid cap {cap}"
     assert_unwritten(norm, "grid stride")

@@ -266,6 +266,22 @@ class GemvOps:
         out = self._out(out, "out", _F32, t, info.n)
         self._matmul(x, w, info, out, "f32", info.n)
 
+    def resident_blocks(self, fn, threads: int, smem: int) -> int:
+        """Blocks of ``fn`` (a launch.Kernel) that are resident on the whole GPU at once with
+        ``threads`` threads and ``smem`` bytes of dynamic shared memory (the driver's occupancy
+        figure, which counts the kernel's registers). The RMSNorm-fused kernels cap their grid
+        there: a block past it would wait for a first-wave block to finish and then normalize
+        the row again, where a resident block's warps take the extra rows in their row loop."""
+        key = (fn.name, threads, smem)
+        n = self._resident.get(key)
+        if n is None:
+            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                fn.raw.kernel.ptr, threads, smem)
+            n = self._resident[key] = max(1, min(per_sm, _BLOCKS_PER_SM) * self.sms)
+        if self._grid_cap is not None and n > self._grid_cap:
+            n = self._grid_cap
+        return n
+
     def _norm_fused(self, x, weight, info) -> bool:
         """True when the pair runs fused: x f32 [1, K], weight f32 [K] on the device and a
         weight the fused kernel takes. T > 1 or a too-large weight: False (compose). A bad
@@ -290,8 +306,9 @@ class GemvOps:
                                info.k, f, info.lg, out.data.ptr), shared_mem=2 * info.k)
             return
         blocks = (rows + _GEMV_ROWS - 1) // _GEMV_ROWS
-        if blocks > self._norm_blocks:
-            blocks = self._norm_blocks
+        cap = self.resident_blocks(info.gemv_norm[epi], 32 * _GEMV_ROWS, 2 * info.k)
+        if blocks > cap:
+            blocks = cap
         info.gemv_norm[epi]((blocks,), (32 * _GEMV_ROWS,),
                             (x.data.ptr, weight.data.ptr, float(eps), *info.args, rows, info.k,
                              f, info.lg, out.data.ptr), shared_mem=2 * info.k)

@@ -159,8 +159,10 @@ class KVOps:
             _dev(bias, "bias", np.float32, 1)
             _shape(bias, "bias", (info.n,))
         table, p, offs = self._step_kv(kv)
-        blocks = min((info.n + _GEMV_ROWS - 1) // _GEMV_ROWS, self._norm_blocks)
-        self._fn("qkv_rope", f"qkv_rope_step_q{w.bits}_{kv.layout.mode}")(
+        fn = self._fn("qkv_rope", f"qkv_rope_step_q{w.bits}_{kv.layout.mode}")
+        blocks = min((info.n + _GEMV_ROWS - 1) // _GEMV_ROWS,
+                     self.resident_blocks(fn, 32 * _GEMV_ROWS, 2 * info.k))
+        fn(
             (blocks,), (32 * _GEMV_ROWS,),
             (x.data.ptr, weight.data.ptr, float(eps), *info.args, info.n, info.k, info.lg,
              out.data.ptr, self._step_ptr(step), float(theta), int(n_heads), int(n_kv_heads),

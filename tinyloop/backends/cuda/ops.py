@@ -63,7 +63,7 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         except Exception:                                # an older CuPy: no .attributes
             sms = int(cupy.cuda.runtime.getDeviceProperties(
                 cupy.cuda.Device().id)["multiProcessorCount"])
-        self._norm_blocks = max(1, sms * _BLOCKS_PER_SM)
+        self._resident: dict = {}      # (kernel, threads, smem) -> resident blocks (GemvOps)
         self.sms = sms
         self._cc = int(cupy.cuda.Device().compute_capability)     # e.g. 90 for sm_90
         self._kernels = KernelChoice.of(kernels)
