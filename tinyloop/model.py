@@ -66,13 +66,13 @@ _FEATURE_TEXT = {"layer_norms": "post-branch and sandwich norms (layer_norms)",
 
 
 # The facts each backend's kernels do not run yet; a backend not named here runs none.
-_BACKEND_LACKS = {"numpy": (), "cuda": ("sliding_window",)}
+_BACKEND_LACKS = {"numpy": (), "cuda": ()}
 
 
 def backend_missing_features(cfg, backend: str) -> list[str]:
     """The architecture facts of ``cfg`` the ``backend``'s kernels do not run yet (the
-    NumPy reference runs every one; the CUDA kernels every one but sliding-window
-    attention; the exit gate no forward reads)."""
+    NumPy reference and the CUDA kernels run every one; a backend not known here none; the
+    exit gate no forward reads)."""
     lacks = _BACKEND_LACKS.get(backend, tuple(_FEATURE_TEXT))
     return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts and k in lacks]
 

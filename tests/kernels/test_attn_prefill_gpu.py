@@ -77,15 +77,19 @@ def _fill(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, large=False, extra=8):
     return c_ref, c_dev, qh.astype(np.float32), qh
 
 
-def _ref64(ref, kv, q, pos0, h, hkv, hd):
+def _ref64(ref, kv, q, pos0, h, hkv, hd, window=0):
     """Float64 causal attention over the values the mma kernel stages (K, V rounded to FP16)
-    and its bound ``tol`` (module docstring). Returns (out, tol), both [t, h hd]."""
+    and its bound ``tol`` (module docstring); ``window`` > 0: key j visible from position p
+    when p - window < j (written here from the definition, not NumPyOps' chunked rule).
+    Returns (out, tol), both [t, h hd]."""
     t, ctx = q.shape[0], pos0 + q.shape[0]
     k, v = ref.kv_rows(kv, 0, ctx, hkv, hd, None)                     # [ctx, hkv, hd]
     k = np.asarray(k, np.float32).astype(np.float16).astype(np.float64)
     v = np.asarray(v, np.float32).astype(np.float16).astype(np.float64)
     qq = q[:, :h * hd].reshape(t, h, hd).astype(np.float64) / np.sqrt(hd)
     future = np.arange(ctx)[None, :] > (pos0 + np.arange(t))[:, None]
+    if window > 0:
+        future |= np.arange(ctx)[None, :] <= (pos0 + np.arange(t))[:, None] - window
     out = np.empty((t, h, hd))
     tol = np.empty((t, h, hd))
     for hh in range(h):
@@ -101,14 +105,14 @@ def _ref64(ref, kv, q, pos0, h, hkv, hd):
     return out.reshape(t, h * hd), tol.reshape(t, h * hd)
 
 
-def _run(ops, monkeypatch, version, qh, c_dev, pos0, h, hkv, hd, spare=3):
+def _run(ops, monkeypatch, version, qh, c_dev, pos0, h, hkv, hd, spare=3, window=0):
     """kv_attention with KernelChoice.attn_prefill = ``version`` into a NaN-poisoned buffer
     with ``spare`` rows more than T; checks the spare rows are untouched; returns out
     [T, h hd]."""
     monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_prefill=version))
     t = qh.shape[0]
     buf = poisoned((t + spare, h * hd), cupy.float16)
-    ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, buf)
+    ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, buf, window=window)
     host = cupy.asnumpy(buf).astype(np.float64)
     assert np.isnan(host[t:]).all(), f"{version}: wrote rows past T={t}"
     return host[:t]
@@ -125,15 +129,17 @@ def _check(got, want, tol, what):
                              f"err={err[i]:.3g} bound={tol[i]:.3g} (seed {SESSION_SEED})")
 
 
-def _case(ops, ref, rng, monkeypatch, mode, h, hkv, hd, t, pos0, p, large=False, extra=8):
+def _case(ops, ref, rng, monkeypatch, mode, h, hkv, hd, t, pos0, p, large=False, extra=8,
+          window=0):
     c_ref, c_dev, q, qh = _fill(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, large, extra)
     oracle = np.empty((t, h * hd), np.float32)
-    ref.kv_attention(q, c_ref.slot(0), pos0, h, hkv, hd, oracle)
+    ref.kv_attention(q, c_ref.slot(0), pos0, h, hkv, hd, oracle, window=window)
     oracle = oracle.astype(np.float64)
-    r64, tol = _ref64(ref, c_ref.slot(0), q, pos0, h, hkv, hd)
-    mma = _run(ops, monkeypatch, "mma", qh, c_dev, pos0, h, hkv, hd)
-    scalar = _run(ops, monkeypatch, "scalar", qh, c_dev, pos0, h, hkv, hd)
-    what = f"{mode} T={t} pos0={pos0} P={p} heads={h}/{hkv}x{hd} large={large}"
+    r64, tol = _ref64(ref, c_ref.slot(0), q, pos0, h, hkv, hd, window)
+    mma = _run(ops, monkeypatch, "mma", qh, c_dev, pos0, h, hkv, hd, window=window)
+    scalar = _run(ops, monkeypatch, "scalar", qh, c_dev, pos0, h, hkv, hd, window=window)
+    what = (f"{mode} T={t} pos0={pos0} P={p} heads={h}/{hkv}x{hd} large={large} "
+            f"window={window}")
     _check(mma, r64, tol, f"mma vs float64 over FP16-staged K/V, {what}")
     staging = np.abs(r64 - oracle)                   # exactly the FP16 staging's effect
     _check(mma, oracle, tol + staging, f"mma vs NumPy oracle, {what}")
@@ -169,6 +175,28 @@ def test_prefill_online_softmax_rescale(ops, ref, rng, monkeypatch, mode, t, pos
     """Scores 16x larger and growing with the key position: the running max moves up tile
     after tile, so every tile rescales O and l (alpha < 1) and most P are tiny or subnormal."""
     _case(ops, ref, rng, monkeypatch, mode, 9, 3, 64, t, pos0, 32, large=True)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("h,hkv,hd", [(9, 3, 64), (4, 2, 96), (6, 2, 128)])
+@pytest.mark.parametrize("window", [1, 5, 64, 10**6])
+@pytest.mark.parametrize("t,pos0", [(17, 0), (65, 100), (200, 0), (130, 1000)])
+def test_prefill_sliding_window(ops, ref, rng, monkeypatch, mode, h, hkv, hd, window, t, pos0):
+    """Both prefill kernels with a window (1: each row its own key; 5 / 64: windows inside a
+    key tile and across tiles and pages; 10**6: wider than the context), P = 16, against the
+    oracle and the float64 reference with the window written from its definition: a warp's
+    16 rows have different first keys, so a tile can hold none of some rows' keys while their
+    running max is still -inf (window 1 / 5), and tiles before the block's first window are
+    skipped (pos0 = 1000)."""
+    _case(ops, ref, rng, monkeypatch, mode, h, hkv, hd, t, pos0, 16, window=window)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("window", [7, 100])
+def test_prefill_sliding_window_rescale(ops, ref, rng, monkeypatch, mode, window):
+    """Growing scores (``large``) with a window: the running max moves up tile after tile
+    from the window's first tile on."""
+    _case(ops, ref, rng, monkeypatch, mode, 9, 3, 64, 300, 200, 32, large=True, window=window)
 
 
 def test_prefill_odd_row_pitch_falls_back_to_scalar(ops, ref, rng, monkeypatch):

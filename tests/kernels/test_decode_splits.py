@@ -12,24 +12,32 @@ from tinyloop.backends.cuda.compile import GEOMETRY
 DS_THREADS = GEOMETRY["attention_decode"]["DS_THREADS"]
 
 
-def emulate(q, k, v, ctx, page, nsplit, min_pps=1):
-    """The kernel's arithmetic in float64: split s owns pages [s*pps, (s+1)*pps) of the
-    ceil(ctx / page) pages, pps = max(ceil(npages / nsplit), min_pps) (ds_pages_per_split);
-    partials (m, l, o) in log2 units; combine by the max."""
-    npages = -(-ctx // page)
+def emulate(q, k, v, ctx, page, nsplit, min_pps=1, window=0):
+    """The kernel's arithmetic in float64 (ds_split_range): the keys lo..ctx-1 (lo =
+    max(0, ctx - window) for window > 0, else 0) lie in the pages from pg0 = lo // page on,
+    npages = ceil(ctx / page) - pg0 of them; split s owns pages [pg0 + s*pps, pg0 + (s+1)*pps),
+    pps = max(ceil(npages / nsplit), min_pps), i.e. keys max(lo, ...)..; splits from
+    n_used = ceil(npages / pps) on are empty; partials (m, l, o) in log2 units; combine by
+    the max."""
+    lo = max(0, ctx - window) if window > 0 else 0
+    pg0 = lo // page
+    npages = -(-ctx // page) - pg0
     pps = max(-(-npages // nsplit), min_pps)
+    n_used = -(-npages // pps)
     parts, covered = [], []
     for s in range(nsplit):
-        k0, k1 = s * pps * page, min(ctx, (s + 1) * pps * page)
+        k0, k1 = max(lo, (pg0 + s * pps) * page), min(ctx, (pg0 + (s + 1) * pps) * page)
+        assert (k0 < k1) == (s < n_used), (s, n_used)
         if k0 >= k1:
             parts.append((-np.inf, 0.0, np.zeros(q.shape[0])))
             continue
+        assert k0 // page >= pg0                 # no split holds a page before the window
         covered.extend(range(k0, k1))
         sc = k[k0:k1] @ q
         m = sc.max()
         p = np.exp2(sc - m)
         parts.append((m, p.sum(), p @ v[k0:k1]))
-    assert covered == list(range(ctx))          # every key once, in order
+    assert covered == list(range(lo, ctx))      # every key of the window once, in order
     mx = max(p[0] for p in parts)
     assert np.isfinite(mx)
     w = [np.exp2(p[0] - mx) for p in parts]
@@ -54,6 +62,28 @@ def test_split_partition_and_combine_equal_a_dense_softmax(page, nsplit, chunk_f
         np.testing.assert_allclose(emulate(q, k, v, ctx, page, nsplit, min_pps), want,
                                    rtol=1e-10,
                                    atol=1e-12)
+
+
+@pytest.mark.parametrize("page", [1, 16, 32])
+@pytest.mark.parametrize("nsplit", [1, 3, 16, 64])
+@pytest.mark.parametrize("window", [1, 5, 64, 200, 10**6])
+def test_split_partition_of_a_sliding_window(page, nsplit, window):
+    """With a window only its pages are dealt out (the first split starting at its first key,
+    inside a page) and the partials combine to a dense softmax over keys ctx-window..ctx-1,
+    written here from the definition; empty splits (more splits than window pages) weigh 0."""
+    rng = np.random.default_rng(page * 1000 + nsplit * 10 + window % 7)
+    hd = 32
+    min_pps = -(-DS_THREADS // page)
+    for ctx in (1, page, page + 1, 300, 2049):
+        q = rng.standard_normal(hd)
+        k = rng.standard_normal((ctx, hd)) * 2
+        v = rng.standard_normal((ctx, hd))
+        sc = np.where(np.arange(ctx) > ctx - 1 - window, k @ q, -np.inf)
+        p = np.exp2(sc - sc.max())
+        want = p @ v / p.sum()
+        for floor in (1, min_pps):
+            np.testing.assert_allclose(emulate(q, k, v, ctx, page, nsplit, floor, window),
+                                       want, rtol=1e-10, atol=1e-12)
 
 
 def test_split_count_rule():

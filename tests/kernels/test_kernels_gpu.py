@@ -839,10 +839,11 @@ def copy_pages(src_kv, dst_kv, mode: str, npages: int) -> None:
             dst[name].set(np.ascontiguousarray(arr).astype(dst[name].dtype))
 
 
-def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, step=False):
+def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, step=False, window=0):
     """The NumPy cache is filled by its kv_write; its pages are copied byte for byte into the
     CUDA pages (fp16 mode: rounded to FP16 first, on both sides), so both attentions read the
-    same stored values through their own block tables."""
+    same stored values through their own block tables. ``window``: both sliding-window (the
+    NumPy reference's mask: keys p-window+1..p)."""
     ctx = pos0 + t
     c_ref, c_dev = kv_pair(ops, ref, mode, h, hkv, hd, ctx, p)
     _, allq = qkv_rows(rng, ctx, h, hkv, hd, extra=8)   # extra columns: a padded qkv row
@@ -851,18 +852,19 @@ def _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, p, step=Fals
     qh = allq[pos0:].astype(np.float16)
     q = qh.astype(np.float32)
     want = np.empty((t, h * hd), np.float32)
-    ref.kv_attention(q, c_ref.slot(0), pos0, h, hkv, hd, want)
+    ref.kv_attention(q, c_ref.slot(0), pos0, h, hkv, hd, want, window=window)
     out = poisoned((t, h * hd), cupy.float16)
     if step:                                  # the position from a device step state
         state = np.zeros(STEP_WORDS, np.int32)
         state[STEP_POS] = pos0
         ops.kv_attention_step(cupy.asarray(qh), c_dev.slot(0), cupy.asarray(state), h, hkv, hd,
-                              out)
+                              out, window=window)
     else:
-        ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out)
+        ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out, window=window)
     assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL,
-                 what=f"{mode} attention T={t} pos0={pos0} P={p} step={step} "
+                 what=f"{mode} attention T={t} pos0={pos0} P={p} step={step} window={window} "
                       f"(seed {SESSION_SEED})")
+    return want
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
@@ -908,6 +910,86 @@ def test_decode_versions_and_step_state(ops, ref, rng, monkeypatch, version, mod
     monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_decode=version))
     for step in (False, True):
         _paged_attention_case(ops, ref, rng, mode, 9, 3, 64, 1, ctx - 1, 32, step=step)
+
+
+# --- sliding-window attention: every kernel a sliding layer reaches, against NumPy's mask -----
+WINDOW_HEADS = [(9, 3, 64), (4, 2, 96), (6, 2, 128)]
+# 1: the query's own key only; 5: inside a page or across one; 64: several pages; 10**6: wider
+# than every context here (full attention through the window code)
+WINDOWS = [1, 5, 64, 10**6]
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("h,hkv,hd", WINDOW_HEADS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("ctx", [1, 16, 17, 35, 300, 2049])
+def test_decode_v1_sliding_window(ops, ref, rng, monkeypatch, mode, h, hkv, hd, window, ctx):
+    """The one-block-per-head decode kernel (attention.cu) with a window, P = 16: the window
+    starts inside a page, on a page boundary (ctx 17, window 1: key 16 alone) and across
+    one (ctx 17 / 35, window 5); host position and the device step state (v1 reads the
+    length on the host for the step kernel too)."""
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_decode="v1"))
+    for step in (False, True):
+        _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, ctx - 1, 16, step=step,
+                              window=window)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("h,hkv,hd", WINDOW_HEADS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("ctx", [17, 35, 300, 2049, 4096])
+@pytest.mark.parametrize("splits", [1, 3, 64])
+@pytest.mark.parametrize("p", [16, 32])
+def test_decode_split_sliding_window(ops, ref, rng, monkeypatch, mode, h, hkv, hd, window, ctx,
+                                     splits, p):
+    """Split-K decode (attention_decode.cu) with a forced split count and a window: only the
+    window's pages are dealt to the splits (more splits than window pages leaves splits
+    empty, which the combine must weigh 0), the first split starting at the window's first
+    key inside its page; the position from the host and from the device step state (the
+    captured step's path)."""
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_decode="split"))
+    monkeypatch.setattr(cuda_attention, "decode_splits", lambda *a: splits)
+    for step in (False, True):
+        _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, 1, ctx - 1, p, step=step,
+                              window=window)
+
+
+@pytest.mark.parametrize("version", ["v1", "split"])
+@pytest.mark.parametrize("window", [5, 200])
+def test_decode_window_with_the_host_split_rule(ops, ref, rng, monkeypatch, version, window):
+    """The host's own split choice for a sliding layer (the window's key count picks it:
+    single-pass for a short window whatever the context) at contexts of 129 to 4096 keys."""
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_decode=version))
+    for ctx in (129, 1000, 4096):
+        for step in (False, True):
+            _paged_attention_case(ops, ref, rng, "fp16", 9, 3, 64, 1, ctx - 1, 32, step=step,
+                                  window=window)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("h,hkv,hd", WINDOW_HEADS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("t,pos0", [(2, 0), (67, 0), (64, 37), (33, 300), (200, 0)])
+def test_scalar_prefill_sliding_window(ops, ref, rng, monkeypatch, mode, h, hkv, hd, window,
+                                       t, pos0):
+    """The scalar prefill kernel (attention.cu) with a window, P = 16: the rows of one warp
+    (8 consecutive positions) and one block (64) have different first keys, so a 32-key tile
+    holds none of some rows' keys (window 1 / 5: rows whose running max is still -inf) and
+    tiles before the block's first window are skipped (pos0 = 300)."""
+    monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels, attn_prefill="scalar"))
+    _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, 16, window=window)
+
+
+def test_a_window_changes_the_output(ops, ref, rng):
+    """The window cases test a real mask: on the same cache and query (the same draws), window
+    5 at 300 keys differs from full attention by far more than the kernel bound, so a kernel
+    ignoring the window fails the cases above."""
+    seed = int(rng.integers(1 << 30))
+    want = _paged_attention_case(ops, ref, np.random.default_rng(seed), "fp16", 9, 3, 64, 1,
+                                 299, 16, window=5)
+    full = _paged_attention_case(ops, ref, np.random.default_rng(seed), "fp16", 9, 3, 64, 1,
+                                 299, 16)
+    assert np.abs(want - full).max() > 10 * (2e-3 * rms(full) + F16_RTOL * np.abs(full).max())
 
 
 def test_paged_ops_refuse_a_missing_page_and_an_unbuilt_mode(ops, ref, rng):

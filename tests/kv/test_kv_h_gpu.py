@@ -202,9 +202,11 @@ def _recon_pair(ops, rng, h, hkv, hd, d, chunk, t, bits=4, g=32):
     return (Recon(w, 1e4, chunk), Recon(dev_weight(ops, w), 1e4, chunk, scratch))
 
 
-def _h_attention_case(ops, ref, rng, mode, h, hkv, hd, d, t, pos0, p, chunk, step=False):
+def _h_attention_case(ops, ref, rng, mode, h, hkv, hd, d, t, pos0, p, chunk, step=False,
+                      window=0):
     """The NumPy cache is filled by its kv_write over positions 0..ctx-1; its pages are copied
-    byte for byte into the CUDA pages, so both attentions rebuild K|V from the same codes."""
+    byte for byte into the CUDA pages, so both attentions rebuild K|V from the same codes.
+    ``window``: both sliding-window."""
     ctx = pos0 + t
     c_ref, c_dev = h_pair(ops, ref, mode, h, hkv, hd, d, ctx, p)
     _, allq = qkv_rows(rng, ctx, h, hkv, hd, extra=8)    # a padded qkv row
@@ -217,18 +219,20 @@ def _h_attention_case(ops, ref, rng, mode, h, hkv, hd, d, t, pos0, p, chunk, ste
     r_ref, r_dev = _recon_pair(ops, rng, h, hkv, hd, d, chunk, t)
     qh = allq[pos0:].astype(np.float16)
     want = np.empty((t, h * hd), np.float32)
-    ref.kv_attention(qh.astype(np.float32), c_ref.slot(0), pos0, h, hkv, hd, want, r_ref)
+    ref.kv_attention(qh.astype(np.float32), c_ref.slot(0), pos0, h, hkv, hd, want, r_ref,
+                     window=window)
     out = poisoned((t, h * hd), cupy.float16)
     if step:
         state = np.zeros(STEP_WORDS, np.int32)
         state[STEP_POS] = pos0
         ops.kv_attention_step(cupy.asarray(qh), c_dev.slot(0), cupy.asarray(state), h, hkv, hd,
-                              out, r_dev)
+                              out, r_dev, window=window)
     else:
-        ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out, r_dev)
+        ops.kv_attention(cupy.asarray(qh), c_dev.slot(0), pos0, h, hkv, hd, out, r_dev,
+                         window=window)
     assert_close(out, want, atol=1.2e-2 * rms(want), rtol=1e-2,
                  what=f"{mode} attention T={t} pos0={pos0} P={p} chunk={chunk} step={step} "
-                      f"(seed {SESSION_SEED})")
+                      f"window={window} (seed {SESSION_SEED})")
 
 
 @pytest.mark.parametrize("mode", H_MODES)
@@ -254,6 +258,27 @@ def test_h_attention_decode(ops, ref, rng, mode, h, hkv, hd, d, ctx):
 def test_h_attention_step(ops, ref, rng, mode, ctx):
     """kv_attention_step on a store-h slot reads the context length from the step state."""
     _h_attention_case(ops, ref, rng, mode, 9, 3, 64, 576, 1, ctx - 1, 32, 256, step=True)
+
+
+@pytest.mark.parametrize("mode", H_MODES)
+@pytest.mark.parametrize("h,hkv,hd,d", [HD[0], HD[2]])
+@pytest.mark.parametrize("window", [1, 5, 64, 10**6])
+@pytest.mark.parametrize("t,pos0", [(1, 299), (67, 0), (200, 0), (64, 37), (33, 300)])
+def test_h_attention_sliding_window(ops, ref, rng, mode, h, hkv, hd, d, window, t, pos0):
+    """Store-h attention (h_attn_chunk) with a window, chunks of 48 over pages of 16: the
+    chunks wholly before the first row's window are not rebuilt, and a later row's window can
+    start past chunks the launch still runs (T = 200, window 1 / 5: a row meets two chunks
+    holding none of its keys, so a carried state with no key meets parts with none, which
+    must stay empty, not NaN)."""
+    _h_attention_case(ops, ref, rng, mode, h, hkv, hd, d, t, pos0, 16, 48, window=window)
+
+
+@pytest.mark.parametrize("mode", H_MODES)
+@pytest.mark.parametrize("window", [5, 200])
+def test_h_attention_step_sliding_window(ops, ref, rng, mode, window):
+    """kv_attention_step on a store-h slot passes the layer's window on."""
+    _h_attention_case(ops, ref, rng, mode, 9, 3, 64, 576, 1, 299, 32, 64, step=True,
+                      window=window)
 
 
 def test_h_attention_refuses_missing_or_short_scratch(ops, ref, rng):

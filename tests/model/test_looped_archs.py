@@ -395,23 +395,25 @@ def test_cli_convert_and_load_model_folder_caches(tmp_path, folders, monkeypatch
     np.testing.assert_array_equal(got[0], got[1])
 
 
-def test_cuda_refuses_only_the_sliding_window_by_name(folders):
-    """The CUDA kernels run every VERSION 2 fact but sliding-window attention: Huginn (sandwich
-    norms, seeded state, Q/K/V bias, embedding scale) and Nanbeige load; Ouro's sliding layers
-    are refused by name, an unknown backend is refused every fact."""
+def test_cuda_runs_every_fact_sliding_windows_included(folders):
+    """The CUDA kernels run every VERSION 2 fact: Huginn (sandwich norms, seeded state, Q/K/V
+    bias, embedding scale), Nanbeige and Ouro with its sliding-window layer (the window is a
+    kernel argument of every attention kernel) load; an unknown backend is refused every
+    fact, the sliding window included."""
     from tinyloop.model import backend_missing_features
     cfgs = {}
     for arch in ("huginn", "nanbeige", "ouro"):
         with tinyloop.format.read_tlm(folders[arch][3]) as f:
             cfgs[arch] = f.config
     assert cfgs["huginn"].arch_facts and cfgs["nanbeige"].arch_facts
-    assert backend_missing_features(cfgs["huginn"], "cuda") == []
-    assert backend_missing_features(cfgs["nanbeige"], "cuda") == []
-    assert backend_missing_features(cfgs["ouro"], "cuda") == [
-        "sliding-window attention (sliding_window)"]
+    assert "sliding_window" in cfgs["ouro"].arch_facts and cfgs["ouro"].sliding_layers
+    for arch in ("huginn", "nanbeige", "ouro"):
+        assert backend_missing_features(cfgs[arch], "cuda") == [], arch
     other = backend_missing_features(cfgs["huginn"], "some-future-backend")
     assert any("Q/K/V bias" in m for m in other)
     assert any("seeded initial state" in m for m in other)
+    assert backend_missing_features(cfgs["ouro"], "some-future-backend")[-1] == \
+        "sliding-window attention (sliding_window)"
     for cfg in cfgs.values():
         assert backend_missing_features(cfg, "numpy") == []
     from tinyloop.convert.synthetic import synthetic_config

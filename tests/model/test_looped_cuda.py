@@ -4,9 +4,11 @@ Huginn and Nanbeige checkpoints of tests/looped_refs.py (published tensor names;
 and the deepest, whole prompts and prefill chunks, every KV mode the CUDA backend runs, decode
 steps with CUDA graphs on and off, a PrefixCache and a ResumeHandle upgrade. Both backends
 read the same quantized weights, so what differs is the CUDA kernels' FP16 arithmetic: the
-mean KL bound is the one the other CUDA model tests use. Ouro's sliding-window layers (no
-CUDA kernel yet) are refused at load with nothing left allocated; the Ouro checkpoint here
-has every layer on full attention."""
+mean KL bound is the one the other CUDA model tests use. Ouro runs twice: every layer on full
+attention ("ouro"), and with its layer 1 on a sliding window of SWA_WINDOW positions
+("ouro_swa", the same weights), shorter than the 40-token prompt, so prefill chunks of 8
+straddle the window, the decode steps (captured and eager) run past it and a PrefixCache /
+ResumeHandle continues behind it."""
 
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ KL_MEAN_CODES = 5e-3
 TOP1 = 0.9               # greedy agreement of the two backends' rows
 SEQ = 64
 PROMPT = 40
+SWA_WINDOW = 8
 MAKERS = {"ouro": lambda s: L.ouro_checkpoint(s, sliding=()),
+          "ouro_swa": lambda s: L.ouro_checkpoint(s, sliding=(1,), window=SWA_WINDOW),
           "huginn": L.huginn_checkpoint, "nanbeige": L.nanbeige_checkpoint}
 
 
@@ -165,17 +169,27 @@ def test_prefix_cache_and_resume_upgrade(tlms, arch):
         tinyloop.free_model(ref)
 
 
-def test_cuda_refuses_sliding_windows_and_allocates_nothing(tmp_path):
-    cfg, t = L.ouro_checkpoint(0)                      # layer 1 slides
-    L.save(str(tmp_path / "ouro"), cfg, t)
-    tlm = str(tmp_path / "ouro.tlm")
-    convert_hf(str(tmp_path / "ouro"), tlm, bits=4)
-    pool = get_pool("cuda")
-    before = pool.allocated_bytes
-    with pytest.raises(errors.ConfigError,
-                       match="sliding-window attention.*not yet supported on the cuda"):
-        tinyloop.load_model(tlm, backend="cuda", max_seq_len=64)
-    assert pool.allocated_bytes == before
+@pytest.mark.parametrize("chunk", [0, 5, 13])
+def test_the_sliding_window_is_real_on_cuda(tlms, chunk):
+    """The sliding Ouro on CUDA matches NumPy's windowed forward and not the same weights on
+    full attention (the window changes the logits far beyond the bound), with prefill chunks
+    shorter than, and straddling, the window."""
+    path, cfg = tlms["ouro_swa"]
+    assert cfg["layer_types"].count("sliding_attention") == 1 and SWA_WINDOW < PROMPT
+    ids = _ids(PROMPT, cfg["vocab_size"], seed=7)
+    ref = tinyloop.load_model(path, backend="numpy", max_seq_len=SEQ)
+    full = tinyloop.load_model(tlms["ouro"][0], backend="numpy", max_seq_len=SEQ)
+    cu = tinyloop.load_model(path, backend="cuda", max_seq_len=SEQ, prefill_chunk=chunk)
+    try:
+        assert cu.config.sliding_window == SWA_WINDOW and cu.config.sliding_layers == (1,)
+        top = cu.config.max_depth
+        got = cu.logits(ids, depth=top)
+        _agree(ref.logits(ids, depth=top), got, f"ouro_swa chunk={chunk}")
+        assert float(L.kl_rows(full.logits(ids, depth=top), got).mean()) > 10 * KL_MEAN
+    finally:
+        tinyloop.free_model(cu)
+        tinyloop.free_model(full)
+        tinyloop.free_model(ref)
 
 
 def test_nanbeige_without_the_boundary_norm_runs_on_cuda_like_numpy(tmp_path):

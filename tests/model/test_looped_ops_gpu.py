@@ -182,11 +182,16 @@ def test_scalar_prefill_attention_at_real_heads(ops, ref, rng, monkeypatch, mode
     _paged_attention_case(ops, ref, rng, mode, h, hkv, hd, t, pos0, 32)
 
 
-def test_a_sliding_window_is_refused_by_name(ops, rng):
-    """No CUDA kernel masks a window yet: a clear error, not a silent full attention."""
+@pytest.mark.parametrize("window", [-1, 2**31, 2.0, True, None])
+def test_a_bad_window_is_refused_by_name(ops, rng, window):
+    """A window that is not an int in 0..2^31-1 is named before anything is read (a negative
+    one would otherwise run as full attention)."""
     qkv = cupy.zeros((1, 3 * 64), cupy.float16)
-    with pytest.raises(ConfigError, match="sliding-window"):
-        ops.kv_attention(qkv, None, 0, 1, 1, 64, cupy.zeros((1, 64), cupy.float16), window=4)
+    out = cupy.zeros((1, 64), cupy.float16)
+    with pytest.raises(ConfigError, match=r"attention window=.*0 = full attention"):
+        ops.kv_attention(qkv, None, 0, 1, 1, 64, out, window=window)
+    with pytest.raises(ConfigError, match=r"attention window=.*0 = full attention"):
+        ops.kv_attention_step(qkv, None, None, 1, 1, 64, out, window=window)
 
 
 # --- the Q/K/V bias inside the fused decode-step prologue ---------------------------------------

@@ -90,10 +90,15 @@ class AttentionOps:
                               f"= {need}")
 
     @staticmethod
-    def _no_window(window) -> None:
-        if window:
-            raise ConfigError(f"sliding-window attention (window={window}) has no CUDA "
-                              "kernel yet; the numpy backend runs it")
+    def _window_arg(window) -> int:
+        """``window`` as the kernels take it (an i64, 0 = full attention). Raises ConfigError
+        for anything but an int in 0..2^31-1 (a negative window would read as full attention
+        in the kernels' win_lo, a silent change of meaning)."""
+        if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) \
+                or not 0 <= int(window) < 2**31:
+            raise ConfigError(f"attention window={window!r}: expected an int in 0..2^31-1 "
+                              "(positions; 0 = full attention)")
+        return int(window)
 
     def kv_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon=None,
                      window: int = 0):
@@ -103,8 +108,12 @@ class AttentionOps:
         cores (attention_prefill.cu) unless ``attn_prefill == "scalar"``, the head dim is not
         in FA_HEAD_DIMS or the rows do not allow its 4-byte loads (then attention.cu's scalar
         kernel). Store-h modes: K/V rebuilt chunk by chunk through ``recon`` (a kv.cache.Recon
-        with the phase-5 scratch; ``_h_attention``), T = 1 and T > 1 alike."""
-        self._no_window(window)
+        with the phase-5 scratch; ``_h_attention``), T = 1 and T > 1 alike. ``window`` > 0
+        (a sliding-window layer): the query at position p reads keys max(0, p-window+1)..p
+        only (``NumpyOps.kv_attention``'s rule), every kernel taking it as an argument; key
+        tiles, pages and chunks wholly before every query's window are not read. Raises
+        ConfigError for a bad ``window`` (``_window_arg``)."""
+        window = self._window_arg(window)
         if not _fast_ok(qkv, _F16, 2):
             _dev(qkv, "qkv", np.float16, 2)
         t, ld = qkv.shape
@@ -117,34 +126,43 @@ class AttentionOps:
         out = self._out(out, "out", _F16, t, n_heads * head_dim)
         if kv.layout.stores_h:
             self._h_attention(qkv, kv, int(pos0), n_heads, n_kv_heads, head_dim, out, recon,
-                              table, p, offs)
+                              table, p, offs, window)
             return
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         mode = kv.layout.mode
         if t == 1:
             self._attn_decode(qkv, ctx, 0, table, p, offs, mode, n_heads, n_kv_heads, head_dim,
-                              scale_log2, out)
+                              scale_log2, out, window)
         elif (self.kernels.attn_prefill == "mma" and head_dim in FA_HEAD_DIMS and ld % 2 == 0
               and qkv.data.ptr % 4 == 0 and out.data.ptr % 4 == 0 and ctx < 2**30):
             self._fn("attention_prefill", _FA_NAMES[mode, head_dim])(
                 (((t + _FA_Q - 1) // _FA_Q) * int(n_heads),), (_FA_THREADS,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
-                 int(n_kv_heads), scale_log2, self.sms, out.data.ptr))
+                 int(n_kv_heads), scale_log2, window, self.sms, out.data.ptr))
         else:
             self._fn("attention", _PREFILL_NAMES[mode, head_dim])(
                 ((t + _PF_Q - 1) // _PF_Q, int(n_heads)), (4 * _PF_Q,),
                 (qkv.data.ptr, ld, t, int(pos0), table, p, *offs, int(n_heads),
-                 int(n_kv_heads), scale_log2, out.data.ptr))
+                 int(n_kv_heads), scale_log2, window, out.data.ptr))
+
+    @staticmethod
+    def _decode_keys(ctx: int, window: int) -> int:
+        """The keys one decode query reads in a context of ``ctx``: all of them, or the last
+        ``window`` on a sliding-window layer (what the split count is chosen for)."""
+        return min(int(ctx), window) if window > 0 else int(ctx)
 
     def _attn_decode(self, qkv, ctx, step_pos, table, p, offs, mode, n_heads, n_kv_heads,
-                     head_dim, scale_log2, out, splits=None):
+                     head_dim, scale_log2, out, window=0, splits=None):
         """One query row: split-K (``attn_split_*``: the partials, then the last block of
         each head merges them) or, with ``attn_decode == "v1"`` or when ``decode_splits`` says
-        single-pass (short contexts), the one-block-per-head kernel. ``step_pos``: 0, or the
-        device address of the int32 position (ctx = pos + 1 on the device; ``ctx`` is then the
-        table's capacity and only picks the split count). ``splits`` forces split-K with that
-        count (tests)."""
-        ns = int(splits) if splits is not None else decode_splits(ctx, n_heads, self.sms)
+        single-pass (short contexts, or a short ``window``: ``_decode_keys``), the
+        one-block-per-head kernel. ``step_pos``: 0, or the device address of the int32
+        position (ctx = pos + 1 on the device; ``ctx`` is then the table's capacity and only
+        picks the split count). ``window``: the layer's sliding window (0 = full attention);
+        split-K deals only the window's pages out to the splits, on the device. ``splits``
+        forces split-K with that count (tests)."""
+        ns = int(splits) if splits is not None else decode_splits(
+            self._decode_keys(ctx, window), n_heads, self.sms)
         if self.kernels.attn_decode == "v1" or ns == 0:
             if step_pos:
                 raise ConfigError("KernelChoice(attn_decode='v1') reads the context length on the "
@@ -152,7 +170,7 @@ class AttentionOps:
             self._fn("attention", _DECODE_NAMES[mode, head_dim])(
                 (int(n_heads),), (_DC_THREADS,),
                 (qkv.data.ptr, ctx, table, p, *offs, int(n_heads), int(n_kv_heads),
-                 scale_log2, out.data.ptr))
+                 scale_log2, window, out.data.ptr))
             return
         if not 1 <= ns <= DS_MAX_SPLITS:
             raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
@@ -174,11 +192,11 @@ class AttentionOps:
         self._fn("attention_decode", _SPLIT_NAMES[mode, head_dim])(
             (int(n_heads), ns), (_DS_THREADS,),
             (qkv.data.ptr, int(ctx), int(step_pos), table, p, *offs, int(n_heads),
-             int(n_kv_heads), scale_log2, self._ds_ptr + 4 * _DS_TICKETS, self._ds_ptr,
+             int(n_kv_heads), scale_log2, window, self._ds_ptr + 4 * _DS_TICKETS, self._ds_ptr,
              out.data.ptr))
 
     def _h_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon, table,
-                     p, offs) -> None:
+                     p, offs, window=0) -> None:
         """Store-h attention (``kv_attention`` for a slot storing h), chunk by chunk so the
         scratch stays bounded: for each chunk of C = ``recon.chunk`` positions c0..c0+n-1 of
         the context 0..pos0+T-1: dequantize its h rows into ``recon_h`` f16 [n, d]
@@ -188,9 +206,11 @@ class AttentionOps:
         (the K and V bias rows added first when ``recon.bias`` is set),
         ``h_attn_chunk``: every query row against the chunk under the causal mask, the
         online-softmax state carried in ``recon_state`` f32 [>= T, H (hd + 2)] and normalised
-        into ``out`` after the last chunk. 4 launches per chunk; the chunk count is
-        ceil((pos0 + T) / C), computed here on the host (so a store-h step is never
-        captured: ``graph_kv_modes``). Raises ConfigError without a CUDA Recon (scratch
+        into ``out`` after the last chunk. 4 launches per chunk; the chunks run from the one
+        holding the first query's first visible key (``window`` > 0: position
+        max(0, pos0 - window + 1); else 0) to ceil((pos0 + T) / C) - 1, counted here on the
+        host (so a store-h step is never captured: ``graph_kv_modes``); ``h_attn_chunk``
+        masks each row's window inside a chunk. Raises ConfigError without a CUDA Recon (scratch
         missing or too small, a w_kv of the wrong shape)."""
         t, ld = qkv.shape
         lay = kv.layout
@@ -223,13 +243,14 @@ class AttentionOps:
                               f"{(2 * kvd, d)} (the K and V rows of the QKV weight)")
         ctx = int(pos0) + t
         n_chunks = -(-ctx // chunk)
+        ci0 = (max(0, int(pos0) - window + 1) if window > 0 else 0) // chunk
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         read = self._fn("kv_h", f"h_read_{lay.mode}")
         rope = self._fn("rope", "kv_write_qonly")
         attn = self._fn("kv_h", "h_attn_chunk")
         nt = _H_ATTN_THREADS_DECODE if t == 1 else _H_ATTN_THREADS_PREFILL
         smem = (nt // 32) * (int(head_dim) + 2) * 4
-        for ci in range(n_chunks):
+        for ci in range(ci0, n_chunks):
             c0 = ci * chunk
             n = min(chunk, ctx - c0)
             read((n,), (_H_THREADS,), (table, p, c0, d, *offs[:3], int(lay.outliers),
@@ -242,8 +263,8 @@ class AttentionOps:
                  shared_mem=int(head_dim) * 4)
             attn((t, int(n_heads)), (nt,),
                  (qkv.data.ptr, ld, int(pos0), kvbuf.data.ptr, c0, n, int(n_heads),
-                  int(n_kv_heads), int(head_dim), scale_log2, state.data.ptr, int(ci == 0),
-                  int(ci == n_chunks - 1), out.data.ptr), shared_mem=smem)
+                  int(n_kv_heads), int(head_dim), scale_log2, window, state.data.ptr,
+                  int(ci == ci0), int(ci == n_chunks - 1), out.data.ptr), shared_mem=smem)
 
     def kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim, out, recon=None,
                           window: int = 0):
@@ -251,8 +272,9 @@ class AttentionOps:
         length read on the device). Split-K (default): the split count comes from the block
         table's capacity (pages per table are in the graph key), each split's page range from
         the device length; ``KernelChoice(attn_decode="v1")``: n_heads blocks whatever the
-        length. ``window`` > 0 (sliding-window layers) raises ConfigError: no kernel yet."""
-        self._no_window(window)
+        length. ``window``: as in ``kv_attention``, a kernel argument, so a captured step
+        holds each layer's own."""
+        window = self._window_arg(window)
         if kv.layout.stores_h:
             # the chunk count depends on the context length: read it on the host (one
             # synchronisation) and run the eager store-h attention; graphs.DecodeGraphs never
@@ -261,7 +283,7 @@ class AttentionOps:
                 raise ConfigError(f"kv mode {kv.layout.mode!r} cannot be captured: its "
                                   "attention's chunk count is chosen on the host")
             return Ops.kv_attention_step(self, qkv, kv, step, n_heads, n_kv_heads, head_dim,
-                                         out, recon)
+                                         out, recon, window=window)
         if not _fast_ok(qkv, _F16, 2, None, 1):
             _dev(qkv, "qkv", np.float16, 2)
             _shape(qkv, "qkv", (1, qkv.shape[1]))
@@ -273,11 +295,13 @@ class AttentionOps:
         out = self._out(out, "out", _F16, 1, n_heads * head_dim)
         scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         cap = int(kv.table.shape[0]) * kv.layout.page_size
-        if self.kernels.attn_decode == "split" and decode_splits(cap, n_heads, self.sms):
+        if self.kernels.attn_decode == "split" and decode_splits(
+                self._decode_keys(cap, window), n_heads, self.sms):
             self._attn_decode(qkv, cap, self._step_ptr(step) + 4 * STEP_POS, table, p, offs,
-                              kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out)
+                              kv.layout.mode, n_heads, n_kv_heads, head_dim, scale_log2, out,
+                              window)
             return
         self._fn("attention", f"attn_decode_step_{kv.layout.mode}_hd{int(head_dim)}")(
             (int(n_heads),), (_DC_THREADS,),
             (qkv.data.ptr, self._step_ptr(step), table, p, *offs, int(n_heads),
-             int(n_kv_heads), scale_log2, out.data.ptr))
+             int(n_kv_heads), scale_log2, window, out.data.ptr))

@@ -2,10 +2,12 @@
 //
 // Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_paged_attention_*),
 // which reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
-// Query head h reads KV head h / (n_heads / n_kv); query row i (absolute position pos0 + i)
-// sees keys 0..pos0+i; scale 1/sqrt(head_dim). Online softmax (Milakov & Gimelshein 2018;
-// FlashAttention, Dao et al. 2022): no [T, ctx] scratch. Scores are kept in log2 units
-// (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
+// Query head h reads KV head h / (n_heads / n_kv); query row i (absolute position p = pos0 + i)
+// sees keys lo(p)..p, lo(p) = win_lo(p, window) (common.cuh: max(0, p - window + 1) for a
+// sliding-window layer, window > 0; 0 for full attention, window = 0); scale 1/sqrt(head_dim).
+// Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022): no [T, ctx]
+// scratch. Scores are kept in log2 units (q pre-multiplied by scale*log2(e)) so exp2f does the
+// exponentials.
 //
 // Paged KV (vLLM's PagedAttention, Kwon et al. 2023): key j of a slot lives in page
 // table[j / P], row j % P. Page parts sit at byte offsets k_off / v_off (codes) and ks_off /
@@ -22,6 +24,17 @@
 // bank-conflict free across the 4 parts. K/V tiles of 32 keys are staged in shared memory as
 // float. grid = (ceil(T / 64), n_heads); q tiles are taken in reverse so the longest (last)
 // causal rows start first.
+// Sliding window (index arithmetic): the block's rows q0..last_row have positions
+// pos0+q0..pos0+last_row, so it needs keys win_lo(pos0 + q0)..pos0+last_row (win_lo is
+// nondecreasing in the position); its tiles start at k_first = win_lo(pos0 + q0) rounded down
+// to PF_KV, so tiles wholly before every row's window are never loaded. Staging zeroes keys
+// below win_lo(pos0 + q0) as it zeroes keys past the context. A warp skips a tile when, for
+// each of its rows, the tile is in the future (k0 > qpos) or wholly before the window
+// (k0 + PF_KV - 1 < qlo). In a tile it runs, key k0 + j counts for a row when
+// qlo <= k0 + j <= qpos, else its score is -inf; a row may meet a tile holding none of its
+// keys before it has seen any (another row of the warp needs the tile), where the running max
+// stays -inf: the exponentials are then taken against 0 (m_use), not -inf, so they give 0, not
+// NaN. Every row meets its own key qpos in a tile its warp runs, so l > 0 at the end.
 // Launch geometry shared with the host: the host passes these as -D options from
 // tinyloop/backends/cuda/compile.py GEOMETRY (the one definition); the values below are defaults
 // for a standalone nvcc build, kept equal to the table by tests/kernels/test_kernel_geometry.py.
@@ -34,7 +47,7 @@ template <int MODE, int HD>
 __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 pos0,
                                   const i64* __restrict__ table, i64 P, i64 k_off, i64 v_off,
                                   i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,
-                                  float scale_log2, half_t* __restrict__ out) {
+                                  float scale_log2, i64 window, half_t* __restrict__ out) {
     constexpr int U = HD / 16;                   // float4 slices per thread
     __shared__ __align__(16) float Ks[PF_KV * HD];
     __shared__ __align__(16) float Vs[PF_KV * HD];
@@ -46,6 +59,7 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
     // Rows past T compute with q = 0 as row T-1 (finite, never stored), so every lane of a
     // warp runs the same shuffles.
     const i64 qpos = pos0 + (valid ? qrow : T - 1);   // absolute position of this query row
+    const i64 qlo = win_lo(qpos, window);              // its first visible key
 
     float q[U * 4], o[U * 4];
     const half_t* qp = qkv + qrow * ld + h * HD;
@@ -59,15 +73,16 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
     float m = TL_NEG_INF, l = 0.0f;
 
     const i64 last_row = (q0 + PF_Q < T ? q0 + PF_Q : T) - 1;
-    const i64 kv_end = pos0 + last_row + 1;       // keys this block needs
-    for (i64 k0 = 0; k0 < kv_end; k0 += PF_KV) {
+    const i64 kv_end = pos0 + last_row + 1;       // keys this block needs: kv_lo..kv_end-1
+    const i64 kv_lo = win_lo(pos0 + q0, window);
+    for (i64 k0 = kv_lo / PF_KV * PF_KV; k0 < kv_end; k0 += PF_KV) {
         __syncthreads();                          // previous tile fully consumed
         for (int idx = tid; idx < PF_KV * HD / 8; idx += blockDim.x) {
             const int kr = idx / (HD / 8), c = (idx % (HD / 8)) * 8;
             const i64 key = k0 + kr;
             float* kd = Ks + kr * HD + c;
             float* vd = Vs + kr * HD + c;
-            if (key < kv_end) {
+            if (key >= kv_lo && key < kv_end) {
                 i64 row;
                 const char* base = kv_page(table, P, key, &row);
                 float k8[8], v8[8];
@@ -81,9 +96,10 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
             }
         }
         __syncthreads();
-        // Skip a tile only when it lies in the future of every row of the warp (warp-uniform:
-        // the score shuffles below need all 32 lanes). Masked keys get p = 0 exactly.
-        if (__all_sync(0xffffffffu, k0 > qpos)) continue;
+        // Skip a tile only when it lies in the future of every row of the warp or wholly
+        // before every row's window (warp-uniform: the score shuffles below need all 32
+        // lanes). Masked keys get p = 0 exactly.
+        if (__all_sync(0xffffffffu, k0 > qpos || k0 + PF_KV <= qlo)) continue;
         float s[PF_KV];
         float tmax = TL_NEG_INF;
 #pragma unroll
@@ -99,17 +115,19 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
             }
             d += __shfl_xor_sync(0xffffffffu, d, 1);
             d += __shfl_xor_sync(0xffffffffu, d, 2);
-            s[j] = (k0 + j <= qpos) ? d : TL_NEG_INF;
+            s[j] = (k0 + j <= qpos && k0 + j >= qlo) ? d : TL_NEG_INF;
             tmax = fmaxf(tmax, s[j]);
         }
-        const float m_new = fmaxf(m, tmax);       // finite: key k0 <= qpos is in this tile
-        const float alpha = exp2f(m - m_new);
+        // -inf while the row has seen none of its keys (see the top): exponentials against 0
+        const float m_new = fmaxf(m, tmax);
+        const float m_use = m_new == TL_NEG_INF ? 0.0f : m_new;
+        const float alpha = exp2f(m - m_use);     // m = -inf: 0
         float psum = 0.0f;
 #pragma unroll
         for (int j = 0; j < U * 4; ++j) o[j] *= alpha;
 #pragma unroll
         for (int j = 0; j < PF_KV; ++j) {
-            const float p = exp2f(s[j] - m_new);
+            const float p = exp2f(s[j] - m_use);
             psum += p;
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -138,7 +156,10 @@ __device__ void attn_prefill_impl(const half_t* __restrict__ qkv, i64 ld, i64 T,
 // thread (slice, dim pair) accumulates p * V over the chunk's keys of its slice; the slices
 // are summed at the end. NSL = DC_THREADS / (HD / 2) slices: where HD / 2 does not divide
 // DC_THREADS (head dims 48, 80, 96) the leftover threads take part in the scores only.
-// grid = n_heads.
+// grid = n_heads. Sliding window: the query (position ctx - 1) reads keys
+// lo..ctx-1, lo = win_lo(ctx - 1, window) = max(0, ctx - window) for window > 0, so the chunks
+// run c0 = lo, lo + DC_THREADS, ... < ctx (key j = c0 + tid counts when j < ctx): nothing
+// before the window is read, and every chunk holds key c0 < ctx, so the running max is finite.
 #ifndef DC_THREADS
 #define DC_THREADS 1024
 #endif
@@ -147,7 +168,7 @@ template <int MODE, int HD>
 __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
                                  const i64* __restrict__ table, i64 P, i64 k_off, i64 v_off,
                                  i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,
-                                 float scale_log2, half_t* __restrict__ out) {
+                                 float scale_log2, i64 window, half_t* __restrict__ out) {
     constexpr int PAIRS = HD / 2, NSL = DC_THREADS / PAIRS;
     __shared__ __align__(16) float qs[HD];
     __shared__ float ps[DC_THREADS];
@@ -159,7 +180,7 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
     __syncthreads();
     const int dp = tid % PAIRS, sl = tid / PAIRS;
     float m = TL_NEG_INF, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
-    for (i64 c0 = 0; c0 < ctx; c0 += DC_THREADS) {
+    for (i64 c0 = win_lo(ctx - 1, window); c0 < ctx; c0 += DC_THREADS) {
         const i64 j = c0 + tid;
         float s = TL_NEG_INF;
         if (j < ctx) {
@@ -210,33 +231,36 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
 }
 
 // Entry points: attn_{prefill,decode}_{fp16,int8}_hd{HD}. The block table and page offsets are
-// kernel arguments (the table sits at a fixed device address for a request's life).
+// kernel arguments (the table sits at a fixed device address for a request's life); window:
+// the layer's sliding window in positions, 0 = full attention (a constant per layer, so a
+// captured decode step holds it as an argument).
 #define ATTN_ENTRIES_MODE(MODE, NAME, HD)                                                      \
     extern "C" __global__ void __launch_bounds__(PF_Q * 4)                                    \
         attn_prefill_##NAME##_hd##HD(const half_t* qkv, i64 ld, i64 T, i64 pos0,               \
                                      const i64* table, i64 P, i64 k_off, i64 v_off,            \
                                      i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,            \
-                                     double scale_log2, half_t* out) {                         \
+                                     double scale_log2, i64 window, half_t* out) {             \
         attn_prefill_impl<MODE, HD>(qkv, ld, T, pos0, table, P, k_off, v_off, ks_off, vs_off,  \
-                                    n_heads, n_kv, (float)scale_log2, out);                    \
+                                    n_heads, n_kv, (float)scale_log2, window, out);            \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(DC_THREADS)                                  \
         attn_decode_##NAME##_hd##HD(const half_t* qkv, i64 ctx, const i64* table, i64 P,       \
                                     i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,              \
-                                    i64 n_heads, i64 n_kv, double scale_log2, half_t* out) {   \
+                                    i64 n_heads, i64 n_kv, double scale_log2, i64 window,      \
+                                    half_t* out) {                                             \
         TL_PDL_ENTER();                                                                        \
         attn_decode_impl<MODE, HD>(qkv, ctx, table, P, k_off, v_off, ks_off, vs_off, n_heads,  \
-                                   n_kv, (float)scale_log2, out);                              \
+                                   n_kv, (float)scale_log2, window, out);                      \
     }                                                                                          \
     /* the captured decode step: context length = the step state's position + 1 */             \
     extern "C" __global__ void __launch_bounds__(DC_THREADS)                                  \
         attn_decode_step_##NAME##_hd##HD(const half_t* qkv, const int* step, const i64* table, \
                                          i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,  \
                                          i64 n_heads, i64 n_kv, double scale_log2,             \
-                                         half_t* out) {                                        \
+                                         i64 window, half_t* out) {                            \
         TL_PDL_ENTER();                                                                        \
         attn_decode_impl<MODE, HD>(qkv, (i64)step[2] + 1, table, P, k_off, v_off, ks_off,      \
-                                   vs_off, n_heads, n_kv, (float)scale_log2, out);             \
+                                   vs_off, n_heads, n_kv, (float)scale_log2, window, out);     \
     }
 #define ATTN_ENTRIES(HD) ATTN_ENTRIES_MODE(KV_FP16, fp16, HD) ATTN_ENTRIES_MODE(KV_INT8, int8, HD)
 

@@ -1,24 +1,30 @@
 // Split-K decode attention ("flash-decoding", Dao et al. 2023) over the paged KV cache: one
-// query row (T = 1) of every query head against keys 0..ctx-1.
+// query row (T = 1) of every query head against keys lo..ctx-1, lo = win_lo(ctx - 1, window)
+// (common.cuh: max(0, ctx - window) on a sliding-window layer, window > 0; 0 for full
+// attention, window = 0).
 //
 // Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_decode_split_*), which
 // reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
 // Query head h reads KV head h / (n_heads / n_kv); scale 1/sqrt(head_dim); scores in log2 units
 // (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
 //
-// One launch, attn_split_{fp16,int8}_hd{HD}: grid (n_heads, nsplit), DS_THREADS threads. The ctx
-// keys fill npages = ceil(ctx / P) pages; split s owns whole pages [s*pps, (s+1)*pps) with
-// pps = max(ceil(npages / nsplit), ceil(DS_THREADS / P)) (computed on the device, so a captured
-// launch with a fixed nsplit serves every ctx; the floor gives each split at least one chunk
-// of DS_THREADS keys, so contexts up to DS_THREADS keys run in one split per head); splits
-// from n_used = ceil(npages / pps) on hold no keys and return at once. Each other block runs
+// One launch, attn_split_{fp16,int8}_hd{HD}: grid (n_heads, nsplit), DS_THREADS threads. The
+// keys lo..ctx-1 lie in pages pg0 = lo / P .. ceil(ctx / P) - 1, npages = ceil(ctx / P) - pg0 of
+// them; split s owns whole pages [pg0 + s*pps, pg0 + (s+1)*pps) with
+// pps = max(ceil(npages / nsplit), ceil(DS_THREADS / P)), i.e. keys
+// [max(lo, (pg0 + s*pps) P), min(ctx, (pg0 + (s+1)*pps) P)) (ds_split_range; computed on the
+// device, so a captured launch with a fixed nsplit serves every ctx; the floor gives each
+// split at least one chunk of DS_THREADS keys, so contexts up to DS_THREADS keys run in one
+// split per head); splits from n_used = ceil(npages / pps) on hold no keys and return at once,
+// so with a window the splits start at the window's first page and no split is spent on pages
+// before it. Each other block runs
 // the online softmax (Milakov & Gimelshein 2018) over its keys, its first chunk loaded before
 // the PDL wait (attn_split_step). With n_used == 1 the block writes out = o / l itself;
 // otherwise it writes the partial (m, l, o[HD]) - running max, sum of 2^(s-m), unnormalised
 // sum of 2^(s-m) v - to part[(h * nsplit + s) * (HD + 2)]: o[0..HD-1], m, l (attn_split_unit;
 // an empty split writes m = -inf, l = 0, o = 0), and the last of the head's
 // blocks merges the partials (attn_split_merge, attn_combine_head): M = max_s m_s,
-// out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0 always holds key 0, so M is finite.
+// out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0 always holds key lo, so M is finite.
 // ctx comes from the host (ctx > 0) or, when step_pos is not null, from the device step state
 // (tinyloop/graphs.py: ctx = *step_pos + 1), so one captured graph serves every step.
 // Scores: one key per thread, the K row read with 16-byte loads. P*V: thread (slice, 8-dim
@@ -31,13 +37,29 @@
 #define DS_THREADS 128
 #endif
 
-// Keys [k0, k1) of split s of nsplit over ctx keys in pages of P: a split owns
-// pps = max(ceil(npages / nsplit), min_pps) whole pages (min_pps: the split kernel asks for a
-// full chunk of DS_THREADS keys, so a short context runs in one split per head and skips the
-// merge).
-__device__ __forceinline__ i64 ds_pages_per_split(i64 ctx, i64 P, i64 nsplit, i64 min_pps) {
-    const i64 npages = (ctx + P - 1) / P, pps = (npages + nsplit - 1) / nsplit;
-    return pps > min_pps ? pps : min_pps;
+// Keys [k0, k1) of split s of nsplit over keys lo..ctx-1 (lo = win_lo(ctx - 1, window)) in
+// pages of P, and n_used, the splits that hold keys: the npages = ceil(ctx / P) - lo / P pages
+// from the window's first page lo / P on are dealt pps = max(ceil(npages / nsplit), min_pps)
+// whole pages a split (min_pps: the split kernel asks for a full chunk of DS_THREADS keys, so
+// a short context runs in one split per head and skips the merge); the first split starts at
+// key lo itself, not at its page's start. s < n_used: its first page pg0 + s*pps is below
+// ceil(ctx / P), so k0 < k1; s >= n_used: k0 >= k1 (empty).
+struct DsRange {
+    i64 k0, k1, n_used;
+};
+
+__device__ __forceinline__ DsRange ds_split_range(i64 ctx, i64 window, i64 P, i64 nsplit,
+                                                  i64 min_pps, i64 s) {
+    const i64 lo = win_lo(ctx - 1, window), pg0 = lo / P;
+    const i64 npages = (ctx + P - 1) / P - pg0;
+    i64 pps = (npages + nsplit - 1) / nsplit;
+    pps = pps > min_pps ? pps : min_pps;
+    const i64 a = (pg0 + s * pps) * P, b = (pg0 + (s + 1) * pps) * P;
+    DsRange r;
+    r.k0 = a > lo ? a : lo;
+    r.k1 = b < ctx ? b : ctx;
+    r.n_used = (npages + pps - 1) / pps;
+    return r;
 }
 
 // One chunk of up to DS_THREADS keys c0.. (< k1), as raw page bytes (kv_raw8) in registers:
@@ -183,19 +205,19 @@ __device__ __forceinline__ void ds_chunk(const float* qs, float* ps, float* red,
     __syncthreads();
 }
 
-// One (query head h, split s of nsplit) unit over keys 0..ctx-1, run by a block of DS_THREADS
-// threads (the split kernel below: h = blockIdx.x, s = blockIdx.y). qkv is read through L2
-// (__ldcg): the kernel before it in the step wrote it.
+// One (query head h, split s of nsplit) unit over the split's keys [k0, k1) (ds_split_range),
+// run by a block of DS_THREADS threads (the split kernel below: h = blockIdx.x,
+// s = blockIdx.y). qkv is read through L2 (__ldcg): the kernel before it in the step wrote it.
 // PRE: *pre holds the unit's first chunk, already loaded (ds_load + ds_load_key); the other
 // chunks (all of them without PRE) are read as they are used, which keeps registers low.
 // out: null, or where the head's output goes when this is its only split (o / l, f16
 // [n_heads * HD]) instead of the partial.
 template <int MODE, int HD, bool PRE = false>
-__device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 ctx,
+__device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 k0, i64 k1,
                                                 const i64* __restrict__ table, i64 P, i64 k_off,
                                                 i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
                                                 i64 n_kv, float scale_log2, float* part, i64 h,
-                                                i64 s, i64 nsplit, i64 min_pps = 1,
+                                                i64 s, i64 nsplit,
                                                 const DsChunk<MODE, HD>* pre = nullptr,
                                                 half_t* out = nullptr) {
     using C = DsChunk<MODE, HD>;
@@ -206,9 +228,6 @@ __device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 ctx,
     __shared__ float osum[NSL * HD];
     const int tid = threadIdx.x;
     const i64 hk = h / (n_heads / n_kv);
-    const i64 pps = ds_pages_per_split(ctx, P, nsplit, min_pps);
-    const i64 k0 = s * pps * P;
-    const i64 k1 = (s + 1) * pps * P < ctx ? (s + 1) * pps * P : ctx;
     float* dst = part + (h * nsplit + s) * (HD + 2);
     if (k0 >= k1) {                               // block-uniform: no keys in this split
         for (int i = tid; i < HD; i += DS_THREADS) dst[i] = 0.0f;
@@ -305,23 +324,22 @@ template <int MODE, int HD>
 __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, const int* step_pos,
                                                 const i64* table, i64 P, i64 k_off, i64 v_off,
                                                 i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,
-                                                float scale_log2, float* part,
+                                                float scale_log2, i64 window, float* part,
                                                 unsigned* tickets, half_t* out) {
     const i64 c = step_pos != nullptr ? (i64)(*step_pos) + 1 : ctx;
     const i64 h = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
     const i64 min_pps = (DS_THREADS + P - 1) / P;
-    const i64 npages = (c + P - 1) / P, pps = ds_pages_per_split(c, P, nsplit, min_pps);
-    const i64 n_used = (npages + pps - 1) / pps;
+    const DsRange r = ds_split_range(c, window, P, nsplit, min_pps, s);
+    const i64 n_used = r.n_used, k0 = r.k0, k1 = r.k1;
     if (s >= n_used) return;                      // no keys: no partial, no ticket (an exit
                                                   // also releases the next kernel, as a trigger)
-    const i64 hk = h / (n_heads / n_kv), k0 = s * pps * P;
-    const i64 k1 = k0 + pps * P < c ? k0 + pps * P : c;
+    const i64 hk = h / (n_heads / n_kv);
     DsChunk<MODE, HD> ch;
     ds_load<MODE, HD>(ch, table, P, k_off, v_off, ks_off, vs_off, n_kv, hk, k0, k1, c - 1);
     TL_PDL_ENTER();                               // q and key c - 1: the kernel before wrote them
     ds_load_key<MODE, HD>(ch, table, P, k_off, v_off, ks_off, vs_off, n_kv, hk, k0, k1, c - 1);
-    attn_split_unit<MODE, HD, true>(qkv, c, table, P, k_off, v_off, ks_off, vs_off, n_heads,
-                                    n_kv, scale_log2, part, h, s, nsplit, min_pps, &ch,
+    attn_split_unit<MODE, HD, true>(qkv, k0, k1, table, P, k_off, v_off, ks_off, vs_off,
+                                    n_heads, n_kv, scale_log2, part, h, s, nsplit, &ch,
                                     n_used == 1 ? out : nullptr);
     if (n_used > 1) attn_split_merge<HD>(part, nsplit, n_used, tickets, out, h);
 }
@@ -329,16 +347,19 @@ __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, cons
 #ifndef TL_DEVICE_ONLY
 
 // Entry points. step_pos: null, or the device int32 position of the step state (ctx = pos + 1).
-// part: f32 [n_heads, nsplit, HD + 2] scratch; tickets: u32 [>= n_heads], 0 before the first
-// launch (the merging block re-arms its head's); out: f16 [n_heads * HD].
+// window: the layer's sliding window in positions, 0 = full attention (a constant per layer:
+// a captured step holds it as an argument). part: f32 [n_heads, nsplit, HD + 2] scratch;
+// tickets: u32 [>= n_heads], 0 before the first launch (the merging block re-arms its head's);
+// out: f16 [n_heads * HD].
 #define DS_ENTRIES_MODE(MODE, NAME, HD)                                                        \
     extern "C" __global__ void __launch_bounds__(DS_THREADS)                                  \
         attn_split_##NAME##_hd##HD(const half_t* qkv, i64 ctx, const int* step_pos,            \
                                    const i64* table, i64 P, i64 k_off, i64 v_off, i64 ks_off,  \
                                    i64 vs_off, i64 n_heads, i64 n_kv, double scale_log2,       \
-                                   float* part, unsigned* tickets, half_t* out) {              \
+                                   i64 window, float* part, unsigned* tickets, half_t* out) {  \
         attn_split_step<MODE, HD>(qkv, ctx, step_pos, table, P, k_off, v_off, ks_off, vs_off,  \
-                                  n_heads, n_kv, (float)scale_log2, part, tickets, out);       \
+                                  n_heads, n_kv, (float)scale_log2, window, part, tickets,     \
+                                  out);                                                        \
     }
 #define DS_ENTRIES(HD) DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)
 

@@ -3,10 +3,12 @@
 //
 // Checked against: NumpyOps.kv_attention and the scalar kernel attn_prefill_* of attention.cu
 // (tests/kernels/test_attn_prefill_gpu.py). Same contract as the scalar kernel: query head h reads KV
-// head h / (n_heads / n_kv); query row i (absolute position pos0 + i) sees keys 0..pos0+i;
-// scale 1/sqrt(head_dim); key j of the slot lives in page table[j / P], row j % P (vLLM's
-// PagedAttention, Kwon et al. 2023; rows [P, n_kv, HD], parts at byte offsets k_off / v_off,
-// int8 scales at ks_off / vs_off). Any P >= 1: the page is looked up per key while staging.
+// head h / (n_heads / n_kv); query row i (absolute position p = pos0 + i) sees keys
+// win_lo(p, window)..p (common.cuh: max(0, p - window + 1) on a sliding-window layer,
+// window > 0; 0 for full attention, window = 0); scale 1/sqrt(head_dim); key j of the slot
+// lives in page table[j / P], row j % P (vLLM's PagedAttention, Kwon et al. 2023; rows
+// [P, n_kv, HD], parts at byte offsets k_off / v_off, int8 scales at ks_off / vs_off). Any
+// P >= 1: the page is looked up per key while staging.
 //
 // Block = FA_WARPS warps, 16 query rows of one head each (16 FA_WARPS rows); grid = one
 // block per (q tile, head), ceil(T / (16 FA_WARPS)) * n_heads in all. Block order (causal
@@ -22,7 +24,8 @@
 //      (NumPy's product) and then to FP16 for the MMA;
 //   2. S = Q K^T (Q fragments held in registers for the whole loop), in FP32, times
 //      scale*log2(e) so exp2f gives the exponentials (log2 units, as the scalar kernel);
-//      the causal mask is applied only on tiles that reach past the warp's first row;
+//      the causal mask is applied only on tiles that reach past the warp's first row, the
+//      window's only on tiles that reach before the window of its last row (below);
 //   3. online softmax per row (Milakov & Gimelshein 2018) in registers: the running max m and
 //      the rescale alpha = 2^(m_old - m_new) of O and l;
 //   4. P = 2^(S - m) rounded to FP16 (as FlashAttention does) is fed from the S accumulator
@@ -30,6 +33,17 @@
 //      memory through ldmatrix.trans. l sums the *rounded* P, so the output is an exact convex
 //      combination of V rows with weights p~_j / sum p~: the rounding perturbs each weight by a
 //      relative 2^-11 at most (the bound the GPU tests use).
+// Sliding window (index arithmetic, positions in int): the block's rows q0..last have
+// positions p0+q0..p0+last and need keys klo = win_lo(p0 + q0)..p0+last (win_lo is
+// nondecreasing in the position), so the tiles run from it0 = klo / KT (tiles wholly before
+// every row's window are never loaded; staging zeroes keys below klo as it zeroes keys past
+// the context). A warp (rows at positions wmin..wmax) runs tile k0..k0+KT-1 when
+// k0 <= wmax (not wholly in the future) and k0 + KT - 1 >= win_lo(wmin) (not wholly before the
+// window of every row). For a row at position p, tile column c (key k0 + c) counts when
+// win_lo(p) - k0 <= c <= p - k0. A row may meet a tile holding none of its keys before it
+// has seen any (another row of the warp needs it): its running max stays -inf and the
+// exponentials are taken against 0 (ua / ub) instead, giving p = 0 and alpha = 0, not NaN.
+// Each row's own key p lies in a tile its warp runs, so l > 0 at the end.
 // GQA: the n_heads / n_kv query heads of a KV head run in separate blocks and each stages the
 // shared K/V tile itself (the repeats hit L2: a layer's K/V at 2,048 tokens is 1.5 MiB for
 // SmolLM2); one block per (q tile, KV head) would give SmolLM2's 2,048-token prefill
@@ -101,7 +115,7 @@ template <int MODE, int HD>
 __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 pos0,
                              const i64* __restrict__ table, i64 P, i64 k_off, i64 v_off,
                              i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv, float scale_log2,
-                             i64 wave, half_t* __restrict__ out) {
+                             i64 window, i64 wave, half_t* __restrict__ out) {
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16");
     constexpr int KT = HD > 64 ? 32 : 64;      // keys per tile
     constexpr int LD = HD + 8;                 // shared row pitch in halves (16-byte rows;
@@ -134,6 +148,9 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     const bool warp_live = r0 < nT;
     const int wmin = p0 + r0;                                      // first row's position
     const int wmax = p0 + (r0 + 15 < nT ? r0 + 15 : nT - 1);       // last row's position
+    // first visible keys (win_lo <= the position < 2^30: an int)
+    const int la0 = (int)win_lo(pa, window), lb0 = (int)win_lo(pb, window);
+    const int wlo_min = (int)win_lo(wmin, window), wlo_max = (int)win_lo(wmax, window);
 
     unsigned qf[KS][4];
     {
@@ -153,8 +170,9 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     float ma = TL_NEG_INF, mb = TL_NEG_INF, la = 0.0f, lb = 0.0f;   // l: this lane's part
 
     const int last = (q0 + 16 * FA_WARPS < nT ? q0 + 16 * FA_WARPS : nT) - 1;
-    const int kv_end = p0 + last + 1;          // keys this block needs
-    const int ntiles = (kv_end + KT - 1) / KT;
+    const int kv_end = p0 + last + 1;          // keys this block needs: klo..kv_end-1
+    const int klo = (int)win_lo(p0 + q0, window);
+    const int it0 = klo / KT, ntiles = (kv_end + KT - 1) / KT;
 
     KvChunk kc[NCH], vc[NCH];
     auto load_tile = [&](int k0) {
@@ -162,15 +180,15 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
         for (int i = 0; i < NCH; ++i) {
             const int idx = tid + i * FA_THREADS;
             const int key = k0 + idx / CH;
-            if (idx < KT * CH && key < kv_end) {
+            if (idx < KT * CH && key >= klo && key < kv_end) {
                 const unsigned pg = (unsigned)key / (unsigned)P;
                 const i64 r = (i64)((unsigned)key - pg * (unsigned)P) * n_kv + hk;
                 const char* base = (const char*)table[pg];
                 const int c = (idx % CH) * 8;
                 chunk_load<MODE, HD>(kc[i], base, k_off, ks_off, r, c);
                 chunk_load<MODE, HD>(vc[i], base, v_off, vs_off, r, c);
-            } else {                           // past the context: zeros (p = 0 must not meet
-                kc[i].w = vc[i].w = make_uint4(0u, 0u, 0u, 0u);   // a NaN in V)
+            } else {                           // outside klo..kv_end-1: zeros (p = 0 must not
+                kc[i].w = vc[i].w = make_uint4(0u, 0u, 0u, 0u);   // meet a NaN in V)
                 kc[i].s = vc[i].s = 0.0f;
             }
         }
@@ -187,15 +205,16 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
         }
     };
 
-    load_tile(0);
-    store_tile(0);
+    load_tile(it0 * KT);
+    store_tile(it0 & 1);
     __syncthreads();
-    for (int it = 0; it < ntiles; ++it) {
+    for (int it = it0; it < ntiles; ++it) {
         const int buf = it & 1;
         const int k0 = it * KT;
         if (it + 1 < ntiles) load_tile(k0 + KT);   // in flight during this tile's MMAs
-        // Warp-uniform: skip a tile in the future of every row of the warp.
-        if (warp_live && k0 <= wmax) {
+        // Warp-uniform: skip a tile in the future of every row of the warp, or wholly before
+        // every row's window.
+        if (warp_live && k0 <= wmax && k0 + KT - 1 >= wlo_min) {
             const half_t* K = Ks[buf];
             float s[ST][4];
 #pragma unroll
@@ -209,9 +228,12 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
                     mma16816(s[j], qf[ks], b);
                 }
             // the causal mask, only where some key of the tile is past some row of the warp:
-            // key k0 + c is masked for a row at position p when c > p - k0 (clamped to int)
+            // key k0 + c is masked for a row at position p when c > p - k0 (clamped to int);
+            // the window's, only where some key of the tile is before the window of some row
+            // (k0 < win_lo(wmax)): masked when c < win_lo(p) - k0
             const bool diag = k0 + KT - 1 > wmin;
-            const int da = pa - k0, db = pb - k0;
+            const bool edge = k0 < wlo_max;
+            const int da = pa - k0, db = pb - k0, ea = la0 - k0, eb = lb0 - k0;
             float xa = ma, xb = mb;
 #pragma unroll
             for (int j = 0; j < ST; ++j)
@@ -220,15 +242,18 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
                     const int c = 8 * j + 2 * t4 + (e & 1);
                     float v = s[j][e] * scale_log2;
                     if (diag && c > (e < 2 ? da : db)) v = TL_NEG_INF;
+                    if (edge && c < (e < 2 ? ea : eb)) v = TL_NEG_INF;
                     s[j][e] = v;
                     if (e < 2) xa = fmaxf(xa, v); else xb = fmaxf(xb, v);
                 }
-            // the row's max over its 4 lanes; finite: tile 0 (always run) holds key 0 <= row
+            // the row's max over its 4 lanes: -inf while the row has seen none of its keys
+            // (see the top), then the exponentials are taken against 0 (ua, ub)
             xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, 1));
             xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, 2));
             xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, 1));
             xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, 2));
-            const float alpha_a = exp2f(ma - xa), alpha_b = exp2f(mb - xb);
+            const float ua = xa == TL_NEG_INF ? 0.0f : xa, ub = xb == TL_NEG_INF ? 0.0f : xb;
+            const float alpha_a = exp2f(ma - ua), alpha_b = exp2f(mb - ub);   // m = -inf: 0
             ma = xa;
             mb = xb;
             // P rounded to FP16 in the A fragments of P V (k-step kk = keys 16 kk .. 16 kk + 15)
@@ -236,8 +261,8 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
             float sa = 0.0f, sb = 0.0f;
 #pragma unroll
             for (int j = 0; j < ST; ++j) {
-                const unsigned wa = pack_h2(exp2f(s[j][0] - xa), exp2f(s[j][1] - xa));
-                const unsigned wb = pack_h2(exp2f(s[j][2] - xb), exp2f(s[j][3] - xb));
+                const unsigned wa = pack_h2(exp2f(s[j][0] - ua), exp2f(s[j][1] - ua));
+                const unsigned wb = pack_h2(exp2f(s[j][2] - ub), exp2f(s[j][3] - ub));
                 sa += h2_lo(wa) + h2_hi(wa);
                 sb += h2_lo(wb) + h2_hi(wb);
                 pf[j >> 1][(j & 1) * 2] = wa;
@@ -288,7 +313,8 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     }
 }
 
-// Entry points attn_fa_{fp16,int8}_hd{HD}: the scalar prefill kernels' arguments (attention.cu).
+// Entry points attn_fa_{fp16,int8}_hd{HD}: the scalar prefill kernels' arguments (attention.cu,
+// window included), then wave.
 // qkv rows and out must allow 4-byte loads (ld even, both pointers 4-byte aligned: the host
 // checks). Block = FA_THREADS, grid = ceil(T / (16 FA_WARPS)) * n_heads; wave: the SM count
 // (<= 0: plain longest-first order).
@@ -298,10 +324,10 @@ __device__ void attn_fa_impl(const half_t* __restrict__ qkv, i64 ld, i64 T, i64 
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS(HD))               \
         attn_fa_##NAME##_hd##HD(const half_t* qkv, i64 ld, i64 T, i64 pos0, const i64* table,  \
                                 i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,           \
-                                i64 n_heads, i64 n_kv, double scale_log2, i64 wave,            \
-                                half_t* out) {                                                 \
+                                i64 n_heads, i64 n_kv, double scale_log2, i64 window,          \
+                                i64 wave, half_t* out) {                                       \
         attn_fa_impl<MODE, HD>(qkv, ld, T, pos0, table, P, k_off, v_off, ks_off, vs_off,       \
-                               n_heads, n_kv, (float)scale_log2, wave, out);                   \
+                               n_heads, n_kv, (float)scale_log2, window, wave, out);           \
     }
 #define FA_ENTRIES(HD) FA_ENTRIES_MODE(KV_FP16, fp16, HD) FA_ENTRIES_MODE(KV_INT8, int8, HD)
 

@@ -192,6 +192,15 @@ __device__ __forceinline__ int logit_fault_code(float top) {
 #define KV_FP16 0
 #define KV_INT8 1
 
+// Sliding-window attention: the first key the query at position `pos` reads. window > 0: keys
+// pos-window+1..pos (the query's own included; docs/format.md `sliding_window`), so the first
+// is max(0, pos - window + 1); window <= 0: full causal attention, key 0. The window is a
+// kernel argument (a layer's own value), so one compiled kernel serves both kinds of layer.
+__device__ __forceinline__ i64 win_lo(i64 pos, i64 window) {
+    const i64 lo = pos - window + 1;
+    return window > 0 && lo > 0 ? lo : 0;
+}
+
 // The page holding key j and j's row inside it.
 __device__ __forceinline__ const char* kv_page(const i64* __restrict__ table, i64 P, i64 j,
                                               i64* row) {

@@ -289,8 +289,15 @@ H_READ_ENTRY(H_INT4, h_int4)
 // Causal GQA attention of the T query rows (qkv f16 [T, ld], rotated Q of head h at columns
 // h*hd..) over ONE chunk of keys: positions c0..c0+n-1, rebuilt in kv f16 [n, 2 n_kv hd]
 // (rotated K of KV head hk at columns hk*hd, V at n_kv*hd + hk*hd). Query row t (position
-// pos0 + t) sees keys at positions <= pos0 + t. The online-softmax state of (row, head) is
-// carried in state f32 [T, n_heads, hd + 2] (acc[hd], running max m in log2 units, sum l):
+// p = pos0 + t) sees keys at positions win_lo(p, window)..p (common.cuh: max(0, p - window + 1)
+// on a sliding-window layer, window > 0; 0 for full attention, window = 0): chunk keys
+// j = kbeg..kend-1 with kbeg = max(0, win_lo(p) - c0), kend = min(n, p - c0 + 1) (none when
+// kend <= kbeg: the chunk is in the row's future or wholly before its window). The state
+// carried into a chunk may hold no key yet (m = -inf, l = 0: the host starts at the chunk
+// holding win_lo(pos0), which can be before a later row's window); such a state, like a
+// warp's part that saw no key, weighs 0 in the merge, and a merge with no key at all keeps
+// m = -inf. The online-softmax state of (row, head) is carried in state f32
+// [T, n_heads, hd + 2] (acc[hd], running max m in log2 units, sum l):
 // `first` starts it (m = -inf, l = 0, acc = 0), `last` normalises it into out f16
 // [T, n_heads hd] instead of storing it (Milakov & Gimelshein 2018). Scores are
 // (q . k) * scale_log2 with scale_log2 = log2(e) / sqrt(hd), so exp2 gives the softmax.
@@ -301,8 +308,8 @@ H_READ_ENTRY(H_INT4, h_int4)
 extern "C" __global__ void h_attn_chunk(const half_t* __restrict__ qkv, i64 ld, i64 pos0,
                                         const half_t* __restrict__ kv, i64 c0, i64 n,
                                         i64 n_heads, i64 n_kv, i64 hd, double scale_log2,
-                                        float* __restrict__ state, i64 first, i64 last,
-                                        half_t* __restrict__ out) {
+                                        i64 window, float* __restrict__ state, i64 first,
+                                        i64 last, half_t* __restrict__ out) {
     extern __shared__ float part[];               // [nw][hd + 2]: acc, then m, l
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const i64 t = blockIdx.x, head = blockIdx.y;
@@ -322,9 +329,11 @@ extern "C" __global__ void h_attn_chunk(const half_t* __restrict__ qkv, i64 ld, 
     }
     float m = TL_NEG_INF, l = 0.0f;
     const i64 kvld = 2 * n_kv * hd;
-    i64 kend = pos0 + t - c0 + 1;                 // keys 0..kend-1 of the chunk are visible
+    i64 kend = pos0 + t - c0 + 1;                 // keys kbeg..kend-1 of the chunk are visible
     if (kend > n) kend = n;
-    for (i64 j = warp; j < kend; j += nw) {
+    i64 kbeg = win_lo(pos0 + t, window) - c0;
+    if (kbeg < 0) kbeg = 0;
+    for (i64 j = kbeg + warp; j < kend; j += nw) {
         const half_t* krow = kv + j * kvld + hk * hd;
         const half_t* vrow = krow + n_kv * hd;
         float s = 0.0f;
@@ -371,12 +380,12 @@ extern "C" __global__ void h_attn_chunk(const half_t* __restrict__ qkv, i64 ld, 
     float* st = state + (t * n_heads + head) * (hd + 2);
     float m_all = first ? TL_NEG_INF : st[hd];
     for (int w = 0; w < nw; ++w) m_all = fmaxf(m_all, part[w * (hd + 2) + hd]);
-    // a row's first chunk holds key 0, which it sees, so m_all is finite; a part that saw no
-    // key (m = -inf) weighs 0
+    // a carried state or a part that saw no key (m = -inf) weighs 0; m_all is -inf only
+    // when neither saw one (then l_sum = 0 and nothing is added)
     const int i = threadIdx.x;
     float a_sum = 0.0f, l_sum = 0.0f;
     if (!first) {
-        const float f = exp2f(st[hd] - m_all);
+        const float f = st[hd] == TL_NEG_INF ? 0.0f : exp2f(st[hd] - m_all);
         l_sum = st[hd + 1] * f;
         if (i < hd) a_sum = st[i] * f;
     }
