@@ -396,3 +396,38 @@ def test_bench_looped_writes_loadable_models_of_every_architecture(tmp_path):
         assert r2["weight_bytes_per_token"] > r1["weight_bytes_per_token"]
         assert r1["decode_tok_s"]["median"] > 0 and r1["prefill_16_ms"] > 0
         assert r1["floor_tok_s"] == 4.8e12 / r1["weight_bytes_per_token"]
+
+
+def test_bench_looped_dims_are_the_published_checkpoints(tmp_path):
+    """bench_looped's configs make the published models: the parameters of the converted
+    config (every tensor expected_tensors lists, counted by hand from the dims: embeddings,
+    head, norms, fused QKV and gate|up) equal the checkpoints' own counts: Nanbeige4.2-3B's
+    model.safetensors.index.json total_size of 8339601408 bf16 bytes; Ouro-1.4B's
+    24 x (4 d^2 + 3 d ffn + 4 d) + 2 vocab d + d + the exit gate (d + 1), its bf16 file's
+    2.87 GB; and the loop counts are the configs' own (num_loops 2, total_ut_steps 4, mean
+    recurrence 32)."""
+    import math
+
+    from benchmarks import bench_looped as bench
+    from tinyloop.convert.hf import folder_config
+    from tinyloop.format import expected_tensors
+
+    def params(name):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "config.json", "w") as f:
+            json.dump(bench.ARCHS[name][0], f)
+        _, cfg = folder_config(str(tmp_path / name))
+        return cfg, sum(math.prod(shape) for _, shape in expected_tensors(cfg).values())
+
+    cfg, n = params("nanbeige")
+    assert 2 * n == 8339601408
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == \
+        (22, 3072, 48, 8, 128)
+    assert (cfg.default_depth, cfg.loop_norm, cfg.tied_head) == (2, True, False)
+    cfg, n = params("ouro")
+    d, ffn = 2048, 5632
+    assert n == 24 * (4 * d * d + 3 * d * ffn + 4 * d) + 2 * 49152 * d + d + d + 1
+    assert round(2 * n / 1e9, 2) == 2.87 and cfg.default_depth == 4
+    cfg, _ = params("huginn")
+    assert (cfg.n_prelude, cfg.n_recurrent, cfg.n_coda, cfg.d_model, cfg.n_heads,
+            cfg.head_dim, cfg.default_depth) == (2, 4, 2, 5280, 55, 96, 32)
