@@ -48,38 +48,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 
 import numpy as np
 
-from .common import user_setting, weight_bytes_per_token
+from .common import (HUGINN_3_5B, NANBEIGE_3B, OURO_1_4B, bench_decode, bench_prefill,
+                     shrunk, weight_bytes_per_token)
 
 H200_BYTES_PER_S = 4.8e12        # HBM3e peak: the floor a weight-streaming decode can reach
 
-OURO_1_4B = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 2048,
-             "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
-             "num_key_value_heads": 16, "head_dim": 128, "hidden_act": "silu",
-             "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-             "total_ut_steps": 4, "vocab_size": 49152, "max_position_embeddings": 65536,
-             "use_sliding_window": False, "bos_token_id": 1, "eos_token_id": 2}
-HUGINN_3_5B = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
-               "n_embd": 5280, "n_heads": 55, "num_key_value_heads": 55, "head_dim": 96,
-               "intermediate_size": 17920, "n_layers": 8, "n_layers_in_prelude": 2,
-               "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
-               "mean_recurrence": 32, "norm_eps": 1e-6, "rope_base": 50000.0,
-               "qk_bias": True, "bias": False, "tie_embeddings": True, "vocab_size": 65536,
-               "padded_vocab_size": 65536, "injection_type": "linear",
-               "state_init": "like-init", "block_size": 4096,
-               "init_values": {"std": (2 / (5 * 5280)) ** 0.5, "embed_scale": 5280 ** 0.5}}
-NANBEIGE_3B = {"architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige",
-               "hidden_size": 3072, "intermediate_size": 10752, "num_hidden_layers": 22,
-               "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
-               "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 7e7,
-               "tie_word_embeddings": False, "num_loops": 2, "skip_loop_final_norm": False,
-               "vocab_size": 166144, "max_position_embeddings": 262144,
-               "bos_token_id": 166100, "eos_token_id": 166101}
 ARCHS = {"ouro": (OURO_1_4B, (1, 2, 3, 4)), "huginn": (HUGINN_3_5B, (1, 4, 8)),
          "nanbeige": (NANBEIGE_3B, (1, 2))}
 
@@ -125,57 +103,6 @@ def write_random_model(conf: dict, path: str, bits: int = 4, group_size: int = 3
                                             "seed": seed, "bits": bits,
                                             "group_size": group_size})
     return cfg
-
-
-_WIDTHS = ("hidden_size", "n_embd", "intermediate_size", "vocab_size", "padded_vocab_size")
-_COUNTS = ("num_hidden_layers", "n_layers_in_recurrent_block")
-
-
-def shrunk(conf: dict, k: int) -> dict:
-    """``conf`` with widths, layer and head counts divided by ``k`` (head dims kept; at least
-    one of each), for a CPU smoke run of this script."""
-    c = json.loads(json.dumps(conf))
-    hkey = "n_heads" if "n_heads" in c else "num_attention_heads"
-    heads = c[hkey] // k or 1
-    kv = max(1, c["num_key_value_heads"] // k)
-    while heads % kv:
-        kv -= 1
-    hd = c.get("head_dim") or (c.get("hidden_size") or c["n_embd"]) // c[hkey]
-    for key in _WIDTHS + _COUNTS:
-        if key in c:
-            c[key] = max(1, c[key] // k)
-    c[hkey], c["num_key_value_heads"] = heads, kv
-    for key in ("hidden_size", "n_embd"):
-        if key in c:
-            c[key] = heads * hd if key == "n_embd" else max(32, c[key] // 32 * 32)
-    c["intermediate_size"] = max(32, c["intermediate_size"] // 32 * 32)
-    if "init_values" in c:
-        c["init_values"]["embed_scale"] = c["n_embd"] ** 0.5
-    for key in ("bos_token_id", "eos_token_id"):
-        if key in c and c[key] >= c["vocab_size"]:
-            c[key] = 1 if key == "bos_token_id" else 2
-    return c
-
-
-def bench_decode(model, depth: int, new_tokens: int, reps: int, warmup_s: float = 2.0) -> dict:
-    """Decode tokens/s (graphs on) after ``warmup_s`` s of sustained decoding (an idle GPU
-    sits at a low clock): median, min and max of ``reps`` generations."""
-    with user_setting("cuda_graphs", "1"):
-        prompt = [10 + i for i in range(16)]
-        t = time.perf_counter()
-        while time.perf_counter() - t < warmup_s:
-            model.generate(prompt, max_new_tokens=new_tokens, depth=depth, stop=[])
-        tps = sorted(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
-                                    stop=[]).decode_tokens_per_s for _ in range(reps))
-    return {"median": statistics.median(tps), "min": tps[0], "max": tps[-1]}
-
-
-def bench_prefill(model, n: int, depth: int, reps: int) -> float:
-    """Median ms of prefilling ``n`` random tokens at ``depth``."""
-    ids = np.random.default_rng(n).integers(3, model.config.vocab_size, n).tolist()
-    model.generate(ids, max_new_tokens=1, depth=depth)                 # warm-up
-    return statistics.median(model.generate(ids, max_new_tokens=1, depth=depth).prefill_ms
-                             for _ in range(reps))
 
 
 def run_arch(name: str, depths, args) -> list:
