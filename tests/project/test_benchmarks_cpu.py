@@ -563,3 +563,32 @@ def test_vs_llamacpp_names_a_missing_llama_bench(tmp_path):
     r = _run("vs_llamacpp", "--arch", "smollm2", "--llama-bench", str(tmp_path / "nope"))
     assert r.returncode == 2
     assert f"llama-bench {str(tmp_path / 'nope')!r} is not an executable file" in r.stderr
+
+
+def _real_llama_bench():
+    from benchmarks import vs_llamacpp as vs
+    try:
+        return vs.find_llama_bench(None)
+    except vs.BenchError:
+        return None
+
+
+@needs_smollm2
+@pytest.mark.skipif(_real_llama_bench() is None,
+                    reason="no llama-bench ($LLAMA_BENCH, .lcp/build/bin, PATH): "
+                           "GGML_CUDA=OFF scripts/build_llamacpp.sh .lcp/llama.cpp.tgz .lcp")
+def test_vs_llamacpp_runs_the_real_llama_bench_on_the_written_file(tmp_path):
+    """The real llama-bench (a CPU build is enough) reads the written Nanbeige file and
+    reports both tests, which vs_llamacpp parses into positive figures on every rep."""
+    env = dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "vs_llamacpp", "--arch",
+                           "nanbeige", "--shrink", "16", "--backend", "numpy", "--reps", "2",
+                           "--new-tokens", "8", "--prefill", "64", "--warmup", "0",
+                           "--threads", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.load(open(tmp_path / "vs_llamacpp.json"))
+    ll = res["llama.cpp"]
+    assert ll["decode_tok_s"]["runs"] == 2 and ll["decode_tok_s"]["min"] > 0
+    assert ll["prefill_ms"]["runs"] == 2 and ll["prefill_ms"]["min"] > 0
+    assert res["llama_command"][-2:] == ["-t", "2"] and res["ratios"]["decode"] > 0
