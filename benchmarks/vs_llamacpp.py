@@ -8,7 +8,7 @@ The file:
   - nanbeige: a Nanbeige4.2-3B-shaped GGUF (``NANBEIGE_3B`` in benchmarks/common.py, the
     published dims; benchmarks/bench_looped.py cites them) with random weights, written here
     with the ``gguf`` package the way llama.cpp's converter writes one
-    (convert_hf_to_gguf.py's NanbeigeModel, a LlamaModel plus ``nanbeige.num_loops`` and
+    (its conversion/nanbeige.py NanbeigeModel, a LlamaModel plus ``nanbeige.num_loops`` and
     ``nanbeige.skip_loop_final_norm``): architecture ``nanbeige``, llama's keys under
     ``nanbeige.`` (``attention.key_length`` 128, since 48 heads of 128 are not the width
     3072), llama's tensor names, the tokenizer of SmolLM2 (every ``tokenizer.*`` key of the
@@ -34,7 +34,8 @@ Each rep runs the two programs one after the other, so both see the same clock d
     graphs on; at every depth up to the file's loop count, one generation of NEW tokens after a
     16-token prompt (``decode_once``: its decode tokens/s) and one prefill of PREFILL random
     tokens (``prefill_once``: its ms). Before the first rep each depth decodes for
-    ``--warmup`` s and prefills once.
+    ``--warmup`` s and prefills once; each rep starts with one untimed generation, as each
+    llama-bench run starts with its warm-up run.
 Prints, per program and depth: decode tokens/s and prefill ms, median and min-max over the
 reps, and at llama.cpp's loop count the ratios TinyLoop / llama.cpp (decode: above 1 is
 TinyLoop faster; prefill ms: below 1 is TinyLoop faster). With --out writes vs_llamacpp.json
@@ -259,8 +260,9 @@ def ratios(tinyloop_row: dict, llama_row: dict) -> dict:
 
 def side_by_side(model, llama_cmd: list[str] | None, depths, reps: int, new_tokens: int,
                  prefill: int, warmup_s: float) -> dict:
-    """``reps`` reps, each llama-bench once (when ``llama_cmd``) then TinyLoop at every depth
-    (one decode, one prefill); returns {"llama.cpp": {...}, "tinyloop": {depth: {...}}}, each
+    """``reps`` reps, each llama-bench once (when ``llama_cmd``; it warms up itself) then
+    TinyLoop: one untimed generation (the GPU clock may have dropped while llama-bench loaded
+    the file), then at every depth one decode and one prefill; returns {"llama.cpp": {...}, "tinyloop": {depth: {...}}}, each
     {"decode_tok_s": Timing dict, "prefill_ms": Timing dict}."""
     ids = prefill_ids(model, prefill)
     llama = {"decode_tok_s": [], "prefill_ms": []}
@@ -274,6 +276,7 @@ def side_by_side(model, llama_cmd: list[str] | None, depths, reps: int, new_toke
                 r = run_llama_bench(llama_cmd)
                 for k in llama:
                     llama[k].append(r[k])
+            decode_once(model, depths[0], new_tokens)     # untimed, as llama-bench's warm-up
             for d in depths:
                 ours[d]["decode_tok_s"].append(decode_once(model, d, new_tokens))
                 ours[d]["prefill_ms"].append(prefill_once(model, ids, d))
