@@ -11,11 +11,28 @@ synthetic models' scale): the speed does not depend on the values, so no checkpo
 carried to the GPU machine. The configs come from ``tinyloop.convert.hf.folder_config`` on a
 config.json with the published dims, so the model is what converting the checkpoint gives:
   - ouro: Ouro-1.4B (24 layers x 2048, 16 heads of 128 without KV grouping, FFN 5632, vocab
-    49152, 4 loops; every layer on full attention, as the published config);
-  - huginn: Huginn-0125 (3.5B: 2 prelude / 4 recurrent / 2 coda layers x 5280, 55 heads of 96,
-    FFN 17920, vocab 65536, the linear injection; a few of its recurrences);
-  - nanbeige: a Nanbeige-3B-shaped llama loop (d 2560, 20 query heads of 128 over 4 KV heads;
-    the dims in NANBEIGE_3B are not checked against a published config).
+    49152, RoPE base 1e6, RMSNorm eps 1e-6, untied head, 4 loops (``total_ut_steps``); no
+    sliding window, so every layer is on full attention). Source: ByteDance/Ouro-1.4B's
+    config.json and model card (Hugging Face), whose dims the bf16 checkpoint's size (about
+    2.87 GB) confirms;
+  - huginn: Huginn-0125 (3.5B: 2 prelude / 4 recurrent / 2 coda layers x 5280, 55 heads of 96
+    without KV grouping, FFN 17920, vocab 65536, tied head, RoPE base 50000, eps 1e-6, Q/K
+    bias, the linear injection, mean recurrence 32; a few of its recurrences). Source:
+    tomg-group-umd/huginn-0125's config.json (Hugging Face) and its raven_config_minimal.py
+    (``n_heads``, ``n_embd``);
+  - nanbeige: Nanbeige4.2-3B (22 layers x 3072 looped twice (``num_loops`` 2), each loop with
+    its own KV cache, the final RMSNorm at the loop boundary (``skip_loop_final_norm``
+    false); 48 query heads of 128 over 8 KV heads, FFN 10752, vocab 166144, untied head, RoPE
+    base 7e7, eps 1e-5). Source: Nanbeige/Nanbeige4.2-3B's config.json and
+    configuration_nanbeige.py (Hugging Face; copies in neonccx/qmagent-by-FT-Nanbeige4.2-3B
+    training-Nanbeige4.2-3B/models/Nanbeige4.2-3B/, and the config quoted by
+    jishnuvenugopal/nanbeige-mlx nanbeige_mlx/model.py and johnhalloran321/Nanbeige4.2-3B-mps-fix
+    patch/MPS_FIX_NOTES.md); the checkpoint's model.safetensors.index.json lists 22 layers and
+    ``total_size`` 8339601408 bf16 bytes, exactly twice the parameter count these dims give
+    (tests/project/test_benchmarks_cpu.py checks it). llama.cpp runs the same file as
+    src/models/nanbeige.cpp: ``nanbeige.num_loops`` passes of the stack with shared weights and
+    a KV slot per (loop, layer), ``output_norm`` at each boundary unless
+    ``nanbeige.skip_loop_final_norm``.
 Measures per depth (after a warm-up of sustained decoding, CUDA graphs on):
   - decode tokens/s at batch 1 after a 16-token prompt: median and min-max of ``--reps``
     generations of ``--new-tokens`` tokens;
@@ -31,38 +48,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 
 import numpy as np
 
-from .common import user_setting, weight_bytes_per_token
+from .common import (HUGINN_3_5B, NANBEIGE_3B, OURO_1_4B, bench_decode, bench_prefill,
+                     shrunk, weight_bytes_per_token)
 
 H200_BYTES_PER_S = 4.8e12        # HBM3e peak: the floor a weight-streaming decode can reach
 
-OURO_1_4B = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 2048,
-             "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
-             "num_key_value_heads": 16, "head_dim": 128, "hidden_act": "silu",
-             "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-             "total_ut_steps": 4, "vocab_size": 49152, "use_sliding_window": False,
-             "sliding_window": None, "max_window_layers": 24, "bos_token_id": 1,
-             "eos_token_id": 2}
-HUGINN_3_5B = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
-               "n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
-               "intermediate_size": 17920, "n_layers_in_prelude": 2,
-               "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
-               "mean_recurrence": 32, "norm_eps": 1e-6, "rope_base": 50000.0,
-               "qk_bias": True, "bias": False, "tie_embeddings": True, "vocab_size": 65536,
-               "padded_vocab_size": 65536, "injection_type": "linear",
-               "state_init": "like-init", "test_time_noise": 0, "block_size": 4096,
-               "init_values": {"std": (2 / (5 * 5280)) ** 0.5, "embed_scale": 5280 ** 0.5}}
-NANBEIGE_3B = {"architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige",
-               "hidden_size": 2560, "intermediate_size": 10496, "num_hidden_layers": 32,
-               "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128,
-               "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 7e7,
-               "tie_word_embeddings": False, "num_loops": 2, "skip_loop_final_norm": False,
-               "vocab_size": 166144}
 ARCHS = {"ouro": (OURO_1_4B, (1, 2, 3, 4)), "huginn": (HUGINN_3_5B, (1, 4, 8)),
          "nanbeige": (NANBEIGE_3B, (1, 2))}
 
@@ -108,54 +103,6 @@ def write_random_model(conf: dict, path: str, bits: int = 4, group_size: int = 3
                                             "seed": seed, "bits": bits,
                                             "group_size": group_size})
     return cfg
-
-
-_WIDTHS = ("hidden_size", "n_embd", "intermediate_size", "vocab_size", "padded_vocab_size")
-_COUNTS = ("num_hidden_layers", "max_window_layers", "n_layers_in_recurrent_block",
-           "num_attention_heads", "num_key_value_heads")
-
-
-def shrunk(conf: dict, k: int) -> dict:
-    """``conf`` with widths, layer and head counts divided by ``k`` (head dims kept; at least
-    one of each), for a CPU smoke run of this script."""
-    c = json.loads(json.dumps(conf))
-    heads = c["num_attention_heads"] // k or 1
-    kv = max(1, c["num_key_value_heads"] // k)
-    while heads % kv:
-        kv -= 1
-    hd = c.get("head_dim") or (c.get("hidden_size") or c["n_embd"]) // c["num_attention_heads"]
-    for key in _WIDTHS + _COUNTS:
-        if key in c:
-            c[key] = max(1, c[key] // k)
-    c["num_attention_heads"], c["num_key_value_heads"] = heads, kv
-    for key in ("hidden_size", "n_embd"):
-        if key in c:
-            c[key] = heads * hd if key == "n_embd" else max(32, c[key] // 32 * 32)
-    c["intermediate_size"] = max(32, c["intermediate_size"] // 32 * 32)
-    if "init_values" in c:
-        c["init_values"]["embed_scale"] = c["n_embd"] ** 0.5
-    return c
-
-
-def bench_decode(model, depth: int, new_tokens: int, reps: int, warmup_s: float = 2.0) -> dict:
-    """Decode tokens/s (graphs on) after ``warmup_s`` s of sustained decoding (an idle GPU
-    sits at a low clock): median, min and max of ``reps`` generations."""
-    with user_setting("cuda_graphs", "1"):
-        prompt = [10 + i for i in range(16)]
-        t = time.perf_counter()
-        while time.perf_counter() - t < warmup_s:
-            model.generate(prompt, max_new_tokens=new_tokens, depth=depth, stop=[])
-        tps = sorted(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
-                                    stop=[]).decode_tokens_per_s for _ in range(reps))
-    return {"median": statistics.median(tps), "min": tps[0], "max": tps[-1]}
-
-
-def bench_prefill(model, n: int, depth: int, reps: int) -> float:
-    """Median ms of prefilling ``n`` random tokens at ``depth``."""
-    ids = np.random.default_rng(n).integers(3, model.config.vocab_size, n).tolist()
-    model.generate(ids, max_new_tokens=1, depth=depth)                 # warm-up
-    return statistics.median(model.generate(ids, max_new_tokens=1, depth=depth).prefill_ms
-                             for _ in range(reps))
 
 
 def run_arch(name: str, depths, args) -> list:

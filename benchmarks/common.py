@@ -1,5 +1,7 @@
 """What the benchmarks share: the synthetic model writer, the model lookup, the GPU and wall
-timers (median and min-max spread over N runs) and the JSON / table writers.
+timers (median and min-max spread over N runs), the JSON / table writers, and the looped
+architectures' published configs with the decode / prefill timers that bench_looped and
+vs_llamacpp run on them.
 
 Nothing here runs at import: CuPy is imported by the GPU timer on first use, so a benchmark
 that imports this module still lists and parses its arguments on a machine without CUDA.
@@ -250,3 +252,106 @@ def weight_bytes_per_token(model, depth: int) -> int:
     if "inject.adapter" in ws:
         total += depth * ws["inject.adapter"].nbytes
     return total
+
+
+# --- the looped architectures' published configs (config.json dicts; the sources of every
+# figure are cited in benchmarks/bench_looped.py's docstring) ------------------------------------
+
+OURO_1_4B = {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "hidden_size": 2048,
+             "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+             "num_key_value_heads": 16, "head_dim": 128, "hidden_act": "silu",
+             "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+             "total_ut_steps": 4, "vocab_size": 49152, "max_position_embeddings": 65536,
+             "use_sliding_window": False, "bos_token_id": 1, "eos_token_id": 2}
+HUGINN_3_5B = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
+               "n_embd": 5280, "n_heads": 55, "num_key_value_heads": 55, "head_dim": 96,
+               "intermediate_size": 17920, "n_layers": 8, "n_layers_in_prelude": 2,
+               "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
+               "mean_recurrence": 32, "norm_eps": 1e-6, "rope_base": 50000.0,
+               "qk_bias": True, "bias": False, "tie_embeddings": True, "vocab_size": 65536,
+               "padded_vocab_size": 65536, "injection_type": "linear",
+               "state_init": "like-init", "block_size": 4096,
+               "init_values": {"std": (2 / (5 * 5280)) ** 0.5, "embed_scale": 5280 ** 0.5}}
+NANBEIGE_3B = {"architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige",
+               "hidden_size": 3072, "intermediate_size": 10752, "num_hidden_layers": 22,
+               "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+               "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 7e7,
+               "tie_word_embeddings": False, "num_loops": 2, "skip_loop_final_norm": False,
+               "vocab_size": 166144, "max_position_embeddings": 262144,
+               "bos_token_id": 166100, "eos_token_id": 166101}
+
+_WIDTHS = ("hidden_size", "n_embd", "intermediate_size", "vocab_size", "padded_vocab_size")
+_COUNTS = ("num_hidden_layers", "n_layers_in_recurrent_block")
+
+
+def shrunk(conf: dict, k: int) -> dict:
+    """``conf`` with widths, layer and head counts divided by ``k`` (head dims kept; at least
+    one of each), for a CPU smoke run of this script."""
+    c = json.loads(json.dumps(conf))
+    hkey = "n_heads" if "n_heads" in c else "num_attention_heads"
+    heads = c[hkey] // k or 1
+    kv = max(1, c["num_key_value_heads"] // k)
+    while heads % kv:
+        kv -= 1
+    hd = c.get("head_dim") or (c.get("hidden_size") or c["n_embd"]) // c[hkey]
+    for key in _WIDTHS + _COUNTS:
+        if key in c:
+            c[key] = max(1, c[key] // k)
+    c[hkey], c["num_key_value_heads"] = heads, kv
+    for key in ("hidden_size", "n_embd"):
+        if key in c:
+            c[key] = heads * hd if key == "n_embd" else max(32, c[key] // 32 * 32)
+    c["intermediate_size"] = max(32, c["intermediate_size"] // 32 * 32)
+    if "init_values" in c:
+        c["init_values"]["embed_scale"] = c["n_embd"] ** 0.5
+    for key in ("bos_token_id", "eos_token_id"):
+        if key in c and c[key] >= c["vocab_size"]:
+            c[key] = 1 if key == "bos_token_id" else 2
+    return c
+
+
+# the decode benchmarks' prompt: 16 token ids, the same for every model
+DECODE_PROMPT = tuple(10 + i for i in range(16))
+
+
+def decode_once(model, depth: int, new_tokens: int) -> float:
+    """Decode tokens/s of one generation of ``new_tokens`` tokens after DECODE_PROMPT at
+    ``depth`` (no stop token: every generation has the same length)."""
+    return model.generate(list(DECODE_PROMPT), max_new_tokens=new_tokens, depth=depth,
+                          stop=[]).decode_tokens_per_s
+
+
+def warm_decode(model, depth: int, new_tokens: int, seconds: float) -> None:
+    """Decode for ``seconds`` s (at least once): an idle GPU sits at a low clock, and the
+    first generation at a depth captures its graphs."""
+    t = time.perf_counter()
+    decode_once(model, depth, new_tokens)
+    while time.perf_counter() - t < seconds:
+        decode_once(model, depth, new_tokens)
+
+
+def prefill_ids(model, n: int) -> list[int]:
+    """``n`` random token ids of the model's vocabulary (ids 3 and up), fixed by ``n``."""
+    return np.random.default_rng(n).integers(3, model.config.vocab_size, n).tolist()
+
+
+def prefill_once(model, ids, depth: int) -> float:
+    """ms of prefilling ``ids`` at ``depth`` (one generation of one token)."""
+    return model.generate(list(ids), max_new_tokens=1, depth=depth).prefill_ms
+
+
+def bench_decode(model, depth: int, new_tokens: int, reps: int, warmup_s: float = 2.0) -> dict:
+    """Decode tokens/s (graphs on) after ``warmup_s`` s of sustained decoding: median, min
+    and max of ``reps`` generations (``decode_once``)."""
+    with user_setting("cuda_graphs", "1"):
+        warm_decode(model, depth, new_tokens, warmup_s)
+        tps = sorted(decode_once(model, depth, new_tokens) for _ in range(reps))
+    return {"median": statistics.median(tps), "min": tps[0], "max": tps[-1]}
+
+
+def bench_prefill(model, n: int, depth: int, reps: int) -> float:
+    """Median ms of prefilling ``n`` random tokens (``prefill_ids``) at ``depth``, after one
+    untimed prefill."""
+    ids = prefill_ids(model, n)
+    prefill_once(model, ids, depth)                                    # warm-up
+    return statistics.median(prefill_once(model, ids, depth) for _ in range(reps))

