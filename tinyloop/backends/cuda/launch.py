@@ -148,9 +148,9 @@ SIGNATURES = (
     (r"argmax_f32", "pip"),
     (r"sample_step", "pippp"),
     (r"sample_penalize", "pipppp"),
-    (r"sample_fast_max", "pip"),
-    (r"sample_fast_hist", "pippp"),
-    (r"sample_fast_pick", "pippipp"),
+    (r"sample_fast_max", "pipp"),
+    (r"sample_fast_hist", "pipp"),
+    (r"sample_fast_pick", "pipipp"),
 )
 _SIG_RE = tuple((re.compile(pat), kinds) for pat, kinds in SIGNATURES)
 

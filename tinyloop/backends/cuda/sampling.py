@@ -19,7 +19,7 @@ _FAST_THREADS = GEOMETRY["sample"]["SMP_FAST_THREADS"]
 _SAMPLE_MAX_N = 1 << 22  # sample_step: u64 sums of 2^40-scaled weights stay < 2^63
 _FAST_MAX_BLOCKS = 512   # sample.cu SMP_MAX_BLOCKS
 _FAST_CHUNK = 512        # tokens per block of the fast path's grid kernels (at least)
-_FAST_BYTES = 9216       # sizeof(SmpFast) in sample.cu
+_FAST_BYTES = 9280       # sizeof(SmpFast) in sample.cu
 _PRM = 8                 # sample.cu SMP_PRM: f64 parameters per sampler call
 
 
@@ -134,11 +134,12 @@ class SamplingOps:
             return
         g = _fast_grid(n)
         fs = self._fs_ptr
-        self._fn("sample", "sample_fast_max")((g,), (_FAST_THREADS,), (logits_ptr, n, fs))
+        self._fn("sample", "sample_fast_max")((g,), (_FAST_THREADS,),
+                                              (logits_ptr, n, prm_ptr, fs))
         self._fn("sample", "sample_fast_hist")((g,), (_FAST_THREADS,),
-                                               (logits_ptr, n, prm_ptr, fs, self._wq_ptr))
+                                               (logits_ptr, n, fs, self._wq_ptr))
         self._fn("sample", "sample_fast_pick")(
-            (1,), (_SAMPLE_THREADS,), (logits_ptr, n, prm_ptr, fs, g, self._wq_ptr, out_ptr))
+            (1,), (_SAMPLE_THREADS,), (logits_ptr, n, fs, g, self._wq_ptr, out_ptr))
 
     def _ensure_wq(self, n: int) -> None:
         """The sampler's scratch: u64 [>= n] weights and the f32 [>= n] penalised row

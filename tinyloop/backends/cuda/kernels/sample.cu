@@ -269,7 +269,7 @@ __device__ void smp_argmax(const float* __restrict__ logits, int n, int* id_dev,
 // logits f32 [n]; temp (<= 0: the argmax); top_k (0 = all); top_p (>= 1: off); min_p (<= 0:
 // off); u in [0, 1); wq: u64 [n] scratch. Writes the id and the fault code to id_dev[0..1] and,
 // if non-null, id_host[0..1]. One block of SMP_THREADS threads: the reference path.
-__device__ void sample_impl(const float* __restrict__ logits, i64 n64, double temp, i64 top_k,
+__device__ __noinline__ void sample_impl(const float* __restrict__ logits, i64 n64, double temp, i64 top_k,
                             double top_p, double min_p, double u, u64* wq,
                             int* __restrict__ id_dev, int* __restrict__ id_host) {
     __shared__ SmpShared sh;
@@ -457,7 +457,8 @@ extern "C" __global__ void sample_penalize(const float* __restrict__ logits, i64
 // ================================================================================================
 // The fast path: the same pick as sample_impl, in three launches.
 //   sample_fast_max  (grid): per-block maximum and NaN flag of contiguous chunks; block 0 clears
-//                    the bin histogram.
+//                    the bin histogram and copies the parameters to device memory, which the
+//                    next two read instead of host memory.
 //   sample_fast_hist (grid): every token's weight wq (smp_weight, as the reference) and bin:
 //                    bin = floor((m - l) * SMP_BIN_SCALE / T) in float32 (clamped to the last
 //                    bin), non-decreasing in rank order; per bin the count, the fixed-point mass
@@ -482,14 +483,19 @@ extern "C" __global__ void sample_penalize(const float* __restrict__ logits, i64
 #define SMP_BINS 256
 #define SMP_BIN_SCALE 8.0          // bins per unit of z (nats): SMP_BINS / 8 nats covered
 #define SMP_CAP 2048               // candidates the finishing block sorts
+#define SMP_GATHER_ILP 4           // row loads in flight per thread of the finishing block
+static_assert(SMP_CAP <= 2 * SMP_THREADS, "sample_fast_pick's min-p mask: two per thread");
 
 struct SmpFast {
+    double prm[SMP_PRM];            // the parameters, copied by sample_fast_max (one host read)
     float part_max[SMP_MAX_BLOCKS];
     int part_nan[SMP_MAX_BLOCKS];
     unsigned cnt[SMP_BINS];
     u64 mass[SMP_BINS];
     u64 maxw[SMP_BINS];
 };
+// sampling.py's _FAST_BYTES: the scratch block the host allocates
+static_assert(sizeof(SmpFast) == 9280, "SmpFast's size is sampling.py's _FAST_BYTES");
 
 // The bin of logit l (m: the row's maximum; s = SMP_BIN_SCALE / T as float32): monotone in l.
 __device__ __forceinline__ int smp_bin(float l, float m, float s) {
@@ -517,7 +523,8 @@ __device__ void smp_fast_max_of(const SmpFast* sc, int blocks, float& m, int& co
 }
 
 extern "C" __global__ void __launch_bounds__(SMP_FAST_THREADS)
-    sample_fast_max(const float* __restrict__ logits, i64 n64, SmpFast* sc) {
+    sample_fast_max(const float* __restrict__ logits, i64 n64, const volatile double* prm,
+                    SmpFast* sc) {
     TL_PDL_ENTER();
     __shared__ float red[32];
     const int n = (int)n64;
@@ -537,6 +544,7 @@ extern "C" __global__ void __launch_bounds__(SMP_FAST_THREADS)
         sc->part_nan[blockIdx.x] = nan_seen;
     }
     if (blockIdx.x == 0) {
+        if (threadIdx.x < SMP_PRM) sc->prm[threadIdx.x] = prm[threadIdx.x];
         for (int b = threadIdx.x; b < SMP_BINS; b += blockDim.x) {
             sc->cnt[b] = 0;
             sc->mass[b] = 0;
@@ -546,13 +554,12 @@ extern "C" __global__ void __launch_bounds__(SMP_FAST_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(SMP_FAST_THREADS)
-    sample_fast_hist(const float* __restrict__ logits, i64 n64, const volatile double* prm,
-                     SmpFast* sc, u64* wq) {
+    sample_fast_hist(const float* __restrict__ logits, i64 n64, SmpFast* sc, u64* wq) {
     TL_PDL_ENTER();
     __shared__ unsigned scnt[SMP_BINS];
     __shared__ u64 smass[SMP_BINS];
     __shared__ u64 smaxw[SMP_BINS];
-    const SmpParams q = smp_params(prm);
+    const SmpParams q = smp_params(sc->prm);
     if (!(q.temp > 0.0)) return;                        // the argmax: no weights
     float m;
     int code;
@@ -664,15 +671,15 @@ struct SmpPick {
 };
 
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
-    sample_fast_pick(const float* __restrict__ logits, i64 n64, const volatile double* prm,
-                     const SmpFast* sc, i64 blocks, u64* wq, int* step) {
+    sample_fast_pick(const float* __restrict__ logits, i64 n64, const SmpFast* sc, i64 blocks,
+                     u64* wq, int* step) {
     TL_PDL_ENTER();
     __shared__ u64 ck[SMP_CAP];             // (rank key << 32) | id, sorted ascending
     __shared__ u64 cw[SMP_CAP];             // weights, then their prefix sums
     __shared__ u64 ws[32];
     __shared__ SmpPick pk;
     __shared__ int nc;
-    const SmpParams q = smp_params(prm);
+    const SmpParams q = smp_params(sc->prm);
     const int n = (int)n64;
     if (!(q.temp > 0.0)) {
         smp_argmax(logits, n, step, nullptr);
@@ -754,26 +761,36 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     __syncthreads();
     if (pk.mode != 0) {
         // 2. gather the candidates (warp-aggregated slots), padded to a power of two
+        //    (SMP_GATHER_ILP loads in flight per thread: one block reads the whole row)
         const int lo = pk.lo, hi = pk.hi, lane = threadIdx.x & 31;
         const float s = smp_bin_scale(q.temp);
-        for (int base = 0; base < n; base += blockDim.x) {
-            const int i = base + (int)threadIdx.x;
-            float l = 0.0f;
-            bool f = false;
-            if (i < n) {
-                l = logits[i];
-                const int b = smp_bin(l, m, s);
-                f = b >= lo && b <= hi;
+        const int stride = (int)blockDim.x * SMP_GATHER_ILP;
+        for (int base = 0; base < n; base += stride) {
+            float lv[SMP_GATHER_ILP];
+#pragma unroll
+            for (int r = 0; r < SMP_GATHER_ILP; ++r) {
+                const int i = base + r * (int)blockDim.x + (int)threadIdx.x;
+                lv[r] = i < n ? logits[i] : 0.0f;
             }
-            const unsigned bal = __ballot_sync(0xffffffffu, f);
-            int off = 0;
-            if (lane == 0 && bal) off = atomicAdd(&nc, __popc(bal));
-            off = __shfl_sync(0xffffffffu, off, 0);
-            if (f) {
-                const int slot = off + __popc(bal & ((1u << lane) - 1u));
-                if (slot < SMP_CAP) {
-                    ck[slot] = ((u64)rank_key(l) << 32) | (unsigned)i;
-                    cw[slot] = wq[i];
+#pragma unroll
+            for (int r = 0; r < SMP_GATHER_ILP; ++r) {
+                const int i = base + r * (int)blockDim.x + (int)threadIdx.x;
+                const float l = lv[r];
+                bool f = false;
+                if (i < n) {
+                    const int b = smp_bin(l, m, s);
+                    f = b >= lo && b <= hi;
+                }
+                const unsigned bal = __ballot_sync(0xffffffffu, f);
+                int off = 0;
+                if (lane == 0 && bal) off = atomicAdd(&nc, __popc(bal));
+                off = __shfl_sync(0xffffffffu, off, 0);
+                if (f) {
+                    const int slot = off + __popc(bal & ((1u << lane) - 1u));
+                    if (slot < SMP_CAP) {
+                        ck[slot] = ((u64)rank_key(l) << 32) | (unsigned)i;
+                        cw[slot] = wq[i];
+                    }
                 }
             }
         }
@@ -845,16 +862,20 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
             }
             __syncthreads();
             // the kept weights (rank < lim, weight >= wmin) and their prefix sums, in place
-            const int L = lim;
-            u64 wv[(SMP_CAP + SMP_THREADS - 1) / SMP_THREADS];
-            int e = 0;
-            for (int j = threadIdx.x; j < C; j += blockDim.x, ++e) {
-                const u64 w = cw[j] - (j ? cw[j - 1] : 0ull);
-                wv[e] = (j < L && w >= pk.wmin) ? w : 0ull;
+            //    (two per thread: SMP_CAP <= 2 * SMP_THREADS)
+            const int L = lim, j0 = threadIdx.x, j1 = threadIdx.x + blockDim.x;
+            u64 w0 = 0, w1 = 0;
+            if (j0 < C) {
+                const u64 w = cw[j0] - (j0 ? cw[j0 - 1] : 0ull);
+                w0 = (j0 < L && w >= pk.wmin) ? w : 0ull;
+            }
+            if (j1 < C) {
+                const u64 w = cw[j1] - cw[j1 - 1];
+                w1 = (j1 < L && w >= pk.wmin) ? w : 0ull;
             }
             __syncthreads();
-            e = 0;
-            for (int j = threadIdx.x; j < C; j += blockDim.x, ++e) cw[j] = wv[e];
+            if (j0 < C) cw[j0] = w0;
+            if (j1 < C) cw[j1] = w1;
             __syncthreads();
             smp_inclusive_scan(cw, C, ws);
             if (threadIdx.x == 0) {
