@@ -110,13 +110,14 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         # the sampler's u64 [vocab] weights and f32 [vocab] penalised row (a pool block, taken
         # at the first use), and the fast path's bins with the penalty window rings (another)
         self._wq_blk, self._wq_ptr, self._wq_cap, self._pl_ptr = None, 0, 0, 0
-        self._fs_blk, self._fs_ptr = None, 0
+        self._fs_blk, self._fs_ptr, self._epin_blk = None, 0, None
         self._ring = self._ering = self._estate = None
+        self._ering_ptr = self._estate_ptr = 0
         self._cublas_measured = False       # the first cuBLAS call is measured (NVML)
         self._capture_stream = None         # the decode-step capture stream (graph_begin)
         self._capturing = None              # that stream while a capture is open
 
-    _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk", "_fs_blk")
+    _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk", "_fs_blk", "_epin_blk")
 
     @property
     def kernels(self) -> KernelChoice:
@@ -138,6 +139,7 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         self._id_ptr = self._smp_ptr = self._esmp_ptr = 0
         self._scratch_ptr = self._ds_ptr = self._wq_ptr = self._pl_ptr = self._fs_ptr = 0
         self._ring = self._ering = self._estate = None
+        self._ering_ptr = self._estate_ptr = 0
         self._ds_cap = self._wq_cap = 0
         for name in self._BLOCKS:
             blk = getattr(self, name, None)

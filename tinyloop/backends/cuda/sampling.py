@@ -6,6 +6,8 @@ one-block reference ``sample_step`` by ``KernelChoice.sampler``), the repetition
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from ...errors import ConfigError
@@ -91,9 +93,10 @@ class SamplingOps:
         """Queue sample.cu's sampler on f32 logits [n] (validated by ``sample``; n <= 2^22),
         its parameters written to the eager sampler's pinned f64 [8] first; the id and the
         row's fault code go to the mapped pinned int [2] ``step_host_buffer``. With the
-        penalty the window goes to the eager window ring (device, stream-ordered copy) and
-        ``sample_penalize`` writes the penalised row first. Its scratch is pool blocks, grown
-        only for a larger vocabulary."""
+        penalty the window goes to the eager window ring (mapped pinned memory the kernel
+        reads, so this makes no CUDA call and a capture may hold it) and ``sample_penalize``
+        writes the penalised row first. Its scratch is pool blocks, grown only for a larger
+        vocabulary."""
         n = logits.shape[0]
         self._ensure_wq(n)
         pen = _penalized(repetition_penalty, recent_ids)
@@ -102,10 +105,10 @@ class SamplingOps:
                         repetition_penalty, m)
         if pen:
             ids = np.asarray(recent_ids, dtype=np.int32).reshape(-1)
-            self._ering[:m].set(ids)
-            self._estate.set(np.array([ids[-1], 0, m - 1, 0], np.int32))
+            self._ering[:m] = ids
+            self._estate[:] = (ids[-1], 0, m - 1, 0)
         self._sampler_launches(logits.data.ptr, n, self._esmp_ptr, self._id_ptr,
-                               (self._ering.data.ptr, self._estate.data.ptr) if pen else None)
+                               (self._ering_ptr, self._estate_ptr) if pen else None)
 
     @staticmethod
     def _write_prm(view, temperature, top_k, top_p, u, min_p, penalty, last_n) -> None:
@@ -144,21 +147,27 @@ class SamplingOps:
     def _ensure_wq(self, n: int) -> None:
         """The sampler's scratch: u64 [>= n] weights and the f32 [>= n] penalised row
         (one pool block, grown only for a larger vocabulary), and the fast path's bins with
-        the window rings (one fixed block). Never inside a capture: the eager step before
-        it makes them."""
+        the captured step's window ring (one fixed device block), and the eager sampler's
+        window ring and step words int32 [4] (mapped pinned memory). Never inside a capture:
+        the eager step before it makes them."""
         if self._fs_blk is None:
             if self._capturing is not None:
                 raise ConfigError("the sampler's scratch must exist before a capture")
-            blk = self._cuda_pool.allocate(_FAST_BYTES + 8 * REPEAT_LAST_N_MAX + 16,
-                                           "scratch")
+            blk = self._cuda_pool.allocate(_FAST_BYTES + 4 * REPEAT_LAST_N_MAX, "scratch")
+            try:
+                pin = self._pinned_pool.allocate(4 * REPEAT_LAST_N_MAX + 16, "scratch")
+            except BaseException:
+                blk.free()
+                raise
             raw = blk.array((blk.requested_bytes,), np.uint8)
-            self._fs_blk, self._fs_ptr = blk, blk.ptr
-            off = _FAST_BYTES
-            self._ring = raw[off:off + 4 * REPEAT_LAST_N_MAX].view(np.int32)
-            off += 4 * REPEAT_LAST_N_MAX
-            self._ering = raw[off:off + 4 * REPEAT_LAST_N_MAX].view(np.int32)
-            off += 4 * REPEAT_LAST_N_MAX
-            self._estate = raw[off:off + 16].view(np.int32)
+            self._fs_blk, self._fs_ptr, self._epin_blk = blk, blk.ptr, pin
+            self._ring = raw[_FAST_BYTES:_FAST_BYTES + 4 * REPEAT_LAST_N_MAX].view(np.int32)
+            self._ering_ptr = pin.ptr
+            self._ering = np.ctypeslib.as_array(
+                (ctypes.c_int32 * REPEAT_LAST_N_MAX).from_address(pin.ptr))
+            self._estate_ptr = pin.ptr + 4 * REPEAT_LAST_N_MAX
+            self._estate = np.ctypeslib.as_array(
+                (ctypes.c_int32 * 4).from_address(self._estate_ptr))
         if n <= self._wq_cap:
             return
         if self._capturing is not None:
