@@ -249,3 +249,17 @@ def test_base_window_ring_follows_the_step_state():
         assert state[STEP_ID] == brute(logits, 0.0, 0, 1.0, 0.0, 0.0, 3.0, window)
     with pytest.raises(ConfigError, match="repeat_last_n"):
         ops.set_step_window([1, 2, 3], 5, 2)
+
+
+def test_step_sampling_checks_the_filters():
+    ops = NumpyOps()
+    ops.set_step_sampling(0.0, 0, 1.0, 0.0, 0.0, 1.5, 8)            # greedy with the penalty
+    assert ops._step_sampling == (0.0, 0, 1.0, 0.0) and ops._step_filters == (0.0, 1.5, 8)
+    for args, match in (((0.0, 0, 1.0, 0.0), "temperature > 0"),
+                        ((0.0, 0, 1.0, 0.0, 0.0, 1.5, 0), "temperature > 0"),
+                        ((0.8, 0, 1.0, 0.5, 1.2), "min_p"),
+                        ((0.8, 0, 1.0, 0.5, 0.0, 0.0), "repetition_penalty"),
+                        ((0.8, 0, 1.0, 0.5, 0.0, 1.2, REPEAT_LAST_N_MAX + 1),
+                         "repeat_last_n")):
+        with pytest.raises(ConfigError, match=match):
+            ops.set_step_sampling(*args)
