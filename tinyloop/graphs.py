@@ -211,9 +211,9 @@ class DecodeGraphs:
         ``Ops.set_step_sampling`` before the launch, so the graph captured for the key serves
         every setting. With the penalty on, ``window`` holds the request's tokens at positions
         pos - len + 1 .. pos (at most repeat_last_n, ``token`` last): written to the device
-        ring (``Ops.set_step_window``) whenever the step state is. Run eagerly on the key's first use,
-        captured on its second and replayed from then on. The caller checks ``eligible``
-        first. Raises ConfigError for ``pos`` outside the cache's capacity or sampling
+        ring (``Ops.set_step_window``) whenever the step state is. Run eagerly on the key's
+        first use, captured on its second and replayed from then on. The caller checks
+        ``eligible`` first. Raises ConfigError for ``pos`` outside the cache's capacity or sampling
         parameters out of range, GraphCaptureError for a capture that allocated, and what the
         ops raise."""
         if not 0 <= pos < cache.capacity:
@@ -302,9 +302,9 @@ def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: i
     mode it cannot capture): the caller then runs ``Model.forward`` + ``Model.head_sample``
     with the same (temperature, top_k, top_p, u, min_p, repetition_penalty over
     ``recent_ids``: the tokens of the last ``repeat_last_n`` positions through ``pos``), which
-    picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError (no step /
-    position: the caller adds them) for a non-finite logit row, as ``head_sample`` does, and
-    ConfigError for sampling parameters out of range."""
+    picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError
+    (no step / position: the caller adds them) for a non-finite logit row, as ``head_sample``
+    does, and ConfigError for sampling parameters out of range."""
     g = decode_graphs(model)
     pen = (repetition_penalty != 1.0 and repeat_last_n > 0 and recent_ids is not None
            and len(recent_ids) > 0)
