@@ -30,6 +30,7 @@ kernel by kernel is the ``step_kernels`` benchmark.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -68,18 +69,28 @@ DEPTHS = (1, 2, 4)
 
 
 PATH_GRAPHS = {"graphs": "1", "eager": "0"}      # the cuda_graphs setting of each path
+# Sampled decode rows (depth 1, graphs): generate's sampling arguments, and the sampler kernel
+# (KernelChoice.sampler) each runs with.
+SAMPLED = {
+    "sampled": (dict(temperature=0.8, top_p=0.9, seed=0), "fast"),
+    "sampled_min_p_penalty": (dict(temperature=0.8, top_p=0.9, min_p=0.05,
+                                   repetition_penalty=1.1, seed=0), "fast"),
+    "sampled_reference": (dict(temperature=0.8, top_p=0.9, seed=0), "reference"),
+}
 
 
 def bench_decode(model, depth: int, new_tokens: int = 128, reps: int = 5,
                  warmup_s: float = 2.0, kv_mode=None, path: str = "graphs",
-                 prompt_len: int = 16) -> dict:
+                 prompt_len: int = 16, sampling: dict | None = None) -> dict:
     """Median decode tokens/s over ``reps`` generations, after ``warmup_s`` seconds of
     sustained decoding (a launch-bound loop leaves the GPU mostly idle, and an idle H200 sits
     at a low clock: timing before it has ramped up measures the clock, not the code).
     ``path``: ``graphs`` (the captured CUDA graph) or ``eager``; ``prompt_len``: tokens of
-    the (fixed) prompt, so the decode runs at that context."""
+    the (fixed) prompt, so the decode runs at that context; ``sampling``: generate's sampling
+    arguments (None: greedy)."""
     with user_setting("cuda_graphs", PATH_GRAPHS[path]):
-        return _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len)
+        return _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len,
+                             sampling)
 
 
 def _not_run(why: str) -> dict:
@@ -88,14 +99,17 @@ def _not_run(why: str) -> dict:
     return {"median": nan, "min": nan, "max": nan, "sm_clock_mhz": None, "error": why}
 
 
-def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len=16) -> dict:
+def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len=16,
+                  sampling=None) -> dict:
     prompt = [10 + i % 1000 for i in range(prompt_len)]
+    kw = dict(sampling or {})
     t = time.perf_counter()
     while time.perf_counter() - t < warmup_s:
-        model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode)
+        model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode, **kw)
     clock = sm_clock_mhz()
     tps = spread(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
-                                kv_mode=kv_mode).decode_tokens_per_s for _ in range(reps))
+                                kv_mode=kv_mode, **kw).decode_tokens_per_s
+                 for _ in range(reps))
     return {"median": tps.median, "min": tps.min, "max": tps.max, "sm_clock_mhz": clock}
 
 
@@ -205,6 +219,16 @@ def main(argv=None) -> int:
             res[f"decode_depth{depth}_tokens_per_s"] = tps
             res[f"weight_bytes_per_token_depth{depth}"] = wb
             res[f"weight_GBps_depth{depth}"] = wb * tps / 1e9
+        default_kernels = model.ops.kernels
+        for name, (kw, sampler) in SAMPLED.items():
+            model.ops.kernels = dataclasses.replace(default_kernels, sampler=sampler)
+            try:
+                res[f"decode_depth1_{name}"] = bench_decode(model, 1, a.new_tokens,
+                                                            sampling=kw)
+            finally:
+                model.ops.kernels = default_kernels
+            res[f"decode_depth1_{name}"]["vs_greedy"] = (
+                res[f"decode_depth1_{name}"]["median"] / res["decode_depth1_tokens_per_s"])
         for n in (512, 2048):
             ms = bench_prefill(model, n)
             res[f"prefill_{n}_ms"] = ms
@@ -244,6 +268,12 @@ def main(argv=None) -> int:
                          f", {res[f'weight_GBps_depth{d}']:,.0f} GB/s"))
             rows.append((f"decode depth {d} (eager)", f"{eag['median']:,.1f} tok/s (median; "
                          f"{eag['min']:,.0f}-{eag['max']:,.0f}; SM {eag['sm_clock_mhz']} MHz)"))
+    for name, (kw, sampler) in SAMPLED.items():
+        r = res.get(f"decode_depth1_{name}")
+        if r is not None:
+            what = ", ".join(f"{k} {v}" for k, v in kw.items() if k != "seed")
+            rows.append((f"decode depth 1 {what} ({sampler} sampler)",
+                         f"{r['median']:,.1f} tok/s ({r['vs_greedy']:.2f}x greedy)"))
     for n in (512, 2048):
         rows.append((f"prefill {n}", f"{res[f'prefill_{n}_ms']:.1f} ms  "
                      f"({res[f'prefill_{n}_tokens_per_s']:,.0f} tok/s)"))

@@ -531,14 +531,30 @@ def main(argv=None) -> int:
     res["page_alloc_host_ms"] = alloc_ms
     res["stack_decode"] = stack
 
-    # --- sampling at temperature > 0 over a 49,152 logit row: the device sampler --------------
+    # --- sampling at temperature > 0 over a 49,152 logit row: the device sampler, fast path
+    # against the one-block reference (KernelChoice.sampler), with min-p and the penalty ------
     lg = cupy.asarray((rng.standard_normal(VOCAB) * 3).astype(np.float32))
+    recent = rng.integers(0, VOCAB, 64)
     samp = {}
-    for cfg in ((0.8, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.95)):
-        row = {"device_wall_us": host_us(lambda: ops.sample(lg, *cfg, 0.37), 200),
-               "device_id": ops.sample(lg, *cfg, 0.37)}
-        row["gpu_us"] = graph_us(lambda: ops.sample_launch(lg, *cfg, 0.37), n=10)
-        samp["T={} top_k={} top_p={}".format(*cfg)] = row
+    default_kernels = ops.kernels
+    for cfg in ((0.8, 0, 1.0, 0.0, 1.0), (0.8, 40, 1.0, 0.0, 1.0), (0.8, 0, 0.9, 0.0, 1.0),
+                (0.7, 50, 0.95, 0.0, 1.0), (0.8, 0, 0.9, 0.05, 1.1)):
+        t_, k_, p_, mp_, pen_ = cfg
+        rec = recent if pen_ != 1.0 else None
+        row = {}
+        for sampler in ("fast", "reference"):
+            ops.kernels = dataclasses.replace(default_kernels, sampler=sampler)
+            try:
+                def one(t_=t_, k_=k_, p_=p_, mp_=mp_, pen_=pen_, rec=rec):
+                    return ops.sample(lg, t_, k_, p_, 0.37, mp_, pen_, rec)
+                row[sampler] = {
+                    "device_wall_us": host_us(one, 200), "device_id": one(),
+                    "gpu_us": graph_us(lambda t_=t_, k_=k_, p_=p_, mp_=mp_, pen_=pen_, rec=rec:
+                                       ops.sample_launch(lg, t_, k_, p_, 0.37, mp_, pen_,
+                                                         rec), n=10)}
+            finally:
+                ops.kernels = default_kernels
+        samp["T={} top_k={} top_p={} min_p={} penalty={}".format(*cfg)] = row
     res["sample_nongreedy"] = samp
 
     write_json(args.out, "bench_kernels.json", res)
@@ -581,9 +597,12 @@ def main(argv=None) -> int:
               f" ensure({t}) host {a_[0]:.2f} ms ({a_[1]:.2f}-{a_[2]:.2f}; first {a_[3]:.2f})")
         print_prefill_table(f"prefill {t}, {mode} pages: GPU ms per op (ops queued back to back)",
                             pf_tables[mode], a_)
-    print("\nsampling (temperature > 0, 49,152 logits): the device sampler")
+    print("\nsampling (temperature > 0, 49,152 logits): the device sampler, fast | reference")
     for k_, v in samp.items():
-        print(f"  {k_:<26} device {v['device_wall_us']:8.1f} us wall ({v['gpu_us']:.1f} us GPU)")
+        f_, r_ = v["fast"], v["reference"]
+        print(f"  {k_:<50} fast {f_['device_wall_us']:7.1f} us wall ({f_['gpu_us']:.1f} us "
+              f"GPU) | reference {r_['device_wall_us']:7.1f} us wall ({r_['gpu_us']:.1f} us "
+              f"GPU); same id: {f_['device_id'] == r_['device_id']}")
     print(f"\n30-layer decode step + head + greedy pick, ctx ~{ctx0}:")
     print(f"{'mode/GEMV':<10}{'eager wall ms/tok (min-max)':>30}{'tok/s':>8}"
           f"{'graph GPU us':>14}{'graph tok/s bound':>19}")

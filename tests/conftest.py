@@ -114,18 +114,25 @@ def real_model_path():
         pytest.skip(f"real model unavailable: {e}")
 
 
-def record_decode_steps(model, monkeypatch) -> list:
+def record_decode_steps(model, monkeypatch, filters: bool = False) -> list:
     """Wrap the request's captured step (``graphs.decode_step``, as ``generate`` calls it) so
     each step of ``model`` that ran on the device appends (the picked id, a host copy of that
-    step's logit row, the u it was given) to the returned list."""
+    step's logit row, the u it was given) to the returned list; with ``filters`` also the
+    step's (min_p, repetition_penalty, recent_ids) after them."""
     import tinyloop.generate as generate
     seen = []
     real = generate.decode_step
 
-    def recording(m, cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0):
-        nxt = real(m, cache, token, pos, temperature, top_k, top_p, u)
+    def recording(m, cache, token, pos, temperature, top_k=0, top_p=1.0, u=0.0, min_p=0.0,
+                  repetition_penalty=1.0, recent_ids=None, repeat_last_n=0):
+        nxt = real(m, cache, token, pos, temperature, top_k, top_p, u, min_p,
+                   repetition_penalty, recent_ids, repeat_last_n)
         if nxt is not None and m is model:
-            seen.append((nxt, model.ops.to_host(model.logit_row())[0].copy(), u))
+            got = (nxt, model.ops.to_host(model.logit_row())[0].copy(), u)
+            if filters:
+                got += (min_p, repetition_penalty,
+                        None if recent_ids is None else list(recent_ids))
+            seen.append(got)
         return nxt
     monkeypatch.setattr(generate, "decode_step", recording)
     return seen

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import __version__
 from .backends import BACKENDS
-from .config import DEFAULT_MAX_NEW_TOKENS, ModelConfig
+from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, ModelConfig
 from .errors import ArtificialLoopWarning, ConfigError, TinyLoopError
 from .memory.stats import fmt_bytes
 
@@ -114,6 +114,17 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens whose probability "
                         "reaches P; 1 keeps all (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="keep tokens with probability >= P times the top token's; 0 keeps "
+                        "all (default: %(default)s)")
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=1.0,
+                   metavar="R", dest="repetition_penalty",
+                   help="divide the positive logits (multiply the negative ones) of tokens "
+                        "seen in the last --repeat-last-n positions by R; 1 is off (default: "
+                        "%(default)s)")
+    p.add_argument("--repeat-last-n", type=int, default=DEFAULT_REPEAT_LAST_N, metavar="N",
+                   help="positions (prompt and generated) the repetition penalty looks back "
+                        "over; 0 is off (default: %(default)s, as llama.cpp)")
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="seed of the sampler's random draws (default: a fresh seed per run)")
     p.add_argument("--raw", action="store_true",
@@ -193,7 +204,9 @@ def cmd_run_like(model_path: str, prompt: str, a, *, default: bool = False) -> i
             warnings.simplefilter("ignore", ArtificialLoopWarning)     # noted above
             res = model.generate(ids, max_new_tokens=a.max_new_tokens, depth=depth,
                                  temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                 seed=a.seed)
+                                 seed=a.seed, min_p=a.min_p,
+                                 repetition_penalty=a.repetition_penalty,
+                                 repeat_last_n=a.repeat_last_n)
         print(res.text, flush=True)
         note(f"{len(res.prompt_token_ids)} prompt tokens, prefill {res.prefill_ms:.1f} ms; "
              f"{len(res.token_ids)} new tokens at depth {res.depth}, "
@@ -211,7 +224,8 @@ def _check_request_args(a) -> None:
     from .config import check_load_args
     from .generate import check_sampling
     check_load_args(a.max_seq_len, 0 if a.prefill_chunk is None else a.prefill_chunk)
-    check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p)
+    check_sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.min_p,
+                   a.repetition_penalty, a.repeat_last_n)
     if a.seed is not None and a.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {a.seed}")
     if a.depth is not None and a.depth < 1:

@@ -267,6 +267,10 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 # max_new_tokens of Model.generate / stream and of the tinyloop CLI
 DEFAULT_MAX_NEW_TOKENS = 64
+# The repetition penalty's window (positions looked back over) when a request names none:
+# llama.cpp's repeat_last_n default (HF's processor takes the whole context instead; any
+# window up to backends.base.REPEAT_LAST_N_MAX may be asked for).
+DEFAULT_REPEAT_LAST_N = 64
 MAX_SEQ_LEN_LIMIT = 1 << 24    # 16M positions: far past any model here, far below overflow
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backends.base import non_finite_logits
-from .config import DEFAULT_MAX_NEW_TOKENS
+from .backends.base import check_filters, non_finite_logits
+from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
 from .graphs import decode_step
@@ -74,7 +74,8 @@ def _is_number(v) -> bool:
             and not isinstance(v, (bool, np.bool_)))
 
 
-def check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+def check_sampling(max_new_tokens, temperature, top_k, top_p, min_p=0.0,
+                   repetition_penalty=1.0, repeat_last_n=DEFAULT_REPEAT_LAST_N) -> None:
     """Raise ConfigError naming the first bad sampling argument (NumPy scalars are fine)."""
     if (not _is_number(max_new_tokens) or not float(max_new_tokens).is_integer()
             or max_new_tokens < 0):
@@ -85,6 +86,7 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
         raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if not _is_number(top_p) or not 0 <= top_p <= 1:
         raise ConfigError(f"top_p must be in [0, 1] (0 = greedy), got {top_p!r}")
+    check_filters(min_p, repetition_penalty, repeat_last_n)
 
 
 def _normalise_stop(stop) -> list[str]:
@@ -111,6 +113,9 @@ class _Request:
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
+    repetition_penalty: float
+    repeat_last_n: int
     seed: int | None
     stops: list
     prefix: object
@@ -118,7 +123,8 @@ class _Request:
 
 
 def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                   stop, kv_mode, prefix, prefix_pool) -> _Request:
+                   stop, kv_mode, prefix, prefix_pool, min_p=0.0, repetition_penalty=1.0,
+                   repeat_last_n=DEFAULT_REPEAT_LAST_N) -> _Request:
     """Every argument check of generate / stream, in one place, before any work: both raise
     the same error for the same bad argument, at the call."""
     model.check_alive()
@@ -126,7 +132,8 @@ def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top
     if depth is not None:
         cfg.check_depth(_as_int(depth, "depth"))
     max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+                   repeat_last_n)
     if seed is not None:
         seed = _as_int(seed, "seed")
         if seed < 0:
@@ -140,7 +147,8 @@ def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top
         raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
                           f"{total} exceeds max_seq_len={model.max_seq_len}")
     return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
-                    float(top_p), seed, stops, prefix, prefix_pool)
+                    float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
+                    seed, stops, prefix, prefix_pool)
 
 
 class Stream:
@@ -180,10 +188,15 @@ class Stream:
 
 def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
            top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
-           prefix_pool=None) -> Stream:
+           prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
+           repeat_last_n=DEFAULT_REPEAT_LAST_N) -> Stream:
     """A :class:`Stream` of StreamToken, one per new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
-    ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike).
+    ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike): the
+    repetition penalty (``repetition_penalty``, 1 = off; it applies to greedy decoding too)
+    over the distinct tokens of the request's last ``repeat_last_n`` positions (prompt and
+    generated, up to the one sampled from; 0 = off; default DEFAULT_REPEAT_LAST_N), then
+    temperature, top-k, top-p, min-p (``min_p``: keep p >= min_p * p_max; 0 = off).
 
     Every argument is checked here, at the call (the same checks and errors as
     :func:`generate`); the work starts at the first ``next``.
@@ -217,7 +230,8 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     the stream is closed, or by ``free_model``.
     """
     req = _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                         stop, kv_mode, prefix, prefix_pool)
+                         stop, kv_mode, prefix, prefix_pool, min_p, repetition_penalty,
+                         repeat_last_n)
     return Stream(_run(model, req))
 
 
@@ -228,6 +242,9 @@ def _run(model, req: _Request):
     ids = req.ids
     total = len(ids) + req.max_new_tokens
     temperature, top_k, top_p = req.temperature, req.top_k, req.top_p
+    min_p, last_n = req.min_p, req.repeat_last_n
+    penalty = req.repetition_penalty if last_n > 0 else 1.0
+    history = [int(t) for t in ids] if penalty != 1.0 else None   # prompt, then new tokens
     rng = np.random.default_rng(req.seed)
     new: list[int] = []
     cache = None
@@ -259,6 +276,14 @@ def _run(model, req: _Request):
             pos = pos0 + len(step_ids) - 1
             # one u per sampled token, drawn the same way on every path (graph or eager)
             u = float(rng.random()) if temperature > 0 else 0.0
+            # the penalty window: the tokens of the last ``last_n`` positions through pos
+            recent = (np.asarray(history[max(0, pos + 1 - last_n):pos + 1], np.int32)
+                      if history is not None else None)
+            filters = {}
+            if min_p > 0.0:
+                filters["min_p"] = min_p
+            if recent is not None:
+                filters.update(repetition_penalty=penalty, recent_ids=recent)
             if pos0 == 0:
                 cached = prefill_request(model, step_ids, req.depth, req.kv_mode, cache,
                                          req.prefix, req.prefix_pool)
@@ -266,11 +291,11 @@ def _run(model, req: _Request):
                 if len(step_ids) == 1:
                     # a decode step runs as the captured step where the backend can
                     nxt = decode_step(model, cache, int(step_ids[0]), pos0, temperature,
-                                      top_k, top_p, u)
+                                      top_k, top_p, u, min_p, penalty, recent, last_n)
                     if nxt is not None:
                         return nxt
                 model.forward(step_ids, pos0, req.depth, cache)
-            return model.head_sample(pos, row, temperature, top_k, top_p, u)
+            return model.head_sample(pos, row, temperature, top_k, top_p, u, **filters)
 
     stops = req.stops
     text = ""          # decoded text of ``new`` (cut before a stop string once one is hit)
@@ -296,6 +321,8 @@ def _run(model, req: _Request):
                     yield StreamToken(pending[0], pending[1] + text[sent:], "eos")
                 return res
             new.append(nxt)
+            if history is not None:
+                history.append(nxt)
             start = len(text)
             text += dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
             cut = _first_stop(text, stops, start)
@@ -373,7 +400,8 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 
 def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
              top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
-             prefix_pool=None) -> GenerationResult:
+             prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
+             repeat_last_n=DEFAULT_REPEAT_LAST_N) -> GenerationResult:
     """Run :func:`stream` to completion and return its GenerationResult (the same code: the
     same tokens, text and finish reason, the same argument checks and errors).
 
@@ -382,7 +410,8 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
     after another, never interleaved.
     """
     s = stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed, stop,
-               kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+               kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
+               repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
     with model.lock:
         for _ in s:
             pass

@@ -4,9 +4,12 @@
 A decode step reads its token id and position from a small device **step state** (int32
 ``[STEP_WORDS]``, ``backends.base``): embed reads ``STEP_ID``; the KV write and attention read
 ``STEP_POS`` (context length = pos + 1); the head writes the next id (and the row's fault code)
-back - the fused greedy argmax, or with temperature > 0 the device sampler, whose parameters
-(temperature, top_k, top_p and the host-drawn u) the host writes to pinned memory before each
-replay (``Ops.set_step_sampling``) - and ``step_advance`` moves the position on. Nothing of
+back - the fused greedy argmax, or with temperature > 0 (or a repetition penalty) the device
+sampler, whose parameters (temperature, top_k, top_p, min_p, the penalty and the host-drawn u)
+the host writes to pinned memory before each replay (``Ops.set_step_sampling``) - and
+``step_advance`` moves the position on. The penalty's window of recent tokens is a device ring
+the step keeps itself (each step stores its input token, ``Ops.set_step_window``), filled by
+the host only when it writes the step state. Nothing of
 the step is read or computed on the host, so the launches of one step can be captured once (CuPy stream capture on
 CUDA: ``Stream.begin_capture`` / ``end_capture``, then ``Graph.launch``) and replayed; the host
 reads the 8-byte (id, fault) result after each replay, for stop / EOS / streaming.
@@ -18,7 +21,8 @@ a request binds a graph by copying its own block tables there (after allocating 
 whole capacity, ``RuntimeKVCache.ensure``), so one graph serves every request with its key.
 
 **Key**: (depth, the KV mode of every slot, page size, pages per table, the backend's
-host-chosen launch constants, ``Ops.graph_constants``, and greedy or sampled). A graph is replayed only under the key
+host-chosen launch constants, ``Ops.graph_constants``, whether the repetition penalty runs,
+and greedy or sampled). A graph is replayed only under the key
 it was captured with; other keys get their own graph (at most ``MAX_GRAPHS``, least recently
 used dropped first). The decode attention reads the context length on the device with a fixed
 grid, so no length bucket enters the key.
@@ -73,7 +77,7 @@ class DecodeGraphs:
         self.step_state = None          # int32 [STEP_WORDS] device array
         self.row = None                 # f32 [1, d_model]: the decode residual row
         self._host_out = None
-        self._expect = None             # (owner ref, id, pos) the device state holds now
+        self._expect = None             # (owner ref, id, pos, window) the device state holds
         self.captures = 0               # graphs captured since load
         self.replays = 0
 
@@ -89,11 +93,13 @@ class DecodeGraphs:
             return False
         return cuda_graphs_enabled()
 
-    def key(self, cache, sampled: bool = False) -> tuple:
+    def key(self, cache, sampled: bool = False, penalized: bool = False) -> tuple:
         """The graph key of a step of ``cache``'s request (see the module doc); ``sampled``:
-        the step ends in the device sampler instead of the argmax (temperature > 0)."""
+        the step ends in the device sampler instead of the argmax (temperature > 0 or a
+        penalty); ``penalized``: the repetition penalty runs before it."""
         return (cache.depth, tuple(lay.mode for lay in cache.layouts), cache.page_size,
-                self._pages(cache.page_size), self._ops.graph_constants(), bool(sampled))
+                self._pages(cache.page_size), self._ops.graph_constants(), bool(penalized),
+                bool(sampled))
 
     def _pages(self, page_size: int) -> int:
         return -(-self._model.max_seq_len // page_size)
@@ -175,10 +181,10 @@ class DecodeGraphs:
                 "keys": list(self._entries), "captures": self.captures,
                 "replays": self.replays, "bytes": nbytes}
 
-    def captured(self, cache, sampled: bool = False):
-        """The graph captured for ``cache``'s key (``key(cache, sampled)``), or None before
-        the key's second step: what a benchmark replays to time the step alone."""
-        ent = self._entries.get(self.key(cache, sampled))
+    def captured(self, cache, sampled: bool = False, penalized: bool = False):
+        """The graph captured for ``cache``'s key (``key(cache, sampled, penalized)``), or None
+        before the key's second step: what a benchmark replays to time the step alone."""
+        ent = self._entries.get(self.key(cache, sampled, penalized))
         return None if ent is None else ent.graph
 
     def forget_device_state(self) -> None:
@@ -196,15 +202,18 @@ class DecodeGraphs:
         self._ops.from_host(ent.table_host, ent.table)
         ent.bound = weakref.ref(cache)
 
-    def step(self, cache, token: int, pos: int, sampling: tuple | None = None
-             ) -> tuple[int, int]:
+    def step(self, cache, token: int, pos: int, sampling: tuple | None = None,
+             window=None) -> tuple[int, int]:
         """One decode step of ``cache``'s request: embed ``token`` at position ``pos``, every
         slot, the head; returns (next id, fault code: 0 or a ``LOGIT_FAULTS`` key). Greedy, or
-        with ``sampling`` = (temperature > 0, top_k, top_p, u) sampled by the device sampler:
-        the parameters go to ``Ops.set_step_sampling`` before the launch, so the graph
-        captured for the key serves every setting. Run eagerly on the key's first use,
-        captured on its second and replayed from then on. The caller checks ``eligible``
-        first. Raises ConfigError for ``pos`` outside the cache's capacity or sampling
+        with ``sampling`` = (temperature, top_k, top_p, u[, min_p, repetition_penalty,
+        repeat_last_n]) sampled by the device sampler: the parameters go to
+        ``Ops.set_step_sampling`` before the launch, so the graph captured for the key serves
+        every setting. With the penalty on, ``window`` holds the request's tokens at positions
+        pos - len + 1 .. pos (at most repeat_last_n, ``token`` last): written to the device
+        ring (``Ops.set_step_window``) whenever the step state is. Run eagerly on the key's
+        first use, captured on its second and replayed from then on. The caller checks
+        ``eligible`` first. Raises ConfigError for ``pos`` outside the cache's capacity or sampling
         parameters out of range, GraphCaptureError for a capture that allocated, and what the
         ops raise."""
         if not 0 <= pos < cache.capacity:
@@ -214,15 +223,24 @@ class DecodeGraphs:
         sampled = sampling is not None
         if sampled:
             self._ops.set_step_sampling(*sampling)
-        key = self.key(cache, sampled)
+        last_n = (int(sampling[6]) if sampled and len(sampling) > 6 and sampling[5] != 1.0
+                  else 0)
+        penalized = last_n > 0
+        if penalized and (window is None or len(window) == 0 or int(window[-1]) != token):
+            raise ConfigError("a penalised decode step needs its window of recent tokens, "
+                              "ending with the step's token")
+        key = self.key(cache, sampled, penalized)
         ent = self._entry(key, cache)
         if ent.bound is None or ent.bound() is not cache:
             self._bind(ent, cache)
         exp = self._expect
-        if exp is None or exp[0]() is not cache or exp[1] != token or exp[2] != pos:
+        if (exp is None or exp[0]() is not cache or exp[1] != token or exp[2] != pos
+                or exp[3] != last_n):
             state = np.zeros(STEP_WORDS, np.int32)
             state[STEP_ID], state[STEP_POS] = token, pos
             self._ops.from_host(state, self.step_state)
+            if penalized:
+                self._ops.set_step_window(window, pos, last_n)
         ops, m = self._ops, self._model
         if ent.graph is None and not ent.warm:
             m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out,
@@ -238,7 +256,7 @@ class DecodeGraphs:
             self.replays += 1
         ops.graph_sync()
         nxt, code = int(self._host_out[0]), int(self._host_out[1])
-        self._expect = (weakref.ref(cache), nxt, pos + 1)
+        self._expect = (weakref.ref(cache), nxt, pos + 1, last_n)
         return nxt, code
 
     def _capture(self, ent: _Entry, depth: int, sampled: bool = False):
@@ -275,20 +293,29 @@ def decode_graphs(model) -> DecodeGraphs:
 
 
 def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: int = 0,
-                top_p: float = 1.0, u: float = 0.0) -> int | None:
+                top_p: float = 1.0, u: float = 0.0, min_p: float = 0.0,
+                repetition_penalty: float = 1.0, recent_ids=None,
+                repeat_last_n: int = 0) -> int | None:
     """The next token id after ``token`` at position ``pos`` of ``cache``'s request, through
     the captured decode step (:meth:`DecodeGraphs.step`), or None when this step does not
     run there (graphs off by ``TINYLOOP_CUDA_GRAPHS=0``, sampling the backend cannot capture, or a KV
     mode it cannot capture): the caller then runs ``Model.forward`` + ``Model.head_sample``
-    with the same (temperature, top_k, top_p, u), which picks the same id
-    (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError (no step /
-    position: the caller adds them) for a non-finite logit row, as ``head_sample`` does, and
-    ConfigError for sampling parameters out of range."""
+    with the same (temperature, top_k, top_p, u, min_p, repetition_penalty over
+    ``recent_ids``: the tokens of the last ``repeat_last_n`` positions through ``pos``), which
+    picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError
+    (no step / position: the caller adds them) for a non-finite logit row, as ``head_sample``
+    does, and ConfigError for sampling parameters out of range."""
     g = decode_graphs(model)
-    if not g.eligible(cache, temperature):
+    pen = (repetition_penalty != 1.0 and repeat_last_n > 0 and recent_ids is not None
+           and len(recent_ids) > 0)
+    if not g.eligible(cache, temperature if not pen else 1.0):
         return None
-    sampling = (temperature, top_k, top_p, u) if temperature > 0.0 else None
-    nxt, code = g.step(cache, int(token), int(pos), sampling)
+    sampling = None
+    if temperature > 0.0 or pen:
+        sampling = (temperature, top_k, top_p, u, min_p, repetition_penalty,
+                    repeat_last_n if pen else 0)
+    extra = {"window": recent_ids} if pen else {}
+    nxt, code = g.step(cache, int(token), int(pos), sampling, **extra)
     if code:
         raise non_finite_logits(LOGIT_FAULTS[code])
     return nxt

@@ -21,7 +21,8 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .config import DEFAULT_MAX_NEW_TOKENS, check_load_args, kv_mode_from_env
+from .config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, check_load_args,
+                     kv_mode_from_env)
 from .errors import (ArtificialLoopWarning, ConfigError, FormatError, ModelFreedError,
                      TinyLoopError, TokenizerError)
 from .format import read_tlm
@@ -881,14 +882,15 @@ class Model:
                                   cfg.norm_eps, self._head, out, self._views(t)["norm"])
 
     def head_sample(self, pos: int, out, temperature: float, top_k: int, top_p: float,
-                    u: float) -> int:
+                    u: float, **filters) -> int:
         """Final RMSNorm + LM head of residual row ``pos`` into ``out`` f32 [1, vocab], then the
         next token id by ``numpy_ops.sample_from_logits``'s rule (``Ops.rmsnorm_lm_head_sample``:
-        one fused launch for greedy decode on the CUDA backend, only the id crosses)."""
+        one fused launch for greedy decode on the CUDA backend, only the id crosses);
+        ``filters``: the rule's ``min_p``, ``repetition_penalty``, ``recent_ids``."""
         cfg = self.config
         return int(self._ops.rmsnorm_lm_head_sample(
             self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
-            self._views(1)["norm"], temperature, top_k, top_p, u))
+            self._views(1)["norm"], temperature, top_k, top_p, u, **filters))
 
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag
@@ -927,21 +929,25 @@ class Model:
                  depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
-                 prefix_pool=None):
+                 prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 repeat_last_n: int = DEFAULT_REPEAT_LAST_N):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
         (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
         from cached state (see :mod:`tinyloop.kv.handles`, :mod:`tinyloop.kv.pool`).
-        See :func:`tinyloop.generate.generate` for the sampling rule and errors."""
+        ``min_p``, ``repetition_penalty`` over the last ``repeat_last_n`` tokens: see
+        :func:`tinyloop.generate.stream` for the sampling rule, and for the errors."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                         kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+                         kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
+                         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
-               prefix_pool=None):
+               prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
+               repeat_last_n: int = DEFAULT_REPEAT_LAST_N):
         """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
         of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
         (``text`` is the newly decodable text, possibly empty); the ids and texts are
@@ -949,7 +955,8 @@ class Model:
         checked at the call, as generate checks them."""
         return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                       kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+                       kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
+                       repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
 
     # -- cached state across calls (tinyloop.kv) -----------------------------------------------
     def prefill(self, prompt, depth: int | None = None, kv_mode=None):

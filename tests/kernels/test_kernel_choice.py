@@ -9,7 +9,7 @@ import pytest
 
 from tinyloop.backends import get_ops
 from tinyloop.backends.cuda.choice import (ATTN_DECODE_VERSIONS, ATTN_PREFILL_VERSIONS,
-                                           GEMV_VERSIONS, KernelChoice)
+                                           GEMV_VERSIONS, SAMPLERS, KernelChoice)
 from tinyloop.backends.cuda.gemv import gemv_choice
 from tinyloop.errors import ConfigError
 
@@ -19,6 +19,7 @@ def test_the_defaults_are_the_product_paths():
     assert (k.gemv, k.gemv_lpr, k.gemv_threads) == ("auto", None, None)
     assert (k.attn_decode, k.attn_prefill) == ("split", "mma")
     assert k.fused_qkv_rope is True and k.pdl is True
+    assert k.sampler == "fast"
     assert KernelChoice.of(None) == k
 
 
@@ -32,7 +33,7 @@ def test_it_is_frozen_and_hashable():
 @pytest.mark.parametrize("field,bad", [
     ("gemv", "v3"), ("gemv", "V1"), ("attn_decode", "flash"), ("attn_prefill", " scalar"),
     ("gemv_lpr", 6), ("gemv_lpr", "16"), ("gemv_lpr", True), ("gemv_threads", 100),
-    ("fused_qkv_rope", 1), ("pdl", "0")])
+    ("fused_qkv_rope", 1), ("pdl", "0"), ("sampler", "slow"), ("sampler", None)])
 def test_a_bad_field_is_named(field, bad):
     with pytest.raises(ConfigError, match=rf"KernelChoice\.{field}="):
         KernelChoice(**{field: bad})
@@ -45,6 +46,9 @@ def test_every_listed_version_is_accepted():
         assert KernelChoice(attn_decode=v).attn_decode == v
     for v in ATTN_PREFILL_VERSIONS:
         assert KernelChoice(attn_prefill=v).attn_prefill == v
+    for v in SAMPLERS:
+        assert KernelChoice(sampler=v).sampler == v
+    assert set(SAMPLERS) == {"fast", "reference"}
     assert KernelChoice(gemv="v2", gemv_lpr=8, gemv_threads=128).gemv_lpr == 8
 
 

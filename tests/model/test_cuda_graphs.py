@@ -172,6 +172,65 @@ def test_sampled_steps_pick_by_the_reference_rule(real_model_path, real_text_ids
         tinyloop.free_model(m)
 
 
+@pytest.mark.parametrize("sampler", ["fast", "reference"])
+def test_sampled_steps_with_every_option_pick_by_the_rule(real_model_path, real_text_ids,
+                                                          monkeypatch, sampler):
+    """top-k, top-p, min-p and the repetition penalty inside the captured step (the window
+    ring kept on the device): every in-graph pick equals numpy_ops.sample_from_logits of
+    that step's own logit row with the request's u and its window of the last repeat_last_n
+    tokens; one graph per (penalised, sampled) key serves every setting."""
+    from tinyloop.backends.cuda import KernelChoice
+    from tinyloop.backends.numpy_ops import sample_from_logits
+    settings = [dict(temperature=0.8, top_p=0.9, seed=1),
+                dict(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.3, seed=2),
+                dict(temperature=1.0, top_k=40, min_p=0.1, seed=3),
+                dict(temperature=0.7, top_k=50, top_p=0.95, repetition_penalty=1.2,
+                     repeat_last_n=8, seed=4),
+                dict(temperature=0.0, repetition_penalty=1.5, repeat_last_n=16, seed=5)]
+    m = tinyloop.load_model(real_model_path, max_seq_len=640, backend="cuda",
+                            kernels=KernelChoice(sampler=sampler))
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    seen = record_decode_steps(m, monkeypatch, filters=True)
+    try:
+        for kw in settings:
+            seen.clear()
+            r = m.generate(real_text_ids[:30], max_new_tokens=24, **kw)
+            steps = len(r.token_ids) - 1 + (r.finish_reason == "eos")
+            assert len(seen) == steps > 0
+            everything = list(real_text_ids[:30]) + r.token_ids
+            last_n = kw.get("repeat_last_n", 64)
+            for k, (nxt, row, u, min_p, pen, recent) in enumerate(seen):
+                pos = 30 + k
+                if kw.get("repetition_penalty", 1.0) != 1.0:
+                    assert recent == everything[max(0, pos + 1 - last_n):pos + 1]
+                want = sample_from_logits(row, kw["temperature"], kw.get("top_k", 0),
+                                          kw.get("top_p", 1.0), u, min_p, pen, recent)
+                assert nxt == want, (kw, k)
+        st = m.graph_stats()
+        assert sorted((k[-2], k[-1]) for k in st["keys"]) == [(False, True), (True, True)]
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_penalised_greedy_graphs_on_and_off_give_identical_tokens(real_model_path,
+                                                                  real_text_ids, monkeypatch):
+    """Greedy decoding with the repetition penalty: the captured step (penalty kernel, ring
+    on the device, argmax of the penalised row) gives the eager path's tokens."""
+    m = _load(real_model_path, "fp16")
+    try:
+        kw = dict(max_new_tokens=32, repetition_penalty=1.4, repeat_last_n=24)
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        want = [m.generate(real_text_ids[:n], depth=d, **kw).token_ids for d, n in RUNS]
+        plain = m.generate(real_text_ids[:30], max_new_tokens=32, depth=1).token_ids
+        assert want[0] != plain                           # the penalty changes the tokens
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        assert [m.generate(real_text_ids[:n], depth=d, **kw).token_ids
+                for d, n in RUNS] == want
+        assert m.graph_stats()["captures"] == 3
+    finally:
+        tinyloop.free_model(m)
+
+
 def test_sample_step_kernel_equals_the_sampler(ops, rng):
     """head_sample_step's kernel (parameters from pinned memory, id into the step state)
     picks sample_from_logits's token, as ops.sample does, for a range of settings."""

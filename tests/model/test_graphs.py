@@ -167,6 +167,41 @@ def test_sampled_steps_replay_the_eager_tokens(tiny_model_path, monkeypatch, mod
         tinyloop.free_model(m)
 
 
+FILTERED = [dict(temperature=0.9, top_p=0.95, min_p=0.05, repetition_penalty=1.6, seed=1),
+            dict(temperature=0.0, repetition_penalty=2.0, repeat_last_n=6, seed=2),
+            dict(temperature=1.1, top_k=20, min_p=0.1, seed=3),
+            dict(temperature=0.8, top_k=10, top_p=0.9, repetition_penalty=0.7,
+                 repeat_last_n=3, seed=4)]
+
+
+def test_filtered_and_penalised_steps_replay_the_eager_tokens(tiny_model_path, monkeypatch):
+    """min-p and the repetition penalty (greedy and sampled) inside the captured step, the
+    window ring seeded once per request and then kept by the step itself: the eager path's
+    tokens, one graph per (depth, penalised, sampled) key; the penalty changes the tokens."""
+    m = _fake_model(tiny_model_path)
+    try:
+        runs = [(kw, d, n) for kw, (d, n) in zip(FILTERED, RUNS)]
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        want = [m.generate(_prompt(n, d), max_new_tokens=12, depth=d, **kw).token_ids
+                for kw, d, n in runs]
+        greedy = m.generate(_prompt(RUNS[1][1], RUNS[1][0]), max_new_tokens=12,
+                            depth=RUNS[1][0]).token_ids
+        assert greedy != want[1]
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        got = [m.generate(_prompt(n, d), max_new_tokens=12, depth=d, **kw).token_ids
+               for kw, d, n in runs]
+        assert got == want
+        keys = sorted((k[0], k[-2], k[-1]) for k in m.graph_stats()["keys"])
+        assert keys == [(1, True, True), (2, False, True), (4, True, True)]
+        # a second penalised request on a captured key: the ring is seeded again
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        again = m.generate(_prompt(RUNS[0][1], RUNS[0][0]), max_new_tokens=12,
+                           depth=RUNS[0][0], **FILTERED[0]).token_ids
+        assert again == want[0]
+    finally:
+        tinyloop.free_model(m)
+
+
 def test_sampling_parameters_are_checked(tiny_model_path):
     m = _fake_model(tiny_model_path)
     try:

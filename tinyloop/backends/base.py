@@ -16,6 +16,7 @@ Conventions for every op:
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 
@@ -245,18 +246,20 @@ class Ops:
         self.lm_head(norm, w, out)
 
     def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
-                               u) -> int:
+                               u, **filters) -> int:
         """The next token id: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out`` f32 [1, vocab],
-        then ``sample`` of that row (the rule of ``numpy_ops.sample_from_logits``). A backend
-        may fuse the two (the CUDA backend does for greedy decode: only the id leaves the
-        device)."""
+        then ``sample`` of that row (the rule of ``numpy_ops.sample_from_logits``; ``filters``:
+        its ``min_p``, ``repetition_penalty``, ``recent_ids``, passed on). A backend may fuse
+        the two (the CUDA backend does for greedy decode: only the id leaves the device)."""
         self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
-        return int(self.sample(out[0], temperature, top_k, top_p, u))
+        return int(self.sample(out[0], temperature, top_k, top_p, u, **filters))
 
-    def sample(self, logits, temperature, top_k, top_p, u) -> int:
-        """The next token id from f32 logits [vocab] (``numpy_ops.sample_from_logits``'s rule).
-        Raises NonFiniteLogitsError (``non_finite_logits``) when a logit is NaN or +inf or all
-        are -inf."""
+    def sample(self, logits, temperature, top_k, top_p, u, min_p=0.0, repetition_penalty=1.0,
+               recent_ids=None) -> int:
+        """The next token id from f32 logits [vocab] (``numpy_ops.sample_from_logits``'s rule,
+        with its min-p and repetition penalty over ``recent_ids``). Raises
+        NonFiniteLogitsError (``non_finite_logits``) when a logit is NaN or +inf or all are
+        -inf."""
         raise NotImplementedError
 
     # --- the device step state of a captured decode step (tinyloop/graphs.py) ----------------
@@ -270,6 +273,8 @@ class Ops:
     graph_kv_modes: tuple = ()    # KV modes whose step ops a backend can capture (none here)
     graph_sampling: bool = False  # whether a captured step can sample (temperature > 0)
     _step_sampling: tuple = (0.0, 0, 1.0, 0.0)
+    _step_filters: tuple = (0.0, 1.0, 0)      # (min_p, repetition_penalty, repeat_last_n)
+    _step_ring = None                         # host ring of the penalty window (base only)
 
     def graph_constants(self) -> tuple:
         """Every launch constant this backend chooses on the host for a decode step (kernel
@@ -319,15 +324,24 @@ class Ops:
         self.from_host(state, step)
 
     def set_step_sampling(self, temperature: float, top_k: int, top_p: float,
-                          u: float) -> None:
+                          u: float, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                          repeat_last_n: int = 0) -> None:
         """The sampling parameters ``head_sample_step`` reads when it runs (not when it is
-        captured): the host sets them before each replay. temperature > 0; top_k >= 0 (0 =
-        off); top_p in (0, 1] (>= 1 off; 0 means greedy and never reaches here); u in [0, 1)
-        drawn on the host. Raises ConfigError for a value outside those ranges."""
+        captured): the host sets them before each replay. temperature > 0 (0, the argmax, only
+        with the repetition penalty on); top_k >= 0 (0 = off); top_p in (0, 1] (>= 1 off; 0
+        means greedy and never reaches here); u in [0, 1) drawn on the host; min_p in [0, 1]
+        (0 off); repetition_penalty > 0 (1 off) over the tokens of the last ``repeat_last_n``
+        positions (0 off, at most REPEAT_LAST_N_MAX), held by the step's window ring
+        (``set_step_window``). Raises ConfigError for a value outside those ranges."""
         from ..errors import ConfigError
         temperature, top_p, u = float(temperature), float(top_p), float(u)
-        if not temperature > 0.0 or temperature != temperature or temperature == float("inf"):
-            raise ConfigError(f"a sampled step needs a finite temperature > 0, got {temperature}")
+        min_p, repetition_penalty = float(min_p), float(repetition_penalty)
+        check_filters(min_p, repetition_penalty, repeat_last_n)
+        penalized = repetition_penalty != 1.0 and repeat_last_n > 0
+        if (temperature != temperature or temperature == float("inf")
+                or not (temperature > 0.0 or (temperature == 0.0 and penalized))):
+            raise ConfigError(f"a sampled step needs a finite temperature > 0 (0 only with a "
+                              f"repetition penalty), got {temperature}")
         if not 0.0 <= u < 1.0:
             raise ConfigError(f"u must lie in [0, 1), got {u}")
         if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0:
@@ -335,20 +349,53 @@ class Ops:
         if not 0.0 <= top_p:
             raise ConfigError(f"top_p must be >= 0, got {top_p}")
         self._step_sampling = (temperature, int(top_k), top_p, u)
+        self._step_filters = (min_p, repetition_penalty, int(repeat_last_n))
+
+    def set_step_window(self, recent_ids, pos: int, repeat_last_n: int) -> None:
+        """Fill the penalty window ring of the step state: ``recent_ids`` (ints) are the
+        tokens at positions ``pos - len + 1 .. pos`` (the last is the step's input token,
+        ``step[STEP_ID]``); slot ``p % repeat_last_n`` holds the token at position p. A
+        captured step then keeps the ring itself (``head_sample_step`` stores each input token
+        in its slot), so the host fills it only when it writes the step state. Raises
+        ConfigError for more ids than ``repeat_last_n`` or ``repeat_last_n`` outside
+        [1, REPEAT_LAST_N_MAX]."""
+        ids = window_ring(recent_ids, pos, repeat_last_n)
+        self._step_ring = ids
+
+    def _step_recent(self, step_state, advance: bool):
+        """The penalty window's ids of the current step from the host ring (base backends):
+        positions max(0, pos - N + 1) .. pos, the token at pos from the step state; with
+        ``advance`` the input token is stored in its slot, as the device kernel does."""
+        _, pen, n = self._step_filters
+        if pen == 1.0 or n <= 0:
+            return None
+        pos, tok = int(step_state[STEP_POS]), int(step_state[STEP_ID])
+        ring = self._step_ring
+        if ring is None or ring.size != n:
+            ring = self._step_ring = np.zeros(n, np.int32)
+        cnt = min(n, pos + 1)
+        ids = [tok] + [int(ring[(pos - j) % n]) for j in range(1, cnt)]
+        if advance:
+            ring[pos % n] = tok
+        return ids
 
     def head_sample_step(self, x, weight, eps, w, out, norm, step) -> None:
         """Sampled head into the step state: ``rmsnorm_lm_head`` of x f32 [1, d] into ``out``
         f32 [1, vocab], then ``step[STEP_ID]`` = ``sample`` of that row under the parameters of
-        the last ``set_step_sampling`` (read now, at run time) and ``step[STEP_FAULT]`` = the
-        row's fault code (0, or a LOGIT_FAULTS key). Raises nothing for a non-finite row."""
+        the last ``set_step_sampling`` (read now, at run time; the repetition penalty over the
+        window ring, which takes the step's input token) and ``step[STEP_FAULT]`` = the row's
+        fault code (0, or a LOGIT_FAULTS key). Raises nothing for a non-finite row."""
         from ..errors import NonFiniteLogitsError
         self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
         temperature, top_k, top_p, u = self._step_sampling
+        min_p, pen, _ = self._step_filters
+        state = self.to_host(step).copy()
+        recent = self._step_recent(state, advance=True)
         try:
-            nxt, code = int(self.sample(out[0], temperature, top_k, top_p, u)), 0
+            nxt, code = int(self.sample(out[0], temperature, top_k, top_p, u, min_p, pen,
+                                        recent)), 0
         except NonFiniteLogitsError as e:
             nxt, code = 0, _FAULT_CODES[e.kind]
-        state = self.to_host(step).copy()
         state[STEP_ID], state[STEP_FAULT] = nxt, code
         self.from_host(state, step)
 
@@ -441,4 +488,43 @@ STEP_ID, STEP_FAULT, STEP_POS = 0, 1, 2
 # step's KV writes read it instead of computing it per layer (rope.cu). Backends may ignore it.
 STEP_ROPE_POS, STEP_ROPE, STEP_ROPE_MAX = 3, 4, 256
 STEP_WORDS = STEP_ROPE + STEP_ROPE_MAX
+# The longest repetition-penalty window (repeat_last_n) a request may ask for: the size of the
+# captured step's window ring (int32 each).
+REPEAT_LAST_N_MAX = 4096
+
+
+def check_filters(min_p, repetition_penalty, repeat_last_n) -> None:
+    """Raise ConfigError naming the first bad min-p / repetition-penalty argument: min_p a
+    number in [0, 1]; repetition_penalty a finite number > 0; repeat_last_n an int in
+    [0, REPEAT_LAST_N_MAX]."""
+    def number(v):
+        return (isinstance(v, (int, float, np.integer, np.floating))
+                and not isinstance(v, (bool, np.bool_)))
+    if not number(min_p) or not 0.0 <= min_p <= 1.0:
+        raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
+    if (not number(repetition_penalty) or not math.isfinite(repetition_penalty)
+            or not repetition_penalty > 0):
+        raise ConfigError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                          f"{repetition_penalty!r}")
+    if (not number(repeat_last_n) or not float(repeat_last_n).is_integer()
+            or not 0 <= repeat_last_n <= REPEAT_LAST_N_MAX):
+        raise ConfigError(f"repeat_last_n must be an int in [0, {REPEAT_LAST_N_MAX}] (0 = "
+                          f"no penalty window), got {repeat_last_n!r}")
+
+
+def window_ring(recent_ids, pos: int, repeat_last_n: int) -> np.ndarray:
+    """int32 [repeat_last_n]: the penalty window ring holding ``recent_ids``, the tokens at
+    positions ``pos - len + 1 .. pos``, in slot ``p % repeat_last_n`` (other slots 0).
+    Raises ConfigError for a window longer than ``repeat_last_n``, ``repeat_last_n`` outside
+    [1, REPEAT_LAST_N_MAX] or ``pos`` before the window's start."""
+    n = int(repeat_last_n)
+    ids = np.asarray(recent_ids, dtype=np.int64).reshape(-1)
+    if not 1 <= n <= REPEAT_LAST_N_MAX:
+        raise ConfigError(f"repeat_last_n must be in [1, {REPEAT_LAST_N_MAX}], got {n}")
+    if ids.size > n or pos + 1 < ids.size:
+        raise ConfigError(f"a penalty window of {ids.size} ids does not fit repeat_last_n={n} "
+                          f"at position {pos}")
+    ring = np.zeros(n, np.int32)
+    ring[(pos - ids.size + 1 + np.arange(ids.size)) % n] = ids
+    return ring
 _FAULT_CODES = {v: k for k, v in LOGIT_FAULTS.items()}

@@ -187,15 +187,37 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def penalize_logits(logits: np.ndarray, repetition_penalty: float, recent_ids) -> np.ndarray:
+    """The repetition penalty of the sampling rule (CTRL, Keskar et al. 2019, as HF
+    ``RepetitionPenaltyLogitsProcessor`` and llama.cpp's ``penalty_repeat`` apply it): a copy of
+    float32 ``logits [vocab]`` where every distinct id of ``recent_ids`` (ints, the request's
+    last tokens) has ``l / penalty`` if ``l > 0`` else ``l * penalty``, in float32 arithmetic
+    (one IEEE-rounded division or product); each id once however often it occurs. Penalty 1
+    or no ids: the logits unchanged."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if repetition_penalty == 1.0 or recent_ids is None or len(recent_ids) == 0:
+        return out
+    ids = np.unique(np.asarray(recent_ids, dtype=np.int64))
+    v = out[ids]
+    pen = np.float32(repetition_penalty)
+    out[ids] = np.where(v > 0, v / pen, v * pen)
+    return out
+
+
 def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
-                       u: float) -> int:
+                       u: float, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                       recent_ids=None) -> int:
     """Pick a token id from float32 logits ``[vocab]``; the reference sampling rule.
 
-    temperature == 0: argmax (lowest id on ties). Otherwise: divide by temperature; keep the
-    ``top_k`` largest (0 = all); softmax; keep the smallest prefix of tokens sorted by
-    (probability desc, id asc) whose mass reaches ``top_p`` (at least one token, so top_p = 0
-    or top_k = 1 is greedy); renormalise; return the token whose cumulative mass interval
-    contains ``u`` (uniform in [0, 1), drawn on the host).
+    In order (HF transformers' order; llama.cpp applies temperature last instead, which moves
+    the top-p and min-p cuts): the repetition penalty over the distinct ids of ``recent_ids``
+    (``penalize_logits``; 1 = off). temperature == 0: argmax (lowest id on ties). Otherwise:
+    divide by temperature (float64); keep the ``top_k`` largest (0 = all); softmax; keep the
+    smallest prefix of tokens sorted by (probability desc, id asc) whose mass reaches
+    ``top_p`` (at least one token, so top_p = 0 or top_k = 1 is greedy); then min-p (Nguyen et
+    al. 2024, HF ``MinPLogitsWarper``): keep tokens with p >= min_p * p_max, i.e.
+    ``exp(z - z_max) >= min_p`` (0 = off; the top token always stays); renormalise; return the
+    token whose cumulative mass interval contains ``u`` (uniform in [0, 1), drawn on the host).
 
     Raises NonFiniteLogitsError when a logit is NaN or +inf, or every logit is -inf (-inf
     alone is a masked token and is never sampled).
@@ -204,6 +226,7 @@ def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p
     fault = logit_fault(float(np.max(logits)))
     if fault:
         raise non_finite_logits(fault)
+    logits = penalize_logits(logits, repetition_penalty, recent_ids)
     if temperature <= 0.0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / float(temperature)
@@ -211,12 +234,15 @@ def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p
     if top_k and top_k < z.size:
         order = order[:top_k]
     zk = z[order]
-    p = np.exp(zk - zk[0])
-    p /= p.sum()
+    w = np.exp(zk - zk[0])
+    p = w / w.sum()
     if top_p < 1.0:
         c = np.cumsum(p)
         keep = int(np.searchsorted(c, top_p, side="left")) + 1
-        order, p = order[:keep], p[:keep] / p[:keep].sum()
+        order, w, p = order[:keep], w[:keep], p[:keep] / p[:keep].sum()
+    if min_p > 0.0:
+        keep = w >= min_p
+        order, p = order[keep], p[keep] / p[keep].sum()
     c = np.cumsum(p)
     idx = int(np.searchsorted(c, u * c[-1], side="right"))
     return int(order[min(idx, order.size - 1)])
@@ -471,5 +497,7 @@ class NumpyOps(Ops):
         residual += self._matmul(x, w).astype(np.float32)
         self.rmsnorm(residual, weight, eps, residual)
 
-    def sample(self, logits, temperature, top_k, top_p, u):
-        return sample_from_logits(logits, temperature, top_k, top_p, u)
+    def sample(self, logits, temperature, top_k, top_p, u, min_p=0.0, repetition_penalty=1.0,
+               recent_ids=None):
+        return sample_from_logits(logits, temperature, top_k, top_p, u, min_p,
+                                  repetition_penalty, recent_ids)

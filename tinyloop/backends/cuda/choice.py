@@ -17,6 +17,7 @@ GEMV2_LPR = (4, 8, 16, 32)        # lanes per row the v2 kernels are built for
 GEMV2_THREADS = (64, 128, 256)    # v2 block sizes (norm_row_v256 needs a divisor of 256)
 ATTN_DECODE_VERSIONS = ("split", "v1")      # split-K (default) | single-pass at every length
 ATTN_PREFILL_VERSIONS = ("mma", "scalar")   # tensor cores (default) | FP32 at every T > 1
+SAMPLERS = ("fast", "reference")            # grid + candidates (default) | one block, whole row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,10 @@ class KernelChoice:
     one kernel (qkv_rope.cu; False: the fused RMSNorm-GEMV then kv_write_step, its
     reference). ``pdl``: capture the decode step's kernels with programmatic dependent
     launch on GPUs of compute capability 9.0+ (False: plain launches; eager launches never
-    use it).
+    use it). ``sampler``: the temperature sampler of sample.cu: ``fast`` (a grid over the
+    row, then one block on the candidates; it runs the reference itself where the candidates
+    cannot settle the pick) or ``reference`` (one block over the whole row, ``sample_step``);
+    both pick the same id.
     """
 
     gemv: str = "auto"
@@ -49,10 +53,11 @@ class KernelChoice:
     attn_prefill: str = "mma"
     fused_qkv_rope: bool = True
     pdl: bool = True
+    sampler: str = "fast"
 
     def __post_init__(self):
         for name, allowed in (("gemv", GEMV_VERSIONS), ("attn_decode", ATTN_DECODE_VERSIONS),
-                              ("attn_prefill", ATTN_PREFILL_VERSIONS)):
+                              ("attn_prefill", ATTN_PREFILL_VERSIONS), ("sampler", SAMPLERS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"KernelChoice.{name}={getattr(self, name)!r}: expected one "
                                   f"of {allowed}")

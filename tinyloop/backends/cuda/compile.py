@@ -56,7 +56,8 @@ GEOMETRY = {
     "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
-    "sample": {"SMP_THREADS": 1024},             # the argmax's and the sampler's one block
+    # the argmax's and the sampler's one block; the fast sampler's grid blocks
+    "sample": {"SMP_THREADS": 1024, "SMP_FAST_THREADS": 256},
     "kv_h": {"H_THREADS": 256,                   # h_write / h_read: threads per position row
              # h_attn_chunk: one block per (query row, head), its warps splitting the chunk's
              # keys: 32 warps for a decode row (few blocks: the keys are the parallelism), 8

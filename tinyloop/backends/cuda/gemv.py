@@ -352,7 +352,7 @@ class GemvOps:
         self._gemv_norm(info, "f32", x, weight, eps, info.n, 0, out)
 
     def rmsnorm_lm_head_sample(self, x, weight, eps, w, out, norm, temperature, top_k, top_p,
-                               u) -> int:
+                               u, **filters) -> int:
         """The next token id from rmsnorm(x f32 [1, d], weight) @ W.T; the logits land in
         ``out`` f32 [1, vocab] as ``rmsnorm_lm_head`` writes them.
 
@@ -360,13 +360,17 @@ class GemvOps:
         reduce their logits to an argmax partial and the last block picks the id (numpy.argmax's
         rule: first NaN, else first maximum) and writes it with the row's fault code to pinned
         host memory, so only 8 bytes cross per step (one stream synchronisation). Otherwise
-        ``rmsnorm_lm_head`` then ``sample``. Raises ConfigError on bad arguments (as those two
+        ``rmsnorm_lm_head`` then ``sample`` (so with a repetition penalty in ``filters``,
+        ``sample``'s ``min_p`` / ``repetition_penalty`` / ``recent_ids``). Raises ConfigError on bad arguments (as those two
         do) and NonFiniteLogitsError for a row ``sample`` would refuse.
         """
         info = self._info(w)
-        if temperature > 0.0 or not info.v2 or not self._norm_fused(x, weight, info):
+        ids = filters.get("recent_ids")
+        pen = filters.get("repetition_penalty", 1.0) != 1.0 and ids is not None and len(ids)
+        if (temperature > 0.0 or pen or not info.v2
+                or not self._norm_fused(x, weight, info)):
             return super().rmsnorm_lm_head_sample(x, weight, eps, w, out, norm, temperature,
-                                                  top_k, top_p, u)
+                                                  top_k, top_p, u, **filters)
         out = self._out(out, "out", _F32, 1, info.n)
         self.head_argmax_launch(info, x, weight, eps, out, self._id_ptr)
         cupy.cuda.get_current_stream().synchronize()

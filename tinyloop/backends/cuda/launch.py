@@ -21,7 +21,7 @@ from .compile import cupy
 # gemv2_body after the weight preload). Name prefixes; tests/kernels/test_pdl.py checks each entry's
 # source. A kernel outside this list is launched plainly even while PDL is on.
 PDL_KERNELS = ("gemv_", "gemv2_", "kv_write_", "attn_split_", "attn_decode_",
-               "embed_q", "argmax_f32", "sample_step", "swiglu_f16",
+               "embed_q", "argmax_f32", "sample_", "swiglu_f16",
                "add_f16_to_f32", "concat_inject_", "copy_f16_to_f32", "decode_step_advance",
                "qkv_rope_step_", "scale_f32", "add_bias_f16", "init_state_f32")
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # cuda.h CUlaunchAttributeID
@@ -148,6 +148,10 @@ SIGNATURES = (
     (r"h_attn_chunk", "piipiiiiifipiip"),
     (r"argmax_f32", "pip"),
     (r"sample_step", "pippp"),
+    (r"sample_penalize", "pipppp"),
+    (r"sample_fast_max", "pipp"),
+    (r"sample_fast_hist", "pipp"),
+    (r"sample_fast_pick", "pipipp"),
 )
 _SIG_RE = tuple((re.compile(pat), kinds) for pat, kinds in SIGNATURES)
 

@@ -80,18 +80,18 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
         # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
         # pointer is valid on the device), so greedy decode allocates nothing and copies
-        # nothing back besides these two ints. Then two sets of sampler parameters f64 [4] =
-        # (temperature, top_k, top_p, u) that sample.cu's sample_step reads when it runs: a
-        # captured step's (the host writes them before each replay: set_step_sampling /
-        # head_sample_step) and an eager ``sample``'s, apart so neither overwrites the
-        # other. One pinned block holds all three.
-        self._pinned_blk = self._pinned_pool.allocate(8 + 64, "scratch")
+        # nothing back besides these two ints. Then two sets of sampler parameters f64 [8] =
+        # (temperature, top_k, top_p, u, min_p, repetition penalty, window, 0) that sample.cu's
+        # kernels read when they run: a captured step's (the host writes them before each
+        # replay: set_step_sampling / head_sample_step) and an eager ``sample``'s, apart so
+        # neither overwrites the other. One pinned block holds all three.
+        self._pinned_blk = self._pinned_pool.allocate(8 + 128, "scratch")
         self._id_ptr = self._pinned_blk.ptr
         self._id_view = (ctypes.c_int32 * 2).from_address(self._id_ptr)
         self._smp_ptr = self._id_ptr + 8
-        self._smp_view = (ctypes.c_double * 4).from_address(self._smp_ptr)
-        self._esmp_ptr = self._smp_ptr + 32
-        self._esmp_view = (ctypes.c_double * 4).from_address(self._esmp_ptr)
+        self._smp_view = (ctypes.c_double * 8).from_address(self._smp_ptr)
+        self._esmp_ptr = self._smp_ptr + 64
+        self._esmp_view = (ctypes.c_double * 8).from_address(self._esmp_ptr)
         # Device scratch of the LM head's fused argmax (gemv2_norm_*_argmax): one (value, id)
         # partial per block (at most one resident wave of the smallest blocks), the last-block
         # ticket (0 between launches: the kernel re-arms it) and the device copy of the chosen
@@ -107,13 +107,17 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         self._ticket = self._scratch_ptr + self._part_cap * 8
         self._id_dev = self._ticket + 8
         self._qkv_ticket = self._ticket + 16
-        # sample_step's u64 [vocab] scratch (a pool block, taken at the first use)
-        self._wq_blk, self._wq_ptr, self._wq_cap = None, 0, 0
+        # the sampler's u64 [vocab] weights and f32 [vocab] penalised row (a pool block, taken
+        # at the first use), and the fast path's bins with the penalty window rings (another)
+        self._wq_blk, self._wq_ptr, self._wq_cap, self._pl_ptr = None, 0, 0, 0
+        self._fs_blk, self._fs_ptr, self._epin_blk = None, 0, None
+        self._ring = self._ering = self._estate = None
+        self._ering_ptr = self._estate_ptr = 0
         self._cublas_measured = False       # the first cuBLAS call is measured (NVML)
         self._capture_stream = None         # the decode-step capture stream (graph_begin)
         self._capturing = None              # that stream while a capture is open
 
-    _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk")
+    _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk", "_fs_blk", "_epin_blk")
 
     @property
     def kernels(self) -> KernelChoice:
@@ -133,7 +137,9 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         the stream is idle; this Ops is not used afterwards). Idempotent."""
         self._id_view = self._smp_view = self._esmp_view = None
         self._id_ptr = self._smp_ptr = self._esmp_ptr = 0
-        self._scratch_ptr = self._ds_ptr = self._wq_ptr = 0
+        self._scratch_ptr = self._ds_ptr = self._wq_ptr = self._pl_ptr = self._fs_ptr = 0
+        self._ring = self._ering = self._estate = None
+        self._ering_ptr = self._estate_ptr = 0
         self._ds_cap = self._wq_cap = 0
         for name in self._BLOCKS:
             blk = getattr(self, name, None)

@@ -1,38 +1,56 @@
-"""Picking the next token (kernels/sample.cu): the argmax, the one temperature sampler
-(``sample_step``, for an eager ``sample`` and inside a captured step alike) and the heads of a
-captured step: a mixin of CudaOps. ``numpy_ops.sample_from_logits`` is the rule each
-follows."""
+"""Picking the next token (kernels/sample.cu): the argmax, the temperature sampler (for an
+eager ``sample`` and inside a captured step alike: the fast path, ``sample_fast_*``, or the
+one-block reference ``sample_step`` by ``KernelChoice.sampler``), the repetition penalty
+(``sample_penalize``) and the heads of a captured step: a mixin of CudaOps.
+``numpy_ops.sample_from_logits`` is the rule each follows."""
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
 from ...errors import ConfigError
-from ..base import LOGIT_FAULTS, non_finite_logits
+from ..base import LOGIT_FAULTS, REPEAT_LAST_N_MAX, non_finite_logits, window_ring
 from ..numpy_ops import sample_from_logits
 from .checks import _F32, _dev
 from .compile import GEOMETRY, cupy
 
 _SAMPLE_THREADS = GEOMETRY["sample"]["SMP_THREADS"]
+_FAST_THREADS = GEOMETRY["sample"]["SMP_FAST_THREADS"]
 _SAMPLE_MAX_N = 1 << 22  # sample_step: u64 sums of 2^40-scaled weights stay < 2^63
+_FAST_MAX_BLOCKS = 512   # sample.cu SMP_MAX_BLOCKS
+_FAST_CHUNK = 512        # tokens per block of the fast path's grid kernels (at least)
+_FAST_BYTES = 9280       # sizeof(SmpFast) in sample.cu
+_PRM = 8                 # sample.cu SMP_PRM: f64 parameters per sampler call
+
+
+def _fast_grid(n: int) -> int:
+    return max(1, min(_FAST_MAX_BLOCKS, -(-n // _FAST_CHUNK)))
+
+
+def _penalized(repetition_penalty, recent_ids) -> bool:
+    return repetition_penalty != 1.0 and recent_ids is not None and len(recent_ids) > 0
 
 
 class SamplingOps:
     """``sample`` and the captured step's heads on the device (mixed into CudaOps)."""
 
-    def sample(self, logits, temperature, top_k, top_p, u) -> int:
+    def sample(self, logits, temperature, top_k, top_p, u, min_p=0.0, repetition_penalty=1.0,
+               recent_ids=None) -> int:
         """The next token id from f32 logits [vocab] (or [1, vocab]), by
         ``numpy_ops.sample_from_logits``'s rule; only the id crosses to the host.
 
-        temperature <= 0: the argmax kernel writes the id straight to pinned host memory
-        (no allocation; one stream synchronisation). Otherwise ``sample.cu``'s one-block
-        sampler, the captured step's (fixed-point weights, radix selects: no sort, no CuPy
-        temporaries), with its parameters in pinned memory of their own; a vocabulary past
-        2^22, which its fixed-point sums do not take, is copied to the host and sampled by the
-        NumPy rule itself. Either kernel writes the row's fault code beside the id, so a row
-        with a NaN or +inf, or only -inf, raises NonFiniteLogitsError as on NumPy (checked once
-        the stream has synchronised; no extra pass over the row). Raises ConfigError for u
-        outside [0, 1) or top_k < 0.
+        temperature <= 0 and no repetition penalty: the argmax kernel writes the id straight to
+        pinned host memory (no allocation; one stream synchronisation). Otherwise
+        ``sample_launch``: sample.cu's sampler, the captured step's (fixed-point weights,
+        radix selects: no sort of the row, no CuPy temporaries), with its parameters in pinned
+        memory of their own; a vocabulary past 2^22, which its fixed-point sums do not take, is
+        copied to the host and sampled by the NumPy rule itself. Either kernel writes the
+        row's fault code beside the id, so a row with a NaN or +inf, or only -inf, raises
+        NonFiniteLogitsError as on NumPy (checked once the stream has synchronised; no extra
+        pass over the row). ``recent_ids``: the penalty window, at most REPEAT_LAST_N_MAX ids
+        in [0, vocab). Raises ConfigError for u outside [0, 1), top_k < 0, a bad window.
         """
         _dev(logits, "logits", np.float32)
         if logits.ndim == 2 and logits.shape[0] == 1:
@@ -44,13 +62,21 @@ class SamplingOps:
         if temperature > 0.0 and top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
         n = logits.shape[0]
-        if temperature <= 0.0:
+        pen = _penalized(repetition_penalty, recent_ids)
+        if pen:
+            ids = np.asarray(recent_ids, dtype=np.int64).reshape(-1)
+            if ids.size > REPEAT_LAST_N_MAX or ids.min() < 0 or ids.max() >= n:
+                raise ConfigError(f"recent_ids must be at most {REPEAT_LAST_N_MAX} ids in "
+                                  f"[0, {n}), got {ids.size} in [{ids.min()}, {ids.max()}]")
+        if temperature <= 0.0 and not pen:
             self._fn("sample", "argmax_f32")((1,), (_SAMPLE_THREADS,),
                                              (logits.data.ptr, n, self._id_ptr))
         elif n <= _SAMPLE_MAX_N:
-            self.sample_launch(logits, temperature, top_k, top_p, u)
+            self.sample_launch(logits, temperature, top_k, top_p, u, min_p, repetition_penalty,
+                               recent_ids)
         else:
-            return sample_from_logits(cupy.asnumpy(logits), temperature, top_k, top_p, u)
+            return sample_from_logits(cupy.asnumpy(logits), temperature, top_k, top_p, u, min_p,
+                                      repetition_penalty, recent_ids)
         cupy.cuda.get_current_stream().synchronize()
         self._raise_on_fault()
         return int(self._id_view[0])
@@ -62,23 +88,86 @@ class SamplingOps:
         if code:
             raise non_finite_logits(LOGIT_FAULTS[code])
 
-    def sample_launch(self, logits, temperature, top_k, top_p, u) -> None:
-        """Queue ``sample.cu``'s one-block top-k / top-p sampler (temperature > 0) on f32
-        logits [n] (validated by ``sample``; n <= 2^22), its parameters written to the eager
-        sampler's pinned f64 [4] first; the id and the row's fault code go to the mapped
-        pinned int [2] ``step_host_buffer``. Its u64 [n] scratch is a pool block, grown only
-        for a larger vocabulary."""
+    def sample_launch(self, logits, temperature, top_k, top_p, u, min_p=0.0,
+                      repetition_penalty=1.0, recent_ids=None) -> None:
+        """Queue sample.cu's sampler on f32 logits [n] (validated by ``sample``; n <= 2^22),
+        its parameters written to the eager sampler's pinned f64 [8] first; the id and the
+        row's fault code go to the mapped pinned int [2] ``step_host_buffer``. With the
+        penalty the window goes to the eager window ring (mapped pinned memory the kernel
+        reads, so this makes no CUDA call and a capture may hold it) and ``sample_penalize``
+        writes the penalised row first. Its scratch is pool blocks, grown only for a larger
+        vocabulary."""
         n = logits.shape[0]
         self._ensure_wq(n)
-        v = self._esmp_view
-        v[0], v[1], v[2], v[3] = float(temperature), float(int(top_k)), float(top_p), float(u)
-        self._fn("sample", "sample_step")(
-            (1,), (_SAMPLE_THREADS,), (logits.data.ptr, n, self._esmp_ptr, self._wq_ptr,
-                                       self._id_ptr))
+        pen = _penalized(repetition_penalty, recent_ids)
+        m = len(recent_ids) if pen else 0
+        self._write_prm(self._esmp_view, temperature, top_k, top_p, u, min_p,
+                        repetition_penalty, m)
+        if pen:
+            ids = np.asarray(recent_ids, dtype=np.int32).reshape(-1)
+            self._ering[:m] = ids
+            self._estate[:] = (ids[-1], 0, m - 1, 0)
+        self._sampler_launches(logits.data.ptr, n, self._esmp_ptr, self._id_ptr,
+                               (self._ering_ptr, self._estate_ptr) if pen else None)
+
+    @staticmethod
+    def _write_prm(view, temperature, top_k, top_p, u, min_p, penalty, last_n) -> None:
+        """The sampler's f64 [8] parameters (sample.cu SMP_P_*)."""
+        vals = (float(temperature), float(int(top_k)), float(top_p), float(u), float(min_p),
+                float(penalty), float(int(last_n)), 0.0)
+        for i in range(_PRM):
+            view[i] = vals[i]
+
+    def _sampler_launches(self, logits_ptr: int, n: int, prm_ptr: int, out_ptr: int,
+                          penalty) -> None:
+        """The sampler's launches on the row at ``logits_ptr`` (f32 [n]): with ``penalty`` =
+        (window ring, state) pointers, ``sample_penalize`` into the scratch row first; then the
+        fast path's three kernels, or the reference ``sample_step`` when
+        ``KernelChoice.sampler`` says so. Fixed launches whatever the parameters (they are
+        read on the device), so a captured step holds them."""
+        if penalty is not None:
+            g = _fast_grid(n)
+            self._fn("sample", "sample_penalize")(
+                (g,), (_FAST_THREADS,), (logits_ptr, n, prm_ptr, penalty[0], penalty[1],
+                                         self._pl_ptr))
+            logits_ptr = self._pl_ptr
+        if self.kernels.sampler == "reference":
+            self._fn("sample", "sample_step")(
+                (1,), (_SAMPLE_THREADS,), (logits_ptr, n, prm_ptr, self._wq_ptr, out_ptr))
+            return
+        g = _fast_grid(n)
+        fs = self._fs_ptr
+        self._fn("sample", "sample_fast_max")((g,), (_FAST_THREADS,),
+                                              (logits_ptr, n, prm_ptr, fs))
+        self._fn("sample", "sample_fast_hist")((g,), (_FAST_THREADS,),
+                                               (logits_ptr, n, fs, self._wq_ptr))
+        self._fn("sample", "sample_fast_pick")(
+            (1,), (_SAMPLE_THREADS,), (logits_ptr, n, fs, g, self._wq_ptr, out_ptr))
 
     def _ensure_wq(self, n: int) -> None:
-        """The sampler's u64 [>= n] scratch (cudaMalloc, outside the pool; grown only for a
-        larger vocabulary, never inside a capture: the eager step before it grows it)."""
+        """The sampler's scratch: u64 [>= n] weights and the f32 [>= n] penalised row
+        (one pool block, grown only for a larger vocabulary), and the fast path's bins with
+        the captured step's window ring (one fixed device block), and the eager sampler's
+        window ring and step words int32 [4] (mapped pinned memory). Never inside a capture:
+        the eager step before it makes them."""
+        if self._fs_blk is None:
+            if self._capturing is not None:
+                raise ConfigError("the sampler's scratch must exist before a capture")
+            blk = self._cuda_pool.allocate(_FAST_BYTES + 4 * REPEAT_LAST_N_MAX, "scratch")
+            try:
+                pin = self._pinned_pool.allocate(4 * REPEAT_LAST_N_MAX + 16, "scratch")
+            except BaseException:
+                blk.free()
+                raise
+            raw = blk.array((blk.requested_bytes,), np.uint8)
+            self._fs_blk, self._fs_ptr, self._epin_blk = blk, blk.ptr, pin
+            self._ring = raw[_FAST_BYTES:_FAST_BYTES + 4 * REPEAT_LAST_N_MAX].view(np.int32)
+            self._ering_ptr = pin.ptr
+            self._ering = np.ctypeslib.as_array(
+                (ctypes.c_int32 * REPEAT_LAST_N_MAX).from_address(pin.ptr))
+            self._estate_ptr = pin.ptr + 4 * REPEAT_LAST_N_MAX
+            self._estate = np.ctypeslib.as_array(
+                (ctypes.c_int32 * 4).from_address(self._estate_ptr))
         if n <= self._wq_cap:
             return
         if self._capturing is not None:
@@ -87,8 +176,9 @@ class SamplingOps:
             cupy.cuda.get_current_stream().synchronize()
             blk, self._wq_blk, self._wq_ptr, self._wq_cap = self._wq_blk, None, 0, 0
             blk.free()
-        self._wq_blk = self._cuda_pool.allocate(8 * n, "scratch")
+        self._wq_blk = self._cuda_pool.allocate(12 * n, "scratch")
         self._wq_ptr = self._wq_blk.ptr
+        self._pl_ptr = self._wq_ptr + 8 * n
         self._wq_cap = n
 
     def head_argmax_step(self, x, weight, eps, w, out, norm, step) -> None:
@@ -112,22 +202,35 @@ class SamplingOps:
         (vocabularies up to 2^22: ``head_sample_step`` refuses a larger one)."""
         return True
 
-    def set_step_sampling(self, temperature, top_k, top_p, u) -> None:
-        """``Ops.set_step_sampling``: validated, then written to the mapped pinned f64 [4] that
-        a replayed ``sample_step`` reads. Only between steps (the previous replay has
-        synchronised, so no kernel is reading it)."""
-        super().set_step_sampling(temperature, top_k, top_p, u)
+    def set_step_sampling(self, temperature, top_k, top_p, u, min_p=0.0,
+                          repetition_penalty=1.0, repeat_last_n=0) -> None:
+        """``Ops.set_step_sampling``: validated, then written to the mapped pinned f64 [8] that
+        a replayed sampler reads. Only between steps (the previous replay has synchronised,
+        so no kernel is reading it)."""
+        super().set_step_sampling(temperature, top_k, top_p, u, min_p, repetition_penalty,
+                                  repeat_last_n)
         t, k, p, u = self._step_sampling
-        self._smp_view[0], self._smp_view[1], self._smp_view[2], self._smp_view[3] = \
-            t, float(k), p, u
+        mp, pen, last_n = self._step_filters
+        self._write_prm(self._smp_view, t, k, p, u, mp, pen, last_n if pen != 1.0 else 0)
+
+    def set_step_window(self, recent_ids, pos: int, repeat_last_n: int) -> None:
+        """``Ops.set_step_window``: the window ring (``base.window_ring``) copied to the
+        captured step's device ring, then the stream synchronised (a replay on another stream
+        follows). Only between steps, never inside a capture."""
+        ring = window_ring(recent_ids, pos, repeat_last_n)
+        self._ensure_wq(1)
+        self._ring[:ring.size].set(ring)
+        cupy.cuda.get_current_stream().synchronize()
 
     def head_sample_step(self, x, weight, eps, w, out, norm, step) -> None:
         """Sampled head into the step state (``Ops.head_sample_step``): ``rmsnorm_lm_head``
-        into ``out`` f32 [1, vocab], then sample.cu's ``sample_step`` (one block; parameters
-        read at run time from ``set_step_sampling``'s pinned buffer; id and fault code to
-        ``step``). Its u64 [vocab] scratch must exist before a capture: the eager step that
-        precedes every capture makes it. Raises ConfigError past the device sampler's
-        vocabulary limit."""
+        into ``out`` f32 [1, vocab], then (with the repetition penalty of the last
+        ``set_step_sampling`` on) ``sample_penalize`` over the window ring, which it advances,
+        and the sampler (``_sampler_launches``; parameters read at run time from
+        ``set_step_sampling``'s pinned buffer; id and fault code to ``step``). Whether the
+        penalty runs is fixed when the step is captured (a graph key). Its scratch must exist
+        before a capture: the eager step that precedes every capture makes it. Raises
+        ConfigError past the device sampler's vocabulary limit."""
         sp = self._step_ptr(step)
         self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
         info = self._info(w)
@@ -137,5 +240,6 @@ class SamplingOps:
             raise ConfigError(f"a sampled decode step needs the device sampler (vocabulary "
                               f"<= {_SAMPLE_MAX_N}); got {n} tokens")
         self._ensure_wq(n)
-        self._fn("sample", "sample_step")(
-            (1,), (_SAMPLE_THREADS,), (out.data.ptr, n, self._smp_ptr, self._wq_ptr, sp))
+        _, pen, last_n = self._step_filters
+        penalty = (self._ring.data.ptr, sp) if pen != 1.0 and last_n > 0 else None
+        self._sampler_launches(out.data.ptr, n, self._smp_ptr, sp, penalty)

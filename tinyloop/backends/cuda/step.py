@@ -30,10 +30,11 @@ class StepOps:
         """The host-chosen launch constants of a decode step: the GEMV version and forced
         geometry, the test grid cap, the SM count (v2 grids derive from it), the decode
         attention kernel, whether fp16 slots run the fused QKV + RoPE kernel
-        (``KernelChoice.fused_qkv_rope``) and whether the capture uses PDL (``pdl_capture``)."""
+        (``KernelChoice.fused_qkv_rope``), whether the capture uses PDL (``pdl_capture``) and
+        the sampler (``KernelChoice.sampler``)."""
         kc = self.kernels
         return ((kc.gemv, kc.gemv_lpr, kc.gemv_threads), self._grid_cap, self.sms,
-                kc.attn_decode, kc.fused_qkv_rope, self.pdl_capture)
+                kc.attn_decode, kc.fused_qkv_rope, self.pdl_capture, kc.sampler)
 
     @property
     def pdl_capture(self) -> bool:
