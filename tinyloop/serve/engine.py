@@ -34,6 +34,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -116,6 +117,12 @@ class EngineRequest:
         return None if self._result is None else self._result.finish_reason
 
     @property
+    def outcome(self):
+        """The GenerationResult once the request ended (set before ``Engine.on_finish``
+        runs), else None; never waits, never raises."""
+        return self._result
+
+    @property
     def ttft_s(self):
         """Seconds from submit to the first sampled token (None before it)."""
         if self.first_token_at is None:
@@ -130,6 +137,19 @@ class EngineRequest:
                     raise self._error
                 return
             yield item
+
+    def drain(self) -> tuple[list, bool]:
+        """The pieces queued so far, without waiting, and whether the request has ended (its
+        last piece is among them); for callers that wait elsewhere (``notify``)."""
+        out = []
+        while True:
+            try:
+                item = self.tokens.get_nowait()
+            except queue.Empty:
+                return out, False
+            if item is _END:
+                return out, True
+            out.append(item)
 
     def result(self, timeout: float | None = None) -> GenerationResult:
         """The GenerationResult once the request ended (waits up to ``timeout`` seconds;
@@ -190,11 +210,11 @@ class EngineRequest:
         if error is not None:
             error.partial = self._gen_result("error", text)
             self._error = error
+        self._engine.finished(self)     # its slot and budget return, counters move
         for p in pieces:
             self._put(p)
-        self._put(_END)
-        self._done.set()
-        self._engine.finished(self)
+        self._done.set()            # before the end marker: a reader that sees it can read
+        self._put(_END)             # the result
 
     def _fail(self, e: TinyLoopError) -> None:
         pos = self._pos if self.state == "decode" else len(self.args.ids) - 1
@@ -378,7 +398,10 @@ class Engine:
             self._counts[r.finish_reason] += 1
             self._cond.notify_all()
         if self.on_finish is not None:
-            self.on_finish(r)
+            try:
+                self.on_finish(r)
+            except Exception as e:      # a metrics callback must not end the scheduler
+                warnings.warn(f"Engine.on_finish raised {e!r}", RuntimeWarning, stacklevel=2)
 
     def _fits(self, r: EngineRequest) -> bool:
         if len(self._active) >= self.max_batch:
