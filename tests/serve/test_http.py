@@ -46,7 +46,7 @@ def chat_model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(chat_model_path):
     """(model, engine, server, client, allocated bytes before the engine started)."""
-    m = tinyloop.load_model(chat_model_path, max_seq_len=128, backend="numpy")
+    m = tinyloop.load_model(chat_model_path, max_seq_len=512, backend="numpy")
     m.generate("warm", max_new_tokens=1)           # the lazy logit row exists before
     before = m.pool.allocated_bytes
     eng = Engine(m, max_batch=16, max_queue=96, prefill_chunk=16).start()
@@ -120,7 +120,7 @@ def test_chat_streamed_and_not_equal_the_solo_text_of_the_template(served):
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": {"a": 1}}, "prompt"),
     ({"prompt": [1, 99999]}, "prompt"),
-    ({"prompt": "x", "max_tokens": 500}, "max_tokens"),      # past max_seq_len
+    ({"prompt": "x", "max_tokens": 1000}, "max_tokens"),      # past max_seq_len
     ({}, "prompt"),
 ])
 def test_bad_completion_input_answers_400_naming_the_field(served, body, param):
@@ -205,7 +205,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
     m, eng, srv, client, before = served
     base = m.pool.by_tag()["kv_cache"]
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
-    body = json.dumps({"model": "tiny", "prompt": "a long one", "max_tokens": 110,
+    body = json.dumps({"model": "tiny", "prompt": "a long one", "max_tokens": 480,
                        "temperature": 0, "stream": True})
     conn.request("POST", "/v1/completions", body=body,
                  headers={"Content-Type": "application/json"})
