@@ -160,3 +160,70 @@ def test_stop_ends_running_requests_and_bad_arguments_raise_at_submit(model):
         Engine(model).submit([1], temperature=-1)
     with pytest.raises(ConfigError, match="max_batch"):
         Engine(model, max_batch=0)
+
+
+def test_a_request_that_runs_out_of_memory_ends_alone_and_frees_its_pages(model,
+                                                                         monkeypatch):
+    from tinyloop.errors import OutOfMemoryError
+    from tinyloop.kv.layouts import slot_layers
+    from ..conftest import fail_nth_allocation
+    a, b = list(range(1, 31)), list(range(40, 70))        # 30 positions: one page per slot
+    want_b = model.generate(b, max_new_tokens=10)
+    eng = Engine(model).start()
+    try:
+        before = eng.baseline_allocated
+        slots = len(slot_layers(model.config, model.config.default_depth))
+        # 1st kv_cache allocation: a's block table (its prefill); then, in a second run, the
+        # first page a decode step gains (position 32), after both prefills (table + one
+        # page per slot each)
+        for nth, phase in ((1, "prefill"), (2 * (1 + slots) + 1, "decode")):
+            with monkeypatch.context() as mp:
+                with model.lock:                          # both prefill in one go
+                    seen = fail_nth_allocation(mp, model.pool, "kv_cache", nth)
+                    ra = eng.submit(a, max_new_tokens=10)
+                    rb = eng.submit(b, max_new_tokens=10)
+                with pytest.raises(OutOfMemoryError, match="injected") as e:
+                    ra.result(timeout=60)
+                assert seen["n"] >= nth
+                got = rb.result(timeout=60)
+            assert (got.token_ids, got.text) == (want_b.token_ids, want_b.text)
+            partial = e.value.partial
+            assert partial.finish_reason == "error"
+            # the decode failure: the first token (prefill), those fed at positions 30 and 31;
+            # position 32 needs the page that failed
+            assert len(partial.token_ids) == (0 if phase == "prefill" else 3)
+            assert e.value.step == len(partial.token_ids)
+            assert model.pool.allocated_bytes == before
+    finally:
+        eng.stop()
+
+
+def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkeypatch):
+    from tinyloop.errors import TinyLoopError
+    real = type(model).decode_batch
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("planted")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(type(model), "decode_batch", flaky)
+    with Engine(model) as eng:
+        with model.lock:
+            rs = [eng.submit(p, max_new_tokens=20) for p in ([1, 2, 3], [4, 5])]
+        errs = []
+        for r in rs:
+            with pytest.raises(TinyLoopError, match="step failed.*planted") as e:
+                r.result(timeout=60)
+            errs.append(e.value)
+        assert errs[0] is not errs[1]
+        assert [len(e.partial.token_ids) for e in errs] == [3, 3]   # prefill + 2 steps
+        assert errs[0].partial.prompt_token_ids == [1, 2, 3]
+        assert errs[1].partial.prompt_token_ids == [4, 5]
+        assert model.pool.by_tag()["kv_cache"] == 0
+        # the engine goes on serving
+        monkeypatch.setattr(type(model), "decode_batch", real)
+        assert eng.submit([7, 8], max_new_tokens=4).result(timeout=60).token_ids == \
+            model.generate([7, 8], max_new_tokens=4).token_ids

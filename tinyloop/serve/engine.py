@@ -30,6 +30,7 @@ batched (on the NumPy backend a batched step equals each request's solo step bit
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import queue
 import threading
@@ -208,6 +209,8 @@ class EngineRequest:
         self.finished_at = time.perf_counter()
         self._result = self._gen_result(reason, text)
         if error is not None:
+            # one error may end every request of a step: each gets its own copy and partial
+            error = copy.copy(error).with_traceback(error.__traceback__)
             error.partial = self._gen_result("error", text)
             self._error = error
         self._engine.finished(self)     # its slot and budget return, counters move
@@ -435,24 +438,42 @@ class Engine:
                 if self._stopping:
                     return
                 active = list(self._active)
-            prefilling = [r for r in active if r.state == "prefill"]
-            if prefilling:
-                self._prefill_chunk(prefilling[0])
-            groups: dict = {}
-            for r in active:
-                if r.state == "decode":
-                    groups.setdefault((r.args.depth, r.args.kv_mode), []).append(r)
-            for key, group in groups.items():
-                for b0 in range(0, len(group), self.max_batch):
-                    self._decode(key[0], group[b0:b0 + self.max_batch])
+            try:
+                self._iteration(active)
+            except Exception as e:          # a fault outside the requests' own errors: end
+                err = TinyLoopError(f"the engine's step failed: {e!r}")    # them, go on
+                with self.model.lock:
+                    for r in active:
+                        if not r.done:
+                            r._fail(err)
 
-    def _prefill_chunk(self, r: EngineRequest) -> None:
-        """One chunk of ``r``'s prompt; after the last one, its first token."""
+    def _iteration(self, active: list) -> None:
+        """One scheduler iteration over the admitted requests ``active``: prefill, then one
+        decode step per group."""
+        # at most prefill_chunk prompt positions per iteration, oldest request first
+        budget = self.prefill_chunk
+        for r in active:
+            if budget <= 0:
+                break
+            if r.state == "prefill":
+                budget -= self._prefill_chunk(r, budget)
+        groups: dict = {}
+        for r in active:
+            if r.state == "decode":
+                groups.setdefault((r.args.depth, r.args.kv_mode), []).append(r)
+        for key, group in groups.items():
+            for b0 in range(0, len(group), self.max_batch):
+                self._decode(key[0], group[b0:b0 + self.max_batch])
+
+    def _prefill_chunk(self, r: EngineRequest, budget: int) -> int:
+        """One chunk of ``r``'s prompt, at most ``budget`` positions; after the last one, its
+        first token. Returns the positions it prefilled."""
         model, a = self.model, r.args
         ids = a.ids
+        done = 0
         with model.lock:
             if r.done:
-                return
+                return 0
             try:
                 model.check_alive()
                 if r._cache is None:
@@ -469,15 +490,17 @@ class Engine:
                             ops.copy(model.residual_rows(0, r._cached), r._rows[0][:r._cached])
                 if r._pos < len(ids):
                     # chunks end at absolute multiples of prefill_chunk
-                    end = min(len(ids), (r._pos // self.prefill_chunk + 1) * self.prefill_chunk)
+                    end = min(len(ids), r._pos + budget,
+                              (r._pos // self.prefill_chunk + 1) * self.prefill_chunk)
                     model.forward(ids[r._pos:end], r._pos, a.depth, r._cache)
                     if r._rows is not None:
                         model.ops.copy(model.residual_rows(r._pos, end - r._pos),
                                        r._rows[0][r._pos:end])
                     self.prompt_tokens += end - r._pos
+                    done = end - r._pos
                     r._pos = end
                 if r._pos < len(ids):
-                    return
+                    return done
                 if r._rows is not None:
                     insert_prompt(model, ids, a.depth, a.kv_mode, r._cache, self.prefix_pool,
                                   r._rows[0])
@@ -488,12 +511,13 @@ class Engine:
                                         a.top_k, a.top_p, u)
             except TinyLoopError as e:
                 r._fail(e)
-                return
+                return max(done, 1)
             r._prefill_ms = (time.perf_counter() - r._prefill_t0) * 1e3
             r.state = "decode"
             r._pos = len(ids)
             self.generated_tokens += 1
             r._take(nxt)
+        return max(done, 1)        # a full PrefixPool hit still took one step
 
     def _decode(self, depth: int, group: list) -> None:
         """One decode step of ``group`` (one depth and kv_mode)."""
