@@ -7,7 +7,7 @@
         MODEL: a .tlm path, a Hugging Face folder (Ouro, Huginn, Nanbeige: converted once into
         the cache), or ``default`` (the embedded model; also used when MODEL is left out)
     tinyloop serve [MODEL] [--host H] [--port P] [--backend B] [--max-seq-len N] [--max-batch B]
-        [--queue Q] [--kv-budget SIZE]
+        [--queue Q] [--kv-budget SIZE] [--prefix-cache SIZE]
         an OpenAI-compatible HTTP server over a continuous-batching engine (tinyloop.serve)
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
         SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
@@ -259,7 +259,7 @@ def cmd_serve(a) -> int:
         note(f"model: {path}; backend {model.backend}; serving on http://{a.host}:{a.port}/v1 "
              f"(max batch {a.max_batch}, queue {a.queue})")
         serve(model, a.host, a.port, max_batch=a.max_batch, max_queue=a.queue,
-              kv_budget=a.kv_budget, model_name=a.model_name)
+              kv_budget=a.kv_budget, model_name=a.model_name, prefix_cache=a.prefix_cache)
     finally:
         free_model(model)
     return 0
@@ -522,6 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-budget", default=None, metavar="SIZE",
                     help="bytes the running requests' KV caches may take together, e.g. 2G "
                          "(default: the room TINYLOOP_MEMORY_LIMIT leaves, else no bound)")
+    sv.add_argument("--prefix-cache", default=None, metavar="SIZE",
+                    help="a prefix cache of SIZE bytes (e.g. 256M) shared by every request: "
+                         "a prompt that starts like an earlier one prefills only the rest "
+                         "(default: none)")
     sv.add_argument("--model-name", default=None, metavar="NAME",
                     help="the model id /v1/models lists (default: the model file's name)")
     sv.set_defaults(fn=cmd_serve)

@@ -169,19 +169,21 @@ def test_a_request_that_runs_out_of_memory_ends_alone_and_frees_its_pages(model,
     from ..conftest import fail_nth_allocation
     a, b = list(range(1, 31)), list(range(40, 70))        # 30 positions: one page per slot
     want_b = model.generate(b, max_new_tokens=10)
-    eng = Engine(model).start()
+    eng = Engine(model)
     try:
-        before = eng.baseline_allocated
         slots = len(slot_layers(model.config, model.config.default_depth))
         # 1st kv_cache allocation: a's block table (its prefill); then, in a second run, the
         # first page a decode step gains (position 32), after both prefills (table + one
         # page per slot each)
         for nth, phase in ((1, "prefill"), (2 * (1 + slots) + 1, "decode")):
             with monkeypatch.context() as mp:
-                with model.lock:                          # both prefill in one go
+                with model.lock:                          # both prefill in one iteration
                     seen = fail_nth_allocation(mp, model.pool, "kv_cache", nth)
                     ra = eng.submit(a, max_new_tokens=10)
                     rb = eng.submit(b, max_new_tokens=10)
+                    if phase == "prefill":                # admitted before it starts
+                        eng.start()
+                        before = eng.baseline_allocated
                 with pytest.raises(OutOfMemoryError, match="injected") as e:
                     ra.result(timeout=60)
                 assert seen["n"] >= nth
@@ -210,9 +212,9 @@ def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkey
         return real(self, *args, **kw)
 
     monkeypatch.setattr(type(model), "decode_batch", flaky)
-    with Engine(model) as eng:
-        with model.lock:
-            rs = [eng.submit(p, max_new_tokens=20) for p in ([1, 2, 3], [4, 5])]
+    eng = Engine(model)        # both admitted before the scheduler starts: one batch
+    rs = [eng.submit(p, max_new_tokens=20) for p in ([1, 2, 3], [4, 5])]
+    with eng:
         errs = []
         for r in rs:
             with pytest.raises(TinyLoopError, match="step failed.*planted") as e:

@@ -239,3 +239,19 @@ def test_a_bounded_load_of_concurrent_streams(served):
     assert got == want
     _wait(lambda: eng.stats()["active"] == 0)
     assert m.pool.allocated_bytes == before
+
+
+def test_a_stopped_engine_answers_503(served):
+    m = served[0]
+    eng = Engine(m).start()
+    eng.stop()
+    with ServerThread(create_app(eng, "tiny")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                               timeout=30)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and "stopped" in e.value.message
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+        conn.close()

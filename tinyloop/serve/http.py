@@ -221,7 +221,8 @@ class Metrics:
 
 
 def create_app(engine, model_name: str = "tinyloop") -> Starlette:
-    """The Starlette app serving ``engine`` (started by the caller) as model ``model_name``."""
+    """The Starlette app serving ``engine`` (started by the caller) as model ``model_name``;
+    ``app.state.engine`` / ``app.state.metrics`` hold them."""
     model = engine.model
     metrics = Metrics(engine)
 
@@ -380,10 +381,13 @@ def create_app(engine, model_name: str = "tinyloop") -> Starlette:
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/health", health), Route("/v1/models", models), Route("/metrics", prometheus),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"])])
+    app.state.engine = engine
+    app.state.metrics = metrics
+    return app
 
 
 class ServerThread:
@@ -420,14 +424,24 @@ class ServerThread:
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, *, max_batch: int = 32,
-          max_queue: int = 256, model_name: str | None = None, **engine_kw) -> None:
+          max_queue: int = 256, model_name: str | None = None, prefix_cache=None,
+          **engine_kw) -> None:
     """Serve ``model`` until interrupted (``tinyloop serve``): an Engine over it and the app
-    under uvicorn on ``host``:``port``; the engine stops (freeing every request) at the end."""
+    under uvicorn on ``host``:``port``; ``prefix_cache`` (bytes or a size string): a
+    PrefixPool of that budget every request shares. The engine stops (freeing every request)
+    and the PrefixPool is released at the end."""
     import os
 
     import uvicorn
 
+    from ..kv.pool import PrefixPool
     from .engine import Engine
     name = model_name or os.path.splitext(os.path.basename(model.path))[0]
-    with Engine(model, max_batch=max_batch, max_queue=max_queue, **engine_kw) as engine:
-        uvicorn.run(create_app(engine, name), host=host, port=port, log_level="info")
+    pool = None if prefix_cache is None else PrefixPool(model, prefix_cache)
+    try:
+        with Engine(model, max_batch=max_batch, max_queue=max_queue, prefix_pool=pool,
+                    **engine_kw) as engine:
+            uvicorn.run(create_app(engine, name), host=host, port=port, log_level="info")
+    finally:
+        if pool is not None:
+            pool.release()
