@@ -11,7 +11,8 @@ For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids
     the last first token to the end (every request decoding);
   - time to first token, p50 and p99 (submit to the first token: queueing + prefill);
   - against the same model's batch-1 figure: ``Model.generate`` of one such request alone
-    (its decode tokens/s);
+    (its decode tokens/s), and against the same requests without the engine: one thread per
+    request calling ``Model.generate`` (serialized by the model's lock; --no-threads skips);
   - memory per request by pool tag while all C requests decode (pool bytes by tag minus
     those at the engine's start, over C), and whether allocated bytes returned to their
     value at start once the engine stopped.
@@ -74,6 +75,23 @@ def run_level(model, prompts, new_tokens: int, depth, prefill_chunk: int) -> dic
             "steps": eng.stats()["steps"]}
 
 
+def run_threads(model, prompts, new_tokens: int, depth) -> float:
+    """The same requests without the engine: one thread per request calling
+    ``Model.generate`` (they serialize on the model's lock); aggregate tokens/s."""
+    import threading
+    out = [None] * len(prompts)
+
+    def one(i):
+        out[i] = model.generate(prompts[i], max_new_tokens=new_tokens, depth=depth)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arg(ap)
@@ -91,6 +109,9 @@ def main(argv=None) -> int:
                     help="prompt positions the engine prefills per iteration "
                          "(default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
+    ap.add_argument("--no-threads", action="store_true",
+                    help="skip the comparison with one Model.generate thread per request "
+                         "(default: run it)")
     ap.add_argument("--out", default=None,
                     help="folder (or .json file) for bench_serve.json (default: none)")
     a = ap.parse_args(argv)
@@ -111,8 +132,13 @@ def main(argv=None) -> int:
         solo = [model.generate(solo_prompt, max_new_tokens=a.new_tokens, depth=a.depth)
                 for _ in range(2)]
         solo_tps = statistics.median(r.decode_tokens_per_s for r in solo)
-        rows = [run_level(model, [prompt() for _ in range(c)], a.new_tokens, a.depth,
-                          a.prefill_chunk) for c in levels]
+        rows = []
+        for c in levels:
+            prompts = [prompt() for _ in range(c)]
+            row = run_level(model, prompts, a.new_tokens, a.depth, a.prefill_chunk)
+            row["threads_tok_s"] = (None if a.no_threads else
+                                    run_threads(model, prompts, a.new_tokens, a.depth))
+            rows.append(row)
     finally:
         tinyloop.free_model(model)
     result = {"model": model_label(a.model, path), "backend": model.backend,
@@ -121,9 +147,11 @@ def main(argv=None) -> int:
     print(f"# {result['model']} on {model.backend}: {a.prompt_tokens}-token prompts, "
           f"<= {a.new_tokens} new tokens; Model.generate alone: {solo_tps:.1f} tok/s decode")
     print(format_table(
-        ["requests", "tokens", "aggregate tok/s", "decode tok/s", "x batch-1",
+        ["requests", "tokens", "aggregate tok/s", "threads tok/s", "decode tok/s",
+         "x batch-1",
          "TTFT p50 ms", "TTFT p99 ms", "KV B/request", "back to start"],
         [[r["concurrency"], r["tokens"], f"{r['aggregate_tok_s']:.1f}",
+          "-" if r["threads_tok_s"] is None else f"{r['threads_tok_s']:.1f}",
           f"{r['decode_tok_s']:.1f}",
           f"{r['decode_tok_s'] / solo_tps:.2f}" if solo_tps else "-",
           f"{r['ttft_ms_p50']:.1f}", f"{r['ttft_ms_p99']:.1f}",

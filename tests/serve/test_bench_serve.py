@@ -31,4 +31,5 @@ def test_bench_serve_runs_on_the_numpy_backend(tmp_path):
         assert lv["allocated_back_to_start"] and lv["aggregate_tok_s"] > 0
         assert lv["ttft_ms_p50"] <= lv["ttft_ms_p99"]
         assert lv["bytes_per_request_by_tag"]["kv_cache"] > 0
+        assert lv["threads_tok_s"] > 0
     assert out["batch1_generate_decode_tok_s"] > 0
