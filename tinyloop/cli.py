@@ -1,4 +1,4 @@
-"""The ``tinyloop`` command: run, generate, convert, inspect.
+"""The ``tinyloop`` command: run, generate, serve, convert, inspect.
 
     tinyloop run [--prompt TEXT] [--backend B] [--depth D] [--max-new-tokens N] ...
         the embedded default model on a default chat prompt: prints the model's path, the text,
@@ -6,6 +6,9 @@
     tinyloop generate [MODEL] PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
         MODEL: a .tlm path, a Hugging Face folder (Ouro, Huginn, Nanbeige: converted once into
         the cache), or ``default`` (the embedded model; also used when MODEL is left out)
+    tinyloop serve [MODEL] [--host H] [--port P] [--backend B] [--max-seq-len N] [--max-batch B]
+        [--queue Q] [--kv-budget SIZE] [--prefix-cache SIZE]
+        an OpenAI-compatible HTTP server over a continuous-batching engine (tinyloop.serve)
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
         SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
     tinyloop convert DIR DST.tlm [--bits 4|8] [--group-size G] [--max-depth M]
@@ -249,6 +252,33 @@ def cmd_generate(a) -> int:
                         default=a.model in (None, DEFAULT_MODEL))
 
 
+def cmd_serve(a) -> int:
+    from .config import check_load_args
+    check_load_args(a.max_seq_len, 0 if a.prefill_chunk is None else a.prefill_chunk)
+    for name in ("max_batch", "port"):
+        if getattr(a, name) < (0 if name == "port" else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= "
+                              f"{0 if name == 'port' else 1}, got {getattr(a, name)}")
+    if a.queue < 0:
+        raise ConfigError(f"--queue must be >= 0, got {a.queue}")
+    try:
+        from .serve.http import serve
+    except ImportError as e:
+        raise ConfigError(f"tinyloop serve needs the serve extra (pip install "
+                          f"'tinyloop[serve]'): {e}") from None
+    from .model import free_model, load_model
+    path = resolve_model_arg(a.model)
+    model = load_model(path, a.max_seq_len, resolve_prefill_chunk(a), backend=a.backend)
+    try:
+        note(f"model: {path}; backend {model.backend}; serving on http://{a.host}:{a.port}/v1 "
+             f"(max batch {a.max_batch}, queue {a.queue})")
+        serve(model, a.host, a.port, max_batch=a.max_batch, max_queue=a.queue,
+              kv_budget=a.kv_budget, model_name=a.model_name, prefix_cache=a.prefix_cache)
+    finally:
+        free_model(model)
+    return 0
+
+
 def _parse_dims(text: str) -> dict:
     out = {}
     if not text:
@@ -479,6 +509,40 @@ def build_parser() -> argparse.ArgumentParser:
                         "--raw)")
     _add_sampling(g)
     g.set_defaults(fn=cmd_generate)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)",
+                        description="Serve a model over HTTP with the OpenAI API: "
+                                    "/v1/completions, /v1/chat/completions (streaming or "
+                                    "not), /v1/models, /health, /metrics (Prometheus). "
+                                    "Requests are batched continuously; needs the serve "
+                                    "extra (pip install 'tinyloop[serve]').")
+    sv.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="the address to listen on (default: %(default)s, this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="the TCP port (default: %(default)s)")
+    sv.add_argument("--backend", choices=BACKENDS, default="auto",
+                    help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
+    sv.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
+                    help="positions one request holds: prompt + new tokens (default: "
+                         "%(default)s)")
+    sv.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
+                    help="the model's scratch rows for a prefill chunk; 0 sizes them for the "
+                         f"whole sequence (default: {DEFAULT_PREFILL_CHUNK['numpy']} on the "
+                         f"numpy backend; {DEFAULT_PREFILL_CHUNK['cuda']} on cuda)")
+    sv.add_argument("--max-batch", type=int, default=32, metavar="B",
+                    help="requests decoded together in one step (default: %(default)s)")
+    sv.add_argument("--queue", type=int, default=256, metavar="Q",
+                    help="requests that may wait for a batch slot or KV memory; beyond them "
+                         "a request gets HTTP 429 (default: %(default)s)")
+    sv.add_argument("--kv-budget", default=None, metavar="SIZE",
+                    help="bytes the running requests' KV caches may take together, e.g. 2G "
+                         "(default: the room TINYLOOP_MEMORY_LIMIT leaves, else no bound)")
+    sv.add_argument("--prefix-cache", default=None, metavar="SIZE",
+                    help="a prefix cache of SIZE bytes (e.g. 256M) shared by every request: "
+                         "a prompt that starts like an earlier one prefills only the rest "
+                         "(default: none)")
+    sv.add_argument("--model-name", default=None, metavar="NAME",
+                    help="the model id /v1/models lists (default: the model file's name)")
+    sv.set_defaults(fn=cmd_serve)
     c = sub.add_parser("convert", help="GGUF or Hugging Face folder -> .tlm, or a synthetic "
                        "model",
                        description="Convert a llama-architecture GGUF or a Hugging Face folder "

@@ -95,6 +95,15 @@ class HandleError(TinyLoopError, RuntimeError):
     """An opaque handle (PrefixCache, ResumeHandle, PrefixPool) was misused."""
 
 
+class QueueFullError(TinyLoopError, RuntimeError):
+    """The serving engine's queue of waiting requests is full (``tinyloop.serve.Engine``:
+    ``max_queue``): the request was not taken; try again later (HTTP 429)."""
+
+
+class EngineStoppedError(TinyLoopError, RuntimeError):
+    """A request was submitted to a serving engine that is stopped or stopping (HTTP 503)."""
+
+
 class GraphCaptureError(TinyLoopError, RuntimeError):
     """A decode-step graph capture broke a rule (it allocated from the memory pool); the
     capture is discarded (tinyloop/graphs.py)."""

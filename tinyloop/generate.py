@@ -104,7 +104,7 @@ def _normalise_stop(stop) -> list[str]:
 
 @dataclass(frozen=True)
 class _Request:
-    """A generation request whose arguments passed every check (:func:`_check_request`)."""
+    """A generation request whose arguments passed every check (:func:`check_request`)."""
 
     ids: np.ndarray            # int32 [T] prompt ids
     max_new_tokens: int
@@ -122,9 +122,9 @@ class _Request:
     prefix_pool: object
 
 
-def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                   stop, kv_mode, prefix, prefix_pool, min_p=0.0, repetition_penalty=1.0,
-                   repeat_last_n=DEFAULT_REPEAT_LAST_N) -> _Request:
+def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
+                  stop, kv_mode, prefix, prefix_pool, min_p=0.0, repetition_penalty=1.0,
+                  repeat_last_n=DEFAULT_REPEAT_LAST_N) -> _Request:
     """Every argument check of generate / stream, in one place, before any work: both raise
     the same error for the same bad argument, at the call."""
     model.check_alive()
@@ -229,9 +229,9 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     first step and released as soon as the last token is known (before it is yielded), when
     the stream is closed, or by ``free_model``.
     """
-    req = _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
-                         stop, kv_mode, prefix, prefix_pool, min_p, repetition_penalty,
-                         repeat_last_n)
+    req = check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
+                        stop, kv_mode, prefix, prefix_pool, min_p, repetition_penalty,
+                        repeat_last_n)
     return Stream(_run(model, req))
 
 
@@ -297,9 +297,7 @@ def _run(model, req: _Request):
                 model.forward(step_ids, pos0, req.depth, cache)
             return model.head_sample(pos, row, temperature, top_k, top_p, u, **filters)
 
-    stops = req.stops
-    text = ""          # decoded text of ``new`` (cut before a stop string once one is hit)
-    dec = tok.stream() if tok is not None else None
+    st = StreamText(tok, req.stops, req.max_new_tokens)
     pos = len(ids) - 1  # the position the current step samples from
     try:
         t0 = time.perf_counter()
@@ -307,55 +305,30 @@ def _run(model, req: _Request):
         t1 = time.perf_counter()
         prefill_ms = (t1 - t0) * 1e3
         pos = len(ids)
-        sent = 0           # characters of ``text`` already yielded
-        pending = None     # (id, text) of a token whose yield waits for the next token: its
-                           # text ends in what may become a stop string or a split character,
-                           # and if the next token is EOS that tail must travel with it
         one = np.empty(1, dtype=np.int32)
         while True:
             if nxt == cfg.eos_token_id:
-                text += dec.flush() if dec is not None else ""
+                pieces = st.eos()
                 cache.release()
-                res = result("eos", text)
-                if pending is not None:
-                    yield StreamToken(pending[0], pending[1] + text[sent:], "eos")
+                res = result("eos", st.text)
+                yield from pieces
                 return res
             new.append(nxt)
             if history is not None:
                 history.append(nxt)
-            start = len(text)
-            text += dec.push(nxt) if dec is not None else ""     # holds back split UTF-8
-            cut = _first_stop(text, stops, start)
-            if cut is not None or len(new) >= req.max_new_tokens:
-                if cut is not None:
-                    reason, text = "stop", text[:cut]
-                else:
-                    reason = "length"
-                    text += dec.flush() if dec is not None else ""
+            pieces, reason = st.push(nxt)
+            if reason is not None:
                 cache.release()              # free the request's memory before the last yield
-                res = result(reason, text)
-                if pending is not None:
-                    yield StreamToken(*pending)
-                yield StreamToken(nxt, text[sent:], reason)
+                res = result(reason, st.text)
+                yield from pieces
                 return res
-            # yield only text no stop string can still claim: hold back the longest tail that
-            # is the start of a stop string
-            held = _stop_prefix_len(text, stops)
-            safe = max(sent, len(text) - held)
-            piece, sent = text[sent:safe], safe
-            if pending is not None:
-                yield StreamToken(*pending)
-                pending = None
-            if held or (dec is not None and dec.holding):
-                pending = (nxt, piece)
-            else:
-                yield StreamToken(nxt, piece)
+            yield from pieces
             one[0] = nxt
             nxt = step(one, pos)
             pos += 1
     except TinyLoopError as e:
-        partial = result("error", text + (dec.flush() if dec is not None else ""))
-        err = _located(e, len(new), pos)
+        partial = result("error", st.partial_text())
+        err = located(e, len(new), pos)
         err.partial = partial
         if err is e:
             raise
@@ -365,7 +338,74 @@ def _run(model, req: _Request):
             cache.release()
 
 
-def _located(e: TinyLoopError, step: int, position: int) -> TinyLoopError:
+class StreamText:
+    """The text of a request's new tokens as it streams: what each token adds that no stop
+    string can still claim, and when the request ends (``stream``'s rule, shared with the
+    serving engine so a request streams the same pieces alone or batched).
+
+    ``push(id)`` takes a new token that is not EOS and returns ``(pieces, reason)``: the
+    StreamTokens to hand out now (a token whose text ends in what may still become a stop
+    string or a split UTF-8 character waits for the next one) and the finish reason
+    ("stop": the text contains a stop string, cut before the earliest; "length": the
+    ``max_new_tokens``-th token) or None. ``eos()`` returns the pieces an EOS releases.
+    ``text`` is the text so far (the whole text once it ended)."""
+
+    def __init__(self, tokenizer, stops: list, max_new_tokens: int):
+        self.stops = stops
+        self.max_new_tokens = max_new_tokens
+        self.text = ""         # decoded text of the tokens (cut before a stop string once hit)
+        self.count = 0         # tokens pushed
+        self.dec = tokenizer.stream() if tokenizer is not None else None
+        self.sent = 0          # characters of ``text`` already handed out
+        self.pending = None    # (id, text) of a token whose piece waits for the next token:
+                               # its text ends in what may become a stop string or a split
+                               # character, and if the next token is EOS that tail goes with it
+
+    def _flush(self) -> str:
+        return self.dec.flush() if self.dec is not None else ""
+
+    def eos(self) -> list:
+        self.text += self._flush()
+        if self.pending is None:
+            return []
+        return [StreamToken(self.pending[0], self.pending[1] + self.text[self.sent:], "eos")]
+
+    def push(self, nxt: int):
+        self.count += 1
+        start = len(self.text)
+        self.text += self.dec.push(nxt) if self.dec is not None else ""  # holds split UTF-8
+        cut = _first_stop(self.text, self.stops, start)
+        out = []
+        if cut is not None or self.count >= self.max_new_tokens:
+            if cut is not None:
+                reason, self.text = "stop", self.text[:cut]
+            else:
+                reason = "length"
+                self.text += self._flush()
+            if self.pending is not None:
+                out.append(StreamToken(*self.pending))
+            out.append(StreamToken(nxt, self.text[self.sent:], reason))
+            return out, reason
+        # hand out only text no stop string can still claim: hold back the longest tail that
+        # is the start of a stop string
+        held = _stop_prefix_len(self.text, self.stops)
+        safe = max(self.sent, len(self.text) - held)
+        piece, self.sent = self.text[self.sent:safe], safe
+        if self.pending is not None:
+            out.append(StreamToken(*self.pending))
+            self.pending = None
+        if held or (self.dec is not None and self.dec.holding):
+            self.pending = (nxt, piece)
+        else:
+            out.append(StreamToken(nxt, piece))
+        return out, None
+
+    def partial_text(self) -> str:
+        """The text so far with whatever the decoder still holds (an error's partial)."""
+        return self.text + self._flush()
+
+
+def located(e: TinyLoopError, step: int, position: int) -> TinyLoopError:
     """``e`` with the generation step and the position it samples from, for the errors that
     carry them (NonFiniteLogitsError, OutOfMemoryError) and do not have them yet; else ``e``."""
     if isinstance(e, NonFiniteLogitsError) and e.step is None:
@@ -533,6 +573,23 @@ def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache,
     that of an uncached run. Raises ConfigError when the prefix changed depth after the
     request's checks (an ``upgrade`` in between), HandleError for a released handle. Call
     under the model's lock."""
+    m = restore_prefix(model, ids, depth, modes, cache, prefix, prefix_pool)
+    if m < len(ids):
+        model.forward(ids[m:], m, depth, cache)
+        if prefix_pool is not None:
+            prefix_pool.insert(ids, depth, tuple(modes), cache,
+                               model.residual_rows(0, len(ids)))
+    return m
+
+
+def restore_prefix(model, ids: np.ndarray, depth: int, modes: tuple, cache, prefix=None,
+                   prefix_pool=None) -> int:
+    """The first half of :func:`prefill_request`: restore the positions of ``prefix`` (or of
+    the longest match in ``prefix_pool``) into ``cache`` and the residual rows 0..m-1; returns
+    m (0 without a cache or a match). A request that prefills the rest in several lock holds
+    (the serving engine's chunked prefill) runs the forward from m itself, keeps the residual
+    rows, and ends with :func:`insert_prompt`. Raises as :func:`prefill_request`. Call under
+    the model's lock."""
     m, src = 0, None
     modes = tuple(modes)
     if prefix is not None:
@@ -546,11 +603,16 @@ def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache,
         src, m = prefix_pool.lookup(ids, depth, modes)
     if m:
         src.restore(cache, m, model.residual_rows(0, m))
-    if m < len(ids):
-        model.forward(ids[m:], m, depth, cache)
-        if prefix_pool is not None:
-            prefix_pool.insert(ids, depth, modes, cache, model.residual_rows(0, len(ids)))
     return m
+
+
+def insert_prompt(model, ids: np.ndarray, depth: int, modes: tuple, cache, prefix_pool,
+                  rows) -> None:
+    """The second half of :func:`prefill_request`: insert the prefilled prompt ``ids`` (its
+    KV in ``cache``, its final residual rows ``rows`` f32 [T, d_model]) into ``prefix_pool``
+    (``PrefixPool.insert``: never fails the request). Call under the model's lock."""
+    prefix_pool.check(model)
+    prefix_pool.insert(ids, depth, tuple(modes), cache, rows)
 
 
 def _prompt_ids(model, prompt) -> np.ndarray:

@@ -24,7 +24,7 @@ from .backends import get_ops
 from .config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, check_load_args,
                      kv_mode_from_env)
 from .errors import (ArtificialLoopWarning, ConfigError, FormatError, ModelFreedError,
-                     TinyLoopError, TokenizerError)
+                     NonFiniteLogitsError, TinyLoopError, TokenizerError)
 from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
@@ -54,6 +54,33 @@ class Layer:
     qkv_bias: object = None     # f32 [qkv_dim] (config.qkv_bias)
     attn_post_norm: object = None   # f32 [d]: the second norm of each branch (layer_norms
     ffn_post_norm: object = None    # "pre_post" / "sandwich")
+
+
+class BatchSlot:
+    """One attention slot of a decode batch: the ``layout`` every row's slot shares, and per
+    row its request's SlotKV (``slots``) and position (``positions``)."""
+
+    __slots__ = ("layout", "slots", "positions")
+
+    def __init__(self, slots, positions):
+        self.layout = slots[0].layout
+        self.slots = slots
+        self.positions = positions
+
+
+class BatchRows:
+    """The rows of a decode batch (:meth:`Model.decode_batch`): row i is request ``caches[i]``
+    (a RuntimeKVCache) at position ``positions[i]``. Passed to the stack where a prefill passes
+    its first position, so every op that reads a position runs per row."""
+
+    __slots__ = ("caches", "positions")
+
+    def __init__(self, caches, positions):
+        self.caches = caches
+        self.positions = positions
+
+    def slot(self, s: int) -> BatchSlot:
+        return BatchSlot([c.slot(s) for c in self.caches], self.positions)
 
 
 # What each VERSION 2 fact needs from a backend, as the refusal names it.
@@ -724,6 +751,9 @@ class Model:
                 snapshot.put_entry(pos0, x)
             if cfg.state_init == "zeros":
                 self._ops.zero(x)
+            elif cfg.state_init == "normal" and isinstance(pos0, BatchRows):
+                for i, p in enumerate(pos0.positions):       # each row at its own position
+                    self._ops.init_state(x[i:i + 1], p, cfg.state_std, cfg.state_seed)
             elif cfg.state_init == "normal" and step is None:
                 self._ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
             elif cfg.state_init == "normal":     # the position read on the device
@@ -822,7 +852,17 @@ class Model:
             ops.rmsnorm_linear(x, lw.attn_norm, cfg.norm_eps, lw.attn_qkv, qkv, norm)
         if lw.qkv_bias is not None:
             ops.add_bias(qkv, lw.qkv_bias)
-        if step is None:
+        if isinstance(kv, BatchSlot):
+            # a decode batch: RoPE, the K/V write and attention per row, each into and over its
+            # own request's pages at its own position (T = 1 calls of the per-slot ops)
+            att = v["att"]
+            for i, (skv, p) in enumerate(zip(kv.slots, kv.positions)):
+                q = qkv[i:i + 1]
+                ops.kv_write(q, norm[i:i + 1], p, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                             cfg.head_dim, skv)
+                ops.kv_attention(q, skv, p, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                 att[i:i + 1], recon, **win)
+        elif step is None:
             ops.kv_write(qkv, norm, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, kv)
             ops.kv_attention(qkv, kv, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
@@ -891,6 +931,106 @@ class Model:
         return int(self._ops.rmsnorm_lm_head_sample(
             self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
             self._views(1)["norm"], temperature, top_k, top_p, u, **filters))
+
+    def decode_batch(self, caches, tokens, positions, depth: int | None = None,
+                     sampling=None):
+        """One decode step of B requests together: row i embeds ``tokens[i]`` at position
+        ``positions[i]`` of request ``caches[i]`` (its own RuntimeKVCache: block tables,
+        pages, position), runs the looped stack and the head.
+
+        The projections, RMSNorm, SwiGLU and the head run over the B rows as one T = B
+        product (``ops.linear*``: on CUDA the prefill GEMM path, which reads each weight once
+        per step); RoPE, the K/V write and attention run per row (``ops.kv_write`` /
+        ``ops.kv_attention`` at T = 1 over that row's own slot and position) until a batched
+        paged-attention kernel exists. Each row's K/V goes into its own request's pages
+        (``RuntimeKVCache.ensure`` gains the page first). A batch of more rows than the
+        scratch buffers hold runs as consecutive sub-batches. Uses the residual rows
+        ``buffers.main[0:B]`` as its batch rows (every request step, this one included, runs
+        its forward and head inside one hold of the model's lock, so no request needs its
+        residual rows across two holds). On the NumPy backend row i equals a solo decode
+        step of request i (``forward`` of one id, then ``head``) bit for bit: its products
+        pad small calls so rows do not depend on T (``numpy_ops.ROW_INVARIANT_ELEMENTS``).
+
+        ``tokens``: B ints in 0..vocab-1; ``positions``: B ints, ``positions[i]`` below
+        ``caches[i].capacity``, the caches all at ``depth`` (default their depth) with one
+        kv_mode (the scheduler groups requests by both). ``sampling``: None -> returns the
+        logits, float32 ``[B, vocab]`` (host); else B tuples ``(temperature, top_k, top_p,
+        u)`` -> returns a list of B next-token ids (``numpy_ops.sample_from_logits``'s rule,
+        ``Ops.sample``), where a row whose logits are not finite holds its
+        NonFiniteLogitsError instead, so one bad request does not end the others. Raises
+        ConfigError for mismatched lengths, mixed depths or kv modes, a cache given twice or
+        a position outside its cache, TokenizerError for an id outside the vocabulary,
+        ModelFreedError after free, HandleError for a released cache, OutOfMemoryError when a
+        page does not fit. Takes the model's lock for the step.
+        """
+        caches = list(caches)
+        b = len(caches)
+        if b == 0:
+            raise ConfigError("decode_batch needs at least one request (caches is empty)")
+        pos = [int(p) for p in positions]
+        if len(pos) != b or len(tokens) != b or (sampling is not None and len(sampling) != b):
+            raise ConfigError(f"decode_batch: caches ({b}), tokens ({len(tokens)}), positions "
+                              f"({len(pos)})" + ("" if sampling is None else
+                                                 f" and sampling ({len(sampling)})")
+                              + " must have one entry per request")
+        with self._lock:
+            self.check_alive()
+            ids = self.check_token_ids(tokens, "tokens")
+            depth = caches[0].depth if depth is None else self.config.check_depth(depth)
+            if len({id(c) for c in caches}) != b:
+                raise ConfigError("decode_batch: a request's cache appears twice in one batch")
+            for i, (c, p) in enumerate(zip(caches, pos)):
+                if c.depth != depth or c.modes != caches[0].modes:
+                    raise ConfigError(
+                        f"decode_batch: request {i} is at depth {c.depth}, kv_mode "
+                        f"{c.mode!r}; the batch runs depth {depth}, kv_mode "
+                        f"{caches[0].mode!r} (group requests by depth and kv_mode)")
+                if not 0 <= p < c.capacity:
+                    raise ConfigError(f"decode_batch: positions[{i}]={p} is outside its "
+                                      f"cache's 0..{c.capacity - 1}")
+            for c, p in zip(caches, pos):
+                c.ensure(p + 1)
+            vocab = self.config.vocab_size
+            rows = min(b, self._buf.capacity_rows)
+            block, blk = self._ops.empty(self._pool, (rows, vocab), np.float32, "logits")
+            try:
+                out = None if sampling is not None else np.empty((b, vocab), np.float32)
+                picked = []
+                for b0 in range(0, b, rows):
+                    n = min(rows, b - b0)
+                    logits = block[:n]
+                    self._decode_rows(ids[b0:b0 + n], pos[b0:b0 + n], depth,
+                                      caches[b0:b0 + n], logits)
+                    if sampling is None:
+                        out[b0:b0 + n] = self._ops.to_host(logits)
+                        continue
+                    for i in range(n):
+                        try:
+                            picked.append(int(self._ops.sample(logits[i], *sampling[b0 + i])))
+                        except NonFiniteLogitsError as e:
+                            picked.append(e)
+            finally:
+                self._pool.free(blk)
+            return out if sampling is None else picked
+
+    def _decode_rows(self, ids, positions, depth: int, caches, logits) -> None:
+        """The rows of one decode sub-batch (at most the scratch rows): embed, stack, head
+        into ``logits`` f32 [n, vocab]."""
+        cfg, ops = self.config, self._ops
+        n = len(ids)
+        v = self._views(n)
+        x = self._buf.main[:n]
+        ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
+        ops.embed(self._embed, v["ids"], x)
+        if cfg.embed_scale != 1.0:
+            ops.scale(x, cfg.embed_scale)
+        self._check_loop_depth(depth)
+        batch = BatchRows(caches, positions)
+        self._stack(x, v, depth, batch.slot, batch, None)
+        ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head, logits, v["norm"])
+        for hook in self._rows_hooks:
+            for p in positions:
+                hook(p, 1)
 
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag

@@ -124,9 +124,11 @@ def test_the_request_route_goes_down_its_layers():
     assert layer_violations(graph) == []
 
 
-# methods of the Model that run the forward: only the request (generate.py) and the captured
-# step (graphs.py) call them; the kv package hands out and takes back KV state only
-FORWARD_METHODS = {"forward", "head", "head_sample", "decode_step_ops"}
+# methods of the Model that run the forward: only the request owners (generate.py, and the
+# serving engine, which runs many requests' steps together) and the captured step (graphs.py)
+# call them; the kv package hands out and takes back KV state only
+FORWARD_METHODS = {"forward", "head", "head_sample", "decode_step_ops", "decode_batch"}
+FORWARD_CALLERS = {"tinyloop/generate.py", "tinyloop/graphs.py", "tinyloop/serve/engine.py"}
 
 
 def calls_to(path: Path, names: set[str]) -> list[str]:
@@ -143,7 +145,7 @@ def calls_to(path: Path, names: set[str]) -> list[str]:
 def test_only_the_request_and_the_captured_step_run_the_forward():
     callers = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tinyloop").rglob("*.py")
                if calls_to(p, FORWARD_METHODS)}
-    assert callers <= {"tinyloop/generate.py", "tinyloop/graphs.py"}
+    assert callers <= FORWARD_CALLERS
     assert [c for p in (ROOT / "tinyloop" / "kv").glob("*.py")
             for c in calls_to(p, FORWARD_METHODS)] == []
 

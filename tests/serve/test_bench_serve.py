@@ -1,0 +1,35 @@
+"""``python -m benchmarks bench_serve`` runs end to end on the NumPy backend on a tiny model:
+every level generates its tokens, and allocated bytes return to their start value."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from ..conftest import TINY
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def test_bench_serve_runs_on_the_numpy_backend(tmp_path):
+    from benchmarks.common import write_synthetic_model
+    dims = {k: v for k, v in TINY.items() if k != "max_depth"}
+    model = write_synthetic_model(str(tmp_path / "tiny.tlm"), seed=5, max_depth=4, **dims)
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "bench_serve", "--backend", "numpy",
+                        "--model", model, "--concurrency", "1,3", "--prompt-tokens", "12",
+                        "--new-tokens", "5", "--out", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    out = json.load(open(tmp_path / "bench_serve.json"))
+    levels = out["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert 1 * lv["concurrency"] <= lv["tokens"] <= 5 * lv["concurrency"]
+        assert lv["allocated_back_to_start"] and lv["aggregate_tok_s"] > 0
+        assert lv["ttft_ms_p50"] <= lv["ttft_ms_p99"]
+        assert lv["bytes_per_request_by_tag"]["kv_cache"] > 0
+        assert lv["threads_tok_s"] > 0
+    assert out["batch1_generate_decode_tok_s"] > 0

@@ -1,0 +1,64 @@
+"""``tinyloop serve``: its options reach the server, the model is freed when it ends, and bad
+options fail before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("starlette")
+
+import tinyloop  # noqa: E402
+from tinyloop import cli  # noqa: E402
+import tinyloop.serve.http  # noqa: E402
+
+
+def test_serve_passes_its_options_and_frees_the_model(monkeypatch, tiny_model_path):
+    seen = {}
+
+    def fake_serve(model, host, port, **kw):
+        seen.update(host=host, port=port, backend=model.backend, max_seq_len=model.max_seq_len,
+                    pool=model.pool, before=model.pool.allocated_bytes, model=model, **kw)
+
+    monkeypatch.setattr(tinyloop.serve.http, "serve", fake_serve)
+    rc = cli.main(["serve", tiny_model_path, "--host", "0.0.0.0", "--port", "9123",
+                   "--backend", "numpy", "--max-seq-len", "64", "--max-batch", "3",
+                   "--queue", "5", "--kv-budget", "1M", "--model-name", "t",
+                   "--prefix-cache", "2M"])
+    assert rc == 0
+    assert (seen["host"], seen["port"], seen["backend"], seen["max_seq_len"]) == \
+        ("0.0.0.0", 9123, "numpy", 64)
+    assert (seen["max_batch"], seen["max_queue"], seen["kv_budget"], seen["model_name"],
+            seen["prefix_cache"]) == (3, 5, "1M", "t", "2M")
+    assert seen["before"] > 0 and seen["model"].vram_usage_bytes() == 0   # freed at the end
+
+
+@pytest.mark.parametrize("argv, word", [(["--max-batch", "0"], "--max-batch"),
+                                        (["--queue", "-1"], "--queue"),
+                                        (["--max-seq-len", "0"], "max_seq_len")])
+def test_serve_refuses_bad_options_by_name(tiny_model_path, capsys, argv, word):
+    assert cli.main(["serve", tiny_model_path, *argv]) == 1
+    assert word in capsys.readouterr().err
+
+
+def test_serve_shares_a_prefix_cache_and_releases_it(monkeypatch, tiny_model_path):
+    """serve() itself, with uvicorn.run replaced: the Engine gets a PrefixPool of the budget,
+    released with the engine at the end."""
+    import uvicorn
+    seen = {}
+
+    def fake_run(app, host, port, log_level):
+        seen["app"] = app
+        eng = app.state.engine
+        seen["pool"] = eng.prefix_pool
+        seen["max_bytes"] = eng.prefix_pool.max_bytes
+        seen["running"] = eng.running
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=32, backend="numpy")
+    try:
+        tinyloop.serve.http.serve(m, "127.0.0.1", 0, prefix_cache="1M")
+        assert seen["max_bytes"] == 1 << 20 and seen["running"]
+        with pytest.raises(tinyloop.errors.HandleError):
+            seen["pool"].check(m)                # released at the end
+    finally:
+        tinyloop.free_model(m)

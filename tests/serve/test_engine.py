@@ -1,0 +1,231 @@
+"""The continuous-batching Engine on the NumPy backend: batched requests give their solo
+Model.generate / stream results (greedy and seeded sampling, stops, EOS, mixed depths and kv
+modes), admission waits for the KV budget, a full queue refuses, cancel frees pages at once,
+the PrefixPool is shared, direct generate keeps working, and allocated bytes return to their
+value at start."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import tinyloop
+from tinyloop.errors import ConfigError, EngineStoppedError, QueueFullError
+from tinyloop.kv import PrefixPool
+from tinyloop.serve import Engine, request_kv_bytes
+
+
+@pytest.fixture
+def model(tiny_model_path):
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=128, backend="numpy")
+    yield m
+    tinyloop.free_model(m)
+
+
+def _prompts(n, seed=0, vocab=256):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, int(rng.integers(1, 40))).tolist() for _ in range(n)]
+
+
+# kwargs of generate: greedy, seeded sampling, a stop string, another depth / kv_mode
+KINDS = [dict(), dict(temperature=0.9, top_k=20, seed=7), dict(temperature=1.2, top_p=0.8,
+                                                              seed=11),
+         dict(stop=["a"]), dict(depth=1), dict(depth=3, kv_mode="int8"),
+         dict(kv_mode="h_int8", temperature=0.7, seed=3)]
+
+
+def _solo(model, prompt, n, kw):
+    res = model.generate(prompt, max_new_tokens=n, **kw)
+    pieces = [(t.token_id, t.text, t.finish_reason)
+              for t in model.stream(prompt, max_new_tokens=n, **kw)]
+    return res, pieces
+
+
+def test_batched_requests_equal_their_solo_runs_and_memory_returns(model):
+    prompts = _prompts(14)
+    jobs = [(p, 3 + i % 9, KINDS[i % len(KINDS)]) for i, p in enumerate(prompts)]
+    want = [_solo(model, p, n, kw) for p, n, kw in jobs]
+    before = model.pool.allocated_bytes
+    # 5 rows a step and chunks of 8 prompt positions: requests join and leave mid-run
+    with Engine(model, max_batch=5, prefill_chunk=8) as eng:
+        reqs = [eng.submit(p, max_new_tokens=n, **kw) for p, n, kw in jobs]
+        got_pieces = [[(t.token_id, t.text, t.finish_reason) for t in r] for r in reqs]
+        results = [r.result(timeout=60) for r in reqs]
+        assert eng.stats()["steps"] > 0
+    for (res, pieces), got, gp in zip(want, results, got_pieces):
+        assert (got.token_ids, got.text, got.finish_reason) == \
+            (res.token_ids, res.text, res.finish_reason)
+        assert gp == pieces
+    assert model.pool.allocated_bytes == before
+    assert model.pool.by_tag()["kv_cache"] == 0
+
+
+def test_admission_waits_for_the_kv_budget(model):
+    p1, p2 = _prompts(2, seed=1)
+    want = [model.generate(p, max_new_tokens=6).token_ids for p in (p1, p2)]
+    need = request_kv_bytes(model, max(len(p1), len(p2)) + 6, model.config.default_depth,
+                            model.kv_modes)
+    eng = Engine(model, kv_budget=need, max_batch=4)
+    a = eng.submit(p1, max_new_tokens=6)
+    b = eng.submit(p2, max_new_tokens=6)
+    assert (a.state, b.state) == ("prefill", "queued")     # b's KV does not fit beside a's
+    assert eng.stats()["kv_reserved_bytes"] == a.kv_bytes <= need
+    with eng:
+        assert [a.result(timeout=60).token_ids, b.result(timeout=60).token_ids] == want
+    with pytest.raises(ConfigError, match=r"exceeds the engine's KV budget of \d+ bytes"):
+        Engine(model, kv_budget=need).submit(list(range(1, 100)), max_new_tokens=20)
+
+
+def test_a_full_queue_refuses_and_nothing_is_allocated(model):
+    before = model.pool.allocated_bytes
+    eng = Engine(model, max_batch=1, max_queue=1)
+    a = eng.submit([1, 2, 3], max_new_tokens=4)
+    b = eng.submit([4, 5], max_new_tokens=4)
+    with pytest.raises(QueueFullError, match=r"queue is full \(1 requests"):
+        eng.submit([6], max_new_tokens=4)
+    assert model.pool.allocated_bytes == before           # admitted, not started: no pages
+    with eng:
+        assert a.result(timeout=60).finish_reason == b.result(timeout=60).finish_reason \
+            == "length"
+    with pytest.raises(EngineStoppedError):
+        eng.submit([1], max_new_tokens=1)
+    # the start made the model's lazy logit row (model-owned); the requests left nothing
+    assert model.pool.allocated_bytes == eng.baseline_allocated
+
+
+def test_cancel_frees_the_requests_pages_at_once(model):
+    with Engine(model) as eng:
+        before = model.pool.by_tag()["kv_cache"]
+        r = eng.submit(list(range(1, 30)), max_new_tokens=90)
+        it = iter(r)
+        next(it)                                          # it is decoding
+        assert model.pool.by_tag()["kv_cache"] > before
+        r.cancel()
+        assert model.pool.by_tag()["kv_cache"] == before
+        res = r.result(timeout=5)
+        assert res.finish_reason == "cancelled" and 1 <= len(res.token_ids) < 90
+        r.cancel()                                        # idempotent
+        q = Engine(model, max_batch=1)                    # a queued request leaves its queue
+        q.submit([1], max_new_tokens=2)
+        w = q.submit([2], max_new_tokens=2)
+        w.cancel()
+        assert w.result().finish_reason == "cancelled" and q.stats()["queued"] == 0
+        q.stop()
+
+
+def test_the_prefix_pool_is_shared_and_its_hits_give_the_solo_text(model):
+    head = list(range(1, 50))
+    prompts = [head + [60, 61], head + [70], head + [80, 81, 82]]
+    want = [model.generate(p, max_new_tokens=5).token_ids for p in prompts]
+    before = model.pool.allocated_bytes
+    pool = PrefixPool(model)
+    with Engine(model, prefix_pool=pool, prefill_chunk=16) as eng:
+        first = eng.submit(prompts[0], max_new_tokens=5)
+        assert first.result(timeout=60).token_ids == want[0]
+        rest = [eng.submit(p, max_new_tokens=5) for p in prompts[1:]]
+        got = [r.result(timeout=60) for r in rest]
+    assert [g.token_ids for g in got] == want[1:]
+    assert all(g.cached_tokens >= len(head) for g in got)
+    assert pool.stats()["hits"] >= 2
+    assert model.pool.by_tag()["kv_cache"] == 0           # the rows blocks went too
+    pool.release()
+    assert model.pool.allocated_bytes == before
+
+
+def test_direct_generate_keeps_working_while_the_engine_serves(model):
+    p = _prompts(3, seed=4)
+    want = [model.generate(x, max_new_tokens=20).token_ids for x in p]
+    with Engine(model) as eng:
+        reqs = [eng.submit(x, max_new_tokens=20) for x in p]
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(
+            "direct", model.generate(p[0], max_new_tokens=20).token_ids))
+        t.start()
+        t.join(60)
+        assert out["direct"] == want[0]
+        assert [r.result(timeout=60).token_ids for r in reqs] == want
+
+
+def test_stop_ends_running_requests_and_bad_arguments_raise_at_submit(model):
+    eng = Engine(model).start()
+    before = eng.baseline_allocated
+    r = eng.submit(list(range(1, 20)), max_new_tokens=100)
+    next(iter(r))
+    eng.stop()
+    assert r.result(timeout=5).finish_reason == "cancelled"
+    assert model.pool.allocated_bytes == before
+    with pytest.raises(ConfigError, match="temperature"):
+        Engine(model).submit([1], temperature=-1)
+    with pytest.raises(ConfigError, match="max_batch"):
+        Engine(model, max_batch=0)
+
+
+def test_a_request_that_runs_out_of_memory_ends_alone_and_frees_its_pages(model,
+                                                                         monkeypatch):
+    from tinyloop.errors import OutOfMemoryError
+    from tinyloop.kv.layouts import slot_layers
+    from ..conftest import fail_nth_allocation
+    a, b = list(range(1, 31)), list(range(40, 70))        # 30 positions: one page per slot
+    want_b = model.generate(b, max_new_tokens=10)
+    eng = Engine(model)
+    try:
+        slots = len(slot_layers(model.config, model.config.default_depth))
+        # 1st kv_cache allocation: a's block table (its prefill); then, in a second run, the
+        # first page a decode step gains (position 32), after both prefills (table + one
+        # page per slot each)
+        for nth, phase in ((1, "prefill"), (2 * (1 + slots) + 1, "decode")):
+            with monkeypatch.context() as mp:
+                with model.lock:                          # both prefill in one iteration
+                    seen = fail_nth_allocation(mp, model.pool, "kv_cache", nth)
+                    ra = eng.submit(a, max_new_tokens=10)
+                    rb = eng.submit(b, max_new_tokens=10)
+                    if phase == "prefill":                # admitted before it starts
+                        eng.start()
+                        before = eng.baseline_allocated
+                with pytest.raises(OutOfMemoryError, match="injected") as e:
+                    ra.result(timeout=60)
+                assert seen["n"] >= nth
+                got = rb.result(timeout=60)
+            assert (got.token_ids, got.text) == (want_b.token_ids, want_b.text)
+            partial = e.value.partial
+            assert partial.finish_reason == "error"
+            # the decode failure: the first token (prefill), those fed at positions 30 and 31;
+            # position 32 needs the page that failed
+            assert len(partial.token_ids) == (0 if phase == "prefill" else 3)
+            assert e.value.step == len(partial.token_ids)
+            assert model.pool.allocated_bytes == before
+    finally:
+        eng.stop()
+
+
+def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkeypatch):
+    from tinyloop.errors import TinyLoopError
+    real = type(model).decode_batch
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("planted")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(type(model), "decode_batch", flaky)
+    eng = Engine(model)        # both admitted before the scheduler starts: one batch
+    rs = [eng.submit(p, max_new_tokens=20) for p in ([1, 2, 3], [4, 5])]
+    with eng:
+        errs = []
+        for r in rs:
+            with pytest.raises(TinyLoopError, match="step failed.*planted") as e:
+                r.result(timeout=60)
+            errs.append(e.value)
+        assert errs[0] is not errs[1]
+        assert [len(e.partial.token_ids) for e in errs] == [3, 3]   # prefill + 2 steps
+        assert errs[0].partial.prompt_token_ids == [1, 2, 3]
+        assert errs[1].partial.prompt_token_ids == [4, 5]
+        assert model.pool.by_tag()["kv_cache"] == 0
+        # the engine goes on serving
+        monkeypatch.setattr(type(model), "decode_batch", real)
+        assert eng.submit([7, 8], max_new_tokens=4).result(timeout=60).token_ids == \
+            model.generate([7, 8], max_new_tokens=4).token_ids
