@@ -33,7 +33,9 @@ def _prompts(n, seed=0, vocab=256):
 KINDS = [dict(), dict(temperature=0.9, top_k=20, seed=7), dict(temperature=1.2, top_p=0.8,
                                                               seed=11),
          dict(stop=["a"]), dict(depth=1), dict(depth=3, kv_mode="int8"),
-         dict(kv_mode="h_int8", temperature=0.7, seed=3)]
+         dict(kv_mode="h_int8", temperature=0.7, seed=3),
+         dict(temperature=0.9, min_p=0.2, seed=13), dict(repetition_penalty=1.8, repeat_last_n=8),
+         dict(temperature=0.8, top_p=0.9, repetition_penalty=1.5, seed=17)]
 
 
 def _solo(model, prompt, n, kw):
@@ -44,9 +46,19 @@ def _solo(model, prompt, n, kw):
 
 
 def test_batched_requests_equal_their_solo_runs_and_memory_returns(model):
-    prompts = _prompts(14)
+    prompts = _prompts(20)
     jobs = [(p, 3 + i % 9, KINDS[i % len(KINDS)]) for i, p in enumerate(prompts)]
     want = [_solo(model, p, n, kw) for p, n, kw in jobs]
+    # min-p and the penalty change some of these requests' tokens, so a batch that dropped
+    # either filter would differ from the solo runs
+    changed = {"min_p": False, "repetition_penalty": False}
+    for (p, n, kw), (res, _) in zip(jobs, want):
+        for f in changed:
+            if f in kw:
+                plain = {k: v for k, v in kw.items() if k not in (f, "repeat_last_n")}
+                changed[f] |= model.generate(p, max_new_tokens=n, **plain).token_ids \
+                    != res.token_ids
+    assert all(changed.values()), changed
     before = model.pool.allocated_bytes
     # 5 rows a step and chunks of 8 prompt positions: requests join and leave mid-run
     with Engine(model, max_batch=5, prefill_chunk=8) as eng:

@@ -114,6 +114,8 @@ def test_chat_streamed_and_not_equal_the_solo_text_of_the_template(served):
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "depth": 99}, "depth"),
     ({"prompt": "x", "kv_mode": "bogus"}, "kv_mode"),
     ({"prompt": "x", "stop": [""]}, "stop"),

@@ -39,7 +39,7 @@ import warnings
 
 import numpy as np
 
-from ..config import DEFAULT_MAX_NEW_TOKENS, parse_size
+from ..config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, parse_size
 from ..config import as_int
 from ..errors import ConfigError, EngineStoppedError, QueueFullError, TinyLoopError
 from ..generate import (GenerationResult, StreamText, check_request, insert_prompt, located,
@@ -176,9 +176,22 @@ class EngineRequest:
         """One uniform per sampled token, drawn as Model.generate draws it."""
         return float(self._rng.random()) if self.args.temperature > 0 else 0.0
 
-    def _sampling(self) -> tuple:
+    def _recent(self, pos: int):
+        """The repetition-penalty window of the step sampling at ``pos``: the ids of positions
+        max(0, pos + 1 - repeat_last_n) .. pos (prompt, then generated), as Model.generate
+        takes it; None when the request has no penalty."""
         a = self.args
-        return (a.temperature, a.top_k, a.top_p, self._draw())
+        if a.repetition_penalty == 1.0:
+            return None
+        hist = a.ids.tolist() + self._new
+        return np.asarray(hist[max(0, pos + 1 - a.repeat_last_n):pos + 1], np.int32)
+
+    def _sampling(self) -> tuple:
+        """(temperature, top_k, top_p, u, min_p, repetition_penalty, recent ids) of the next
+        decode step: ``Ops.sample``'s arguments."""
+        a = self.args
+        return (a.temperature, a.top_k, a.top_p, self._draw(), a.min_p, a.repetition_penalty,
+                self._recent(self._pos))
 
     def _gen_result(self, reason: str, text: str) -> GenerationResult:
         now = time.perf_counter()
@@ -344,13 +357,15 @@ class Engine:
     def submit(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                depth: int | None = None, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop=None,
-               kv_mode=None) -> EngineRequest:
+               kv_mode=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
+               repeat_last_n: int = DEFAULT_REPEAT_LAST_N) -> EngineRequest:
         """Queue a request; returns its :class:`EngineRequest` at once. Arguments and their
         checks are ``Model.generate``'s (ConfigError / TokenizerError at the call). Raises
         ConfigError when its KV cache alone exceeds the KV budget, QueueFullError when
         ``max_queue`` requests wait already, EngineStoppedError once stopped."""
         req = check_request(self.model, prompt, max_new_tokens, depth, temperature, top_k,
-                            top_p, seed, stop, kv_mode, None, self.prefix_pool)
+                            top_p, seed, stop, kv_mode, None, self.prefix_pool, min_p,
+                            repetition_penalty, repeat_last_n)
         total = len(req.ids) + req.max_new_tokens
         need = request_kv_bytes(self.model, max(total, 1), req.depth, req.kv_mode)
         if self.prefix_pool is not None:
@@ -507,8 +522,14 @@ class Engine:
                     rows, r._rows = r._rows, None
                     model.pool.free(rows[1])
                 u = r._draw()
+                filters = {}
+                if a.min_p > 0.0:
+                    filters["min_p"] = a.min_p
+                recent = r._recent(len(ids) - 1)
+                if recent is not None:
+                    filters.update(repetition_penalty=a.repetition_penalty, recent_ids=recent)
                 nxt = model.head_sample(len(ids) - 1, model.logit_row(), a.temperature,
-                                        a.top_k, a.top_p, u)
+                                        a.top_k, a.top_p, u, **filters)
             except TinyLoopError as e:
                 r._fail(e)
                 return max(done, 1)

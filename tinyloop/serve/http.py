@@ -7,8 +7,8 @@ with ``data: [DONE]``; chat prompts go through the model's chat template,
 ``Tokenizer.apply_chat_template(..., tokenize=True)`` as ``tinyloop run`` does), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format: requests by route
 and status, prompt and generated tokens, queue length, active requests, time to first token,
-the memory pool's allocated bytes by tag). Extra request fields: ``top_k``, ``depth``,
-``kv_mode``. Bad input answers 400 with OpenAI's error object naming the field (``{"error":
+the memory pool's allocated bytes by tag). Extra request fields: ``top_k``, ``min_p``,
+``repetition_penalty``, ``depth``, ``kv_mode``. Bad input answers 400 with OpenAI's error object naming the field (``{"error":
 {"message", "type": "invalid_request_error", "param", "code"}}``); a full queue 429; a stopped
 engine or a request the memory could not take 503. A client that disconnects before its
 request ends cancels it (its pages are freed at once).
@@ -114,6 +114,10 @@ def sampling_args(body: dict) -> dict:
         top_p=_field(body, "top_p", lambda v: _is_number(v) and 0 <= v <= 1,
                      "a number in [0, 1]", 1.0),
         top_k=_field(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0),
+        min_p=_field(body, "min_p", lambda v: _is_number(v) and 0 <= v <= 1,
+                     "a number in [0, 1]", 0.0),
+        repetition_penalty=_field(body, "repetition_penalty",
+                                  lambda v: _is_number(v) and v > 0, "a number > 0", 1.0),
         seed=_field(body, "seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         depth=_field(body, "depth", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
         stop=_stop_field(body), kv_mode=kv_mode)
