@@ -1,6 +1,7 @@
 """Decode and prefill speed of the CUDA backend, with the memory it used.
 
     python -m benchmarks bench_decode [--model PATH|default|synthetic] [--out DIR] [--no-peer]
+                                      [--kv-modes fp16,int8] [--contexts 64,1024,4096,8000]
 
 By default (--model synthetic) it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
@@ -18,6 +19,8 @@ warm-up):
     prompt (graphs; the store-h modes rebuild K/V over the whole context every step: their
     cost grows with it; they run eagerly, never as a captured graph),
     prefill of 2,048 tokens;
+  - with --contexts: decode tokens/s after each prompt length at depths 1 and 4 per mode, and
+    against the shortest (the long-context slowdown);
   - the captured graphs the model holds at the end (count, keys) and the pool bytes under
     tag ``graphs``;
   - the pool's stats after the run;
@@ -186,6 +189,28 @@ def bench_kv_modes(model, modes: str, new_tokens: int) -> dict:
     return out
 
 
+def context_sweep(model, contexts, modes, depths=(1, 4), new_tokens: int = 64) -> dict:
+    """Decode tokens/s (graphs, greedy, median of 3 after a short warm-up) after each prompt
+    length in ``contexts``, per KV mode and depth, and each against the shortest context's
+    figure (the long-context slowdown). mode -> {"depth{d}_ctx{c}": result}."""
+    out = {}
+    for mode in modes:
+        path = "graphs" if mode in model.ops.graph_kv_modes else "eager"
+        r = {}
+        for d in depths:
+            if d > model.config.max_depth:
+                continue
+            for c in contexts:
+                r[f"depth{d}_ctx{c}"] = bench_decode(model, d, new_tokens, reps=3,
+                                                     warmup_s=0.5, kv_mode=mode,
+                                                     prompt_len=c, path=path)
+            base = r[f"depth{d}_ctx{contexts[0]}"]["median"]
+            for c in contexts:
+                r[f"depth{d}_ctx{c}"]["vs_shortest"] = r[f"depth{d}_ctx{c}"]["median"] / base
+        out[mode] = r
+    return out
+
+
 def _fmt(r: dict) -> str:
     return f"{r['median']:,.1f} ({r['min']:,.0f}-{r['max']:,.0f})"
 
@@ -199,13 +224,19 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-modes", default="all",
                     help="KV storage modes to measure per mode (comma list; all = every mode "
                          "the CUDA backend runs); the headline figures use fp16")
+    ap.add_argument("--contexts", default="",
+                    help="comma list of prompt lengths for a long-context decode sweep at "
+                         "depths 1 and 4 per --kv-modes mode (e.g. 64,1024,4096,8000); off "
+                         "by default")
     a = ap.parse_args(argv)
+    contexts = [int(c) for c in a.contexts.split(",") if c]
     path = model_path(a.model)
     res: dict = {"model": path}
     bw = copy_bandwidth_gbs()
     res["copy_bandwidth_GBps"] = bw
     tinyloop.reset_peak_memory_stats("cuda")
-    model = tinyloop.load_model(path, max_seq_len=2304, backend="cuda")
+    model = tinyloop.load_model(path, max_seq_len=max([2304] + [c + 80 for c in contexts]),
+                                backend="cuda")
     try:
         for depth in DEPTHS:
             if depth > model.config.max_depth:
@@ -234,6 +265,9 @@ def main(argv=None) -> int:
             res[f"prefill_{n}_ms"] = ms
             res[f"prefill_{n}_tokens_per_s"] = n / (ms / 1e3)
         res["kv_modes"] = bench_kv_modes(model, a.kv_modes, a.new_tokens)
+        if contexts:
+            names = model.ops.kv_modes if a.kv_modes == "all" else tuple(a.kv_modes.split(","))
+            res["context_sweep"] = context_sweep(model, contexts, names)
         gs = model.graph_stats()
         res["graphs"] = {"count": gs["graphs"], "captures": gs["captures"],
                          "replays": gs["replays"], "keys": [str(k) for k in gs["keys"]],
@@ -307,6 +341,11 @@ def main(argv=None) -> int:
         long = r["decode_depth1_ctx1024"]
         print(f"  {mode:<8}" + " | ".join(parts) + f" | {long['median']:,.1f} tok/s"
               f" | {r['prefill_2048_ms']:.1f} ms")
+    if "context_sweep" in res:
+        print("\n  decode after a prompt of N tokens (graphs; median, min-max; x the shortest)")
+        for mode, r in res["context_sweep"].items():
+            for key, v in r.items():
+                print(f"  {mode:<8} {key:<16} {_fmt(v)} tok/s  {v['vs_shortest']:.2f}x")
     sys.stdout.flush()
     return 0
 

@@ -592,3 +592,29 @@ def test_vs_llamacpp_runs_the_real_llama_bench_on_the_written_file(tmp_path):
     assert ll["decode_tok_s"]["runs"] == 2 and ll["decode_tok_s"]["min"] > 0
     assert ll["prefill_ms"]["runs"] == 2 and ll["prefill_ms"]["min"] > 0
     assert res["llama_command"][-2:] == ["-t", "2"] and res["ratios"]["decode"] > 0
+
+
+def test_bench_decode_context_sweep_runs_each_context_at_its_length(tiny_adapter_path,
+                                                                    monkeypatch):
+    """The long-context sweep decodes after each prompt length (the prompt generate gets has
+    that many ids), per depth, and reports each against the shortest context."""
+    from benchmarks import bench_decode as bd
+    m = tinyloop.load_model(tiny_adapter_path, backend="numpy", max_seq_len=96)
+    seen = []
+    real = m.generate
+
+    def spy(prompt, **kw):
+        seen.append((len(prompt), kw["depth"], kw["kv_mode"]))
+        return real(prompt, **kw)
+    monkeypatch.setattr(m, "generate", spy)
+    try:
+        r = bd.context_sweep(m, [4, 40], ["fp16"], depths=(1, 2), new_tokens=3)
+    finally:
+        tinyloop.free_model(m)
+    assert set(r["fp16"]) == {"depth1_ctx4", "depth1_ctx40", "depth2_ctx4", "depth2_ctx40"}
+    assert {s[0] for s in seen} == {4, 40} and {s[1] for s in seen} == {1, 2}
+    for d in (1, 2):
+        assert r["fp16"][f"depth{d}_ctx4"]["vs_shortest"] == 1.0
+        v = r["fp16"][f"depth{d}_ctx40"]
+        assert v["median"] > 0 and v["vs_shortest"] == v["median"] / \
+            r["fp16"][f"depth{d}_ctx4"]["median"]
