@@ -89,21 +89,26 @@ def resolve_model_arg(model: str | None) -> str:
     return model_file(model)
 
 
-def _add_load_args(p: argparse.ArgumentParser) -> None:
-    """The options that size a load: depth, backend, max_seq_len, prefill_chunk."""
-    p.add_argument("--depth", type=int, default=None, metavar="D",
-                   help="recurrent depth: times the recurrent block runs; above the default on "
-                        "a model whose loop is artificial, such as the embedded one, the text "
-                        "degrades (a # note says so) (default: the model's default depth)")
+def _add_load_args(p: argparse.ArgumentParser, depth: bool = True,
+                   seq_what: str = "positions the KV cache holds: prompt + new tokens",
+                   chunk_what: str = "prefill the prompt C tokens at a time; 0 prefills it "
+                                     "in one pass") -> None:
+    """The options that size a load: depth (unless ``depth`` is False), backend, max_seq_len,
+    prefill_chunk; ``seq_what`` / ``chunk_what`` say what the last two mean for the command."""
+    if depth:
+        p.add_argument("--depth", type=int, default=None, metavar="D",
+                       help="recurrent depth: times the recurrent block runs; above the default "
+                            "on a model whose loop is artificial, such as the embedded one, the "
+                            "text degrades (a # note says so) (default: the model's default "
+                            "depth)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
-                   help="positions the KV cache holds: prompt + new tokens (default: "
-                        "%(default)s)")
+                   help=f"{seq_what} (default: %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
-                   help="prefill the prompt C tokens at a time; 0 prefills it in one pass "
-                        f"(default: {DEFAULT_PREFILL_CHUNK['numpy']} on the numpy backend, "
-                        f"where chunks are faster; {DEFAULT_PREFILL_CHUNK['cuda']} on cuda)")
+                   help=f"{chunk_what} (default: {DEFAULT_PREFILL_CHUNK['numpy']} on the numpy "
+                        f"backend, where chunks are faster; {DEFAULT_PREFILL_CHUNK['cuda']} on "
+                        "cuda)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -519,15 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1",
                     help="the address to listen on (default: %(default)s, this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="the TCP port (default: %(default)s)")
-    sv.add_argument("--backend", choices=BACKENDS, default="auto",
-                    help="auto: cuda where CuPy sees a GPU, else numpy (default: %(default)s)")
-    sv.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N",
-                    help="positions one request holds: prompt + new tokens (default: "
-                         "%(default)s)")
-    sv.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
-                    help="the model's scratch rows for a prefill chunk; 0 sizes them for the "
-                         f"whole sequence (default: {DEFAULT_PREFILL_CHUNK['numpy']} on the "
-                         f"numpy backend; {DEFAULT_PREFILL_CHUNK['cuda']} on cuda)")
+    _add_load_args(sv, depth=False, seq_what="positions one request holds: prompt + new tokens",
+                   chunk_what="the model's scratch rows for a prefill chunk; 0 sizes them for "
+                              "the whole sequence")
     sv.add_argument("--max-batch", type=int, default=32, metavar="B",
                     help="requests decoded together in one step (default: %(default)s)")
     sv.add_argument("--queue", type=int, default=256, metavar="Q",
