@@ -98,6 +98,17 @@ def sampling_args(body: dict) -> dict:
             raise BadRequest(f"'{name}' is not supported by this server", name)
     if body.get("best_of") not in (None, 1):
         raise BadRequest("only 'best_of' = 1 is supported", "best_of")
+    # OpenAI's additive penalties and logit biases change the pick: refused, not ignored
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise BadRequest(f"'{name}' is not supported by this server (the multiplicative "
+                             "'repetition_penalty' is)", name)
+    if body.get("logit_bias"):
+        raise BadRequest("'logit_bias' is not supported by this server", "logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest("only 'response_format' {\"type\": \"text\"} is supported",
+                         "response_format")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 0):
