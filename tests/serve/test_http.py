@@ -153,6 +153,36 @@ def test_bad_chat_input_and_bad_json_answer_400(served):
     conn.close()
 
 
+def test_an_oversized_body_answers_413_and_is_not_read(served, monkeypatch):
+    """A body past the limit: 413 with OpenAI's error object, whether its length is declared
+    or it comes chunked; a body under the limit still works after."""
+    from tinyloop.serve import http as tl_http
+    m, eng, srv, client, _ = served
+    monkeypatch.setattr(tl_http, "MAX_BODY_BYTES", 4096)
+    big = json.dumps({"model": "tiny", "prompt": "x" * 8000, "max_tokens": 1}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    conn.request("POST", "/v1/completions", body=big,
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    assert resp.status == 413 and f"{len(big)} bytes" in err["message"]
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    for i in range(0, len(big), 1000):
+        part = big[i:i + 1000]
+        conn.send(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+    conn.send(b"0\r\n\r\n")
+    resp = conn.getresponse()
+    assert resp.status == 413 and "over 4096 bytes" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2,
+                                     temperature=0).choices[0].finish_reason == "length"
+
+
 def test_models_health_and_metrics(served):
     m, eng, srv, client, _ = served
     assert [x.id for x in client.models.list().data] == ["tiny"]

@@ -43,6 +43,34 @@ _ARG_OF_FIELD = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
 _FINISH = {"length": "length", "eos": "stop", "stop": "stop", "cancelled": "stop"}
 
 
+MAX_BODY_BYTES = 16 << 20      # a request body past this answers 413 (read no further)
+
+
+class BodyTooLarge(Exception):
+    """A request body past the server's limit: answered 413."""
+
+
+async def read_json(request, limit: int | None = None):
+    """The request's JSON body, read at most ``limit`` bytes far (default MAX_BODY_BYTES; the
+    declared length checked first, then the bytes as they arrive: a chunked body has none).
+    Raises BodyTooLarge past it and BadRequest for a body that is not JSON."""
+    limit = MAX_BODY_BYTES if limit is None else limit
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the request body is {int(declared)} bytes; this server takes at "
+                           f"most {limit}")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise BodyTooLarge(f"the request body is over {limit} bytes, the most this "
+                               "server takes")
+    try:
+        return json.loads(bytes(buf))
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+
+
 class BadRequest(Exception):
     """A request field failed its check: answered 400 naming ``param``."""
 
@@ -315,11 +343,10 @@ def create_app(engine, model_name: str = "tinyloop") -> Starlette:
     async def generate(request: Request, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                raise BadRequest("the request body is not valid JSON") from None
+            body = await read_json(request)
             r = await submit(body, chat)
+        except BodyTooLarge as e:
+            return counted(route, error_response(413, str(e)))
         except BadRequest as e:
             return counted(route, error_response(400, str(e), e.param))
         except QueueFullError as e:
