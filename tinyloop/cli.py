@@ -389,6 +389,7 @@ def _inspect_plan(a, ops, backend, cfg, layout, depth) -> int:
           f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
           f"{kv_total:,d}  {fmt_bytes(kv_total)}")
     print(kv_mode_table(cfg, ops.kv_dtype, budget, backend))
+    print(kv_latest_table(cfg, ops.kv_dtype, backend))
     print(kv_depth_table(cfg, ops.kv_dtype, backend))
     return 0
 
@@ -420,6 +421,26 @@ def kv_depth_table(cfg: ModelConfig, kv_dtype, backend: str) -> str:
         row = "".join(f"{kv_bytes_per_token(cfg, d, (m,) * cfg.n_layers, kv_dtype):>12,d}"
                       for m in modes)
         lines.append(f"  {d:>5}{cfg.n_slots(d):>7}{row}")
+    return "\n".join(lines)
+
+
+def kv_latest_table(cfg: ModelConfig, kv_dtype, backend: str) -> str:
+    """KV cache bytes per token under ``kv_iterations="latest"`` (one slot per recurrent layer:
+    ``P + R + C`` slots at every depth) per storage mode, beside "all" at the maximum depth."""
+    import numpy as np
+    from .config import KV_MODES
+    from .kv.layouts import kv_bytes_per_token
+    modes = [m for m in KV_MODES if m not in ("h_int8", "h_int4") or cfg.d_model % 32 == 0]
+    dm = cfg.max_depth
+    lines = [f"\nKV cache bytes per token per iteration policy on backend {backend} "
+             f"(fp16 mode: K/V {np.dtype(kv_dtype).name}; kv_iterations='latest' holds "
+             f"{cfg.n_slots(1)} slots at any depth)",
+             f"  {'policy':<16}{'slots':>7}" + "".join(f"{m:>12}" for m in modes)]
+    for name, policy, depth in ((f"all, depth {dm}", "all", dm), ("latest", "latest", dm)):
+        row = "".join(f"{kv_bytes_per_token(cfg, depth, (m,) * cfg.n_layers, kv_dtype, policy):>12,d}"
+                      for m in modes)
+        n = cfg.n_slots(dm) if policy == "all" else cfg.n_slots(1)
+        lines.append(f"  {name:<16}{n:>7}{row}")
     return "\n".join(lines)
 
 

@@ -108,7 +108,7 @@ class _Request:
 
     ids: np.ndarray            # int32 [T] prompt ids
     max_new_tokens: int
-    depth: int
+    depth: int                 # the fixed depth, or at depth="auto" the max depth
     kv_mode: tuple             # one KV mode per physical layer
     temperature: float
     top_k: int
@@ -120,11 +120,28 @@ class _Request:
     stops: list
     prefix: object
     prefix_pool: object
+    kv_iterations: str = "all"  # the iteration KV policy (kv.layouts.KV_ITERATIONS)
+
+
+def kv_iterations_arg(model, kv_iterations, prefix=None, prefix_pool=None) -> str:
+    """The iteration KV policy of a request: ``kv_iterations`` or the load's default; with a
+    ``prefix`` (whose K/V is kept under "all") "all". Raises ConfigError for an unknown
+    policy, and for "latest" with a prefix or a prefix pool: a prefix's positions would read
+    other K/V than the same positions prefilled in the request's own chunks, so no cached
+    request under "latest" equals its uncached run."""
+    if prefix is not None and kv_iterations is None:
+        return "all"
+    policy = model.resolve_kv_iterations(kv_iterations)
+    if policy == "latest" and (prefix is not None or prefix_pool is not None):
+        raise ConfigError("kv_iterations='latest' runs without prefix= / prefix_pool=: a "
+                          "cached prefix would change what the positions after it read "
+                          "(pass kv_iterations='all')")
+    return policy
 
 
 def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                    stop, kv_mode, prefix, prefix_pool, min_p=0.0, repetition_penalty=1.0,
-                   repeat_last_n=DEFAULT_REPEAT_LAST_N) -> _Request:
+                   repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None) -> _Request:
     """Every argument check of generate / stream, in one place, before any work: both raise
     the same error for the same bad argument, at the call."""
     model.check_alive()
@@ -140,6 +157,7 @@ def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top
             raise ConfigError(f"seed must be None or an int >= 0, got {seed}")
     stops = _normalise_stop(stop)
     model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
+    policy = kv_iterations_arg(model, kv_iterations, prefix, prefix_pool)
     ids = model.encode_prompt(prompt)
     depth, modes = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens
@@ -148,7 +166,7 @@ def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top
                           f"{total} exceeds max_seq_len={model.max_seq_len}")
     return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
                     float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
-                    seed, stops, prefix, prefix_pool)
+                    seed, stops, prefix, prefix_pool, policy)
 
 
 class Stream:
@@ -189,7 +207,7 @@ class Stream:
 def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
            top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
            prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
-           repeat_last_n=DEFAULT_REPEAT_LAST_N) -> Stream:
+           repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None) -> Stream:
     """A :class:`Stream` of StreamToken, one per new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike): the
@@ -218,6 +236,9 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     HandleError (the prefix was released meanwhile); each carries ``partial``, the
     GenerationResult of the tokens so far.
 
+    ``kv_iterations``: the iteration KV policy ("all" | "latest"; default the load's;
+    :func:`kv_iterations_arg` says which combinations are refused).
+
     ``prefix`` (a PrefixCache / ResumeHandle the prompt's ids start with; it fixes depth and
     kv_mode) or ``prefix_pool`` (a PrefixPool: the longest cached prefix is reused and the
     prompt inserted): only the positions after the cached ones are prefilled
@@ -231,7 +252,7 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     """
     req = _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                          stop, kv_mode, prefix, prefix_pool, min_p, repetition_penalty,
-                         repeat_last_n)
+                         repeat_last_n, kv_iterations)
     return Stream(_run(model, req))
 
 
@@ -271,7 +292,8 @@ def _run(model, req: _Request):
         with model.lock:
             model.check_alive()
             if cache is None:
-                cache = model.new_kv_cache(req.depth, total, kv_mode=req.kv_mode)
+                cache = model.new_kv_cache(req.depth, total, kv_mode=req.kv_mode,
+                                           kv_iterations=req.kv_iterations)
             row = model.logit_row()
             pos = pos0 + len(step_ids) - 1
             # one u per sampled token, drawn the same way on every path (graph or eager)
@@ -401,7 +423,7 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
              top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
              prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
-             repeat_last_n=DEFAULT_REPEAT_LAST_N) -> GenerationResult:
+             repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None) -> GenerationResult:
     """Run :func:`stream` to completion and return its GenerationResult (the same code: the
     same tokens, text and finish reason, the same argument checks and errors).
 
@@ -411,7 +433,8 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
     """
     s = stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed, stop,
                kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
-               repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
+               repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
+               kv_iterations=kv_iterations)
     with model.lock:
         for _ in s:
             pass
@@ -419,7 +442,7 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
 
 
 def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
-                          prefix_pool=None) -> np.ndarray:
+                          prefix_pool=None, kv_iterations=None) -> np.ndarray:
     """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits).
 
     With ``prefix`` / ``prefix_pool`` the cached positions are restored, not recomputed: their
@@ -431,6 +454,7 @@ def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=
     ids = model.encode_prompt(token_ids)         # text or ids; empty: [BOS]
     if len(ids) > model.max_seq_len:
         raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
+    policy = kv_iterations_arg(model, kv_iterations, prefix, prefix_pool)
     depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
     with model.lock:
@@ -439,7 +463,8 @@ def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=
         block = {e.name: e for e in model.request_plan(len(ids), depth, logits=True,
                                                        kv_mode=kv_mode)}["logits"]
         rows = block.shape[0]
-        with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode) as cache:
+        with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode,
+                                kv_iterations=policy) as cache:
             block_arr, blk = ops.empty(model.pool, block.shape, block.dtype, block.tag)
             try:
                 prefill_request(model, ids, depth, kv_mode, cache, prefix, prefix_pool)
@@ -465,13 +490,14 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
 
 
 def score(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
-          prefix_pool=None) -> np.ndarray:
+          prefix_pool=None, kv_iterations=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
     ids = model.encode_prompt(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
     lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode, prefix=prefix,
-                                                prefix_pool=prefix_pool)[:-1])
+                                                prefix_pool=prefix_pool,
+                                                kv_iterations=kv_iterations)[:-1])
     return lp[np.arange(len(ids) - 1), ids[1:]]
 
 
@@ -560,10 +586,23 @@ def _prompt_ids(model, prompt) -> np.ndarray:
     return ids
 
 
-def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
+def _handle_policy(model, kv_iterations) -> None:
+    """Prefix handles keep their K/V under kv_iterations="all": ConfigError for "latest"
+    (given, or the load's default), whose cached positions would read other K/V than the
+    request's own prefill gives them (:func:`kv_iterations_arg`)."""
+    policy = model.resolve_kv_iterations(kv_iterations)
+    if policy != "all":
+        raise ConfigError(f"prefix handles (prefill / resume_handle) keep K/V under "
+                          f"kv_iterations='all' only, not {policy!r}; pass "
+                          f"kv_iterations='all'")
+
+
+def make_prefix(model, prompt, depth=None, kv_mode=None, kv_iterations=None) -> PrefixCache:
     """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache. Raises
-    ConfigError / TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
+    ConfigError / TokenizerError on bad input (and for kv_iterations="latest":
+    :func:`_handle_policy`), OutOfMemoryError (nothing stays allocated)."""
     model.check_alive()
+    _handle_policy(model, kv_iterations)
     depth = _depth_arg(model, depth)
     modes = model.resolve_kv_modes(kv_mode)
     ids = _prompt_ids(model, prompt)
@@ -580,11 +619,13 @@ def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
             raise
 
 
-def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) -> ResumeHandle:
+def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None,
+                       kv_iterations=None) -> ResumeHandle:
     """:meth:`Model.resume_handle`: prefill at ``depth`` keeping what upgrades need (K/V room
     for ``max_depth`` iterations, the residual snapshot). Raises ConfigError for a max_depth
     outside depth..the model's, and as :func:`make_prefix`."""
     model.check_alive()
+    _handle_policy(model, kv_iterations)
     cfg = model.config
     depth = _depth_arg(model, depth)
     max_depth = cfg.max_depth if max_depth is None else _as_int(max_depth, "max_depth")

@@ -32,8 +32,8 @@ from .generate import stream as _stream
 from .generate import make_prefix, make_resume_handle, teacher_forced_logits
 from .kv.cache import Recon, RuntimeKVCache
 from .kv.handles import load_prefix
-from .kv.layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, kv_bytes_per_token,
-                         resolve_kv_modes)
+from .kv.layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, check_kv_iterations,
+                         kv_bytes_per_token, resolve_kv_modes)
 from .kv.pages import PageAllocator
 from .kv.registry import KVRegistry
 from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
@@ -193,7 +193,7 @@ class Model:
     """
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-                 backend: str = "auto", kv_mode=None, kernels=None):
+                 backend: str = "auto", kv_mode=None, kernels=None, kv_iterations="all"):
         self._freed = True           # until the load succeeds there is nothing to free
         self._blocks: list = []      # every model-owned pool block; freed by free()
         max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
@@ -203,6 +203,7 @@ class Model:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
+        self.kv_iterations = check_kv_iterations(kv_iterations)   # the requests' default
         self._lock = threading.RLock()
         self._kv = KVRegistry()      # live caches and prefix handles; free() releases them
         self._ops = get_ops(backend, kernels)
@@ -499,15 +500,16 @@ class Model:
             raise ModelFreedError("this Model was freed with free_model(); load it again")
 
     def request_plan(self, n_tokens: int, depth: int, logits: bool = False,
-                     kv_mode=None) -> list:
+                     kv_mode=None, kv_iterations=None) -> list:
         """``plan.request_plan`` for this model: the paged KV cache of ``n_tokens`` positions
         at ``depth`` in ``kv_mode`` (default the load's; block tables and pages at the
         backend's kv_dtype) and, with ``logits``, the logits block of a logits()/score() call
-        (``plan.logits_block_rows`` rows)."""
+        (``plan.logits_block_rows`` rows); ``kv_iterations`` as in :meth:`new_kv_cache`."""
         rows = (planmod.logits_block_rows(n_tokens, self.max_seq_len, self.prefill_chunk)
                 if logits else 0)
         return planmod.request_plan(self.config, n_tokens, depth, self._ops.kv_dtype,
-                                    logits_rows=rows, modes=self.resolve_kv_modes(kv_mode))
+                                    logits_rows=rows, modes=self.resolve_kv_modes(kv_mode),
+                                    kv_iterations=self.resolve_kv_iterations(kv_iterations))
 
     def check_token_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
         """``token_ids`` as int32 [T] after checking it is a non-empty 1-D sequence of ints
@@ -566,22 +568,32 @@ class Model:
         self._check_kv_modes(modes)
         return modes
 
-    def kv_bytes_per_token(self, depth: int | None = None, kv_mode=None) -> int:
+    def resolve_kv_iterations(self, kv_iterations=None) -> str:
+        """The iteration KV policy ("all" | "latest", ``kv.layouts.KV_ITERATIONS``):
+        ``kv_iterations``, or the load's default when None. Raises ConfigError naming a bad
+        value."""
+        return self.kv_iterations if kv_iterations is None else check_kv_iterations(
+            kv_iterations)
+
+    def kv_bytes_per_token(self, depth: int | None = None, kv_mode=None,
+                           kv_iterations=None) -> int:
         """Bytes a request's KV cache holds per position at ``depth`` (default: the model's),
-        over all slots, scales and zeros included, page rounding excluded."""
+        over all slots, scales and zeros included, page rounding excluded: ``P + R*depth + C``
+        slots under ``kv_iterations="all"``, ``P + R + C`` under "latest" (default: the
+        load's policy)."""
         depth = self.config.check_depth(depth)
         return kv_bytes_per_token(self.config, depth, self.resolve_kv_modes(kv_mode),
-                                  self._ops.kv_dtype)
+                                  self._ops.kv_dtype, self.resolve_kv_iterations(kv_iterations))
 
     def kv_page_layout(self, mode: str, page_size: int = DEFAULT_PAGE_SIZE) -> PageLayout:
         """The PageLayout of ``mode`` pages on this model's backend."""
         return PageLayout.for_config(self.config, mode, page_size, self._ops.kv_dtype)
 
     def new_kv_cache(self, depth: int, capacity: int, kv_mode=None,
-                     page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
+                     page_size: int = DEFAULT_PAGE_SIZE, kv_iterations=None) -> RuntimeKVCache:
         """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
         kv_cache; pages are gained as positions are written). ``kv_mode``: see
-        :meth:`resolve_kv_modes`. :meth:`free` releases it if it is still live then. First
+        :meth:`resolve_kv_modes`; ``kv_iterations``: :meth:`resolve_kv_iterations`. :meth:`free` releases it if it is still live then. First
         releases the storage of prefix handles collected unreleased (``KVRegistry.drain``),
         so every request and every new handle frees them."""
         self.check_alive()
@@ -589,11 +601,12 @@ class Model:
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
         modes = self.resolve_kv_modes(kv_mode)
+        policy = self.resolve_kv_iterations(kv_iterations)
         if any(m in H_MODES for m in modes) and self._recon_scratch is None:
             self._recon_scratch = self._alloc_recon()
         with packed_scope():
             cache = RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
-                                   self._pages, page_size)
+                                   self._pages, page_size, policy)
         self._kv.track_cache(cache)
         return cache
 
@@ -702,7 +715,7 @@ class Model:
         if self.config.embed_scale != 1.0:
             ops.scale(x, self.config.embed_scale)
         self._check_loop_depth(depth)
-        self._stack(x, v, depth, cache.slot, pos0, None, snapshot)
+        self._stack(x, v, depth, cache.kv_of, pos0, None, snapshot)
         for hook in self._rows_hooks:
             hook(pos0, t)
 
@@ -743,9 +756,9 @@ class Model:
         if self._adapter is not None:
             e = v["inject"]
             snapshot.get_entry(pos0, e)
-        self._iterations(x, e, depth_from, depth_to, pos0, v, cache.slot, None)
+        self._iterations(x, e, depth_from, depth_to, pos0, v, cache.kv_of, None)
         snapshot.put_state(pos0, x)
-        self._coda(x, depth_to, pos0, v, cache.slot, None)
+        self._coda(x, depth_to, pos0, v, cache.kv_of, None)
         for hook in self._rows_hooks:
             hook(pos0, t)
 
@@ -902,7 +915,7 @@ class Model:
 
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
-               prefix_pool=None) -> np.ndarray:
+               prefix_pool=None, kv_iterations=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
 
         ``token_ids``: 1-D ints, 1 <= T <= max_seq_len, or text (encoded as generate does;
@@ -912,25 +925,27 @@ class Model:
         mode, default the load's), so the logits show a mode's true quality. ``prefix``
         (PrefixCache / ResumeHandle the ids start with) or ``prefix_pool`` (PrefixPool):
         positions that come from the cache are not recomputed (their rows come from the cached
-        residuals through the head). Raises ConfigError / TokenizerError on bad input,
+        residuals through the head). ``kv_iterations``: the iteration KV policy (default the
+        load's; :meth:`new_kv_cache`). Raises ConfigError / TokenizerError on bad input,
         ModelFreedError after free, HandleError for a released handle.
         """
         return teacher_forced_logits(self, token_ids, depth, kv_mode, prefix=prefix,
-                                     prefix_pool=prefix_pool)
+                                     prefix_pool=prefix_pool, kv_iterations=kv_iterations)
 
     def score(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
-              prefix_pool=None) -> np.ndarray:
+              prefix_pool=None, kv_iterations=None) -> np.ndarray:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2;
         ``token_ids`` as in :meth:`logits`, so an empty one is [BOS], T = 1: ConfigError).
         ``kv_mode`` / ``prefix`` / ``prefix_pool`` as in :meth:`logits`."""
-        return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+        return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool,
+                      kv_iterations=kv_iterations)
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                  prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 repeat_last_n: int = DEFAULT_REPEAT_LAST_N):
+                 repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
         (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
@@ -940,14 +955,15 @@ class Model:
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
-                         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
+                         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
+                         kv_iterations=kv_iterations)
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               repeat_last_n: int = DEFAULT_REPEAT_LAST_N):
+               repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None):
         """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
         of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
         (``text`` is the newly decodable text, possibly empty); the ids and texts are
@@ -956,23 +972,24 @@ class Model:
         return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
-                       repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
+                       repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
+                       kv_iterations=kv_iterations)
 
     # -- cached state across calls (tinyloop.kv) -----------------------------------------------
-    def prefill(self, prompt, depth: int | None = None, kv_mode=None):
+    def prefill(self, prompt, depth: int | None = None, kv_mode=None, kv_iterations=None):
         """Prefill ``prompt`` (text or ids) once and keep it: returns a
         :class:`~tinyloop.kv.PrefixCache` to pass as ``prefix=`` to generate / stream /
         logits / score, which then prefill only the tokens after it. Raises ConfigError /
         TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
-        return make_prefix(self, prompt, depth, kv_mode)
+        return make_prefix(self, prompt, depth, kv_mode, kv_iterations)
 
     def resume_handle(self, prompt, depth: int | None = None, max_depth: int | None = None,
-                      kv_mode=None):
+                      kv_mode=None, kv_iterations=None):
         """Prefill ``prompt`` at ``depth`` keeping, for every position, the residual state the
         recurrent block continues from and K/V room for ``max_depth`` iterations (default: the
         model's): returns a :class:`~tinyloop.kv.ResumeHandle`; ``rh.upgrade(d2)`` deepens
         it by running only the added iterations and the coda."""
-        return make_resume_handle(self, prompt, depth, max_depth, kv_mode)
+        return make_resume_handle(self, prompt, depth, max_depth, kv_mode, kv_iterations)
 
     def load_prefix(self, path):
         """Load a prefix saved with ``PrefixCache.save`` / ``ResumeHandle.save`` (see
@@ -999,7 +1016,8 @@ def artificial_loop_message(model: Model, depth: int) -> str:
 
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-               backend: str = "auto", kv_mode=None, kernels=None) -> Model:
+               backend: str = "auto", kv_mode=None, kernels=None,
+               kv_iterations: str = "all") -> Model:
     """Load a .tlm model, phase by phase (the lifecycle and memory contract,
     docs/architecture.md).
 
@@ -1013,7 +1031,9 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them); ``kernels``: the
     CUDA kernel variants (``tinyloop.backends.cuda.KernelChoice``, for tests and
     benchmarks; None: the defaults; a non-default choice on the NumPy backend raises
-    ConfigError).
+    ConfigError); ``kv_iterations``: the requests' default iteration KV policy ("all": one
+    K/V slot per recurrent layer and iteration; "latest": one per recurrent layer, each
+    iteration overwriting it; ``tinyloop.kv.layouts.KV_ITERATIONS`` says what each reads).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
     A folder (Hugging Face config.json + .safetensors of Ouro, Huginn or Nanbeige) is
@@ -1028,7 +1048,7 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
         path = cached_folder_conversion(path)
     from .default import model_file
     return Model(model_file(path), max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode,
-                 kernels=kernels)
+                 kernels=kernels, kv_iterations=kv_iterations)
 
 
 def _check_model(model) -> Model:

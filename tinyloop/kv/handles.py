@@ -110,7 +110,7 @@ class HandleStorage:
         self.kv = self.rows_block = self.snap = self.rows = None
         self._held: dict = {}                  # addr -> Page this storage holds
         try:
-            self.kv = model.new_kv_cache(slot_depth, n, kv_mode=modes)
+            self.kv = model.new_kv_cache(slot_depth, n, kv_mode=modes, kv_iterations="all")
             self.kv.retag_tables(HELD_TAG)
             self.rows, self.rows_block = ops.empty(pool, (n, cfg.d_model), np.float32,
                                                    "prefix_cache")
