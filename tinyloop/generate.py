@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adaptive import ExitRule, exit_rule_for
 from .backends.base import check_filters, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N
 from .config import as_int as _as_int
@@ -40,8 +41,11 @@ class GenerationResult:
     ``prompt_token_ids``, ``finish_reason`` ("length" | "eos" | "stop"; "error" in the
     ``partial`` result an error carries, ``TinyLoopError.partial``), ``depth``,
     ``prefill_ms``, ``decode_ms``, ``decode_tokens_per_s`` (new tokens after the first
-    over the decode time; 0.0 when fewer than 2 tokens), and ``cached_tokens`` (prompt
-    positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled).
+    over the decode time; 0.0 when fewer than 2 tokens), ``cached_tokens`` (prompt
+    positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled), and
+    ``depths``: the depth of the forward whose logits each new token was sampled from (the
+    first token's is the prompt's; at a fixed depth every entry is ``depth``; at
+    depth="auto" ``depth`` is the max depth and :attr:`mean_depth` the mean of ``depths``).
     """
 
     token_ids: list
@@ -54,6 +58,12 @@ class GenerationResult:
     decode_tokens_per_s: float = 0.0
     cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    depths: list = field(default_factory=list)
+
+    @property
+    def mean_depth(self) -> float:
+        """The mean of ``depths`` (0.0 without new tokens)."""
+        return float(np.mean(self.depths)) if self.depths else 0.0
 
 
 @dataclass
@@ -121,6 +131,7 @@ class _Request:
     prefix: object
     prefix_pool: object
     kv_iterations: str = "all"  # the iteration KV policy (kv.layouts.KV_ITERATIONS)
+    exit: ExitRule | None = None   # depth="auto": the exit rule (tinyloop.adaptive)
 
 
 def kv_iterations_arg(model, kv_iterations, prefix=None, prefix_pool=None) -> str:
@@ -141,11 +152,17 @@ def kv_iterations_arg(model, kv_iterations, prefix=None, prefix_pool=None) -> st
 
 def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                    stop, kv_mode, prefix, prefix_pool, min_p=0.0, repetition_penalty=1.0,
-                   repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None) -> _Request:
+                   repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
+                   exit_threshold=None, max_depth=None) -> _Request:
     """Every argument check of generate / stream, in one place, before any work: both raise
     the same error for the same bad argument, at the call."""
     model.check_alive()
     cfg = model.config
+    rule = exit_rule_for(cfg, depth, exit_rule, exit_threshold, max_depth)
+    if rule is not None:
+        if prefix is not None or prefix_pool is not None:
+            raise ConfigError("depth='auto' runs without prefix= / prefix_pool=")
+        depth = rule.max_depth
     if depth is not None:
         cfg.check_depth(_as_int(depth, "depth"))
     max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
@@ -166,7 +183,7 @@ def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top
                           f"{total} exceeds max_seq_len={model.max_seq_len}")
     return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
                     float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
-                    seed, stops, prefix, prefix_pool, policy)
+                    seed, stops, prefix, prefix_pool, policy, rule)
 
 
 class Stream:
@@ -207,7 +224,8 @@ class Stream:
 def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
            top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
            prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
-           repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None) -> Stream:
+           repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
+           exit_threshold=None, max_depth=None) -> Stream:
     """A :class:`Stream` of StreamToken, one per new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike): the
@@ -239,6 +257,12 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     ``kv_iterations``: the iteration KV policy ("all" | "latest"; default the load's;
     :func:`kv_iterations_arg` says which combinations are refused).
 
+    ``depth="auto"``: each decode position runs recurrent iterations until ``exit_rule``
+    ("gate" | "kl" | "state") with ``exit_threshold`` exits, at most ``max_depth`` (default
+    the model's); the prompt runs at ``max_depth``. :mod:`tinyloop.adaptive` states each rule,
+    its source and what an early exit leaves in the K/V cache; the steps run eagerly (no
+    captured graph). Not with ``prefix`` / ``prefix_pool`` (ConfigError).
+
     ``prefix`` (a PrefixCache / ResumeHandle the prompt's ids start with; it fixes depth and
     kv_mode) or ``prefix_pool`` (a PrefixPool: the longest cached prefix is reused and the
     prompt inserted): only the positions after the cached ones are prefilled
@@ -252,7 +276,7 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     """
     req = _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                          stop, kv_mode, prefix, prefix_pool, min_p, repetition_penalty,
-                         repeat_last_n, kv_iterations)
+                         repeat_last_n, kv_iterations, exit_rule, exit_threshold, max_depth)
     return Stream(_run(model, req))
 
 
@@ -268,6 +292,8 @@ def _run(model, req: _Request):
     history = [int(t) for t in ids] if penalty != 1.0 else None   # prompt, then new tokens
     rng = np.random.default_rng(req.seed)
     new: list[int] = []
+    depths: list[int] = []     # the depth each token in ``new`` was sampled at
+    ran = req.depth            # the depth of the last forward whose row is sampled
     cache = None
     cached = 0
     prefill_ms = 0.0
@@ -280,7 +306,8 @@ def _run(model, req: _Request):
         return GenerationResult(token_ids=list(new), text=text,
                                 prompt_token_ids=ids.tolist(), finish_reason=reason,
                                 depth=req.depth, prefill_ms=prefill_ms, decode_ms=decode_ms,
-                                decode_tokens_per_s=tps, cached_tokens=cached)
+                                decode_tokens_per_s=tps, cached_tokens=cached,
+                                depths=list(depths))
 
     if req.max_new_tokens == 0:
         return result("length", "")
@@ -288,7 +315,7 @@ def _run(model, req: _Request):
     def step(step_ids, pos0: int) -> int:
         """Forward ``step_ids`` at ``pos0`` (the prompt: from the cached prefix on), then
         head + sample, atomically under the lock."""
-        nonlocal cache, cached
+        nonlocal cache, cached, ran
         with model.lock:
             model.check_alive()
             if cache is None:
@@ -309,6 +336,8 @@ def _run(model, req: _Request):
             if pos0 == 0:
                 cached = prefill_request(model, step_ids, req.depth, req.kv_mode, cache,
                                          req.prefix, req.prefix_pool)
+            elif req.exit is not None:
+                ran = model.forward_auto(int(step_ids[0]), pos0, cache, req.exit)
             else:
                 if len(step_ids) == 1:
                     # a decode step runs as the captured step where the backend can
@@ -343,6 +372,7 @@ def _run(model, req: _Request):
                     yield StreamToken(pending[0], pending[1] + text[sent:], "eos")
                 return res
             new.append(nxt)
+            depths.append(ran)
             if history is not None:
                 history.append(nxt)
             start = len(text)
@@ -423,7 +453,8 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
              top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
              prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
-             repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None) -> GenerationResult:
+             repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
+             exit_threshold=None, max_depth=None) -> GenerationResult:
     """Run :func:`stream` to completion and return its GenerationResult (the same code: the
     same tokens, text and finish reason, the same argument checks and errors).
 
@@ -434,7 +465,8 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
     s = stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed, stop,
                kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
                repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
-               kv_iterations=kv_iterations)
+               kv_iterations=kv_iterations, exit_rule=exit_rule, exit_threshold=exit_threshold,
+               max_depth=max_depth)
     with model.lock:
         for _ in s:
             pass
@@ -449,6 +481,9 @@ def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=
     rows come from the cached final residuals through the head."""
     model.check_alive()
     cfg = model.config
+    if depth == "auto":
+        raise ConfigError("depth='auto' decides each decode position's depth: it runs in "
+                          "generate / stream; logits / score take a fixed depth")
     if depth is not None:
         cfg.check_depth(_as_int(depth, "depth"))
     ids = model.encode_prompt(token_ids)         # text or ids; empty: [BOS]

@@ -30,7 +30,7 @@ from .generate import generate as _generate
 from .generate import score as _score
 from .generate import stream as _stream
 from .generate import make_prefix, make_resume_handle, teacher_forced_logits
-from .kv.cache import Recon, RuntimeKVCache
+from .kv.cache import Recon, RuntimeKVCache, copy_position
 from .kv.handles import load_prefix
 from .kv.layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, check_kv_iterations,
                          kv_bytes_per_token, resolve_kv_modes)
@@ -305,6 +305,8 @@ class Model:
         self._head = w["token_embd"] if cfg.tied_head else w["output"]
         self._output_norm = w["output_norm"]
         self._adapter = w.get("inject.adapter")
+        self._exit_gate = (w.get("exit_gate.weight"), w.get("exit_gate.bias"))
+        self._host_gate = None       # float64 (norm weight, gate weight, gate bias): depth="auto"
         self._layers = [Layer(*(w[f"blk.{i}.{n}"] for n in
                                 ("attn_norm", "attn_qkv", "attn_output", "ffn_norm",
                                  "ffn_gate_up", "ffn_down")),
@@ -746,6 +748,92 @@ class Model:
                 snapshot.put_state(pos0, x)
         self._coda(x, depth, pos0, v, kv_of, step)
 
+    def forward_auto(self, token: int, pos0: int, cache: RuntimeKVCache, rule) -> int:
+        """One decode position at adaptive depth (``depth="auto"``; ``tinyloop.adaptive``):
+        embed ``token`` at ``pos0``, the prelude, then recurrent iterations until ``rule``
+        (an ``adaptive.ExitRule``) exits or ``rule.max_depth`` ran, then the coda; the final
+        row lands in ``buffers.main[pos0]`` as :meth:`forward` leaves it. ``cache`` is laid
+        out for ``rule.max_depth`` iterations. Under kv_iterations="all" an exit after
+        iteration d copies each recurrent layer's row of iteration d into the slots of the
+        iterations after it (``kv.cache.copy_position``). Eager on every backend (the exit
+        is decided on the host after each iteration, which a captured graph cannot branch
+        on). Returns the depth the position ran at. Raises ConfigError when the cache is laid
+        out for another depth."""
+        cfg, ops = self.config, self._ops
+        top = rule.max_depth
+        if cache.depth != top:
+            raise ConfigError(f"a depth='auto' step up to {top} iterations needs a cache laid "
+                              f"out for {top}, got {cache.depth}")
+        cache.ensure(pos0 + 1)
+        v = self._views(1)
+        x = self._buf.main[pos0:pos0 + 1]
+        ops.embed(self._embed, np.asarray([token], np.int32), x)
+        if cfg.embed_scale != 1.0:
+            ops.scale(x, cfg.embed_scale)
+        self._check_loop_depth(top)
+        kv_of = cache.kv_of
+        for i in range(cfg.n_prelude):
+            self._layer(i, kv_of(i), x, pos0, v, None)
+        depth = top
+        keep = None
+        try:
+            if cfg.n_recurrent:
+                e = None
+                if self._adapter is not None:
+                    e = v["inject"]
+                    ops.copy(x, e)
+                if cfg.state_init == "zeros":
+                    ops.zero(x)
+                elif cfg.state_init == "normal":
+                    ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
+                rule.start(ops.to_host(x), cfg.vocab_size)
+                if rule.needs_logits:
+                    keep, keep_blk = ops.empty(self._pool, (1, cfg.d_model), np.float32,
+                                               "scratch")
+                    keep = (keep, keep_blk)
+                for it in range(top):
+                    self._iterations(x, e, it, it + 1, pos0, v, kv_of, None)
+                    if it + 1 < top and self._exits(rule, x, pos0, v, kv_of, top, keep):
+                        depth = it + 1
+                        break
+                if depth < top and cache.kv_iterations == "all":
+                    p, r = cfg.n_prelude, cfg.n_recurrent
+                    for j in range(r):
+                        src = kv_of(p + (depth - 1) * r + j)
+                        for it in range(depth, top):
+                            copy_position(src, kv_of(p + it * r + j), pos0)
+            self._coda(x, top, pos0, v, kv_of, None)
+        finally:
+            if keep is not None:
+                self._pool.free(keep[1])
+        for hook in self._rows_hooks:
+            hook(pos0, 1)
+        return depth
+
+    def _exits(self, rule, x, pos0: int, v: dict, kv_of, top: int, keep) -> bool:
+        """Whether ``rule`` exits after the iteration that left state ``x`` [1, d]: the gate
+        on rmsnorm(x) (float64 on the host), the next-token logits of the coda and head run
+        on the state (x is restored from ``keep`` after; the coda's K/V rows at ``pos0`` are
+        rewritten by the exit's own coda), or the state itself."""
+        cfg, ops = self.config, self._ops
+        xh = ops.to_host(x).astype(np.float64).reshape(-1)
+        if rule.rule == "gate":
+            if self._host_gate is None:
+                self._host_gate = tuple(np.asarray(ops.to_host(a), np.float64).reshape(-1)
+                                        for a in (self._output_norm, *self._exit_gate))
+            nw, gw, gb = self._host_gate
+            h = xh / np.sqrt(np.mean(xh * xh) + cfg.norm_eps) * nw
+            return rule.exits(xh, gate_z=float(h @ gw + gb[0]))
+        if rule.rule == "kl":
+            ops.copy(x, keep[0])
+            self._coda(x, top, pos0, v, kv_of, None)
+            row = self.logit_row()
+            self.head(pos0, 1, row)
+            logits = ops.to_host(row)
+            ops.copy(keep[0], x)
+            return rule.exits(xh, logits=logits)
+        return rule.exits(xh)
+
     def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
                       cache: RuntimeKVCache, snapshot) -> None:
         self._check_loop_depth(depth_to)
@@ -945,25 +1033,30 @@ class Model:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                  prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None):
+                 repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None,
+                 exit_rule=None, exit_threshold=None, max_depth=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
         (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
         from cached state (see :mod:`tinyloop.kv.handles`, :mod:`tinyloop.kv.pool`).
         ``min_p``, ``repetition_penalty`` over the last ``repeat_last_n`` tokens: see
-        :func:`tinyloop.generate.stream` for the sampling rule, and for the errors."""
+        :func:`tinyloop.generate.stream` for the sampling rule, and for the errors.
+        ``depth="auto"`` with ``exit_rule`` / ``exit_threshold`` / ``max_depth``: per-token
+        adaptive depth (:mod:`tinyloop.adaptive`); ``kv_iterations``: "all" | "latest"."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
                          repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
-                         kv_iterations=kv_iterations)
+                         kv_iterations=kv_iterations, exit_rule=exit_rule,
+                         exit_threshold=exit_threshold, max_depth=max_depth)
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None):
+               repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None,
+               exit_rule=None, exit_threshold=None, max_depth=None):
         """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
         of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
         (``text`` is the newly decodable text, possibly empty); the ids and texts are
@@ -973,7 +1066,8 @@ class Model:
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
                        repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
-                       kv_iterations=kv_iterations)
+                       kv_iterations=kv_iterations, exit_rule=exit_rule,
+                       exit_threshold=exit_threshold, max_depth=max_depth)
 
     # -- cached state across calls (tinyloop.kv) -----------------------------------------------
     def prefill(self, prompt, depth: int | None = None, kv_mode=None, kv_iterations=None):

@@ -169,6 +169,8 @@ def _greedy(oracle, ids, depth, chunk, n_new):
     rows = oracle.prefill(ids, depth, chunk)
     out, nxt = [], int(np.argmax(rows[-1]))
     for k in range(n_new):
+        if nxt == oracle.cfg["eos_token_id"]:          # generate stops there
+            break
         out.append(nxt)
         if k + 1 < n_new:
             nxt = int(np.argmax(oracle.forward([nxt], len(ids) + k, depth)[0]))
@@ -281,3 +283,123 @@ def test_inspect_and_diagnostics_report_bytes_per_policy(ouro, capsys):
         assert fp16["bytes_per_token"][str(c.max_depth)] == c.n_slots(c.max_depth) * per_slot
     finally:
         tinyloop.free_model(m)
+
+
+# --- depth="auto" ----------------------------------------------------------------------------
+def _greedy_auto(oracle, ids, rule, threshold, top, chunk, n_new):
+    """The oracle's greedy tokens and their depths at depth="auto": the prompt at ``top``,
+    then each decode position through :meth:`OuroOracle.step_auto`."""
+    rows = oracle.prefill(ids, top, chunk)
+    out, depths = [], []
+    nxt, d = int(np.argmax(rows[-1])), top
+    for k in range(n_new):
+        if nxt == oracle.cfg["eos_token_id"]:          # generate stops there
+            break
+        out.append(nxt)
+        depths.append(d)
+        if k + 1 < n_new:
+            logits, d = oracle.step_auto(nxt, len(ids) + k, rule, threshold, top)
+            nxt = int(np.argmax(logits))
+    return out, depths
+
+
+# thresholds at which the oracle's 12 decode positions of _ids(12, seed=6) exit at more than
+# one depth under both policies
+MIXED = [("gate", 0.7), ("kl", 3.0), ("state", 0.8)]
+
+
+@pytest.mark.parametrize("policy", ["all", "latest"])
+@pytest.mark.parametrize("rule,threshold", MIXED)
+def test_auto_depth_follows_the_rule_token_by_token(ouro, rule, threshold, policy):
+    cfg, t, tlm = ouro
+    ids = _ids(12, cfg["vocab_size"], seed=6)
+    want, want_depths = _greedy_auto(OuroOracle(cfg, t, policy), ids, rule, threshold, 3, 0,
+                                     12)
+    assert len(set(want_depths[1:])) > 1            # the rule really picks several depths
+    m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64)
+    try:
+        r = m.generate(ids, max_new_tokens=12, depth="auto", exit_rule=rule,
+                       exit_threshold=threshold, max_depth=3, kv_iterations=policy, stop=[])
+        assert r.token_ids == want
+        assert r.depths == want_depths and r.depth == 3
+        assert r.mean_depth == pytest.approx(sum(want_depths) / 12)
+        # the stream yields the same tokens, and its result the same depths
+        s = m.stream(ids, max_new_tokens=12, depth="auto", exit_rule=rule,
+                     exit_threshold=threshold, max_depth=3, kv_iterations=policy, stop=[])
+        assert [tok.token_id for tok in s] == want and s.result.depths == want_depths
+    finally:
+        tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("rule", ["gate", "kl", "state"])
+def test_thresholds_at_the_ends_give_the_min_and_max_depth(ouro, rule):
+    cfg, t, tlm = ouro
+    ids = [int(i) for i in _ids(12, cfg["vocab_size"], seed=6)]
+    # the gate exits once its cumulative probability reaches the threshold; KL and the state
+    # change exit once they fall below it
+    shallow, deep = (0.0, math.inf) if rule == "gate" else (math.inf, 0.0)
+    m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64)
+    try:
+        for policy in ("all", "latest"):
+            fixed = m.generate(ids, max_new_tokens=8, depth=3, kv_iterations=policy, stop=[])
+            r = m.generate(ids, max_new_tokens=8, depth="auto", exit_rule=rule,
+                           exit_threshold=deep, kv_iterations=policy, stop=[])
+            assert r.token_ids == fixed.token_ids and r.depths == [3] * 8
+            assert fixed.depths == [3] * 8 and fixed.mean_depth == 3.0
+        r = m.generate(ids, max_new_tokens=8, depth="auto", exit_rule=rule,
+                       exit_threshold=shallow, stop=[])
+        assert r.depths == [3] + [1] * 7
+        # loop 0's K/V of the prompt does not depend on the loops after it, so past the first
+        # token this is depth 1 continuing from the depth-3 prompt's first token
+        cont = m.generate(ids + r.token_ids[:1], max_new_tokens=7, depth=1, stop=[])
+        assert r.token_ids[1:] == cont.token_ids
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_auto_depth_arguments_are_checked(ouro, tmp_path):
+    cfg, t, tlm = ouro
+    m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64)
+    try:
+        bad = [dict(depth="auto", exit_rule="entropy", exit_threshold=0.1),
+               dict(depth="auto", exit_rule="gate"),              # Ouro's code has no default
+               dict(depth="auto", exit_rule="kl", exit_threshold=-1.0),
+               dict(depth="auto", exit_rule="kl", exit_threshold=float("nan")),
+               dict(depth="auto", exit_rule="kl", max_depth=4),
+               dict(depth="auto", exit_rule="kl", max_depth=0),
+               dict(depth=2, exit_rule="kl"),
+               dict(depth=2, exit_threshold=0.5)]
+        for kw in bad:
+            with pytest.raises(errors.ConfigError) as e:
+                m.generate([5, 6, 7], max_new_tokens=2, **kw)
+            assert any(k in str(e.value) for k in ("exit_rule", "exit_threshold", "max_depth"))
+        with pytest.raises(errors.ConfigError, match="auto"):
+            m.logits([5, 6, 7], depth="auto")
+        pc = m.prefill([5, 6, 7], depth=3)
+        try:
+            with pytest.raises(errors.ConfigError, match="auto"):
+                m.generate([5, 6, 7, 8], max_new_tokens=2, depth="auto", exit_rule="kl",
+                           prefix=pc)
+        finally:
+            pc.release()
+        # the KL rule's state copy and the request's cache go back to the pool
+        m.generate([5, 6, 7], max_new_tokens=1)                # the lazy logit row
+        before = m.pool.stats().allocated_bytes
+        m.generate([5, 6, 7], max_new_tokens=3, depth="auto", exit_rule="kl")
+        assert m.pool.stats().allocated_bytes == before
+    finally:
+        tinyloop.free_model(m)
+    # a model without an exit gate refuses the gate rule and defaults to "kl"
+    cfg2, t2 = L.huginn_checkpoint(0)
+    L.save(str(tmp_path / "h"), cfg2, t2)
+    convert_hf(str(tmp_path / "h"), str(tmp_path / "h.tlm"), bits=8)
+    h = tinyloop.load_model(str(tmp_path / "h.tlm"), backend="numpy", max_seq_len=32)
+    try:
+        with pytest.raises(errors.ConfigError, match="exit gate"):
+            h.generate([5, 6, 7], max_new_tokens=2, depth="auto", exit_rule="gate",
+                       exit_threshold=0.5)
+        r = h.generate([5, 6, 7], max_new_tokens=4, depth="auto", exit_threshold=math.inf,
+                       stop=[])
+        assert r.depths == [h.config.max_depth] + [1] * 3
+    finally:
+        tinyloop.free_model(h)
