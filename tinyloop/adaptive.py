@@ -55,12 +55,15 @@ DEFAULT_EXIT_THRESHOLD = {"kl": 1e-3, "state": 0.03}
 class ExitRule:
     """One request's exit rule: ``rule`` (EXIT_RULES), ``threshold`` (float >= 0, may be
     infinite), ``max_depth``. :meth:`start` takes the state entering iteration 1; :meth:`exits`
-    decides after iteration ``depth``."""
+    decides after each iteration. ``values``: per decode position (one list per
+    :meth:`start`), the statistic each check compared with the threshold (the cumulative exit
+    probability, the KL in nats, or the relative state change), in iteration order."""
 
     def __init__(self, rule: str, threshold: float, max_depth: int):
         self.rule, self.threshold, self.max_depth = rule, float(threshold), int(max_depth)
         self._prev = None
         self._cdf = self._left = 0.0
+        self.values: list[list[float]] = []
 
     @property
     def key(self) -> tuple:
@@ -74,6 +77,7 @@ class ExitRule:
     def start(self, x0, vocab: int) -> None:
         """``x0``: float state [d] entering iteration 1 (the "state" rule's x_0)."""
         self._cdf, self._left = 0.0, 1.0
+        self.values.append([])
         if self.rule == "kl":
             self._prev = np.full(vocab, -math.log(vocab))
         elif self.rule == "state":
@@ -87,6 +91,7 @@ class ExitRule:
             lam = 1.0 / (1.0 + math.exp(-gate_z)) if gate_z > -700 else 0.0
             self._cdf += lam * self._left
             self._left *= 1.0 - lam
+            self.values[-1].append(self._cdf)
             return self._cdf >= self.threshold
         if self.rule == "kl":
             z = np.asarray(logits, np.float64).reshape(-1)
@@ -94,10 +99,12 @@ class ExitRule:
             lp = z - math.log(np.exp(z).sum())
             kl = float(np.sum(np.exp(self._prev) * (self._prev - lp)))
             self._prev = lp
+            self.values[-1].append(kl)
             return kl < self.threshold
         x = np.asarray(x, np.float64).reshape(-1)
         change = float(np.linalg.norm(x - self._prev) / np.linalg.norm(x))
         self._prev = x.copy()
+        self.values[-1].append(change)
         return change < self.threshold
 
 

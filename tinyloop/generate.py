@@ -46,6 +46,9 @@ class GenerationResult:
     ``depths``: the depth of the forward whose logits each new token was sampled from (the
     first token's is the prompt's; at a fixed depth every entry is ``depth``; at
     depth="auto" ``depth`` is the max depth and :attr:`mean_depth` the mean of ``depths``).
+    At depth="auto" ``extra`` holds ``exit_rule`` ((rule, threshold, max_depth)) and
+    ``exit_values``: per decode position run, the statistic each check compared with the
+    threshold (``adaptive.ExitRule.values``).
     """
 
     token_ids: list
@@ -300,6 +303,10 @@ def _run(model, req: _Request):
     t1 = None                  # when the prefill ended
 
     def result(reason: str, text: str) -> GenerationResult:
+        extra = {}
+        if req.exit is not None:        # depth="auto": what each decode position compared
+            extra = {"exit_rule": req.exit.key, "exit_values": [list(v) for v in
+                                                                req.exit.values]}
         decode_ms = 0.0 if t1 is None else (time.perf_counter() - t1) * 1e3
         n = len(new)
         tps = (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else 0.0
@@ -307,7 +314,7 @@ def _run(model, req: _Request):
                                 prompt_token_ids=ids.tolist(), finish_reason=reason,
                                 depth=req.depth, prefill_ms=prefill_ms, decode_ms=decode_ms,
                                 decode_tokens_per_s=tps, cached_tokens=cached,
-                                depths=list(depths))
+                                depths=list(depths), extra=extra)
 
     if req.max_new_tokens == 0:
         return result("length", "")

@@ -323,6 +323,12 @@ def test_auto_depth_follows_the_rule_token_by_token(ouro, rule, threshold, polic
         assert r.token_ids == want
         assert r.depths == want_depths and r.depth == 3
         assert r.mean_depth == pytest.approx(sum(want_depths) / 12)
+        # one list of compared statistics per decode position run (the last token is not
+        # fed back): as many checks as iterations before the exit, none after max_depth
+        vals = r.extra["exit_values"]
+        assert r.extra["exit_rule"] == (rule, threshold, 3) and len(vals) == 11
+        for k, v in enumerate(vals):
+            assert len(v) == min(r.depths[k + 1], 2)
         # the stream yields the same tokens, and its result the same depths
         s = m.stream(ids, max_new_tokens=12, depth="auto", exit_rule=rule,
                      exit_threshold=threshold, max_depth=3, kv_iterations=policy, stop=[])
