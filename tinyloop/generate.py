@@ -162,9 +162,12 @@ def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top
     model.check_alive()
     cfg = model.config
     rule = exit_rule_for(cfg, depth, exit_rule, exit_threshold, max_depth)
+    rule = _prefix_rule(prefix, depth, rule)
     if rule is not None:
-        if prefix is not None or prefix_pool is not None:
-            raise ConfigError("depth='auto' runs without prefix= / prefix_pool=")
+        if prefix_pool is not None:
+            raise ConfigError("depth='auto' runs without prefix_pool= (a pool's entries are "
+                              "not keyed by an exit rule; pass prefix= a PrefixCache "
+                              "prefilled at depth='auto')")
         depth = rule.max_depth
     if depth is not None:
         cfg.check_depth(_as_int(depth, "depth"))
@@ -187,6 +190,26 @@ def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top
     return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
                     float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
                     seed, stops, prefix, prefix_pool, policy, rule)
+
+
+def _prefix_rule(prefix, depth, rule: ExitRule | None) -> ExitRule | None:
+    """The request's exit rule given its ``prefix``: a PrefixCache prefilled at depth="auto"
+    fixes its rule (a request without a depth takes it; one at depth="auto" must name the
+    same rule, threshold and max depth), and one prefilled at a fixed depth takes no rule.
+    Raises ConfigError on a mismatch."""
+    key = getattr(prefix, "exit_key", None) if isinstance(prefix, PrefixCache) else None
+    if key is None:
+        if rule is not None and prefix is not None:
+            raise ConfigError("this prefix was prefilled at a fixed depth; a depth='auto' "
+                              "request needs one prefilled at depth='auto' under its rule")
+        return rule
+    if rule is None and depth is None:
+        return ExitRule(*key)
+    if rule is None or rule.key != key:
+        got = "a fixed depth" if rule is None else f"{rule.key}"
+        raise ConfigError(f"the prefix was prefilled at depth='auto' under (exit_rule, "
+                          f"exit_threshold, max_depth) = {key}; this request asks for {got}")
+    return rule
 
 
 class Stream:
@@ -639,12 +662,18 @@ def _handle_policy(model, kv_iterations) -> None:
                           f"kv_iterations='all'")
 
 
-def make_prefix(model, prompt, depth=None, kv_mode=None, kv_iterations=None) -> PrefixCache:
-    """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache. Raises
-    ConfigError / TokenizerError on bad input (and for kv_iterations="latest":
-    :func:`_handle_policy`), OutOfMemoryError (nothing stays allocated)."""
+def make_prefix(model, prompt, depth=None, kv_mode=None, kv_iterations=None, exit_rule=None,
+                exit_threshold=None, max_depth=None) -> PrefixCache:
+    """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache; at
+    ``depth="auto"`` every position at the rule's max depth (as a depth="auto" request
+    prefills), the handle keyed by the rule (``PrefixCache.exit_key``). Raises ConfigError /
+    TokenizerError on bad input (and for kv_iterations="latest": :func:`_handle_policy`),
+    OutOfMemoryError (nothing stays allocated)."""
     model.check_alive()
     _handle_policy(model, kv_iterations)
+    rule = exit_rule_for(model.config, depth, exit_rule, exit_threshold, max_depth)
+    if rule is not None:
+        depth = rule.max_depth
     depth = _depth_arg(model, depth)
     modes = model.resolve_kv_modes(kv_mode)
     ids = _prompt_ids(model, prompt)
@@ -655,7 +684,8 @@ def make_prefix(model, prompt, depth=None, kv_mode=None, kv_iterations=None) -> 
             model.forward(ids, 0, depth, st.kv)
             st.rows[...] = model.residual_rows(0, len(ids))
             st.hold_pages()
-            return PrefixCache(model, ids, depth, modes, st)
+            return PrefixCache(model, ids, depth, modes, st,
+                               exit_key=None if rule is None else rule.key)
         except BaseException:
             st.release()
             raise
@@ -668,6 +698,11 @@ def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None,
     outside depth..the model's, and as :func:`make_prefix`."""
     model.check_alive()
     _handle_policy(model, kv_iterations)
+    if depth == "auto":
+        raise ConfigError("resume_handle takes a fixed depth: at depth='auto' every prompt "
+                          "position runs at the max depth (no position exits early), so an "
+                          "upgrade would have nothing to deepen; prefill(depth='auto') keeps "
+                          "such a prompt")
     cfg = model.config
     depth = _depth_arg(model, depth)
     max_depth = cfg.max_depth if max_depth is None else _as_int(max_depth, "max_depth")

@@ -1070,12 +1070,17 @@ class Model:
                        exit_threshold=exit_threshold, max_depth=max_depth)
 
     # -- cached state across calls (tinyloop.kv) -----------------------------------------------
-    def prefill(self, prompt, depth: int | None = None, kv_mode=None, kv_iterations=None):
+    def prefill(self, prompt, depth: int | None = None, kv_mode=None, kv_iterations=None, *,
+                exit_rule=None, exit_threshold=None, max_depth=None):
         """Prefill ``prompt`` (text or ids) once and keep it: returns a
         :class:`~tinyloop.kv.PrefixCache` to pass as ``prefix=`` to generate / stream /
-        logits / score, which then prefill only the tokens after it. Raises ConfigError /
-        TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
-        return make_prefix(self, prompt, depth, kv_mode, kv_iterations)
+        logits / score, which then prefill only the tokens after it. ``depth="auto"`` with
+        ``exit_rule`` / ``exit_threshold`` / ``max_depth``: the prompt at the max depth, the
+        handle keyed by the rule (only depth="auto" requests under that rule take it; see
+        :func:`tinyloop.generate.make_prefix`). Raises ConfigError / TokenizerError on bad
+        input, OutOfMemoryError (nothing stays allocated)."""
+        return make_prefix(self, prompt, depth, kv_mode, kv_iterations, exit_rule,
+                           exit_threshold, max_depth)
 
     def resume_handle(self, prompt, depth: int | None = None, max_depth: int | None = None,
                       kv_mode=None, kv_iterations=None):

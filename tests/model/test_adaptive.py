@@ -409,3 +409,43 @@ def test_auto_depth_arguments_are_checked(ouro, tmp_path):
         assert r.depths == [h.config.max_depth] + [1] * 3
     finally:
         tinyloop.free_model(h)
+
+
+def test_a_prefix_prefilled_at_auto_is_keyed_by_its_rule(ouro):
+    cfg, t, tlm = ouro
+    ids = [int(i) for i in _ids(12, cfg["vocab_size"], seed=6)]
+    rule = dict(exit_rule="gate", exit_threshold=0.7, max_depth=3)
+    m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64)
+    try:
+        want = m.generate(ids, max_new_tokens=10, depth="auto", stop=[], **rule)
+        pc = m.prefill(ids[:8], depth="auto", **rule)
+        try:
+            assert pc.exit_key == ("gate", 0.7, 3) and pc.depth == 3
+            # the request takes the prefix's rule, or names the same one
+            for kw in ({}, dict(depth="auto", **rule)):
+                got = m.generate(ids, max_new_tokens=10, prefix=pc, stop=[], **kw)
+                assert got.token_ids == want.token_ids and got.depths == want.depths
+                assert got.cached_tokens == 8
+            for kw in (dict(depth="auto", exit_rule="gate", exit_threshold=0.6, max_depth=3),
+                       dict(depth="auto", exit_rule="kl", max_depth=3), dict(depth=3)):
+                with pytest.raises(errors.ConfigError, match="prefilled at depth='auto'"):
+                    m.generate(ids, max_new_tokens=2, prefix=pc, **kw)
+        finally:
+            pc.release()
+        fixed = m.prefill(ids[:8], depth=3)
+        try:
+            assert fixed.exit_key is None
+            with pytest.raises(errors.ConfigError, match="fixed depth"):
+                m.generate(ids, max_new_tokens=2, prefix=fixed, depth="auto", **rule)
+        finally:
+            fixed.release()
+        with pytest.raises(errors.ConfigError, match="resume_handle takes a fixed depth"):
+            m.resume_handle(ids[:8], depth="auto")
+        pool = tinyloop.PrefixPool(m)
+        try:
+            with pytest.raises(errors.ConfigError, match="prefix_pool"):
+                m.generate(ids, max_new_tokens=2, prefix_pool=pool, depth="auto", **rule)
+        finally:
+            pool.release()
+    finally:
+        tinyloop.free_model(m)

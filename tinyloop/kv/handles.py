@@ -230,7 +230,10 @@ class PrefixCache(Releasable):
     at), ``kv_mode`` (the KV storage mode name, or a per-layer tuple when layers differ),
     ``nbytes`` (pool bytes it holds: the pages of ``n_slots(depth)`` slots x ``len(tokens)``
     positions -- shared pages counted in full -- its block tables, and float32 ``[n,
-    d_model]`` final residual rows; tag ``prefix_cache``). ``release()`` (idempotent) or
+    d_model]`` final residual rows; tag ``prefix_cache``), ``exit_key``: (exit rule,
+    threshold, max depth) of a prefix prefilled at depth="auto" (its positions ran at the max
+    depth, ``tinyloop.adaptive``; only requests under the same rule take it), else None; a
+    saved one loads as a fixed-depth prefix at its max depth. ``release()`` (idempotent) or
     ``with`` frees them; any later use raises HandleError. Freeing the model releases its
     handles.
     """
@@ -238,13 +241,14 @@ class PrefixCache(Releasable):
     kind = "PrefixCache"
 
     def __init__(self, model, ids: np.ndarray, depth: int, modes: tuple,
-                 storage: HandleStorage):
+                 storage: HandleStorage, exit_key: tuple | None = None):
         self._model = model
         self._ids = np.array(ids, dtype=np.int32)
         self._ids.setflags(write=False)
         self._tokens = tuple(int(t) for t in self._ids)
         self._depth = int(depth)
         self._modes = tuple(modes)
+        self._exit_key = exit_key
         self._st = storage
         self._finalizer = weakref.finalize(self, _orphaned, model, self.kind, len(self._ids),
                                            storage)
@@ -262,6 +266,10 @@ class PrefixCache(Releasable):
     @property
     def kv_mode(self):
         return mode_name(self._modes)
+
+    @property
+    def exit_key(self) -> tuple | None:
+        return self._exit_key
 
     @property
     def nbytes(self) -> int:
