@@ -138,19 +138,27 @@ class _Request:
 
 
 def kv_iterations_arg(model, kv_iterations, prefix=None, prefix_pool=None) -> str:
-    """The iteration KV policy of a request: ``kv_iterations`` or the load's default; with a
-    ``prefix`` (whose K/V is kept under "all") "all". Raises ConfigError for an unknown
-    policy, and for "latest" with a prefix or a prefix pool: a prefix's positions would read
-    other K/V than the same positions prefilled in the request's own chunks, so no cached
-    request under "latest" equals its uncached run."""
-    if prefix is not None and kv_iterations is None:
-        return "all"
-    policy = model.resolve_kv_iterations(kv_iterations)
-    if policy == "latest" and (prefix is not None or prefix_pool is not None):
-        raise ConfigError("kv_iterations='latest' runs without prefix= / prefix_pool=: a "
-                          "cached prefix would change what the positions after it read "
-                          "(pass kv_iterations='all')")
-    return policy
+    """The iteration KV policy of a request: ``kv_iterations`` or the load's default; a
+    ``prefix`` fixes it (its ``kv_iterations``). Raises ConfigError for an unknown policy or
+    one that differs from the prefix's."""
+    if isinstance(prefix, PrefixCache):
+        if kv_iterations is not None and \
+                model.resolve_kv_iterations(kv_iterations) != prefix.kv_iterations:
+            raise ConfigError(f"kv_iterations={kv_iterations!r} differs from the prefix's "
+                              f"{prefix.kv_iterations!r}")
+        return prefix.kv_iterations
+    return model.resolve_kv_iterations(kv_iterations)
+
+
+def reusable_positions(model, m: int, kv_iterations: str) -> int:
+    """How many of ``m`` cached positions a request reuses: all of them under "all"; under
+    "latest" the largest multiple of the forward's chunk rows (``Model.chunk_rows``) <= m,
+    so the positions after them run in the chunks an uncached run gives them (a chunk's
+    positions read each other's current-iteration K/V, a restored position holds its last
+    iteration's) and the request equals its uncached run."""
+    if kv_iterations == "all":
+        return m
+    return m - m % model.chunk_rows
 
 
 def _check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
@@ -634,7 +642,8 @@ def prefill_request(model, ids: np.ndarray, depth: int, modes: tuple, cache,
         m, src = len(prefix), prefix
     elif prefix_pool is not None:
         prefix_pool.check(model)
-        src, m = prefix_pool.lookup(ids, depth, modes)
+        src, m = prefix_pool.lookup(ids, depth, modes, cache.kv_iterations)
+    m = reusable_positions(model, m, cache.kv_iterations)
     if m:
         src.restore(cache, m, model.residual_rows(0, m))
     if m < len(ids):
@@ -651,26 +660,28 @@ def _prompt_ids(model, prompt) -> np.ndarray:
     return ids
 
 
-def _handle_policy(model, kv_iterations) -> None:
-    """Prefix handles keep their K/V under kv_iterations="all": ConfigError for "latest"
-    (given, or the load's default), whose cached positions would read other K/V than the
-    request's own prefill gives them (:func:`kv_iterations_arg`)."""
+def _resume_policy(model, kv_iterations) -> None:
+    """ResumeHandles keep their K/V under kv_iterations="all": ConfigError for "latest"
+    (given, or the load's default). There an upgrade cannot equal a fresh prefill at the new
+    depth: a chunk's first iterations read the earlier chunks' last iteration, which the
+    upgrade changes after they ran."""
     policy = model.resolve_kv_iterations(kv_iterations)
     if policy != "all":
-        raise ConfigError(f"prefix handles (prefill / resume_handle) keep K/V under "
-                          f"kv_iterations='all' only, not {policy!r}; pass "
-                          f"kv_iterations='all'")
+        raise ConfigError(f"resume handles keep K/V under kv_iterations='all' only, not "
+                          f"{policy!r}: an upgrade under 'latest' would change what the "
+                          f"positions' first iterations read; pass kv_iterations='all'")
 
 
 def make_prefix(model, prompt, depth=None, kv_mode=None, kv_iterations=None, exit_rule=None,
                 exit_threshold=None, max_depth=None) -> PrefixCache:
     """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache; at
     ``depth="auto"`` every position at the rule's max depth (as a depth="auto" request
-    prefills), the handle keyed by the rule (``PrefixCache.exit_key``). Raises ConfigError /
-    TokenizerError on bad input (and for kv_iterations="latest": :func:`_handle_policy`),
-    OutOfMemoryError (nothing stays allocated)."""
+    prefills), the handle keyed by the rule (``PrefixCache.exit_key``); its K/V under
+    ``kv_iterations`` (a request reuses a "latest" handle's positions up to a multiple of the
+    chunk rows: :func:`reusable_positions`). Raises ConfigError / TokenizerError on bad
+    input, OutOfMemoryError (nothing stays allocated)."""
     model.check_alive()
-    _handle_policy(model, kv_iterations)
+    policy = model.resolve_kv_iterations(kv_iterations)
     rule = exit_rule_for(model.config, depth, exit_rule, exit_threshold, max_depth)
     if rule is not None:
         depth = rule.max_depth
@@ -679,7 +690,7 @@ def make_prefix(model, prompt, depth=None, kv_mode=None, kv_iterations=None, exi
     ids = _prompt_ids(model, prompt)
     with model.lock:
         model.check_alive()
-        st = HandleStorage(model, depth, len(ids), modes)
+        st = HandleStorage(model, depth, len(ids), modes, kv_iterations=policy)
         try:
             model.forward(ids, 0, depth, st.kv)
             st.rows[...] = model.residual_rows(0, len(ids))
@@ -695,9 +706,10 @@ def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None,
                        kv_iterations=None) -> ResumeHandle:
     """:meth:`Model.resume_handle`: prefill at ``depth`` keeping what upgrades need (K/V room
     for ``max_depth`` iterations, the residual snapshot). Raises ConfigError for a max_depth
-    outside depth..the model's, and as :func:`make_prefix`."""
+    outside depth..the model's, or kv_iterations="latest" (:func:`_resume_policy`), and as
+    :func:`make_prefix`."""
     model.check_alive()
-    _handle_policy(model, kv_iterations)
+    _resume_policy(model, kv_iterations)
     if depth == "auto":
         raise ConfigError("resume_handle takes a fixed depth: at depth='auto' every prompt "
                           "position runs at the max depth (no position exits early), so an "

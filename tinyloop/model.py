@@ -468,6 +468,12 @@ class Model:
         """The PageAllocator every KV page of this model comes from."""
         return self._pages
 
+    @property
+    def chunk_rows(self) -> int:
+        """Positions per forward chunk (the scratch buffers' rows, ``plan.scratch_rows``);
+        chunks start at absolute multiples of it (:meth:`_chunks`)."""
+        return self._buf.capacity_rows
+
     def residual_rows(self, pos0: int, n: int):
         """The final residual rows of positions pos0..pos0+n-1 (float32 ``[n, d_model]`` view
         of ``buffers.main``): what ``head`` reads; prefix caches save and restore them."""

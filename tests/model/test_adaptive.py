@@ -245,12 +245,11 @@ def test_kv_bytes_and_slots_per_policy(ouro):
         with pytest.raises(errors.ConfigError, match="kv_iterations"):
             m.generate([5, 6], max_new_tokens=1, kv_iterations="bogus")
         with pytest.raises(errors.ConfigError, match="latest"):
-            m.prefill([5, 6, 7], kv_iterations="latest")
-        with pytest.raises(errors.ConfigError, match="latest"):
             m.resume_handle([5, 6, 7], depth=1, kv_iterations="latest")
         pc = m.prefill([5, 6, 7], depth=2)
         try:
-            with pytest.raises(errors.ConfigError, match="latest"):
+            assert pc.kv_iterations == "all"
+            with pytest.raises(errors.ConfigError, match="differs from the prefix"):
                 m.generate([5, 6, 7, 8], max_new_tokens=1, prefix=pc, kv_iterations="latest")
         finally:
             pc.release()
@@ -445,6 +444,52 @@ def test_a_prefix_prefilled_at_auto_is_keyed_by_its_rule(ouro):
         try:
             with pytest.raises(errors.ConfigError, match="prefix_pool"):
                 m.generate(ids, max_new_tokens=2, prefix_pool=pool, depth="auto", **rule)
+        finally:
+            pool.release()
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_prefix_and_pool_under_latest_reuse_whole_chunks(ouro, tmp_path):
+    """Under "latest" a request reuses cached positions up to a multiple of the chunk rows, so
+    its tokens are those of its uncached run; the pool keys entries by policy and accounts
+    their P + R + C slots."""
+    cfg, t, tlm = ouro
+    ids = [int(i) for i in _ids(20, cfg["vocab_size"], seed=6)]
+    m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64, prefill_chunk=8)
+    try:
+        assert m.chunk_rows == 8
+        want = m.generate(ids, max_new_tokens=6, depth=3, kv_iterations="latest", stop=[])
+        assert want.token_ids == _greedy(OuroOracle(cfg, t, "latest"), ids, 3, 8, 6)
+        for n, reused in ((13, 8), (16, 16), (7, 0)):
+            pc = m.prefill(ids[:n], depth=3, kv_iterations="latest")
+            try:
+                assert pc.kv_iterations == "latest"
+                got = m.generate(ids, max_new_tokens=6, prefix=pc, stop=[])
+                assert got.token_ids == want.token_ids and got.cached_tokens == reused
+                with pytest.raises(errors.ConfigError, match="latest"):
+                    pc.save(str(tmp_path / "p.tlpx"))
+            finally:
+                pc.release()
+        pool = tinyloop.PrefixPool(m)
+        try:
+            runs = [m.generate(ids, max_new_tokens=6, depth=3, prefix_pool=pool,
+                               kv_iterations=policy, stop=[])
+                    for policy in ("latest", "latest", "all")]
+            assert [r.cached_tokens for r in runs] == [0, 16, 0]
+            assert runs[0].token_ids == runs[1].token_ids == want.token_ids
+            st = pool.stats()
+            assert st["entries"] == 2 and st["hit_tokens"] == 16
+            # the two entries share no page: their bytes add up, each at its own slot count
+            lat = pool.entry_bytes(20, 3, kv_iterations="latest")
+            full = pool.entry_bytes(20, 3, kv_iterations="all")
+            assert st["bytes"] == lat + full
+            c = m.config
+            page = m.kv_page_layout("fp16").page_bytes
+            # 20 positions: one page per slot; both block tables round to one 512-byte block
+            assert full - lat == (c.n_slots(3) - c.n_slots(1)) * page
+            assert pool.key(ids, 3, kv_iterations="latest") != pool.key(ids, 3)
+            assert pool.key(ids, 3) == pool.key(ids, 3, kv_iterations="all")
         finally:
             pool.release()
     finally:

@@ -104,13 +104,15 @@ class HandleStorage:
     fails to allocate. Call :meth:`hold_pages` once the pages are written: the storage then
     holds them (``PageAllocator.hold``) until it lets go of them."""
 
-    def __init__(self, model, slot_depth: int, n: int, modes: tuple, snapshot: bool = False):
+    def __init__(self, model, slot_depth: int, n: int, modes: tuple, snapshot: bool = False,
+                 kv_iterations: str = "all"):
         ops, pool, cfg = model.ops, model.pool, model.config
         self._model = model
         self.kv = self.rows_block = self.snap = self.rows = None
         self._held: dict = {}                  # addr -> Page this storage holds
         try:
-            self.kv = model.new_kv_cache(slot_depth, n, kv_mode=modes, kv_iterations="all")
+            self.kv = model.new_kv_cache(slot_depth, n, kv_mode=modes,
+                                         kv_iterations=kv_iterations)
             self.kv.retag_tables(HELD_TAG)
             self.rows, self.rows_block = ops.empty(pool, (n, cfg.d_model), np.float32,
                                                    "prefix_cache")
@@ -249,6 +251,7 @@ class PrefixCache(Releasable):
         self._depth = int(depth)
         self._modes = tuple(modes)
         self._exit_key = exit_key
+        self._policy = storage.kv.kv_iterations
         self._st = storage
         self._finalizer = weakref.finalize(self, _orphaned, model, self.kind, len(self._ids),
                                            storage)
@@ -270,6 +273,11 @@ class PrefixCache(Releasable):
     @property
     def exit_key(self) -> tuple | None:
         return self._exit_key
+
+    @property
+    def kv_iterations(self) -> str:
+        """The iteration KV policy its K/V is kept under ("all" | "latest")."""
+        return self._policy
 
     @property
     def nbytes(self) -> int:
@@ -299,6 +307,9 @@ class PrefixCache(Releasable):
         ``path``) when the file system fails; nothing is left behind and the handle is
         unchanged."""
         model = self._model
+        if self._policy != "all":
+            raise ConfigError("a prefix kept under kv_iterations='latest' cannot be saved "
+                              "(the .tlpx format holds one slot per iteration)")
         with model.lock:
             self.check()
             state = self._st.host_state()
@@ -351,7 +362,8 @@ class PrefixCache(Releasable):
         ConfigError for a cache of another depth or layout. Call under the model's lock."""
         self.check()
         kv = self._st.kv
-        cache.share_prefix(kv, m, room_slots(self._model.config, self._depth, kv.depth))
+        cache.share_prefix(kv, m, None if self._policy == "latest" else
+                           room_slots(self._model.config, self._depth, kv.depth))
         rows_out[...] = self._st.rows[:m]
 
 
