@@ -73,7 +73,7 @@ _BACKEND_LACKS = {"numpy": (), "cuda": ()}
 def backend_missing_features(cfg, backend: str) -> list[str]:
     """The architecture facts of ``cfg`` the ``backend``'s kernels do not run yet (the
     NumPy reference and the CUDA kernels run every one; a backend not known here none; the
-    exit gate no forward reads)."""
+    exit gate is read on the host, by depth="auto" alone: ``Model.forward_auto``)."""
     lacks = _BACKEND_LACKS.get(backend, tuple(_FEATURE_TEXT))
     return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts and k in lacks]
 
