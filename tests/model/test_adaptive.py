@@ -494,3 +494,21 @@ def test_prefix_and_pool_under_latest_reuse_whole_chunks(ouro, tmp_path):
             pool.release()
     finally:
         tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("mode", ["int8", "h_fp16"])
+def test_auto_depth_copies_what_each_storage_mode_stores(ouro, mode):
+    """An early exit copies the stored row (int8 codes and scales, or h) into the deeper
+    slots: the tokens and depths are the oracle's reading K/V as the mode stores it."""
+    cfg, t, tlm = ouro
+    ids = _ids(12, cfg["vocab_size"], seed=6)
+    want, want_depths = _greedy_auto(OuroOracle(cfg, t, "all", mode), ids, "gate", 0.7, 3, 0,
+                                     12)
+    assert len(set(want_depths[1:])) > 1
+    m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64, kv_mode=mode)
+    try:
+        r = m.generate(ids, max_new_tokens=12, depth="auto", exit_rule="gate",
+                       exit_threshold=0.7, max_depth=3, stop=[])
+        assert r.token_ids == want and r.depths == want_depths
+    finally:
+        tinyloop.free_model(m)
