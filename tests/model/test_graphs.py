@@ -147,7 +147,7 @@ def test_latest_policy_steps_replay_the_eager_tokens(tiny_model_path, monkeypatc
                           kv_iterations="latest").token_ids == want
         assert m.generate(p, max_new_tokens=8, depth=3).token_ids == other
         keys = m.graph_stats()["keys"]
-        assert sorted(k[-1] for k in keys) == ["all", "latest"] and m.ops.launched > 0
+        assert sorted(k[3] for k in keys) == ["all", "latest"] and m.ops.launched > 0
         with m.new_kv_cache(3, 40, kv_iterations="latest") as c:
             g = graphmod.decode_graphs(m)
             assert len(g.key(c)[1]) == c.n_slots == m.config.n_slots(1)
