@@ -437,8 +437,9 @@ def kv_latest_table(cfg: ModelConfig, kv_dtype, backend: str) -> str:
              f"{cfg.n_slots(1)} slots at any depth)",
              f"  {'policy':<16}{'slots':>7}" + "".join(f"{m:>12}" for m in modes)]
     for name, policy, depth in ((f"all, depth {dm}", "all", dm), ("latest", "latest", dm)):
-        row = "".join(f"{kv_bytes_per_token(cfg, depth, (m,) * cfg.n_layers, kv_dtype, policy):>12,d}"
-                      for m in modes)
+        row = "".join(
+            f"{kv_bytes_per_token(cfg, depth, (m,) * cfg.n_layers, kv_dtype, policy):>12,d}"
+            for m in modes)
         n = cfg.n_slots(dm) if policy == "all" else cfg.n_slots(1)
         lines.append(f"  {name:<16}{n:>7}{row}")
     return "\n".join(lines)

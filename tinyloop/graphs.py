@@ -22,10 +22,10 @@ whole capacity, ``RuntimeKVCache.ensure``), so one graph serves every request wi
 
 **Key**: (depth, the KV mode of every slot, page size, the iteration KV policy
 (``kv.layouts.KV_ITERATIONS``), pages per table, the backend's host-chosen launch constants,
-``Ops.graph_constants``, whether the repetition penalty runs, and greedy or sampled). A graph is replayed only under the key
-it was captured with; other keys get their own graph (at most ``MAX_GRAPHS``, least recently
-used dropped first). The decode attention reads the context length on the device with a fixed
-grid, so no length bucket enters the key.
+``Ops.graph_constants``, whether the repetition penalty runs, and greedy or sampled). A graph
+is replayed only under the key it was captured with; other keys get their own graph (at most
+``MAX_GRAPHS``, least recently used dropped first). The decode attention reads the context
+length on the device with a fixed grid, so no length bucket enters the key.
 
 **Rules**: the first step under a new key runs the same launches eagerly (kernels load, every
 argument is validated with an ordinary error); the next step captures. The pool must make no
