@@ -602,8 +602,9 @@ class Model:
         """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
         kv_cache; pages are gained as positions are written). ``kv_mode``: see
         :meth:`resolve_kv_modes`; ``kv_iterations``: :meth:`resolve_kv_iterations`.
-        :meth:`free` releases it if it is still live then. First releases the storage of prefix handles collected unreleased (``KVRegistry.drain``),
-        so every request and every new handle frees them."""
+        :meth:`free` releases it if it is still live then. First releases the storage of
+        prefix handles collected unreleased (``KVRegistry.drain``), so every request and every
+        new handle frees them."""
         self.check_alive()
         self._kv.drain()
         if capacity > self.max_seq_len:
