@@ -25,5 +25,5 @@ from .registry import KVRegistry
 
 __all__ = ["DEFAULT_PAGE_SIZE", "H_MODES", "KV_ITERATIONS", "DepthView", "KVRegistry", "Page",
            "PageAllocator", "PageLayout", "PrefixCache", "PrefixPool", "Recon", "ResumeHandle",
-           "RuntimeKVCache", "SlotKV", "kv_bytes_per_token", "resolve_kv_modes", "room_slots", "slot_layers",
-           "slot_map"]
+           "RuntimeKVCache", "SlotKV", "kv_bytes_per_token", "resolve_kv_modes", "room_slots",
+           "slot_layers", "slot_map"]
