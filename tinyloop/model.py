@@ -782,7 +782,7 @@ class Model:
         for i in range(cfg.n_prelude):
             self._layer(i, kv_of(i), x, pos0, v, None)
         depth = top
-        keep = None
+        keep = keep_blk = None      # the KL rule's copy of the state [1, d] (tag scratch)
         try:
             if cfg.n_recurrent:
                 e = None
@@ -797,7 +797,6 @@ class Model:
                 if rule.needs_logits:
                     keep, keep_blk = ops.empty(self._pool, (1, cfg.d_model), np.float32,
                                                "scratch")
-                    keep = (keep, keep_blk)
                 for it in range(top):
                     self._iterations(x, e, it, it + 1, pos0, v, kv_of, None)
                     if it + 1 < top and self._exits(rule, x, pos0, v, kv_of, top, keep):
@@ -811,8 +810,8 @@ class Model:
                             copy_position(src, kv_of(p + it * r + j), pos0)
             self._coda(x, top, pos0, v, kv_of, None)
         finally:
-            if keep is not None:
-                self._pool.free(keep[1])
+            if keep_blk is not None:
+                self._pool.free(keep_blk)
         for hook in self._rows_hooks:
             hook(pos0, 1)
         return depth
@@ -832,12 +831,12 @@ class Model:
             h = xh / np.sqrt(np.mean(xh * xh) + cfg.norm_eps) * nw
             return rule.exits(xh, gate_z=float(h @ gw + gb[0]))
         if rule.rule == "kl":
-            ops.copy(x, keep[0])
+            ops.copy(x, keep)
             self._coda(x, top, pos0, v, kv_of, None)
             row = self.logit_row()
             self.head(pos0, 1, row)
             logits = ops.to_host(row)
-            ops.copy(keep[0], x)
+            ops.copy(keep, x)
             return rule.exits(xh, logits=logits)
         return rule.exits(xh)
 
