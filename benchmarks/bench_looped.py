@@ -51,58 +51,13 @@ import os
 import tempfile
 import time
 
-import numpy as np
-
 from .common import (HUGINN_3_5B, NANBEIGE_3B, OURO_1_4B, bench_decode, bench_prefill,
-                     shrunk, weight_bytes_per_token)
+                     shrunk, weight_bytes_per_token, write_random_model)
 
 H200_BYTES_PER_S = 4.8e12        # HBM3e peak: the floor a weight-streaming decode can reach
 
 ARCHS = {"ouro": (OURO_1_4B, (1, 2, 3, 4)), "huginn": (HUGINN_3_5B, (1, 4, 8)),
          "nanbeige": (NANBEIGE_3B, (1, 2))}
-
-
-def random_quant(rng, rows: int, cols: int, bits: int, group_size: int, std: float):
-    """A QuantWeight [rows, cols] of uniformly random codes whose dequantized values have
-    mean 0 and standard deviation ``std`` (INT4: zero = -7.5 s; INT8: symmetric)."""
-    from tinyloop.quant import QuantWeight
-    groups = cols // group_size
-    if bits == 4:
-        q = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
-        s = std / np.sqrt((16 ** 2 - 1) / 12)            # a uniform code's std: sqrt(21.25)
-        z = -7.5 * s
-    else:
-        q = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
-        s, z = std / np.sqrt((255 ** 2 - 1) / 12), 0.0
-    scales = np.full((rows, groups), s, np.float16)
-    zeros = np.full((rows, groups), z, np.float16)
-    return QuantWeight(bits, group_size, q, scales, zeros)
-
-
-def write_random_model(conf: dict, path: str, bits: int = 4, group_size: int = 32,
-                       seed: int = 0):
-    """Write a .tlm of the model ``conf`` (a config.json dict) with random weights; returns its
-    ModelConfig."""
-    from tinyloop.convert.hf import folder_config
-    from tinyloop.convert.synthetic import float_tensor
-    from tinyloop.format import expected_tensors, write_tlm
-    folder = tempfile.mkdtemp()
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(conf, f)
-    _, cfg = folder_config(folder)
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, (kind, shape) in expected_tensors(cfg).items():
-        if kind == "float":
-            tensors[name] = float_tensor(rng, name, shape)
-            continue
-        rows, cols = shape
-        std = 2.0 / np.sqrt(cols) if name in ("token_embd", "output") else 1.0 / np.sqrt(cols)
-        tensors[name] = random_quant(rng, rows, cols, bits, group_size, std)
-    write_tlm(path, cfg, tensors, metadata={"source": "bench_looped random weights",
-                                            "seed": seed, "bits": bits,
-                                            "group_size": group_size})
-    return cfg
 
 
 def run_arch(name: str, depths, args) -> list:

@@ -1,7 +1,7 @@
 """What the benchmarks share: the synthetic model writer, the model lookup, the GPU and wall
 timers (median and min-max spread over N runs), the JSON / table writers, and the looped
-architectures' published configs with the decode / prefill timers that bench_looped and
-vs_llamacpp run on them.
+architectures' published configs, the random-weight writer, and the decode / prefill timers
+that bench_looped, bench_adaptive and vs_llamacpp run on them.
 
 Nothing here runs at import: CuPy is imported by the GPU timer on first use, so a benchmark
 that imports this module still lists and parses its arguments on a machine without CUDA.
@@ -355,3 +355,46 @@ def bench_prefill(model, n: int, depth: int, reps: int) -> float:
     ids = prefill_ids(model, n)
     prefill_once(model, ids, depth)                                    # warm-up
     return statistics.median(prefill_once(model, ids, depth) for _ in range(reps))
+
+
+def random_quant(rng, rows: int, cols: int, bits: int, group_size: int, std: float):
+    """A QuantWeight [rows, cols] of uniformly random codes whose dequantized values have
+    mean 0 and standard deviation ``std`` (INT4: zero = -7.5 s; INT8: symmetric)."""
+    from tinyloop.quant import QuantWeight
+    groups = cols // group_size
+    if bits == 4:
+        q = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        s = std / np.sqrt((16 ** 2 - 1) / 12)            # a uniform code's std: sqrt(21.25)
+        z = -7.5 * s
+    else:
+        q = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
+        s, z = std / np.sqrt((255 ** 2 - 1) / 12), 0.0
+    scales = np.full((rows, groups), s, np.float16)
+    zeros = np.full((rows, groups), z, np.float16)
+    return QuantWeight(bits, group_size, q, scales, zeros)
+
+
+def write_random_model(conf: dict, path: str, bits: int = 4, group_size: int = 32,
+                       seed: int = 0):
+    """Write a .tlm of the model ``conf`` (a config.json dict) with random weights (what
+    bench_looped and bench_adaptive run); returns its ModelConfig."""
+    from tinyloop.convert.hf import folder_config
+    from tinyloop.convert.synthetic import float_tensor
+    from tinyloop.format import expected_tensors, write_tlm
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(conf, f)
+    _, cfg = folder_config(folder)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, (kind, shape) in expected_tensors(cfg).items():
+        if kind == "float":
+            tensors[name] = float_tensor(rng, name, shape)
+            continue
+        rows, cols = shape
+        std = 2.0 / np.sqrt(cols) if name in ("token_embd", "output") else 1.0 / np.sqrt(cols)
+        tensors[name] = random_quant(rng, rows, cols, bits, group_size, std)
+    write_tlm(path, cfg, tensors, metadata={"source": "benchmarks random weights",
+                                            "seed": seed, "bits": bits,
+                                            "group_size": group_size})
+    return cfg

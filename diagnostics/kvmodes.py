@@ -32,7 +32,8 @@ def storage(layout: PageLayout) -> str:
 
 def kv_mode_table(cfg, depths=None, *, backend: str = "auto") -> dict:
     """Rows per mode for ``backend`` ("auto" | "cuda" | "numpy"; its ``kv_dtype`` sizes fp16
-    K/V): bytes per token per slot, over all slots at each depth, and what a page stores.
+    K/V): bytes per token per slot, over all slots at each depth (``bytes_per_token``:
+    kv_iterations "all"; ``bytes_per_token_latest``: "latest"), and what a page stores.
     Returns {"backend", "kv_dtype", "depths", "context", "rows"}."""
     ops = ops_class(backend)
     kv_dtype = np.dtype(ops.kv_dtype).name
@@ -47,7 +48,11 @@ def kv_mode_table(cfg, depths=None, *, backend: str = "auto") -> dict:
                      "storage": storage(lay),
                      "bytes_per_token": {str(d): kv_bytes_per_token(cfg, d, (mode,) *
                                                                     cfg.n_layers, kv_dtype)
-                                         for d in depths}})
+                                         for d in depths},
+                     # kv_iterations="latest": one slot per recurrent layer at any depth
+                     "bytes_per_token_latest": {
+                         str(d): kv_bytes_per_token(cfg, d, (mode,) * cfg.n_layers, kv_dtype,
+                                                    "latest") for d in depths}})
     return {"backend": ops.name, "kv_dtype": kv_dtype, "depths": depths, "context": CONTEXT,
             "rows": rows}
 

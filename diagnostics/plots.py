@@ -393,3 +393,29 @@ def kv_bytes_by_mode(table, path, *, title="KV cache bytes by storage mode") -> 
         title += f" -- backend {table['backend']}, fp16 mode K/V {table['kv_dtype']}"
     fig.suptitle(title)
     return _finish(fig, ax2, None, "context length (positions)", path)
+
+
+def adaptive_depth(summary, policies, depths, path, *, title="adaptive depth") -> str:
+    """Two panels: the depth each token of a request ran at (``adaptive.depth_summary``;
+    steps, the mean dashed, the compute saved in the title) and the KV bytes per token of
+    each iteration KV policy by depth (``adaptive.policy_bytes``, KiB)."""
+    fig = _figure((11, 4.2))
+    ax = fig.add_subplot(1, 2, 1)
+    ds = summary["depths"]
+    ax.plot(range(len(ds)), ds, **STEPS, label="depth")
+    ax.axhline(summary["mean_depth"], linestyle="--", color="#616161",
+               label=f"mean {summary['mean_depth']:.2f}")
+    ax.set_ylim(0.5, summary["max_depth"] + 0.5)
+    ax.set_ylabel("depth (recurrent iterations)")
+    ax.set_title(f"depth per token: {summary['compute_saved']:.0%} of the iterations at "
+                 f"depth {summary['max_depth']} saved")
+    _legend(ax)
+    ax2 = fig.add_subplot(1, 2, 2)
+    for policy, values in policies.items():
+        ax2.plot(depths, [v / 1024 for v in values], marker="o", label=policy)
+    ax2.set_ylabel("KiB per token (all slots)")
+    ax2.set_title("KV bytes per token by iteration policy")
+    _legend(ax2)
+    fig.suptitle(title)
+    ax.set_xlabel("token")
+    return _finish(fig, ax2, None, "depth", path)

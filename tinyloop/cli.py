@@ -5,7 +5,9 @@
         tokens/s and a memory summary
     tinyloop generate [MODEL] PROMPT [--max-new-tokens N] [--depth D] [--temperature T] ...
         MODEL: a .tlm path, a Hugging Face folder (Ouro, Huginn, Nanbeige: converted once into
-        the cache), or ``default`` (the embedded model; also used when MODEL is left out)
+        the cache), or ``default`` (the embedded model; also used when MODEL is left out);
+        [--exit-rule gate|kl|state] [--exit-threshold X]: adaptive depth up to --depth;
+        [--kv-iterations all|latest]: the K/V kept per recurrent layer
     tinyloop serve [MODEL] [--host H] [--port P] [--backend B] [--max-seq-len N] [--max-batch B]
         [--queue Q] [--kv-budget SIZE] [--prefix-cache SIZE]
         an OpenAI-compatible HTTP server over a continuous-batching engine (tinyloop.serve)
@@ -35,9 +37,11 @@ import warnings
 import numpy as np
 
 from . import __version__
+from .adaptive import EXIT_RULES
 from .backends import BACKENDS
 from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, ModelConfig
 from .errors import ArtificialLoopWarning, ConfigError, TinyLoopError
+from .kv.layouts import KV_ITERATIONS
 from .memory.stats import fmt_bytes
 
 DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
@@ -144,6 +148,16 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-report", action="store_true",
                    help="print the full memory table (tinyloop.memory_report()) to stderr "
                         "after the one-line summary (default: the summary only)")
+    p.add_argument("--exit-rule", choices=EXIT_RULES, default=None,
+                   help="adaptive depth (depth='auto'): each new token runs iterations until "
+                        "this rule exits (gate: Ouro's exit gate; kl / state: Huginn's), at "
+                        "most --depth (default: off, a fixed depth)")
+    p.add_argument("--exit-threshold", type=float, default=None, metavar="X",
+                   help="the rule's threshold (gate: cumulative exit probability to reach; "
+                        "kl: nats; state: relative change; default: Huginn's for kl / state)")
+    p.add_argument("--kv-iterations", choices=KV_ITERATIONS, default="all",
+                   help="K/V kept per recurrent layer: one slot per iteration (all) or one "
+                        "slot every iteration overwrites (latest) (default: %(default)s)")
 
 
 @contextlib.contextmanager
@@ -189,10 +203,15 @@ def cmd_run_like(model_path: str, prompt: str, a, *, default: bool = False) -> i
     from .memory import memory_report
     from .model import artificial_loop_message, free_model, load_model
     chunk = resolve_prefill_chunk(a)
-    model = load_model(model_path, a.max_seq_len, chunk, backend=a.backend)
+    model = load_model(model_path, a.max_seq_len, chunk, backend=a.backend,
+                       kv_iterations=a.kv_iterations)
     try:
         cfg = model.config
-        depth = cfg.check_depth(a.depth)
+        depth = cfg.check_depth(a.depth if a.exit_rule is None or a.depth is not None
+                                else cfg.max_depth)
+        auto = {} if a.exit_rule is None else dict(
+            depth="auto", exit_rule=a.exit_rule, exit_threshold=a.exit_threshold,
+            max_depth=depth)
         ids = prompt
         tok = model.tokenizer
         if not a.raw and tok is not None and tok.chat_template:
@@ -202,22 +221,25 @@ def cmd_run_like(model_path: str, prompt: str, a, *, default: bool = False) -> i
         ids = model.encode_prompt(ids)
         note(f"{'default ' if default else ''}model: {model_path}")
         note(f"backend {model.backend}, layers P/R/C={cfg.n_prelude}/{cfg.n_recurrent}/"
-             f"{cfg.n_coda}, depth {depth} (default {cfg.default_depth}, max "
-             f"{cfg.max_depth}), prefill "
+             f"{cfg.n_coda}, depth {depth}"
+             + (f" at most, exit rule {a.exit_rule}" if auto else "")
+             + f" (default {cfg.default_depth}, max {cfg.max_depth}), prefill "
              + (f"in chunks of {chunk}" if chunk else "in one pass"))
         if depth > cfg.default_depth and model.loop_is_artificial:
             note("note: " + artificial_loop_message(model, depth) + "; the README says more")
         with prefill_progress(model, len(ids), chunk, not a.no_progress), \
                 warnings.catch_warnings():
             warnings.simplefilter("ignore", ArtificialLoopWarning)     # noted above
-            res = model.generate(ids, max_new_tokens=a.max_new_tokens, depth=depth,
+            res = model.generate(ids, max_new_tokens=a.max_new_tokens,
+                                 **(auto or dict(depth=depth)),
                                  temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                  seed=a.seed, min_p=a.min_p,
                                  repetition_penalty=a.repetition_penalty,
                                  repeat_last_n=a.repeat_last_n)
         print(res.text, flush=True)
+        at = f"mean depth {res.mean_depth:.2f}" if auto else f"depth {res.depth}"
         note(f"{len(res.prompt_token_ids)} prompt tokens, prefill {res.prefill_ms:.1f} ms; "
-             f"{len(res.token_ids)} new tokens at depth {res.depth}, "
+             f"{len(res.token_ids)} new tokens at {at}, "
              f"{res.decode_tokens_per_s:.1f} tokens/s decode ({res.finish_reason})")
         note(memory_summary(model))
         if a.memory_report:
@@ -238,6 +260,8 @@ def _check_request_args(a) -> None:
         raise ConfigError(f"--seed must be >= 0, got {a.seed}")
     if a.depth is not None and a.depth < 1:
         raise ConfigError(f"--depth must be >= 1, got {a.depth}")
+    if a.exit_threshold is not None and a.exit_rule is None:
+        raise ConfigError("--exit-threshold goes with --exit-rule (adaptive depth)")
 
 
 def cmd_run(a) -> int:
@@ -424,6 +448,7 @@ def _inspect_plan(a, ops, backend, cfg, layout, depth) -> int:
           f"{a.max_seq_len} positions at depth {depth} ({cfg.n_slots(depth)} slots): "
           f"{kv_total:,d}  {fmt_bytes(kv_total)}")
     print(kv_mode_table(cfg, ops.kv_dtype, budget, backend))
+    print(kv_latest_table(cfg, ops.kv_dtype, backend))
     print(kv_depth_table(cfg, ops.kv_dtype, backend))
     return 0
 
@@ -455,6 +480,27 @@ def kv_depth_table(cfg: ModelConfig, kv_dtype, backend: str) -> str:
         row = "".join(f"{kv_bytes_per_token(cfg, d, (m,) * cfg.n_layers, kv_dtype):>12,d}"
                       for m in modes)
         lines.append(f"  {d:>5}{cfg.n_slots(d):>7}{row}")
+    return "\n".join(lines)
+
+
+def kv_latest_table(cfg: ModelConfig, kv_dtype, backend: str) -> str:
+    """KV cache bytes per token under ``kv_iterations="latest"`` (one slot per recurrent layer:
+    ``P + R + C`` slots at every depth) per storage mode, beside "all" at the maximum depth."""
+    import numpy as np
+    from .config import KV_MODES
+    from .kv.layouts import kv_bytes_per_token
+    modes = [m for m in KV_MODES if m not in ("h_int8", "h_int4") or cfg.d_model % 32 == 0]
+    dm = cfg.max_depth
+    lines = [f"\nKV cache bytes per token per iteration policy on backend {backend} "
+             f"(fp16 mode: K/V {np.dtype(kv_dtype).name}; kv_iterations='latest' holds "
+             f"{cfg.n_slots(1)} slots at any depth)",
+             f"  {'policy':<16}{'slots':>7}" + "".join(f"{m:>12}" for m in modes)]
+    for name, policy, depth in ((f"all, depth {dm}", "all", dm), ("latest", "latest", dm)):
+        row = "".join(
+            f"{kv_bytes_per_token(cfg, depth, (m,) * cfg.n_layers, kv_dtype, policy):>12,d}"
+            for m in modes)
+        n = cfg.n_slots(dm) if policy == "all" else cfg.n_slots(1)
+        lines.append(f"  {name:<16}{n:>7}{row}")
     return "\n".join(lines)
 
 

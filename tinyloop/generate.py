@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adaptive import ExitRule, exit_rule_for
 from .backends.base import check_filters, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N
 from .config import as_int as _as_int
@@ -40,8 +41,14 @@ class GenerationResult:
     ``prompt_token_ids``, ``finish_reason`` ("length" | "eos" | "stop"; "error" in the
     ``partial`` result an error carries, ``TinyLoopError.partial``), ``depth``,
     ``prefill_ms``, ``decode_ms``, ``decode_tokens_per_s`` (new tokens after the first
-    over the decode time; 0.0 when fewer than 2 tokens), and ``cached_tokens`` (prompt
-    positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled).
+    over the decode time; 0.0 when fewer than 2 tokens), ``cached_tokens`` (prompt
+    positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled), and
+    ``depths``: the depth of the forward whose logits each new token was sampled from (the
+    first token's is the prompt's; at a fixed depth every entry is ``depth``; at
+    depth="auto" ``depth`` is the max depth and :attr:`mean_depth` the mean of ``depths``).
+    At depth="auto" ``extra`` holds ``exit_rule`` ((rule, threshold, max_depth)) and
+    ``exit_values``: per decode position run, the statistic each check compared with the
+    threshold (``adaptive.ExitRule.values``).
     """
 
     token_ids: list
@@ -54,6 +61,12 @@ class GenerationResult:
     decode_tokens_per_s: float = 0.0
     cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    depths: list = field(default_factory=list)
+
+    @property
+    def mean_depth(self) -> float:
+        """The mean of ``depths`` (0.0 without new tokens)."""
+        return float(np.mean(self.depths)) if self.depths else 0.0
 
 
 @dataclass
@@ -108,7 +121,7 @@ class _Request:
 
     ids: np.ndarray            # int32 [T] prompt ids
     max_new_tokens: int
-    depth: int
+    depth: int                 # the fixed depth, or at depth="auto" the max depth
     kv_mode: tuple             # one KV mode per physical layer
     temperature: float
     top_k: int
@@ -120,15 +133,50 @@ class _Request:
     stops: list
     prefix: object
     prefix_pool: object
+    kv_iterations: str = "all"  # the iteration KV policy (kv.layouts.KV_ITERATIONS)
+    exit: ExitRule | None = None   # depth="auto": the exit rule (tinyloop.adaptive)
+
+
+def kv_iterations_arg(model, kv_iterations, prefix=None, prefix_pool=None) -> str:
+    """The iteration KV policy of a request: ``kv_iterations`` or the load's default; a
+    ``prefix`` fixes it (its ``kv_iterations``). Raises ConfigError for an unknown policy or
+    one that differs from the prefix's."""
+    if isinstance(prefix, PrefixCache):
+        if kv_iterations is not None and \
+                model.resolve_kv_iterations(kv_iterations) != prefix.kv_iterations:
+            raise ConfigError(f"kv_iterations={kv_iterations!r} differs from the prefix's "
+                              f"{prefix.kv_iterations!r}")
+        return prefix.kv_iterations
+    return model.resolve_kv_iterations(kv_iterations)
+
+
+def reusable_positions(model, m: int, kv_iterations: str) -> int:
+    """How many of ``m`` cached positions a request reuses: all of them under "all"; under
+    "latest" the largest multiple of the forward's chunk rows (``Model.chunk_rows``) <= m,
+    so the positions after them run in the chunks an uncached run gives them (a chunk's
+    positions read each other's current-iteration K/V, a restored position holds its last
+    iteration's) and the request equals its uncached run."""
+    if kv_iterations == "all":
+        return m
+    return m - m % model.chunk_rows
 
 
 def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                   stop, kv_mode, prefix, prefix_pool, min_p=0.0, repetition_penalty=1.0,
-                  repeat_last_n=DEFAULT_REPEAT_LAST_N) -> _Request:
+                  repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
+                  exit_threshold=None, max_depth=None) -> _Request:
     """Every argument check of generate / stream, in one place, before any work: both raise
     the same error for the same bad argument, at the call."""
     model.check_alive()
     cfg = model.config
+    rule = exit_rule_for(cfg, depth, exit_rule, exit_threshold, max_depth)
+    rule = _prefix_rule(prefix, depth, rule)
+    if rule is not None:
+        if prefix_pool is not None:
+            raise ConfigError("depth='auto' runs without prefix_pool= (a pool's entries are "
+                              "not keyed by an exit rule; pass prefix= a PrefixCache "
+                              "prefilled at depth='auto')")
+        depth = rule.max_depth
     if depth is not None:
         cfg.check_depth(_as_int(depth, "depth"))
     max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
@@ -140,6 +188,7 @@ def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_
             raise ConfigError(f"seed must be None or an int >= 0, got {seed}")
     stops = _normalise_stop(stop)
     model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
+    policy = kv_iterations_arg(model, kv_iterations, prefix, prefix_pool)
     ids = model.encode_prompt(prompt)
     depth, modes = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens
@@ -148,7 +197,27 @@ def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_
                           f"{total} exceeds max_seq_len={model.max_seq_len}")
     return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
                     float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
-                    seed, stops, prefix, prefix_pool)
+                    seed, stops, prefix, prefix_pool, policy, rule)
+
+
+def _prefix_rule(prefix, depth, rule: ExitRule | None) -> ExitRule | None:
+    """The request's exit rule given its ``prefix``: a PrefixCache prefilled at depth="auto"
+    fixes its rule (a request without a depth takes it; one at depth="auto" must name the
+    same rule, threshold and max depth), and one prefilled at a fixed depth takes no rule.
+    Raises ConfigError on a mismatch."""
+    key = getattr(prefix, "exit_key", None) if isinstance(prefix, PrefixCache) else None
+    if key is None:
+        if rule is not None and prefix is not None:
+            raise ConfigError("this prefix was prefilled at a fixed depth; a depth='auto' "
+                              "request needs one prefilled at depth='auto' under its rule")
+        return rule
+    if rule is None and depth is None:
+        return ExitRule(*key)
+    if rule is None or rule.key != key:
+        got = "a fixed depth" if rule is None else f"{rule.key}"
+        raise ConfigError(f"the prefix was prefilled at depth='auto' under (exit_rule, "
+                          f"exit_threshold, max_depth) = {key}; this request asks for {got}")
+    return rule
 
 
 class Stream:
@@ -189,7 +258,8 @@ class Stream:
 def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
            top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
            prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
-           repeat_last_n=DEFAULT_REPEAT_LAST_N) -> Stream:
+           repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
+           exit_threshold=None, max_depth=None) -> Stream:
     """A :class:`Stream` of StreamToken, one per new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike): the
@@ -218,6 +288,15 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     HandleError (the prefix was released meanwhile); each carries ``partial``, the
     GenerationResult of the tokens so far.
 
+    ``kv_iterations``: the iteration KV policy ("all" | "latest"; default the load's;
+    :func:`kv_iterations_arg` says which combinations are refused).
+
+    ``depth="auto"``: each decode position runs recurrent iterations until ``exit_rule``
+    ("gate" | "kl" | "state") with ``exit_threshold`` exits, at most ``max_depth`` (default
+    the model's); the prompt runs at ``max_depth``. :mod:`tinyloop.adaptive` states each rule,
+    its source and what an early exit leaves in the K/V cache; the steps run eagerly (no
+    captured graph). Not with ``prefix`` / ``prefix_pool`` (ConfigError).
+
     ``prefix`` (a PrefixCache / ResumeHandle the prompt's ids start with; it fixes depth and
     kv_mode) or ``prefix_pool`` (a PrefixPool: the longest cached prefix is reused and the
     prompt inserted): only the positions after the cached ones are prefilled
@@ -231,7 +310,7 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     """
     req = check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                         stop, kv_mode, prefix, prefix_pool, min_p, repetition_penalty,
-                        repeat_last_n)
+                        repeat_last_n, kv_iterations, exit_rule, exit_threshold, max_depth)
     return Stream(_run(model, req))
 
 
@@ -247,19 +326,26 @@ def _run(model, req: _Request):
     history = [int(t) for t in ids] if penalty != 1.0 else None   # prompt, then new tokens
     rng = np.random.default_rng(req.seed)
     new: list[int] = []
+    depths: list[int] = []     # the depth each token in ``new`` was sampled at
+    ran = req.depth            # the depth of the last forward whose row is sampled
     cache = None
     cached = 0
     prefill_ms = 0.0
     t1 = None                  # when the prefill ended
 
     def result(reason: str, text: str) -> GenerationResult:
+        extra = {}
+        if req.exit is not None:        # depth="auto": what each decode position compared
+            extra = {"exit_rule": req.exit.key, "exit_values": [list(v) for v in
+                                                                req.exit.values]}
         decode_ms = 0.0 if t1 is None else (time.perf_counter() - t1) * 1e3
         n = len(new)
         tps = (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else 0.0
         return GenerationResult(token_ids=list(new), text=text,
                                 prompt_token_ids=ids.tolist(), finish_reason=reason,
                                 depth=req.depth, prefill_ms=prefill_ms, decode_ms=decode_ms,
-                                decode_tokens_per_s=tps, cached_tokens=cached)
+                                decode_tokens_per_s=tps, cached_tokens=cached,
+                                depths=list(depths), extra=extra)
 
     if req.max_new_tokens == 0:
         return result("length", "")
@@ -267,11 +353,12 @@ def _run(model, req: _Request):
     def step(step_ids, pos0: int) -> int:
         """Forward ``step_ids`` at ``pos0`` (the prompt: from the cached prefix on), then
         head + sample, atomically under the lock."""
-        nonlocal cache, cached
+        nonlocal cache, cached, ran
         with model.lock:
             model.check_alive()
             if cache is None:
-                cache = model.new_kv_cache(req.depth, total, kv_mode=req.kv_mode)
+                cache = model.new_kv_cache(req.depth, total, kv_mode=req.kv_mode,
+                                           kv_iterations=req.kv_iterations)
             row = model.logit_row()
             pos = pos0 + len(step_ids) - 1
             # one u per sampled token, drawn the same way on every path (graph or eager)
@@ -287,6 +374,8 @@ def _run(model, req: _Request):
             if pos0 == 0:
                 cached = prefill_request(model, step_ids, req.depth, req.kv_mode, cache,
                                          req.prefix, req.prefix_pool)
+            elif req.exit is not None:
+                ran = model.forward_auto(int(step_ids[0]), pos0, cache, req.exit)
             else:
                 if len(step_ids) == 1:
                     # a decode step runs as the captured step where the backend can
@@ -314,6 +403,7 @@ def _run(model, req: _Request):
                 yield from pieces
                 return res
             new.append(nxt)
+            depths.append(ran)
             if history is not None:
                 history.append(nxt)
             pieces, reason = st.push(nxt)
@@ -441,7 +531,8 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, temperature=0.0,
              top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
              prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
-             repeat_last_n=DEFAULT_REPEAT_LAST_N) -> GenerationResult:
+             repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
+             exit_threshold=None, max_depth=None) -> GenerationResult:
     """Run :func:`stream` to completion and return its GenerationResult (the same code: the
     same tokens, text and finish reason, the same argument checks and errors).
 
@@ -451,7 +542,9 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
     """
     s = stream(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed, stop,
                kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
-               repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
+               repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
+               kv_iterations=kv_iterations, exit_rule=exit_rule, exit_threshold=exit_threshold,
+               max_depth=max_depth)
     with model.lock:
         for _ in s:
             pass
@@ -459,18 +552,22 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
 
 
 def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
-                          prefix_pool=None) -> np.ndarray:
+                          prefix_pool=None, kv_iterations=None) -> np.ndarray:
     """float32 ``[T, vocab]`` next-token logits at every position (see Model.logits).
 
     With ``prefix`` / ``prefix_pool`` the cached positions are restored, not recomputed: their
     rows come from the cached final residuals through the head."""
     model.check_alive()
     cfg = model.config
+    if depth == "auto":
+        raise ConfigError("depth='auto' decides each decode position's depth: it runs in "
+                          "generate / stream; logits / score take a fixed depth")
     if depth is not None:
         cfg.check_depth(_as_int(depth, "depth"))
     ids = model.encode_prompt(token_ids)         # text or ids; empty: [BOS]
     if len(ids) > model.max_seq_len:
         raise ConfigError(f"{len(ids)} tokens exceed max_seq_len={model.max_seq_len}")
+    policy = kv_iterations_arg(model, kv_iterations, prefix, prefix_pool)
     depth, kv_mode = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     out = np.empty((len(ids), cfg.vocab_size), dtype=np.float32)
     with model.lock:
@@ -479,7 +576,8 @@ def teacher_forced_logits(model, token_ids, depth=None, kv_mode=None, *, prefix=
         block = {e.name: e for e in model.request_plan(len(ids), depth, logits=True,
                                                        kv_mode=kv_mode)}["logits"]
         rows = block.shape[0]
-        with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode) as cache:
+        with model.new_kv_cache(depth, len(ids), kv_mode=kv_mode,
+                                kv_iterations=policy) as cache:
             block_arr, blk = ops.empty(model.pool, block.shape, block.dtype, block.tag)
             try:
                 prefill_request(model, ids, depth, kv_mode, cache, prefix, prefix_pool)
@@ -505,13 +603,14 @@ def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
 
 
 def score(model, token_ids, depth=None, kv_mode=None, *, prefix=None,
-          prefix_pool=None) -> np.ndarray:
+          prefix_pool=None, kv_iterations=None) -> np.ndarray:
     """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]); needs T >= 2."""
     ids = model.encode_prompt(token_ids)
     if len(ids) < 2:
         raise ConfigError("score needs at least 2 tokens (a context and a next token)")
     lp = log_softmax_rows(teacher_forced_logits(model, ids, depth, kv_mode, prefix=prefix,
-                                                prefix_pool=prefix_pool)[:-1])
+                                                prefix_pool=prefix_pool,
+                                                kv_iterations=kv_iterations)[:-1])
     return lp[np.arange(len(ids) - 1), ids[1:]]
 
 
@@ -600,7 +699,8 @@ def restore_prefix(model, ids: np.ndarray, depth: int, modes: tuple, cache, pref
         m, src = len(prefix), prefix
     elif prefix_pool is not None:
         prefix_pool.check(model)
-        src, m = prefix_pool.lookup(ids, depth, modes)
+        src, m = prefix_pool.lookup(ids, depth, modes, cache.kv_iterations)
+    m = reusable_positions(model, m, cache.kv_iterations)
     if m:
         src.restore(cache, m, model.residual_rows(0, m))
     return m
@@ -622,31 +722,61 @@ def _prompt_ids(model, prompt) -> np.ndarray:
     return ids
 
 
-def make_prefix(model, prompt, depth=None, kv_mode=None) -> PrefixCache:
-    """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache. Raises
-    ConfigError / TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
+def _resume_policy(model, kv_iterations) -> None:
+    """ResumeHandles keep their K/V under kv_iterations="all": ConfigError for "latest"
+    (given, or the load's default). There an upgrade cannot equal a fresh prefill at the new
+    depth: a chunk's first iterations read the earlier chunks' last iteration, which the
+    upgrade changes after they ran."""
+    policy = model.resolve_kv_iterations(kv_iterations)
+    if policy != "all":
+        raise ConfigError(f"resume handles keep K/V under kv_iterations='all' only, not "
+                          f"{policy!r}: an upgrade under 'latest' would change what the "
+                          f"positions' first iterations read; pass kv_iterations='all'")
+
+
+def make_prefix(model, prompt, depth=None, kv_mode=None, kv_iterations=None, exit_rule=None,
+                exit_threshold=None, max_depth=None) -> PrefixCache:
+    """:meth:`Model.prefill`: prefill ``prompt`` at ``depth`` into a new PrefixCache; at
+    ``depth="auto"`` every position at the rule's max depth (as a depth="auto" request
+    prefills), the handle keyed by the rule (``PrefixCache.exit_key``); its K/V under
+    ``kv_iterations`` (a request reuses a "latest" handle's positions up to a multiple of the
+    chunk rows: :func:`reusable_positions`). Raises ConfigError / TokenizerError on bad
+    input, OutOfMemoryError (nothing stays allocated)."""
     model.check_alive()
+    policy = model.resolve_kv_iterations(kv_iterations)
+    rule = exit_rule_for(model.config, depth, exit_rule, exit_threshold, max_depth)
+    if rule is not None:
+        depth = rule.max_depth
     depth = _depth_arg(model, depth)
     modes = model.resolve_kv_modes(kv_mode)
     ids = _prompt_ids(model, prompt)
     with model.lock:
         model.check_alive()
-        st = HandleStorage(model, depth, len(ids), modes)
+        st = HandleStorage(model, depth, len(ids), modes, kv_iterations=policy)
         try:
             model.forward(ids, 0, depth, st.kv)
             st.rows[...] = model.residual_rows(0, len(ids))
             st.hold_pages()
-            return PrefixCache(model, ids, depth, modes, st)
+            return PrefixCache(model, ids, depth, modes, st,
+                               exit_key=None if rule is None else rule.key)
         except BaseException:
             st.release()
             raise
 
 
-def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None) -> ResumeHandle:
+def make_resume_handle(model, prompt, depth=None, max_depth=None, kv_mode=None,
+                       kv_iterations=None) -> ResumeHandle:
     """:meth:`Model.resume_handle`: prefill at ``depth`` keeping what upgrades need (K/V room
     for ``max_depth`` iterations, the residual snapshot). Raises ConfigError for a max_depth
-    outside depth..the model's, and as :func:`make_prefix`."""
+    outside depth..the model's, or kv_iterations="latest" (:func:`_resume_policy`), and as
+    :func:`make_prefix`."""
     model.check_alive()
+    _resume_policy(model, kv_iterations)
+    if depth == "auto":
+        raise ConfigError("resume_handle takes a fixed depth: at depth='auto' every prompt "
+                          "position runs at the max depth (no position exits early), so an "
+                          "upgrade would have nothing to deepen; prefill(depth='auto') keeps "
+                          "such a prompt")
     cfg = model.config
     depth = _depth_arg(model, depth)
     max_depth = cfg.max_depth if max_depth is None else _as_int(max_depth, "max_depth")

@@ -20,12 +20,12 @@ the weights, and per graph a block table ``[slots, ceil(max_seq_len / P)]`` (tag
 a request binds a graph by copying its own block tables there (after allocating pages for its
 whole capacity, ``RuntimeKVCache.ensure``), so one graph serves every request with its key.
 
-**Key**: (depth, the KV mode of every slot, page size, pages per table, the backend's
-host-chosen launch constants, ``Ops.graph_constants``, whether the repetition penalty runs,
-and greedy or sampled). A graph is replayed only under the key
-it was captured with; other keys get their own graph (at most ``MAX_GRAPHS``, least recently
-used dropped first). The decode attention reads the context length on the device with a fixed
-grid, so no length bucket enters the key.
+**Key**: (depth, the KV mode of every slot, page size, the iteration KV policy
+(``kv.layouts.KV_ITERATIONS``), pages per table, the backend's host-chosen launch constants,
+``Ops.graph_constants``, whether the repetition penalty runs, and greedy or sampled). A graph
+is replayed only under the key it was captured with; other keys get their own graph (at most
+``MAX_GRAPHS``, least recently used dropped first). The decode attention reads the context
+length on the device with a fixed grid, so no length bucket enters the key.
 
 **Rules**: the first step under a new key runs the same launches eagerly (kernels load, every
 argument is validated with an ordinary error); the next step captures. The pool must make no
@@ -98,8 +98,8 @@ class DecodeGraphs:
         the step ends in the device sampler instead of the argmax (temperature > 0 or a
         penalty); ``penalized``: the repetition penalty runs before it."""
         return (cache.depth, tuple(lay.mode for lay in cache.layouts), cache.page_size,
-                self._pages(cache.page_size), self._ops.graph_constants(), bool(penalized),
-                bool(sampled))
+                cache.kv_iterations, self._pages(cache.page_size), self._ops.graph_constants(),
+                bool(penalized), bool(sampled))
 
     def _pages(self, page_size: int) -> int:
         return -(-self._model.max_seq_len // page_size)
@@ -136,8 +136,9 @@ class DecodeGraphs:
         with packed_scope():
             ent.table, ent.table_block = self._ops.empty(self._pool, shape, np.int64, "graphs")
         ent.table_host = np.zeros(shape, np.int64)
-        ent.slots = [SlotKV(cache.layouts[s], ent.table[s], ent.table_host[s],
-                            cache.slot(s).allocator) for s in range(cache.n_slots)]
+        own = [SlotKV(cache.layouts[s], ent.table[s], ent.table_host[s],
+                      cache.slot(s).allocator) for s in range(cache.n_slots)]
+        ent.slots = [own[s] for s in cache.slot_of]      # by the forward's slot names
         self._entries[key] = ent
         return ent
 

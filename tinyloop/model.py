@@ -30,10 +30,10 @@ from .generate import generate as _generate
 from .generate import score as _score
 from .generate import stream as _stream
 from .generate import make_prefix, make_resume_handle, teacher_forced_logits
-from .kv.cache import Recon, RuntimeKVCache
+from .kv.cache import Recon, RuntimeKVCache, copy_position
 from .kv.handles import load_prefix
-from .kv.layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, kv_bytes_per_token,
-                         resolve_kv_modes)
+from .kv.layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, check_kv_iterations,
+                         kv_bytes_per_token, resolve_kv_modes)
 from .kv.pages import PageAllocator
 from .kv.registry import KVRegistry
 from .memory import get_pool, packed_scope, route_cupy_allocations, tag_scope
@@ -100,7 +100,7 @@ _BACKEND_LACKS = {"numpy": (), "cuda": ()}
 def backend_missing_features(cfg, backend: str) -> list[str]:
     """The architecture facts of ``cfg`` the ``backend``'s kernels do not run yet (the
     NumPy reference and the CUDA kernels run every one; a backend not known here none; the
-    exit gate no forward reads)."""
+    exit gate is read on the host, by depth="auto" alone: ``Model.forward_auto``)."""
     lacks = _BACKEND_LACKS.get(backend, tuple(_FEATURE_TEXT))
     return [_FEATURE_TEXT[k] for k in _FEATURE_TEXT if k in cfg.arch_facts and k in lacks]
 
@@ -220,7 +220,7 @@ class Model:
     """
 
     def __init__(self, path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-                 backend: str = "auto", kv_mode=None, kernels=None):
+                 backend: str = "auto", kv_mode=None, kernels=None, kv_iterations="all"):
         self._freed = True           # until the load succeeds there is nothing to free
         self._blocks: list = []      # every model-owned pool block; freed by free()
         max_seq_len, prefill_chunk = check_load_args(max_seq_len, prefill_chunk)
@@ -230,6 +230,7 @@ class Model:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self._kv_mode_spec = kv_mode_from_env() if kv_mode is None else kv_mode
+        self.kv_iterations = check_kv_iterations(kv_iterations)   # the requests' default
         self._lock = threading.RLock()
         self._kv = KVRegistry()      # live caches and prefix handles; free() releases them
         self._ops = get_ops(backend, kernels)
@@ -331,6 +332,8 @@ class Model:
         self._head = w["token_embd"] if cfg.tied_head else w["output"]
         self._output_norm = w["output_norm"]
         self._adapter = w.get("inject.adapter")
+        self._exit_gate = (w.get("exit_gate.weight"), w.get("exit_gate.bias"))
+        self._host_gate = None       # float64 (norm weight, gate weight, gate bias): depth="auto"
         self._layers = [Layer(*(w[f"blk.{i}.{n}"] for n in
                                 ("attn_norm", "attn_qkv", "attn_output", "ffn_norm",
                                  "ffn_gate_up", "ffn_down")),
@@ -492,6 +495,12 @@ class Model:
         """The PageAllocator every KV page of this model comes from."""
         return self._pages
 
+    @property
+    def chunk_rows(self) -> int:
+        """Positions per forward chunk (the scratch buffers' rows, ``plan.scratch_rows``);
+        chunks start at absolute multiples of it (:meth:`_chunks`)."""
+        return self._buf.capacity_rows
+
     def residual_rows(self, pos0: int, n: int):
         """The final residual rows of positions pos0..pos0+n-1 (float32 ``[n, d_model]`` view
         of ``buffers.main``): what ``head`` reads; prefix caches save and restore them."""
@@ -526,15 +535,16 @@ class Model:
             raise ModelFreedError("this Model was freed with free_model(); load it again")
 
     def request_plan(self, n_tokens: int, depth: int, logits: bool = False,
-                     kv_mode=None) -> list:
+                     kv_mode=None, kv_iterations=None) -> list:
         """``plan.request_plan`` for this model: the paged KV cache of ``n_tokens`` positions
         at ``depth`` in ``kv_mode`` (default the load's; block tables and pages at the
         backend's kv_dtype) and, with ``logits``, the logits block of a logits()/score() call
-        (``plan.logits_block_rows`` rows)."""
+        (``plan.logits_block_rows`` rows); ``kv_iterations`` as in :meth:`new_kv_cache`."""
         rows = (planmod.logits_block_rows(n_tokens, self.max_seq_len, self.prefill_chunk)
                 if logits else 0)
         return planmod.request_plan(self.config, n_tokens, depth, self._ops.kv_dtype,
-                                    logits_rows=rows, modes=self.resolve_kv_modes(kv_mode))
+                                    logits_rows=rows, modes=self.resolve_kv_modes(kv_mode),
+                                    kv_iterations=self.resolve_kv_iterations(kv_iterations))
 
     def check_token_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
         """``token_ids`` as int32 [T] after checking it is a non-empty 1-D sequence of ints
@@ -593,34 +603,46 @@ class Model:
         self._check_kv_modes(modes)
         return modes
 
-    def kv_bytes_per_token(self, depth: int | None = None, kv_mode=None) -> int:
+    def resolve_kv_iterations(self, kv_iterations=None) -> str:
+        """The iteration KV policy ("all" | "latest", ``kv.layouts.KV_ITERATIONS``):
+        ``kv_iterations``, or the load's default when None. Raises ConfigError naming a bad
+        value."""
+        return self.kv_iterations if kv_iterations is None else check_kv_iterations(
+            kv_iterations)
+
+    def kv_bytes_per_token(self, depth: int | None = None, kv_mode=None,
+                           kv_iterations=None) -> int:
         """Bytes a request's KV cache holds per position at ``depth`` (default: the model's),
-        over all slots, scales and zeros included, page rounding excluded."""
+        over all slots, scales and zeros included, page rounding excluded: ``P + R*depth + C``
+        slots under ``kv_iterations="all"``, ``P + R + C`` under "latest" (default: the
+        load's policy)."""
         depth = self.config.check_depth(depth)
         return kv_bytes_per_token(self.config, depth, self.resolve_kv_modes(kv_mode),
-                                  self._ops.kv_dtype)
+                                  self._ops.kv_dtype, self.resolve_kv_iterations(kv_iterations))
 
     def kv_page_layout(self, mode: str, page_size: int = DEFAULT_PAGE_SIZE) -> PageLayout:
         """The PageLayout of ``mode`` pages on this model's backend."""
         return PageLayout.for_config(self.config, mode, page_size, self._ops.kv_dtype)
 
     def new_kv_cache(self, depth: int, capacity: int, kv_mode=None,
-                     page_size: int = DEFAULT_PAGE_SIZE) -> RuntimeKVCache:
+                     page_size: int = DEFAULT_PAGE_SIZE, kv_iterations=None) -> RuntimeKVCache:
         """A paged RuntimeKVCache for up to ``capacity`` positions at ``depth`` (tag
         kv_cache; pages are gained as positions are written). ``kv_mode``: see
-        :meth:`resolve_kv_modes`. :meth:`free` releases it if it is still live then. First
-        releases the storage of prefix handles collected unreleased (``KVRegistry.drain``),
-        so every request and every new handle frees them."""
+        :meth:`resolve_kv_modes`; ``kv_iterations``: :meth:`resolve_kv_iterations`.
+        :meth:`free` releases it if it is still live then. First releases the storage of
+        prefix handles collected unreleased (``KVRegistry.drain``), so every request and every
+        new handle frees them."""
         self.check_alive()
         self._kv.drain()
         if capacity > self.max_seq_len:
             raise ConfigError(f"{capacity} positions exceed max_seq_len={self.max_seq_len}")
         modes = self.resolve_kv_modes(kv_mode)
+        policy = self.resolve_kv_iterations(kv_iterations)
         if any(m in H_MODES for m in modes) and self._recon_scratch is None:
             self._recon_scratch = self._alloc_recon()
         with packed_scope():
             cache = RuntimeKVCache(self._ops, self._pool, self.config, depth, capacity, modes,
-                                   self._pages, page_size)
+                                   self._pages, page_size, policy)
         self._kv.track_cache(cache)
         return cache
 
@@ -729,7 +751,7 @@ class Model:
         if self.config.embed_scale != 1.0:
             ops.scale(x, self.config.embed_scale)
         self._check_loop_depth(depth)
-        self._stack(x, v, depth, cache.slot, pos0, None, snapshot)
+        self._stack(x, v, depth, cache.kv_of, pos0, None, snapshot)
         for hook in self._rows_hooks:
             hook(pos0, t)
 
@@ -763,6 +785,91 @@ class Model:
                 snapshot.put_state(pos0, x)
         self._coda(x, depth, pos0, v, kv_of, step)
 
+    def forward_auto(self, token: int, pos0: int, cache: RuntimeKVCache, rule) -> int:
+        """One decode position at adaptive depth (``depth="auto"``; ``tinyloop.adaptive``):
+        embed ``token`` at ``pos0``, the prelude, then recurrent iterations until ``rule``
+        (an ``adaptive.ExitRule``) exits or ``rule.max_depth`` ran, then the coda; the final
+        row lands in ``buffers.main[pos0]`` as :meth:`forward` leaves it. ``cache`` is laid
+        out for ``rule.max_depth`` iterations. Under kv_iterations="all" an exit after
+        iteration d copies each recurrent layer's row of iteration d into the slots of the
+        iterations after it (``kv.cache.copy_position``). Eager on every backend (the exit
+        is decided on the host after each iteration, which a captured graph cannot branch
+        on). Returns the depth the position ran at. Raises ConfigError when the cache is laid
+        out for another depth."""
+        cfg, ops = self.config, self._ops
+        top = rule.max_depth
+        if cache.depth != top:
+            raise ConfigError(f"a depth='auto' step up to {top} iterations needs a cache laid "
+                              f"out for {top}, got {cache.depth}")
+        cache.ensure(pos0 + 1)
+        v = self._views(1)
+        x = self._buf.main[pos0:pos0 + 1]
+        ops.embed(self._embed, np.asarray([token], np.int32), x)
+        if cfg.embed_scale != 1.0:
+            ops.scale(x, cfg.embed_scale)
+        self._check_loop_depth(top)
+        kv_of = cache.kv_of
+        for i in range(cfg.n_prelude):
+            self._layer(i, kv_of(i), x, pos0, v, None)
+        depth = top
+        keep = keep_blk = None      # the KL rule's copy of the state [1, d] (tag scratch)
+        try:
+            if cfg.n_recurrent:
+                e = None
+                if self._adapter is not None:
+                    e = v["inject"]
+                    ops.copy(x, e)
+                if cfg.state_init == "zeros":
+                    ops.zero(x)
+                elif cfg.state_init == "normal":
+                    ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
+                rule.start(ops.to_host(x), cfg.vocab_size)
+                if rule.needs_logits:
+                    keep, keep_blk = ops.empty(self._pool, (1, cfg.d_model), np.float32,
+                                               "scratch")
+                for it in range(top):
+                    self._iterations(x, e, it, it + 1, pos0, v, kv_of, None)
+                    if it + 1 < top and self._exits(rule, x, pos0, v, kv_of, top, keep):
+                        depth = it + 1
+                        break
+                if depth < top and cache.kv_iterations == "all":
+                    p, r = cfg.n_prelude, cfg.n_recurrent
+                    for j in range(r):
+                        src = kv_of(p + (depth - 1) * r + j)
+                        for it in range(depth, top):
+                            copy_position(src, kv_of(p + it * r + j), pos0)
+            self._coda(x, top, pos0, v, kv_of, None)
+        finally:
+            if keep_blk is not None:
+                self._pool.free(keep_blk)
+        for hook in self._rows_hooks:
+            hook(pos0, 1)
+        return depth
+
+    def _exits(self, rule, x, pos0: int, v: dict, kv_of, top: int, keep) -> bool:
+        """Whether ``rule`` exits after the iteration that left state ``x`` [1, d]: the gate
+        on rmsnorm(x) (float64 on the host), the next-token logits of the coda and head run
+        on the state (x is restored from ``keep`` after; the coda's K/V rows at ``pos0`` are
+        rewritten by the exit's own coda), or the state itself."""
+        cfg, ops = self.config, self._ops
+        xh = ops.to_host(x).astype(np.float64).reshape(-1)
+        if rule.rule == "gate":
+            if self._host_gate is None:
+                self._host_gate = tuple(np.asarray(ops.to_host(a), np.float64).reshape(-1)
+                                        for a in (self._output_norm, *self._exit_gate))
+            nw, gw, gb = self._host_gate
+            h = xh / np.sqrt(np.mean(xh * xh) + cfg.norm_eps) * nw
+            return rule.exits(xh, gate_z=float(h @ gw + gb[0]))
+        if rule.rule == "kl":
+            ops.copy(x, keep)
+            self._coda(x, top, pos0, v, kv_of, None)
+            row = self.logit_row()
+            self.head(pos0, 1, row)
+            logits = ops.to_host(row)
+            ops.copy(keep, x)
+            return rule.exits(xh, logits=logits)
+        return rule.exits(xh)
+
     def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
                       cache: RuntimeKVCache, snapshot) -> None:
         self._check_loop_depth(depth_to)
@@ -773,9 +880,9 @@ class Model:
         if self._adapter is not None:
             e = v["inject"]
             snapshot.get_entry(pos0, e)
-        self._iterations(x, e, depth_from, depth_to, pos0, v, cache.slot, None)
+        self._iterations(x, e, depth_from, depth_to, pos0, v, cache.kv_of, None)
         snapshot.put_state(pos0, x)
-        self._coda(x, depth_to, pos0, v, cache.slot, None)
+        self._coda(x, depth_to, pos0, v, cache.kv_of, None)
         for hook in self._rows_hooks:
             hook(pos0, t)
 
@@ -1042,7 +1149,7 @@ class Model:
 
     # -- public request API -------------------------------------------------------------------
     def logits(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
-               prefix_pool=None) -> np.ndarray:
+               prefix_pool=None, kv_iterations=None) -> np.ndarray:
         """Next-token logits at every position (teacher forcing).
 
         ``token_ids``: 1-D ints, 1 <= T <= max_seq_len, or text (encoded as generate does;
@@ -1052,42 +1159,50 @@ class Model:
         mode, default the load's), so the logits show a mode's true quality. ``prefix``
         (PrefixCache / ResumeHandle the ids start with) or ``prefix_pool`` (PrefixPool):
         positions that come from the cache are not recomputed (their rows come from the cached
-        residuals through the head). Raises ConfigError / TokenizerError on bad input,
+        residuals through the head). ``kv_iterations``: the iteration KV policy (default the
+        load's; :meth:`new_kv_cache`). Raises ConfigError / TokenizerError on bad input,
         ModelFreedError after free, HandleError for a released handle.
         """
         return teacher_forced_logits(self, token_ids, depth, kv_mode, prefix=prefix,
-                                     prefix_pool=prefix_pool)
+                                     prefix_pool=prefix_pool, kv_iterations=kv_iterations)
 
     def score(self, token_ids, depth: int | None = None, kv_mode=None, *, prefix=None,
-              prefix_pool=None) -> np.ndarray:
+              prefix_pool=None, kv_iterations=None) -> np.ndarray:
         """float64 ``[T-1]``: log p(token[t+1] | tokens[0..t]) under the model (T >= 2;
         ``token_ids`` as in :meth:`logits`, so an empty one is [BOS], T = 1: ConfigError).
         ``kv_mode`` / ``prefix`` / ``prefix_pool`` as in :meth:`logits`."""
-        return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool)
+        return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool,
+                      kv_iterations=kv_iterations)
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                  prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 repeat_last_n: int = DEFAULT_REPEAT_LAST_N):
+                 repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None,
+                 exit_rule=None, exit_threshold=None, max_depth=None):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
         (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
         from cached state (see :mod:`tinyloop.kv.handles`, :mod:`tinyloop.kv.pool`).
         ``min_p``, ``repetition_penalty`` over the last ``repeat_last_n`` tokens: see
-        :func:`tinyloop.generate.stream` for the sampling rule, and for the errors."""
+        :func:`tinyloop.generate.stream` for the sampling rule, and for the errors.
+        ``depth="auto"`` with ``exit_rule`` / ``exit_threshold`` / ``max_depth``: per-token
+        adaptive depth (:mod:`tinyloop.adaptive`); ``kv_iterations``: "all" | "latest"."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
-                         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
+                         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
+                         kv_iterations=kv_iterations, exit_rule=exit_rule,
+                         exit_threshold=exit_threshold, max_depth=max_depth)
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                depth: int | None = None,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               repeat_last_n: int = DEFAULT_REPEAT_LAST_N):
+               repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None,
+               exit_rule=None, exit_threshold=None, max_depth=None):
         """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
         of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
         (``text`` is the newly decodable text, possibly empty); the ids and texts are
@@ -1096,23 +1211,30 @@ class Model:
         return _stream(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
-                       repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n)
+                       repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
+                       kv_iterations=kv_iterations, exit_rule=exit_rule,
+                       exit_threshold=exit_threshold, max_depth=max_depth)
 
     # -- cached state across calls (tinyloop.kv) -----------------------------------------------
-    def prefill(self, prompt, depth: int | None = None, kv_mode=None):
+    def prefill(self, prompt, depth: int | None = None, kv_mode=None, kv_iterations=None, *,
+                exit_rule=None, exit_threshold=None, max_depth=None):
         """Prefill ``prompt`` (text or ids) once and keep it: returns a
         :class:`~tinyloop.kv.PrefixCache` to pass as ``prefix=`` to generate / stream /
-        logits / score, which then prefill only the tokens after it. Raises ConfigError /
-        TokenizerError on bad input, OutOfMemoryError (nothing stays allocated)."""
-        return make_prefix(self, prompt, depth, kv_mode)
+        logits / score, which then prefill only the tokens after it. ``depth="auto"`` with
+        ``exit_rule`` / ``exit_threshold`` / ``max_depth``: the prompt at the max depth, the
+        handle keyed by the rule (only depth="auto" requests under that rule take it; see
+        :func:`tinyloop.generate.make_prefix`). Raises ConfigError / TokenizerError on bad
+        input, OutOfMemoryError (nothing stays allocated)."""
+        return make_prefix(self, prompt, depth, kv_mode, kv_iterations, exit_rule,
+                           exit_threshold, max_depth)
 
     def resume_handle(self, prompt, depth: int | None = None, max_depth: int | None = None,
-                      kv_mode=None):
+                      kv_mode=None, kv_iterations=None):
         """Prefill ``prompt`` at ``depth`` keeping, for every position, the residual state the
         recurrent block continues from and K/V room for ``max_depth`` iterations (default: the
         model's): returns a :class:`~tinyloop.kv.ResumeHandle`; ``rh.upgrade(d2)`` deepens
         it by running only the added iterations and the coda."""
-        return make_resume_handle(self, prompt, depth, max_depth, kv_mode)
+        return make_resume_handle(self, prompt, depth, max_depth, kv_mode, kv_iterations)
 
     def load_prefix(self, path):
         """Load a prefix saved with ``PrefixCache.save`` / ``ResumeHandle.save`` (see
@@ -1139,7 +1261,8 @@ def artificial_loop_message(model: Model, depth: int) -> str:
 
 
 def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
-               backend: str = "auto", kv_mode=None, kernels=None) -> Model:
+               backend: str = "auto", kv_mode=None, kernels=None,
+               kv_iterations: str = "all") -> Model:
     """Load a .tlm model, phase by phase (the lifecycle and memory contract,
     docs/architecture.md).
 
@@ -1153,7 +1276,9 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
     ``TINYLOOP_KV_MODE``, else "fp16"; docs/kv_modes.md compares them); ``kernels``: the
     CUDA kernel variants (``tinyloop.backends.cuda.KernelChoice``, for tests and
     benchmarks; None: the defaults; a non-default choice on the NumPy backend raises
-    ConfigError).
+    ConfigError); ``kv_iterations``: the requests' default iteration KV policy ("all": one
+    K/V slot per recurrent layer and iteration; "latest": one per recurrent layer, each
+    iteration overwriting it; ``tinyloop.kv.layouts.KV_ITERATIONS`` says what each reads).
     Raises a TinyLoopError subclass naming the cause (FormatError family, ConfigError,
     OutOfMemoryError, BackendUnavailableError); on failure nothing stays allocated.
     A folder (Hugging Face config.json + .safetensors of Ouro, Huginn or Nanbeige) is
@@ -1168,7 +1293,7 @@ def load_model(path, max_seq_len: int = 2048, prefill_chunk: int = 0, *,
         path = cached_folder_conversion(path)
     from .default import model_file
     return Model(model_file(path), max_seq_len, prefill_chunk, backend=backend, kv_mode=kv_mode,
-                 kernels=kernels)
+                 kernels=kernels, kv_iterations=kv_iterations)
 
 
 def _check_model(model) -> Model:

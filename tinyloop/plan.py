@@ -181,18 +181,18 @@ def logits_block_rows(n_tokens: int, max_seq_len: int, prefill_chunk: int) -> in
 
 
 def request_plan(cfg: ModelConfig, n_tokens: int, depth: int, kv_dtype,
-                 logits_rows: int = 0, modes=None, page_size: int | None = None
-                 ) -> list[PlanEntry]:
+                 logits_rows: int = 0, modes=None, page_size: int | None = None,
+                 kv_iterations: str = "all") -> list[PlanEntry]:
     """Per-request allocations: the paged KV cache (tag "kv_cache": the block tables, int64
     ``[slots, pages]``, and ``pages`` pages per slot, uint8 ``[slots * pages, page_bytes]`` for
     a single-mode cache, else one entry per mode) and, for logits()/score(), a float32 logits
     block ``[logits_rows, vocab]`` (tag "logits"). ``modes``: one KV mode per physical layer
-    (default all "fp16")."""
+    (default all "fp16"); ``kv_iterations``: the iteration KV policy (``slot_layers``)."""
     from .kv.layouts import DEFAULT_PAGE_SIZE, PageLayout, slot_layers
     page_size = page_size or DEFAULT_PAGE_SIZE
     modes = modes or ("fp16",) * cfg.n_layers
     pages = -(-n_tokens // page_size)
-    layers = slot_layers(cfg, depth)
+    layers = slot_layers(cfg, depth, kv_iterations)
     out = [PlanEntry("kv_block_tables", (len(layers), pages), "int64", "kv_cache", 0)]
     counts: dict = {}
     for li in layers:

@@ -4,6 +4,7 @@ API), where the ``#`` lines go, the prefill's progress bar, and the artificial-l
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -343,3 +344,23 @@ def test_the_converter_records_an_artificial_loop(tmp_path):
     with read_tlm(dst) as f:
         md = f.metadata
     assert md["loop"] == "artificial" and md["source_architecture"] == "llama"
+
+
+def test_generate_at_adaptive_depth_and_latest_kv(tiny_model_path, capsys):
+    """--exit-rule runs depth='auto' up to --depth (default: the max depth); the timings line
+    gives the mean depth the new tokens ran at; --kv-iterations picks the KV policy."""
+    m = tinyloop.load_model(tiny_model_path, backend="numpy", max_seq_len=64)
+    try:
+        top = m.config.max_depth
+        want = m.generate("hi", max_new_tokens=3, depth="auto", exit_rule="state",
+                          exit_threshold=math.inf, kv_iterations="latest")
+    finally:
+        tinyloop.free_model(m)
+    assert cli.main(["generate", tiny_model_path, "hi", *SMALL, "--raw", "--exit-rule", "state",
+                     "--exit-threshold", "inf", "--kv-iterations", "latest"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == want.text.strip()
+    assert f"depth {top} at most, exit rule state" in err
+    assert f"new tokens at mean depth {want.mean_depth:.2f}" in err
+    assert cli.main(["generate", tiny_model_path, "hi", *SMALL, "--exit-threshold", "0.1"]) != 0
+    assert "--exit-threshold goes with --exit-rule" in capsys.readouterr().err

@@ -105,7 +105,7 @@ def test_pdl_capture_gives_bit_identical_logits(real_model_path, real_text_ids, 
         keys = m.graph_stats()["keys"]
         if m.ops.pdl_capture is False:
             pytest.skip("PDL needs compute capability 9.0 (the PDL=1 run captured plainly)")
-        assert {k[4][-1] for k in keys} == {False, True} and len(keys) == 6
+        assert {k[5][-1] for k in keys} == {False, True} and len(keys) == 6
     finally:
         tinyloop.free_model(m)
 

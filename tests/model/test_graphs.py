@@ -132,6 +132,29 @@ def test_graphs_on_and_off_give_identical_tokens(tiny_model_path, monkeypatch, m
         tinyloop.free_model(m)
 
 
+def test_latest_policy_steps_replay_the_eager_tokens(tiny_model_path, monkeypatch):
+    """kv_iterations="latest": the captured step reads the slot map as the eager forward does
+    (one slot per recurrent layer), so graphs on and off give the same tokens, and "all" and
+    "latest" at one depth are two keys."""
+    m = _fake_model(tiny_model_path, max_seq_len=64)
+    try:
+        p = _prompt(20, 7)
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        want = m.generate(p, max_new_tokens=8, depth=3, kv_iterations="latest").token_ids
+        other = m.generate(p, max_new_tokens=8, depth=3).token_ids
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+        assert m.generate(p, max_new_tokens=8, depth=3,
+                          kv_iterations="latest").token_ids == want
+        assert m.generate(p, max_new_tokens=8, depth=3).token_ids == other
+        keys = m.graph_stats()["keys"]
+        assert sorted(k[3] for k in keys) == ["all", "latest"] and m.ops.launched > 0
+        with m.new_kv_cache(3, 40, kv_iterations="latest") as c:
+            g = graphmod.decode_graphs(m)
+            assert len(g.key(c)[1]) == c.n_slots == m.config.n_slots(1)
+    finally:
+        tinyloop.free_model(m)
+
+
 SAMPLED = [dict(temperature=0.9, top_k=0, top_p=1.0, seed=1),
            dict(temperature=0.7, top_k=20, top_p=0.9, seed=2),
            dict(temperature=1.3, top_k=3, top_p=0.5, seed=3)]

@@ -17,12 +17,13 @@ from here.
 
 from .cache import DepthView, Recon, RuntimeKVCache, SlotKV
 from .handles import PrefixCache, ResumeHandle
-from .layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, kv_bytes_per_token,
-                      resolve_kv_modes, room_slots, slot_layers)
+from .layouts import (DEFAULT_PAGE_SIZE, H_MODES, KV_ITERATIONS, PageLayout,
+                      kv_bytes_per_token, resolve_kv_modes, room_slots, slot_layers, slot_map)
 from .pages import Page, PageAllocator
 from .pool import PrefixPool
 from .registry import KVRegistry
 
-__all__ = ["DEFAULT_PAGE_SIZE", "H_MODES", "DepthView", "KVRegistry", "Page", "PageAllocator",
-           "PageLayout", "PrefixCache", "PrefixPool", "Recon", "ResumeHandle", "RuntimeKVCache",
-           "SlotKV", "kv_bytes_per_token", "resolve_kv_modes", "room_slots", "slot_layers"]
+__all__ = ["DEFAULT_PAGE_SIZE", "H_MODES", "KV_ITERATIONS", "DepthView", "KVRegistry", "Page",
+           "PageAllocator", "PageLayout", "PrefixCache", "PrefixPool", "Recon", "ResumeHandle",
+           "RuntimeKVCache", "SlotKV", "kv_bytes_per_token", "resolve_kv_modes", "room_slots",
+           "slot_layers", "slot_map"]

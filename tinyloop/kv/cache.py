@@ -18,7 +18,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError, HandleError
-from .layouts import DEFAULT_PAGE_SIZE, PageLayout, room_slots, slot_layers
+from .layouts import (DEFAULT_PAGE_SIZE, PageLayout, check_kv_iterations, room_slots,
+                      slot_layers, slot_map)
 from .pages import Page, PageAllocator, copy_page
 
 class SlotKV:
@@ -47,7 +48,10 @@ class SlotKV:
 class RuntimeKVCache:
     """A request's paged KV cache over ``n_slots`` slots for up to ``capacity`` positions.
 
-    ``modes``: one storage mode per physical layer (see ``resolve_kv_modes``). Pages are gained
+    ``modes``: one storage mode per physical layer (see ``resolve_kv_modes``);
+    ``kv_iterations``: the iteration KV policy (``layouts.KV_ITERATIONS``: "all" keeps
+    ``P + R*depth + C`` slots, "latest" ``P + R + C``). Slots ``0..n_slots-1`` are the cache's
+    own; :meth:`kv_of` takes the forward's slot names (the "all" order) to them. Pages are gained
     by :meth:`ensure` as positions are written; the block tables (one pool block, tag
     ``kv_cache``, int64 ``[n_slots, ceil(capacity / P)]``) are made once and never move.
     Use as a context manager or call :meth:`release`; after release any access raises
@@ -57,7 +61,8 @@ class RuntimeKVCache:
     """
 
     def __init__(self, ops, pool, cfg: ModelConfig, depth: int, capacity: int, modes,
-                 allocator: PageAllocator, page_size: int = DEFAULT_PAGE_SIZE):
+                 allocator: PageAllocator, page_size: int = DEFAULT_PAGE_SIZE,
+                 kv_iterations: str = "all"):
         if capacity < 1:
             raise ConfigError(f"KV cache capacity must be >= 1, got {capacity}")
         if len(modes) != cfg.n_layers:
@@ -68,7 +73,9 @@ class RuntimeKVCache:
         self.page_size = page_size
         self.modes = tuple(modes)
         self.config = cfg
-        self.layer_of_slot = slot_layers(cfg, depth)
+        self.kv_iterations = check_kv_iterations(kv_iterations)
+        self.layer_of_slot = slot_layers(cfg, depth, kv_iterations)
+        self.slot_of = slot_map(cfg, depth, kv_iterations)   # forward's slot -> own slot
         self.n_slots = len(self.layer_of_slot)
         kv_dtype = np.dtype(ops.kv_dtype).name
         layouts = {m: PageLayout.for_config(cfg, m, page_size, kv_dtype) for m in set(modes)}
@@ -161,6 +168,12 @@ class RuntimeKVCache:
     def slot(self, s: int) -> SlotKV:
         self._alive()
         return self._slots[s]
+
+    def kv_of(self, s: int) -> SlotKV:
+        """The SlotKV holding the forward's slot ``s`` (the "all" order at ``depth``:
+        ``slot_map``)."""
+        self._alive()
+        return self._slots[self.slot_of[s]]
 
     def page_list(self, s: int) -> list:
         """The Pages slot ``s`` holds, in position order (read-only use)."""
@@ -303,7 +316,22 @@ class DepthView:
         self.cache.ensure(n_positions)
 
     def slot(self, s: int) -> SlotKV:
-        return self.cache.slot(self.slots[s])
+        return self.cache.kv_of(self.slots[s])
+
+    kv_of = slot          # the forward's slot names, as RuntimeKVCache.kv_of takes them
+
+
+def copy_position(src: SlotKV, dst: SlotKV, pos: int) -> None:
+    """Copy position ``pos``'s stored row (every part of its page: K/V codes, scales, or h)
+    from slot ``src`` into slot ``dst`` (same page layout), on the pages' device. What an
+    early-exiting token leaves in the deeper iterations' slots (``Model.forward_auto``).
+    Raises ConfigError for slots of two layouts."""
+    if src.layout != dst.layout:
+        raise ConfigError("copy_position needs two slots of one page layout")
+    i, r = divmod(pos, src.page_size)
+    a, b = src.page_parts(i), dst.page_parts(i)
+    for name in a:
+        b[name][r] = a[name][r]
 
 
 @dataclass(frozen=True)

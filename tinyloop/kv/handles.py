@@ -104,13 +104,15 @@ class HandleStorage:
     fails to allocate. Call :meth:`hold_pages` once the pages are written: the storage then
     holds them (``PageAllocator.hold``) until it lets go of them."""
 
-    def __init__(self, model, slot_depth: int, n: int, modes: tuple, snapshot: bool = False):
+    def __init__(self, model, slot_depth: int, n: int, modes: tuple, snapshot: bool = False,
+                 kv_iterations: str = "all"):
         ops, pool, cfg = model.ops, model.pool, model.config
         self._model = model
         self.kv = self.rows_block = self.snap = self.rows = None
         self._held: dict = {}                  # addr -> Page this storage holds
         try:
-            self.kv = model.new_kv_cache(slot_depth, n, kv_mode=modes)
+            self.kv = model.new_kv_cache(slot_depth, n, kv_mode=modes,
+                                         kv_iterations=kv_iterations)
             self.kv.retag_tables(HELD_TAG)
             self.rows, self.rows_block = ops.empty(pool, (n, cfg.d_model), np.float32,
                                                    "prefix_cache")
@@ -230,7 +232,10 @@ class PrefixCache(Releasable):
     at), ``kv_mode`` (the KV storage mode name, or a per-layer tuple when layers differ),
     ``nbytes`` (pool bytes it holds: the pages of ``n_slots(depth)`` slots x ``len(tokens)``
     positions -- shared pages counted in full -- its block tables, and float32 ``[n,
-    d_model]`` final residual rows; tag ``prefix_cache``). ``release()`` (idempotent) or
+    d_model]`` final residual rows; tag ``prefix_cache``), ``exit_key``: (exit rule,
+    threshold, max depth) of a prefix prefilled at depth="auto" (its positions ran at the max
+    depth, ``tinyloop.adaptive``; only requests under the same rule take it), else None; a
+    saved one loads as a fixed-depth prefix at its max depth. ``release()`` (idempotent) or
     ``with`` frees them; any later use raises HandleError. Freeing the model releases its
     handles.
     """
@@ -238,13 +243,15 @@ class PrefixCache(Releasable):
     kind = "PrefixCache"
 
     def __init__(self, model, ids: np.ndarray, depth: int, modes: tuple,
-                 storage: HandleStorage):
+                 storage: HandleStorage, exit_key: tuple | None = None):
         self._model = model
         self._ids = np.array(ids, dtype=np.int32)
         self._ids.setflags(write=False)
         self._tokens = tuple(int(t) for t in self._ids)
         self._depth = int(depth)
         self._modes = tuple(modes)
+        self._exit_key = exit_key
+        self._policy = storage.kv.kv_iterations
         self._st = storage
         self._finalizer = weakref.finalize(self, _orphaned, model, self.kind, len(self._ids),
                                            storage)
@@ -262,6 +269,15 @@ class PrefixCache(Releasable):
     @property
     def kv_mode(self):
         return mode_name(self._modes)
+
+    @property
+    def exit_key(self) -> tuple | None:
+        return self._exit_key
+
+    @property
+    def kv_iterations(self) -> str:
+        """The iteration KV policy its K/V is kept under ("all" | "latest")."""
+        return self._policy
 
     @property
     def nbytes(self) -> int:
@@ -291,6 +307,9 @@ class PrefixCache(Releasable):
         ``path``) when the file system fails; nothing is left behind and the handle is
         unchanged."""
         model = self._model
+        if self._policy != "all":
+            raise ConfigError("a prefix kept under kv_iterations='latest' cannot be saved "
+                              "(the .tlpx format holds one slot per iteration)")
         with model.lock:
             self.check()
             state = self._st.host_state()
@@ -343,7 +362,8 @@ class PrefixCache(Releasable):
         ConfigError for a cache of another depth or layout. Call under the model's lock."""
         self.check()
         kv = self._st.kv
-        cache.share_prefix(kv, m, room_slots(self._model.config, self._depth, kv.depth))
+        cache.share_prefix(kv, m, None if self._policy == "latest" else
+                           room_slots(self._model.config, self._depth, kv.depth))
         rows_out[...] = self._st.rows[:m]
 
 

@@ -1,5 +1,5 @@
 """Page layouts of the paged KV cache: the five storage modes, the byte layout of one page, the
-slot order of a looped pass and ``kv_mode`` resolution.
+slot order of a looped pass (per iteration KV policy) and ``kv_mode`` resolution.
 
 A request's attention state lives in fixed-size pages of ``P`` positions (``page_size``) for
 one attention slot (layer, iteration). Slot indices follow ``docs/architecture.md`` (prelude
@@ -295,9 +295,51 @@ AUTO_KL_BOUND = 5e-3
 AUTO_TABLE = {"prelude": "int8", "recurrent": "int8", "coda": "int8"}
 
 
-def slot_layers(cfg: ModelConfig, depth: int) -> list[int]:
-    """The physical layer of every slot at ``depth`` (slot order of docs/architecture.md)."""
+# Iteration KV policies: how many K/V slots a recurrent layer keeps.
+#  "all":    one slot per iteration (P + R*depth + C slots): iteration t of recurrent layer j
+#            reads and writes slot P + t*R + j, so it attends to the earlier positions'
+#            iteration-t K/V (Ouro's KV index ``current_ut * num_hidden_layers + layer_idx``).
+#  "latest": one slot per recurrent layer (P + R + C slots), written by every iteration: an
+#            iteration of layer j writes its positions' K/V into slot P + j and attends to
+#            whatever that slot holds for the earlier positions, which is their last
+#            iteration's K/V once their forward ended (Huginn's ``compress-s4`` step index
+#            ``(step - 2) % 4 + 2`` over its 4 core blocks: seal-rg/recurrent-pretraining
+#            ``raven_modeling_minimal.py`` HuginnStaticCache / HuginnDynamicCache.update).
+#            Positions of one forward chunk see each other's current-iteration K/V (they are
+#            written before the chunk's attention reads them), so a prompt's result depends on
+#            where its chunks begin (``Model._chunks``: absolute multiples of the scratch rows).
+# No "first_last" policy: no published measurement of it was found.
+KV_ITERATIONS = ("all", "latest")
+
+
+def check_kv_iterations(policy) -> str:
+    """``policy`` when it is one of KV_ITERATIONS; ConfigError naming it otherwise."""
+    if not isinstance(policy, str) or policy not in KV_ITERATIONS:
+        raise ConfigError(f"unknown kv_iterations policy {policy!r}; expected one of "
+                          f"{KV_ITERATIONS}")
+    return policy
+
+
+def slot_layers(cfg: ModelConfig, depth: int, kv_iterations: str = "all") -> list[int]:
+    """The physical layer of every slot a cache at ``depth`` holds: prelude i -> i, then
+    (``"all"``) recurrent j at iteration t -> P + t*R + j, coda c -> P + R*depth + c, or
+    (``"latest"``) one slot per recurrent layer P + j, coda P + R + c (docs/architecture.md)."""
+    check_kv_iterations(kv_iterations)
     p, r = cfg.n_prelude, cfg.n_recurrent
+    held = depth if kv_iterations == "all" else min(depth, 1)
+    return (list(range(p)) + [p + j for _ in range(held) for j in range(r)]
+            + [p + r + c for c in range(cfg.n_coda)])
+
+
+def slot_map(cfg: ModelConfig, depth: int, kv_iterations: str = "all") -> list[int]:
+    """For every slot of the ``"all"`` order at ``depth`` (prelude i, recurrent P + t*R + j,
+    coda P + R*depth + c: the indices the forward names), the slot of a ``kv_iterations``
+    cache at ``depth`` that holds it: the identity for ``"all"``; for ``"latest"`` P + t*R + j
+    -> P + j and the coda -> P + R + c."""
+    check_kv_iterations(kv_iterations)
+    p, r, n = cfg.n_prelude, cfg.n_recurrent, cfg.n_slots(depth)
+    if kv_iterations == "all" or depth <= 1:
+        return list(range(n))
     return (list(range(p)) + [p + j for _ in range(depth) for j in range(r)]
             + [p + r + c for c in range(cfg.n_coda)])
 
@@ -313,12 +355,12 @@ def room_slots(cfg: ModelConfig, depth: int, room: int) -> list[int]:
     return list(range(p + r * depth)) + [p + r * room + c for c in range(cfg.n_coda)]
 
 
-def kv_bytes_per_token(cfg: ModelConfig, depth: int, modes, kv_dtype="float16") -> int:
-    """Bytes one position occupies over all slots at ``depth`` (page rounding excluded)."""
+def kv_bytes_per_token(cfg: ModelConfig, depth: int, modes, kv_dtype="float16",
+                       kv_iterations: str = "all") -> int:
+    """Bytes one position occupies over all slots of a ``kv_iterations`` cache at ``depth``
+    (``slot_layers``; page rounding excluded)."""
     per_layer = [PageLayout.for_config(cfg, m, 1, kv_dtype).bytes_per_token for m in modes]
-    return sum(per_layer[li] for li in slot_layers(cfg, depth))
-
-
+    return sum(per_layer[li] for li in slot_layers(cfg, depth, kv_iterations))
 
 
 def mode_name(modes: tuple):

@@ -24,13 +24,15 @@ from .layouts import DEFAULT_PAGE_SIZE, slot_layers
 from .registry import KVRegistry
 
 _KEY_MAGIC = b"TLPK\x02"
+_KEY_MAGIC_POLICY = b"TLPK\x03"     # a key whose iteration KV policy is not "all"
 
 
-def encode_key(fingerprint: bytes, depth: int, modes, ids) -> bytes:
+def encode_key(fingerprint: bytes, depth: int, modes, ids, kv_iterations: str = "all") -> bytes:
     """The pool key as bytes: an injective encoding of (model fingerprint, depth, KV modes,
-    token ids), so two different keys never compare equal.
+    token ids, iteration KV policy), so two different keys never compare equal.
 
-    Layout: ``b"TLPK\x02"``, the 32-byte fingerprint, u32 depth, u16 count of modes, each
+    Layout: ``b"TLPK\x02"`` ("all") or ``b"TLPK\x03"`` then the policy as u8 length + ASCII
+    (any other policy), the 32-byte fingerprint, u32 depth, u16 count of modes, each
     mode as u8 length + ASCII (one per physical layer, or one name), u32 token count, then the
     ids as little-endian u32. Every variable-length field is length-prefixed and the rest are
     fixed-width, so the bytes decode back to one key only.
@@ -38,7 +40,11 @@ def encode_key(fingerprint: bytes, depth: int, modes, ids) -> bytes:
     if len(fingerprint) != 32:
         raise ConfigError(f"a model fingerprint has 32 bytes, got {len(fingerprint)}")
     modes = (modes,) if isinstance(modes, str) else tuple(modes)
-    parts = [_KEY_MAGIC, fingerprint, struct.pack("<IH", depth, len(modes))]
+    parts = [_KEY_MAGIC]
+    if kv_iterations != "all":
+        b = kv_iterations.encode("ascii")
+        parts = [_KEY_MAGIC_POLICY, struct.pack("<B", len(b)), b]
+    parts += [fingerprint, struct.pack("<IH", depth, len(modes))]
     for m in modes:
         b = m.encode("ascii")
         parts += [struct.pack("<B", len(b)), b]
@@ -112,12 +118,13 @@ class PrefixPool(Releasable):
     def max_bytes(self):
         return self._max_bytes
 
-    def key(self, tokens, depth: int, kv_mode=None) -> bytes:
-        """This pool's key for ``tokens`` at ``depth``/``kv_mode`` (None: the model's default;
-        see :func:`encode_key`)."""
+    def key(self, tokens, depth: int, kv_mode=None, kv_iterations=None) -> bytes:
+        """This pool's key for ``tokens`` at ``depth``/``kv_mode``/``kv_iterations`` (None:
+        the model's defaults; see :func:`encode_key`)."""
         return encode_key(self._model.fingerprint, depth,
                           self._model.resolve_kv_modes(kv_mode),
-                          self._model.check_token_ids(tokens, "tokens"))
+                          self._model.check_token_ids(tokens, "tokens"),
+                          self._model.resolve_kv_iterations(kv_iterations))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -161,13 +168,18 @@ class PrefixPool(Releasable):
             raise HandleError(f"this PrefixPool belongs to another Model "
                               f"({self._model.path!r}); make one per model")
 
-    def lookup(self, ids: np.ndarray, depth: int, modes: tuple):
+    def lookup(self, ids: np.ndarray, depth: int, modes: tuple, kv_iterations: str = "all"):
         """(entry, m): the entry sharing the longest prefix of ``ids`` at ``depth``/``modes``
-        and that length (0 and None on a miss). Counts the hit or miss; refreshes its LRU."""
+        under ``kv_iterations`` and that length (0 and None on a miss; under "latest" the
+        length is cut to a multiple of ``Model.chunk_rows``, so the request's own positions
+        run in the chunks an uncached run gives them). Counts the hit or miss; refreshes its
+        LRU."""
         best, best_m = None, 0
         for e in self._entries.values():
-            if e.depth == depth and e.modes == modes:
+            if e.depth == depth and e.modes == modes and e.kv_iterations == kv_iterations:
                 m = common_prefix(e.ids, ids)
+                if kv_iterations != "all":          # generate.reusable_positions' rule
+                    m -= m % self._model.chunk_rows
                 if m > best_m:
                     best, best_m = e, m
         if best is None:
@@ -179,15 +191,16 @@ class PrefixPool(Releasable):
         return best, best_m
 
     def _key_of(self, e: PrefixCache) -> bytes:
-        return encode_key(self._model.fingerprint, e.depth, e.modes, e.ids)
+        return encode_key(self._model.fingerprint, e.depth, e.modes, e.ids, e.kv_iterations)
 
-    def entry_bytes(self, n_tokens: int, depth: int, kv_mode=None) -> int:
-        """Pool bytes an entry of ``n_tokens`` positions at ``depth`` holds when it shares no
-        page with another entry: its pages, its block tables, its final residual rows."""
+    def entry_bytes(self, n_tokens: int, depth: int, kv_mode=None, kv_iterations=None) -> int:
+        """Pool bytes an entry of ``n_tokens`` positions at ``depth`` under ``kv_iterations``
+        (None: the model's default) holds when it shares no page with another entry: its
+        pages, its block tables, its final residual rows."""
         model = self._model
         cfg = model.config
         modes = model.resolve_kv_modes(kv_mode)
-        cache_slots = slot_layers(cfg, depth)
+        cache_slots = slot_layers(cfg, depth, model.resolve_kv_iterations(kv_iterations))
         pages = -(-n_tokens // DEFAULT_PAGE_SIZE)
         page_bytes = sum(round_size(model.kv_page_layout(modes[li], DEFAULT_PAGE_SIZE).page_bytes)
                          for li in cache_slots)
@@ -218,24 +231,27 @@ class PrefixPool(Releasable):
 
     def insert(self, ids: np.ndarray, depth: int, modes: tuple, cache: RuntimeKVCache,
                rows) -> None:
-        """Insert the request's prompt (its K/V in ``cache`` positions 0..T-1, its final
-        residual rows ``rows``, float32 ``[T, d_model]``): the entry takes the full pages by
+        """Insert the request's prompt (its K/V in ``cache`` positions 0..T-1, under the cache's
+        iteration KV policy, its final residual rows ``rows``, float32 ``[T, d_model]``): the
+        entry takes the full pages by
         reference and copies a partly filled last page. The new entry is made first, so an
         insert that fails (OutOfMemoryError: counted as rejected; anything else: raised) leaves
         the entries as they were. Then entries it extends are dropped (it contains them), and
         the least recently used entries go, oldest first, until the pool is back within
         max_bytes."""
         model = self._model
-        key = encode_key(model.fingerprint, depth, modes, ids)
+        policy = cache.kv_iterations
+        key = encode_key(model.fingerprint, depth, modes, ids, policy)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
         n = len(ids)
-        if self._max_bytes is not None and self.entry_bytes(n, depth, modes) > self._max_bytes:
+        if self._max_bytes is not None and \
+                self.entry_bytes(n, depth, modes, policy) > self._max_bytes:
             self._counts["rejected"] += 1              # larger than the whole budget
             return
         try:
-            st = HandleStorage(model, depth, n, modes)
+            st = HandleStorage(model, depth, n, modes, kv_iterations=policy)
             try:
                 st.kv.share_prefix(cache, n)
             except BaseException:
@@ -256,7 +272,8 @@ class PrefixPool(Releasable):
         self._add(key, entry)
         self._counts["inserts"] += 1
         for k, e in list(self._entries.items()):
-            if (k != key and e.depth == depth and e.modes == modes and len(e) <= n
+            if (k != key and e.depth == depth and e.modes == modes
+                    and e.kv_iterations == policy and len(e) <= n
                     and common_prefix(e.ids, ids) == len(e)):
                 self._remove(k)
                 self._counts["replaced"] += 1

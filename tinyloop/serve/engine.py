@@ -366,6 +366,9 @@ class Engine:
         req = check_request(self.model, prompt, max_new_tokens, depth, temperature, top_k,
                             top_p, seed, stop, kv_mode, None, self.prefix_pool, min_p,
                             repetition_penalty, repeat_last_n)
+        if req.exit is not None:
+            raise ConfigError("depth='auto' is not taken by the engine: a batched decode step "
+                              "runs every request of its group at one fixed depth")
         total = len(req.ids) + req.max_new_tokens
         need = request_kv_bytes(self.model, max(total, 1), req.depth, req.kv_mode)
         if self.prefix_pool is not None:
