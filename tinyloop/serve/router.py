@@ -25,7 +25,9 @@ dead one. A request whose replica fails before any of its answer reached the cli
 connection refused or cut before the response, or before a streamed response's first event)
 is retried on another replica, at most ``retries`` times; after that, or when no replica is
 up, it answers 503 with OpenAI's error object naming the replica. A stream cut after its
-first event ends with an SSE error event naming the replica. Every call to a replica has a
+first event ends with an SSE error event naming the replica. A response names the replica
+that answered in its ``x-tinyloop-replica`` header, and those that failed before it in
+``x-tinyloop-failed-replicas``. Every call to a replica has a
 connect / read timeout, so no request waits on a stopped worker forever.
 
 ``/metrics`` (Prometheus text): ``tinyloop_router_requests{replica, route, status}``,
@@ -63,6 +65,8 @@ READ_TIMEOUT_S = 300.0       # a forwarded call's wait for the next bytes
 METRICS_TIMEOUT_S = 2.0      # one replica's /metrics, for the aggregate
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+REPLICA_HEADER = "x-tinyloop-replica"          # the replica that answered
+FAILED_HEADER = "x-tinyloop-failed-replicas"   # those that failed before it (retries)
 
 # a worker process's program (-c: ``-m tinyloop.serve.replica`` would import the module twice,
 # once through the package)
@@ -535,6 +539,13 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
             _Relabelled({w.index: t for w, t in zip(ws, texts) if t is not None}))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    def served_by(tried) -> dict:
+        """The response headers naming the replica that answered and those that failed."""
+        out = {REPLICA_HEADER: str(tried[-1].index)}
+        if len(tried) > 1:
+            out[FAILED_HEADER] = ",".join(str(t.index) for t in tried[:-1])
+        return out
+
     def failed_message(w, e) -> str:
         return (f"{w.name} (pid {w.pid}) failed while serving the request: "
                 f"{type(e).__name__}: {e}".rstrip(": "))
@@ -570,7 +581,8 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
                         content = await resp.aread()
                         m_requests.labels(str(w.index), route, str(resp.status_code)).inc()
                         return Response(content, status_code=resp.status_code,
-                                        media_type=resp.headers.get("content-type"))
+                                        media_type=resp.headers.get("content-type"),
+                                        headers=served_by(tried))
                     it = resp.aiter_raw()
                     first = await it.__anext__()   # the first event: the replica answers
                 except BaseException:
@@ -602,7 +614,7 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
 
             return StreamingResponse(events(), status_code=200,
                                      media_type=resp.headers.get("content-type"),
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **served_by(tried)})
         if last is None:
             m_requests.labels("none", route, "503").inc()
             return unavailable("no replica is up; try again later")
