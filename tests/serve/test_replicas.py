@@ -335,3 +335,44 @@ def test_replica_spec_round_trips_and_checks():
         ReplicaSpec(model="/x.tlm", max_batch=0)
     with pytest.raises(ConfigError, match="replica spec"):
         ReplicaSpec.from_json(json.dumps({"model": "/x.tlm", "bogus": 1}))
+
+
+def test_a_stalled_worker_times_out_answers_503_and_is_replaced(chat_model_path, solo):
+    """SIGSTOP the only worker: a request to it gives up at the read timeout with 503
+    naming it (no other replica to retry on), the failed health checks kill it, it restarts
+    and serves the solo text."""
+    spec = ReplicaSpec(model=chat_model_path, backend="numpy", max_seq_len=64,
+                       model_name="tiny")
+    with ReplicaSet(spec, 1, health_interval_s=0.2, health_timeout_s=0.5,
+                    health_failures=2) as rs:
+        app = create_router_app(rs, "tiny", load_tokenizer(chat_model_path), read_timeout_s=1)
+        with ServerThread(app) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                                   timeout=30)
+            w = rs.workers[0]
+            old_pid = w.pid
+            os.kill(old_pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model="tiny", prompt="x", max_tokens=2)
+            assert time.monotonic() - t0 < 20
+            assert e.value.status_code == 503
+            assert f"replica 0 (pid {old_pid})" in e.value.message
+            assert e.value.body["code"] == "replica_failed"
+            _wait(lambda: w.state == "up" and w.pid != old_pid, 60, "the replacement")
+            r = client.completions.create(model="tiny", prompt="back", max_tokens=3,
+                                          temperature=0)
+            assert r.choices[0].text == solo.generate("back", max_new_tokens=3).text
+        assert not os.path.exists(f"/proc/{old_pid}")
+
+
+def test_no_replica_up_answers_503(chat_model_path):
+    spec = ReplicaSpec(model=chat_model_path, backend="numpy", max_seq_len=64)
+    with ReplicaSet(spec, 1, health_interval_s=0.2, restart=False) as rs:
+        app = create_router_app(rs, "tiny")
+        with ServerThread(app) as srv:
+            os.kill(rs.workers[0].pid, signal.SIGKILL)
+            _wait(lambda: rs.workers[0].state == "down", 30, "the worker marked down")
+            r = httpx2.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+            assert r.status_code == 503 and "no replica is up" in r.json()["error"]["message"]
+            assert httpx2.get(srv.url + "/health", timeout=10).status_code == 503
