@@ -7,9 +7,13 @@ their baseline) and a shutdown that leaves no worker process."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +42,7 @@ from ..conftest import TINY  # noqa: E402
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 MAX_SEQ_LEN = 320
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tinyloop.__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +297,131 @@ def test_a_killed_replica_fails_or_retries_its_requests_and_comes_back(cluster, 
                   f"{w.name}'s allocated bytes back at baseline")
     fams = _replica_metrics(srv.url)
     assert fams[("tinyloop_router_restarts", (("replica", str(victim.index)),))] >= 1
+
+
+def _cancelled(url: str) -> float:
+    """Requests the replicas behind the router at ``url`` ended "cancelled"."""
+    return sum(v for (name, labels), v in _replica_metrics(url).items()
+               if name == "tinyloop_finished_requests_total"
+               and ("reason", "cancelled") in labels)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_through_the_router_frees_the_replicas_pages(cluster, stream):
+    """The client closes its connection mid-request: the router drops its call, and the
+    replica cancels the request and frees its pages. A non-streamed request's worker is
+    stopped (SIGSTOP) across the close, so the request is still decoding when it resumes."""
+    rs, app, srv, client = cluster
+    _wait(lambda: all(w.in_flight == 0 for w in rs.workers))
+    base = {w.index: _allocated(w.url) for w in rs.workers}
+    cancelled = _cancelled(srv.url)
+    body = {"model": "tiny", "prompt": _prompt(90 + stream), "max_tokens": 250,
+            "temperature": 0, "stream": stream}
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    stopped = None
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        resp.readline()                         # the first event: it is decoding
+    else:
+        _wait(lambda: sum(w.in_flight for w in rs.workers) == 1, 30, "the request in flight")
+        stopped = next(w for w in rs.workers if w.in_flight == 1)
+        _wait(lambda: _replica_metrics(stopped.url).get(("tinyloop_generated_tokens_total",
+                                                         ()), 0) > 0 or
+              _replica_metrics(stopped.url).get(("tinyloop_active_requests", ()), 0) == 1,
+              30, "the request admitted")
+        os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        conn.sock.close()                       # the client leaves
+        conn.close()
+        _wait(lambda: all(w.in_flight == 0 for w in rs.workers), 30, "the router's count")
+    finally:
+        if stopped is not None:
+            os.kill(stopped.pid, signal.SIGCONT)
+    for w in rs.workers:
+        _wait(lambda w=w: _allocated(w.url) == base[w.index], 30,
+              f"{w.name}'s allocated bytes back at baseline")
+    _wait(lambda: _cancelled(srv.url) == cancelled + 1, 30, "the replica's cancel")
+
+
+def test_killing_the_router_process_ends_its_workers(chat_model_path, tmp_path):
+    """The workers watch their parent: a router killed with SIGKILL leaves none behind."""
+    code = (f"import sys, time; sys.path.insert(0, {ROOT!r})\n"
+            "from tinyloop.serve.replica import ReplicaSpec\n"
+            "from tinyloop.serve.router import ReplicaSet\n"
+            f"rs = ReplicaSet(ReplicaSpec(model={chat_model_path!r}, backend='numpy', "
+            "max_seq_len=64), 2).start()\n"
+            "print(' '.join(str(w.pid) for w in rs.workers), flush=True)\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    _wait(lambda: not any(_alive(p) for p in pids), 30, "the workers' exit")
+
+
+def test_the_cli_serves_replicas_and_stops_them_on_sigint(chat_model_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tinyloop", "serve", chat_model_path,
+                             "--replicas", "2", "--backend", "numpy", "--max-seq-len", "64",
+                             "--port", str(port), "--model-name", "tiny"],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx2.get(url + "/health", timeout=5).json().get("replicas_up") == 2
+            except httpx2.HTTPError:
+                return False
+        _wait(up, 120, "the router and its replicas")
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert c.completions.create(model="tiny", prompt="x", max_tokens=2).choices
+        kids = _children(proc.pid)
+        assert len(kids) == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    assert not any(_alive(p) for p in kids)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_close_leaves_no_worker_process(chat_model_path):

@@ -160,6 +160,8 @@ def worker_main(argv=None) -> int:
                 if _parent_gone(ppid) or not srv.thread.is_alive():
                     break
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):     # stopping already: a second signal
+            signal.signal(sig, signal.SIG_IGN)          # must not cut the clean-up short
         replica.close()
     return 0
 

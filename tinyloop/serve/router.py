@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,7 @@ import threading
 import time
 
 from ..errors import ConfigError, TinyLoopError
+from .http import DISCONNECT_POLL_S
 from .replica import READY_KEY, ReplicaSpec
 
 BLOCK_TOKENS = 16            # prompt ids per PrefixIndex key
@@ -59,6 +61,7 @@ HEALTH_INTERVAL_S = 1.0      # supervisor poll period
 HEALTH_TIMEOUT_S = 2.0       # one /health call
 HEALTH_FAILURES = 3          # failed /health calls in a row that kill a worker
 START_TIMEOUT_S = 300.0      # a worker's load and start
+RESTART_BACKOFF_MAX_S = 30.0  # the longest wait before restarting a worker that died starting
 STOP_TIMEOUT_S = 15.0        # a worker's graceful stop after SIGTERM, before SIGKILL
 CONNECT_TIMEOUT_S = 5.0      # a forwarded call's connect
 READ_TIMEOUT_S = 300.0       # a forwarded call's wait for the next bytes
@@ -150,6 +153,8 @@ class Worker:
         self.requests = 0
         self.health_failures = 0
         self.started_at = None
+        self.failed_starts = 0       # exits before up, in a row (the restart backoff)
+        self.respawn_at = None       # monotonic time of the next start while down
         self.generation = 0          # bumps at every start: the index clears on a new one
         self.ready = threading.Event()
 
@@ -218,7 +223,7 @@ class ReplicaSet:
             [sys.executable, "-c", WORKER_CODE, "--spec", self.spec.to_json()],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, text=True)
         with self._lock:
-            w.proc, w.port, w.error = proc, None, None
+            w.proc, w.port, w.error, w.respawn_at = proc, None, None, None
             w.state, w.health_failures = "starting", 0
             w.started_at = time.monotonic()
             w.generation += 1
@@ -244,20 +249,13 @@ class ReplicaSet:
             w.ready.set()
         w.ready.set()
 
-    def _kill(self, w: Worker, graceful: bool) -> None:
+    def _kill(self, w: Worker) -> None:
+        """SIGKILL ``w``'s process and reap it."""
         proc = w.proc
-        if proc is None or proc.poll() is not None:
-            if proc is not None:
-                proc.wait()
+        if proc is None:
             return
-        if graceful:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout_s)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-        proc.kill()
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
 
     def start(self) -> "ReplicaSet":
@@ -290,11 +288,17 @@ class ReplicaSet:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(self.health_timeout_s + self.health_interval_s + 5)
-        for w in self.workers:
+        for w in self.workers:               # all stop at once, each signalled once
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
         for w in self.workers:
-            self._kill(w, graceful=True)
+            if w.proc is not None:
+                try:
+                    w.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
             with self._lock:
                 w.state = "stopped"
 
@@ -326,24 +330,30 @@ class ReplicaSet:
 
     def _check(self, w: Worker, client) -> None:
         import httpx2
-        rc = w.proc.poll()
-        if rc is not None:
+        now = time.monotonic()
+        if w.state in ("up", "starting") and w.proc.poll() is not None:
+            rc = w.proc.wait()
+            # a worker that dies before it is up waits longer at each try (a model that
+            # cannot load does not respawn in a tight loop)
+            w.failed_starts = w.failed_starts + 1 if w.state == "starting" else 0
+            delay = 0.0 if not w.failed_starts else min(
+                RESTART_BACKOFF_MAX_S, self.health_interval_s * 2 ** w.failed_starts)
             print(f"tinyloop router: {w.name} (pid {w.pid}) exited with status {rc}"
-                  + ("; restarting it" if self.restart else ""), file=sys.stderr, flush=True)
+                  + (f"; restarting it in {delay:.1f} s" if self.restart else ""),
+                  file=sys.stderr, flush=True)
             with self._lock:
                 w.state = "down"
-            w.proc.wait()
-            if self.restart:
+            w.respawn_at = now + delay if self.restart else None
+        if w.state == "down":
+            if w.respawn_at is not None and now >= w.respawn_at:
                 w.restarts += 1
                 self._spawn(w)
             return
         if w.state == "starting":
-            if time.monotonic() - w.started_at > self.start_timeout_s:
+            if now - w.started_at > self.start_timeout_s:
                 print(f"tinyloop router: {w.name} was not up within {self.start_timeout_s} s;"
                       f" killing it", file=sys.stderr, flush=True)
-                self._kill(w, graceful=False)
-            return
-        if w.state != "up":
+                self._kill(w)      # the next check handles the exit
             return
         try:
             ok = client.get(w.url + "/health").status_code == 200
@@ -351,11 +361,9 @@ class ReplicaSet:
             ok = False
         w.health_failures = 0 if ok else w.health_failures + 1
         if w.health_failures >= self.health_failures:
-            print(f"tinyloop router: {w.name} failed {w.health_failures} health checks; "
-                  f"killing it", file=sys.stderr, flush=True)
-            with self._lock:
-                w.state = "down"
-            self._kill(w, graceful=False)     # the next check restarts it
+            print(f"tinyloop router: {w.name} (pid {w.pid}) failed {w.health_failures} "
+                  f"health checks; killing it", file=sys.stderr, flush=True)
+            self._kill(w)          # the next check handles the exit
 
 
 def load_tokenizer(path: str):
@@ -433,6 +441,10 @@ class Router:
         if keys:
             self.index.insert(i, keys)
         return ws[i]
+
+
+class ClientGone(Exception):
+    """The client of a forwarded request disconnected before its answer."""
 
 
 class _Relabelled:
@@ -539,6 +551,24 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
             _Relabelled({w.index: t for w, t in zip(ws, texts) if t is not None}))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    async def until_gone(request: Request, aw):
+        """``aw``'s result, or ClientGone once the client disconnected (``aw`` is then
+        cancelled, which drops its connection to the replica: the replica cancels the
+        request and frees its pages)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx2.HTTPError):
+                    await task
+
     def served_by(tried) -> dict:
         """The response headers naming the replica that answered and those that failed."""
         out = {REPLICA_HEADER: str(tried[-1].index)}
@@ -546,8 +576,8 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
             out[FAILED_HEADER] = ",".join(str(t.index) for t in tried[:-1])
         return out
 
-    def failed_message(w, e) -> str:
-        return (f"{w.name} (pid {w.pid}) failed while serving the request: "
+    def failed_message(w, pid, e) -> str:
+        return (f"{w.name} (pid {pid}) failed while serving the request: "
                 f"{type(e).__name__}: {e}".rstrip(": "))
 
     async def forward(request: Request):
@@ -569,28 +599,34 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
             if tried:
                 m_retries.labels(str(tried[-1].index)).inc()
             tried.append(w)
-            w.in_flight += 1
+            pid = w.pid                  # the process this request goes to (a restart
+            w.in_flight += 1             # gives the worker a new one)
             w.requests += 1
             handed = False               # the stream generator below owns the count
             try:
                 req = client().build_request("POST", w.url + route, content=raw,
                                              headers=headers)
-                resp = await client().send(req, stream=True)
+                # a non-streamed answer's headers come with its end: wait for the client too
+                resp = await until_gone(request, client().send(req, stream=True))
                 try:
                     if not stream or resp.status_code != 200:
-                        content = await resp.aread()
+                        content = await until_gone(request, resp.aread())
                         m_requests.labels(str(w.index), route, str(resp.status_code)).inc()
                         return Response(content, status_code=resp.status_code,
                                         media_type=resp.headers.get("content-type"),
                                         headers=served_by(tried))
                     it = resp.aiter_raw()
-                    first = await it.__anext__()   # the first event: the replica answers
+                    # the first event: the replica answers
+                    first = await until_gone(request, it.__anext__())
                 except BaseException:
                     await resp.aclose()
                     raise
                 handed = True
+            except ClientGone:           # the client left: so does the call to the replica
+                m_requests.labels(str(w.index), route, "499").inc()
+                return Response(status_code=499)
             except (httpx2.TransportError, StopAsyncIteration) as e:
-                last = (w, e)
+                last = (w, pid, e)
                 replica_set.suspect(w)
                 continue                 # nothing reached the client: another replica
             finally:
@@ -598,7 +634,7 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
                     w.in_flight -= 1
             m_requests.labels(str(w.index), route, "200").inc()
 
-            async def events(w=w, resp=resp, it=it, first=first):
+            async def events(w=w, pid=pid, resp=resp, it=it, first=first):
                 try:
                     yield first
                     async for chunk in it:
@@ -606,7 +642,7 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
                 except httpx2.TransportError as e:
                     replica_set.suspect(w)
                     yield ("data: " + json.dumps({"error": {
-                        "message": failed_message(w, e), "type": "unavailable",
+                        "message": failed_message(w, pid, e), "type": "unavailable",
                         "param": None, "code": "replica_failed"}}) + "\n\n").encode()
                 finally:
                     w.in_flight -= 1
@@ -618,9 +654,9 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
         if last is None:
             m_requests.labels("none", route, "503").inc()
             return unavailable("no replica is up; try again later")
-        w, e = last
+        w, pid, e = last
         m_requests.labels(str(w.index), route, "503").inc()
-        return unavailable(failed_message(w, e) + f" (tried {len(tried)} replica"
+        return unavailable(failed_message(w, pid, e) + f" (tried {len(tried)} replica"
                            f"{'s' if len(tried) > 1 else ''})", w)
 
     app = Starlette(routes=[
@@ -642,8 +678,6 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, host: str = "127.0.0.1",
                    port: int = 8000, devices=None, **set_kw) -> None:
     """``tinyloop serve --replicas N``: start the workers, serve the router on
     ``host``:``port`` under uvicorn until interrupted, then stop every worker."""
-    import contextlib
-
     import uvicorn
     tok = load_tokenizer(spec.model)
     with ReplicaSet(spec, replicas, devices, **set_kw) as rs:
