@@ -609,7 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "pinned on the numpy backend)")
     sv.add_argument("--ray", action="store_true",
                     help="serve through Ray Serve instead: --replicas actors (one GPU each "
-                         "on cuda), Ray's proxy on --host/--port; needs the ray extra")
+                         "on cuda), Ray's proxy on --host/--port; needs the ray extra "
+                         "(default: not Ray)")
     sv.add_argument("--ray-address", default=None, metavar="ADDR",
                     help="with --ray: the Ray cluster to join (default: start a local one)")
     sv.set_defaults(fn=cmd_serve)

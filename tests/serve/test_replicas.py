@@ -34,8 +34,9 @@ from tinyloop.format import write_tlm  # noqa: E402
 from tinyloop.serve.http import ServerThread  # noqa: E402
 from tinyloop.serve.replica import ReplicaSpec  # noqa: E402
 from tinyloop.serve.router import (FAILED_HEADER, REPLICA_HEADER, PrefixIndex,  # noqa: E402
-                                   ReplicaSet, block_keys, choose, create_router_app,
-                                   load_tokenizer)
+                                   RESTART_BACKOFF_MAX_S, ReplicaSet, block_keys,
+                                   choose, create_router_app, load_tokenizer,
+                                   restart_delay)
 
 from ..conftest import TINY  # noqa: E402
 
@@ -441,6 +442,30 @@ def test_close_leaves_no_worker_process(chat_model_path):
         assert w.proc.returncode == 0, w.proc.returncode     # a clean stop, not a kill
         assert not os.path.exists(f"/proc/{pid}"), pid       # reaped: no child left
         assert w.state == "stopped"
+
+
+def test_restart_delay_backs_off_exponentially():
+    assert restart_delay(0, 0.5) == 0.0                  # it was up: at once
+    assert [restart_delay(k, 0.5) for k in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert restart_delay(40, 0.5) == RESTART_BACKOFF_MAX_S
+
+
+def test_a_worker_that_cannot_restart_backs_off_then_returns(chat_model_path, tmp_path):
+    """The model file goes away and the worker is killed: each restart fails, waits longer
+    (down between tries), and once the file is back the worker comes up again."""
+    path = tmp_path / "m.tlm"
+    path.write_bytes(open(chat_model_path, "rb").read())
+    spec = ReplicaSpec(model=str(path), backend="numpy", max_seq_len=64)
+    with ReplicaSet(spec, 1, health_interval_s=0.1) as rs:
+        w = rs.workers[0]
+        path.rename(tmp_path / "away.tlm")
+        os.kill(w.pid, signal.SIGKILL)
+        _wait(lambda: w.failed_starts >= 2, 60, "two failed restarts")
+        assert w.state in ("down", "starting")
+        (tmp_path / "away.tlm").rename(path)
+        _wait(lambda: w.state == "up", 60, "the worker back up")
+        assert w.restarts >= 3
+        assert httpx2.get(w.url + "/health", timeout=10).status_code == 200
 
 
 def test_a_worker_that_cannot_load_fails_start_naming_it(tmp_path):

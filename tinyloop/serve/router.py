@@ -87,6 +87,15 @@ def block_keys(ids, block_tokens: int = BLOCK_TOKENS) -> list:
     return keys
 
 
+def restart_delay(failed_starts: int, interval_s: float) -> float:
+    """Seconds before restarting a worker that exited after ``failed_starts`` exits in a
+    row before it was up: none for a worker that was up, then ``interval_s * 2**k`` up to
+    RESTART_BACKOFF_MAX_S (exponential backoff)."""
+    if failed_starts <= 0:
+        return 0.0
+    return min(RESTART_BACKOFF_MAX_S, interval_s * 2.0 ** failed_starts)
+
+
 class PrefixIndex:
     """Per replica, the block keys of the prompts routed to it, least recently used dropped
     past ``max_blocks`` (see the module doc). Not thread-safe: the router's event loop owns
@@ -336,8 +345,7 @@ class ReplicaSet:
             # a worker that dies before it is up waits longer at each try (a model that
             # cannot load does not respawn in a tight loop)
             w.failed_starts = w.failed_starts + 1 if w.state == "starting" else 0
-            delay = 0.0 if not w.failed_starts else min(
-                RESTART_BACKOFF_MAX_S, self.health_interval_s * 2 ** w.failed_starts)
+            delay = restart_delay(w.failed_starts, self.health_interval_s)
             print(f"tinyloop router: {w.name} (pid {w.pid}) exited with status {rc}"
                   + (f"; restarting it in {delay:.1f} s" if self.restart else ""),
                   file=sys.stderr, flush=True)
