@@ -16,8 +16,10 @@ per replica, the keys of the prompts routed to it (least recently used dropped p
 to it. A request goes to the replica that matches the most leading blocks of its prompt,
 unless that replica's in-flight count exceeds the least loaded one's by more than
 ``balance_abs`` (then, and when no replica matches a block, to the least loaded: fewest
-requests in flight, ties to the one sent fewest requests so far, then the lowest index); its keys are then recorded for that replica.
-A replica that restarts starts with an empty index (its PrefixPool is new).
+requests in flight, ties to the one sent fewest requests so far, then the lowest index);
+its keys are then recorded for that replica. A replica that restarts starts with an empty
+index (its PrefixPool is new). Balance threshold and block size follow SGLang's router
+defaults (``balance_abs_threshold`` 32) and vLLM's block size (16).
 
 **Faults**: a supervisor thread polls each worker (its process's exit status, and ``GET
 /health`` with a timeout; ``health_failures`` failed checks in a row kill it) and restarts a
