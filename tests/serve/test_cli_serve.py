@@ -106,3 +106,21 @@ def test_serve_ray_without_ray_names_the_extra(monkeypatch, tiny_model_path, cap
     monkeypatch.setattr(builtins, "__import__", no_ray)
     assert cli.main(["serve", tiny_model_path, "--backend", "numpy", "--ray"]) == 1
     assert "tinyloop[ray]" in capsys.readouterr().err
+
+
+def test_serve_ray_passes_a_spec_to_ray_serve(monkeypatch, tiny_model_path, capsys):
+    pytest.importorskip("ray")
+    import tinyloop.serve.ray_serve
+    seen = {}
+    monkeypatch.setattr(tinyloop.serve.ray_serve, "serve_ray",
+                        lambda spec, n, host, port, address: seen.update(
+                            spec=spec, n=n, host=host, port=port, address=address))
+    rc = cli.main(["serve", tiny_model_path, "--ray", "--replicas", "2", "--backend",
+                   "numpy", "--max-seq-len", "64", "--ray-address", "auto", "--port", "9125"])
+    assert rc == 0
+    assert (seen["n"], seen["port"], seen["address"]) == (2, 9125, "auto")
+    assert (seen["spec"].model, seen["spec"].backend, seen["spec"].max_seq_len) == \
+        (tiny_model_path, "numpy", 64)
+    assert cli.main(["serve", tiny_model_path, "--ray", "--replicas", "2", "--devices",
+                     "0", "--backend", "numpy"]) == 1
+    assert "--devices does not apply to --ray" in capsys.readouterr().err
