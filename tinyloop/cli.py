@@ -9,8 +9,10 @@
         [--exit-rule gate|kl|state] [--exit-threshold X]: adaptive depth up to --depth;
         [--kv-iterations all|latest]: the K/V kept per recurrent layer
     tinyloop serve [MODEL] [--host H] [--port P] [--backend B] [--max-seq-len N] [--max-batch B]
-        [--queue Q] [--kv-budget SIZE] [--prefix-cache SIZE]
-        an OpenAI-compatible HTTP server over a continuous-batching engine (tinyloop.serve)
+        [--queue Q] [--kv-budget SIZE] [--prefix-cache SIZE] [--replicas N [--devices 0,1]]
+        [--ray [--ray-address ADDR]]
+        an OpenAI-compatible HTTP server over a continuous-batching engine (tinyloop.serve);
+        --replicas: N worker processes behind a prefix-affinity router; --ray: Ray Serve
     tinyloop convert SRC.gguf DST.tlm [--recurrent A:B] [--default-depth D] [--max-depth M]
         SRC: a .gguf path, or ``default`` (the embedded model's GGUF)
     tinyloop convert DIR DST.tlm [--bits 4|8] [--group-size G] [--max-depth M]
@@ -290,6 +292,11 @@ def cmd_serve(a) -> int:
                               f"{0 if name == 'port' else 1}, got {getattr(a, name)}")
     if a.queue < 0:
         raise ConfigError(f"--queue must be >= 0, got {a.queue}")
+    if a.replicas is not None and a.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {a.replicas}")
+    devices = _parse_devices(a.devices)
+    if devices is not None and a.replicas is None:
+        raise ConfigError("--devices needs --replicas N (one worker process per replica)")
     try:
         from .serve.http import serve
     except ImportError as e:
@@ -297,6 +304,8 @@ def cmd_serve(a) -> int:
                           f"'tinyloop[serve]'): {e}") from None
     from .model import free_model, load_model
     path = resolve_model_arg(a.model)
+    if a.replicas is not None or a.ray:
+        return _serve_replicas(a, path, devices)
     model = load_model(path, a.max_seq_len, resolve_prefill_chunk(a), backend=a.backend)
     try:
         note(f"model: {path}; backend {model.backend}; serving on http://{a.host}:{a.port}/v1 "
@@ -305,6 +314,54 @@ def cmd_serve(a) -> int:
               kv_budget=a.kv_budget, model_name=a.model_name, prefix_cache=a.prefix_cache)
     finally:
         free_model(model)
+    return 0
+
+
+def _parse_devices(text):
+    """``--devices 0,1,...`` -> ['0', '1', ...] (None when not given); ConfigError naming
+    the option otherwise."""
+    if text is None:
+        return None
+    out = [d.strip() for d in text.split(",")]
+    if not out or not all(d.isdigit() for d in out):
+        raise ConfigError(f"--devices must be device ids separated by commas (0,1,...), "
+                          f"got {text!r}")
+    return out
+
+
+def _serve_replicas(a, path: str, devices) -> int:
+    """``tinyloop serve --replicas N`` (worker processes behind the router) or ``--ray``
+    (a Ray Serve application); the workers load the model, this process does not."""
+    from .serve.replica import ReplicaSpec
+    spec = ReplicaSpec(model=path, backend=a.backend, max_seq_len=a.max_seq_len,
+                       prefill_chunk=resolve_prefill_chunk(a), max_batch=a.max_batch,
+                       max_queue=a.queue, kv_budget=a.kv_budget, prefix_cache=a.prefix_cache,
+                       model_name=a.model_name)
+    n = a.replicas or 1
+    if a.ray:
+        if devices is not None:
+            raise ConfigError("--devices does not apply to --ray: Ray gives each replica "
+                              "one GPU of its own")
+        try:
+            from .serve.ray_serve import serve_ray
+            import ray  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"tinyloop serve --ray needs the ray extra (pip install "
+                              f"'tinyloop[ray]'): {e}") from None
+        note(f"model: {path}; {n} Ray Serve replica(s) on the {a.backend} backend; serving on "
+             f"http://{a.host}:{a.port}/v1")
+        serve_ray(spec, n, a.host, a.port, a.ray_address)
+        return 0
+    try:
+        import httpx2  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"tinyloop serve --replicas needs the serve extra (pip install "
+                          f"'tinyloop[serve]'): {e}") from None
+    from .serve.router import serve_replicas
+    note(f"model: {path}; {n} replica processes (backend {a.backend}"
+         + (f", devices {','.join(devices)}" if devices else "")
+         + f"); the router serves on http://{a.host}:{a.port}/v1")
+    serve_replicas(spec, n, a.host, a.port, devices)
     return 0
 
 
@@ -587,6 +644,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: none)")
     sv.add_argument("--model-name", default=None, metavar="NAME",
                     help="the model id /v1/models lists (default: the model file's name)")
+    sv.add_argument("--replicas", type=int, default=None, metavar="N",
+                    help="N worker processes, each a model and an engine of its own, behind "
+                         "one router on --host/--port that sends a request to the replica "
+                         "holding its prompt's longest prefix, else the least loaded, and "
+                         "restarts a replica that dies (default: one engine in this process)")
+    sv.add_argument("--devices", default=None, metavar="IDS",
+                    help="with --replicas: the GPUs, e.g. 0,1; replica i runs on device "
+                         "IDS[i %% len(IDS)] (default: replica i on device i; nothing "
+                         "pinned on the numpy backend)")
+    sv.add_argument("--ray", action="store_true",
+                    help="serve through Ray Serve instead: --replicas actors (one GPU each "
+                         "on cuda), Ray's proxy on --host/--port; needs the ray extra "
+                         "(default: not Ray)")
+    sv.add_argument("--ray-address", default=None, metavar="ADDR",
+                    help="with --ray: the Ray cluster to join (default: start a local one)")
     sv.set_defaults(fn=cmd_serve)
     c = sub.add_parser("convert", help="GGUF or Hugging Face folder -> .tlm, or a synthetic "
                        "model",

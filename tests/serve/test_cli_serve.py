@@ -62,3 +62,65 @@ def test_serve_shares_a_prefix_cache_and_releases_it(monkeypatch, tiny_model_pat
             seen["pool"].check(m)                # released at the end
     finally:
         tinyloop.free_model(m)
+
+
+def test_serve_replicas_passes_a_spec_and_loads_nothing_itself(monkeypatch, tiny_model_path):
+    import tinyloop.serve.router
+    seen = {}
+
+    def fake(spec, n, host, port, devices):
+        seen.update(spec=spec, n=n, host=host, port=port, devices=devices)
+
+    monkeypatch.setattr(tinyloop.serve.router, "serve_replicas", fake)
+    monkeypatch.setattr(tinyloop.model, "load_model",
+                        lambda *a, **k: pytest.fail("the router process loaded the model"))
+    rc = cli.main(["serve", tiny_model_path, "--replicas", "3", "--devices", "1,0",
+                   "--backend", "numpy", "--max-seq-len", "64", "--max-batch", "3",
+                   "--queue", "5", "--kv-budget", "1M", "--prefix-cache", "2M",
+                   "--model-name", "t", "--port", "9124"])
+    assert rc == 0
+    s = seen["spec"]
+    assert (seen["n"], seen["port"], seen["devices"]) == (3, 9124, ["1", "0"])
+    assert (s.model, s.backend, s.max_seq_len, s.max_batch, s.max_queue, s.kv_budget,
+            s.prefix_cache, s.name) == (tiny_model_path, "numpy", 64, 3, 5, "1M", "2M", "t")
+    assert s.prefill_chunk == cli.DEFAULT_PREFILL_CHUNK["numpy"]
+
+
+@pytest.mark.parametrize("argv, word", [(["--replicas", "0"], "--replicas"),
+                                        (["--replicas", "2", "--devices", "0,x"], "--devices"),
+                                        (["--devices", "0,1"], "--replicas")])
+def test_serve_refuses_bad_replica_options_by_name(tiny_model_path, capsys, argv, word):
+    assert cli.main(["serve", tiny_model_path, "--backend", "numpy", *argv]) == 1
+    assert word in capsys.readouterr().err
+
+
+def test_serve_ray_without_ray_names_the_extra(monkeypatch, tiny_model_path, capsys):
+    import builtins
+    real = builtins.__import__
+
+    def no_ray(name, *a, **k):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    assert cli.main(["serve", tiny_model_path, "--backend", "numpy", "--ray"]) == 1
+    assert "tinyloop[ray]" in capsys.readouterr().err
+
+
+def test_serve_ray_passes_a_spec_to_ray_serve(monkeypatch, tiny_model_path, capsys):
+    pytest.importorskip("ray")
+    import tinyloop.serve.ray_serve
+    seen = {}
+    monkeypatch.setattr(tinyloop.serve.ray_serve, "serve_ray",
+                        lambda spec, n, host, port, address: seen.update(
+                            spec=spec, n=n, host=host, port=port, address=address))
+    rc = cli.main(["serve", tiny_model_path, "--ray", "--replicas", "2", "--backend",
+                   "numpy", "--max-seq-len", "64", "--ray-address", "auto", "--port", "9125"])
+    assert rc == 0
+    assert (seen["n"], seen["port"], seen["address"]) == (2, 9125, "auto")
+    assert (seen["spec"].model, seen["spec"].backend, seen["spec"].max_seq_len) == \
+        (tiny_model_path, "numpy", 64)
+    assert cli.main(["serve", tiny_model_path, "--ray", "--replicas", "2", "--devices",
+                     "0", "--backend", "numpy"]) == 1
+    assert "--devices does not apply to --ray" in capsys.readouterr().err

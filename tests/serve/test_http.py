@@ -256,6 +256,37 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served):
     assert eng.stats()["finished"].get("cancelled", 0) >= 1
 
 
+def test_a_client_that_disconnects_from_a_non_streamed_request_frees_its_pages(served,
+                                                                            monkeypatch):
+    """A non-streamed answer writes nothing until its end, so the handler itself must see
+    the client go while tokens keep coming (each decode step slowed so the request is still
+    decoding long after the close)."""
+    m, eng, srv, client, before = served
+    base = m.pool.by_tag()["kv_cache"]
+    cancelled = eng.stats()["finished"].get("cancelled", 0)
+    real = m.decode_batch
+
+    def slow(*a, **k):
+        time.sleep(0.02)
+        return real(*a, **k)
+    monkeypatch.setattr(m, "decode_batch", slow)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    body = json.dumps({"model": "tiny", "prompt": "a long one", "max_tokens": 480,
+                       "temperature": 0})
+    conn.request("POST", "/v1/completions", body=body,
+                 headers={"Content-Type": "application/json"})
+    _wait(lambda: eng.stats()["active"] == 1 and eng.stats()["generated_tokens"] > 0)
+    gen0 = eng.stats()["generated_tokens"]
+    _wait(lambda: eng.stats()["generated_tokens"] > gen0 + 2)    # tokens keep coming
+    conn.sock.close()                              # the client leaves
+    conn.close()
+    t0 = time.monotonic()
+    _wait(lambda: eng.stats()["active"] == 0)
+    assert time.monotonic() - t0 < 5              # far less than the 480 slowed steps
+    assert eng.stats()["finished"].get("cancelled", 0) == cancelled + 1
+    assert m.pool.by_tag()["kv_cache"] == base
+
+
 def test_a_bounded_load_of_concurrent_streams(served):
     """64 concurrent streams of a few tokens: no error, every greedy text equal to its solo
     run, allocated bytes back to their value before the server started."""

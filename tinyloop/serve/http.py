@@ -318,6 +318,7 @@ def create_app(engine, model_name: str = "tinyloop") -> Starlette:
 
         r.notify = notify
         ended = False
+        checked = time.monotonic()
         try:
             while True:
                 wake.clear()
@@ -326,11 +327,16 @@ def create_app(engine, model_name: str = "tinyloop") -> Starlette:
                     yield p
                 if ended:
                     return
+                # every DISCONNECT_POLL_S, also while tokens keep coming (a non-streamed
+                # answer writes nothing until its end, so only this check sees the client go)
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return
                 try:
                     await asyncio.wait_for(wake.wait(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
+                    pass
         finally:
             if not ended:
                 # off the event loop: cancel waits for the engine's step in flight
