@@ -79,8 +79,10 @@ class BatchRows:
         self.caches = caches
         self.positions = positions
 
-    def slot(self, s: int) -> BatchSlot:
-        return BatchSlot([c.slot(s) for c in self.caches], self.positions)
+    def kv_of(self, s: int) -> BatchSlot:
+        """The forward's slot ``s`` (the "all" order) of every row, each through its cache's
+        iteration KV policy (``RuntimeKVCache.kv_of``)."""
+        return BatchSlot([c.kv_of(s) for c in self.caches], self.positions)
 
 
 # What each VERSION 2 fact needs from a backend, as the refusal names it.
@@ -1133,7 +1135,7 @@ class Model:
             ops.scale(x, cfg.embed_scale)
         self._check_loop_depth(depth)
         batch = BatchRows(caches, positions)
-        self._stack(x, v, depth, batch.slot, batch, None)
+        self._stack(x, v, depth, batch.kv_of, batch, None)
         ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head, logits, v["norm"])
         for hook in self._rows_hooks:
             for p in positions:

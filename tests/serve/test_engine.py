@@ -241,3 +241,25 @@ def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkey
         monkeypatch.setattr(type(model), "decode_batch", real)
         assert eng.submit([7, 8], max_new_tokens=4).result(timeout=60).token_ids == \
             model.generate([7, 8], max_new_tokens=4).token_ids
+
+
+def test_the_engine_serves_a_latest_policy_model_as_its_solo_runs(tiny_model_path):
+    """A model loaded with kv_iterations="latest" (one K/V slot per recurrent layer): batched
+    requests at depth 3 give their solo runs' ids, and use that policy's smaller caches; the
+    engine refuses depth='auto' by name."""
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=128, backend="numpy",
+                            kv_iterations="latest")
+    try:
+        jobs = [(p, 5, dict(depth=3, **kw)) for p, kw in
+                zip(_prompts(6, seed=4), [dict(), dict(temperature=0.9, seed=2)] * 3)]
+        want = [m.generate(p, max_new_tokens=n, **kw).token_ids for p, n, kw in jobs]
+        assert want != [m.generate(p, max_new_tokens=n, kv_iterations="all", **kw).token_ids
+                        for p, n, kw in jobs]            # the policy changes what is read
+        with Engine(m, max_batch=4, prefill_chunk=8) as eng:
+            reqs = [eng.submit(p, max_new_tokens=n, **kw) for p, n, kw in jobs]
+            assert [r.result(timeout=60).token_ids for r in reqs] == want
+            assert reqs[0].kv_bytes == request_kv_bytes(m, len(jobs[0][0]) + 5, 3, m.kv_modes)
+            with pytest.raises(ConfigError, match="depth='auto' is not taken by the engine"):
+                eng.submit([1, 2, 3], max_new_tokens=2, depth="auto")
+    finally:
+        tinyloop.free_model(m)

@@ -497,7 +497,8 @@ class Engine:
                 if r._cache is None:
                     r._prefill_t0 = time.perf_counter()
                     r._cache = model.new_kv_cache(a.depth, len(ids) + a.max_new_tokens,
-                                                  kv_mode=a.kv_mode)
+                                                  kv_mode=a.kv_mode,
+                                                  kv_iterations=a.kv_iterations)
                     r._pos = r._cached = restore_prefix(model, ids, a.depth, a.kv_mode,
                                                         r._cache, None, self.prefix_pool)
                     if self.prefix_pool is not None and r._cached < len(ids):
@@ -507,9 +508,15 @@ class Engine:
                         if r._cached:
                             ops.copy(model.residual_rows(0, r._cached), r._rows[0][:r._cached])
                 if r._pos < len(ids):
-                    # chunks end at absolute multiples of prefill_chunk
-                    end = min(len(ids), r._pos + budget,
-                              (r._pos // self.prefill_chunk + 1) * self.prefill_chunk)
+                    # chunks end at absolute multiples of prefill_chunk; under "latest" a
+                    # chunk's positions read each other's current iteration, so the prompt
+                    # runs in the model's own chunks (Model.chunk_rows), as generate runs it
+                    if r._cache.kv_iterations == "latest":
+                        step = model.chunk_rows
+                        end = min(len(ids), (r._pos // step + 1) * step)
+                    else:
+                        end = min(len(ids), r._pos + budget,
+                                  (r._pos // self.prefill_chunk + 1) * self.prefill_chunk)
                     model.forward(ids[r._pos:end], r._pos, a.depth, r._cache)
                     if r._rows is not None:
                         model.ops.copy(model.residual_rows(r._pos, end - r._pos),
