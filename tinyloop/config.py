@@ -376,6 +376,15 @@ SETTINGS = {s.name: s for s in (
 )}
 
 
+def child_environment(updates: dict) -> dict:
+    """The environment a child process starts with (the serve router's workers): this
+    process's, with ``updates`` (str -> str) set over it. Not a setting: nothing is read from
+    it here."""
+    env = dict(os.environ)
+    env.update(updates)
+    return env
+
+
 def setting(name: str, default=None):
     """The value of setting ``name`` (a key of SETTINGS) from its environment variable,
     parsed; unset or empty: ``default`` when given, else the Setting's default. Raises

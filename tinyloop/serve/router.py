@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 
+from ..config import child_environment
 from ..errors import ConfigError, TinyLoopError
 from .http import DISCONNECT_POLL_S
 from .replica import READY_KEY, ReplicaSpec
@@ -224,9 +225,7 @@ class ReplicaSet:
     # -- processes ---------------------------------------------------------------------------
     def _spawn(self, w: Worker) -> None:
         """Start ``w``'s process; a reader thread marks it up on its ready line."""
-        env = dict(os.environ)
-        if w.device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = w.device
+        env = child_environment({} if w.device is None else {"CUDA_VISIBLE_DEVICES": w.device})
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(
             [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
