@@ -7,7 +7,7 @@
 #      (one captured decode step: generate against replay, kernel by kernel), bench_prefix
 #      (prefix caching: TTFT, upgrades, a pool over a chat trace).
 # Full logs go to $OUT (default ./gpu_suite_out); a short summary table is printed last.
-# Exit status: nonzero if any step failed. Env: SKIP_NVCC, SKIP_BENCH_DECODE, SKIP_BENCH_PREFIX, JUNIT=1 (XML),
+# Exit status: nonzero if any step failed. Env: SKIP_NVCC, SKIP_BENCH_DECODE, SKIP_BENCH_PREFIX, JUNIT=1 (XML), SUITE_PATHS,
 # STEP_TIMEOUT (seconds per step, default 900), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,10 @@ step() {   # step NAME LOGFILE CMD...
 if command -v nvcc >/dev/null && [[ -z "${SKIP_NVCC:-}" ]]; then
     step compile compile.log bash .ci/compile_cuda.sh
 fi
-step tests pytest_gpu.log $PY -m pytest -m gpu tests -q -rfEs --continue-on-collection-errors \
+# SUITE_PATHS: the test paths (default: all of tests/); the whole suite nears one device call's
+# 10 minutes, so it can run in two calls (e.g. "tests/api tests/convert tests/diagnostics
+# tests/kernels tests/kv" and "tests/memory tests/model tests/project tests/serve")
+step tests pytest_gpu.log $PY -m pytest -m gpu ${SUITE_PATHS:-tests} -q -rfEs --continue-on-collection-errors \
     -p no:cacheprovider ${JUNIT:+--junitxml="$OUT/pytest_gpu.xml"}
 step bench_kernels bench_kernels.log $PY -m benchmarks bench_kernels --out "$OUT"
 if [[ -z "${SKIP_BENCH_DECODE:-}" ]]; then
