@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from .common import (DECODE_PROMPT, HUGINN_3_5B, OURO_1_4B, shrunk, user_setting,
-                     weight_bytes_per_token, write_random_model)
+                     weight_bytes_per_token, write_json, write_random_model)
 
 
 def _generate(model, new_tokens: int, **kw):
@@ -155,10 +155,7 @@ def main(argv=None) -> int:
         print(f"{r['arch']:7s} {r['case']:18s} {d['median']:8.1f} "
               f"{d['min']:7.1f}-{d['max']:<7.1f} {mean:6.2f} "
               f"{(wb or 0) / 1e6:8.1f} {r['kv_bytes_per_token']:10,d}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_adaptive.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.out, "bench_adaptive.json", rows)
     return 0
 
 

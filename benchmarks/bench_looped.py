@@ -52,7 +52,7 @@ import tempfile
 import time
 
 from .common import (HUGINN_3_5B, NANBEIGE_3B, OURO_1_4B, bench_decode, bench_prefill,
-                     shrunk, weight_bytes_per_token, write_random_model)
+                     shrunk, weight_bytes_per_token, write_json, write_random_model)
 
 H200_BYTES_PER_S = 4.8e12        # HBM3e peak: the floor a weight-streaming decode can reach
 
@@ -124,10 +124,7 @@ def main(argv=None) -> int:
               f"{d['min']:7.1f}-{d['max']:<7.1f} {r['weight_bytes_per_token'] / 1e6:8.1f} "
               f"{r['floor_tok_s']:7.0f} {r['fraction_of_floor']:8.1%} "
               f"{r[f'prefill_{args.prefill}_ms']:10.1f}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_looped.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.out, "bench_looped.json", rows)
     return 0
 
 

@@ -21,26 +21,8 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import tinyloop  # noqa: E402
-from tinyloop.convert.synthetic import (byte_level_tokenizer_json, synthetic_config,  # noqa: E402
-                                        synthetic_weights)
-from tinyloop.format import write_tlm  # noqa: E402
 from tinyloop.serve import Engine  # noqa: E402
 from tinyloop.serve.http import ServerThread, create_app  # noqa: E402
-
-from ..conftest import TINY  # noqa: E402
-
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_model_path(tmp_path_factory):
-    """The tiny test model with a byte-level tokenizer and a small chat template."""
-    cfg = synthetic_config(**TINY, bos_token_id=256, eos_token_id=257)
-    path = tmp_path_factory.mktemp("models") / "chat.tlm"
-    write_tlm(path, cfg, synthetic_weights(cfg, 11), tokenizer_json=byte_level_tokenizer_json(
-        cfg.vocab_size), chat_template=TEMPLATE)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

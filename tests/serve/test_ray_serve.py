@@ -19,7 +19,7 @@ import tinyloop  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
 from tinyloop.serve import ReplicaSpec, ray_app  # noqa: E402
 
-from .test_replicas import MAX_SEQ_LEN, chat_model_path, solo  # noqa: E402,F401
+from .test_replicas import MAX_SEQ_LEN, solo  # noqa: E402,F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tinyloop.__file__)))
 

@@ -27,10 +27,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import tinyloop  # noqa: E402
-from tinyloop.convert.synthetic import (byte_level_tokenizer_json, synthetic_config,  # noqa: E402
-                                        synthetic_weights)
 from tinyloop.errors import ConfigError  # noqa: E402
-from tinyloop.format import write_tlm  # noqa: E402
 from tinyloop.serve.http import ServerThread  # noqa: E402
 from tinyloop.serve.replica import ReplicaSpec  # noqa: E402
 from tinyloop.serve.router import (FAILED_HEADER, REPLICA_HEADER, PrefixIndex,  # noqa: E402
@@ -38,21 +35,8 @@ from tinyloop.serve.router import (FAILED_HEADER, REPLICA_HEADER, PrefixIndex,  
                                    choose, create_router_app, load_tokenizer,
                                    restart_delay)
 
-from ..conftest import TINY  # noqa: E402
-
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
 MAX_SEQ_LEN = 320
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tinyloop.__file__)))
-
-
-@pytest.fixture(scope="module")
-def chat_model_path(tmp_path_factory):
-    cfg = synthetic_config(**TINY, bos_token_id=256, eos_token_id=257)
-    path = tmp_path_factory.mktemp("models") / "chat.tlm"
-    write_tlm(path, cfg, synthetic_weights(cfg, 11), tokenizer_json=byte_level_tokenizer_json(
-        cfg.vocab_size), chat_template=TEMPLATE)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
