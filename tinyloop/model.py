@@ -986,22 +986,23 @@ class Model:
     def _layer_rest(self, lw, x, v: dict, norm) -> None:
         """A layer after its attention: O projection + residual, RMSNorm + gate/up + SwiGLU,
         down projection + residual."""
-        cfg, ops = self.config, self._ops
-        eps = cfg.norm_eps
-        if cfg.layer_norms == "pre":
-            ops.linear_residual(v["att"], lw.attn_output, x)
-        elif cfg.layer_norms == "pre_post":
-            ops.linear_norm_residual(v["att"], lw.attn_output, lw.attn_post_norm, eps, x, norm)
+        self._branch_out(v["att"], lw.attn_output, lw.attn_post_norm, x, norm)
+        self._ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, self.config.norm_eps, lw.ffn_gate_up,
+                                        v["gate_up"], v["h"], norm)
+        self._branch_out(v["h"], lw.ffn_down, lw.ffn_post_norm, x, norm)
+
+    def _branch_out(self, h, w, post_norm, x, norm) -> None:
+        """A branch's output projection of ``h`` into the residual ``x`` by the layer's norm
+        placement (``layer_norms``): "pre" adds it; "pre_post" (Ouro) normalizes it with
+        ``post_norm`` first (through ``norm``); "sandwich" (Huginn) adds it, then normalizes
+        the sum."""
+        ops, eps, where = self._ops, self.config.norm_eps, self.config.layer_norms
+        if where == "pre":
+            ops.linear_residual(h, w, x)
+        elif where == "pre_post":
+            ops.linear_norm_residual(h, w, post_norm, eps, x, norm)
         else:
-            ops.linear_residual_norm(v["att"], lw.attn_output, lw.attn_post_norm, eps, x)
-        ops.rmsnorm_linear_swiglu(x, lw.ffn_norm, eps, lw.ffn_gate_up, v["gate_up"],
-                                  v["h"], norm)
-        if cfg.layer_norms == "pre":
-            ops.linear_residual(v["h"], lw.ffn_down, x)
-        elif cfg.layer_norms == "pre_post":
-            ops.linear_norm_residual(v["h"], lw.ffn_down, lw.ffn_post_norm, eps, x, norm)
-        else:
-            ops.linear_residual_norm(v["h"], lw.ffn_down, lw.ffn_post_norm, eps, x)
+            ops.linear_residual_norm(h, w, post_norm, eps, x)
 
     def decode_step_ops(self, step, x, depth: int, slots, host_out,
                         sampled: bool = False) -> None:
