@@ -183,8 +183,11 @@ class EngineRequest:
         a = self.args
         if a.repetition_penalty == 1.0:
             return None
-        hist = a.ids.tolist() + self._new
-        return np.asarray(hist[max(0, pos + 1 - a.repeat_last_n):pos + 1], np.int32)
+        lo, n = max(0, pos + 1 - a.repeat_last_n), len(a.ids)
+        # the window's prompt part then its generated part, without copying the whole context
+        return np.concatenate([a.ids[lo:min(n, pos + 1)],
+                               np.asarray(self._new[max(0, lo - n):max(0, pos + 1 - n)],
+                                          np.int32)]).astype(np.int32, copy=False)
 
     def _sampling(self) -> tuple:
         """(temperature, top_k, top_p, u, min_p, repetition_penalty, recent ids) of the next
