@@ -7,13 +7,15 @@
 #      (one captured decode step: generate against replay, kernel by kernel), bench_prefix
 #      (prefix caching: TTFT, upgrades, a pool over a chat trace).
 # Full logs go to $OUT (default ./gpu_suite_out); a short summary table is printed last.
-# Exit status: nonzero if any step failed. Env: SKIP_NVCC, SKIP_BENCH_DECODE, SKIP_BENCH_PREFIX, JUNIT=1 (XML), SUITE_PATHS,
+# Exit status: nonzero if any step failed. Env: SKIP_NVCC, SKIP_BENCH_KERNELS, SKIP_BENCH_DECODE, SKIP_BENCH_PREFIX, JUNIT=1 (XML), SUITE_PATHS,
 # STEP_TIMEOUT (seconds per step, default 900), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_suite_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TINYLOOP_REPORT_DIR="$OUT" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the serve extra, where scripts/device_prep.sh installed what the image lacks
+[[ -d /root/site_serve ]] && PYTHONPATH="$PYTHONPATH:/root/site_serve"
 PY=${PYTHON:-python3}
 declare -A status secs
 
@@ -39,7 +41,7 @@ fi
 # tests/kernels tests/kv" and "tests/memory tests/model tests/project tests/serve")
 step tests pytest_gpu.log $PY -m pytest -m gpu ${SUITE_PATHS:-tests} -q -rfEs --continue-on-collection-errors \
     -p no:cacheprovider ${JUNIT:+--junitxml="$OUT/pytest_gpu.xml"}
-step bench_kernels bench_kernels.log $PY -m benchmarks bench_kernels --out "$OUT"
+[[ -z "${SKIP_BENCH_KERNELS:-}" ]] && step bench_kernels bench_kernels.log $PY -m benchmarks bench_kernels --out "$OUT"
 if [[ -z "${SKIP_BENCH_DECODE:-}" ]]; then
     step bench_decode bench_decode.log $PY -m benchmarks bench_decode --out "$OUT"
     step step_kernels step_kernels.log $PY -m benchmarks step_kernels --pdl 1 --out "$OUT"

@@ -145,7 +145,7 @@ def nanbeige_checkpoint(seed=0, *, exact=True, d=128, heads=4, kv_heads=2, head_
 
 # --- Huginn ---------------------------------------------------------------------------------
 def huginn_checkpoint(seed=0, *, exact=True, d=192, heads=2, ffn=256, prelude=1, core=2,
-                      coda=1, vocab=96, recurrence=4, theta=50000.0):
+                      coda=1, vocab=96, recurrence=4, theta=50000.0, adapter_gain=0.7):
     rng = np.random.default_rng(seed)
     std = math.sqrt(2 / (5 * d))
     cfg = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
@@ -160,7 +160,7 @@ def huginn_checkpoint(seed=0, *, exact=True, d=192, heads=2, ffn=256, prelude=1,
     wte = _mat(exact, rng, vocab, d, 0.05)
     t = {"transformer.wte.weight": wte, "lm_head.weight": wte.copy(),
          "transformer.ln_f.weight": norm_weight(rng, d),
-         "transformer.adapter.weight": _mat(exact, rng, d, 2 * d, 0.7 / math.sqrt(d)),
+         "transformer.adapter.weight": _mat(exact, rng, d, 2 * d, adapter_gain / math.sqrt(d)),
          "freqs_cis": np.zeros((1, 16, 1, d // heads // 2, 2), np.float32)}
     blocks = ([f"transformer.prelude.{i}." for i in range(prelude)]
               + [f"transformer.core_block.{j}." for j in range(core)]
