@@ -12,14 +12,15 @@ Both models are written with random INT4 weights at the dims of benchmarks/commo
 smoke run (``--backend numpy``).
 
 Ouro: the gate's threshold (the cumulative exit probability to reach, Ouro's rule:
-tinyloop/adaptive.py) is, unless ``--threshold`` gives one, the median over one calibration
-generation's decode positions of the cumulative exit probability after loop 2 (no exit
-taken), so about half the tokens exit by loop 2. Measured per row over ``--reps``
+tinyloop/adaptive.py) is, unless ``--threshold`` gives one, found per iteration KV policy by
+bisection on depth="auto" generations (``calibrate``) so that about half the tokens exit by
+loop 2. Measured per row over ``--reps``
 generations of ``--new-tokens`` tokens after the 16-token prompt: decode tokens/s (median,
 min-max), the depths the tokens ran at (mean, histogram), the weight bytes a decode step
 reads at that mean (``common.weight_bytes_per_token`` per token) and the KV bytes per token
-the request holds. Rows: fixed depth 4 with CUDA graphs on and off (depth="auto" steps run
-eagerly, so the eager row is its like-for-like), and depth="auto" under "all" and "latest".
+the request holds. Rows: fixed depth 4 and depth="auto" ("all") with CUDA graphs on and off
+(depth="auto" replays its parts: the prelude, each iteration, coda + head), and depth="auto"
+under "latest" with graphs.
 
 Huginn: depth ``--huginn-depth`` (32, its mean recurrence) under "all" (a K/V slot per core
 layer and iteration, ``P + R*32 + C`` slots) and "latest" (one per core layer: ``P + R + C``):
@@ -69,12 +70,29 @@ def _write(conf: dict, name: str, shrink: int) -> str:
     return path
 
 
-def calibrate(model, new_tokens: int, top: int) -> float:
-    """The median over one generation's decode positions of the gate's cumulative exit
-    probability after loop 2, with no exit taken (threshold infinity)."""
-    r = _generate(model, new_tokens, depth="auto", exit_rule="gate", exit_threshold=math.inf,
-                  max_depth=top)
-    return float(statistics.median(v[1] for v in r.extra["exit_values"] if len(v) > 1))
+def exit_share(depths, by: int = 2) -> float:
+    """The share of ``depths`` at most ``by``."""
+    return sum(d <= by for d in depths) / max(1, len(depths))
+
+
+def calibrate(model, new_tokens: int, top: int, policy: str, steps: int = 12) -> float:
+    """The gate threshold at which about half of one depth="auto" generation's tokens exit by
+    loop 2 under ``policy``: bisection over 0..1 (a higher threshold exits later), each step a
+    generation of ``new_tokens`` (the exits change the tokens, so the share is measured on
+    the auto run itself, not on a run without exits)."""
+    lo, hi = 0.0, 1.0
+    best = (math.inf, 0.5)
+    for _ in range(steps):
+        th = (lo + hi) / 2
+        r = _generate(model, new_tokens, depth="auto", exit_rule="gate", exit_threshold=th,
+                      max_depth=top, kv_iterations=policy)
+        share = exit_share(r.depths)
+        best = min(best, (abs(share - 0.5), th))
+        if share > 0.5:
+            lo = th                 # too many exits: raise the threshold
+        else:
+            hi = th
+    return best[1]
 
 
 def run_ouro(args) -> list:
@@ -84,21 +102,23 @@ def run_ouro(args) -> list:
     rows = []
     try:
         top = 4
-        th = args.threshold if args.threshold is not None else calibrate(m, args.new_tokens,
-                                                                        top)
+        th = {pol: (args.threshold if args.threshold is not None
+                    else calibrate(m, args.new_tokens, top, pol)) for pol in ("all", "latest")}
         wb = {d: weight_bytes_per_token(m, d) for d in range(1, top + 1)}
+        auto = dict(depth="auto", exit_rule="gate", max_depth=top)
         cases = [("fixed 4, graphs", dict(depth=top), True, "all"),
                  ("fixed 4, eager", dict(depth=top), False, "all"),
-                 ("auto, all", dict(depth="auto", exit_rule="gate", exit_threshold=th,
-                                    max_depth=top), False, "all"),
-                 ("auto, latest", dict(depth="auto", exit_rule="gate", exit_threshold=th,
-                                       max_depth=top), False, "latest")]
+                 ("auto, all, graphs", dict(auto, exit_threshold=th["all"]), True, "all"),
+                 ("auto, all, eager", dict(auto, exit_threshold=th["all"]), False, "all"),
+                 ("auto, latest, graphs", dict(auto, exit_threshold=th["latest"]), True,
+                  "latest")]
         for label, kw, graphs, policy in cases:
             r = _timed(m, args.new_tokens, args.reps, graphs, kv_iterations=policy, **kw)
             hist = {str(d): r["depths"].count(d) for d in range(1, top + 1)}
-            rows.append({"arch": "ouro", "case": label, "threshold": th, "kv_iterations": policy,
+            rows.append({"arch": "ouro", "case": label,
+                         "threshold": kw.get("exit_threshold"), "kv_iterations": policy,
                          **r, "depth_histogram": hist,
-                         "exit_by_loop_2": sum(d <= 2 for d in r["depths"]) / r["tokens"],
+                         "exit_by_loop_2": exit_share(r["depths"]),
                          "weight_bytes_per_token": sum(wb[d] for d in r["depths"])
                          / r["tokens"],
                          "kv_bytes_per_token": m.kv_bytes_per_token(top,
@@ -146,15 +166,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for bench_adaptive.json")
     args = ap.parse_args(argv)
     rows = run_ouro(args) + run_huginn(args)
-    print(f"\n{'arch':7s} {'case':18s} {'tok/s':>8s} {'min-max':>15s} {'mean d':>6s} "
-          f"{'MB w/tok':>8s} {'KV B/tok':>10s}")
+    print(f"\n{'arch':7s} {'case':21s} {'tok/s':>8s} {'min-max':>15s} {'mean d':>6s} "
+          f"{'exit<=2':>7s} {'MB w/tok':>8s} {'KV B/tok':>10s}")
     for r in rows:
         d = r["decode_tok_s"]
         mean = r.get("mean_depth", r.get("depth"))
         wb = r.get("weight_bytes_per_token")
-        print(f"{r['arch']:7s} {r['case']:18s} {d['median']:8.1f} "
+        share = r.get("exit_by_loop_2")
+        print(f"{r['arch']:7s} {r['case']:21s} {d['median']:8.1f} "
               f"{d['min']:7.1f}-{d['max']:<7.1f} {mean:6.2f} "
-              f"{(wb or 0) / 1e6:8.1f} {r['kv_bytes_per_token']:10,d}")
+              f"{'-' if share is None else f'{share:.2f}':>7s} "
+              f"{'-' if wb is None else f'{wb / 1e6:.1f}':>8s} {r['kv_bytes_per_token']:10,d}")
     write_json(args.out, "bench_adaptive.json", rows)
     return 0
 

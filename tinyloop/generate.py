@@ -27,7 +27,7 @@ from .backends.base import check_filters, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
-from .graphs import decode_step
+from .graphs import decode_step, decode_step_auto
 from .kv.handles import HandleStorage, PrefixCache, ResumeHandle
 from .kv.layouts import mode_name
 from .kv.pool import PrefixPool, common_prefix
@@ -375,6 +375,13 @@ def _run(model, req: _Request):
                 cached = prefill_request(model, step_ids, req.depth, req.kv_mode, cache,
                                          req.prefix, req.prefix_pool)
             elif req.exit is not None:
+                # the parts of the step replay as graphs where the backend can
+                got = decode_step_auto(model, cache, int(step_ids[0]), pos0, req.exit,
+                                       temperature, top_k, top_p, u, min_p, penalty, recent,
+                                       last_n)
+                if got is not None:
+                    nxt, ran = got
+                    return nxt
                 ran = model.forward_auto(int(step_ids[0]), pos0, cache, req.exit)
             else:
                 if len(step_ids) == 1:

@@ -27,6 +27,12 @@ is replayed only under the key it was captured with; other keys get their own gr
 ``MAX_GRAPHS``, least recently used dropped first). The decode attention reads the context
 length on the device with a fixed grid, so no length bucket enters the key.
 
+**depth="auto"** (``step_auto``): the exit is decided on the host after every iteration, so
+such a step is no single graph: its parts (``Model.auto_step_ops``: the prelude, each
+recurrent iteration, the "kl" rule's probe, the coda and head) are captured one graph each
+under the step's key plus ("auto", rule), and the host reads the state back between
+iterations.
+
 **Rules**: the first step under a new key runs the same launches eagerly (kernels load, every
 argument is validated with an ordinary error); the next step captures. The pool must make no
 allocation between capture begin and end (checked from its counters: a capture that allocated
@@ -54,10 +60,13 @@ MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyon
 class _Entry:
     """One key's graph and its block table (tag ``graphs``)."""
 
-    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound")
+    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound",
+                 "parts", "warm_parts")
 
     def __init__(self):
         self.graph = None
+        self.parts: dict = {}      # depth="auto": one graph per part (graphs.DecodeGraphs.step_auto)
+        self.warm_parts: set = set()
         self.table = self.table_block = self.table_host = None
         self.slots: list = []
         self.warm = False          # one eager run done under this key
@@ -77,6 +86,7 @@ class DecodeGraphs:
         self.step_state = None          # int32 [STEP_WORDS] device array
         self.row = None                 # f32 [1, d_model]: the decode residual row
         self._host_out = None
+        self._keep = None               # f32 [1, d_model]: the "kl" rule's copy of the state
         self._expect = None             # (owner ref, id, pos, window) the device state holds
         self.captures = 0               # graphs captured since load
         self.replays = 0
@@ -111,11 +121,12 @@ class DecodeGraphs:
         d = self._model.config.d_model
         ops = self._ops
         with packed_scope():
-            blk = self._pool.allocate(STEP_WORDS * 4 + 16 + d * 4, "graphs")
+            blk = self._pool.allocate(STEP_WORDS * 4 + 16 + 2 * d * 4, "graphs")
         try:
             self.step_state = blk.array((STEP_WORDS,), np.int32)
             off = (STEP_WORDS * 4 + 16) // 4        # the row starts 16-byte aligned
-            self.row = blk.array((off + d,), np.float32)[off:].reshape(1, d)
+            self.row = blk.array((off + 2 * d,), np.float32)[off:off + d].reshape(1, d)
+            self._keep = blk.array((off + 2 * d,), np.float32)[off + d:].reshape(1, d)
             ops.zero(self.step_state)
             self._host_out = ops.step_host_buffer()
         except BaseException:
@@ -143,13 +154,17 @@ class DecodeGraphs:
         return ent
 
     def _free_entry(self, ent: _Entry) -> None:
-        g, ent.graph = ent.graph, None
-        if g is not None:
+        graphs = [ent.graph, *ent.parts.values()]
+        ent.graph, ent.parts = None, {}
+        for g in graphs:
+            if g is None:
+                continue
             # the executable graph's device memory goes with the last reference: measured,
             # as its instantiation was, so the "cuda graphs" line follows what is held
             with self._pool.measure_driver("cuda graphs"):
                 self._ops.graph_free(g)
-                del g
+            del g
+        del graphs
         ent.slots = []
         ent.table = None
         blk, ent.table_block = ent.table_block, None
@@ -162,7 +177,7 @@ class DecodeGraphs:
         entries, self._entries = list(self._entries.values()), collections.OrderedDict()
         for ent in entries:
             self._free_entry(ent)
-        self.step_state = self.row = None
+        self.step_state = self.row = self._keep = None
         self._expect = None
         blk, self._state_block = self._state_block, None
         if blk is not None:
@@ -178,7 +193,8 @@ class DecodeGraphs:
         load; ``bytes``: pool bytes under tag ``graphs`` held for them (rounded blocks)."""
         nbytes = sum(e.table_block.nbytes for e in self._entries.values())
         nbytes += self._state_block.nbytes if self._state_block is not None else 0
-        return {"graphs": sum(e.graph is not None for e in self._entries.values()),
+        return {"graphs": sum((e.graph is not None) + len(e.parts)
+                              for e in self._entries.values()),
                 "keys": list(self._entries), "captures": self.captures,
                 "replays": self.replays, "bytes": nbytes}
 
@@ -217,31 +233,7 @@ class DecodeGraphs:
         ``eligible`` first. Raises ConfigError for ``pos`` outside the cache's capacity or sampling
         parameters out of range, GraphCaptureError for a capture that allocated, and what the
         ops raise."""
-        if not 0 <= pos < cache.capacity:
-            raise ConfigError(f"decode position {pos} is outside the request's capacity "
-                              f"{cache.capacity}")
-        self._ensure_state()
-        sampled = sampling is not None
-        if sampled:
-            self._ops.set_step_sampling(*sampling)
-        last_n = (int(sampling[6]) if sampled and len(sampling) > 6 and sampling[5] != 1.0
-                  else 0)
-        penalized = last_n > 0
-        if penalized and (window is None or len(window) == 0 or int(window[-1]) != token):
-            raise ConfigError("a penalised decode step needs its window of recent tokens, "
-                              "ending with the step's token")
-        key = self.key(cache, sampled, penalized)
-        ent = self._entry(key, cache)
-        if ent.bound is None or ent.bound() is not cache:
-            self._bind(ent, cache)
-        exp = self._expect
-        if (exp is None or exp[0]() is not cache or exp[1] != token or exp[2] != pos
-                or exp[3] != last_n):
-            state = np.zeros(STEP_WORDS, np.int32)
-            state[STEP_ID], state[STEP_POS] = token, pos
-            self._ops.from_host(state, self.step_state)
-            if penalized:
-                self._ops.set_step_window(window, pos, last_n)
+        ent, sampled, last_n = self._prepare(cache, token, pos, sampling, window)
         ops, m = self._ops, self._model
         if ent.graph is None and not ent.warm:
             m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out,
@@ -260,14 +252,109 @@ class DecodeGraphs:
         self._expect = (weakref.ref(cache), nxt, pos + 1, last_n)
         return nxt, code
 
-    def _capture(self, ent: _Entry, depth: int, sampled: bool = False):
+    def _prepare(self, cache, token: int, pos: int, sampling, window, auto=None):
+        """What a step and a depth="auto" step share: check ``pos``, write the sampling
+        parameters, find (or make) the key's entry with ``cache``'s tables bound, and write
+        the device step state unless it already holds (token, pos). Returns (entry, sampled,
+        repeat_last_n)."""
+        if not 0 <= pos < cache.capacity:
+            raise ConfigError(f"decode position {pos} is outside the request's capacity "
+                              f"{cache.capacity}")
+        self._ensure_state()
+        sampled = sampling is not None
+        if sampled:
+            self._ops.set_step_sampling(*sampling)
+        last_n = (int(sampling[6]) if sampled and len(sampling) > 6 and sampling[5] != 1.0
+                  else 0)
+        penalized = last_n > 0
+        if penalized and (window is None or len(window) == 0 or int(window[-1]) != token):
+            raise ConfigError("a penalised decode step needs its window of recent tokens, "
+                              "ending with the step's token")
+        key = self.key(cache, sampled, penalized)
+        if auto is not None:
+            key = key + ("auto", auto)
+        ent = self._entry(key, cache)
+        if ent.bound is None or ent.bound() is not cache:
+            self._bind(ent, cache)
+        exp = self._expect
+        if (exp is None or exp[0]() is not cache or exp[1] != token or exp[2] != pos
+                or exp[3] != last_n):
+            state = np.zeros(STEP_WORDS, np.int32)
+            state[STEP_ID], state[STEP_POS] = token, pos
+            self._ops.from_host(state, self.step_state)
+            if penalized:
+                self._ops.set_step_window(window, pos, last_n)
+        return ent, sampled, last_n
+
+    def step_auto(self, cache, token: int, pos: int, rule, sampling: tuple | None = None,
+                  window=None) -> tuple[int, int, int]:
+        """One depth="auto" decode step of ``cache``'s request (a cache laid out for
+        ``rule.max_depth`` iterations; ``rule`` an ``adaptive.ExitRule``): the parts of
+        ``Model.auto_step_ops`` replayed as graphs of their own - the prelude, then iteration
+        after iteration until ``Model.exit_decision`` exits on the state read back after each
+        (and, for the "kl" rule, the logits of the "probe" part), the copy into the deeper
+        slots (``Model.fill_deeper``, eager), the coda and the head. Each part runs eagerly on
+        its first use under the key (the step's key plus ("auto", the rule's name)), is
+        captured on its second and replayed after. ``sampling`` / ``window`` as in
+        :meth:`step`. Returns (next id, fault code, depth run). Raises as :meth:`step`
+        does."""
+        top = rule.max_depth
+        if cache.depth != top:
+            raise ConfigError(f"a depth='auto' step up to {top} iterations needs a cache laid "
+                              f"out for {top}, got {cache.depth}")
+        ent, sampled, last_n = self._prepare(cache, token, pos, sampling, window,
+                                             auto=rule.rule)
+        ops, m = self._ops, self._model
+        x, st, slots = self.row, self.step_state, ent.slots
+
+        def part(name):
+            issue = (lambda: m.auto_step_ops(name, st, x, top, slots, self._host_out,
+                                             sampled, self._keep))
+            g = ent.parts.get(name)
+            if g is None and name not in ent.warm_parts:
+                issue()
+                ent.warm_parts.add(name)
+                return
+            if g is None:
+                g = ent.parts[name] = self._capture_issue(issue)
+                with self._pool.measure_driver("cuda graphs"):   # the first launch uploads it
+                    ops.graph_launch(g)
+            else:
+                ops.graph_launch(g)
+            self.replays += 1
+
+        cfg = m.config
+        part("pre")
+        depth = top
+        if cfg.n_recurrent:
+            rule.start(ops.to_host(x) if rule.rule == "state" else None, cfg.vocab_size)
+            for it in range(top):
+                part(it)
+                if it + 1 == top:
+                    break
+                logits = None
+                if rule.needs_logits:
+                    part("probe")
+                    logits = ops.to_host(m.logit_row())
+                if m.exit_decision(rule, ops.to_host(x), logits):
+                    depth = it + 1
+                    break
+            m.fill_deeper(cache, depth, pos)
+        part("post")
+        ops.graph_sync()
+        nxt, code = int(self._host_out[0]), int(self._host_out[1])
+        self._expect = (weakref.ref(cache), nxt, pos + 1, last_n)
+        return nxt, code, depth
+
+    def _capture_issue(self, issue):
+        """Capture what ``issue()`` launches as one graph (the pool must not allocate
+        meanwhile: GraphCaptureError otherwise, the graph dropped)."""
         ops, pool, m = self._ops, self._pool, self._model
         m.logit_row()                                   # exists before capture
         before = pool.stats()
         ops.graph_begin()
         try:
-            m.decode_step_ops(self.step_state, self.row, depth, ent.slots, self._host_out,
-                              sampled)
+            issue()
             with pool.measure_driver("cuda graphs"):     # instantiation: device memory
                 graph = ops.graph_end()
         except BaseException:
@@ -285,6 +372,11 @@ class DecodeGraphs:
                 "of the step must exist before the capture begins")
         self.captures += 1
         return graph
+
+    def _capture(self, ent: _Entry, depth: int, sampled: bool = False):
+        m = self._model
+        return self._capture_issue(lambda: m.decode_step_ops(
+            self.step_state, self.row, depth, ent.slots, self._host_out, sampled))
 
 
 def decode_graphs(model) -> DecodeGraphs:
@@ -322,4 +414,28 @@ def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: i
     return nxt
 
 
-__all__ = ["DecodeGraphs", "MAX_GRAPHS", "decode_graphs", "decode_step"]
+def decode_step_auto(model, cache, token: int, pos: int, rule, temperature: float,
+                     top_k: int = 0, top_p: float = 1.0, u: float = 0.0, min_p: float = 0.0,
+                     repetition_penalty: float = 1.0, recent_ids=None,
+                     repeat_last_n: int = 0) -> tuple[int, int] | None:
+    """:func:`decode_step` at depth="auto" (``rule``: the request's ``adaptive.ExitRule``):
+    (next id, depth run) through :meth:`DecodeGraphs.step_auto`, or None where the step does
+    not run as graphs (then ``Model.forward_auto`` + ``Model.head_sample`` run it, with the
+    same result). Raises as :func:`decode_step` does."""
+    g = decode_graphs(model)
+    pen = (repetition_penalty != 1.0 and repeat_last_n > 0 and recent_ids is not None
+           and len(recent_ids) > 0)
+    if not g.eligible(cache, temperature if not pen else 1.0):
+        return None
+    sampling = None
+    if temperature > 0.0 or pen:
+        sampling = (temperature, top_k, top_p, u, min_p, repetition_penalty,
+                    repeat_last_n if pen else 0)
+    extra = {"window": recent_ids} if pen else {}
+    nxt, code, depth = g.step_auto(cache, int(token), int(pos), rule, sampling, **extra)
+    if code:
+        raise non_finite_logits(LOGIT_FAULTS[code])
+    return nxt, depth
+
+
+__all__ = ["DecodeGraphs", "MAX_GRAPHS", "decode_graphs", "decode_step", "decode_step_auto"]

@@ -794,9 +794,9 @@ class Model:
         row lands in ``buffers.main[pos0]`` as :meth:`forward` leaves it. ``cache`` is laid
         out for ``rule.max_depth`` iterations. Under kv_iterations="all" an exit after
         iteration d copies each recurrent layer's row of iteration d into the slots of the
-        iterations after it (``kv.cache.copy_position``). Eager on every backend (the exit
-        is decided on the host after each iteration, which a captured graph cannot branch
-        on). Returns the depth the position ran at. Raises ConfigError when the cache is laid
+        iterations after it (``kv.cache.copy_position``). Eager: the exit is decided on the
+        host after each iteration, so the captured form (``graphs.DecodeGraphs.step_auto``)
+        replays the step's parts one graph each. Returns the depth the position ran at. Raises ConfigError when the cache is laid
         out for another depth."""
         cfg, ops = self.config, self._ops
         top = rule.max_depth
@@ -834,12 +834,7 @@ class Model:
                     if it + 1 < top and self._exits(rule, x, pos0, v, kv_of, top, keep):
                         depth = it + 1
                         break
-                if depth < top and cache.kv_iterations == "all":
-                    p, r = cfg.n_prelude, cfg.n_recurrent
-                    for j in range(r):
-                        src = kv_of(p + (depth - 1) * r + j)
-                        for it in range(depth, top):
-                            copy_position(src, kv_of(p + it * r + j), pos0)
+                self.fill_deeper(cache, depth, pos0)
             self._coda(x, top, pos0, v, kv_of, None)
         finally:
             if keep_blk is not None:
@@ -848,13 +843,29 @@ class Model:
             hook(pos0, 1)
         return depth
 
-    def _exits(self, rule, x, pos0: int, v: dict, kv_of, top: int, keep) -> bool:
-        """Whether ``rule`` exits after the iteration that left state ``x`` [1, d]: the gate
-        on rmsnorm(x) (float64 on the host), the next-token logits of the coda and head run
-        on the state (x is restored from ``keep`` after; the coda's K/V rows at ``pos0`` are
-        rewritten by the exit's own coda), or the state itself."""
+    def fill_deeper(self, cache: RuntimeKVCache, depth: int, pos0: int) -> None:
+        """After position ``pos0`` exited at ``depth`` < ``cache.depth`` under
+        kv_iterations="all": copy each recurrent layer's row of iteration ``depth`` into the
+        slots of the iterations after it (``kv.cache.copy_position``), so later positions
+        that run deeper attend to the position's last iteration. Nothing to do under "latest"
+        (the one slot already holds it) or at full depth."""
+        top = cache.depth
+        if depth >= top or cache.kv_iterations != "all":
+            return
+        p, r = self.config.n_prelude, self.config.n_recurrent
+        for j in range(r):
+            src = cache.kv_of(p + (depth - 1) * r + j)
+            for it in range(depth, top):
+                copy_position(src, cache.kv_of(p + it * r + j), pos0)
+
+    def exit_decision(self, rule, state, logits=None) -> bool:
+        """Whether ``rule`` (an ``adaptive.ExitRule``) exits after an iteration that left the
+        state ``state`` (host float array [d] or [1, d]): "gate" from the exit gate on
+        rmsnorm(state) (float64 on the host, Ouro's ``early_exit_gate``), "kl" from
+        ``logits`` (host [vocab]: the coda and head run on the state), "state" from the state
+        itself (``ExitRule.exits``)."""
         cfg, ops = self.config, self._ops
-        xh = ops.to_host(x).astype(np.float64).reshape(-1)
+        xh = np.asarray(state, np.float64).reshape(-1)
         if rule.rule == "gate":
             if self._host_gate is None:
                 self._host_gate = tuple(np.asarray(ops.to_host(a), np.float64).reshape(-1)
@@ -863,14 +874,71 @@ class Model:
             h = xh / np.sqrt(np.mean(xh * xh) + cfg.norm_eps) * nw
             return rule.exits(xh, gate_z=float(h @ gw + gb[0]))
         if rule.rule == "kl":
+            return rule.exits(xh, logits=logits)
+        return rule.exits(xh)
+
+    def _exits(self, rule, x, pos0: int, v: dict, kv_of, top: int, keep) -> bool:
+        """Whether ``rule`` exits after the iteration that left state ``x`` [1, d]
+        (``exit_decision``); for "kl" the coda and head run on the state first (x is
+        restored from ``keep`` after; the coda's K/V rows at ``pos0`` are rewritten by the
+        exit's own coda)."""
+        ops = self._ops
+        xh = ops.to_host(x)
+        logits = None
+        if rule.rule == "kl":
             ops.copy(x, keep)
             self._coda(x, top, pos0, v, kv_of, None)
             row = self.logit_row()
             self.head(pos0, 1, row)
             logits = ops.to_host(row)
             ops.copy(keep, x)
-            return rule.exits(xh, logits=logits)
-        return rule.exits(xh)
+        return self.exit_decision(rule, xh, logits)
+
+    def auto_step_ops(self, part, step, x, top: int, slots, host_out=None,
+                      sampled: bool = False, keep=None) -> None:
+        """Issue one part of a depth="auto" decode step driven by the device step state
+        ``step`` (int32 [STEP_WORDS]) over the residual row ``x`` f32 [1, d] and the SlotKVs
+        ``slots`` (by the forward's slot names, a cache laid out for ``top`` iterations):
+        ``"pre"`` embeds ``step[STEP_ID]``, runs the prelude, keeps the adapter's input and
+        starts the recurrent state; an int ``t`` runs recurrent iteration t (0-based);
+        ``"probe"`` (the "kl" rule) runs the coda and the head on the state into
+        ``logit_row()`` and restores it from ``keep`` f32 [1, d]; ``"post"`` runs the coda,
+        the head (argmax, or with ``sampled`` the device sampler) and ``step_advance`` into
+        ``host_out``. The host decides between iterations (``exit_decision``), so each part
+        is captured on its own (``graphs.DecodeGraphs.step_auto``); together they issue what
+        :meth:`forward_auto` and the head run eagerly. Reads nothing on the host and
+        allocates nothing."""
+        cfg, ops = self.config, self._ops
+        v = self._views(1)
+        kv_of = slots.__getitem__
+        e = v["inject"] if self._adapter is not None else None
+        if part == "pre":
+            ops.embed(self._embed, step[:1], x)
+            if cfg.embed_scale != 1.0:
+                ops.scale(x, cfg.embed_scale)
+            for i in range(cfg.n_prelude):
+                self._layer(i, kv_of(i), x, None, v, step)
+            if cfg.n_recurrent:
+                if e is not None:
+                    ops.copy(x, e)
+                if cfg.state_init == "zeros":
+                    ops.zero(x)
+                elif cfg.state_init == "normal":
+                    ops.init_state_step(x, step, cfg.state_std, cfg.state_seed)
+        elif part == "probe":
+            ops.copy(x, keep)
+            self._coda(x, top, None, v, kv_of, step)
+            ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head,
+                                self.logit_row(), v["norm"])
+            ops.copy(keep, x)
+        elif part == "post":
+            self._coda(x, top, None, v, kv_of, step)
+            head = ops.head_sample_step if sampled else ops.head_argmax_step
+            head(x, self._output_norm, cfg.norm_eps, self._head, self.logit_row(), v["norm"],
+                 step)
+            ops.step_advance(step, host_out, cfg.rope_theta, cfg.head_dim)
+        else:
+            self._iterations(x, e, int(part), int(part) + 1, None, v, kv_of, step)
 
     def _deepen_chunk(self, pos0: int, t: int, depth_from: int, depth_to: int,
                       cache: RuntimeKVCache, snapshot) -> None:

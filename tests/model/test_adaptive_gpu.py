@@ -168,10 +168,12 @@ def test_auto_depth_picks_the_numpy_depths_and_tokens(tlms, arch, rule, policy, 
                               exit_threshold=th, kv_iterations=policy, stop=[])
         n = min(_reach(want.token_ids, own.token_ids), _reach(want.depths, own.depths))
         assert n >= MIN_TOKENS, (arch, rule, policy, th, n)
-        for graphs in ("1", "0"):          # depth="auto" bypasses the captured step either way
+        for graphs in ("1", "1", "0"):     # captured parts (warm, capture, replay), eager
             monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", graphs)
+            before = cu.graph_stats()["replays"]
             got = cu.generate(ids, max_new_tokens=N_NEW, depth="auto", exit_rule=rule,
                               exit_threshold=th, kv_iterations=policy, stop=[])
+            assert (cu.graph_stats()["replays"] > before) == (graphs == "1")
             assert got.token_ids[:n] == want.token_ids[:n], (arch, rule, policy, th, graphs, n)
             assert got.depths[:n] == want.depths[:n], (arch, rule, policy, th, graphs, n)
     finally:

@@ -642,22 +642,26 @@ def test_bench_decode_context_sweep_runs_each_context_at_its_length(tiny_adapter
 
 
 def test_bench_adaptive_runs_on_the_numpy_backend(tmp_path):
-    """bench_adaptive on shrunk Ouro / Huginn shapes: the gate threshold is the calibration's
-    median, so about half the decode positions exit by loop 2; fixed depth 4 runs every token
+    """bench_adaptive on shrunk Ouro / Huginn shapes: the gate threshold is calibrated by
+    bisection so about half the decode positions exit by loop 2; fixed depth 4 runs every token
     at 4; the KV bytes per token follow the slot counts of each policy (P + R*depth + C
     against P + R + C slots of the same per-slot bytes)."""
     proc = _run("bench_adaptive", "--backend", "numpy", "--shrink", "16", "--reps", "1",
                 "--new-tokens", "8", "--huginn-depth", "6", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     rows = {r["case"]: r for r in json.load(open(tmp_path / "bench_adaptive.json"))}
-    fixed, auto = rows["fixed 4, eager"], rows["auto, all"]
+    fixed, auto = rows["fixed 4, eager"], rows["auto, all, eager"]
+    # the recorded depths: the captured-parts row ran what the eager one did (NumPy has no
+    # graphs, so both run eagerly here; test_adaptive_graphs.py holds the captured parts)
+    assert rows["auto, all, graphs"]["depths"] == auto["depths"]
     assert fixed["depths"] == [4] * 8 and rows["fixed 4, graphs"]["mean_depth"] == 4.0
     assert 1 <= auto["mean_depth"] < 4 and auto["depths"][0] == 4   # the prompt at max depth
     assert sum(auto["depth_histogram"].values()) == 8
-    assert 0.2 <= auto["exit_by_loop_2"] <= 0.8
+    assert 0.25 <= auto["exit_by_loop_2"] <= 0.75
     assert auto["weight_bytes_per_token"] < fixed["weight_bytes_per_token"]
     assert auto["kv_bytes_per_token"] == fixed["kv_bytes_per_token"]
-    lat = rows["auto, latest"]
+    lat = rows["auto, latest, graphs"]
+    assert 0.25 <= lat["exit_by_loop_2"] <= 0.75
     assert lat["kv_bytes_per_token"] * 4 == fixed["kv_bytes_per_token"]   # Ouro: P = C = 0
     a, b = rows["depth 6, all"], rows["depth 6, latest"]
     per_slot = b["kv_bytes_per_token"] // b["kv_slots"]
