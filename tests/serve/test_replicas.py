@@ -24,7 +24,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 httpx2 = pytest.importorskip("httpx2")
 openai = pytest.importorskip("openai")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import tinyloop  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
@@ -34,6 +33,8 @@ from tinyloop.serve.router import (FAILED_HEADER, REPLICA_HEADER, PrefixIndex,  
                                    RESTART_BACKOFF_MAX_S, ReplicaSet, block_keys,
                                    choose, create_router_app, load_tokenizer,
                                    restart_delay)
+
+from .replica_helpers import _allocated, _replica_metrics, _wait  # noqa: E402
 
 MAX_SEQ_LEN = 320
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tinyloop.__file__)))
@@ -59,29 +60,6 @@ def cluster(chat_model_path):
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
                                    timeout=60)
             yield rs, app, srv, client
-
-
-def _wait(cond, timeout=30.0, what="the condition"):
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def _replica_metrics(url: str) -> dict:
-    """{(family, labels...): value} of a server's /metrics."""
-    text = httpx2.get(url + "/metrics", timeout=10).text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _allocated(url: str) -> float:
-    """The replica's pool allocated bytes, summed over tags, from its own /metrics."""
-    return sum(v for (name, _), v in _replica_metrics(url).items()
-               if name == "tinyloop_pool_allocated_bytes")
 
 
 def _prompt(i: int, n: int = 40) -> str:

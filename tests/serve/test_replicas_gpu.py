@@ -24,7 +24,7 @@ from tinyloop.serve.replica import ReplicaSpec  # noqa: E402
 from tinyloop.serve.router import REPLICA_HEADER, ReplicaSet, create_router_app  # noqa: E402
 
 from ..model.conftest import SMALL  # noqa: E402
-from .test_replicas import _allocated, _wait  # noqa: E402
+from .replica_helpers import _allocated, _wait  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
