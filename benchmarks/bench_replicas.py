@@ -40,12 +40,13 @@ def percentile(values, q: float) -> float:
 
 def _scrape(text: str, family: str) -> dict:
     """{replica label: value} of the samples of ``family`` in Prometheus text, summed over
-    their other labels."""
+    their other labels (but tag "graphs": the captured decode step's blocks, which a replica's
+    model keeps between requests)."""
     from prometheus_client.parser import text_string_to_metric_families
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == family and "replica" in s.labels:
+            if s.name == family and "replica" in s.labels and s.labels.get("tag") != "graphs":
                 out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
     return out
 

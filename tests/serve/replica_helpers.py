@@ -27,6 +27,7 @@ def _replica_metrics(url: str) -> dict:
 
 
 def _allocated(url: str) -> float:
-    """The replica's pool allocated bytes, summed over tags, from its own /metrics."""
-    return sum(v for (name, _), v in _replica_metrics(url).items()
-               if name == "tinyloop_pool_allocated_bytes")
+    """The replica's pool allocated bytes, summed over tags but "graphs" (the captured decode
+    step's blocks, kept by the model between requests), from its own /metrics."""
+    return sum(v for (name, labels), v in _replica_metrics(url).items()
+               if name == "tinyloop_pool_allocated_bytes" and ("tag", "graphs") not in labels)

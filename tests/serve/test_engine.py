@@ -263,3 +263,31 @@ def test_the_engine_serves_a_latest_policy_model_as_its_solo_runs(tiny_model_pat
                 eng.submit([1, 2, 3], max_new_tokens=2, depth="auto")
     finally:
         tinyloop.free_model(m)
+
+
+def test_a_lone_request_runs_the_captured_step(tiny_model_path, monkeypatch):
+    """On a backend with graphs (test_graphs.py's recording fake), a lone request's steps
+    replay the captured decode step: the tokens are generate's (greedy and seeded sampled
+    with a penalty), the replays count them, and the bytes outside tag graphs return to the
+    engine's baseline while the graphs' blocks stay with the model."""
+    from tinyloop.serve.engine import allocated_outside_graphs
+
+    from ..model.test_graphs import RecordingOps
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
+    m._ops = RecordingOps()
+    try:
+        prompt = _prompts(1, seed=7)[0][:30]
+        kw = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 3, "repetition_penalty": 1.2}]
+        want = [m.generate(prompt, max_new_tokens=12, stop=[], **k).token_ids for k in kw]
+        with Engine(m, max_batch=4, prefill_chunk=96) as eng:
+            before = m.graph_stats()["replays"]
+            got = [eng.submit(prompt, max_new_tokens=12, stop=[], **k).result(timeout=120)
+                   .token_ids for k in kw]
+            replays = m.graph_stats()["replays"] - before
+        assert got == want
+        assert replays == sum(len(t) - 1 for t in got)     # every decode step replayed
+        assert allocated_outside_graphs(m.pool) == eng.baseline_allocated
+        assert m.pool.by_tag()["graphs"] > 0
+    finally:
+        tinyloop.free_model(m)

@@ -14,11 +14,18 @@ rounds it) fits in what the admitted requests left of the KV budget; otherwise i
 bounded FIFO queue (a full queue raises :class:`~tinyloop.errors.QueueFullError` at submit).
 A request that could never fit the budget is refused at submit (ConfigError).
 
+**One decoding request** runs its step as the captured decode step where the backend can
+(``graphs.decode_step``, what ``Model.generate`` runs), so it decodes at the batch-1 speed;
+two or more share ``Model.decode_batch``. Both pick a token by the same rule from the same
+drawn uniform.
+
 **Memory**: every request's pages are tagged ``kv_cache`` (``prefix_cache`` while a
 PrefixPool entry holds them) and freed when it ends, is cancelled, or the engine stops; a
 request that inserts into the engine's PrefixPool keeps its prompt's final residual rows in a
 block of its own (tag ``kv_cache``) until the insert. After :meth:`Engine.stop` the pool's
-allocated bytes are what they were at :meth:`Engine.start` (the model's lazy logit row is
+allocated bytes outside tag ``graphs`` (:func:`allocated_outside_graphs`: the captured decode
+step's model-owned blocks, made at its first use and kept for later requests, as after
+``Model.generate``) are what they were at :meth:`Engine.start` (the model's lazy logit row is
 made at start), plus whatever the PrefixPool's entries hold.
 
 **Sampling**: a request draws its uniforms from ``numpy.random.default_rng(seed)``, one per
@@ -44,6 +51,7 @@ from ..config import as_int
 from ..errors import ConfigError, EngineStoppedError, QueueFullError, TinyLoopError
 from ..generate import (GenerationResult, StreamText, check_request, insert_prompt, located,
                         restore_prefix)
+from ..graphs import decode_step
 from ..memory import round_size
 
 DEFAULT_MAX_BATCH = 32       # rows of one decode step
@@ -51,6 +59,13 @@ DEFAULT_MAX_QUEUE = 256      # requests waiting for admission
 DEFAULT_PREFILL_CHUNK = 256  # prompt positions one scheduler iteration prefills
 
 _END = object()              # the last item of a request's token queue
+
+
+def allocated_outside_graphs(pool) -> int:
+    """``pool``'s allocated bytes less those under tag ``graphs`` (the captured decode step's
+    tables and step state, which the model keeps between requests): what an engine's run
+    returns to."""
+    return pool.allocated_bytes - pool.by_tag().get("graphs", 0)
 
 
 def request_kv_bytes(model, n_positions: int, depth: int, modes) -> int:
@@ -313,20 +328,21 @@ class Engine:
         self.prompt_tokens = 0           # prompt positions prefilled (not restored)
         self.generated_tokens = 0        # tokens sampled
         self.steps = 0                   # decode steps run
-        self.baseline_allocated = None   # pool allocated bytes at start
+        self.baseline_allocated = None   # allocated_outside_graphs(pool) at start
         self.on_finish = None            # callback(request) after a request ends
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Engine":
         """Start the scheduler thread (once). Makes the model's lazy logit row first, so the
-        pool's allocated bytes at start (``baseline_allocated``) are what it returns to."""
+        pool's allocated bytes outside tag ``graphs`` at start (``baseline_allocated``,
+        :func:`allocated_outside_graphs`) are what it returns to."""
         if self._thread is not None:
             raise ConfigError("this Engine was started already")
         with self.model.lock:
             self.model.check_alive()
             self.model.logit_row()
             pool = self.model.pool
-            self.baseline_allocated = pool.allocated_bytes
+            self.baseline_allocated = allocated_outside_graphs(pool)
             if self._budget_arg is None and pool.limit_bytes is not None:
                 self.kv_budget = max(0, pool.limit_bytes - pool.allocated_bytes)
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
@@ -553,6 +569,14 @@ class Engine:
             r._take(nxt)
         return max(done, 1)        # a full PrefixPool hit still took one step
 
+    def _decode_one(self, r: EngineRequest, sampling: tuple):
+        """A lone request's step through the captured decode step (``graphs.decode_step``):
+        [next id], or None where the backend does not capture it. Under the model's lock."""
+        t, k, p, u, min_p, penalty, recent = sampling
+        nxt = decode_step(self.model, r._cache, r._last, r._pos, t, k, p, u, min_p, penalty,
+                          recent, r.args.repeat_last_n if recent is not None else 0)
+        return None if nxt is None else [nxt]
+
     def _decode(self, depth: int, group: list) -> None:
         """One decode step of ``group`` (one depth and kv_mode)."""
         model = self.model
@@ -569,10 +593,12 @@ class Engine:
                 rows.append(r)
             if not rows:
                 return
+            sampling = [r._sampling() for r in rows]     # draws each row's uniform once
             try:
-                got = model.decode_batch([r._cache for r in rows], [r._last for r in rows],
-                                         [r._pos for r in rows], depth,
-                                         sampling=[r._sampling() for r in rows])
+                got = self._decode_one(rows[0], sampling[0]) if len(rows) == 1 else None
+                if got is None:
+                    got = model.decode_batch([r._cache for r in rows], [r._last for r in rows],
+                                             [r._pos for r in rows], depth, sampling=sampling)
             except TinyLoopError as e:
                 for r in rows:
                     r._fail(e)
