@@ -135,13 +135,18 @@ SIGNATURES = (
     (r"gemm_q\d+_\w+", "ppppiiiipi"),
     (r"qkv_rope_step_q\d+_\w+", "ppfpppiiipp" + "fiii" + _PAGED + "pp"),
     (r"kv_write_step_\w+", "pip" + "fiii" + _PAGED),
-    (r"kv_write_(?!step_)\w+", "pii" + "fiii" + _PAGED),
+    # a decode batch: positions [B] in place of the position, block-table addresses [B] in
+    # place of the table (kv.cache.batch_index)
+    (r"kv_write_batch_\w+", "pip" + "fiii" + _PAGED),
+    (r"kv_write_(?!step_|batch_)\w+", "pii" + "fiii" + _PAGED),
     (r"decode_step_advance", "ppfi"),
     # the attention kernels: ... n_heads, n_kv, scale_log2, window (0 = full attention), ...
     (r"attn_prefill_\w+_hd\w+", "piii" + _PAGED + "iifip"),
     (r"attn_decode_step_\w+_hd\w+", "pp" + _PAGED + "iifip"),
-    (r"attn_decode_(?!step_)\w+_hd\w+", "pi" + _PAGED + "iifip"),
-    (r"attn_split_\w+_hd\w+", "pip" + _PAGED + "iifippp"),
+    (r"attn_decode_batch_\w+_hd\w+", "pip" + _PAGED + "iifip"),
+    (r"attn_decode_(?!step_|batch_)\w+_hd\w+", "pi" + _PAGED + "iifip"),
+    (r"attn_split_batch_\w+_hd\w+", "pip" + _PAGED + "iifippp"),
+    (r"attn_split_(?!batch_)\w+_hd\w+", "pip" + _PAGED + "iifippp"),
     (r"attn_fa_\w+_hd\w+", "piii" + _PAGED + "iifiip"),
     (r"h_write_\w+", "piipp" + "iiiiiiiii"),
     (r"h_read_\w+", "piiiiiiiiip"),
