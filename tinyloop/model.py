@@ -347,7 +347,6 @@ class Model:
         self._buf = BufferPool(arrays)
         self._view_cache: dict = {}
         self._logit_row = None
-        self._batch_buf = None       # the decode batch's device index (_batch_index)
         # phase 5: reconstruction scratch of the store-h KV modes (lazy when no default
         # mode stores h: a per-call kv_mode may still ask for one)
         self._recon_scratch = None
@@ -394,7 +393,6 @@ class Model:
             self._buf = None
             self._view_cache = {}
             self._logit_row = None
-            self._batch_buf = None
             self._recon_scratch = None
             self._recons = []
             self._release_blocks()
@@ -1139,19 +1137,10 @@ class Model:
 
     def _batch_index(self, caches, positions, depth: int):
         """The device copy of ``kv.cache.batch_index`` for one decode sub-batch: int64
-        [1 + n_slots(depth), B], a view of the model's index buffer (tag ``scratch``, taken at
-        the first decode batch for the scratch rows at max_depth and kept), filled with one
-        host -> device copy."""
-        cfg = self.config
-        n_slots = cfg.n_slots(depth)
-        if self._batch_buf is None:
-            rows = self._buf.capacity_rows * (1 + cfg.n_slots(cfg.max_depth))
-            with packed_scope():
-                self._batch_buf, blk = self._ops.empty(self._pool, (rows,), np.int64,
-                                                       "scratch")
-            self._blocks.append(blk)
-        host = batch_index(caches, positions, n_slots)
-        dev = self._batch_buf[:host.size].reshape(host.shape)
+        [1 + n_slots(depth), B], a view of the BufferPool's ``batch_index`` (sized for the
+        scratch rows at max_depth), filled with one host -> device copy."""
+        host = batch_index(caches, positions, self.config.n_slots(depth))
+        dev = self._buf.flat("batch_index")[:host.size].reshape(host.shape)
         self._ops.from_host(host, dev)
         return dev
 
