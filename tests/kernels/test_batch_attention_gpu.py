@@ -211,7 +211,8 @@ def test_attention_batch_reuses_its_tickets_across_launches(ops, ref, rng, monke
 
 
 def test_a_window_changes_the_batch_output(ops, ref, rng):
-    """The window cases test a real mask (as test_kernels_gpu's test_a_window_changes_the_output)."""
+    """The window cases test a real mask (test_kernels_gpu.py's
+    test_a_window_changes_the_output, for a batch)."""
     seed = int(rng.integers(1 << 30))
     pos = [299, 40, 1000]
     want = _attention_case(ops, ref, np.random.default_rng(seed), "fp16", 9, 3, 64, pos, 5)

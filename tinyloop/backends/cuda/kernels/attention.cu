@@ -1,7 +1,8 @@
 // Causal attention with grouped-query heads over the paged KV cache: prefill and decode.
 //
 // Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_paged_attention_*),
-// which reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
+// which reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table;
+// the decode batch entry row by row (tests/kernels/test_batch_attention_gpu.py).
 // Query head h reads KV head h / (n_heads / n_kv); query row i (absolute position p = pos0 + i)
 // sees keys lo(p)..p, lo(p) = win_lo(p, window) (common.cuh: max(0, p - window + 1) for a
 // sliding-window layer, window > 0; 0 for full attention, window = 0); scale 1/sqrt(head_dim).
@@ -230,9 +231,10 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
     }
 }
 
-// Entry points: attn_{prefill,decode,decode_step,decode_batch}_{fp16,int8}_hd{HD}. The block table and page offsets are
-// kernel arguments (the table sits at a fixed device address for a request's life); window:
-// the layer's sliding window in positions, 0 = full attention (a constant per layer, so a
+// Entry points: attn_{prefill,decode,decode_step,decode_batch}_{fp16,int8}_hd{HD}. The block
+// table and page offsets are kernel arguments (the table sits at a fixed device address for a
+// request's life; a decode batch reads each row's address from an array); window: the
+// layer's sliding window in positions, 0 = full attention (a constant per layer, so a
 // captured decode step holds it as an argument).
 #define ATTN_ENTRIES_MODE(MODE, NAME, HD)                                                      \
     extern "C" __global__ void __launch_bounds__(PF_Q * 4)                                    \

@@ -4,7 +4,8 @@
 // attention, window = 0).
 //
 // Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_decode_split_*), which
-// reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
+// reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table;
+// the decode batch entry row by row (tests/kernels/test_batch_attention_gpu.py).
 // Query head h reads KV head h / (n_heads / n_kv); scale 1/sqrt(head_dim); scores in log2 units
 // (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
 //

@@ -3,7 +3,8 @@
 // kernel on its rebuilt K rows: tinyloop/backends/cuda/attention.py _h_attention).
 //
 // Checked against: NumpyOps.kv_write with numpy_ops.rope_tables / apply_rope and
-// quant.quantize_rows_int8 (tests/kernels/test_kernels_gpu.py::test_kv_write_*).
+// quant.quantize_rows_int8 (tests/kernels/test_kernels_gpu.py::test_kv_write_*); the decode
+// batch entry row by row (tests/kernels/test_batch_attention_gpu.py).
 // Interleaved pairs (GGML "normal" / GPT-J): pair i of each head, (x[2i], x[2i+1]), rotates by
 // angle pos * theta^(-2i/head_dim). The angle and its cos/sin are computed in double, as the
 // reference does, so large positions stay accurate; the rotation itself is float.
@@ -141,9 +142,10 @@ __device__ __forceinline__ void kv_int8_rows_block(const half_t* row, i64 n_head
 }
 
 // Row t of qkv at position pos, into the pages of block table `table`. step: null, or the
-// decode step state (T = 1), whose table rope_table_for copies when it is position pos's. AHEAD (the step entries, PDL-launched in a captured step): the RoPE table and
-// the page lookup - step state and block table, which only the step before writes - run before
-// the PDL wait, which the function then takes itself before touching qkv.
+// decode step state (T = 1), whose table rope_table_for copies when it is position pos's.
+// AHEAD (the step entries, PDL-launched in a captured step): the RoPE table and the page
+// lookup - step state and block table, which only the step before writes - run before the
+// PDL wait, which the function then takes itself before touching qkv.
 template <int MODE, bool AHEAD = false>
 __device__ __forceinline__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 t,
                                               i64 pos, double theta, i64 n_heads, i64 n_kv, i64 hd,
