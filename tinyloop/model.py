@@ -769,8 +769,9 @@ class Model:
             if cfg.state_init == "zeros":
                 self._ops.zero(x)
             elif cfg.state_init == "normal" and isinstance(pos0, BatchRows):
-                for i, p in enumerate(pos0.positions):       # each row at its own position
-                    self._ops.init_state(x[i:i + 1], p, cfg.state_std, cfg.state_seed)
+                # each row at its own position (read on the device from the step's index)
+                self._ops.init_state_rows(x, pos0.positions, cfg.state_std, cfg.state_seed,
+                                          None if pos0.index is None else pos0.index[0])
             elif cfg.state_init == "normal" and step is None:
                 self._ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
             elif cfg.state_init == "normal":     # the position read on the device

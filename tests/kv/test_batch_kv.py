@@ -194,3 +194,19 @@ def test_the_batch_index_is_planned_at_load_and_a_batch_step_allocates_nothing(
             c.release()
         tinyloop.free_model(m)
     assert dict(pool.by_tag()) == start
+
+
+def test_init_state_rows_equals_each_rows_init_state():
+    """The seeded recurrent state of a decode batch (state_init="normal"): row i is
+    init_state at positions[i], one copy for every row; a row count mismatch is refused."""
+    ops = NumpyOps()
+    positions = [0, 7, 31, 32, 1000]
+    got = np.full((5, 24), np.nan, np.float32)
+    ops.init_state_rows(got, positions, 0.5, 1234)
+    want = np.empty_like(got)
+    for i, p in enumerate(positions):
+        ops.init_state(want[i:i + 1], p, 0.5, 1234)
+    np.testing.assert_array_equal(got, want)
+    assert len({got[i].tobytes() for i in range(5)}) == 5
+    with pytest.raises(ConfigError, match="4 positions for 5 rows"):
+        ops.init_state_rows(got, positions[:4], 0.5, 1234)

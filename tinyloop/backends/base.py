@@ -255,6 +255,20 @@ class Ops:
         t, d = out.shape
         self.from_host(seeded_state(pos0, t, d, std, seed), out)
 
+    def init_state_rows(self, out, positions, std: float, seed: int,
+                        positions_dev=None) -> None:
+        """out f32 [B, d]: row i = ``init_state`` of the one position ``positions[i]`` (B host
+        ints; a decode batch, each row at its own position). ``positions_dev``: the same
+        positions as a device int64 [B] array (the step's ``kv.cache.batch_index`` row 0), for
+        a backend that draws on the device; unused here, where every row is drawn on the host
+        (``seeded_state``) and copied in with one copy. Raises ConfigError when ``out`` does
+        not have one row per position."""
+        t, d = out.shape
+        if len(positions) != t:
+            raise ConfigError(f"init_state_rows: {len(positions)} positions for {t} rows")
+        self.from_host(np.concatenate([seeded_state(int(p), 1, d, std, seed)
+                                       for p in positions]), out)
+
     def init_state_step(self, out, step, std: float, seed: int) -> None:
         """``init_state`` of the one row out f32 [1, d] at position ``step[STEP_POS]`` of the
         device step state (int32 [STEP_WORDS]); a backend that captures decode steps draws it

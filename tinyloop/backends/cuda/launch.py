@@ -124,6 +124,7 @@ SIGNATURES = (
     (r"scale_f32", "pif"),
     (r"add_bias_f16", "ppi"),
     (r"init_state_f32", "pipiffi"),
+    (r"init_state_rows_f32", "ppiffi"),
     (r"swiglu_f16", "pip"),
     (r"(add|copy)_f16_to_f32", "pip"),
     (r"concat_inject_f(16|32)", "ppip"),
