@@ -30,7 +30,7 @@ from .generate import generate as _generate
 from .generate import score as _score
 from .generate import stream as _stream
 from .generate import make_prefix, make_resume_handle, teacher_forced_logits
-from .kv.cache import Recon, RuntimeKVCache, copy_position
+from .kv.cache import BatchSlot, Recon, RuntimeKVCache, batch_index, copy_position
 from .kv.handles import load_prefix
 from .kv.layouts import (DEFAULT_PAGE_SIZE, H_MODES, PageLayout, check_kv_iterations,
                          kv_bytes_per_token, resolve_kv_modes)
@@ -56,33 +56,26 @@ class Layer:
     ffn_post_norm: object = None    # "pre_post" / "sandwich")
 
 
-class BatchSlot:
-    """One attention slot of a decode batch: the ``layout`` every row's slot shares, and per
-    row its request's SlotKV (``slots``) and position (``positions``)."""
-
-    __slots__ = ("layout", "slots", "positions")
-
-    def __init__(self, slots, positions):
-        self.layout = slots[0].layout
-        self.slots = slots
-        self.positions = positions
-
-
 class BatchRows:
     """The rows of a decode batch (:meth:`Model.decode_batch`): row i is request ``caches[i]``
     (a RuntimeKVCache) at position ``positions[i]``. Passed to the stack where a prefill passes
-    its first position, so every op that reads a position runs per row."""
+    its first position, so every op that reads a position runs per row. ``index``: the step's
+    device copy of ``kv.cache.batch_index`` (int64 [1 + n_slots, B]), or None."""
 
-    __slots__ = ("caches", "positions")
+    __slots__ = ("caches", "positions", "index")
 
-    def __init__(self, caches, positions):
+    def __init__(self, caches, positions, index=None):
         self.caches = caches
         self.positions = positions
+        self.index = index
 
     def kv_of(self, s: int) -> BatchSlot:
         """The forward's slot ``s`` (the "all" order) of every row, each through its cache's
-        iteration KV policy (``RuntimeKVCache.kv_of``)."""
-        return BatchSlot([c.kv_of(s) for c in self.caches], self.positions)
+        iteration KV policy (``RuntimeKVCache.kv_of``), with its rows of the device index."""
+        slots = [c.kv_of(s) for c in self.caches]
+        if self.index is None:
+            return BatchSlot(slots, self.positions)
+        return BatchSlot(slots, self.positions, self.index[0], self.index[1 + s])
 
 
 # What each VERSION 2 fact needs from a backend, as the refusal names it.
@@ -776,8 +769,9 @@ class Model:
             if cfg.state_init == "zeros":
                 self._ops.zero(x)
             elif cfg.state_init == "normal" and isinstance(pos0, BatchRows):
-                for i, p in enumerate(pos0.positions):       # each row at its own position
-                    self._ops.init_state(x[i:i + 1], p, cfg.state_std, cfg.state_seed)
+                # each row at its own position (read on the device from the step's index)
+                self._ops.init_state_rows(x, pos0.positions, cfg.state_std, cfg.state_seed,
+                                          None if pos0.index is None else pos0.index[0])
             elif cfg.state_init == "normal" and step is None:
                 self._ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
             elif cfg.state_init == "normal":     # the position read on the device
@@ -1030,15 +1024,13 @@ class Model:
         if lw.qkv_bias is not None:
             ops.add_bias(qkv, lw.qkv_bias)
         if isinstance(kv, BatchSlot):
-            # a decode batch: RoPE, the K/V write and attention per row, each into and over its
-            # own request's pages at its own position (T = 1 calls of the per-slot ops)
-            att = v["att"]
-            for i, (skv, p) in enumerate(zip(kv.slots, kv.positions)):
-                q = qkv[i:i + 1]
-                ops.kv_write(q, norm[i:i + 1], p, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
-                             cfg.head_dim, skv)
-                ops.kv_attention(q, skv, p, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                 att[i:i + 1], recon, **win)
+            # a decode batch: RoPE, the K/V write and attention of every row, each into and
+            # over its own request's pages at its own position (one call each; the CUDA
+            # backend runs one launch each, the store-h modes a loop of T = 1 calls)
+            ops.kv_write_batch(qkv, norm, kv, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
+                               cfg.head_dim)
+            ops.kv_attention_batch(qkv, kv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                   v["att"], recon=recon, **win)
         elif step is None:
             ops.kv_write(qkv, norm, pos0, cfg.rope_theta, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, kv)
@@ -1118,9 +1110,11 @@ class Model:
 
         The projections, RMSNorm, SwiGLU and the head run over the B rows as one T = B
         product (``ops.linear*``: on CUDA the prefill GEMM path, which reads each weight once
-        per step); RoPE, the K/V write and attention run per row (``ops.kv_write`` /
-        ``ops.kv_attention`` at T = 1 over that row's own slot and position) until a batched
-        paged-attention kernel exists. Each row's K/V goes into its own request's pages
+        per step); RoPE + the K/V write and attention run as one batch call each per layer
+        slot (``ops.kv_write_batch`` / ``ops.kv_attention_batch``: row i at its own position
+        over its own request's block table, read on the CUDA backend from a device index
+        uploaded once per step; the store-h modes loop over the rows at T = 1). Each row's
+        K/V goes into its own request's pages
         (``RuntimeKVCache.ensure`` gains the page first). A batch of more rows than the
         scratch buffers hold runs as consecutive sub-batches. Uses the residual rows
         ``buffers.main[0:B]`` as its batch rows (every request step, this one included, runs
@@ -1203,12 +1197,21 @@ class Model:
         if cfg.embed_scale != 1.0:
             ops.scale(x, cfg.embed_scale)
         self._check_loop_depth(depth)
-        batch = BatchRows(caches, positions)
+        batch = BatchRows(caches, positions, self._batch_index(caches, positions, depth))
         self._stack(x, v, depth, batch.kv_of, batch, None)
         ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head, logits, v["norm"])
         for hook in self._rows_hooks:
             for p in positions:
                 hook(p, 1)
+
+    def _batch_index(self, caches, positions, depth: int):
+        """The device copy of ``kv.cache.batch_index`` for one decode sub-batch: int64
+        [1 + n_slots(depth), B], a view of the BufferPool's ``batch_index`` (sized for the
+        scratch rows at max_depth), filled with one host -> device copy."""
+        host = batch_index(caches, positions, self.config.n_slots(depth))
+        dev = self._buf.flat("batch_index")[:host.size].reshape(host.shape)
+        self._ops.from_host(host, dev)
+        return dev
 
     def graph_stats(self) -> dict:
         """What the captured decode steps hold: ``graphs`` (count), ``bytes`` (tag

@@ -99,6 +99,8 @@ def buffer_plan(cfg: ModelConfig, max_seq_len: int, prefill_chunk: int,
     - ``attn_down``: act ``[R, max(q_dim, ffn_dim)]`` (attention output, SwiGLU output);
     - ``inject``: float32 ``[R, d_model]`` (prelude output; only with injection "adapter");
     - ``ids``: int32 ``[R]`` (token ids of the rows in flight);
+    - ``batch_index``: int64 ``[R * (1 + n_slots(max_depth))]`` (a decode batch's device
+      index, ``kv.cache.batch_index``: the rows' positions and block-table addresses);
     - ``logit_row``: float32 ``[vocab]`` (lazy: allocated at the first generate call),
     where R = prefill_chunk if prefill_chunk > 0 else max_seq_len.
     """
@@ -113,6 +115,8 @@ def buffer_plan(cfg: ModelConfig, max_seq_len: int, prefill_chunk: int,
     if cfg.injection == "adapter":
         out.append(PlanEntry("inject", (r, d), "float32", "buffers", 4))
     out.append(PlanEntry("ids", (r,), "int32", "buffers", 4))
+    out.append(PlanEntry("batch_index", (r * (1 + cfg.n_slots(cfg.max_depth)),), "int64",
+                         "buffers", 4))
     out.append(PlanEntry("logit_row", (1, cfg.vocab_size), "float32", "logits", 4, lazy=True))
     return out
 

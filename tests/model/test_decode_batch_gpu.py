@@ -65,3 +65,115 @@ def test_cuda_decode_batch_matches_the_reference_and_the_solo_step(small_path, k
             c.release()
         for m in models.values():
             tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("kv_mode", ["fp16", "int8"])
+@pytest.mark.parametrize("version", ["split", "v1"])
+def test_cuda_decode_batch_of_32_runs_the_batch_kernels(small_path, monkeypatch, kv_mode,
+                                                        version):
+    """32 requests of lengths across page boundaries (pages of 32) and up to a few pages: each
+    row within the bound above of its solo CUDA step, with the per-row kv_write /
+    kv_attention made to fail (the batch kernels run, not the per-row loop), for both decode
+    attention choices; every pool tag back at its figure after free_model (the index buffer,
+    the batch split-K scratch)."""
+    import dataclasses
+
+    from tinyloop.memory import get_pool
+    lengths = [1, 2, 5, 12, 30, 31, 32, 33, 34, 40, 47, 63, 64, 65, 70, 90, 95, 96, 97, 100,
+               110, 120, 127, 128, 129, 140, 150, 160, 170, 180, 190, 200]
+    depth = 2
+    pool = get_pool("cuda")
+    start = dict(pool.by_tag())
+    m = tinyloop.load_model(small_path, max_seq_len=256, backend="cuda")
+    caches = []
+    try:
+        ops = m.ops
+        monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels,
+                                                                attn_decode=version))
+        rng = np.random.default_rng(1)
+        vocab = m.config.vocab_size
+        prompts = [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+
+        def prefilled():
+            out = []
+            for p in prompts:
+                c = m.new_kv_cache(depth, 208, kv_mode=kv_mode)
+                caches.append(c)
+                m.forward(p, 0, depth, c)
+                out.append(c)
+            return out
+        batch, solo = prefilled(), prefilled()
+        tokens, pos = [int(p[-1]) for p in prompts], list(lengths)
+        row = m.logit_row()
+        for step in range(2):
+            with monkeypatch.context() as mp:
+                def refuse(*a, **k):
+                    raise AssertionError("decode_batch ran the per-row K/V ops")
+                mp.setattr(ops, "kv_write", refuse)
+                mp.setattr(ops, "kv_attention", refuse)
+                got = m.decode_batch(batch, tokens, pos, depth)
+            for i, (c, t, p) in enumerate(zip(solo, tokens, pos)):
+                m.forward(np.array([t], np.int32), p, depth, c)
+                m.head(p, 1, row)
+                alone = ops.to_host(row)[0]
+                assert np.isfinite(got[i]).all()
+                assert _rel(got[i], alone) < 2e-2, (step, i, _rel(got[i], alone))
+            tokens = [int(np.argmax(r)) for r in got]
+            pos = [p + 1 for p in pos]
+    finally:
+        for c in caches:
+            c.release()
+        tinyloop.free_model(m)
+    assert dict(pool.by_tag()) == start
+
+
+def test_cuda_decode_batch_of_a_huginn_like_stack(tmp_path, monkeypatch):
+    """Seeded state (state_init="normal": init_state_rows from the device index), sandwich
+    norms, Q/K/V bias, a scaled embedding, a sliding-window layer (window 5 over contexts of
+    up to 70 positions) and the injection adapter: each batch row within the bound above of
+    its solo CUDA step, the per-row state and K/V ops refused during the batch."""
+    from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+
+    from .conftest import SMALL
+    path = tmp_path / "huginn_like.tlm"
+    arch = dict(injection="adapter", state_init="normal", state_std=0.5,
+                layer_norms="sandwich", qkv_bias=True, embed_scale=2.0, sliding_window=5,
+                sliding_layers=(1,))
+    write_synthetic(path, synthetic_config(**{**SMALL, **arch}), seed=5)
+    lengths, depth = [1, 4, 5, 6, 31, 32, 33, 70], 3
+    m = tinyloop.load_model(str(path), max_seq_len=96, backend="cuda")
+    caches = []
+    try:
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(0, m.config.vocab_size, n).astype(np.int32) for n in lengths]
+
+        def prefilled():
+            out = []
+            for p in prompts:
+                c = m.new_kv_cache(depth, 80)
+                caches.append(c)
+                m.forward(p, 0, depth, c)
+                out.append(c)
+            return out
+        batch, solo = prefilled(), prefilled()
+        tokens, pos = [int(p[-1]) for p in prompts], list(lengths)
+        row = m.logit_row()
+        for step in range(2):
+            with monkeypatch.context() as mp:
+                def refuse(*a, **k):
+                    raise AssertionError("decode_batch ran a per-row op")
+                for name in ("kv_write", "kv_attention", "init_state"):
+                    mp.setattr(m.ops, name, refuse)
+                got = m.decode_batch(batch, tokens, pos, depth)
+            for i, (c, t, p) in enumerate(zip(solo, tokens, pos)):
+                m.forward(np.array([t], np.int32), p, depth, c)
+                m.head(p, 1, row)
+                alone = m.ops.to_host(row)[0]
+                assert np.isfinite(got[i]).all()
+                assert _rel(got[i], alone) < 2e-2, (step, i, _rel(got[i], alone))
+            tokens = [int(np.argmax(r)) for r in got]
+            pos = [p + 1 for p in pos]
+    finally:
+        for c in caches:
+            c.release()
+        tinyloop.free_model(m)

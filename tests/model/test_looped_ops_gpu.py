@@ -150,6 +150,26 @@ def test_init_state_step_reads_the_device_position(ops, pos):
                  what=f"init_state_step pos={pos}")
 
 
+@pytest.mark.parametrize("seed", [0, 2**64 - 1])
+def test_init_state_rows_reads_each_rows_device_position(ops, seed):
+    """A decode batch's seeded state: row i at positions[i], read from the device index in
+    one launch (elementwise.cu init_state_rows_f32), against the host draw row by row; and
+    without the device positions, the per-row launches."""
+    positions, d, std = [0, 5, 4095, 31, 32, 100_000], 5280, 0.5
+    want = np.concatenate([seeded_state(p, 1, d, std, seed) for p in positions])
+    for dev in (cupy.asarray(np.array(positions, np.int64)), None):
+        out = poisoned((len(positions), d), cupy.float32)
+        ops.init_state_rows(out, positions, std, seed, dev)
+        assert_close(out, want, atol=1e-7 * std, rtol=STATE_RTOL,
+                     what=f"init_state_rows seed={seed} device positions={dev is not None}")
+    out = cupy.zeros((len(positions), d), cupy.float32)
+    with pytest.raises(ConfigError, match="positions_dev must be a contiguous device int64"):
+        ops.init_state_rows(out, positions, std, seed,
+                            cupy.asarray(np.array(positions, np.int32)))
+    with pytest.raises(ConfigError, match="5 positions for 6 rows"):
+        ops.init_state_rows(out, positions[:5], std, seed)
+
+
 def test_init_state_refuses_a_bad_seed(ops):
     out = cupy.zeros((1, 64), cupy.float32)
     with pytest.raises(ConfigError, match="seed"):

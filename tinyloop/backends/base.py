@@ -181,6 +181,44 @@ class Ops:
         layers); the forward passes it only for such layers."""
         raise NotImplementedError
 
+    # --- a decode batch: B rows, each one position of its own request's slot ---------------
+    # ``rows`` is a kv.cache.BatchSlot (row i: SlotKV ``rows.slots[i]`` at position
+    # ``rows.positions[i]``, one layout for all rows). The base versions below loop over the
+    # rows calling the T = 1 ops: the reference semantics (the NumPy backend runs them), and
+    # what a backend falls back to where it has no batch kernel (the CUDA store-h modes).
+    def kv_write_batch(self, qkv, h, rows, theta, n_heads, n_kv_heads, head_dim):
+        """Row i of ``qkv`` [B, >= (H + 2 Hkv) hd] (and of ``h`` [B, d] in the store-h modes,
+        else unused) is ``kv_write`` at position ``rows.positions[i]`` into ``rows.slots[i]``:
+        Q rotated in place, K/V (or h) stored. Raises ConfigError when ``qkv`` does not have
+        one row per batch row."""
+        self._batch_rows(qkv, rows)
+        for i, (skv, p) in enumerate(zip(rows.slots, rows.positions)):
+            self.kv_write(qkv[i:i + 1], None if h is None else h[i:i + 1], p, theta, n_heads,
+                          n_kv_heads, head_dim, skv)
+
+    def kv_attention_batch(self, qkv, rows, n_heads, n_kv_heads, head_dim, out, window: int = 0,
+                           recon=None):
+        """Row i of ``out`` [B, H hd] is ``kv_attention`` of query row i of ``qkv`` (rotated by
+        ``kv_write_batch``) over positions 0..``rows.positions[i]`` of ``rows.slots[i]``
+        (``window`` and ``recon``, a kv.cache.Recon for the store-h modes, as there). Raises
+        ConfigError when ``qkv`` or ``out`` does not have one row per batch row."""
+        b = self._batch_rows(qkv, rows)
+        if out.shape[0] < b:
+            raise ConfigError(f"kv_attention_batch: out has {out.shape[0]} rows, the batch "
+                              f"{b}")
+        for i, (skv, p) in enumerate(zip(rows.slots, rows.positions)):
+            self.kv_attention(qkv[i:i + 1], skv, p, n_heads, n_kv_heads, head_dim,
+                              out[i:i + 1], recon, window=window)
+
+    @staticmethod
+    def _batch_rows(qkv, rows) -> int:
+        """B, the rows of the batch ``rows``; ConfigError unless ``qkv`` has B rows."""
+        b = len(rows.slots)
+        if b < 1 or qkv.shape[0] != b or len(rows.positions) != b:
+            raise ConfigError(f"a decode batch of {b} slots and {len(rows.positions)} "
+                              f"positions needs qkv of as many rows, got {qkv.shape[0]}")
+        return b
+
     def inject(self, state, e, w, tmp2, tmp1):      # state f32 [T, d] = [state, e] @ W.T
         raise NotImplementedError
 
@@ -216,6 +254,20 @@ class Ops:
         position and the channel). Drawn on the host and copied in, on every backend."""
         t, d = out.shape
         self.from_host(seeded_state(pos0, t, d, std, seed), out)
+
+    def init_state_rows(self, out, positions, std: float, seed: int,
+                        positions_dev=None) -> None:
+        """out f32 [B, d]: row i = ``init_state`` of the one position ``positions[i]`` (B host
+        ints; a decode batch, each row at its own position). ``positions_dev``: the same
+        positions as a device int64 [B] array (the step's ``kv.cache.batch_index`` row 0), for
+        a backend that draws on the device; unused here, where every row is drawn on the host
+        (``seeded_state``) and copied in with one copy. Raises ConfigError when ``out`` does
+        not have one row per position."""
+        t, d = out.shape
+        if len(positions) != t:
+            raise ConfigError(f"init_state_rows: {len(positions)} positions for {t} rows")
+        self.from_host(np.concatenate([seeded_state(int(p), 1, d, std, seed)
+                                       for p in positions]), out)
 
     def init_state_step(self, out, step, std: float, seed: int) -> None:
         """``init_state`` of the one row out f32 [1, d] at position ``step[STEP_POS]`` of the

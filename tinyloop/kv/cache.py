@@ -45,6 +45,52 @@ class SlotKV:
         return self.allocator.page(self.table_host[i]).parts
 
 
+class BatchSlot:
+    """One attention slot of a decode batch, as ``Ops.kv_write_batch`` /
+    ``Ops.kv_attention_batch`` receive it (``rows``): row i is ``slots[i]`` (a SlotKV) at
+    position ``positions[i]`` (a host int); every row's slot has the page ``layout`` of
+    ``slots[0]`` (the scheduler groups requests by kv_mode). ``max_pos``: the largest
+    position. ``positions_dev`` / ``tables_dev``: int64 ``[B]`` arrays on the backend's device
+    (views of the step's :func:`batch_index`, uploaded once per step): the positions, and the
+    address of each row's block table (``slots[i].table``), which the CUDA batch kernels read
+    instead of per-row arguments; None where no index was built (the per-row reference path
+    reads only the host fields)."""
+
+    __slots__ = ("layout", "slots", "positions", "max_pos", "positions_dev", "tables_dev")
+
+    def __init__(self, slots, positions, positions_dev=None, tables_dev=None):
+        self.layout = slots[0].layout
+        self.slots = slots
+        self.positions = positions
+        self.max_pos = max(positions)
+        self.positions_dev = positions_dev
+        self.tables_dev = tables_dev
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def batch_index(caches, positions, n_slots: int) -> np.ndarray:
+    """The host index of one decode batch step, int64 ``[1 + n_slots, B]``: row 0 holds the
+    positions, row 1 + s the block-table address of forward slot s (the "all" order) of every
+    request (:meth:`RuntimeKVCache.table_addresses`). Uploaded once per step, it gives every
+    layer slot's ``BatchSlot.positions_dev`` / ``tables_dev`` as views. Raises ConfigError for
+    a position without a page (``RuntimeKVCache.ensure`` not run up to it) or a cache laid out
+    for another slot count."""
+    out = np.empty((1 + n_slots, len(caches)), np.int64)
+    out[0] = positions
+    for i, (c, p) in enumerate(zip(caches, positions)):
+        addrs = c.table_addresses()
+        if addrs.shape[0] != n_slots:
+            raise ConfigError(f"batch_index: request {i}'s cache has {addrs.shape[0]} forward "
+                              f"slots, the batch runs {n_slots}")
+        if not 0 <= p < c.length:
+            raise ConfigError(f"batch_index: request {i} has pages for positions "
+                              f"0..{c.length - 1}, not {p}: call RuntimeKVCache.ensure first")
+        out[1:, i] = addrs
+    return out
+
+
 class RuntimeKVCache:
     """A request's paged KV cache over ``n_slots`` slots for up to ``capacity`` positions.
 
@@ -87,6 +133,7 @@ class RuntimeKVCache:
                                                    "kv_cache")
         self._pages: list[list[Page]] = [[] for _ in range(self.n_slots)]
         self.length = 0               # positions with pages (a multiple of P, or capacity)
+        self._addrs = None            # table_addresses(), made on first use
         try:
             self._ops.from_host(self.table_host, self._table)
             self._slots = [SlotKV(self.layouts[s], self._table[s], self.table_host[s],
@@ -168,6 +215,17 @@ class RuntimeKVCache:
     def slot(self, s: int) -> SlotKV:
         self._alive()
         return self._slots[s]
+
+    def table_addresses(self) -> np.ndarray:
+        """int64 ``[len(slot_of)]``: the address of the block table of every forward slot s
+        (``kv_of(s).table``: row ``slot_of[s]`` of the one table block, which never moves),
+        as the CUDA batch kernels read it (:func:`batch_index`). Computed once."""
+        self._alive()
+        if self._addrs is None:
+            row_bytes = self.max_pages * np.dtype(np.int64).itemsize
+            self._addrs = (self._table_block.ptr
+                           + np.asarray(self.slot_of, np.int64) * row_bytes)
+        return self._addrs
 
     def kv_of(self, s: int) -> SlotKV:
         """The SlotKV holding the forward's slot ``s`` (the "all" order at ``depth``:

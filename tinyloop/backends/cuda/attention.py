@@ -22,6 +22,10 @@ _PREFILL_NAMES = {(m, hd): f"attn_prefill_{m}_hd{hd}" for m in KV_KERNEL_MODES
 _FA_NAMES = {(m, hd): f"attn_fa_{m}_hd{hd}" for m in KV_KERNEL_MODES for hd in FA_HEAD_DIMS}
 _SPLIT_NAMES = {(m, hd): f"attn_split_{m}_hd{hd}" for m in KV_KERNEL_MODES
                 for hd in ATTN_HEAD_DIMS}
+_DECODE_BATCH_NAMES = {(m, hd): f"attn_decode_batch_{m}_hd{hd}" for m in KV_KERNEL_MODES
+                       for hd in ATTN_HEAD_DIMS}
+_SPLIT_BATCH_NAMES = {(m, hd): f"attn_split_batch_{m}_hd{hd}" for m in KV_KERNEL_MODES
+                      for hd in ATTN_HEAD_DIMS}
 _PF_Q = GEOMETRY["attention"]["PF_Q"]
 _FA_THREADS = 32 * GEOMETRY["attention_prefill"]["FA_WARPS"]
 _FA_Q = 16 * GEOMETRY["attention_prefill"]["FA_WARPS"]    # query rows per block
@@ -194,6 +198,74 @@ class AttentionOps:
             (qkv.data.ptr, int(ctx), int(step_pos), table, p, *offs, int(n_heads),
              int(n_kv_heads), scale_log2, window, self._ds_ptr + 4 * _DS_TICKETS, self._ds_ptr,
              out.data.ptr))
+
+    def kv_attention_batch(self, qkv, rows, n_heads, n_kv_heads, head_dim, out, window: int = 0,
+                           recon=None):
+        """``Ops.kv_attention_batch`` in one launch: out f16 [B, H hd], row i the decode
+        attention of query row i of ``qkv`` f16 [B, ...] over positions 0..positions[i] of
+        its own slot, the position and block-table address read on the device from the
+        step's index (``rows.positions_dev`` / ``tables_dev``). Split-K (default): grid
+        (n_heads, splits, B) of attention_decode.cu ``attn_split_batch_*``, the split count
+        ``decode_splits`` of the longest row's keys over n_heads * B blocks (at least 1: the
+        batch rows give the grid its width), each row dealing its own keys to the splits;
+        ``KernelChoice(attn_decode="v1")``: grid (n_heads, B) of attention.cu's
+        one-block-per-head kernel. ``window`` as in ``kv_attention``. The store-h modes, and
+        a BatchSlot without a device index, run the per-row loop of
+        ``Ops.kv_attention_batch`` (``recon`` as there). Raises ConfigError for a qkv / out
+        of another row count, bad heads, window or index arrays."""
+        window = self._window_arg(window)
+        lay = rows.layout
+        if lay.stores_h or rows.positions_dev is None:
+            Ops.kv_attention_batch(self, qkv, rows, n_heads, n_kv_heads, head_dim, out,
+                                   window=window, recon=recon)
+            return
+        if lay.mode not in KV_KERNEL_MODES:
+            raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
+                              f"runs {self.kv_modes}")
+        if not _fast_ok(qkv, _F16, 2):
+            _dev(qkv, "qkv", np.float16, 2)
+        b = self._batch_rows(qkv, rows)
+        ld = qkv.shape[1]
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        if head_dim not in ATTN_HEAD_DIMS:
+            raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
+                              f"{ATTN_HEAD_DIMS}")
+        pos, tables = self._batch_ptrs(rows, b)
+        out = self._out(out, "out", _F16, b, n_heads * head_dim)
+        scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        args = (qkv.data.ptr, ld, pos, tables, lay.page_size, *lay.kernel_offsets, int(n_heads),
+                int(n_kv_heads), scale_log2, window)
+        mode, hd = lay.mode, int(head_dim)
+        if self.kernels.attn_decode == "v1":
+            self._fn("attention", _DECODE_BATCH_NAMES[mode, hd])(
+                (int(n_heads), b), (_DC_THREADS,), args + (out.data.ptr,))
+            return
+        keys = self._decode_keys(int(rows.max_pos) + 1, window)
+        ns = max(1, int(decode_splits(keys, int(n_heads) * b, self.sms)))
+        if not 1 <= ns <= DS_MAX_SPLITS:
+            raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
+        part, tickets = self._batch_split_scratch(b * int(n_heads), ns, hd)
+        self._fn("attention_decode", _SPLIT_BATCH_NAMES[mode, hd])(
+            (int(n_heads), ns, b), (_DS_THREADS,), args + (part, tickets, out.data.ptr))
+
+    def _batch_split_scratch(self, units: int, ns: int, head_dim: int) -> tuple:
+        """(partials, tickets) device addresses of the batched split-K attention for ``units``
+        = B * n_heads (row, head) pairs and ``ns`` splits: one pool block (tag ``scratch``,
+        held by the backend and grown when a batch needs more; released by ``release``)
+        holding u32 tickets [units] (zero between launches: each merging block re-arms its
+        own; zeroed when the block is taken) then f32 partials [units, ns, head_dim + 2]."""
+        tick = max(-(-4 * units // 16) * 16, 4096, self._dsb_tick)   # 16-byte aligned after
+        part_bytes = units * ns * (head_dim + 2) * 4
+        if self._dsb_blk is None or tick > self._dsb_tick or tick + part_bytes > self._dsb_cap:
+            if self._dsb_blk is not None:
+                self.synchronize()                            # no launch still reads it
+                blk, self._dsb_blk, self._dsb_cap, self._dsb_tick = self._dsb_blk, None, 0, 0
+                blk.free()
+            self._dsb_blk = self._cuda_pool.allocate(tick + part_bytes, "scratch")
+            cupy.cuda.runtime.memset(self._dsb_blk.ptr, 0, tick)
+            self._dsb_cap, self._dsb_tick = tick + part_bytes, tick
+        base = self._dsb_blk.ptr
+        return base + self._dsb_tick, base
 
     def _h_attention(self, qkv, kv, pos0, n_heads, n_kv_heads, head_dim, out, recon, table,
                      p, offs, window=0) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...kv.layouts import H_MODES
-from ..base import STEP_ROPE_MAX
+from ..base import STEP_ROPE_MAX, Ops
 from .checks import _F16, _F32, _dev, _fast_ok, _rows, _shape
 from .compile import GEOMETRY, cupy
 
@@ -77,6 +77,51 @@ class KVOps:
             (t,), (_KVW_THREADS,),
             (qkv.data.ptr, ld, int(pos0), float(theta), int(n_heads), int(n_kv_heads),
              int(head_dim), table, p, *offs),
+            shared_mem=int(head_dim) * 4)
+
+    @staticmethod
+    def _batch_ptrs(rows, b: int) -> tuple:
+        """The device addresses of a BatchSlot's ``positions_dev`` and ``tables_dev`` (each
+        int64 [B], contiguous, on the device); ConfigError naming the bad one otherwise."""
+        out = []
+        for name in ("positions_dev", "tables_dev"):
+            arr = getattr(rows, name)
+            if not (type(arr) is cupy.ndarray and arr.dtype == np.int64 and arr.ndim == 1
+                    and arr.flags.c_contiguous and arr.shape[0] == b):
+                raise ConfigError(f"rows.{name} must be a contiguous device int64 array of "
+                                  f"the batch's {b} rows (kv.cache.batch_index), got "
+                                  f"{type(arr).__name__} {getattr(arr, 'dtype', '')} "
+                                  f"{getattr(arr, 'shape', '')}")
+            out.append(arr.data.ptr)
+        return tuple(out)
+
+    def kv_write_batch(self, qkv, h, rows, theta, n_heads, n_kv_heads, head_dim):
+        """``Ops.kv_write_batch`` in one launch (rope.cu ``kv_write_batch_*``, grid B): row i
+        of ``qkv`` f16 [B, >= (H + 2 Hkv) hd] is ``kv_write`` at ``rows.positions[i]`` into
+        the slot whose block table ``rows.tables_dev[i]`` addresses, the position and address
+        read on the device from the step's index (nothing per row on the host). The store-h
+        modes, and a BatchSlot built without a device index, run the per-row loop of
+        ``Ops.kv_write_batch``. Raises ConfigError for a qkv of another row count, bad heads
+        or index arrays."""
+        lay = rows.layout
+        if lay.stores_h or rows.positions_dev is None:
+            Ops.kv_write_batch(self, qkv, h, rows, theta, n_heads, n_kv_heads, head_dim)
+            return
+        if lay.mode not in KV_KERNEL_MODES:
+            raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
+                              f"runs {self.kv_modes}")
+        if not _fast_ok(qkv, _F16, 2):
+            _dev(qkv, "qkv", np.float16, 2)
+        b = self._batch_rows(qkv, rows)
+        ld = qkv.shape[1]
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        if head_dim > 256:
+            raise ConfigError(f"head_dim={head_dim} > 256: kv_write keeps <= 4 pairs per lane")
+        pos, tables = self._batch_ptrs(rows, b)
+        self._fn("rope", f"kv_write_batch_{lay.mode}")(
+            (b,), (_KVW_THREADS,),
+            (qkv.data.ptr, ld, pos, float(theta), int(n_heads), int(n_kv_heads),
+             int(head_dim), tables, lay.page_size, *lay.kernel_offsets),
             shared_mem=int(head_dim) * 4)
 
     def _h_write(self, qkv, h, pos0, step_ptr, theta, n_heads, n_kv_heads, head_dim, kv, table,

@@ -20,7 +20,7 @@ _U64 = 1 << 64
 class NormOps:
     """``embed``, ``rmsnorm`` and the VERSION 2 facts' ops (``scale``, ``add_bias``,
     ``norm_residual``, ``linear_norm_residual``, ``linear_residual_norm``, ``init_state``,
-    ``init_state_step``) of ``base.Ops`` on the device (mixed into CudaOps)."""
+    ``init_state_rows``, ``init_state_step``) of ``base.Ops`` on the device (mixed into CudaOps)."""
 
     def embed(self, w, ids, out):
         """out f32 [T, d] = dequantized rows ``ids`` of ``w`` ([vocab, d]).
@@ -149,6 +149,37 @@ class NormOps:
         (one launch, nothing copied from the host). Raises ConfigError for a seed outside
         0..2**64-1 or a negative pos0."""
         self._init_state(out, int(pos0), 0, std, seed)
+
+    def init_state_rows(self, out, positions, std, seed, positions_dev=None):
+        """``Ops.init_state_rows`` drawn on the device in one launch (elementwise.cu
+        ``init_state_rows_f32``: row i at ``positions_dev[i]``, a device int64 [B] array of
+        ``positions``, the step's index); without ``positions_dev``, one ``init_state``
+        launch per row. Raises ConfigError for a seed outside 0..2**64-1, a negative
+        position, or positions / positions_dev of another length than ``out``'s rows."""
+        t, d = self._resid(out, "out")
+        if len(positions) != t:
+            raise ConfigError(f"init_state_rows: {len(positions)} positions for {t} rows")
+        if positions_dev is None:
+            for i, p in enumerate(positions):
+                self.init_state(out[i:i + 1], p, std, seed)
+            return
+        seed = int(seed)
+        if not 0 <= seed < _U64:
+            raise ConfigError(f"state seed {seed} is outside 0..2**64-1")
+        if min(positions) < 0:
+            raise ConfigError(f"init_state_rows: positions must be >= 0, got {min(positions)}")
+        if not (type(positions_dev) is cupy.ndarray and positions_dev.dtype == np.int64
+                and positions_dev.ndim == 1 and positions_dev.flags.c_contiguous
+                and positions_dev.shape[0] == t):
+            raise ConfigError(f"init_state_rows: positions_dev must be a contiguous device "
+                              f"int64 array of the {t} rows, got "
+                              f"{type(positions_dev).__name__} "
+                              f"{getattr(positions_dev, 'dtype', '')} "
+                              f"{getattr(positions_dev, 'shape', '')}")
+        self._fn("elementwise", "init_state_rows_f32")(
+            ((d + _EW_THREADS - 1) // _EW_THREADS, t), (_EW_THREADS,),
+            (out.data.ptr, positions_dev.data.ptr, d, float(std), float(STATE_TRUNCATE),
+             seed - _U64 if seed >= 1 << 63 else seed))    # the kernel reads the u64 bits
 
     def init_state_step(self, out, step, std, seed):
         """``init_state`` of one row at the device step state's position ``step[STEP_POS]``

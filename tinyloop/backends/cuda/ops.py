@@ -76,6 +76,10 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         # taken on the first decode that needs more (an eager step always precedes a capture,
         # so a captured launch never grows it; a capture that did would fail its pool check)
         self._ds_blk, self._ds_ptr, self._ds_cap = None, 0, 0
+        # the decode batch's split-K tickets and partials (attention.AttentionOps
+        # ._batch_split_scratch), a pool block taken on the first batch and grown when a
+        # larger one needs more
+        self._dsb_blk, self._dsb_cap, self._dsb_tick = None, 0, 0
         self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
         # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
@@ -117,7 +121,8 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         self._capture_stream = None         # the decode-step capture stream (graph_begin)
         self._capturing = None              # that stream while a capture is open
 
-    _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_wq_blk", "_fs_blk", "_epin_blk")
+    _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_dsb_blk", "_wq_blk", "_fs_blk",
+               "_epin_blk")
 
     @property
     def kernels(self) -> KernelChoice:
@@ -140,7 +145,7 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         self._scratch_ptr = self._ds_ptr = self._wq_ptr = self._pl_ptr = self._fs_ptr = 0
         self._ring = self._ering = self._estate = None
         self._ering_ptr = self._estate_ptr = 0
-        self._ds_cap = self._wq_cap = 0
+        self._ds_cap = self._wq_cap = self._dsb_cap = self._dsb_tick = 0
         for name in self._BLOCKS:
             blk = getattr(self, name, None)
             setattr(self, name, None)

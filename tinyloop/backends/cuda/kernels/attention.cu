@@ -1,7 +1,8 @@
 // Causal attention with grouped-query heads over the paged KV cache: prefill and decode.
 //
 // Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_paged_attention_*),
-// which reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
+// which reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table;
+// the decode batch entry row by row (tests/kernels/test_batch_attention_gpu.py).
 // Query head h reads KV head h / (n_heads / n_kv); query row i (absolute position p = pos0 + i)
 // sees keys lo(p)..p, lo(p) = win_lo(p, window) (common.cuh: max(0, p - window + 1) for a
 // sliding-window layer, window > 0; 0 for full attention, window = 0); scale 1/sqrt(head_dim).
@@ -230,9 +231,10 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
     }
 }
 
-// Entry points: attn_{prefill,decode}_{fp16,int8}_hd{HD}. The block table and page offsets are
-// kernel arguments (the table sits at a fixed device address for a request's life); window:
-// the layer's sliding window in positions, 0 = full attention (a constant per layer, so a
+// Entry points: attn_{prefill,decode,decode_step,decode_batch}_{fp16,int8}_hd{HD}. The block
+// table and page offsets are kernel arguments (the table sits at a fixed device address for a
+// request's life; a decode batch reads each row's address from an array); window: the
+// layer's sliding window in positions, 0 = full attention (a constant per layer, so a
 // captured decode step holds it as an argument).
 #define ATTN_ENTRIES_MODE(MODE, NAME, HD)                                                      \
     extern "C" __global__ void __launch_bounds__(PF_Q * 4)                                    \
@@ -261,6 +263,20 @@ __device__ void attn_decode_impl(const half_t* __restrict__ qkv, i64 ctx,
         TL_PDL_ENTER();                                                                        \
         attn_decode_impl<MODE, HD>(qkv, (i64)step[2] + 1, table, P, k_off, v_off, ks_off,      \
                                    vs_off, n_heads, n_kv, (float)scale_log2, window, out);     \
+    }                                                                                          \
+    /* a decode batch: grid (n_heads, B), row b = blockIdx.y: query row qkv + b * ld over  */ \
+    /* context pos[b] + 1 of the block table at address tables[b] (the step's device index, */\
+    /* tinyloop/kv/cache.py batch_index), into out row b (f16 [B, n_heads * HD])           */ \
+    extern "C" __global__ void __launch_bounds__(DC_THREADS)                                  \
+        attn_decode_batch_##NAME##_hd##HD(const half_t* qkv, i64 ld, const i64* pos,           \
+                                          const i64* tables, i64 P, i64 k_off, i64 v_off,      \
+                                          i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,       \
+                                          double scale_log2, i64 window, half_t* out) {        \
+        TL_PDL_ENTER();                                                                        \
+        const i64 b = blockIdx.y;                                                              \
+        attn_decode_impl<MODE, HD>(qkv + b * ld, pos[b] + 1, (const i64*)tables[b], P, k_off,  \
+                                   v_off, ks_off, vs_off, n_heads, n_kv, (float)scale_log2,    \
+                                   window, out + b * n_heads * HD);                            \
     }
 #define ATTN_ENTRIES(HD) ATTN_ENTRIES_MODE(KV_FP16, fp16, HD) ATTN_ENTRIES_MODE(KV_INT8, int8, HD)
 

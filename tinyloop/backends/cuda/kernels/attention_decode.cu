@@ -4,7 +4,8 @@
 // attention, window = 0).
 //
 // Checked against: NumpyOps.kv_attention (tests/kernels/test_kernels_gpu.py::test_decode_split_*), which
-// reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table.
+// reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table;
+// the decode batch entry row by row (tests/kernels/test_batch_attention_gpu.py).
 // Query head h reads KV head h / (n_heads / n_kv); scale 1/sqrt(head_dim); scores in log2 units
 // (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
 //
@@ -344,6 +345,36 @@ __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, cons
     if (n_used > 1) attn_split_merge<HD>(part, nsplit, n_used, tickets, out, h);
 }
 
+// A decode batch (tinyloop/backends/cuda/attention.py kv_attention_batch): grid (n_heads,
+// nsplit, B), row b = blockIdx.z is one query row (qkv + b * ld) at its own position pos[b]
+// (ctx = pos[b] + 1) over the block table at address tables[b] (pos, tables: i64 [B], the
+// step's device index, tinyloop/kv/cache.py batch_index). Each row deals its own keys to the
+// nsplit splits (ds_split_range of its own ctx: a short row uses fewer splits, n_used), and
+// has its own partials part + b * n_heads * nsplit * (HD + 2), tickets + b * n_heads and
+// output row out + b * n_heads * HD; otherwise attn_split_step's unit and merge, all chunks
+// read after the PDL wait (no preload).
+template <int MODE, int HD>
+__device__ __forceinline__ void attn_split_batch(const half_t* qkv, i64 ld,
+                                                 const i64* __restrict__ pos,
+                                                 const i64* __restrict__ tables, i64 P,
+                                                 i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,
+                                                 i64 n_heads, i64 n_kv, float scale_log2,
+                                                 i64 window, float* part, unsigned* tickets,
+                                                 half_t* out) {
+    const i64 h = blockIdx.x, s = blockIdx.y, b = blockIdx.z, nsplit = gridDim.y;
+    const i64 c = pos[b] + 1;
+    const i64 min_pps = (DS_THREADS + P - 1) / P;
+    const DsRange r = ds_split_range(c, window, P, nsplit, min_pps, s);
+    if (s >= r.n_used) return;                    // no keys: no partial, no ticket
+    float* bpart = part + b * n_heads * nsplit * (HD + 2);
+    half_t* bout = out + b * n_heads * HD;
+    attn_split_unit<MODE, HD>(qkv + b * ld, r.k0, r.k1, (const i64*)tables[b], P, k_off, v_off,
+                              ks_off, vs_off, n_heads, n_kv, scale_log2, bpart, h, s, nsplit,
+                              nullptr, r.n_used == 1 ? bout : nullptr);
+    if (r.n_used > 1)
+        attn_split_merge<HD>(bpart, nsplit, r.n_used, tickets + b * n_heads, bout, h);
+}
+
 #ifndef TL_DEVICE_ONLY
 
 // Entry points. step_pos: null, or the device int32 position of the step state (ctx = pos + 1).
@@ -360,6 +391,19 @@ __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, cons
         attn_split_step<MODE, HD>(qkv, ctx, step_pos, table, P, k_off, v_off, ks_off, vs_off,  \
                                   n_heads, n_kv, (float)scale_log2, window, part, tickets,     \
                                   out);                                                        \
+    }                                                                                          \
+    /* a decode batch (attn_split_batch): part f32 [B, n_heads, nsplit, HD + 2], tickets   */ \
+    /* u32 [>= B * n_heads], out f16 [B, n_heads * HD]                                      */ \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS)                                  \
+        attn_split_batch_##NAME##_hd##HD(const half_t* qkv, i64 ld, const i64* pos,            \
+                                         const i64* tables, i64 P, i64 k_off, i64 v_off,       \
+                                         i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,        \
+                                         double scale_log2, i64 window, float* part,           \
+                                         unsigned* tickets, half_t* out) {                     \
+        TL_PDL_ENTER();                                                                        \
+        attn_split_batch<MODE, HD>(qkv, ld, pos, tables, P, k_off, v_off, ks_off, vs_off,      \
+                                   n_heads, n_kv, (float)scale_log2, window, part, tickets,    \
+                                   out);                                                       \
     }
 #define DS_ENTRIES(HD) DS_ENTRIES_MODE(KV_FP16, fp16, HD) DS_ENTRIES_MODE(KV_INT8, int8, HD)
 

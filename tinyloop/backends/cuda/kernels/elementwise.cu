@@ -97,14 +97,11 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
 // (seed, p, i, attempt)) within +-trunc (base.STATE_TRUNCATE), 0 when none of STATE_ATTEMPTS is. p0 is
 // step[2] (the device step state's position, STEP_POS) when step is not null, else pos0, so a
 // captured decode step draws its own position's state. grid = (ceil(d / 256), T), block = 256.
-extern "C" __global__ void init_state_f32(float* __restrict__ out, i64 pos0,
-                                          const int* __restrict__ step, i64 d, double std,
-                                          double trunc, i64 seed) {
-    TL_PDL_ENTER();
-    const i64 t = blockIdx.y;
+__device__ __forceinline__ void init_state_elem(float* __restrict__ out, i64 t, i64 pos, i64 d,
+                                                double std, double trunc, i64 seed) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= d) return;
-    const unsigned long long p = (unsigned long long)((step != nullptr ? (i64)step[2] : pos0) + t);
+    const unsigned long long p = (unsigned long long)pos;
     const unsigned long long base =
         splitmix64(splitmix64(splitmix64((unsigned long long)seed) ^ p) ^
                    ((unsigned long long)i << 8));
@@ -119,4 +116,23 @@ extern "C" __global__ void init_state_f32(float* __restrict__ out, i64 pos0,
         }
     }
     out[t * d + i] = (float)(z * std);
+}
+
+extern "C" __global__ void init_state_f32(float* __restrict__ out, i64 pos0,
+                                          const int* __restrict__ step, i64 d, double std,
+                                          double trunc, i64 seed) {
+    TL_PDL_ENTER();
+    const i64 t = blockIdx.y;
+    init_state_elem(out, t, (step != nullptr ? (i64)step[2] : pos0) + t, d, std, trunc, seed);
+}
+
+// A decode batch (tinyloop/backends/cuda/norms.py init_state_rows): row t of out at its own
+// position pos[t] (i64 [T], the step's device index, tinyloop/kv/cache.py batch_index), the
+// same draws. grid = (ceil(d / 256), T), block = 256.
+extern "C" __global__ void init_state_rows_f32(float* __restrict__ out,
+                                               const i64* __restrict__ pos, i64 d, double std,
+                                               double trunc, i64 seed) {
+    TL_PDL_ENTER();
+    const i64 t = blockIdx.y;
+    init_state_elem(out, t, pos[t], d, std, trunc, seed);
 }

@@ -3,7 +3,8 @@
 // kernel on its rebuilt K rows: tinyloop/backends/cuda/attention.py _h_attention).
 //
 // Checked against: NumpyOps.kv_write with numpy_ops.rope_tables / apply_rope and
-// quant.quantize_rows_int8 (tests/kernels/test_kernels_gpu.py::test_kv_write_*).
+// quant.quantize_rows_int8 (tests/kernels/test_kernels_gpu.py::test_kv_write_*); the decode
+// batch entry row by row (tests/kernels/test_batch_attention_gpu.py).
 // Interleaved pairs (GGML "normal" / GPT-J): pair i of each head, (x[2i], x[2i+1]), rotates by
 // angle pos * theta^(-2i/head_dim). The angle and its cos/sin are computed in double, as the
 // reference does, so large positions stay accurate; the rotation itself is float.
@@ -140,20 +141,19 @@ __device__ __forceinline__ void kv_int8_rows_block(const half_t* row, i64 n_head
     }
 }
 
-// step: null, or the decode step state (T = 1), whose table rope_table_for copies when it is
-// position pos's. AHEAD (the step entries, PDL-launched in a captured step): the RoPE table and
-// the page lookup - step state and block table, which only the step before writes - run before
-// the PDL wait, which the function then takes itself before touching qkv.
+// Row t of qkv at position pos, into the pages of block table `table`. step: null, or the
+// decode step state (T = 1), whose table rope_table_for copies when it is position pos's.
+// AHEAD (the step entries, PDL-launched in a captured step): the RoPE table and the page
+// lookup - step state and block table, which only the step before writes - run before the
+// PDL wait, which the function then takes itself before touching qkv.
 template <int MODE, bool AHEAD = false>
-__device__ __forceinline__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 pos0,
-                                              double theta, i64 n_heads, i64 n_kv, i64 hd,
+__device__ __forceinline__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, i64 t,
+                                              i64 pos, double theta, i64 n_heads, i64 n_kv, i64 hd,
                                               const i64* __restrict__ table, i64 P, i64 k_off,
                                               i64 v_off, i64 ks_off, i64 vs_off,
                                               const int* __restrict__ step = nullptr) {
     extern __shared__ float cs[];               // cos at [0, hd/2), sin at [hd/2, hd)
-    const i64 t = blockIdx.x;
     const int half = (int)(hd / 2);
-    const i64 pos = pos0 + t;
     rope_table_for(step, pos, theta, hd, cs);
     i64 prow = 0;
     char* base = (MODE == KV_QONLY) ? nullptr : kv_page_w(table, P, pos, &prow);
@@ -192,13 +192,32 @@ __device__ __forceinline__ void kv_write_impl(half_t* __restrict__ qkv, i64 ld, 
                                                const i64* table, i64 P, i64 k_off, i64 v_off,  \
                                                i64 ks_off, i64 vs_off) {                       \
         TL_PDL_ENTER();                                                                        \
-        kv_write_impl<MODE>(qkv, ld, pos0, theta, n_heads, n_kv, hd, table, P, k_off, v_off,   \
-                            ks_off, vs_off);                                                   \
+        kv_write_impl<MODE>(qkv, ld, blockIdx.x, pos0 + blockIdx.x, theta, n_heads, n_kv, hd,  \
+                            table, P, k_off, v_off, ks_off, vs_off);                           \
     }
 
 KV_WRITE_ENTRY(KV_FP16, fp16)
 KV_WRITE_ENTRY(KV_INT8, int8)
 KV_WRITE_ENTRY(KV_QONLY, qonly)
+
+// A decode batch (tinyloop/backends/cuda/kv.py kv_write_batch; checked against the per-row
+// NumpyOps.kv_write): row b of qkv goes to its own request's slot at its own position,
+// pos[b], through the block table at address tables[b] (pos, tables: i64 [B], the step's
+// device index, tinyloop/kv/cache.py batch_index). grid = B, one block per row as above.
+#define KV_WRITE_BATCH_ENTRY(MODE, NAME)                                                       \
+    extern "C" __global__ void kv_write_batch_##NAME(half_t* qkv, i64 ld, const i64* pos,      \
+                                                     double theta, i64 n_heads, i64 n_kv,      \
+                                                     i64 hd, const i64* tables, i64 P,         \
+                                                     i64 k_off, i64 v_off, i64 ks_off,         \
+                                                     i64 vs_off) {                             \
+        TL_PDL_ENTER();                                                                        \
+        const i64 b = blockIdx.x;                                                              \
+        kv_write_impl<MODE>(qkv, ld, b, pos[b], theta, n_heads, n_kv, hd,                     \
+                            (const i64*)tables[b], P, k_off, v_off, ks_off, vs_off);           \
+    }
+
+KV_WRITE_BATCH_ENTRY(KV_FP16, fp16)
+KV_WRITE_BATCH_ENTRY(KV_INT8, int8)
 
 // The captured decode step (tinyloop/graphs.py): the same write of one row (T = 1), at the
 // position the device step state holds (step[2], STEP_POS in tinyloop/backends/base.py), so a
@@ -209,7 +228,7 @@ KV_WRITE_ENTRY(KV_QONLY, qonly)
                                                     i64 hd, const i64* table, i64 P,           \
                                                     i64 k_off, i64 v_off, i64 ks_off,          \
                                                     i64 vs_off) {                              \
-        kv_write_impl<MODE, true>(qkv, ld, (i64)step[STEP_POS], theta, n_heads, n_kv, hd,     \
+        kv_write_impl<MODE, true>(qkv, ld, 0, (i64)step[STEP_POS], theta, n_heads, n_kv, hd,  \
                                   table, P, k_off, v_off, ks_off, vs_off, step);               \
     }
 
