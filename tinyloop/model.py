@@ -1102,6 +1102,16 @@ class Model:
             self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
             self._views(1)["norm"], temperature, top_k, top_p, u, **filters))
 
+    def reserve_decode_batch(self, rows: int) -> None:
+        """Take now the backend scratch a :meth:`decode_batch` of up to ``rows`` rows needs
+        (``Ops.reserve_decode_batch``: the batched split-K attention's partials on CUDA), so
+        later steps allocate nothing. Raises ModelFreedError after free."""
+        cfg = self.config
+        with self.lock:
+            self.check_alive()
+            self._ops.reserve_decode_batch(min(int(rows), self._buf.capacity_rows),
+                                           cfg.n_heads, cfg.head_dim)
+
     def decode_batch(self, caches, tokens, positions, depth: int | None = None,
                      sampling=None):
         """One decode step of B requests together: row i embeds ``tokens[i]`` at position

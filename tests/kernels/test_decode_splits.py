@@ -115,3 +115,20 @@ def test_short_contexts_fall_back_to_the_single_pass_kernel():
         ns = min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, -(-264 // 9))
         want = 0 if ctx <= DS_SINGLE_PASS_MAX or ns <= 1 else ns
         assert decode_splits(ctx, 9, 132) == want, ctx
+
+
+def test_the_batch_scratch_bound_covers_every_batch_and_context():
+    """Engine.start reserves batch_split_bound's scratch once: every batch of 1..rows rows at
+    every context length takes no more tickets and partials than it covers (the split count
+    of the batch kernel is max(1, decode_splits(...)) over B * n_heads blocks)."""
+    from tinyloop.backends.cuda.attention import batch_split_bound, decode_splits
+    for sms in (1, 78, 132):
+        for n_heads in (1, 9, 16, 48):
+            for rows in (1, 3, 32, 64):
+                units_max, partials = batch_split_bound(rows, n_heads, sms)
+                assert units_max == rows * n_heads
+                for b in range(1, rows + 1):
+                    for ctx in (1, 63, 64, 257, 1024, 4097, 8000, 1 << 17):
+                        units = b * n_heads
+                        ns = max(1, decode_splits(ctx, units, sms))
+                        assert units * ns <= partials, (sms, n_heads, rows, b, ctx)

@@ -196,6 +196,11 @@ class Ops:
             self.kv_write(qkv[i:i + 1], None if h is None else h[i:i + 1], p, theta, n_heads,
                           n_kv_heads, head_dim, skv)
 
+    def reserve_decode_batch(self, rows: int, n_heads: int, head_dim: int) -> None:
+        """Take now the scratch any ``kv_attention_batch`` of up to ``rows`` rows needs, so a
+        serving run allocates nothing while it decodes (``serve.Engine.start``). Nothing to
+        take on a backend without such scratch (here)."""
+
     def kv_attention_batch(self, qkv, rows, n_heads, n_kv_heads, head_dim, out, window: int = 0,
                            recon=None):
         """Row i of ``out`` [B, H hd] is ``kv_attention`` of query row i of ``qkv`` (rotated by

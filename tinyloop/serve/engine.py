@@ -333,7 +333,8 @@ class Engine:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Engine":
-        """Start the scheduler thread (once). Makes the model's lazy logit row first, so the
+        """Start the scheduler thread (once). Makes the model's lazy logit row and the
+        decode batch's scratch (``Model.reserve_decode_batch``) first, so the
         pool's allocated bytes outside tag ``graphs`` at start (``baseline_allocated``,
         :func:`allocated_outside_graphs`) are what it returns to."""
         if self._thread is not None:
@@ -341,6 +342,7 @@ class Engine:
         with self.model.lock:
             self.model.check_alive()
             self.model.logit_row()
+            self.model.reserve_decode_batch(self.max_batch)   # no scratch grows mid-run
             pool = self.model.pool
             self.baseline_allocated = allocated_outside_graphs(pool)
             if self._budget_arg is None and pool.limit_bytes is not None:

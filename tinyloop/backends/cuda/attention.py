@@ -63,6 +63,18 @@ def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
     return 0 if ns == 1 else ns
 
 
+def batch_split_bound(rows: int, n_heads: int, sms: int) -> tuple[int, int]:
+    """(ticket units, (unit, split) partial pairs) that cover the batched split-K attention
+    of any batch of 1..``rows`` rows at any context: B * n_heads units take at most
+    max(1, min(DS_MAX_SPLITS, ceil(2 * sms / (B * n_heads)))) splits (``decode_splits``'s
+    SM cap, at least one split in the batch kernel)."""
+    worst = 0
+    for b in range(1, int(rows) + 1):
+        units = b * int(n_heads)
+        worst = max(worst, units * max(1, min(DS_MAX_SPLITS, -(-2 * int(sms) // units))))
+    return int(rows) * int(n_heads), worst
+
+
 class AttentionOps:
     """``kv_attention`` / ``kv_attention_step`` of ``base.Ops`` on the device (mixed into
     CudaOps)."""
@@ -248,14 +260,23 @@ class AttentionOps:
         self._fn("attention_decode", _SPLIT_BATCH_NAMES[mode, hd])(
             (int(n_heads), ns, b), (_DS_THREADS,), args + (part, tickets, out.data.ptr))
 
-    def _batch_split_scratch(self, units: int, ns: int, head_dim: int) -> tuple:
+    def reserve_decode_batch(self, rows: int, n_heads: int, head_dim: int) -> None:
+        """``Ops.reserve_decode_batch``: grow the batched split-K scratch to the most any batch
+        of 1..``rows`` rows takes (``batch_split_bound``)."""
+        units, partials = batch_split_bound(rows, n_heads, self.sms)
+        if units:
+            self._batch_split_scratch(units, 1, int(head_dim), partials)
+
+    def _batch_split_scratch(self, units: int, ns: int, head_dim: int,
+                             partials: int = 0) -> tuple:
         """(partials, tickets) device addresses of the batched split-K attention for ``units``
         = B * n_heads (row, head) pairs and ``ns`` splits: one pool block (tag ``scratch``,
         held by the backend and grown when a batch needs more; released by ``release``)
         holding u32 tickets [units] (zero between launches: each merging block re-arms its
-        own; zeroed when the block is taken) then f32 partials [units, ns, head_dim + 2]."""
+        own; zeroed when the block is taken) then f32 partials [units, ns, head_dim + 2]
+        (room for at least ``partials`` (unit, split) pairs: ``reserve_decode_batch``)."""
         tick = max(-(-4 * units // 16) * 16, 4096, self._dsb_tick)   # 16-byte aligned after
-        part_bytes = units * ns * (head_dim + 2) * 4
+        part_bytes = max(units * ns, int(partials)) * (head_dim + 2) * 4
         if self._dsb_blk is None or tick > self._dsb_tick or tick + part_bytes > self._dsb_cap:
             if self._dsb_blk is not None:
                 self.synchronize()                            # no launch still reads it
