@@ -385,6 +385,21 @@ def decode_graphs(model) -> DecodeGraphs:
     return model.extra("decode_graphs", DecodeGraphs)
 
 
+def _step_sampling(g, cache, temperature, top_k, top_p, u, min_p, repetition_penalty,
+                   recent_ids, repeat_last_n):
+    """(sampling tuple or None for greedy, {"window": ids} or {}) of a step through graphs
+    ``g``, or None when the step is not eligible (``DecodeGraphs.eligible``)."""
+    pen = (repetition_penalty != 1.0 and repeat_last_n > 0 and recent_ids is not None
+           and len(recent_ids) > 0)
+    if not g.eligible(cache, temperature if not pen else 1.0):
+        return None
+    sampling = None
+    if temperature > 0.0 or pen:
+        sampling = (temperature, top_k, top_p, u, min_p, repetition_penalty,
+                    repeat_last_n if pen else 0)
+    return sampling, ({"window": recent_ids} if pen else {})
+
+
 def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: int = 0,
                 top_p: float = 1.0, u: float = 0.0, min_p: float = 0.0,
                 repetition_penalty: float = 1.0, recent_ids=None,
@@ -399,15 +414,11 @@ def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: i
     (no step / position: the caller adds them) for a non-finite logit row, as ``head_sample``
     does, and ConfigError for sampling parameters out of range."""
     g = decode_graphs(model)
-    pen = (repetition_penalty != 1.0 and repeat_last_n > 0 and recent_ids is not None
-           and len(recent_ids) > 0)
-    if not g.eligible(cache, temperature if not pen else 1.0):
+    got = _step_sampling(g, cache, temperature, top_k, top_p, u, min_p, repetition_penalty,
+                         recent_ids, repeat_last_n)
+    if got is None:
         return None
-    sampling = None
-    if temperature > 0.0 or pen:
-        sampling = (temperature, top_k, top_p, u, min_p, repetition_penalty,
-                    repeat_last_n if pen else 0)
-    extra = {"window": recent_ids} if pen else {}
+    sampling, extra = got
     nxt, code = g.step(cache, int(token), int(pos), sampling, **extra)
     if code:
         raise non_finite_logits(LOGIT_FAULTS[code])
@@ -423,15 +434,11 @@ def decode_step_auto(model, cache, token: int, pos: int, rule, temperature: floa
     not run as graphs (then ``Model.forward_auto`` + ``Model.head_sample`` run it, with the
     same result). Raises as :func:`decode_step` does."""
     g = decode_graphs(model)
-    pen = (repetition_penalty != 1.0 and repeat_last_n > 0 and recent_ids is not None
-           and len(recent_ids) > 0)
-    if not g.eligible(cache, temperature if not pen else 1.0):
+    got = _step_sampling(g, cache, temperature, top_k, top_p, u, min_p, repetition_penalty,
+                         recent_ids, repeat_last_n)
+    if got is None:
         return None
-    sampling = None
-    if temperature > 0.0 or pen:
-        sampling = (temperature, top_k, top_p, u, min_p, repetition_penalty,
-                    repeat_last_n if pen else 0)
-    extra = {"window": recent_ids} if pen else {}
+    sampling, extra = got
     nxt, code, depth = g.step_auto(cache, int(token), int(pos), rule, sampling, **extra)
     if code:
         raise non_finite_logits(LOGIT_FAULTS[code])

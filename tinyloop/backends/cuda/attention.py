@@ -231,14 +231,7 @@ class AttentionOps:
             Ops.kv_attention_batch(self, qkv, rows, n_heads, n_kv_heads, head_dim, out,
                                    window=window, recon=recon)
             return
-        if lay.mode not in KV_KERNEL_MODES:
-            raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
-                              f"runs {self.kv_modes}")
-        if not _fast_ok(qkv, _F16, 2):
-            _dev(qkv, "qkv", np.float16, 2)
-        b = self._batch_rows(qkv, rows)
-        ld = qkv.shape[1]
-        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        b, ld = self._batch_args(qkv, rows, n_heads, n_kv_heads, head_dim)
         if head_dim not in ATTN_HEAD_DIMS:
             raise ConfigError(f"head_dim={head_dim} has no attention kernel; built for "
                               f"{ATTN_HEAD_DIMS}")

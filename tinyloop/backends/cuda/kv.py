@@ -95,6 +95,21 @@ class KVOps:
             out.append(arr.data.ptr)
         return tuple(out)
 
+    def _batch_args(self, qkv, rows, n_heads, n_kv_heads, head_dim) -> tuple[int, int]:
+        """The checks the batch kernels share (a mode with kernels, qkv f16 2-D with B rows,
+        the head counts): (B, qkv's leading dimension). Raises ConfigError naming what is
+        wrong."""
+        lay = rows.layout
+        if lay.mode not in KV_KERNEL_MODES:
+            raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
+                              f"runs {self.kv_modes}")
+        if not _fast_ok(qkv, _F16, 2):
+            _dev(qkv, "qkv", np.float16, 2)
+        b = self._batch_rows(qkv, rows)
+        ld = qkv.shape[1]
+        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        return b, ld
+
     def kv_write_batch(self, qkv, h, rows, theta, n_heads, n_kv_heads, head_dim):
         """``Ops.kv_write_batch`` in one launch (rope.cu ``kv_write_batch_*``, grid B): row i
         of ``qkv`` f16 [B, >= (H + 2 Hkv) hd] is ``kv_write`` at ``rows.positions[i]`` into
@@ -107,14 +122,7 @@ class KVOps:
         if lay.stores_h or rows.positions_dev is None:
             Ops.kv_write_batch(self, qkv, h, rows, theta, n_heads, n_kv_heads, head_dim)
             return
-        if lay.mode not in KV_KERNEL_MODES:
-            raise ConfigError(f"kv mode {lay.mode!r} has no CUDA kernels yet; this backend "
-                              f"runs {self.kv_modes}")
-        if not _fast_ok(qkv, _F16, 2):
-            _dev(qkv, "qkv", np.float16, 2)
-        b = self._batch_rows(qkv, rows)
-        ld = qkv.shape[1]
-        self._heads_ok(n_heads, n_kv_heads, head_dim, ld)
+        b, ld = self._batch_args(qkv, rows, n_heads, n_kv_heads, head_dim)
         if head_dim > 256:
             raise ConfigError(f"head_dim={head_dim} > 256: kv_write keeps <= 4 pairs per lane")
         pos, tables = self._batch_ptrs(rows, b)
