@@ -291,3 +291,41 @@ def test_a_lone_request_runs_the_captured_step(tiny_model_path, monkeypatch):
         assert m.pool.by_tag()["graphs"] > 0
     finally:
         tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("serial_rows", [0, 2, 16])
+def test_few_rows_replay_one_by_one_and_more_share_a_batch(tiny_model_path, monkeypatch,
+                                                          serial_rows):
+    """Four concurrent requests on a backend with graphs (the recording fake): with
+    serial_rows >= 4 every decode step of every row is a replay of the captured step; with
+    fewer, the steps where more rows decode run as decode_batch. Either way each request's
+    tokens are its solo generate's (greedy and seeded sampled)."""
+    from ..model.test_graphs import RecordingOps
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
+    m._ops = RecordingOps()
+    try:
+        prompts = [p[:24] for p in _prompts(4, seed=11)]
+        kws = [{}, {"temperature": 0.7, "seed": 2}, {}, {"temperature": 0.9, "top_k": 9,
+                                                        "seed": 5}]
+        want = [m.generate(p, max_new_tokens=10, stop=[], **k).token_ids
+                for p, k in zip(prompts, kws)]
+        with Engine(m, max_batch=4, prefill_chunk=96, serial_rows=serial_rows) as eng:
+            before = m.graph_stats()["replays"]
+            reqs = [eng.submit(p, max_new_tokens=10, stop=[], **k)
+                    for p, k in zip(prompts, kws)]
+            got = [r.result(timeout=120).token_ids for r in reqs]
+            replays = m.graph_stats()["replays"] - before
+        assert got == want
+        steps = sum(len(t) - 1 for t in got)
+        if serial_rows >= 4:
+            assert replays == steps
+        else:
+            assert replays < steps          # some steps ran as a batch
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_serial_rows_must_not_be_negative(model):
+    with pytest.raises(ConfigError, match="serial_rows"):
+        Engine(model, serial_rows=-1)

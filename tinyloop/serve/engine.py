@@ -14,10 +14,11 @@ rounds it) fits in what the admitted requests left of the KV budget; otherwise i
 bounded FIFO queue (a full queue raises :class:`~tinyloop.errors.QueueFullError` at submit).
 A request that could never fit the budget is refused at submit (ConfigError).
 
-**One decoding request** runs its step as the captured decode step where the backend can
-(``graphs.decode_step``, what ``Model.generate`` runs), so it decodes at the batch-1 speed;
-two or more share ``Model.decode_batch``. Both pick a token by the same rule from the same
-drawn uniform.
+**Few decoding requests** (at most ``serial_rows``) run their steps one after another as the
+captured decode step where the backend can (``graphs.decode_step``, what ``Model.generate``
+runs): a replayed step costs a fraction of an eager batched one, so below some batch size
+replaying each row beats batching them (docs/architecture.md, "Serving"); more share
+``Model.decode_batch``. Both pick a token by the same rule from the same drawn uniform.
 
 **Memory**: every request's pages are tagged ``kv_cache`` (``prefix_cache`` while a
 PrefixPool entry holds them) and freed when it ends, is cancelled, or the engine stops; a
@@ -55,6 +56,7 @@ from ..graphs import decode_step
 from ..memory import round_size
 
 DEFAULT_MAX_BATCH = 32       # rows of one decode step
+DEFAULT_SERIAL_ROWS = 16     # rows replayed one by one before batching (docs/architecture.md)
 DEFAULT_MAX_QUEUE = 256      # requests waiting for admission
 DEFAULT_PREFILL_CHUNK = 256  # prompt positions one scheduler iteration prefills
 
@@ -284,7 +286,9 @@ class Engine:
     """Continuous batching over one Model (see the module doc).
 
     ``Engine(model, max_batch=32, max_queue=256, prefill_chunk=256, kv_budget=None,
-    prefix_pool=None)``: ``max_batch`` rows per decode step (and admitted requests);
+    prefix_pool=None, serial_rows=16)``: ``max_batch`` rows per decode step (and admitted
+    requests); ``serial_rows``: up to this many decoding rows step one by one through the
+    captured decode step (0: always ``decode_batch``);
     ``max_queue`` requests waiting for admission; ``prefill_chunk`` prompt positions per
     scheduler iteration; ``kv_budget`` bytes (int or size string) the admitted requests' KV
     caches may take together (None: the pool's limit minus what is allocated at start, or no
@@ -296,7 +300,7 @@ class Engine:
     def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH,
                  max_queue: int = DEFAULT_MAX_QUEUE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_budget=None,
-                 prefix_pool=None):
+                 prefix_pool=None, serial_rows: int = DEFAULT_SERIAL_ROWS):
         model.check_alive()
         self.model = model
         self.max_batch = as_int(max_batch, "max_batch")
@@ -308,6 +312,9 @@ class Engine:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        self.serial_rows = as_int(serial_rows, "serial_rows")
+        if self.serial_rows < 0:
+            raise ConfigError(f"serial_rows must be >= 0, got {self.serial_rows}")
         if isinstance(kv_budget, str):
             kv_budget = parse_size(kv_budget, name="kv_budget")
         elif kv_budget is not None:
@@ -572,12 +579,16 @@ class Engine:
         return max(done, 1)        # a full PrefixPool hit still took one step
 
     def _decode_one(self, r: EngineRequest, sampling: tuple):
-        """A lone request's step through the captured decode step (``graphs.decode_step``):
-        [next id], or None where the backend does not capture it. Under the model's lock."""
+        """One request's step through the captured decode step (``graphs.decode_step``): the
+        next id, the TinyLoopError the step raised (the row ends with it, as a batch row
+        would), or None where the backend does not capture it. Under the model's lock."""
         t, k, p, u, min_p, penalty, recent = sampling
-        nxt = decode_step(self.model, r._cache, r._last, r._pos, t, k, p, u, min_p, penalty,
-                          recent, r.args.repeat_last_n if recent is not None else 0)
-        return None if nxt is None else [nxt]
+        try:
+            return decode_step(self.model, r._cache, r._last, r._pos, t, k, p, u, min_p,
+                               penalty, recent,
+                               r.args.repeat_last_n if recent is not None else 0)
+        except TinyLoopError as e:
+            return e
 
     def _decode(self, depth: int, group: list) -> None:
         """One decode step of ``group`` (one depth and kv_mode)."""
@@ -596,14 +607,27 @@ class Engine:
             if not rows:
                 return
             sampling = [r._sampling() for r in rows]     # draws each row's uniform once
-            try:
-                got = self._decode_one(rows[0], sampling[0]) if len(rows) == 1 else None
-                if got is None:
-                    got = model.decode_batch([r._cache for r in rows], [r._last for r in rows],
-                                             [r._pos for r in rows], depth, sampling=sampling)
-            except TinyLoopError as e:
-                for r in rows:
-                    r._fail(e)
+            got: list = [None] * len(rows)
+            if len(rows) <= self.serial_rows:
+                for i, r in enumerate(rows):
+                    got[i] = self._decode_one(r, sampling[i])
+            rest = [i for i, g in enumerate(got) if g is None]   # not captured: one batch
+            if rest:
+                try:
+                    batch = model.decode_batch([rows[i]._cache for i in rest],
+                                               [rows[i]._last for i in rest],
+                                               [rows[i]._pos for i in rest], depth,
+                                               sampling=[sampling[i] for i in rest])
+                except TinyLoopError as e:       # the batch's rows end; the replayed ones go on
+                    failed = set(rest)
+                    for i in rest:
+                        rows[i]._fail(e)
+                    rows = [r for i, r in enumerate(rows) if i not in failed]
+                    got = [g for i, g in enumerate(got) if i not in failed]
+                else:
+                    for i, nxt in zip(rest, batch):
+                        got[i] = nxt
+            if not rows:
                 return
             self.steps += 1
             for r, nxt in zip(rows, got):
