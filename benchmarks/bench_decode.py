@@ -235,7 +235,8 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbs()
     res["copy_bandwidth_GBps"] = bw
     tinyloop.reset_peak_memory_stats("cuda")
-    model = tinyloop.load_model(path, max_seq_len=max([2304] + [c + a.new_tokens + 80 for c in contexts]),
+    model = tinyloop.load_model(path, max_seq_len=max([2304] + [c + a.new_tokens + 80
+                                                                for c in contexts]),
                                 backend="cuda")
     try:
         for depth in DEPTHS:

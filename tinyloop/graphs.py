@@ -65,7 +65,7 @@ class _Entry:
 
     def __init__(self):
         self.graph = None
-        self.parts: dict = {}      # depth="auto": one graph per part (graphs.DecodeGraphs.step_auto)
+        self.parts: dict = {}      # depth="auto": one graph per part (DecodeGraphs.step_auto)
         self.warm_parts: set = set()
         self.table = self.table_block = self.table_host = None
         self.slots: list = []
