@@ -51,8 +51,14 @@ def test_notebook_runs(tmp_path, tiny_model_path, monkeypatch):
     assert "VERDICT:" in text and "TinyLoop memory on host" in text
     images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                  if "image/png" in o.get("data", {}))
-    assert images == 6                     # leak x2, fragment x2, KV bytes by mode, prefix pool
+    # leak x2, fragment x2, KV bytes by mode, prefix pool, adaptive depth
+    assert images == 7
     assert "KV bytes per token by storage mode" in text and "h_int4" in text
+    # the adaptive section: a calibrated threshold, depths below the maximum, both policies
+    line = next(ln for ln in text.splitlines() if ln.startswith("threshold "))
+    mean = float(line.split("mean depth ")[1].split(",")[0])
+    assert 1.0 <= mean < 4.0, line
+    assert "all    KV bytes/token" in text and "latest KV bytes/token" in text
     for name in ("leak.json", "fragment.json", "report.html", "leak_memory.png",
-                 "kv_bytes_by_mode.png", "kvmodes.json"):
+                 "kv_bytes_by_mode.png", "kvmodes.json", "adaptive_depth.png"):
         assert (out / name).stat().st_size > 0, name
