@@ -9,7 +9,8 @@
         [--exit-rule gate|kl|state] [--exit-threshold X]: adaptive depth up to --depth;
         [--kv-iterations all|latest]: the K/V kept per recurrent layer
     tinyloop serve [MODEL] [--host H] [--port P] [--backend B] [--max-seq-len N] [--max-batch B]
-        [--queue Q] [--kv-budget SIZE] [--prefix-cache SIZE] [--replicas N [--devices 0,1]]
+        [--queue Q] [--serial-rows N] [--kv-budget SIZE] [--prefix-cache SIZE]
+        [--replicas N [--devices 0,1]]
         [--ray [--ray-address ADDR]]
         an OpenAI-compatible HTTP server over a continuous-batching engine (tinyloop.serve);
         --replicas: N worker processes behind a prefix-affinity router; --ray: Ray Serve
@@ -45,6 +46,7 @@ from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, ModelConfig
 from .errors import ArtificialLoopWarning, ConfigError, TinyLoopError
 from .kv.layouts import KV_ITERATIONS
 from .memory.stats import fmt_bytes
+from .serve.engine import DEFAULT_SERIAL_ROWS
 
 DEFAULT_PROMPT = "What is a recurrent-depth transformer? Answer in two sentences."
 DEFAULT_MODEL = "default"       # MODEL argument naming the embedded default model
@@ -292,6 +294,8 @@ def cmd_serve(a) -> int:
                               f"{0 if name == 'port' else 1}, got {getattr(a, name)}")
     if a.queue < 0:
         raise ConfigError(f"--queue must be >= 0, got {a.queue}")
+    if a.serial_rows < 0:
+        raise ConfigError(f"--serial-rows must be >= 0, got {a.serial_rows}")
     if a.replicas is not None and a.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {a.replicas}")
     devices = _parse_devices(a.devices)
@@ -311,7 +315,8 @@ def cmd_serve(a) -> int:
         note(f"model: {path}; backend {model.backend}; serving on http://{a.host}:{a.port}/v1 "
              f"(max batch {a.max_batch}, queue {a.queue})")
         serve(model, a.host, a.port, max_batch=a.max_batch, max_queue=a.queue,
-              kv_budget=a.kv_budget, model_name=a.model_name, prefix_cache=a.prefix_cache)
+              kv_budget=a.kv_budget, model_name=a.model_name, prefix_cache=a.prefix_cache,
+              serial_rows=a.serial_rows)
     finally:
         free_model(model)
     return 0
@@ -336,7 +341,7 @@ def _serve_replicas(a, path: str, devices) -> int:
     spec = ReplicaSpec(model=path, backend=a.backend, max_seq_len=a.max_seq_len,
                        prefill_chunk=resolve_prefill_chunk(a), max_batch=a.max_batch,
                        max_queue=a.queue, kv_budget=a.kv_budget, prefix_cache=a.prefix_cache,
-                       model_name=a.model_name)
+                       model_name=a.model_name, serial_rows=a.serial_rows)
     n = a.replicas or 1
     if a.ray:
         if devices is not None:
@@ -632,6 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "the whole sequence")
     sv.add_argument("--max-batch", type=int, default=32, metavar="B",
                     help="requests decoded together in one step (default: %(default)s)")
+    sv.add_argument("--serial-rows", type=int, default=DEFAULT_SERIAL_ROWS, metavar="N",
+                    help="up to N decoding requests step one after another through the "
+                         "captured single-request step instead of one batched step (faster "
+                         "at small batches on CUDA; 0: always batch; default: %(default)s)")
     sv.add_argument("--queue", type=int, default=256, metavar="Q",
                     help="requests that may wait for a batch slot or KV memory; beyond them "
                          "a request gets HTTP 429 (default: %(default)s)")

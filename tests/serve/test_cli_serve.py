@@ -23,8 +23,9 @@ def test_serve_passes_its_options_and_frees_the_model(monkeypatch, tiny_model_pa
     rc = cli.main(["serve", tiny_model_path, "--host", "0.0.0.0", "--port", "9123",
                    "--backend", "numpy", "--max-seq-len", "64", "--max-batch", "3",
                    "--queue", "5", "--kv-budget", "1M", "--model-name", "t",
-                   "--prefix-cache", "2M"])
+                   "--prefix-cache", "2M", "--serial-rows", "4"])
     assert rc == 0
+    assert seen["serial_rows"] == 4
     assert (seen["host"], seen["port"], seen["backend"], seen["max_seq_len"]) == \
         ("0.0.0.0", 9123, "numpy", 64)
     assert (seen["max_batch"], seen["max_queue"], seen["kv_budget"], seen["model_name"],
@@ -34,6 +35,7 @@ def test_serve_passes_its_options_and_frees_the_model(monkeypatch, tiny_model_pa
 
 @pytest.mark.parametrize("argv, word", [(["--max-batch", "0"], "--max-batch"),
                                         (["--queue", "-1"], "--queue"),
+                                        (["--serial-rows", "-1"], "--serial-rows"),
                                         (["--max-seq-len", "0"], "max_seq_len")])
 def test_serve_refuses_bad_options_by_name(tiny_model_path, capsys, argv, word):
     assert cli.main(["serve", tiny_model_path, *argv]) == 1
@@ -77,9 +79,10 @@ def test_serve_replicas_passes_a_spec_and_loads_nothing_itself(monkeypatch, tiny
     rc = cli.main(["serve", tiny_model_path, "--replicas", "3", "--devices", "1,0",
                    "--backend", "numpy", "--max-seq-len", "64", "--max-batch", "3",
                    "--queue", "5", "--kv-budget", "1M", "--prefix-cache", "2M",
-                   "--model-name", "t", "--port", "9124"])
+                   "--model-name", "t", "--port", "9124", "--serial-rows", "0"])
     assert rc == 0
     s = seen["spec"]
+    assert s.serial_rows == 0
     assert (seen["n"], seen["port"], seen["devices"]) == (3, 9124, ["1", "0"])
     assert (s.model, s.backend, s.max_seq_len, s.max_batch, s.max_queue, s.kv_budget,
             s.prefix_cache, s.name) == (tiny_model_path, "numpy", 64, 3, 5, "1M", "2M", "t")
@@ -124,3 +127,12 @@ def test_serve_ray_passes_a_spec_to_ray_serve(monkeypatch, tiny_model_path, caps
     assert cli.main(["serve", tiny_model_path, "--ray", "--replicas", "2", "--devices",
                      "0", "--backend", "numpy"]) == 1
     assert "--devices does not apply to --ray" in capsys.readouterr().err
+
+
+def test_a_replica_spec_carries_serial_rows_to_its_worker():
+    from tinyloop.serve.replica import ReplicaSpec
+    spec = ReplicaSpec(model="m.tlm", serial_rows=3)
+    assert ReplicaSpec.from_json(spec.to_json()).serial_rows == 3
+    assert ReplicaSpec(model="m.tlm").serial_rows == tinyloop.serve.engine.DEFAULT_SERIAL_ROWS
+    with pytest.raises(tinyloop.errors.ConfigError, match="serial_rows"):
+        ReplicaSpec(model="m.tlm", serial_rows=-1)

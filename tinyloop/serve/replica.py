@@ -24,6 +24,7 @@ import threading
 
 from ..config import as_int
 from ..errors import ConfigError, TinyLoopError
+from .engine import DEFAULT_SERIAL_ROWS
 
 PARENT_POLL_S = 0.5          # how often a worker checks that its parent is alive
 
@@ -38,7 +39,8 @@ class ReplicaSpec:
     ``max_batch`` / ``max_queue`` (requests), ``kv_budget`` / ``prefix_cache`` (bytes or a
     size string, None: none), ``model_name`` (the id /v1/models lists; None: the file's name),
     ``engine_prefill_chunk`` (the engine's prompt positions per iteration, None: its
-    default). JSON round-trips it to a worker process or a Ray actor."""
+    default), ``serial_rows`` (the engine's: decoding rows stepped one by one through the
+    captured step). JSON round-trips it to a worker process or a Ray actor."""
 
     model: str
     backend: str = "auto"
@@ -50,6 +52,7 @@ class ReplicaSpec:
     prefix_cache: int | str | None = None
     model_name: str | None = None
     engine_prefill_chunk: int | None = None
+    serial_rows: int = DEFAULT_SERIAL_ROWS
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -57,8 +60,9 @@ class ReplicaSpec:
         for name in ("max_seq_len", "max_batch"):
             if as_int(getattr(self, name), name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if as_int(self.max_queue, "max_queue") < 0:
-            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        for name in ("max_queue", "serial_rows"):
+            if as_int(getattr(self, name), name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def name(self) -> str:
@@ -98,7 +102,8 @@ class Replica:
             self.engine = Engine(self.model, max_batch=spec.max_batch,
                                  max_queue=spec.max_queue, kv_budget=spec.kv_budget,
                                  prefix_pool=self.prefix_pool,
-                                 prefill_chunk=spec.engine_prefill_chunk or ENGINE_CHUNK)
+                                 prefill_chunk=spec.engine_prefill_chunk or ENGINE_CHUNK,
+                                 serial_rows=spec.serial_rows)
             self.engine.start()
             self.app = create_app(self.engine, spec.name)
         except BaseException:
