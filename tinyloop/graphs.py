@@ -385,10 +385,15 @@ def decode_graphs(model) -> DecodeGraphs:
     return model.extra("decode_graphs", DecodeGraphs)
 
 
-def _step_sampling(g, cache, temperature, top_k, top_p, u, min_p, repetition_penalty,
-                   recent_ids, repeat_last_n):
-    """(sampling tuple or None for greedy, {"window": ids} or {}) of a step through graphs
-    ``g``, or None when the step is not eligible (``DecodeGraphs.eligible``)."""
+def _through_graphs(model, cache, args: tuple, run):
+    """A step through the model's graphs: ``args`` = (temperature, top_k, top_p, u, min_p,
+    repetition_penalty, recent_ids, repeat_last_n); ``run(graphs, sampling, extra)`` runs
+    it (sampling: the tuple ``DecodeGraphs.step`` takes, or None for greedy; extra:
+    {"window": recent_ids} with the penalty on, else {}) and returns (id, fault code, ...).
+    None when the step is not eligible (``DecodeGraphs.eligible``); NonFiniteLogitsError for
+    a fault code."""
+    temperature, top_k, top_p, u, min_p, repetition_penalty, recent_ids, repeat_last_n = args
+    g = decode_graphs(model)
     pen = (repetition_penalty != 1.0 and repeat_last_n > 0 and recent_ids is not None
            and len(recent_ids) > 0)
     if not g.eligible(cache, temperature if not pen else 1.0):
@@ -397,7 +402,10 @@ def _step_sampling(g, cache, temperature, top_k, top_p, u, min_p, repetition_pen
     if temperature > 0.0 or pen:
         sampling = (temperature, top_k, top_p, u, min_p, repetition_penalty,
                     repeat_last_n if pen else 0)
-    return sampling, ({"window": recent_ids} if pen else {})
+    out = run(g, sampling, {"window": recent_ids} if pen else {})
+    if out[1]:
+        raise non_finite_logits(LOGIT_FAULTS[out[1]])
+    return out
 
 
 def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: int = 0,
@@ -413,16 +421,11 @@ def decode_step(model, cache, token: int, pos: int, temperature: float, top_k: i
     picks the same id (``numpy_ops.sample_from_logits``'s rule). Raises NonFiniteLogitsError
     (no step / position: the caller adds them) for a non-finite logit row, as ``head_sample``
     does, and ConfigError for sampling parameters out of range."""
-    g = decode_graphs(model)
-    got = _step_sampling(g, cache, temperature, top_k, top_p, u, min_p, repetition_penalty,
-                         recent_ids, repeat_last_n)
-    if got is None:
-        return None
-    sampling, extra = got
-    nxt, code = g.step(cache, int(token), int(pos), sampling, **extra)
-    if code:
-        raise non_finite_logits(LOGIT_FAULTS[code])
-    return nxt
+    out = _through_graphs(model, cache, (temperature, top_k, top_p, u, min_p,
+                                         repetition_penalty, recent_ids, repeat_last_n),
+                          lambda g, sampling, extra: g.step(cache, int(token), int(pos),
+                                                            sampling, **extra))
+    return None if out is None else out[0]
 
 
 def decode_step_auto(model, cache, token: int, pos: int, rule, temperature: float,
@@ -433,16 +436,11 @@ def decode_step_auto(model, cache, token: int, pos: int, rule, temperature: floa
     (next id, depth run) through :meth:`DecodeGraphs.step_auto`, or None where the step does
     not run as graphs (then ``Model.forward_auto`` + ``Model.head_sample`` run it, with the
     same result). Raises as :func:`decode_step` does."""
-    g = decode_graphs(model)
-    got = _step_sampling(g, cache, temperature, top_k, top_p, u, min_p, repetition_penalty,
-                         recent_ids, repeat_last_n)
-    if got is None:
-        return None
-    sampling, extra = got
-    nxt, code, depth = g.step_auto(cache, int(token), int(pos), rule, sampling, **extra)
-    if code:
-        raise non_finite_logits(LOGIT_FAULTS[code])
-    return nxt, depth
+    out = _through_graphs(model, cache, (temperature, top_k, top_p, u, min_p,
+                                         repetition_penalty, recent_ids, repeat_last_n),
+                          lambda g, sampling, extra: g.step_auto(cache, int(token), int(pos),
+                                                                 rule, sampling, **extra))
+    return None if out is None else (out[0], out[2])
 
 
 __all__ = ["DecodeGraphs", "MAX_GRAPHS", "decode_graphs", "decode_step", "decode_step_auto"]
