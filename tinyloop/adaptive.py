@@ -74,8 +74,14 @@ class ExitRule:
     def needs_logits(self) -> bool:
         return self.rule == "kl"
 
+    @property
+    def needs_start_state(self) -> bool:
+        """Whether :meth:`start` reads the state entering iteration 1 (the "state" rule)."""
+        return self.rule == "state"
+
     def start(self, x0, vocab: int) -> None:
-        """``x0``: float state [d] entering iteration 1 (the "state" rule's x_0)."""
+        """``x0``: float state [d] entering iteration 1 (the "state" rule's x_0; unread, and
+        may be None, for the others: ``needs_start_state``)."""
         self._cdf, self._left = 0.0, 1.0
         self.values.append([])
         if self.rule == "kl":

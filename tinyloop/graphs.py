@@ -58,18 +58,16 @@ MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyon
 
 
 class _Entry:
-    """One key's graph and its block table (tag ``graphs``)."""
+    """One key's graphs and its block table (tag ``graphs``)."""
 
-    __slots__ = ("graph", "table", "table_block", "table_host", "slots", "warm", "bound",
-                 "parts", "warm_parts")
+    __slots__ = ("graphs", "warm", "table", "table_block", "table_host", "slots", "bound")
 
     def __init__(self):
-        self.graph = None
-        self.parts: dict = {}      # depth="auto": one graph per part (DecodeGraphs.step_auto)
-        self.warm_parts: set = set()
+        # by part: "step" (the whole decode step), or depth="auto"'s parts (step_auto)
+        self.graphs: dict = {}
+        self.warm: set = set()     # the parts run eagerly once under this key
         self.table = self.table_block = self.table_host = None
         self.slots: list = []
-        self.warm = False          # one eager run done under this key
         self.bound = None          # weakref to the RuntimeKVCache whose tables are copied in
 
 
@@ -154,11 +152,9 @@ class DecodeGraphs:
         return ent
 
     def _free_entry(self, ent: _Entry) -> None:
-        graphs = [ent.graph, *ent.parts.values()]
-        ent.graph, ent.parts = None, {}
+        graphs = list(ent.graphs.values())
+        ent.graphs = {}
         for g in graphs:
-            if g is None:
-                continue
             # the executable graph's device memory goes with the last reference: measured,
             # as its instantiation was, so the "cuda graphs" line follows what is held
             with self._pool.measure_driver("cuda graphs"):
@@ -193,8 +189,7 @@ class DecodeGraphs:
         load; ``bytes``: pool bytes under tag ``graphs`` held for them (rounded blocks)."""
         nbytes = sum(e.table_block.nbytes for e in self._entries.values())
         nbytes += self._state_block.nbytes if self._state_block is not None else 0
-        return {"graphs": sum((e.graph is not None) + len(e.parts)
-                              for e in self._entries.values()),
+        return {"graphs": sum(len(e.graphs) for e in self._entries.values()),
                 "keys": list(self._entries), "captures": self.captures,
                 "replays": self.replays, "bytes": nbytes}
 
@@ -202,7 +197,7 @@ class DecodeGraphs:
         """The graph captured for ``cache``'s key (``key(cache, sampled, penalized)``), or None
         before the key's second step: what a benchmark replays to time the step alone."""
         ent = self._entries.get(self.key(cache, sampled, penalized))
-        return None if ent is None else ent.graph
+        return None if ent is None else ent.graphs.get("step")
 
     def forget_device_state(self) -> None:
         """Mark the device step state unknown (a caller launched a captured graph outside
@@ -235,18 +230,8 @@ class DecodeGraphs:
         ops raise."""
         ent, sampled, last_n = self._prepare(cache, token, pos, sampling, window)
         ops, m = self._ops, self._model
-        if ent.graph is None and not ent.warm:
-            m.decode_step_ops(self.step_state, self.row, cache.depth, ent.slots, self._host_out,
-                              sampled)
-            ent.warm = True
-        elif ent.graph is None:
-            ent.graph = self._capture(ent, cache.depth, sampled)
-            with self._pool.measure_driver("cuda graphs"):   # the first launch uploads it
-                ops.graph_launch(ent.graph)
-            self.replays += 1
-        else:
-            ops.graph_launch(ent.graph)
-            self.replays += 1
+        self._run(ent, "step", lambda: m.decode_step_ops(
+            self.step_state, self.row, cache.depth, ent.slots, self._host_out, sampled))
         ops.graph_sync()
         nxt, code = int(self._host_out[0]), int(self._host_out[1])
         self._expect = (weakref.ref(cache), nxt, pos + 1, last_n)
@@ -308,26 +293,14 @@ class DecodeGraphs:
         x, st, slots = self.row, self.step_state, ent.slots
 
         def part(name):
-            issue = (lambda: m.auto_step_ops(name, st, x, top, slots, self._host_out,
-                                             sampled, self._keep))
-            g = ent.parts.get(name)
-            if g is None and name not in ent.warm_parts:
-                issue()
-                ent.warm_parts.add(name)
-                return
-            if g is None:
-                g = ent.parts[name] = self._capture_issue(issue)
-                with self._pool.measure_driver("cuda graphs"):   # the first launch uploads it
-                    ops.graph_launch(g)
-            else:
-                ops.graph_launch(g)
-            self.replays += 1
+            self._run(ent, name, lambda: m.auto_step_ops(name, st, x, top, slots,
+                                                         self._host_out, sampled, self._keep))
 
         cfg = m.config
         part("pre")
         depth = top
         if cfg.n_recurrent:
-            rule.start(ops.to_host(x) if rule.rule == "state" else None, cfg.vocab_size)
+            rule.start(ops.to_host(x) if rule.needs_start_state else None, cfg.vocab_size)
             for it in range(top):
                 part(it)
                 if it + 1 == top:
@@ -346,7 +319,23 @@ class DecodeGraphs:
         self._expect = (weakref.ref(cache), nxt, pos + 1, last_n)
         return nxt, code, depth
 
-    def _capture_issue(self, issue):
+    def _run(self, ent: _Entry, name, issue) -> None:
+        """Part ``name`` of ``ent``'s step, whose launches ``issue()`` makes: eagerly on its
+        first use under the key, captured (and launched) on its second, replayed after."""
+        g = ent.graphs.get(name)
+        if g is None and name not in ent.warm:
+            issue()
+            ent.warm.add(name)
+            return
+        if g is None:
+            g = ent.graphs[name] = self._capture(issue)
+            with self._pool.measure_driver("cuda graphs"):   # the first launch uploads it
+                self._ops.graph_launch(g)
+        else:
+            self._ops.graph_launch(g)
+        self.replays += 1
+
+    def _capture(self, issue):
         """Capture what ``issue()`` launches as one graph (the pool must not allocate
         meanwhile: GraphCaptureError otherwise, the graph dropped)."""
         ops, pool, m = self._ops, self._pool, self._model
@@ -372,11 +361,6 @@ class DecodeGraphs:
                 "of the step must exist before the capture begins")
         self.captures += 1
         return graph
-
-    def _capture(self, ent: _Entry, depth: int, sampled: bool = False):
-        m = self._model
-        return self._capture_issue(lambda: m.decode_step_ops(
-            self.step_state, self.row, depth, ent.slots, self._host_out, sampled))
 
 
 def decode_graphs(model) -> DecodeGraphs:

@@ -819,7 +819,7 @@ class Model:
                     ops.zero(x)
                 elif cfg.state_init == "normal":
                     ops.init_state(x, pos0, cfg.state_std, cfg.state_seed)
-                rule.start(ops.to_host(x), cfg.vocab_size)
+                rule.start(ops.to_host(x) if rule.needs_start_state else None, cfg.vocab_size)
                 if rule.needs_logits:
                     keep, keep_blk = ops.empty(self._pool, (1, cfg.d_model), np.float32,
                                                "scratch")
