@@ -33,6 +33,17 @@ recurrent iteration, the "kl" rule's probe, the coda and head) are captured one 
 under the step's key plus ("auto", rule), and the host reads the state back between
 iterations.
 
+**A decode batch** (``run_batch``, ``Model.decode_batch``): the B rows' step is captured per
+batch key - (B, depth, the KV modes, page size, iteration policy, launch constants, and the
+attention's split counts, ``Ops.batch_attention_key``, a function of the longest context's
+power-of-two bucket) - in fp16 / int8 pages (the store-h modes loop over rows on the host).
+Its inputs are fixed buffers the host fills before each replay: the token ids (the model's
+scratch), the step's index of positions and block-table addresses (``kv.cache.batch_index``,
+the BufferPool's ``batch_index``); it ends in the logits ``[B, vocab]`` of one block held
+here (tag ``graphs``, ``batch_buffers``) and ``Ops.argmax_rows`` into mapped host memory, so
+one replay and one synchronisation give every row's greedy id (sampled rows are sampled from
+the logits after it). At most ``MAX_BATCH_GRAPHS`` batch keys are kept (LRU).
+
 **Rules**: the first step under a new key runs the same launches eagerly (kernels load, every
 argument is validated with an ordinary error); the next step captures. The pool must make no
 allocation between capture begin and end (checked from its counters: a capture that allocated
@@ -55,6 +66,7 @@ from .kv.cache import SlotKV
 from .memory import packed_scope
 
 MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyond this)
+MAX_BATCH_GRAPHS = 64  # decode-batch graphs kept per model (keys: batch size x ...; LRU)
 
 
 class _Entry:
@@ -85,6 +97,10 @@ class DecodeGraphs:
         self.row = None                 # f32 [1, d_model]: the decode residual row
         self._host_out = None
         self._keep = None               # f32 [1, d_model]: the "kl" rule's copy of the state
+        self._batch: collections.OrderedDict = collections.OrderedDict()   # batch keys
+        self._batch_block = None        # the decode batch's logits (tag graphs)
+        self.batch_logits = None        # f32 [rows, vocab] device array
+        self.batch_ids = None           # int32 [rows, 2] host (Ops.batch_host_ids)
         self._expect = None             # (owner ref, id, pos, window) the device state holds
         self.captures = 0               # graphs captured since load
         self.replays = 0
@@ -173,6 +189,7 @@ class DecodeGraphs:
         entries, self._entries = list(self._entries.values()), collections.OrderedDict()
         for ent in entries:
             self._free_entry(ent)
+        self._drop_batch()
         self.step_state = self.row = self._keep = None
         self._expect = None
         blk, self._state_block = self._state_block, None
@@ -188,9 +205,11 @@ class DecodeGraphs:
         """``graphs``: graphs held; ``keys``: their keys; ``captures`` / ``replays`` since
         load; ``bytes``: pool bytes under tag ``graphs`` held for them (rounded blocks)."""
         nbytes = sum(e.table_block.nbytes for e in self._entries.values())
-        nbytes += self._state_block.nbytes if self._state_block is not None else 0
-        return {"graphs": sum(len(e.graphs) for e in self._entries.values()),
-                "keys": list(self._entries), "captures": self.captures,
+        for blk in (self._state_block, self._batch_block):
+            nbytes += blk.nbytes if blk is not None else 0
+        return {"graphs": sum(len(e.graphs) for e in self._entries.values())
+                + sum(len(e.graphs) for e in self._batch.values()),
+                "keys": list(self._entries) + list(self._batch), "captures": self.captures,
                 "replays": self.replays, "bytes": nbytes}
 
     def captured(self, cache, sampled: bool = False, penalized: bool = False):
@@ -318,6 +337,65 @@ class DecodeGraphs:
         nxt, code = int(self._host_out[0]), int(self._host_out[1])
         self._expect = (weakref.ref(cache), nxt, pos + 1, last_n)
         return nxt, code, depth
+
+    # --- the decode batch -------------------------------------------------------------------
+    def batch_eligible(self, cache) -> bool:
+        """Whether a decode batch of requests laid out as ``cache`` (one depth and kv_mode)
+        runs as a graph: graphs on, and every slot in a KV mode the backend captures that
+        does not store h (those loop over the rows on the host)."""
+        modes = self._ops.graph_kv_modes
+        return (bool(modes) and set(cache.modes) <= set(modes)
+                and not any(lay.stores_h for lay in cache.layouts) and cuda_graphs_enabled())
+
+    def batch_key(self, cache, rows: int, ctx: int) -> tuple:
+        """The graph key of a decode batch of ``rows`` requests laid out as ``cache`` whose
+        longest context is ``ctx`` keys (see the module doc)."""
+        cfg = self._model.config
+        windows = sorted({cfg.window(li) for li in range(cfg.n_layers)})
+        return ("batch", int(rows), cache.depth, tuple(lay.mode for lay in cache.layouts),
+                cache.page_size, cache.kv_iterations, self._ops.graph_constants(),
+                self._ops.batch_attention_key(ctx, rows, cfg.n_heads, windows))
+
+    def batch_buffers(self, rows: int) -> tuple:
+        """(logits f32 [rows, vocab] on the device, ids int32 [rows, 2] on the host) of a
+        captured decode batch: one pool block (tag ``graphs``) and ``Ops.batch_host_ids``,
+        kept for later batches. Growing them drops every batch graph (they address the old
+        ones)."""
+        rows = int(rows)
+        if self.batch_logits is None or self.batch_logits.shape[0] < rows:
+            vocab = self._model.config.vocab_size
+            self._drop_batch()
+            with packed_scope():
+                self.batch_logits, self._batch_block = self._ops.empty(
+                    self._pool, (rows, vocab), np.float32, "graphs")
+            self.batch_ids = self._ops.batch_host_ids(rows)
+        return self.batch_logits[:rows], self.batch_ids[:rows]
+
+    def run_batch(self, key, issue) -> None:
+        """The decode batch of ``key`` (``batch_key``), whose launches ``issue()`` makes:
+        eagerly on the key's first use, captured on its second, replayed after (``_run``).
+        The caller fills the inputs first and synchronises (``Ops.graph_sync``) before reading
+        ``batch_ids``."""
+        ent = self._batch.get(key)
+        if ent is None:
+            while len(self._batch) >= MAX_BATCH_GRAPHS:
+                self._free_entry(self._batch.popitem(last=False)[1])
+            ent = self._batch[key] = _Entry()
+        else:
+            self._batch.move_to_end(key)
+        self._run(ent, "batch", issue)
+
+    def _drop_batch(self) -> None:
+        """Free every batch graph and the batch logits block (the stream idle first)."""
+        if self._batch or self._batch_block is not None:
+            self._ops.synchronize()
+        batch, self._batch = list(self._batch.values()), collections.OrderedDict()
+        for ent in batch:
+            self._free_entry(ent)
+        self.batch_logits = self.batch_ids = None
+        blk, self._batch_block = self._batch_block, None
+        if blk is not None:
+            self._pool.free(blk)
 
     def _run(self, ent: _Entry, name, issue) -> None:
         """Part ``name`` of ``ent``'s step, whose launches ``issue()`` makes: eagerly on its

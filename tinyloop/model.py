@@ -21,7 +21,9 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
+from .backends.base import LOGIT_FAULTS, non_finite_logits
 from .config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, check_load_args,
+                     cuda_graphs_enabled,
                      kv_mode_from_env)
 from .errors import (ArtificialLoopWarning, ConfigError, FormatError, ModelFreedError,
                      NonFiniteLogitsError, TinyLoopError, TokenizerError)
@@ -54,6 +56,15 @@ class Layer:
     qkv_bias: object = None     # f32 [qkv_dim] (config.qkv_bias)
     attn_post_norm: object = None   # f32 [d]: the second norm of each branch (layer_norms
     ffn_post_norm: object = None    # "pre_post" / "sandwich")
+
+
+def _greedy(sampling) -> bool:
+    """Whether a decode batch row's ``sampling`` tuple (``Ops.sample``'s arguments after the
+    logits: temperature, top_k, top_p, u[, min_p, repetition_penalty, recent_ids]) picks the
+    argmax: temperature <= 0 and no repetition penalty over a non-empty window."""
+    pen = sampling[5] if len(sampling) > 5 else 1.0
+    recent = sampling[6] if len(sampling) > 6 else None
+    return sampling[0] <= 0.0 and not (pen != 1.0 and recent is not None and len(recent) > 0)
 
 
 class BatchRows:
@@ -1102,18 +1113,22 @@ class Model:
             self._buf.main[pos:pos + 1], self._output_norm, cfg.norm_eps, self._head, out,
             self._views(1)["norm"], temperature, top_k, top_p, u, **filters))
 
-    def reserve_decode_batch(self, rows: int) -> None:
+    def reserve_decode_batch(self, rows: int, graphs=None) -> None:
         """Take now the backend scratch a :meth:`decode_batch` of up to ``rows`` rows needs
-        (``Ops.reserve_decode_batch``: the batched split-K attention's partials on CUDA), so
-        later steps allocate nothing. Raises ModelFreedError after free."""
+        (``Ops.reserve_decode_batch``: the batched split-K attention's partials on CUDA) and,
+        with ``graphs`` (this model's ``graphs.DecodeGraphs``) where batches run as graphs,
+        the captured batch's logits and ids (``DecodeGraphs.batch_buffers``, tag
+        ``graphs``), so later steps allocate nothing. Raises ModelFreedError after free."""
         cfg = self.config
         with self.lock:
             self.check_alive()
-            self._ops.reserve_decode_batch(min(int(rows), self._buf.capacity_rows),
-                                           cfg.n_heads, cfg.head_dim)
+            rows = min(int(rows), self._buf.capacity_rows)
+            self._ops.reserve_decode_batch(rows, cfg.n_heads, cfg.head_dim)
+            if graphs is not None and self._ops.graph_kv_modes and cuda_graphs_enabled():
+                graphs.batch_buffers(rows)
 
     def decode_batch(self, caches, tokens, positions, depth: int | None = None,
-                     sampling=None):
+                     sampling=None, graphs=None):
         """One decode step of B requests together: row i embeds ``tokens[i]`` at position
         ``positions[i]`` of request ``caches[i]`` (its own RuntimeKVCache: block tables,
         pages, position), runs the looped stack and the head.
@@ -1139,7 +1154,10 @@ class Model:
         logits, float32 ``[B, vocab]`` (host); else B tuples ``(temperature, top_k, top_p,
         u)`` -> returns a list of B next-token ids (``numpy_ops.sample_from_logits``'s rule,
         ``Ops.sample``), where a row whose logits are not finite holds its
-        NonFiniteLogitsError instead, so one bad request does not end the others. Raises
+        NonFiniteLogitsError instead, so one bad request does not end the others.
+        ``graphs``: this model's ``graphs.DecodeGraphs``, to run each sub-batch as its
+        captured batch step where ``DecodeGraphs.batch_eligible`` (the same launches, so the
+        same results; greedy rows then take the step's device argmax). Raises
         ConfigError for mismatched lengths, mixed depths or kv modes, a cache given twice or
         a position outside its cache, TokenizerError for an id outside the vocabulary,
         ModelFreedError after free, HandleError for a released cache, OutOfMemoryError when a
@@ -1172,8 +1190,13 @@ class Model:
                                       f"cache's 0..{c.capacity - 1}")
             for c, p in zip(caches, pos):
                 c.ensure(p + 1)
-            vocab = self.config.vocab_size
+            self._check_loop_depth(depth)
+            if graphs is not None and not graphs.batch_eligible(caches[0]):
+                graphs = None
             rows = min(b, self._buf.capacity_rows)
+            if graphs is not None:
+                return self._decode_batch_graphs(graphs, caches, ids, pos, depth, sampling, rows)
+            vocab = self.config.vocab_size
             block, blk = self._ops.empty(self._pool, (rows, vocab), np.float32, "logits")
             try:
                 out = None if sampling is not None else np.empty((b, vocab), np.float32)
@@ -1181,38 +1204,83 @@ class Model:
                 for b0 in range(0, b, rows):
                     n = min(rows, b - b0)
                     logits = block[:n]
-                    self._decode_rows(ids[b0:b0 + n], pos[b0:b0 + n], depth,
-                                      caches[b0:b0 + n], logits)
+                    batch = self._batch_inputs(ids[b0:b0 + n], pos[b0:b0 + n], depth,
+                                               caches[b0:b0 + n])
+                    self._decode_rows_ops(batch, depth, logits)
                     if sampling is None:
                         out[b0:b0 + n] = self._ops.to_host(logits)
                         continue
                     for i in range(n):
-                        try:
-                            picked.append(int(self._ops.sample(logits[i], *sampling[b0 + i])))
-                        except NonFiniteLogitsError as e:
-                            picked.append(e)
+                        picked.append(self._sample_row(logits[i], sampling[b0 + i]))
             finally:
                 self._pool.free(blk)
             return out if sampling is None else picked
 
-    def _decode_rows(self, ids, positions, depth: int, caches, logits) -> None:
-        """The rows of one decode sub-batch (at most the scratch rows): embed, stack, head
-        into ``logits`` f32 [n, vocab]."""
-        cfg, ops = self.config, self._ops
+    def _decode_batch_graphs(self, graphs, caches, ids, pos, depth: int, sampling, rows: int):
+        """``decode_batch`` through the captured batch step (``graphs.DecodeGraphs
+        .run_batch``): per sub-batch of at most ``rows`` rows, the inputs are uploaded, the
+        step (stack, head into the held logits, the rows' argmax into mapped host memory)
+        replays, and after one synchronisation greedy rows take their argmax; sampled rows
+        are sampled from their logits row (``Ops.sample``)."""
+        b, ops = len(caches), self._ops
+        logits_all, host_ids = graphs.batch_buffers(rows)
+        out = None if sampling is not None else np.empty((b, self.config.vocab_size), np.float32)
+        picked = []
+        for b0 in range(0, b, rows):
+            n = min(rows, b - b0)
+            logits, hid = logits_all[:n], host_ids[:n]
+            sub, spos = caches[b0:b0 + n], pos[b0:b0 + n]
+            batch = self._batch_inputs(ids[b0:b0 + n], spos, depth, sub)
+            key = graphs.batch_key(sub[0], n, max(spos) + 1)
+            graphs.run_batch(key, lambda: self._decode_rows_ops(batch, depth, logits, hid))
+            ops.graph_sync()
+            if sampling is None:
+                out[b0:b0 + n] = ops.to_host(logits)
+                continue
+            for i in range(n):
+                if _greedy(sampling[b0 + i]):
+                    code = int(hid[i, 1])
+                    picked.append(int(hid[i, 0]) if not code
+                                  else non_finite_logits(LOGIT_FAULTS[code]))
+                else:
+                    picked.append(self._sample_row(logits[i], sampling[b0 + i]))
+        return out if sampling is None else picked
+
+    def _sample_row(self, logits, sampling):
+        """``Ops.sample`` of one batch row's logits under its ``sampling`` tuple: the id, or
+        the row's NonFiniteLogitsError (so one bad request does not end the others)."""
+        try:
+            return int(self._ops.sample(logits, *sampling))
+        except NonFiniteLogitsError as e:
+            return e
+
+    def _batch_inputs(self, ids, positions, depth: int, caches) -> BatchRows:
+        """Upload one decode sub-batch's token ids (the scratch ``ids``) and its index
+        (``_batch_index``); returns its BatchRows. Runs the rows' hooks (positions written)."""
         n = len(ids)
-        v = self._views(n)
-        x = self._buf.main[:n]
-        ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), v["ids"])
-        ops.embed(self._embed, v["ids"], x)
-        if cfg.embed_scale != 1.0:
-            ops.scale(x, cfg.embed_scale)
-        self._check_loop_depth(depth)
+        self._ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), self._views(n)["ids"])
         batch = BatchRows(caches, positions, self._batch_index(caches, positions, depth))
-        self._stack(x, v, depth, batch.kv_of, batch, None)
-        ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head, logits, v["norm"])
         for hook in self._rows_hooks:
             for p in positions:
                 hook(p, 1)
+        return batch
+
+    def _decode_rows_ops(self, batch: BatchRows, depth: int, logits, host_ids=None) -> None:
+        """The launches of one decode sub-batch (inputs uploaded by ``_batch_inputs``;
+        nothing read on the host, nothing allocated, so ``graphs`` captures them): embed,
+        stack, head into ``logits`` f32 [n, vocab], and with ``host_ids`` every row's argmax
+        there (``Ops.argmax_rows``)."""
+        cfg, ops = self.config, self._ops
+        n = len(batch.positions)
+        v = self._views(n)
+        x = self._buf.main[:n]
+        ops.embed(self._embed, v["ids"], x)
+        if cfg.embed_scale != 1.0:
+            ops.scale(x, cfg.embed_scale)
+        self._stack(x, v, depth, batch.kv_of, batch, None)
+        ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head, logits, v["norm"])
+        if host_ids is not None:
+            ops.argmax_rows(logits, host_ids)
 
     def _batch_index(self, caches, positions, depth: int):
         """The device copy of ``kv.cache.batch_index`` for one decode sub-batch: int64

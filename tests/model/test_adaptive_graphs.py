@@ -34,7 +34,7 @@ def tlms(tmp_path_factory):
 
 def _fake(path):
     m = tinyloop.load_model(path, max_seq_len=64, backend="numpy")
-    m._ops = RecordingOps()
+    RecordingOps().attach(m)
     return m
 
 

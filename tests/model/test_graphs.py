@@ -23,6 +23,7 @@ from tinyloop.backends.base import STEP_ID, STEP_POS
 from tinyloop.backends.numpy_ops import NumpyOps
 from tinyloop.config import KV_MODES
 from tinyloop.errors import ConfigError, GraphCaptureError, NonFiniteLogitsError
+from tinyloop.kv.cache import BatchSlot
 
 from ..conftest import TINY
 
@@ -50,6 +51,43 @@ class RecordingOps(NumpyOps):
         self.launched = 0
         self.aborted = 0
         self.graphs: list = []
+        self._slots_at: dict = {}      # block-table address -> SlotKV (attach)
+
+    def attach(self, model):
+        """Make this the ``model``'s ops, and register every KV cache the model makes from
+        now on by its block tables' addresses, so a replayed decode batch finds each row's
+        slot through the step's index as the CUDA kernels do (``_live``). Returns the model."""
+        model._ops = self
+        make = model.new_kv_cache
+
+        def new_kv_cache(*a, **k):
+            c = make(*a, **k)
+            for s, addr in enumerate(c.table_addresses()):
+                self._slots_at[int(addr)] = c.kv_of(s)
+            return c
+        model.new_kv_cache = new_kv_cache
+        return model
+
+    def _live(self, rows):
+        """A decode batch's rows as the step's index holds them when the op runs: a CUDA batch
+        kernel reads every row's position and block table from the index, so a replay serves
+        the rows uploaded before it, not those of the capture."""
+        if rows.positions_dev is None:
+            return rows
+        slots = [self._slots_at[int(a)] for a in rows.tables_dev]
+        return BatchSlot(slots, [int(p) for p in rows.positions_dev], rows.positions_dev,
+                         rows.tables_dev)
+
+    def kv_write_batch(self, qkv, h, rows, *a, **k):
+        return NumpyOps.kv_write_batch(self, qkv, h, self._live(rows), *a, **k)
+
+    def kv_attention_batch(self, qkv, rows, *a, **k):
+        return NumpyOps.kv_attention_batch(self, qkv, self._live(rows), *a, **k)
+
+    def init_state_rows(self, out, positions, std, seed, positions_dev=None):
+        if positions_dev is not None:
+            positions = [int(p) for p in positions_dev]
+        return NumpyOps.init_state_rows(self, out, positions, std, seed, positions_dev)
 
     def __getattribute__(self, name):
         rec = object.__getattribute__(self, "_rec")
@@ -95,7 +133,7 @@ class RecordingOps(NumpyOps):
 
 def _fake_model(path, max_seq_len=700, kv_mode="fp16"):
     m = tinyloop.load_model(path, max_seq_len=max_seq_len, backend="numpy", kv_mode=kv_mode)
-    m._ops = RecordingOps()
+    RecordingOps().attach(m)
     return m
 
 

@@ -493,7 +493,7 @@ def test_a_captured_decode_step_runs_every_fact_like_the_eager_forward(folders, 
     from .test_graphs import RecordingOps
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
     m = tinyloop.load_model(folders[arch][3], backend="numpy", max_seq_len=64)
-    m._ops = RecordingOps()
+    RecordingOps().attach(m)
     try:
         depth = m.config.max_depth
         prompt = _ids(12, m.config.vocab_size, seed=3).tolist()

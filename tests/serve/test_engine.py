@@ -275,7 +275,7 @@ def test_a_lone_request_runs_the_captured_step(tiny_model_path, monkeypatch):
     from ..model.test_graphs import RecordingOps
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
     m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
-    m._ops = RecordingOps()
+    RecordingOps().attach(m)
     try:
         prompt = _prompts(1, seed=7)[0][:30]
         kw = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 3, "repetition_penalty": 1.2}]
@@ -303,7 +303,7 @@ def test_few_rows_replay_one_by_one_and_more_share_a_batch(tiny_model_path, monk
     from ..model.test_graphs import RecordingOps
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
     m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
-    m._ops = RecordingOps()
+    RecordingOps().attach(m)
     try:
         prompts = [p[:24] for p in _prompts(4, seed=11)]
         kws = [{}, {"temperature": 0.7, "seed": 2}, {}, {"temperature": 0.9, "top_k": 9,

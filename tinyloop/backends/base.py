@@ -470,6 +470,32 @@ class Ops:
         """A host int32 [2] the step result lands in (``step_advance``'s ``host_out``)."""
         return np.zeros(2, np.int32)
 
+    def argmax_rows(self, logits, out) -> None:
+        """Greedy pick of every row of ``logits`` f32 [B, vocab]: ``out[i]`` = (numpy.argmax's
+        id of row i, its fault code: 0 or a LOGIT_FAULTS key, the id then meaningless).
+        ``out``: int32 [>= B, 2] from ``batch_host_ids`` (the host reads it after a
+        synchronisation). Raises nothing for a non-finite row. One launch on CUDA, so a
+        captured decode batch ends in it (``graphs.DecodeGraphs.run_batch``)."""
+        for i in range(logits.shape[0]):
+            try:
+                out[i] = (int(self.sample(logits[i], 0.0, 0, 1.0, 0.0)), 0)
+            except NonFiniteLogitsError as e:
+                out[i] = (0, _FAULT_CODES[e.kind])
+
+    def batch_host_ids(self, rows: int):
+        """A host int32 [rows, 2] that ``argmax_rows`` writes (CUDA: mapped pinned memory the
+        kernel writes directly); the same buffer while ``rows`` does not grow."""
+        buf = getattr(self, "_batch_ids", None)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._batch_ids = np.zeros((int(rows), 2), np.int32)
+        return buf[:rows]
+
+    def batch_attention_key(self, ctx: int, rows: int, n_heads: int, windows) -> tuple:
+        """The host-chosen launch constants of a decode batch's attention over a context of
+        at most ``ctx`` keys, ``rows`` rows, for each sliding ``window`` in ``windows`` (0 =
+        full attention): part of a captured batch's key. None here."""
+        return ()
+
     # --- graph capture (a backend with ``graph_kv_modes`` implements these) ------------------
     def graph_begin(self) -> None:
         """Start capturing the ops issued from now on (nothing runs until a launch)."""

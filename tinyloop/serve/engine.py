@@ -52,7 +52,7 @@ from ..config import as_int
 from ..errors import ConfigError, EngineStoppedError, QueueFullError, TinyLoopError
 from ..generate import (GenerationResult, StreamText, check_request, insert_prompt, located,
                         restore_prefix)
-from ..graphs import decode_step
+from ..graphs import decode_graphs, decode_step
 from ..memory import round_size
 
 DEFAULT_MAX_BATCH = 32       # rows of one decode step
@@ -349,7 +349,8 @@ class Engine:
         with self.model.lock:
             self.model.check_alive()
             self.model.logit_row()
-            self.model.reserve_decode_batch(self.max_batch)   # no scratch grows mid-run
+            # no scratch grows mid-run
+            self.model.reserve_decode_batch(self.max_batch, decode_graphs(self.model))
             pool = self.model.pool
             self.baseline_allocated = allocated_outside_graphs(pool)
             if self._budget_arg is None and pool.limit_bytes is not None:
@@ -617,7 +618,8 @@ class Engine:
                     batch = model.decode_batch([rows[i]._cache for i in rest],
                                                [rows[i]._last for i in rest],
                                                [rows[i]._pos for i in rest], depth,
-                                               sampling=[sampling[i] for i in rest])
+                                               sampling=[sampling[i] for i in rest],
+                                               graphs=decode_graphs(model))
                 except TinyLoopError as e:       # the batch's rows end; the replayed ones go on
                     failed = set(rest)
                     for i in rest:

@@ -245,13 +245,26 @@ class AttentionOps:
             self._fn("attention", _DECODE_BATCH_NAMES[mode, hd])(
                 (int(n_heads), b), (_DC_THREADS,), args + (out.data.ptr,))
             return
-        keys = self._decode_keys(int(rows.max_pos) + 1, window)
-        ns = max(1, int(decode_splits(keys, int(n_heads) * b, self.sms)))
+        ns = self._batch_splits(int(rows.max_pos) + 1, b, n_heads, window)
         if not 1 <= ns <= DS_MAX_SPLITS:
             raise ConfigError(f"decode attention splits={ns}: expected 1..{DS_MAX_SPLITS}")
         part, tickets = self._batch_split_scratch(b * int(n_heads), ns, hd)
         self._fn("attention_decode", _SPLIT_BATCH_NAMES[mode, hd])(
             (int(n_heads), ns, b), (_DS_THREADS,), args + (part, tickets, out.data.ptr))
+
+    def _batch_splits(self, ctx: int, b: int, n_heads: int, window: int) -> int:
+        """The split count of the batched split-K attention (at least 1: the batch rows give
+        the grid its width) for a longest context of ``ctx`` keys."""
+        keys = self._decode_keys(ctx, window)
+        return max(1, int(decode_splits(keys, int(n_heads) * int(b), self.sms)))
+
+    def batch_attention_key(self, ctx: int, rows: int, n_heads: int, windows) -> tuple:
+        """``Ops.batch_attention_key``: the split count ``kv_attention_batch`` launches for
+        each window (a function of the context's power-of-two bucket, ``decode_splits``), or
+        () for the one-block-per-head kernel, which has none."""
+        if self.kernels.attn_decode == "v1":
+            return ()
+        return tuple(self._batch_splits(ctx, rows, n_heads, w) for w in windows)
 
     def reserve_decode_batch(self, rows: int, n_heads: int, head_dim: int) -> None:
         """``Ops.reserve_decode_batch``: grow the batched split-K scratch to the most any batch

@@ -43,7 +43,9 @@ class KernelChoice:
     use it). ``sampler``: the temperature sampler of sample.cu: ``fast`` (a grid over the
     row, then one block on the candidates; it runs the reference itself where the candidates
     cannot settle the pick) or ``reference`` (one block over the whole row, ``sample_step``);
-    both pick the same id.
+    both pick the same id. ``gemv_rows``: products of 2 to ``gemv.ROWS_MAX_T`` input rows
+    whose GEMM grid would not fill the GPU (a decode batch) run ``gemv_rows_*`` (the GEMV per
+    output row over every input row; False: the tiled GEMM, its reference).
     """
 
     gemv: str = "auto"
@@ -54,6 +56,7 @@ class KernelChoice:
     fused_qkv_rope: bool = True
     pdl: bool = True
     sampler: str = "fast"
+    gemv_rows: bool = True
 
     def __post_init__(self):
         for name, allowed in (("gemv", GEMV_VERSIONS), ("attn_decode", ATTN_DECODE_VERSIONS),
@@ -67,7 +70,7 @@ class KernelChoice:
                                   or v not in allowed):
                 raise ConfigError(f"KernelChoice.{name}={v!r}: expected None or one of "
                                   f"{allowed}")
-        for name in ("fused_qkv_rope", "pdl"):
+        for name in ("fused_qkv_rope", "pdl", "gemv_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelChoice.{name}={getattr(self, name)!r}: expected "
                                   "True or False")

@@ -24,6 +24,9 @@ from .compile import GEOMETRY, cupy
 from .gemm import launch_gemm
 
 _GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
+_ROWS_R = GEOMETRY["gemv"]["GEMV_ROWS_R"]
+_GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
+ROWS_MAX_T = 64         # gemv_rows_*: the most input rows it takes (a decode batch's size)
 _EW_THREADS = GEOMETRY["elementwise"]["EW_THREADS"]
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
@@ -82,7 +85,7 @@ def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
 class _WInfo:
     """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
 
-    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "v2", "lpr", "g2",
+    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "rows", "v2", "lpr", "g2",
                  "g2_norm", "g2_argmax", "geo", "__weakref__")
 
     def __init__(self, ops, w):
@@ -102,6 +105,8 @@ class _WInfo:
                                                                                 "f32")}
                           if self.k <= _NORM_MAX_K and self.n <= _NORM_MAX_N else None)
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
+        self.rows = {e: ops._fn("gemv", f"gemv_rows_q{b}_{e}") for e in ("f16", "resid",
+                                                                           "swiglu", "f32")}
         # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights): needs x in shared memory
         # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
         # runs v1, which takes any shape
@@ -159,11 +164,32 @@ class GemvOps:
             info.gemv[epi](((n + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                            (*info.args, x.data.ptr, n, k, 0, lg, out.data.ptr))
             return
+        if self._rows_path(info, t):
+            self._gemv_rows(info, info.rows[epi], x, t, n, 0, out, ldo)
+            return
         w16 = _fp16_of(w)
         if w16 is not None:
             self._cublas(x, w16, out, epi)
             return
         launch_gemm(info, epi, x, t, out, ldo)
+
+    def _rows_path(self, info, t: int) -> bool:
+        """Whether a T = ``t`` product runs as ``gemv_rows_*`` (each weight row read once per
+        tile of GEMV_ROWS_R input rows, a warp per output row) instead of the tiled GEMM:
+        2 <= t <= ROWS_MAX_T and the GEMM's grid under one block per SM, where its K loop of
+        dependent tile loads on few blocks is latency-bound (a decode batch). A GEMM grid that
+        fills the GPU (prefill, or the LM head's 49k rows) keeps the GEMM's tensor cores.
+        ``KernelChoice.gemv_rows = False`` always takes the GEMM."""
+        if not 2 <= t <= ROWS_MAX_T or not self.kernels.gemv_rows:
+            return False
+        return -(-info.n // _GEMM_BN) * -(-t // _GEMM_BM) < self.sms
+
+    def _gemv_rows(self, info, fn, x, t: int, rows: int, f: int, out, ldo: int) -> None:
+        """Launch ``gemv_rows_*`` over x f16 [t, K] (contiguous) into ``out`` (rows ``ldo``
+        elements apart): ``rows`` output rows (F for SwiGLU, with ``f`` = F)."""
+        fn(((rows + _GEMV_ROWS - 1) // _GEMV_ROWS, (t + _ROWS_R - 1) // _ROWS_R),
+           (32 * _GEMV_ROWS,),
+           (*info.args, x.data.ptr, info.k, t, rows, info.k, f, info.lg, out.data.ptr, ldo))
 
     def _geo(self, info, rows: int, cap_wave: bool) -> tuple:
         """(threads, blocks) of a v2 launch, cached per weight; ``_grid_cap`` applied."""
@@ -200,8 +226,9 @@ class GemvOps:
     def linear_swiglu(self, x, w, tmp, out):
         """out f16 [T, F] = silu(x @ Wg.T) * (x @ Wu.T); W [2F, in] gate rows then up rows.
 
-        T = 1: one fused GEMV (each warp reads its gate and up rows); T > 1: GEMM into
-        ``tmp`` f16 [>= T, 2F], then the SwiGLU kernel.
+        T = 1: one fused GEMV (each warp reads its gate and up rows); a few rows (a decode
+        batch, ``_rows_path``): one ``gemv_rows_q*_swiglu`` launch; else GEMM into ``tmp`` f16
+        [>= T, 2F], then the SwiGLU kernel.
         """
         info = self._info(w)
         t = self._act_in(x, info)
@@ -217,6 +244,9 @@ class GemvOps:
             info.gemv["swiglu"](((f + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                                 (*info.args, x.data.ptr, f, info.k, f,
                                  w.group_size.bit_length() - 1, out.data.ptr))
+            return
+        if self._rows_path(info, t):
+            self._gemv_rows(info, info.rows["swiglu"], x, t, f, f, out, f)
             return
         tmp = self._out(tmp, "tmp", _F16, t, n2)
         self._matmul(x, w, info, tmp, "f16", n2)

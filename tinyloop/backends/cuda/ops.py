@@ -115,6 +115,9 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         # at the first use), and the fast path's bins with the penalty window rings (another)
         self._wq_blk, self._wq_ptr, self._wq_cap, self._pl_ptr = None, 0, 0, 0
         self._fs_blk, self._fs_ptr, self._epin_blk = None, 0, None
+        # a decode batch's greedy ids and fault codes, int32 [rows, 2] of mapped pinned
+        # memory that argmax_rows' kernel writes (batch_host_ids; grown for more rows)
+        self._bids_blk, self._bids = None, None
         self._ring = self._ering = self._estate = None
         self._ering_ptr = self._estate_ptr = 0
         self._cublas_measured = False       # the first cuBLAS call is measured (NVML)
@@ -122,7 +125,7 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         self._capturing = None              # that stream while a capture is open
 
     _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_dsb_blk", "_wq_blk", "_fs_blk",
-               "_epin_blk")
+               "_epin_blk", "_bids_blk")
 
     @property
     def kernels(self) -> KernelChoice:

@@ -81,6 +81,42 @@ class SamplingOps:
         self._raise_on_fault()
         return int(self._id_view[0])
 
+    def argmax_rows(self, logits, out) -> None:
+        """``Ops.argmax_rows`` in one launch (sample.cu ``argmax_f32``, grid B): row i's id
+        and fault code go straight to ``out[i]``, which must be this backend's
+        ``batch_host_ids`` buffer (mapped pinned memory). No synchronisation. Raises
+        ConfigError for logits that are not f32 [B, vocab] contiguous on the device, or
+        another ``out``."""
+        _dev(logits, "logits", np.float32, 2)
+        if not logits.flags.c_contiguous or logits.shape[1] == 0:
+            raise ConfigError(f"logits must be contiguous f32 [B, vocab], got shape "
+                              f"{logits.shape}")
+        b = logits.shape[0]
+        ids = self._bids
+        if (ids is None or not isinstance(out, np.ndarray) or out.shape[0] < b
+                or out.ctypes.data != ids.ctypes.data):
+            raise ConfigError("argmax_rows writes into the backend's batch_host_ids buffer "
+                              f"of at least {b} rows")
+        self._fn("sample", "argmax_f32")((b,), (_SAMPLE_THREADS,),
+                                         (logits.data.ptr, logits.shape[1], out.ctypes.data))
+
+    def batch_host_ids(self, rows: int):
+        """``Ops.batch_host_ids``: int32 [rows, 2] of mapped pinned memory (tag scratch, UVA:
+        the kernel writes it at its host address); grown, never inside a capture, when more
+        rows are asked for (the old buffer is then freed after a synchronisation)."""
+        rows = int(rows)
+        if self._bids is None or self._bids.shape[0] < rows:
+            if self._capturing is not None:
+                raise ConfigError("the batch ids buffer must exist before a capture")
+            if self._bids_blk is not None:
+                cupy.cuda.get_current_stream().synchronize()
+                blk, self._bids_blk, self._bids = self._bids_blk, None, None
+                blk.free()
+            self._bids_blk = self._pinned_pool.allocate(8 * rows, "scratch")
+            self._bids = np.ctypeslib.as_array(
+                (ctypes.c_int32 * (2 * rows)).from_address(self._bids_blk.ptr)).reshape(rows, 2)
+        return self._bids[:rows]
+
     def _raise_on_fault(self) -> None:
         """Raise NonFiniteLogitsError for the fault code an argmax / sampler kernel wrote
         (after a synchronisation)."""

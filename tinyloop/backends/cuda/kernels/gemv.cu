@@ -45,8 +45,46 @@ __device__ __forceinline__ void gemv_store(void* out, i64 row, float acc0, float
     if (EPI == EPI_SWIGLU) ((half_t*)out)[row] = f2h(acc0 / (1.0f + __expf(-acc0)) * acc1);
 }
 
+// The codes of one 16-byte chunk as floats, in element order: 32 INT4 codes (word i holds
+// elements 8i..8i+7, nibble j = element 8i+j) or 16 INT8 codes (two's complement bytes).
+template <int BITS>
+__device__ __forceinline__ void chunk_codes(const uint4 wv, float (&q)[BITS == 4 ? 32 : 16]) {
+    const unsigned w[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+    for (int e = 0; e < (BITS == 4 ? 32 : 16); ++e)
+        q[e] = BITS == 4 ? (float)((w[e >> 3] >> (4 * (e & 7))) & 15u)
+                         : (float)(signed char)((w[e >> 2] >> (8 * (e & 3))) & 0xFFu);
+}
+
+// Dot of one chunk's codes q (chunk_codes of chunk index c of its row) with x, given the
+// chunk's group scale s and zero z: returns s * sum q_k x_k + z * sum x_k, the products and sums
+// in element order (every caller's rounding depends on this order).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot_q(const float (&q)[BITS == 4 ? 32 : 16],
+                                             const half_t* __restrict__ x, int c, float s,
+                                             float z) {
+    const int n_el = BITS == 4 ? 32 : 16;
+    const uint4* xv = (const uint4*)(x + c * n_el);
+    float dot = 0.0f, sx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < n_el / 8; ++i) {
+        const uint4 xx = xv[i];
+        const unsigned xs[4] = {xx.x, xx.y, xx.z, xx.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float x0 = h2_lo(xs[j]), x1 = h2_hi(xs[j]);
+            dot = fmaf(q[8 * i + 2 * j], x0, dot);
+            dot = fmaf(q[8 * i + 2 * j + 1], x1, dot);
+            sx += x0 + x1;
+        }
+    }
+    return fmaf(s, dot, z * sx);
+}
+
 // Dot of one 16-byte chunk (chunk index c of its row) with x, given the chunk's group scale s
-// and zero z: returns s * sum q_k x_k + z * sum x_k.
+// and zero z: returns s * sum q_k x_k + z * sum x_k. The same arithmetic as chunk_codes +
+// chunk_dot_q, written out once more so the T = 1 kernels keep their own register schedule
+// (tests/kernels/test_gemv_rows_gpu.py holds gemv_rows_* to gemv_* bit for bit).
 template <int BITS>
 __device__ __forceinline__ float chunk_dot_sz(const uint4 wv, const half_t* __restrict__ x, int c,
                                               float s, float z) {
@@ -217,6 +255,84 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
     }
 }
 
+// GEMV over a few input rows (a decode batch, 2 <= T): out[t] = epilogue(x[t] @ W.T) for the
+// rows t of row tile blockIdx.y (GEMV_ROWS_R rows each). One warp per output row (two for
+// SwiGLU), as gemv_impl; each lane loads its 16-byte chunks in batches of up to four, turns
+// each chunk into codes once (chunk_codes) and takes it against every row of the tile. Row t's
+// arithmetic is gemv_row_acc's at T = 1 (the same chunk order and chunk_dot products, the same
+// warp_sum, the same epilogue), so each row equals a T = 1 launch on it bit for bit. The tile's
+// x rows (2 K bytes each) are read through L1 by every warp of the block.
+// x f16 [T, ldx]; out rows ldo elements apart (f16 or f32 by EPI). grid = (ceil(N / GEMV_WARPS),
+// ceil(T / GEMV_ROWS_R)), block = 32 * GEMV_WARPS.
+#ifndef GEMV_ROWS_R
+#define GEMV_ROWS_R 8
+#endif
+template <int BITS, int EPI>
+__device__ __forceinline__ void gemv_rows_impl(const u8* __restrict__ qw,
+                                               const half_t* __restrict__ sc,
+                                               const half_t* __restrict__ zr,
+                                               const half_t* __restrict__ x, i64 ldx, i64 T,
+                                               i64 N, i64 K, i64 F, i64 log2g,
+                                               void* __restrict__ out, i64 ldo) {
+    constexpr int R = GEMV_ROWS_R, NE = BITS == 4 ? 32 : 16;
+    constexpr bool TWO = EPI == EPI_SWIGLU;
+    const i64 row = (i64)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const i64 t0 = (i64)blockIdx.y * R;
+    const int nr = (int)(T - t0 < R ? T - t0 : R);
+    if (row < N) gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row, K, F, (int)log2g, lane);
+    TL_PDL_ENTER();                               // x and out: written / read by the kernel before
+    if (row >= N) return;
+    const i64 row_bytes = BITS == 4 ? K / 2 : K;
+    const int chunks = (int)(row_bytes / 16), ngroups = (int)(K >> log2g);
+    const i64 row1 = row + F;
+    const uint4* w0 = (const uint4*)(qw + row * row_bytes);
+    const uint4* w1 = (const uint4*)(qw + (TWO ? row1 : row) * row_bytes);
+    const half_t* xt = x + t0 * ldx;
+    float acc0[R], acc1[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = 0.0f;
+    for (int c = lane; c < chunks; c += 128) {
+        uint4 a[4], b[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const bool ok = c + 32 * j < chunks;
+            a[j] = ok ? w0[c + 32 * j] : make_uint4(0u, 0u, 0u, 0u);
+            if (TWO) b[j] = ok ? w1[c + 32 * j] : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int cj = c + 32 * j;
+            if (cj >= chunks) break;
+            const i64 g = (i64)((cj * NE) >> log2g);
+            float q[NE];
+            chunk_codes<BITS>(a[j], q);
+            const float s0 = h2f(sc[row * ngroups + g]), z0 = h2f(zr[row * ngroups + g]);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (r < nr) acc0[r] += chunk_dot_q<BITS>(q, xt + r * ldx, cj, s0, z0);
+            if (TWO) {
+                chunk_codes<BITS>(b[j], q);
+                const float s1 = h2f(sc[row1 * ngroups + g]), z1 = h2f(zr[row1 * ngroups + g]);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (r < nr) acc1[r] += chunk_dot_q<BITS>(q, xt + r * ldx, cj, s1, z1);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r >= nr) break;
+        const float v0 = warp_sum(acc0[r]);
+        const float v1 = TWO ? warp_sum(acc1[r]) : 0.0f;
+        if (lane == 0) {
+            const i64 o = (t0 + r) * ldo;
+            if (EPI == EPI_F16 || EPI == EPI_SWIGLU) gemv_store<EPI>((half_t*)out + o, row, v0, v1);
+            else gemv_store<EPI>((float*)out + o, row, v0, v1);
+        }
+    }
+}
+
 // The normalized row: xs[i] = f16(x[i] * inv_rms * weight[i]), computed exactly as
 // rmsnorm.cu's rmsnorm_f32_f16 does (the same per-thread fmaf order over a 256-thread block,
 // the same block_sum, the same double-precision rsqrt, the same two float products), so the
@@ -318,6 +434,23 @@ GEMV_ENTRY(gemv_q8_f16, 8, EPI_F16)
 GEMV_ENTRY(gemv_q8_resid, 8, EPI_RESID)
 GEMV_ENTRY(gemv_q8_swiglu, 8, EPI_SWIGLU)
 GEMV_ENTRY(gemv_q8_f32, 8, EPI_F32)
+
+#define GEMV_ROWS_ENTRY(NAME, BITS, EPI)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
+        NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 ldx,     \
+             i64 T, i64 N, i64 K, i64 F, i64 log2g, void* out, i64 ldo) {                     \
+        gemv_rows_impl<BITS, EPI>(qw, sc, zr, x, ldx, T, N, K, F, log2g, out, ldo);           \
+    }
+
+// A decode batch's projections, 2 <= T rows (CudaOps._matmul, linear_swiglu).
+GEMV_ROWS_ENTRY(gemv_rows_q4_f16, 4, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows_q4_resid, 4, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows_q4_swiglu, 4, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows_q4_f32, 4, EPI_F32)
+GEMV_ROWS_ENTRY(gemv_rows_q8_f16, 8, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows_q8_resid, 8, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows_q8_swiglu, 8, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows_q8_f32, 8, EPI_F32)
 
 // RMSNorm -> projection at T = 1 (CudaOps.rmsnorm_linear / _swiglu / rmsnorm_lm_head).
 GEMV_NORM_ENTRY(gemv_norm_q4_f16, 4, EPI_F16)

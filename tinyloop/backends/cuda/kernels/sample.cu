@@ -1,4 +1,4 @@
-// Greedy sampling on the device: argmax of one logit row, lowest id on ties; and the row's
+// Greedy sampling on the device: argmax of each logit row, lowest id on ties; and the row's
 // fault code, found by the same reduction at no extra cost: the winner is NaN if any logit is
 // NaN, else +inf if any is +inf, and -inf only if every logit is -inf (common.cuh
 // logit_fault_code; base.LOGIT_FAULTS).
@@ -16,13 +16,16 @@
 #define SMP_THREADS 1024
 #endif
 
-// logits f32 [n]; writes the chosen id to result[0] and the fault code to result[1] (device or
-// mapped pinned host memory). grid = 1, block = SMP_THREADS.
+// logits f32 [B, n] (B = gridDim.x rows, contiguous); block b writes row b's chosen id to
+// result[2b] and its fault code to result[2b + 1] (device or mapped pinned host memory).
+// grid = B, block = SMP_THREADS.
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     argmax_f32(const float* __restrict__ logits, i64 n, int* __restrict__ result) {
     TL_PDL_ENTER();
     __shared__ float sv[32];
     __shared__ int si[32];
+    logits += (i64)blockIdx.x * n;
+    result += 2 * (i64)blockIdx.x;
     float bv = TL_NEG_INF;
     int bi = 0x7fffffff;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {

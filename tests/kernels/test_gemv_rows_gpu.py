@@ -1,0 +1,150 @@
+"""The decode batch's kernels (kernels/gemv.cu gemv_rows_*, sample.cu argmax_f32 over rows) on
+the GPU.
+
+gemv_rows_* runs a few input rows (2 <= T <= gemv.ROWS_MAX_T, a decode batch) with the T = 1
+GEMV's arithmetic for each row, so every output row must equal the v1 GEMV on that row alone
+bit for bit, in every epilogue, and lie within the FP16 bound of the NumPy reference
+(numpy_ops.NumpyOps.linear*: the product from the dequantized weights). argmax_rows must give
+numpy.argmax's pick (first NaN, else the first maximum) and base.logit_fault's code per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyloop.backends import cuda_available
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and CuPy")]
+if not cuda_available():
+    pytest.skip("needs a CUDA GPU and CuPy", allow_module_level=True)
+
+import cupy  # noqa: E402
+
+from tinyloop.backends.base import LOGIT_FAULTS, logit_fault  # noqa: E402
+from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
+from tinyloop.backends.cuda.gemv import ROWS_MAX_T  # noqa: E402
+
+from .test_kernels_gpu import F16_RTOL, assert_close, dev_weight, f16, rand_weight, rms  # noqa: E402
+
+_CODES = {v: k for k, v in LOGIT_FAULTS.items()}
+
+
+@pytest.fixture(scope="module")
+def v1():
+    """The T = 1 reference: the v1 GEMV at every shape."""
+    return CudaOps(KernelChoice(gemv="v1"))
+
+
+def _row_by_row(fn, x):
+    return [fn(x[i:i + 1]) for i in range(x.shape[0])]
+
+
+@pytest.mark.parametrize("bits,g", [(4, 32), (4, 128), (8, 32), (8, 64)])
+@pytest.mark.parametrize("t,n,k", [(2, 576, 576), (5, 960, 576), (8, 576, 1536),
+                                   (9, 70, 256), (17, 576, 5632), (ROWS_MAX_T, 128, 4096)])
+def test_gemv_rows_equal_the_t1_gemv_and_the_reference(v1, ref, rng, bits, g, t, n, k):
+    """f16 / resid / f32 epilogues: rows path taken, each row == the v1 GEMV of that row."""
+    if k % g:
+        pytest.skip("K not a multiple of the group")
+    w = rand_weight(rng, n, k, bits, g)
+    dw = dev_weight(v1, w)
+    assert v1._rows_path(v1._info(dw), t)
+    xh, x = f16(rng, t, k)
+    xd = cupy.asarray(xh)
+    want = np.empty((t, n), np.float32)
+    ref.linear(x, w, want)
+    out = cupy.empty((t, n), cupy.float16)
+    v1.linear(xd, dw, out)
+    assert_close(out, want, atol=2e-3 * rms(want), rtol=F16_RTOL, what="gemv_rows f16")
+
+    def one(fn, shape, dtype):
+        rows = []
+        for i in range(t):
+            o = cupy.empty((1, shape), dtype)
+            fn(xd[i:i + 1], o)
+            rows.append(cupy.asnumpy(o)[0])
+        return np.stack(rows)
+    np.testing.assert_array_equal(cupy.asnumpy(out),
+                                  one(lambda a, o: v1.linear(a, dw, o), n, cupy.float16))
+    logits = cupy.empty((t, n), cupy.float32)
+    v1.lm_head(xd, dw, logits)
+    np.testing.assert_array_equal(cupy.asnumpy(logits),
+                                  one(lambda a, o: v1.lm_head(a, dw, o), n, cupy.float32))
+    res0 = rng.standard_normal((t, n)).astype(np.float32)
+    res = cupy.asarray(res0)
+    v1.linear_residual(xd, dw, res)
+    solo = cupy.asarray(res0)
+    for i in range(t):
+        v1.linear_residual(xd[i:i + 1], dw, solo[i:i + 1])
+    np.testing.assert_array_equal(cupy.asnumpy(res), cupy.asnumpy(solo))
+
+
+@pytest.mark.parametrize("bits,g", [(4, 32), (8, 32)])
+@pytest.mark.parametrize("t,f,k", [(3, 1536, 576), (16, 40, 256), (33, 256, 5632)])
+def test_gemv_rows_swiglu(v1, ref, rng, bits, g, t, f, k):
+    w = rand_weight(rng, 2 * f, k, bits, g)
+    dw = dev_weight(v1, w)
+    assert v1._rows_path(v1._info(dw), t)
+    xh, x = f16(rng, t, k)
+    xd = cupy.asarray(xh)
+    want = np.empty((t, f), np.float32)
+    ref.linear_swiglu(x, w, np.empty((t, 2 * f), np.float32), want)
+    out = cupy.empty((t, f), cupy.float16)
+    v1.linear_swiglu(xd, dw, cupy.empty((t, 2 * f), cupy.float16), out)
+    assert_close(out, want, atol=4e-3 * rms(want), rtol=2 * F16_RTOL, what="gemv_rows swiglu")
+    for i in range(t):
+        o = cupy.empty((1, f), cupy.float16)
+        v1.linear_swiglu(xd[i:i + 1], dw, None, o)
+        np.testing.assert_array_equal(cupy.asnumpy(out[i]), cupy.asnumpy(o[0]))
+
+
+def test_gemv_rows_off_and_wide_grids_take_the_gemm(rng):
+    """KernelChoice(gemv_rows=False), T past ROWS_MAX_T, or a GEMM grid that fills the GPU
+    (an LM head) run the tiled GEMM; within the FP16 bound of the rows path."""
+    on, off = CudaOps(KernelChoice(gemv="v1")), CudaOps(KernelChoice(gemv_rows=False))
+    w = rand_weight(rng, 576, 576, 4, 32)
+    dw_on, dw_off = dev_weight(on, w), dev_weight(off, w)
+    assert on._rows_path(on._info(dw_on), 8) and not off._rows_path(off._info(dw_off), 8)
+    assert not on._rows_path(on._info(dw_on), ROWS_MAX_T + 1)
+    head = dev_weight(on, rand_weight(rng, 49152, 576, 8, 32))
+    assert not on._rows_path(on._info(head), 32)
+    xh, _ = f16(rng, 8, 576)
+    a, b = cupy.empty((8, 576), cupy.float16), cupy.empty((8, 576), cupy.float16)
+    on.linear(cupy.asarray(xh), dw_on, a)
+    off.linear(cupy.asarray(xh), dw_off, b)
+    ref = cupy.asnumpy(b).astype(np.float32)
+    assert_close(a, ref, atol=2e-3 * rms(ref), rtol=F16_RTOL, what="rows vs GEMM")
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+def test_argmax_rows(ops, rng, vocab):
+    """Random rows with planted ties, a NaN row (two NaNs: the first wins), a +inf row, an
+    all -inf row and a row of -inf but one: ids and fault codes as numpy.argmax and
+    base.logit_fault give them."""
+    b = 9
+    lg = rng.standard_normal((b, vocab)).astype(np.float32)
+    lg[1, vocab // 2] = lg[1, vocab - 1] = lg[1].max() + 1.0      # a tie: the lower id
+    lg[2, [vocab - 1, vocab // 3]] = np.nan
+    lg[3, vocab // 4] = np.inf
+    lg[4] = -np.inf
+    lg[5] = -np.inf
+    lg[5, vocab - 1] = -3.0
+    ids = ops.batch_host_ids(b)
+    ids[...] = -7
+    ops.argmax_rows(cupy.asarray(lg), ids)
+    cupy.cuda.get_current_stream().synchronize()
+    for i in range(b):
+        top = float(np.max(lg[i])) if not np.isnan(lg[i]).any() else float("nan")
+        kind = logit_fault(top)
+        assert ids[i, 1] == (_CODES[kind] if kind else 0), i
+        if kind is None or kind in ("nan", "+inf"):
+            assert ids[i, 0] == int(np.argmax(lg[i])), i
+
+
+def test_argmax_rows_refuses_another_buffer(ops):
+    from tinyloop.errors import ConfigError
+    ops.batch_host_ids(4)
+    with pytest.raises(ConfigError, match="batch_host_ids"):
+        ops.argmax_rows(cupy.zeros((4, 10), cupy.float32), np.zeros((4, 2), np.int32))
