@@ -1,7 +1,7 @@
-"""The decode batch's kernels (kernels/gemv.cu gemv_rows_*, sample.cu argmax_f32 over rows) on
-the GPU.
+"""The decode batch's kernels (kernels/gemv.cu gemv_rows{R}_*, sample.cu argmax_f32 over rows)
+on the GPU.
 
-gemv_rows_* runs a few input rows (2 <= T <= gemv.ROWS_MAX_T, a decode batch) with the T = 1
+gemv_rows{R}_* (R = 2, 4, 8: gemv.rows_tile) runs a few input rows (2 <= T <= gemv.ROWS_MAX_T, a decode batch) with the T = 1
 GEMV's arithmetic for each row, so every output row must equal the v1 GEMV on that row alone
 bit for bit, in every epilogue, and lie within the FP16 bound of the NumPy reference
 (numpy_ops.NumpyOps.linear*: the product from the dequantized weights). argmax_rows must give
@@ -24,7 +24,7 @@ import cupy  # noqa: E402
 
 from tinyloop.backends.base import LOGIT_FAULTS, logit_fault  # noqa: E402
 from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
-from tinyloop.backends.cuda.gemv import ROWS_MAX_T  # noqa: E402
+from tinyloop.backends.cuda.gemv import ROWS_MAX_T, ROWS_TILES, rows_tile  # noqa: E402
 
 from .test_kernels_gpu import F16_RTOL, assert_close, dev_weight, f16, rand_weight, rms  # noqa: E402
 
@@ -42,8 +42,17 @@ def _row_by_row(fn, x):
 
 
 @pytest.mark.parametrize("bits,g", [(4, 32), (4, 128), (8, 32), (8, 64)])
-@pytest.mark.parametrize("t,n,k", [(2, 576, 576), (5, 960, 576), (8, 576, 1536),
-                                   (9, 70, 256), (17, 576, 5632), (ROWS_MAX_T, 128, 4096)])
+# R = 2 for all but the last two (R = 8 and R = 4 on 132 SMs: test_row_tiles_cover_every_entry)
+ROWS_SHAPES = [(2, 576, 576), (5, 960, 576), (8, 576, 1536), (9, 70, 256), (17, 576, 5632),
+               (ROWS_MAX_T, 128, 4096), (16, 8192, 256), (12, 2048, 256)]
+
+
+def test_row_tiles_cover_every_entry(v1):
+    """The shapes below reach every built row tile on this GPU."""
+    assert {rows_tile(n, t, v1.sms) for t, n, _ in ROWS_SHAPES} == set(ROWS_TILES)
+
+
+@pytest.mark.parametrize("t,n,k", ROWS_SHAPES)
 def test_gemv_rows_equal_the_t1_gemv_and_the_reference(v1, ref, rng, bits, g, t, n, k):
     """f16 / resid / f32 epilogues: rows path taken, each row == the v1 GEMV of that row."""
     if k % g:

@@ -44,7 +44,7 @@ class KernelChoice:
     row, then one block on the candidates; it runs the reference itself where the candidates
     cannot settle the pick) or ``reference`` (one block over the whole row, ``sample_step``);
     both pick the same id. ``gemv_rows``: products of 2 to ``gemv.ROWS_MAX_T`` input rows
-    whose GEMM grid would not fill the GPU (a decode batch) run ``gemv_rows_*`` (the GEMV per
+    whose GEMM grid would not fill the GPU (a decode batch) run ``gemv_rows{R}_*`` (the GEMV per
     output row over every input row; False: the tiled GEMM, its reference).
     """
 

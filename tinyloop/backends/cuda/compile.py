@@ -41,8 +41,7 @@ GEOMETRY = {
                     # init_state_f32: base.seeded_state's draws per element
                     "STATE_ATTEMPTS": STATE_ATTEMPTS},
     "gemv": {"GEMV_WARPS": 8,                    # warps (= output rows) per 32*W-thread block
-             "GEMV2_MAX_THREADS": 256,           # v2: the largest block (its launch bound)
-             "GEMV_ROWS_R": 8},                  # gemv_rows_*: input rows per row tile
+             "GEMV2_MAX_THREADS": 256},          # v2: the largest block (its launch bound)
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
              "GEMM_THREADS": 128},               # 4 warps in 2 x 2
     "rope": {"KVW_THREADS": 128,                 # kv_write*: threads per position row

@@ -24,9 +24,21 @@ from .compile import GEOMETRY, cupy
 from .gemm import launch_gemm
 
 _GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
-_ROWS_R = GEOMETRY["gemv"]["GEMV_ROWS_R"]
 _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
-ROWS_MAX_T = 64         # gemv_rows_*: the most input rows it takes (a decode batch's size)
+ROWS_MAX_T = 32         # gemv_rows*_: the most input rows it takes (a decode batch's size)
+ROWS_TILES = (8, 4, 2)  # gemv_rows{R}_: the row tiles built, largest first
+_ROWS_WARPS_PER_SM = 32  # rows_tile: warps per SM that hide the dependent FMA chains
+
+
+def rows_tile(n: int, t: int, sms: int) -> int:
+    """The row tile R of a ``gemv_rows{R}_*`` launch over ``n`` output rows (warps) and
+    ``t`` input rows: the largest of ROWS_TILES whose n * ceil(t / R) warps give every SM
+    _ROWS_WARPS_PER_SM (each tile re-reads the weight from L2, each warp runs R dependent
+    dot-product chains per chunk), else the smallest."""
+    for r in ROWS_TILES:
+        if n * -(-t // r) >= _ROWS_WARPS_PER_SM * sms:
+            return r
+    return ROWS_TILES[-1]
 _EW_THREADS = GEOMETRY["elementwise"]["EW_THREADS"]
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
@@ -105,8 +117,8 @@ class _WInfo:
                                                                                 "f32")}
                           if self.k <= _NORM_MAX_K and self.n <= _NORM_MAX_N else None)
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
-        self.rows = {e: ops._fn("gemv", f"gemv_rows_q{b}_{e}") for e in ("f16", "resid",
-                                                                           "swiglu", "f32")}
+        self.rows = {(r, e): ops._fn("gemv", f"gemv_rows{r}_q{b}_{e}") for r in ROWS_TILES
+                     for e in ("f16", "resid", "swiglu", "f32")}
         # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights): needs x in shared memory
         # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
         # runs v1, which takes any shape
@@ -165,7 +177,7 @@ class GemvOps:
                            (*info.args, x.data.ptr, n, k, 0, lg, out.data.ptr))
             return
         if self._rows_path(info, t):
-            self._gemv_rows(info, info.rows[epi], x, t, n, 0, out, ldo)
+            self._gemv_rows(info, epi, x, t, n, 0, out, ldo)
             return
         w16 = _fp16_of(w)
         if w16 is not None:
@@ -174,8 +186,8 @@ class GemvOps:
         launch_gemm(info, epi, x, t, out, ldo)
 
     def _rows_path(self, info, t: int) -> bool:
-        """Whether a T = ``t`` product runs as ``gemv_rows_*`` (each weight row read once per
-        tile of GEMV_ROWS_R input rows, a warp per output row) instead of the tiled GEMM:
+        """Whether a T = ``t`` product runs as ``gemv_rows*_`` (each weight row read once per
+        tile of input rows, a warp per output row) instead of the tiled GEMM:
         2 <= t <= ROWS_MAX_T and the GEMM's grid under one block per SM, where its K loop of
         dependent tile loads on few blocks is latency-bound (a decode batch). A GEMM grid that
         fills the GPU (prefill, or the LM head's 49k rows) keeps the GEMM's tensor cores.
@@ -184,10 +196,12 @@ class GemvOps:
             return False
         return -(-info.n // _GEMM_BN) * -(-t // _GEMM_BM) < self.sms
 
-    def _gemv_rows(self, info, fn, x, t: int, rows: int, f: int, out, ldo: int) -> None:
-        """Launch ``gemv_rows_*`` over x f16 [t, K] (contiguous) into ``out`` (rows ``ldo``
-        elements apart): ``rows`` output rows (F for SwiGLU, with ``f`` = F)."""
-        fn(((rows + _GEMV_ROWS - 1) // _GEMV_ROWS, (t + _ROWS_R - 1) // _ROWS_R),
+    def _gemv_rows(self, info, epi: str, x, t: int, rows: int, f: int, out, ldo: int) -> None:
+        """Launch ``gemv_rows{R}_*`` (R: ``rows_tile``) over x f16 [t, K] (contiguous) into
+        ``out`` (rows ``ldo`` elements apart): ``rows`` output rows (F for SwiGLU, with ``f``
+        = F)."""
+        r = rows_tile(rows, t, self.sms)
+        info.rows[r, epi](((rows + _GEMV_ROWS - 1) // _GEMV_ROWS, (t + r - 1) // r),
            (32 * _GEMV_ROWS,),
            (*info.args, x.data.ptr, info.k, t, rows, info.k, f, info.lg, out.data.ptr, ldo))
 
@@ -227,7 +241,7 @@ class GemvOps:
         """out f16 [T, F] = silu(x @ Wg.T) * (x @ Wu.T); W [2F, in] gate rows then up rows.
 
         T = 1: one fused GEMV (each warp reads its gate and up rows); a few rows (a decode
-        batch, ``_rows_path``): one ``gemv_rows_q*_swiglu`` launch; else GEMM into ``tmp`` f16
+        batch, ``_rows_path``): one ``gemv_rows{R}_q*_swiglu`` launch; else GEMM into ``tmp`` f16
         [>= T, 2F], then the SwiGLU kernel.
         """
         info = self._info(w)
@@ -246,7 +260,7 @@ class GemvOps:
                                  w.group_size.bit_length() - 1, out.data.ptr))
             return
         if self._rows_path(info, t):
-            self._gemv_rows(info, info.rows["swiglu"], x, t, f, f, out, f)
+            self._gemv_rows(info, "swiglu", x, t, f, f, out, f)
             return
         tmp = self._out(tmp, "tmp", _F16, t, n2)
         self._matmul(x, w, info, tmp, "f16", n2)

@@ -84,7 +84,7 @@ __device__ __forceinline__ float chunk_dot_q(const float (&q)[BITS == 4 ? 32 : 1
 // Dot of one 16-byte chunk (chunk index c of its row) with x, given the chunk's group scale s
 // and zero z: returns s * sum q_k x_k + z * sum x_k. The same arithmetic as chunk_codes +
 // chunk_dot_q, written out once more so the T = 1 kernels keep their own register schedule
-// (tests/kernels/test_gemv_rows_gpu.py holds gemv_rows_* to gemv_* bit for bit).
+// (tests/kernels/test_gemv_rows_gpu.py holds gemv_rows{R}_* to gemv_* bit for bit).
 template <int BITS>
 __device__ __forceinline__ float chunk_dot_sz(const uint4 wv, const half_t* __restrict__ x, int c,
                                               float s, float z) {
@@ -256,25 +256,24 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
 }
 
 // GEMV over a few input rows (a decode batch, 2 <= T): out[t] = epilogue(x[t] @ W.T) for the
-// rows t of row tile blockIdx.y (GEMV_ROWS_R rows each). One warp per output row (two for
-// SwiGLU), as gemv_impl; each lane loads its 16-byte chunks in batches of up to four, turns
-// each chunk into codes once (chunk_codes) and takes it against every row of the tile. Row t's
-// arithmetic is gemv_row_acc's at T = 1 (the same chunk order and chunk_dot products, the same
-// warp_sum, the same epilogue), so each row equals a T = 1 launch on it bit for bit. The tile's
-// x rows (2 K bytes each) are read through L1 by every warp of the block.
+// R rows t of row tile blockIdx.y. One warp per output row (two for SwiGLU), as gemv_impl; each
+// lane loads its 16-byte chunks in batches of up to four, turns each chunk into codes once
+// (chunk_codes) and takes it against every row of the tile. Row t's arithmetic is
+// gemv_row_acc's at T = 1 (the same chunk order and chunk_dot products, the same warp_sum, the
+// same epilogue), so each row equals a T = 1 launch on it bit for bit. The tile's x rows
+// (2 K bytes each) are read through L1 by every warp of the block. R (2, 4 or 8: the entry's
+// number) trades the weight's re-reads from L2 (one per tile) against warps in flight: the
+// host takes the largest R that still gives every SM enough warps (gemv.py rows_tile).
 // x f16 [T, ldx]; out rows ldo elements apart (f16 or f32 by EPI). grid = (ceil(N / GEMV_WARPS),
-// ceil(T / GEMV_ROWS_R)), block = 32 * GEMV_WARPS.
-#ifndef GEMV_ROWS_R
-#define GEMV_ROWS_R 8
-#endif
-template <int BITS, int EPI>
+// ceil(T / R)), block = 32 * GEMV_WARPS.
+template <int BITS, int EPI, int R>
 __device__ __forceinline__ void gemv_rows_impl(const u8* __restrict__ qw,
                                                const half_t* __restrict__ sc,
                                                const half_t* __restrict__ zr,
                                                const half_t* __restrict__ x, i64 ldx, i64 T,
                                                i64 N, i64 K, i64 F, i64 log2g,
                                                void* __restrict__ out, i64 ldo) {
-    constexpr int R = GEMV_ROWS_R, NE = BITS == 4 ? 32 : 16;
+    constexpr int NE = BITS == 4 ? 32 : 16;
     constexpr bool TWO = EPI == EPI_SWIGLU;
     const i64 row = (i64)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -435,22 +434,23 @@ GEMV_ENTRY(gemv_q8_resid, 8, EPI_RESID)
 GEMV_ENTRY(gemv_q8_swiglu, 8, EPI_SWIGLU)
 GEMV_ENTRY(gemv_q8_f32, 8, EPI_F32)
 
-#define GEMV_ROWS_ENTRY(NAME, BITS, EPI)                                                      \
+#define GEMV_ROWS_ENTRY(R, BITS, EPI, SFX)                                                    \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
-        NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 ldx,     \
-             i64 T, i64 N, i64 K, i64 F, i64 log2g, void* out, i64 ldo) {                     \
-        gemv_rows_impl<BITS, EPI>(qw, sc, zr, x, ldx, T, N, K, F, log2g, out, ldo);           \
+        gemv_rows##R##_q##BITS##_##SFX(const u8* qw, const half_t* sc, const half_t* zr,      \
+                                       const half_t* x, i64 ldx, i64 T, i64 N, i64 K, i64 F,  \
+                                       i64 log2g, void* out, i64 ldo) {                       \
+        gemv_rows_impl<BITS, EPI, R>(qw, sc, zr, x, ldx, T, N, K, F, log2g, out, ldo);        \
     }
+#define GEMV_ROWS_ENTRIES(R)                                                                  \
+    GEMV_ROWS_ENTRY(R, 4, EPI_F16, f16) GEMV_ROWS_ENTRY(R, 4, EPI_RESID, resid)               \
+    GEMV_ROWS_ENTRY(R, 4, EPI_SWIGLU, swiglu) GEMV_ROWS_ENTRY(R, 4, EPI_F32, f32)             \
+    GEMV_ROWS_ENTRY(R, 8, EPI_F16, f16) GEMV_ROWS_ENTRY(R, 8, EPI_RESID, resid)               \
+    GEMV_ROWS_ENTRY(R, 8, EPI_SWIGLU, swiglu) GEMV_ROWS_ENTRY(R, 8, EPI_F32, f32)
 
-// A decode batch's projections, 2 <= T rows (CudaOps._matmul, linear_swiglu).
-GEMV_ROWS_ENTRY(gemv_rows_q4_f16, 4, EPI_F16)
-GEMV_ROWS_ENTRY(gemv_rows_q4_resid, 4, EPI_RESID)
-GEMV_ROWS_ENTRY(gemv_rows_q4_swiglu, 4, EPI_SWIGLU)
-GEMV_ROWS_ENTRY(gemv_rows_q4_f32, 4, EPI_F32)
-GEMV_ROWS_ENTRY(gemv_rows_q8_f16, 8, EPI_F16)
-GEMV_ROWS_ENTRY(gemv_rows_q8_resid, 8, EPI_RESID)
-GEMV_ROWS_ENTRY(gemv_rows_q8_swiglu, 8, EPI_SWIGLU)
-GEMV_ROWS_ENTRY(gemv_rows_q8_f32, 8, EPI_F32)
+// A decode batch's projections, 2 <= T rows in tiles of R (CudaOps._matmul, linear_swiglu).
+GEMV_ROWS_ENTRIES(2)
+GEMV_ROWS_ENTRIES(4)
+GEMV_ROWS_ENTRIES(8)
 
 // RMSNorm -> projection at T = 1 (CudaOps.rmsnorm_linear / _swiglu / rmsnorm_lm_head).
 GEMV_NORM_ENTRY(gemv_norm_q4_f16, 4, EPI_F16)
