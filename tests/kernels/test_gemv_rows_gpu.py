@@ -37,11 +37,6 @@ def v1():
     return CudaOps(KernelChoice(gemv="v1"))
 
 
-def _row_by_row(fn, x):
-    return [fn(x[i:i + 1]) for i in range(x.shape[0])]
-
-
-@pytest.mark.parametrize("bits,g", [(4, 32), (4, 128), (8, 32), (8, 64)])
 # R = 2 for all but the last two (R = 8 and R = 4 on 132 SMs: test_row_tiles_cover_every_entry)
 ROWS_SHAPES = [(2, 576, 576), (5, 960, 576), (8, 576, 1536), (9, 70, 256), (17, 576, 5632),
                (ROWS_MAX_T, 128, 4096), (16, 8192, 256), (12, 2048, 256)]
@@ -52,6 +47,7 @@ def test_row_tiles_cover_every_entry(v1):
     assert {rows_tile(n, t, v1.sms) for t, n, _ in ROWS_SHAPES} == set(ROWS_TILES)
 
 
+@pytest.mark.parametrize("bits,g", [(4, 32), (4, 128), (8, 32), (8, 64)])
 @pytest.mark.parametrize("t,n,k", ROWS_SHAPES)
 def test_gemv_rows_equal_the_t1_gemv_and_the_reference(v1, ref, rng, bits, g, t, n, k):
     """f16 / resid / f32 epilogues: rows path taken, each row == the v1 GEMV of that row."""

@@ -56,7 +56,7 @@ from ..graphs import decode_graphs, decode_step
 from ..memory import round_size
 
 DEFAULT_MAX_BATCH = 32       # rows of one decode step
-DEFAULT_SERIAL_ROWS = 16     # rows replayed one by one before batching (docs/architecture.md)
+DEFAULT_SERIAL_ROWS = 2      # rows replayed one by one before batching (docs/architecture.md)
 DEFAULT_MAX_QUEUE = 256      # requests waiting for admission
 DEFAULT_PREFILL_CHUNK = 256  # prompt positions one scheduler iteration prefills
 
@@ -286,7 +286,7 @@ class Engine:
     """Continuous batching over one Model (see the module doc).
 
     ``Engine(model, max_batch=32, max_queue=256, prefill_chunk=256, kv_budget=None,
-    prefix_pool=None, serial_rows=16)``: ``max_batch`` rows per decode step (and admitted
+    prefix_pool=None, serial_rows=2)``: ``max_batch`` rows per decode step (and admitted
     requests); ``serial_rows``: up to this many decoding rows step one by one through the
     captured decode step (0: always ``decode_batch``);
     ``max_queue`` requests waiting for admission; ``prefill_chunk`` prompt positions per
