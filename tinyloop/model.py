@@ -1274,13 +1274,15 @@ class Model:
         n = len(batch.positions)
         v = self._views(n)
         x = self._buf.main[:n]
-        ops.embed(self._embed, v["ids"], x)
-        if cfg.embed_scale != 1.0:
-            ops.scale(x, cfg.embed_scale)
-        self._stack(x, v, depth, batch.kv_of, batch, None)
-        ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head, logits, v["norm"])
-        if host_ids is not None:
-            ops.argmax_rows(logits, host_ids)
+        with ops.decode_batch_scope():
+            ops.embed(self._embed, v["ids"], x)
+            if cfg.embed_scale != 1.0:
+                ops.scale(x, cfg.embed_scale)
+            self._stack(x, v, depth, batch.kv_of, batch, None)
+            ops.rmsnorm_lm_head(x, self._output_norm, cfg.norm_eps, self._head, logits,
+                                v["norm"])
+            if host_ids is not None:
+                ops.argmax_rows(logits, host_ids)
 
     def _batch_index(self, caches, positions, depth: int):
         """The device copy of ``kv.cache.batch_index`` for one decode sub-batch: int64

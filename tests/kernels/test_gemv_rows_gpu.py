@@ -31,10 +31,13 @@ from .test_kernels_gpu import F16_RTOL, assert_close, dev_weight, f16, rand_weig
 _CODES = {v: k for k, v in LOGIT_FAULTS.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def v1():
-    """The T = 1 reference: the v1 GEMV at every shape."""
-    return CudaOps(KernelChoice(gemv="v1"))
+    """The T = 1 reference: the v1 GEMV at every shape; its products of a few rows run as a
+    decode batch's (``decode_batch_scope``)."""
+    o = CudaOps(KernelChoice(gemv="v1"))
+    with o.decode_batch_scope():
+        yield o
 
 
 # R = 2 for all but the last two (R = 8 and R = 4 on 132 SMs: test_row_tiles_cover_every_entry)
@@ -87,7 +90,7 @@ def test_gemv_rows_equal_the_t1_gemv_and_the_reference(v1, ref, rng, bits, g, t,
 
 
 @pytest.mark.parametrize("bits,g", [(4, 32), (8, 32)])
-@pytest.mark.parametrize("t,f,k", [(3, 1536, 576), (16, 40, 256), (33, 256, 5632)])
+@pytest.mark.parametrize("t,f,k", [(3, 1536, 576), (16, 40, 256), (ROWS_MAX_T, 256, 5632)])
 def test_gemv_rows_swiglu(v1, ref, rng, bits, g, t, f, k):
     w = rand_weight(rng, 2 * f, k, bits, g)
     dw = dev_weight(v1, w)
@@ -109,6 +112,10 @@ def test_gemv_rows_off_and_wide_grids_take_the_gemm(rng):
     """KernelChoice(gemv_rows=False), T past ROWS_MAX_T, or a GEMM grid that fills the GPU
     (an LM head) run the tiled GEMM; within the FP16 bound of the rows path."""
     on, off = CudaOps(KernelChoice(gemv="v1")), CudaOps(KernelChoice(gemv_rows=False))
+    prefill = CudaOps(KernelChoice(gemv="v1"))
+    w0 = dev_weight(prefill, rand_weight(rng, 576, 576, 4, 32))
+    assert not prefill._rows_path(prefill._info(w0), 8)     # outside a decode batch: GEMM
+    on._in_batch = off._in_batch = True
     w = rand_weight(rng, 576, 576, 4, 32)
     dw_on, dw_off = dev_weight(on, w), dev_weight(off, w)
     assert on._rows_path(on._info(dw_on), 8) and not off._rows_path(off._info(dw_off), 8)

@@ -15,6 +15,7 @@ Conventions for every op:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 
@@ -469,6 +470,14 @@ class Ops:
     def step_host_buffer(self):
         """A host int32 [2] the step result lands in (``step_advance``'s ``host_out``)."""
         return np.zeros(2, np.int32)
+
+    @contextlib.contextmanager
+    def decode_batch_scope(self):
+        """The ops issued inside are a decode batch's (``Model.decode_batch``): a backend may
+        pick kernels for a few rows there (CUDA: ``gemv_rows``) that prefill, whose results
+        prefix reuse compares against a full recompute, does not take. Nothing changes
+        here."""
+        yield
 
     def argmax_rows(self, logits, out) -> None:
         """Greedy pick of every row of ``logits`` f32 [B, vocab]: ``out[i]`` = (numpy.argmax's

@@ -14,6 +14,8 @@ projection through ``norm``.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ...errors import ConfigError
@@ -187,14 +189,25 @@ class GemvOps:
 
     def _rows_path(self, info, t: int) -> bool:
         """Whether a T = ``t`` product runs as ``gemv_rows*_`` (each weight row read once per
-        tile of input rows, a warp per output row) instead of the tiled GEMM:
-        2 <= t <= ROWS_MAX_T and the GEMM's grid under one block per SM, where its K loop of
+        tile of input rows, a warp per output row) instead of the tiled GEMM: inside
+        ``decode_batch_scope`` (prefill keeps the GEMM, so a prefix's recomputed tail matches
+        a full prefill as before), 2 <= t <= ROWS_MAX_T and the GEMM's grid under one block
+        per SM, where its K loop of
         dependent tile loads on few blocks is latency-bound (a decode batch). A GEMM grid that
         fills the GPU (prefill, or the LM head's 49k rows) keeps the GEMM's tensor cores.
         ``KernelChoice.gemv_rows = False`` always takes the GEMM."""
-        if not 2 <= t <= ROWS_MAX_T or not self.kernels.gemv_rows:
+        if not (self._in_batch and 2 <= t <= ROWS_MAX_T and self.kernels.gemv_rows):
             return False
         return -(-info.n // _GEMM_BN) * -(-t // _GEMM_BM) < self.sms
+
+    @contextlib.contextmanager
+    def decode_batch_scope(self):
+        """``Ops.decode_batch_scope``: products of a few rows run ``gemv_rows`` inside."""
+        prev, self._in_batch = self._in_batch, True
+        try:
+            yield
+        finally:
+            self._in_batch = prev
 
     def _gemv_rows(self, info, epi: str, x, t: int, rows: int, f: int, out, ldo: int) -> None:
         """Launch ``gemv_rows{R}_*`` (R: ``rows_tile``) over x f16 [t, K] (contiguous) into

@@ -81,6 +81,7 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         # larger one needs more
         self._dsb_blk, self._dsb_cap, self._dsb_tick = None, 0, 0
         self._grid_cap = None          # tests: cap every v2 grid (exercises the row stride)
+        self._in_batch = False         # inside decode_batch_scope (gemv.py _rows_path)
         # The sampled id and the row's fault code (base.LOGIT_FAULTS) land in 8 bytes of
         # pinned, mapped host memory that the argmax kernels write directly (UVA: the host
         # pointer is valid on the device), so greedy decode allocates nothing and copies
