@@ -24,8 +24,7 @@ import cupy  # noqa: E402
 
 from tinyloop.backends.base import LOGIT_FAULTS, logit_fault  # noqa: E402
 from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
-from tinyloop.backends.cuda.gemv import (ROWS_MAX_T, ROWS_SMEM_MAX, ROWS_TILES,  # noqa: E402
-                                         rows_smem, rows_tile)
+from tinyloop.backends.cuda.gemv import ROWS_MAX_T, ROWS_TILES, rows_tile  # noqa: E402
 
 from .test_kernels_gpu import F16_RTOL, assert_close, dev_weight, f16, rand_weight, rms  # noqa: E402
 
@@ -42,22 +41,13 @@ def v1():
 
 
 # R = 2 for all but the last two (R = 8 and R = 4 on 132 SMs: test_row_tiles_cover_every_entry)
-ROWS_SHAPES = [(2, 576, 576), (5, 960, 576), (8, 576, 1536), (9, 70, 256), (17, 576, 4608),
+ROWS_SHAPES = [(2, 576, 576), (5, 960, 576), (8, 576, 1536), (9, 70, 256), (17, 576, 5632),
                (ROWS_MAX_T, 128, 4096), (16, 8192, 256), (12, 2048, 256)]
 
 
 def test_row_tiles_cover_every_entry(v1):
-    """The shapes below reach every built row tile on this GPU, at either width."""
-    for bits in (4, 8):
-        assert {rows_tile(n, t, v1.sms, k, bits) for t, n, k in ROWS_SHAPES} == set(ROWS_TILES)
-
-
-def test_a_row_too_long_to_stage_takes_the_gemm(v1, rng):
-    """K past what two staged rows fit in shared memory (rows_smem): the GEMM."""
-    k = 16384
-    assert rows_smem(ROWS_TILES[-1], k, 8) > ROWS_SMEM_MAX
-    dw = dev_weight(v1, rand_weight(rng, 64, k, 8, 32))
-    assert not v1._rows_path(v1._info(dw), 4)
+    """The shapes below reach every built row tile on this GPU."""
+    assert {rows_tile(n, t, v1.sms) for t, n, _ in ROWS_SHAPES} == set(ROWS_TILES)
 
 
 @pytest.mark.parametrize("bits,g", [(4, 32), (4, 128), (8, 32), (8, 64)])
@@ -66,8 +56,6 @@ def test_gemv_rows_equal_the_t1_gemv_and_the_reference(v1, ref, rng, bits, g, t,
     """f16 / resid / f32 epilogues: rows path taken, each row == the v1 GEMV of that row."""
     if k % g:
         pytest.skip("K not a multiple of the group")
-    if rows_smem(ROWS_TILES[-1], k, bits) > ROWS_SMEM_MAX:
-        pytest.skip("too long to stage: the GEMM (test_a_row_too_long_to_stage_takes_the_gemm)")
     w = rand_weight(rng, n, k, bits, g)
     dw = dev_weight(v1, w)
     assert v1._rows_path(v1._info(dw), t)
@@ -102,10 +90,8 @@ def test_gemv_rows_equal_the_t1_gemv_and_the_reference(v1, ref, rng, bits, g, t,
 
 
 @pytest.mark.parametrize("bits,g", [(4, 32), (8, 32)])
-@pytest.mark.parametrize("t,f,k", [(3, 1536, 576), (16, 40, 256), (ROWS_MAX_T, 256, 4608)])
+@pytest.mark.parametrize("t,f,k", [(3, 1536, 576), (16, 40, 256), (ROWS_MAX_T, 256, 5632)])
 def test_gemv_rows_swiglu(v1, ref, rng, bits, g, t, f, k):
-    if rows_smem(ROWS_TILES[-1], k, bits) > ROWS_SMEM_MAX:
-        pytest.skip("too long to stage: the GEMM (test_a_row_too_long_to_stage_takes_the_gemm)")
     w = rand_weight(rng, 2 * f, k, bits, g)
     dw = dev_weight(v1, w)
     assert v1._rows_path(v1._info(dw), t)

@@ -30,7 +30,17 @@ _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
 ROWS_MAX_T = 32         # gemv_rows*_: the most input rows it takes (a decode batch's size)
 ROWS_TILES = (8, 4, 2)  # gemv_rows{R}_: the row tiles built, largest first
 _ROWS_WARPS_PER_SM = 32  # rows_tile: warps per SM that hide the dependent FMA chains
-ROWS_SMEM_MAX = 48 * 1024  # gemv_rows*_: the staged rows' dynamic shared memory (no opt-in)
+
+
+def rows_tile(n: int, t: int, sms: int) -> int:
+    """The row tile R of a ``gemv_rows{R}_*`` launch over ``n`` output rows (warps) and
+    ``t`` input rows: the largest of ROWS_TILES whose n * ceil(t / R) warps give every SM
+    _ROWS_WARPS_PER_SM (each tile re-reads the weight from L2, each warp runs R dependent
+    dot-product chains per chunk), else the smallest."""
+    for r in ROWS_TILES:
+        if n * -(-t // r) >= _ROWS_WARPS_PER_SM * sms:
+            return r
+    return ROWS_TILES[-1]
 _EW_THREADS = GEOMETRY["elementwise"]["EW_THREADS"]
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
@@ -44,27 +54,6 @@ _MAX_BLOCKS_PER_SM = 32
 # (docs/architecture.md "GEMV choice").
 GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
                  (0, "v1", None))      # every layer shape
-
-
-def rows_smem(r: int, k: int, bits: int) -> int:
-    """Bytes of dynamic shared memory a ``gemv_rows{r}_*`` block stages: r rows of K inputs
-    as float32 chunks of NE (+ 4 floats of pitch) and one float sum per chunk (gemv.cu
-    gemv_rows_stage)."""
-    ne = 32 if bits == 4 else 16
-    return r * (k // ne) * (ne + 5) * 4
-
-
-def rows_tile(n: int, t: int, sms: int, k: int, bits: int) -> int:
-    """The row tile R of a ``gemv_rows{R}_*`` launch over ``n`` output rows (warps), ``t``
-    input rows of ``k`` inputs, or 0 when no tile's staging fits ROWS_SMEM_MAX: the largest
-    of ROWS_TILES that fits and whose n * ceil(t / R) warps give every SM _ROWS_WARPS_PER_SM
-    (each tile re-reads the weight from L2, each warp runs R dependent dot-product chains per
-    chunk), else the smallest that fits."""
-    fits = [r for r in ROWS_TILES if rows_smem(r, k, bits) <= ROWS_SMEM_MAX]
-    for r in fits:
-        if n * -(-t // r) >= _ROWS_WARPS_PER_SM * sms:
-            return r
-    return fits[-1] if fits else 0
 
 
 def gemv_choice(n: int, kernels: KernelChoice) -> tuple:
@@ -110,8 +99,8 @@ def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
 class _WInfo:
     """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
 
-    __slots__ = ("n", "k", "lg", "bits", "args", "gemv", "gemv_norm", "gemm", "rows", "v2",
-                 "lpr", "g2", "g2_norm", "g2_argmax", "geo", "__weakref__")
+    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "rows", "v2", "lpr", "g2",
+                 "g2_norm", "g2_argmax", "geo", "__weakref__")
 
     def __init__(self, ops, w):
         _weight(w, "w")
@@ -120,7 +109,6 @@ class _WInfo:
             _aligned(getattr(w, name), f"w.{name}")
         self.n, self.k = w.shape
         self.lg = _log2g(w)
-        self.bits = w.bits
         self.args = (w.qweight.data.ptr, w.scales.data.ptr, w.zeros.data.ptr)
         b = w.bits
         self.gemv = {e: ops._fn("gemv", f"gemv_q{b}_{e}") for e in ("f16", "resid", "swiglu",
@@ -210,8 +198,6 @@ class GemvOps:
         ``KernelChoice.gemv_rows = False`` always takes the GEMM."""
         if not (self._in_batch and 2 <= t <= ROWS_MAX_T and self.kernels.gemv_rows):
             return False
-        if not rows_smem(ROWS_TILES[-1], info.k, info.bits) <= ROWS_SMEM_MAX:
-            return False
         return -(-info.n // _GEMM_BN) * -(-t // _GEMM_BM) < self.sms
 
     @contextlib.contextmanager
@@ -227,11 +213,10 @@ class GemvOps:
         """Launch ``gemv_rows{R}_*`` (R: ``rows_tile``) over x f16 [t, K] (contiguous) into
         ``out`` (rows ``ldo`` elements apart): ``rows`` output rows (F for SwiGLU, with ``f``
         = F)."""
-        r = rows_tile(rows, t, self.sms, info.k, info.bits)
+        r = rows_tile(rows, t, self.sms)
         info.rows[r, epi](((rows + _GEMV_ROWS - 1) // _GEMV_ROWS, (t + r - 1) // r),
-                          (32 * _GEMV_ROWS,),
-                          (*info.args, x.data.ptr, info.k, t, rows, info.k, f, info.lg,
-                           out.data.ptr, ldo), shared_mem=rows_smem(r, info.k, info.bits))
+           (32 * _GEMV_ROWS,),
+           (*info.args, x.data.ptr, info.k, t, rows, info.k, f, info.lg, out.data.ptr, ldo))
 
     def _geo(self, info, rows: int, cap_wave: bool) -> tuple:
         """(threads, blocks) of a v2 launch, cached per weight; ``_grid_cap`` applied."""

@@ -56,10 +56,35 @@ __device__ __forceinline__ void chunk_codes(const uint4 wv, float (&q)[BITS == 4
                          : (float)(signed char)((w[e >> 2] >> (8 * (e & 3))) & 0xFFu);
 }
 
+// Dot of one chunk's codes q (chunk_codes of chunk index c of its row) with x, given the
+// chunk's group scale s and zero z: returns s * sum q_k x_k + z * sum x_k, the products and sums
+// in element order (every caller's rounding depends on this order).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot_q(const float (&q)[BITS == 4 ? 32 : 16],
+                                             const half_t* __restrict__ x, int c, float s,
+                                             float z) {
+    const int n_el = BITS == 4 ? 32 : 16;
+    const uint4* xv = (const uint4*)(x + c * n_el);
+    float dot = 0.0f, sx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < n_el / 8; ++i) {
+        const uint4 xx = xv[i];
+        const unsigned xs[4] = {xx.x, xx.y, xx.z, xx.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float x0 = h2_lo(xs[j]), x1 = h2_hi(xs[j]);
+            dot = fmaf(q[8 * i + 2 * j], x0, dot);
+            dot = fmaf(q[8 * i + 2 * j + 1], x1, dot);
+            sx += x0 + x1;
+        }
+    }
+    return fmaf(s, dot, z * sx);
+}
+
 // Dot of one 16-byte chunk (chunk index c of its row) with x, given the chunk's group scale s
-// and zero z: returns s * sum q_k x_k + z * sum x_k, the products and the pair sums
-// (x0 + x1) in element order: gemv_rows_stage + staged_dot repeat this arithmetic on staged
-// rows (tests/kernels/test_gemv_rows_gpu.py holds gemv_rows{R}_* to gemv_* bit for bit).
+// and zero z: returns s * sum q_k x_k + z * sum x_k. The same arithmetic as chunk_codes +
+// chunk_dot_q, written out once more so the T = 1 kernels keep their own register schedule
+// (tests/kernels/test_gemv_rows_gpu.py holds gemv_rows{R}_* to gemv_* bit for bit).
 template <int BITS>
 __device__ __forceinline__ float chunk_dot_sz(const uint4 wv, const half_t* __restrict__ x, int c,
                                               float s, float z) {
@@ -234,57 +259,13 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ qw,
 // R rows t of row tile blockIdx.y. One warp per output row (two for SwiGLU), as gemv_impl; each
 // lane loads its 16-byte chunks in batches of up to four, turns each chunk into codes once
 // (chunk_codes) and takes it against every row of the tile. Row t's arithmetic is
-// gemv_row_acc's at T = 1 (chunk_dot_sz's products and sums in its order, the same chunk order,
-// warp_sum and epilogue), so each row equals a T = 1 launch on it bit for bit. The block first
-// stages its rows in dynamic shared memory as float32 (gemv_rows_stage), with every chunk's
-// sum of x, which each of its warps would otherwise convert and add again. R (2, 4 or 8: the
-// entry's number) trades the weight's re-reads from L2 (one per tile) against warps in flight:
-// the host takes the largest R that still gives every SM enough warps and whose staging fits
-// (gemv.py rows_tile, ROWS_SMEM_MAX).
+// gemv_row_acc's at T = 1 (the same chunk order and chunk_dot products, the same warp_sum, the
+// same epilogue), so each row equals a T = 1 launch on it bit for bit. The tile's x rows
+// (2 K bytes each) are read through L1 by every warp of the block. R (2, 4 or 8: the entry's
+// number) trades the weight's re-reads from L2 (one per tile) against warps in flight: the
+// host takes the largest R that still gives every SM enough warps (gemv.py rows_tile).
 // x f16 [T, ldx]; out rows ldo elements apart (f16 or f32 by EPI). grid = (ceil(N / GEMV_WARPS),
-// ceil(T / R)), block = 32 * GEMV_WARPS, dynamic shared memory = R * chunks * (NE + 5) * 4 bytes.
-extern __shared__ __align__(16) float gemv_rows_smem[];
-
-// Row r's chunk c as NE floats at xs + (r * chunks + c) * (NE + 4) (the pitch's 4 extra floats
-// keep a warp's reads of consecutive chunks free of bank conflicts), and its chunk sum at
-// sxs[r * chunks + c]: the pairs (x0 + x1) added in element order, as chunk_dot_sz adds them.
-// Ends with a barrier.
-template <int NE>
-__device__ __forceinline__ void gemv_rows_stage(const half_t* __restrict__ xt, i64 ldx, int nr,
-                                                int K, int chunks, float* xs, float* sxs) {
-    const int nt = blockDim.x;
-    for (int i = threadIdx.x; i < nr * K; i += nt) {
-        const int r = i / K, k = i - r * K, c = k / NE;
-        xs[(r * chunks + c) * (NE + 4) + (k - c * NE)] = h2f(xt[r * ldx + k]);
-    }
-    for (int i = threadIdx.x; i < nr * chunks; i += nt) {
-        const int r = i / chunks, c = i - r * chunks;
-        const half_t* xc = xt + r * ldx + c * NE;
-        float sx = 0.0f;
-#pragma unroll
-        for (int e = 0; e < NE; e += 2) sx += h2f(xc[e]) + h2f(xc[e + 1]);
-        sxs[i] = sx;
-    }
-    __syncthreads();
-}
-
-// chunk_dot_sz on a staged chunk: s * sum q_k x_k + z * sx, the products in element order.
-template <int NE>
-__device__ __forceinline__ float staged_dot(const float (&q)[NE], const float* xc, float sx,
-                                            float s, float z) {
-    const float4* xv = (const float4*)xc;
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NE / 4; ++i) {
-        const float4 v = xv[i];
-        dot = fmaf(q[4 * i], v.x, dot);
-        dot = fmaf(q[4 * i + 1], v.y, dot);
-        dot = fmaf(q[4 * i + 2], v.z, dot);
-        dot = fmaf(q[4 * i + 3], v.w, dot);
-    }
-    return fmaf(s, dot, z * sx);
-}
-
+// ceil(T / R)), block = 32 * GEMV_WARPS.
 template <int BITS, int EPI, int R>
 __device__ __forceinline__ void gemv_rows_impl(const u8* __restrict__ qw,
                                                const half_t* __restrict__ sc,
@@ -292,23 +273,21 @@ __device__ __forceinline__ void gemv_rows_impl(const u8* __restrict__ qw,
                                                const half_t* __restrict__ x, i64 ldx, i64 T,
                                                i64 N, i64 K, i64 F, i64 log2g,
                                                void* __restrict__ out, i64 ldo) {
-    constexpr int NE = BITS == 4 ? 32 : 16, P = NE + 4;
+    constexpr int NE = BITS == 4 ? 32 : 16;
     constexpr bool TWO = EPI == EPI_SWIGLU;
     const i64 row = (i64)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     const i64 t0 = (i64)blockIdx.y * R;
     const int nr = (int)(T - t0 < R ? T - t0 : R);
-    const i64 row_bytes = BITS == 4 ? K / 2 : K;
-    const int chunks = (int)(row_bytes / 16), ngroups = (int)(K >> log2g);
     if (row < N) gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row, K, F, (int)log2g, lane);
     TL_PDL_ENTER();                               // x and out: written / read by the kernel before
-    float* xs = gemv_rows_smem;
-    float* sxs = gemv_rows_smem + R * chunks * P;
-    gemv_rows_stage<NE>(x + t0 * ldx, ldx, nr, (int)K, chunks, xs, sxs);
     if (row >= N) return;
+    const i64 row_bytes = BITS == 4 ? K / 2 : K;
+    const int chunks = (int)(row_bytes / 16), ngroups = (int)(K >> log2g);
     const i64 row1 = row + F;
     const uint4* w0 = (const uint4*)(qw + row * row_bytes);
     const uint4* w1 = (const uint4*)(qw + (TWO ? row1 : row) * row_bytes);
+    const half_t* xt = x + t0 * ldx;
     float acc0[R], acc1[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = 0.0f;
@@ -330,17 +309,13 @@ __device__ __forceinline__ void gemv_rows_impl(const u8* __restrict__ qw,
             const float s0 = h2f(sc[row * ngroups + g]), z0 = h2f(zr[row * ngroups + g]);
 #pragma unroll
             for (int r = 0; r < R; ++r)
-                if (r < nr)
-                    acc0[r] += staged_dot<NE>(q, xs + (r * chunks + cj) * P,
-                                              sxs[r * chunks + cj], s0, z0);
+                if (r < nr) acc0[r] += chunk_dot_q<BITS>(q, xt + r * ldx, cj, s0, z0);
             if (TWO) {
                 chunk_codes<BITS>(b[j], q);
                 const float s1 = h2f(sc[row1 * ngroups + g]), z1 = h2f(zr[row1 * ngroups + g]);
 #pragma unroll
                 for (int r = 0; r < R; ++r)
-                    if (r < nr)
-                        acc1[r] += staged_dot<NE>(q, xs + (r * chunks + cj) * P,
-                                                  sxs[r * chunks + cj], s1, z1);
+                    if (r < nr) acc1[r] += chunk_dot_q<BITS>(q, xt + r * ldx, cj, s1, z1);
             }
         }
     }
