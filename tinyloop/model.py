@@ -26,7 +26,7 @@ from .config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, check_load_a
                      cuda_graphs_enabled,
                      kv_mode_from_env)
 from .errors import (ArtificialLoopWarning, ConfigError, FormatError, ModelFreedError,
-                     NonFiniteLogitsError, TinyLoopError, TokenizerError)
+                     TinyLoopError, TokenizerError)
 from .format import read_tlm
 from .generate import generate as _generate
 from .generate import score as _score
@@ -1210,8 +1210,8 @@ class Model:
                     if sampling is None:
                         out[b0:b0 + n] = self._ops.to_host(logits)
                         continue
-                    for i in range(n):
-                        picked.append(self._sample_row(logits[i], sampling[b0 + i]))
+                    picked.extend(self._ops.sample_rows(
+                        logits, [(i, *sampling[b0 + i]) for i in range(n)]))
             finally:
                 self._pool.free(blk)
             return out if sampling is None else picked
@@ -1220,8 +1220,9 @@ class Model:
         """``decode_batch`` through the captured batch step (``graphs.DecodeGraphs
         .run_batch``): per sub-batch of at most ``rows`` rows, the inputs are uploaded, the
         step (stack, head into the held logits, the rows' argmax into mapped host memory)
-        replays, and after one synchronisation greedy rows take their argmax; sampled rows
-        are sampled from their logits row (``Ops.sample``)."""
+        replays, and after one synchronisation greedy rows take their argmax; the others are
+        drawn from their logits rows (``Ops.sample_rows``: on CUDA queued together, one more
+        synchronisation)."""
         b, ops = len(caches), self._ops
         logits_all, host_ids = graphs.batch_buffers(rows)
         out = None if sampling is not None else np.empty((b, self.config.vocab_size), np.float32)
@@ -1237,22 +1238,19 @@ class Model:
             if sampling is None:
                 out[b0:b0 + n] = ops.to_host(logits)
                 continue
+            got = [None] * n
+            drawn = [i for i in range(n) if not _greedy(sampling[b0 + i])]
             for i in range(n):
                 if _greedy(sampling[b0 + i]):
                     code = int(hid[i, 1])
-                    picked.append(int(hid[i, 0]) if not code
-                                  else non_finite_logits(LOGIT_FAULTS[code]))
-                else:
-                    picked.append(self._sample_row(logits[i], sampling[b0 + i]))
+                    got[i] = (int(hid[i, 0]) if not code
+                              else non_finite_logits(LOGIT_FAULTS[code]))
+            if drawn:
+                for i, g in zip(drawn, ops.sample_rows(
+                        logits, [(i, *sampling[b0 + i]) for i in drawn])):
+                    got[i] = g
+            picked.extend(got)
         return out if sampling is None else picked
-
-    def _sample_row(self, logits, sampling):
-        """``Ops.sample`` of one batch row's logits under its ``sampling`` tuple: the id, or
-        the row's NonFiniteLogitsError (so one bad request does not end the others)."""
-        try:
-            return int(self._ops.sample(logits, *sampling))
-        except NonFiniteLogitsError as e:
-            return e
 
     def _batch_inputs(self, ids, positions, depth: int, caches) -> BatchRows:
         """Upload one decode sub-batch's token ids (the scratch ``ids``) and its index

@@ -160,3 +160,26 @@ def test_argmax_rows_refuses_another_buffer(ops):
     ops.batch_host_ids(4)
     with pytest.raises(ConfigError, match="batch_host_ids"):
         ops.argmax_rows(cupy.zeros((4, 10), cupy.float32), np.zeros((4, 2), np.int32))
+
+
+def test_sample_rows_equal_sample_row_by_row(ops, rng):
+    """sample_rows (every row without a penalty queued before one synchronisation, each with
+    its own parameters) picks what ``sample`` picks on each row alone: greedy, temperature
+    with top-k / top-p / min-p, a penalty row (run through ``sample``), a NaN row (its error,
+    the other rows unharmed), rows given out of order and twice."""
+    from tinyloop.errors import NonFiniteLogitsError
+    vocab = 5000
+    lg = rng.standard_normal((6, vocab)).astype(np.float32) * 3
+    lg[4, 17] = np.nan
+    dev = cupy.asarray(lg)
+    rows = [(0, 0.0, 0, 1.0, 0.0), (1, 0.8, 0, 0.9, 0.37), (2, 0.7, 40, 1.0, 0.91, 0.05),
+            (3, 1.0, 0, 1.0, 0.5, 0.0, 1.3, [1, 2, 3, 99]), (4, 0.8, 0, 0.9, 0.2),
+            (5, 1.2, 5, 0.8, 0.66, 0.1), (1, 0.8, 0, 0.9, 0.99), (0, 0.9, 0, 1.0, 0.01)]
+    got = ops.sample_rows(dev, rows)
+    for (i, *args), g in zip(rows, got):
+        try:
+            want = int(ops.sample(dev[i], *args))
+        except NonFiniteLogitsError as e:
+            assert isinstance(g, NonFiniteLogitsError) and g.kind == e.kind
+            continue
+        assert g == want, (i, args)

@@ -491,6 +491,20 @@ class Ops:
             except NonFiniteLogitsError as e:
                 out[i] = (0, _FAULT_CODES[e.kind])
 
+    def sample_rows(self, logits, rows) -> list:
+        """The next token of several rows of ``logits`` f32 [B, vocab], each by ``sample``'s
+        rule: ``rows`` holds tuples (row index, temperature, top_k, top_p, u[, min_p,
+        repetition_penalty, recent_ids]); returns, in their order, each pick, or the row's
+        NonFiniteLogitsError (so one bad row does not end the others). A backend may queue
+        every row before one synchronisation. Raises ConfigError as ``sample`` does."""
+        out = []
+        for i, *args in rows:
+            try:
+                out.append(int(self.sample(logits[i], *args)))
+            except NonFiniteLogitsError as e:
+                out.append(e)
+        return out
+
     def batch_host_ids(self, rows: int):
         """A host int32 [rows, 2] that ``argmax_rows`` writes (CUDA: mapped pinned memory the
         kernel writes directly); the same buffer while ``rows`` does not grow."""

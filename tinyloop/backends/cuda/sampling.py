@@ -11,7 +11,7 @@ import ctypes
 import numpy as np
 
 from ...errors import ConfigError
-from ..base import LOGIT_FAULTS, REPEAT_LAST_N_MAX, non_finite_logits, window_ring
+from ..base import LOGIT_FAULTS, REPEAT_LAST_N_MAX, Ops, non_finite_logits, window_ring
 from ..numpy_ops import sample_from_logits
 from .checks import _F32, _dev
 from .compile import GEOMETRY, cupy
@@ -27,6 +27,14 @@ _PRM = 8                 # sample.cu SMP_PRM: f64 parameters per sampler call
 
 def _fast_grid(n: int) -> int:
     return max(1, min(_FAST_MAX_BLOCKS, -(-n // _FAST_CHUNK)))
+
+
+def _check_draw(temperature, top_k, u) -> None:
+    """ConfigError for a sampled row's u outside [0, 1) or top_k < 0."""
+    if temperature > 0.0 and not 0.0 <= u < 1.0:
+        raise ConfigError(f"u must lie in [0, 1), got {u}")
+    if temperature > 0.0 and top_k < 0:
+        raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
 
 
 def _penalized(repetition_penalty, recent_ids) -> bool:
@@ -57,10 +65,7 @@ class SamplingOps:
             logits = logits[0]
         if logits.ndim != 1 or logits.shape[0] == 0:
             raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
-        if temperature > 0.0 and not 0.0 <= u < 1.0:
-            raise ConfigError(f"u must lie in [0, 1), got {u}")
-        if temperature > 0.0 and top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        _check_draw(temperature, top_k, u)
         n = logits.shape[0]
         pen = _penalized(repetition_penalty, recent_ids)
         if pen:
@@ -116,6 +121,62 @@ class SamplingOps:
             self._bids = np.ctypeslib.as_array(
                 (ctypes.c_int32 * (2 * rows)).from_address(self._bids_blk.ptr)).reshape(rows, 2)
         return self._bids[:rows]
+
+    def sample_rows(self, logits, rows) -> list:
+        """``Ops.sample_rows`` with one synchronisation: every row without a repetition
+        penalty is queued first (the argmax for temperature <= 0, else the sampler of
+        ``sample_launch``), each with its own parameters and result words in mapped pinned
+        memory (``_rows_sampler``), then the rows with a penalty (whose window ring is one
+        per backend) run one by one through ``sample``. A vocabulary past the sampler's
+        2^22 runs every row through ``sample``."""
+        _dev(logits, "logits", np.float32, 2)
+        n = logits.shape[1]
+        if not logits.flags.c_contiguous or n == 0 or n > _SAMPLE_MAX_N:
+            return super().sample_rows(logits, rows)
+        out: list = [None] * len(rows)
+        prm, ids = self._rows_sampler(len(rows))
+        queued, later = [], []
+        for j, (i, temperature, top_k, top_p, u, *rest) in enumerate(rows):
+            min_p = rest[0] if rest else 0.0
+            if _penalized(rest[1] if len(rest) > 1 else 1.0, rest[2] if len(rest) > 2 else None):
+                later.append(j)
+                continue
+            _check_draw(temperature, top_k, u)
+            row = logits.data.ptr + int(i) * n * 4
+            out_ptr = ids.ctypes.data + 8 * j
+            if temperature <= 0.0:
+                self._fn("sample", "argmax_f32")((1,), (_SAMPLE_THREADS,), (row, n, out_ptr))
+            else:
+                self._ensure_wq(n)
+                self._write_prm(prm[j], temperature, top_k, top_p, u, min_p, 1.0, 0)
+                self._sampler_launches(row, n, prm.ctypes.data + 8 * _PRM * j, out_ptr, None)
+            queued.append(j)
+        if queued:
+            cupy.cuda.get_current_stream().synchronize()
+        for j in queued:
+            code = int(ids[j, 1])
+            out[j] = non_finite_logits(LOGIT_FAULTS[code]) if code else int(ids[j, 0])
+        for j, got in zip(later, Ops.sample_rows(self, logits, [rows[j] for j in later])):
+            out[j] = got
+        return out
+
+    def _rows_sampler(self, rows: int) -> tuple:
+        """(f64 [rows, 8] parameters, int32 [rows, 2] ids and fault codes) of ``sample_rows``:
+        one mapped pinned block (tag scratch), grown (after a synchronisation) for more
+        rows."""
+        if self._rsmp is None or self._rsmp[0].shape[0] < rows:
+            if self._rsmp_blk is not None:
+                cupy.cuda.get_current_stream().synchronize()
+                blk, self._rsmp_blk, self._rsmp = self._rsmp_blk, None, None
+                blk.free()
+            self._rsmp_blk = self._pinned_pool.allocate(rows * (8 * _PRM + 8), "scratch")
+            base = self._rsmp_blk.ptr
+            prm = np.ctypeslib.as_array((ctypes.c_double * (_PRM * rows)).from_address(base))
+            ids = np.ctypeslib.as_array(
+                (ctypes.c_int32 * (2 * rows)).from_address(base + 8 * _PRM * rows))
+            self._rsmp = (prm.reshape(rows, _PRM), ids.reshape(rows, 2))
+        prm, ids = self._rsmp
+        return prm, ids
 
     def _raise_on_fault(self) -> None:
         """Raise NonFiniteLogitsError for the fault code an argmax / sampler kernel wrote
