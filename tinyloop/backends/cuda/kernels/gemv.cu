@@ -434,23 +434,38 @@ GEMV_ENTRY(gemv_q8_resid, 8, EPI_RESID)
 GEMV_ENTRY(gemv_q8_swiglu, 8, EPI_SWIGLU)
 GEMV_ENTRY(gemv_q8_f32, 8, EPI_F32)
 
-#define GEMV_ROWS_ENTRY(R, BITS, EPI, SFX)                                                    \
+#define GEMV_ROWS_ENTRY(NAME, R, BITS, EPI)                                                   \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                            \
-        gemv_rows##R##_q##BITS##_##SFX(const u8* qw, const half_t* sc, const half_t* zr,      \
-                                       const half_t* x, i64 ldx, i64 T, i64 N, i64 K, i64 F,  \
-                                       i64 log2g, void* out, i64 ldo) {                       \
+        NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 ldx,     \
+             i64 T, i64 N, i64 K, i64 F, i64 log2g, void* out, i64 ldo) {                     \
         gemv_rows_impl<BITS, EPI, R>(qw, sc, zr, x, ldx, T, N, K, F, log2g, out, ldo);        \
     }
-#define GEMV_ROWS_ENTRIES(R)                                                                  \
-    GEMV_ROWS_ENTRY(R, 4, EPI_F16, f16) GEMV_ROWS_ENTRY(R, 4, EPI_RESID, resid)               \
-    GEMV_ROWS_ENTRY(R, 4, EPI_SWIGLU, swiglu) GEMV_ROWS_ENTRY(R, 4, EPI_F32, f32)             \
-    GEMV_ROWS_ENTRY(R, 8, EPI_F16, f16) GEMV_ROWS_ENTRY(R, 8, EPI_RESID, resid)               \
-    GEMV_ROWS_ENTRY(R, 8, EPI_SWIGLU, swiglu) GEMV_ROWS_ENTRY(R, 8, EPI_F32, f32)
 
 // A decode batch's projections, 2 <= T rows in tiles of R (CudaOps._matmul, linear_swiglu).
-GEMV_ROWS_ENTRIES(2)
-GEMV_ROWS_ENTRIES(4)
-GEMV_ROWS_ENTRIES(8)
+GEMV_ROWS_ENTRY(gemv_rows2_q4_f16, 2, 4, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows2_q4_resid, 2, 4, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows2_q4_swiglu, 2, 4, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows2_q4_f32, 2, 4, EPI_F32)
+GEMV_ROWS_ENTRY(gemv_rows2_q8_f16, 2, 8, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows2_q8_resid, 2, 8, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows2_q8_swiglu, 2, 8, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows2_q8_f32, 2, 8, EPI_F32)
+GEMV_ROWS_ENTRY(gemv_rows4_q4_f16, 4, 4, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows4_q4_resid, 4, 4, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows4_q4_swiglu, 4, 4, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows4_q4_f32, 4, 4, EPI_F32)
+GEMV_ROWS_ENTRY(gemv_rows4_q8_f16, 4, 8, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows4_q8_resid, 4, 8, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows4_q8_swiglu, 4, 8, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows4_q8_f32, 4, 8, EPI_F32)
+GEMV_ROWS_ENTRY(gemv_rows8_q4_f16, 8, 4, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows8_q4_resid, 8, 4, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows8_q4_swiglu, 8, 4, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows8_q4_f32, 8, 4, EPI_F32)
+GEMV_ROWS_ENTRY(gemv_rows8_q8_f16, 8, 8, EPI_F16)
+GEMV_ROWS_ENTRY(gemv_rows8_q8_resid, 8, 8, EPI_RESID)
+GEMV_ROWS_ENTRY(gemv_rows8_q8_swiglu, 8, 8, EPI_SWIGLU)
+GEMV_ROWS_ENTRY(gemv_rows8_q8_f32, 8, 8, EPI_F32)
 
 // RMSNorm -> projection at T = 1 (CudaOps.rmsnorm_linear / _swiglu / rmsnorm_lm_head).
 GEMV_NORM_ENTRY(gemv_norm_q4_f16, 4, EPI_F16)
