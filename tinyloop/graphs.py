@@ -41,8 +41,8 @@ Its inputs are fixed buffers the host fills before each replay: the token ids (t
 scratch), the step's index of positions and block-table addresses (``kv.cache.batch_index``,
 the BufferPool's ``batch_index``); it ends in the logits ``[B, vocab]`` of one block held
 here (tag ``graphs``, ``batch_buffers``) and ``Ops.argmax_rows`` into mapped host memory, so
-one replay and one synchronisation give every row's greedy id (sampled rows are sampled from
-the logits after it). At most ``MAX_BATCH_GRAPHS`` batch keys are kept (LRU).
+one replay and one synchronisation give every row's greedy id (the other rows are drawn from
+the logits after it, ``Ops.sample_rows``). At most ``MAX_BATCH_GRAPHS`` batch keys are kept (LRU).
 
 **Rules**: the first step under a new key runs the same launches eagerly (kernels load, every
 argument is validated with an ordinary error); the next step captures. The pool must make no
@@ -365,10 +365,11 @@ class DecodeGraphs:
         if self.batch_logits is None or self.batch_logits.shape[0] < rows:
             vocab = self._model.config.vocab_size
             self._drop_batch()
+            ids = self._ops.batch_host_ids(rows)
             with packed_scope():
                 self.batch_logits, self._batch_block = self._ops.empty(
                     self._pool, (rows, vocab), np.float32, "graphs")
-            self.batch_ids = self._ops.batch_host_ids(rows)
+            self.batch_ids = ids
         return self.batch_logits[:rows], self.batch_ids[:rows]
 
     def run_batch(self, key, issue) -> None:

@@ -981,7 +981,7 @@ class Model:
     def watch_forward(self, callback):
         """While the block runs, ``callback(start, t)`` is called after every chunk of
         positions start..start+t-1 the forward computes (prefill chunks, eager decode steps,
-        ResumeHandle upgrades; decode steps run as a captured graph are not seen): for
+        ResumeHandle upgrades; decode steps and batches run as captured graphs are not seen): for
         progress display. It runs under the model's lock and must not call the model."""
         self._rows_hooks.append(callback)
         try:
@@ -1207,6 +1207,9 @@ class Model:
                     batch = self._batch_inputs(ids[b0:b0 + n], pos[b0:b0 + n], depth,
                                                caches[b0:b0 + n])
                     self._decode_rows_ops(batch, depth, logits)
+                    for hook in self._rows_hooks:       # eager rows (watch_forward)
+                        for p in pos[b0:b0 + n]:
+                            hook(p, 1)
                     if sampling is None:
                         out[b0:b0 + n] = self._ops.to_host(logits)
                         continue
@@ -1254,14 +1257,10 @@ class Model:
 
     def _batch_inputs(self, ids, positions, depth: int, caches) -> BatchRows:
         """Upload one decode sub-batch's token ids (the scratch ``ids``) and its index
-        (``_batch_index``); returns its BatchRows. Runs the rows' hooks (positions written)."""
+        (``_batch_index``); returns its BatchRows."""
         n = len(ids)
         self._ops.from_host(np.ascontiguousarray(ids, dtype=np.int32), self._views(n)["ids"])
-        batch = BatchRows(caches, positions, self._batch_index(caches, positions, depth))
-        for hook in self._rows_hooks:
-            for p in positions:
-                hook(p, 1)
-        return batch
+        return BatchRows(caches, positions, self._batch_index(caches, positions, depth))
 
     def _decode_rows_ops(self, batch: BatchRows, depth: int, logits, host_ids=None) -> None:
         """The launches of one decode sub-batch (inputs uploaded by ``_batch_inputs``;

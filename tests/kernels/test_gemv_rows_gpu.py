@@ -1,11 +1,12 @@
 """The decode batch's kernels (kernels/gemv.cu gemv_rows{R}_*, sample.cu argmax_f32 over rows)
 on the GPU.
 
-gemv_rows{R}_* (R = 2, 4, 8: gemv.rows_tile) runs a few input rows (2 <= T <= gemv.ROWS_MAX_T, a decode batch) with the T = 1
-GEMV's arithmetic for each row, so every output row must equal the v1 GEMV on that row alone
-bit for bit, in every epilogue, and lie within the FP16 bound of the NumPy reference
-(numpy_ops.NumpyOps.linear*: the product from the dequantized weights). argmax_rows must give
-numpy.argmax's pick (first NaN, else the first maximum) and base.logit_fault's code per row.
+gemv_rows{R}_* (R = 2, 4, 8: gemv.rows_tile) runs a few input rows (2 <= T <= gemv.ROWS_MAX_T,
+a decode batch) with the T = 1 GEMV's arithmetic for each row, so every output row must equal
+the v1 GEMV on that row alone bit for bit, in every epilogue, and lie within the FP16 bound of
+the NumPy reference (numpy_ops.NumpyOps.linear*: the product from the dequantized weights).
+argmax_rows must give numpy.argmax's pick (first NaN, else the first maximum) and
+base.logit_fault's code per row; sample_rows what ``sample`` picks on each row alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from tinyloop.backends.base import LOGIT_FAULTS, logit_fault  # noqa: E402
 from tinyloop.backends.cuda import CudaOps, KernelChoice  # noqa: E402
 from tinyloop.backends.cuda.gemv import ROWS_MAX_T, ROWS_TILES, rows_tile  # noqa: E402
 
-from .test_kernels_gpu import F16_RTOL, assert_close, dev_weight, f16, rand_weight, rms  # noqa: E402
+from .test_kernels_gpu import (F16_RTOL, assert_close, dev_weight, f16,  # noqa: E402
+                               rand_weight, rms)
 
 _CODES = {v: k for k, v in LOGIT_FAULTS.items()}
 

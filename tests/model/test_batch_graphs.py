@@ -153,3 +153,18 @@ def test_batch_graphs_release_with_the_model(arch_path, monkeypatch):
     finally:
         tinyloop.free_model(m)
     assert all(g.freed for g in ops.graphs)
+
+
+def test_sample_rows_refuses_a_row_outside_the_batch(arch_path):
+    """Ops.sample_rows names a bad entry (a row index outside the logits, too few fields)
+    before it draws any row."""
+    from tinyloop.errors import ConfigError
+    m = tinyloop.load_model(arch_path, max_seq_len=64, backend="numpy")
+    try:
+        lg = np.zeros((3, m.config.vocab_size), np.float32)
+        assert m.ops.sample_rows(lg, [(2, 0.0, 0, 1.0, 0.0)]) == [0]
+        for bad in ([(3, 0.0, 0, 1.0, 0.0)], [(-1, 0.0, 0, 1.0, 0.0)], [(0, 0.0, 0)]):
+            with pytest.raises(ConfigError, match="sample_rows"):
+                m.ops.sample_rows(lg, bad)
+    finally:
+        tinyloop.free_model(m)

@@ -55,6 +55,15 @@ def non_finite_logits(kind: str, step: int | None = None,
         "overflow in the forward)", kind=kind, step=step, position=position)
 
 
+def check_sample_rows(rows, b: int) -> None:
+    """ConfigError for an ``Ops.sample_rows`` entry whose row index is not in 0..b-1 or that
+    has fewer than the five leading fields (index, temperature, top_k, top_p, u)."""
+    for r in rows:
+        if len(r) < 5 or isinstance(r[0], bool) or int(r[0]) != r[0] or not 0 <= r[0] < b:
+            raise ConfigError(f"sample_rows: {r!r} must start (row index in 0..{b - 1}, "
+                              "temperature, top_k, top_p, u)")
+
+
 class Ops:
     """Abstract op set. See ``numpy_ops.NumpyOps`` for the reference semantics of each op."""
 
@@ -497,6 +506,7 @@ class Ops:
         repetition_penalty, recent_ids]); returns, in their order, each pick, or the row's
         NonFiniteLogitsError (so one bad row does not end the others). A backend may queue
         every row before one synchronisation. Raises ConfigError as ``sample`` does."""
+        check_sample_rows(rows, logits.shape[0])
         out = []
         for i, *args in rows:
             try:

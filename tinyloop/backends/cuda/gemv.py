@@ -27,20 +27,9 @@ from .gemm import launch_gemm
 
 _GEMV_ROWS = GEOMETRY["gemv"]["GEMV_WARPS"]
 _GEMM_BM, _GEMM_BN = GEOMETRY["gemm"]["BM"], GEOMETRY["gemm"]["BN"]
-ROWS_MAX_T = 32         # gemv_rows*_: the most input rows it takes (a decode batch's size)
-ROWS_TILES = (8, 4, 2)  # gemv_rows{R}_: the row tiles built, largest first
+ROWS_MAX_T = 32         # gemv_rows{R}_*: the most input rows it takes (a decode batch)
+ROWS_TILES = (8, 4, 2)  # gemv_rows{R}_*: the row tiles built, largest first
 _ROWS_WARPS_PER_SM = 32  # rows_tile: warps per SM that hide the dependent FMA chains
-
-
-def rows_tile(n: int, t: int, sms: int) -> int:
-    """The row tile R of a ``gemv_rows{R}_*`` launch over ``n`` output rows (warps) and
-    ``t`` input rows: the largest of ROWS_TILES whose n * ceil(t / R) warps give every SM
-    _ROWS_WARPS_PER_SM (each tile re-reads the weight from L2, each warp runs R dependent
-    dot-product chains per chunk), else the smallest."""
-    for r in ROWS_TILES:
-        if n * -(-t // r) >= _ROWS_WARPS_PER_SM * sms:
-            return r
-    return ROWS_TILES[-1]
 _EW_THREADS = GEOMETRY["elementwise"]["EW_THREADS"]
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
@@ -54,6 +43,17 @@ _MAX_BLOCKS_PER_SM = 32
 # (docs/architecture.md "GEMV choice").
 GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
                  (0, "v1", None))      # every layer shape
+
+
+def rows_tile(n: int, t: int, sms: int) -> int:
+    """The row tile R of a ``gemv_rows{R}_*`` launch over ``n`` output rows (warps) and
+    ``t`` input rows: the largest of ROWS_TILES whose n * ceil(t / R) warps give every SM
+    _ROWS_WARPS_PER_SM (each tile re-reads the weight from L2, each warp runs R dependent
+    dot-product chains per chunk), else the smallest."""
+    for r in ROWS_TILES:
+        if n * -(-t // r) >= _ROWS_WARPS_PER_SM * sms:
+            return r
+    return ROWS_TILES[-1]
 
 
 def gemv_choice(n: int, kernels: KernelChoice) -> tuple:
@@ -188,13 +188,12 @@ class GemvOps:
         launch_gemm(info, epi, x, t, out, ldo)
 
     def _rows_path(self, info, t: int) -> bool:
-        """Whether a T = ``t`` product runs as ``gemv_rows*_`` (each weight row read once per
-        tile of input rows, a warp per output row) instead of the tiled GEMM: inside
+        """Whether a T = ``t`` product runs as ``gemv_rows{R}_*`` (each weight row read once
+        per tile of input rows, a warp per output row) instead of the tiled GEMM: inside
         ``decode_batch_scope`` (prefill keeps the GEMM, so a prefix's recomputed tail matches
-        a full prefill as before), 2 <= t <= ROWS_MAX_T and the GEMM's grid under one block
-        per SM, where its K loop of
-        dependent tile loads on few blocks is latency-bound (a decode batch). A GEMM grid that
-        fills the GPU (prefill, or the LM head's 49k rows) keeps the GEMM's tensor cores.
+        a full prefill), 2 <= t <= ROWS_MAX_T, and a GEMM grid under one block per SM, whose
+        K loop of dependent tile loads on few blocks is latency-bound. A GEMM grid that fills
+        the GPU (the LM head's 49k rows) keeps the GEMM's tensor cores.
         ``KernelChoice.gemv_rows = False`` always takes the GEMM."""
         if not (self._in_batch and 2 <= t <= ROWS_MAX_T and self.kernels.gemv_rows):
             return False
@@ -215,8 +214,9 @@ class GemvOps:
         = F)."""
         r = rows_tile(rows, t, self.sms)
         info.rows[r, epi](((rows + _GEMV_ROWS - 1) // _GEMV_ROWS, (t + r - 1) // r),
-           (32 * _GEMV_ROWS,),
-           (*info.args, x.data.ptr, info.k, t, rows, info.k, f, info.lg, out.data.ptr, ldo))
+                          (32 * _GEMV_ROWS,),
+                          (*info.args, x.data.ptr, info.k, t, rows, info.k, f, info.lg,
+                           out.data.ptr, ldo))
 
     def _geo(self, info, rows: int, cap_wave: bool) -> tuple:
         """(threads, blocks) of a v2 launch, cached per weight; ``_grid_cap`` applied."""
@@ -254,8 +254,8 @@ class GemvOps:
         """out f16 [T, F] = silu(x @ Wg.T) * (x @ Wu.T); W [2F, in] gate rows then up rows.
 
         T = 1: one fused GEMV (each warp reads its gate and up rows); a few rows (a decode
-        batch, ``_rows_path``): one ``gemv_rows{R}_q*_swiglu`` launch; else GEMM into ``tmp`` f16
-        [>= T, 2F], then the SwiGLU kernel.
+        batch, ``_rows_path``): one ``gemv_rows{R}_q*_swiglu`` launch; else GEMM into ``tmp``
+        f16 [>= T, 2F], then the SwiGLU kernel.
         """
         info = self._info(w)
         t = self._act_in(x, info)

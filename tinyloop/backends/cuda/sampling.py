@@ -11,7 +11,8 @@ import ctypes
 import numpy as np
 
 from ...errors import ConfigError
-from ..base import LOGIT_FAULTS, REPEAT_LAST_N_MAX, Ops, non_finite_logits, window_ring
+from ..base import (LOGIT_FAULTS, REPEAT_LAST_N_MAX, Ops, check_sample_rows,
+                    non_finite_logits, window_ring)
 from ..numpy_ops import sample_from_logits
 from .checks import _F32, _dev
 from .compile import GEOMETRY, cupy
@@ -134,6 +135,9 @@ class SamplingOps:
         if not logits.flags.c_contiguous or n == 0 or n > _SAMPLE_MAX_N:
             return super().sample_rows(logits, rows)
         out: list = [None] * len(rows)
+        check_sample_rows(rows, logits.shape[0])        # every row checked before any runs
+        for _, temperature, top_k, _, u, *_ in rows:
+            _check_draw(temperature, top_k, u)
         prm, ids = self._rows_sampler(len(rows))
         queued, later = [], []
         for j, (i, temperature, top_k, top_p, u, *rest) in enumerate(rows):
@@ -141,7 +145,6 @@ class SamplingOps:
             if _penalized(rest[1] if len(rest) > 1 else 1.0, rest[2] if len(rest) > 2 else None):
                 later.append(j)
                 continue
-            _check_draw(temperature, top_k, u)
             row = logits.data.ptr + int(i) * n * 4
             out_ptr = ids.ctypes.data + 8 * j
             if temperature <= 0.0:
