@@ -33,8 +33,10 @@ recurrent iteration, the "kl" rule's probe, the coda and head) are captured one 
 under the step's key plus ("auto", rule), and the host reads the state back between
 iterations.
 
-**A decode batch** (``run_batch``, ``Model.decode_batch``): the B rows' step is captured per
-batch key - (B, depth, the KV modes, page size, iteration policy, launch constants, and the
+**A decode batch** (``run_batch``, ``Model.decode_batch``): the B rows' step, padded to
+``batch_bucket(B)`` rows by repeating its first row (the copies write that row's K/V values
+to its own slot again and their logits are dropped), is captured per batch key - (padded B,
+depth, the KV modes, page size, iteration policy, launch constants, and the
 attention's split counts, ``Ops.batch_attention_key``, a function of the longest context's
 power-of-two bucket) - in fp16 / int8 pages (the store-h modes loop over rows on the host).
 Its inputs are fixed buffers the host fills before each replay: the token ids (the model's
@@ -67,6 +69,15 @@ from .memory import packed_scope
 
 MAX_GRAPHS = 16       # graphs kept per model (keys: depth x KV modes; LRU beyond this)
 MAX_BATCH_GRAPHS = 64  # decode-batch graphs kept per model (keys: batch size x ...; LRU)
+
+
+def batch_bucket(rows: int, cap: int) -> int:
+    """The row count a captured decode batch of ``rows`` rows runs at: 1, 2, then multiples
+    of 4, at most ``cap`` (the model's scratch rows). The extra rows repeat the first row
+    (``Model.decode_batch``), so a batch whose size moves step by step (requests starting and
+    ending) reuses a few graphs instead of capturing one per size."""
+    rows = int(rows)
+    return min(int(cap), rows if rows <= 2 else -(-rows // 4) * 4)
 
 
 class _Entry:
@@ -347,6 +358,11 @@ class DecodeGraphs:
         return (bool(modes) and set(cache.modes) <= set(modes)
                 and not any(lay.stores_h for lay in cache.layouts) and cuda_graphs_enabled())
 
+    @staticmethod
+    def bucket(rows: int, cap: int) -> int:
+        """``batch_bucket``: the padded row count of a captured batch of ``rows`` rows."""
+        return batch_bucket(rows, cap)
+
     def batch_key(self, cache, rows: int, ctx: int) -> tuple:
         """The graph key of a decode batch of ``rows`` requests laid out as ``cache`` whose
         longest context is ``ctx`` keys (see the module doc)."""
@@ -506,4 +522,5 @@ def decode_step_auto(model, cache, token: int, pos: int, rule, temperature: floa
     return None if out is None else (out[0], out[2])
 
 
-__all__ = ["DecodeGraphs", "MAX_GRAPHS", "decode_graphs", "decode_step", "decode_step_auto"]
+__all__ = ["DecodeGraphs", "MAX_BATCH_GRAPHS", "MAX_GRAPHS", "batch_bucket", "decode_graphs",
+           "decode_step", "decode_step_auto"]

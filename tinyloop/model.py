@@ -1123,9 +1123,10 @@ class Model:
         with self.lock:
             self.check_alive()
             rows = min(int(rows), self._buf.capacity_rows)
-            self._ops.reserve_decode_batch(rows, cfg.n_heads, cfg.head_dim)
             if graphs is not None and self._ops.graph_kv_modes and cuda_graphs_enabled():
+                rows = graphs.bucket(rows, self._buf.capacity_rows)     # padded batches
                 graphs.batch_buffers(rows)
+            self._ops.reserve_decode_batch(rows, cfg.n_heads, cfg.head_dim)
 
     def decode_batch(self, caches, tokens, positions, depth: int | None = None,
                      sampling=None, graphs=None):
@@ -1221,22 +1222,28 @@ class Model:
 
     def _decode_batch_graphs(self, graphs, caches, ids, pos, depth: int, sampling, rows: int):
         """``decode_batch`` through the captured batch step (``graphs.DecodeGraphs
-        .run_batch``): per sub-batch of at most ``rows`` rows, the inputs are uploaded, the
-        step (stack, head into the held logits, the rows' argmax into mapped host memory)
-        replays, and after one synchronisation greedy rows take their argmax; the others are
+        .run_batch``): per sub-batch of at most ``rows`` rows, padded to
+        ``DecodeGraphs.bucket`` rows with copies of its first row (same id, position and
+        cache: they write that row's own K/V values again, and their logits are not read),
+        the inputs are uploaded, the step (stack, head into the held logits, the rows'
+        argmax into mapped host memory) replays, and after one synchronisation greedy rows take their argmax; the others are
         drawn from their logits rows (``Ops.sample_rows``: on CUDA queued together, one more
         synchronisation)."""
-        b, ops = len(caches), self._ops
-        logits_all, host_ids = graphs.batch_buffers(rows)
+        b, ops, cap = len(caches), self._ops, self._buf.capacity_rows
+        logits_all, host_ids = graphs.batch_buffers(graphs.bucket(rows, cap))
         out = None if sampling is not None else np.empty((b, self.config.vocab_size), np.float32)
         picked = []
         for b0 in range(0, b, rows):
             n = min(rows, b - b0)
+            nb = graphs.bucket(n, cap)          # padded with copies of the first row
             logits, hid = logits_all[:n], host_ids[:n]
-            sub, spos = caches[b0:b0 + n], pos[b0:b0 + n]
-            batch = self._batch_inputs(ids[b0:b0 + n], spos, depth, sub)
-            key = graphs.batch_key(sub[0], n, max(spos) + 1)
-            graphs.run_batch(key, lambda: self._decode_rows_ops(batch, depth, logits, hid))
+            sub = caches[b0:b0 + n] + [caches[b0]] * (nb - n)
+            spos = pos[b0:b0 + n] + [pos[b0]] * (nb - n)
+            batch = self._batch_inputs(list(ids[b0:b0 + n]) + [ids[b0]] * (nb - n), spos,
+                                       depth, sub)
+            key = graphs.batch_key(sub[0], nb, max(spos) + 1)
+            graphs.run_batch(key, lambda: self._decode_rows_ops(batch, depth, logits_all[:nb],
+                                                                host_ids[:nb]))
             ops.graph_sync()
             if sampling is None:
                 out[b0:b0 + n] = ops.to_host(logits)

@@ -92,8 +92,9 @@ def _same(got, want):
 @pytest.mark.parametrize("sampling_of", [_greedy, _mixed], ids=["greedy", "mixed"])
 def test_batch_graphs_match_eager(arch_path, monkeypatch, kv_mode, sampling_of):
     """Graphs off, then on: identical picks and logits at depths 1 and 3 of a Huginn-like
-    stack (seeded state read per row, a sliding-window layer); B = 3 is captured once and
-    replayed for other requests; every other batch size runs eagerly first."""
+    stack (seeded state read per row, a sliding-window layer), the captured batches padded
+    to their bucket with copies of their first row (which write that row's own K/V values
+    again); B = 3 is captured once and replayed for other requests."""
     m = RecordingOps().attach(tinyloop.load_model(arch_path, max_seq_len=64, backend="numpy"))
     try:
         for depth in (1, 3):
@@ -106,9 +107,9 @@ def test_batch_graphs_match_eager(arch_path, monkeypatch, kv_mode, sampling_of):
             got = _run(m, depth, kv_mode, sampling_of)
             _same(got, want)
             st = m.graph_stats()
-            # B = 3 at one context bucket: eager, capture (+ its launch), then replays
+            # B = 3 runs padded to 4 rows (eager, capture, then replays), 5 to 8, 2 as is
             batch_keys = [k for k in st["keys"] if k[0] == "batch" and k[2] == depth]
-            assert {k[1] for k in batch_keys} == {2, 3, 5}
+            assert {k[1] for k in batch_keys} == {2, 4, 8}
             assert st["captures"] - before["captures"] >= 1
             assert st["replays"] - before["replays"] >= 4
     finally:
@@ -168,3 +169,11 @@ def test_sample_rows_refuses_a_row_outside_the_batch(arch_path):
                 m.ops.sample_rows(lg, bad)
     finally:
         tinyloop.free_model(m)
+
+
+def test_batch_buckets():
+    """1, 2, then multiples of 4, never past the scratch rows."""
+    from tinyloop.graphs import batch_bucket
+    assert [batch_bucket(n, 64) for n in range(1, 14)] == [1, 2, 4, 4, 8, 8, 8, 8, 12, 12,
+                                                           12, 12, 16]
+    assert batch_bucket(31, 30) == 30 and batch_bucket(64, 64) == 64
