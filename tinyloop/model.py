@@ -21,7 +21,7 @@ import numpy as np
 
 from . import plan as planmod
 from .backends import get_ops
-from .backends.base import LOGIT_FAULTS, non_finite_logits
+from .backends.base import LOGIT_FAULTS, non_finite_logits, penalized, sample_filters
 from .config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, check_load_args,
                      cuda_graphs_enabled,
                      kv_mode_from_env)
@@ -62,9 +62,8 @@ def _greedy(sampling) -> bool:
     """Whether a decode batch row's ``sampling`` tuple (``Ops.sample``'s arguments after the
     logits: temperature, top_k, top_p, u[, min_p, repetition_penalty, recent_ids]) picks the
     argmax: temperature <= 0 and no repetition penalty over a non-empty window."""
-    pen = sampling[5] if len(sampling) > 5 else 1.0
-    recent = sampling[6] if len(sampling) > 6 else None
-    return sampling[0] <= 0.0 and not (pen != 1.0 and recent is not None and len(recent) > 0)
+    _, pen, recent = sample_filters(sampling)
+    return sampling[0] <= 0.0 and not penalized(pen, recent)
 
 
 class BatchRows:

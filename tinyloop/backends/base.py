@@ -55,6 +55,20 @@ def non_finite_logits(kind: str, step: int | None = None,
         "overflow in the forward)", kind=kind, step=step, position=position)
 
 
+def penalized(repetition_penalty, recent_ids) -> bool:
+    """Whether the repetition penalty changes a row: a factor other than 1 over a non-empty
+    window of recent ids."""
+    return repetition_penalty != 1.0 and recent_ids is not None and len(recent_ids) > 0
+
+
+def sample_filters(args) -> tuple:
+    """(min_p, repetition_penalty, recent_ids) of ``Ops.sample``'s arguments after the logits
+    (temperature, top_k, top_p, u[, min_p, repetition_penalty, recent_ids]), each at its
+    default (0, 1, None) where ``args`` stops before it."""
+    return (args[4] if len(args) > 4 else 0.0, args[5] if len(args) > 5 else 1.0,
+            args[6] if len(args) > 6 else None)
+
+
 def check_sample_rows(rows, b: int) -> None:
     """ConfigError for an ``Ops.sample_rows`` entry whose row index is not in 0..b-1 or that
     has fewer than the five leading fields (index, temperature, top_k, top_p, u)."""

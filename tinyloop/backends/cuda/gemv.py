@@ -20,6 +20,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...quant import QuantWeight
+from ..base import penalized
 from .checks import _F16, _F32, _aligned, _dev, _fast_ok, _fp16_of, _log2g, _shape, _rows, _weight
 from .choice import GEMV2_THREADS, KernelChoice
 from .compile import GEOMETRY, cupy
@@ -422,8 +423,7 @@ class GemvOps:
         do) and NonFiniteLogitsError for a row ``sample`` would refuse.
         """
         info = self._info(w)
-        ids = filters.get("recent_ids")
-        pen = filters.get("repetition_penalty", 1.0) != 1.0 and ids is not None and len(ids)
+        pen = penalized(filters.get("repetition_penalty", 1.0), filters.get("recent_ids"))
         if (temperature > 0.0 or pen or not info.v2
                 or not self._norm_fused(x, weight, info)):
             return super().rmsnorm_lm_head_sample(x, weight, eps, w, out, norm, temperature,

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..base import (LOGIT_FAULTS, REPEAT_LAST_N_MAX, Ops, check_sample_rows,
-                    non_finite_logits, window_ring)
+                    non_finite_logits, penalized, sample_filters, window_ring)
 from ..numpy_ops import sample_from_logits
 from .checks import _F32, _dev
 from .compile import GEOMETRY, cupy
@@ -36,10 +36,6 @@ def _check_draw(temperature, top_k, u) -> None:
         raise ConfigError(f"u must lie in [0, 1), got {u}")
     if temperature > 0.0 and top_k < 0:
         raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}")
-
-
-def _penalized(repetition_penalty, recent_ids) -> bool:
-    return repetition_penalty != 1.0 and recent_ids is not None and len(recent_ids) > 0
 
 
 class SamplingOps:
@@ -68,7 +64,7 @@ class SamplingOps:
             raise ConfigError(f"logits must be one row [vocab], got shape {logits.shape}")
         _check_draw(temperature, top_k, u)
         n = logits.shape[0]
-        pen = _penalized(repetition_penalty, recent_ids)
+        pen = penalized(repetition_penalty, recent_ids)
         if pen:
             ids = np.asarray(recent_ids, dtype=np.int64).reshape(-1)
             if ids.size > REPEAT_LAST_N_MAX or ids.min() < 0 or ids.max() >= n:
@@ -140,9 +136,9 @@ class SamplingOps:
             _check_draw(temperature, top_k, u)
         prm, ids = self._rows_sampler(len(rows))
         queued, later = [], []
-        for j, (i, temperature, top_k, top_p, u, *rest) in enumerate(rows):
-            min_p = rest[0] if rest else 0.0
-            if _penalized(rest[1] if len(rest) > 1 else 1.0, rest[2] if len(rest) > 2 else None):
+        for j, (i, temperature, top_k, top_p, u, *_) in enumerate(rows):
+            min_p, pen, recent = sample_filters(rows[j][1:])
+            if penalized(pen, recent):
                 later.append(j)
                 continue
             row = logits.data.ptr + int(i) * n * 4
@@ -199,7 +195,7 @@ class SamplingOps:
         vocabulary."""
         n = logits.shape[0]
         self._ensure_wq(n)
-        pen = _penalized(repetition_penalty, recent_ids)
+        pen = penalized(repetition_penalty, recent_ids)
         m = len(recent_ids) if pen else 0
         self._write_prm(self._esmp_view, temperature, top_k, top_p, u, min_p,
                         repetition_penalty, m)
