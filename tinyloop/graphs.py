@@ -109,6 +109,8 @@ class DecodeGraphs:
         self._host_out = None
         self._keep = None               # f32 [1, d_model]: the "kl" rule's copy of the state
         self._batch: collections.OrderedDict = collections.OrderedDict()   # batch keys
+        cfg = model.config              # the layers' attention windows (0 = full attention)
+        self._windows = tuple(sorted({cfg.window(li) for li in range(cfg.n_layers)}))
         self._batch_block = None        # the decode batch's logits (tag graphs)
         self.batch_logits = None        # f32 [rows, vocab] device array
         self.batch_ids = None           # int32 [rows, 2] host (Ops.batch_host_ids)
@@ -366,11 +368,10 @@ class DecodeGraphs:
     def batch_key(self, cache, rows: int, ctx: int) -> tuple:
         """The graph key of a decode batch of ``rows`` requests laid out as ``cache`` whose
         longest context is ``ctx`` keys (see the module doc)."""
-        cfg = self._model.config
-        windows = sorted({cfg.window(li) for li in range(cfg.n_layers)})
         return ("batch", int(rows), cache.depth, tuple(lay.mode for lay in cache.layouts),
                 cache.page_size, cache.kv_iterations, self._ops.graph_constants(),
-                self._ops.batch_attention_key(ctx, rows, cfg.n_heads, windows))
+                self._ops.batch_attention_key(ctx, rows, self._model.config.n_heads,
+                                              self._windows))
 
     def batch_buffers(self, rows: int) -> tuple:
         """(logits f32 [rows, vocab] on the device, ids int32 [rows, 2] on the host) of a
