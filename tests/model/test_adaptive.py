@@ -20,16 +20,10 @@ KL_MAX = 1e-4
 
 
 @pytest.fixture(scope="module")
-def ouro(tmp_path_factory):
+def ouro(looped_folders):
     """(config.json dict, tensors, .tlm path at INT8) of the tiny Ouro checkpoint (3 loops,
     layer 1 on a window of 5 positions, an exit gate)."""
-    root = tmp_path_factory.mktemp("adaptive")
-    cfg, t = L.ouro_checkpoint(0)
-    folder = str(root / "ouro")
-    L.save(folder, cfg, t)
-    tlm = str(root / "ouro.tlm")
-    convert_hf(folder, tlm, bits=8)
-    return cfg, t, tlm
+    return looped_folders["ouro"][1:]
 
 
 class OuroOracle:

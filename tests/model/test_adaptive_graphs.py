@@ -12,7 +12,6 @@ import pytest
 
 import tinyloop
 from tinyloop import graphs as graphmod
-from tinyloop.convert.hf import convert_hf
 
 from .. import looped_refs as L
 from .test_graphs import FakeGraph, RecordingOps
@@ -21,15 +20,9 @@ THRESHOLDS = {"gate": 0.6, "kl": 0.3, "state": 0.7}
 
 
 @pytest.fixture(scope="module")
-def tlms(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adaptive_graphs")
-    out = {}
-    for arch, (make, _, _) in L.ARCHS.items():
-        cfg, t = make(0)
-        L.save(str(root / arch), cfg, t)
-        out[arch] = str(root / f"{arch}.tlm")
-        convert_hf(str(root / arch), out[arch], bits=8)
-    return out
+def tlms(looped_folders):
+    """arch -> the .tlm path of conftest's tiny checkpoint at INT8."""
+    return {arch: v[3] for arch, v in looped_folders.items()}
 
 
 def _fake(path):

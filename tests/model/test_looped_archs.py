@@ -22,21 +22,6 @@ KL_MAX = 1e-4
 PROMPT = 40
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """arch -> (folder, config.json dict, tensors, .tlm path converted at INT8)."""
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for arch, (make, _, _) in L.ARCHS.items():
-        cfg, t = make(0)
-        folder = str(root / arch)
-        L.save(folder, cfg, t)
-        tlm = str(root / f"{arch}.tlm")
-        convert_hf(folder, tlm, bits=8)
-        out[arch] = (folder, cfg, t, tlm)
-    return out
-
-
 def _ids(n, vocab, seed=1):
     return np.random.default_rng(seed).integers(0, vocab, n)
 
@@ -47,8 +32,8 @@ def _depths(m):
 
 @pytest.mark.parametrize("arch", list(L.ARCHS))
 @pytest.mark.parametrize("chunk", [0, 8])
-def test_logits_match_the_published_forward(folders, arch, chunk):
-    folder, cfg, t, tlm = folders[arch]
+def test_logits_match_the_published_forward(looped_folders, arch, chunk):
+    folder, cfg, t, tlm = looped_folders[arch]
     ref = L.ARCHS[arch][1]
     ids = _ids(PROMPT, cfg["vocab_size"])
     m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64, prefill_chunk=chunk)
@@ -64,8 +49,8 @@ def test_logits_match_the_published_forward(folders, arch, chunk):
 
 
 @pytest.mark.parametrize("arch", list(L.ARCHS))
-def test_decode_steps_follow_the_published_forward(folders, arch):
-    folder, cfg, t, tlm = folders[arch]
+def test_decode_steps_follow_the_published_forward(looped_folders, arch):
+    folder, cfg, t, tlm = looped_folders[arch]
     ref = L.ARCHS[arch][1]
     ids = _ids(12, cfg["vocab_size"], seed=3)
     m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64, prefill_chunk=8)
@@ -97,8 +82,8 @@ MODE_BOUND = {"fp16": KL_MAX, "h_fp16": KL_MAX, "int8": 1e-3, "h_int8": 1e-3}
 
 @pytest.mark.parametrize("arch", list(L.ARCHS))
 @pytest.mark.parametrize("mode", [m for m in KV_MODES if m != "h_int4"])
-def test_kv_modes_match_the_oracle_of_their_storage(folders, arch, mode):
-    folder, cfg, t, tlm = folders[arch]
+def test_kv_modes_match_the_oracle_of_their_storage(looped_folders, arch, mode):
+    folder, cfg, t, tlm = looped_folders[arch]
     ref = L.ARCHS[arch][1]
     m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64, prefill_chunk=8)
     try:
@@ -117,8 +102,8 @@ def test_kv_modes_match_the_oracle_of_their_storage(folders, arch, mode):
 
 
 @pytest.mark.parametrize("arch", list(L.ARCHS))
-def test_h_int4_runs_and_is_chunk_invariant(folders, arch):
-    folder, cfg, t, tlm = folders[arch]
+def test_h_int4_runs_and_is_chunk_invariant(looped_folders, arch):
+    folder, cfg, t, tlm = looped_folders[arch]
     ids = _ids(PROMPT, cfg["vocab_size"])
     got = []
     for chunk in (0, 8):
@@ -132,8 +117,8 @@ def test_h_int4_runs_and_is_chunk_invariant(folders, arch):
 
 
 @pytest.mark.parametrize("arch", list(L.ARCHS))
-def test_prefix_cache_and_resume_upgrade(folders, arch):
-    folder, cfg, t, tlm = folders[arch]
+def test_prefix_cache_and_resume_upgrade(looped_folders, arch):
+    folder, cfg, t, tlm = looped_folders[arch]
     ref = L.ARCHS[arch][1]
     ids = _ids(PROMPT, cfg["vocab_size"], seed=5)
     m = tinyloop.load_model(tlm, backend="numpy", max_seq_len=64, prefill_chunk=8)
@@ -158,14 +143,14 @@ def test_prefix_cache_and_resume_upgrade(folders, arch):
         tinyloop.free_model(m)
 
 
-def test_huginn_state_is_the_documented_seeded_normal(folders):
+def test_huginn_state_is_the_documented_seeded_normal(looped_folders):
     from tinyloop.backends.base import seeded_state
     got = seeded_state(3, 5, 40, 0.7, 11)
     want = L.documented_state(8, 40, 0.7, 11)[3:]
     np.testing.assert_array_equal(got, want.astype(np.float32))
     assert np.abs(got).max() <= 3 * 0.7 + 1e-6 and got.std() > 0.4
     # the seed is the checkpoint's: another seed is another (repeatable) run
-    folder, cfg, t, _ = folders["huginn"]
+    folder, cfg, t, _ = looped_folders["huginn"]
     ids = _ids(10, cfg["vocab_size"])
     logits = {}
     for seed in (0, 7):
@@ -182,8 +167,8 @@ def test_huginn_state_is_the_documented_seeded_normal(folders):
     assert np.abs(logits[0] - logits[7]).max() > 1e-3
 
 
-def test_ouro_sliding_window_and_config(folders):
-    folder, cfg, t, tlm = folders["ouro"]
+def test_ouro_sliding_window_and_config(looped_folders):
+    folder, cfg, t, tlm = looped_folders["ouro"]
     with tinyloop.format.read_tlm(tlm) as f:
         c = f.config
         assert f.version == 2
@@ -260,8 +245,8 @@ def test_bf16_and_f16_checkpoints(tmp_path, arch, dtype):
     assert L.kl_rows(ref(cfg, t, ids, 2), got).max() <= KL_MAX
 
 
-def test_sharded_checkpoint_with_index(tmp_path, folders):
-    _, cfg, t, tlm = folders["nanbeige"]
+def test_sharded_checkpoint_with_index(tmp_path, looped_folders):
+    _, cfg, t, tlm = looped_folders["nanbeige"]
     L.save(str(tmp_path / "sh"), cfg, t, shards=3)
     assert len([f for f in os.listdir(tmp_path / "sh") if f.endswith(".safetensors")]) == 3
     convert_hf(str(tmp_path / "sh"), str(tmp_path / "sh.tlm"), bits=8)
@@ -317,8 +302,8 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("what", list(HOSTILE))
-def test_hostile_safetensors_headers(tmp_path, folders, what):
-    _, cfg, t, _ = folders["nanbeige"]
+def test_hostile_safetensors_headers(tmp_path, looped_folders, what):
+    _, cfg, t, _ = looped_folders["nanbeige"]
     folder = str(tmp_path / "bad")
     L.save(folder, cfg, t)
     path = os.path.join(folder, "model.safetensors")
@@ -331,8 +316,8 @@ def test_hostile_safetensors_headers(tmp_path, folders, what):
     assert not os.path.exists(dst) and os.listdir(tmp_path) == ["bad"]
 
 
-def test_hostile_folders(tmp_path, folders):
-    _, cfg, t, _ = folders["nanbeige"]
+def test_hostile_folders(tmp_path, looped_folders):
+    _, cfg, t, _ = looped_folders["nanbeige"]
 
     def case(name, cfg=cfg, t=t, **kw):
         folder = str(tmp_path / name)
@@ -370,10 +355,10 @@ def test_hostile_folders(tmp_path, folders):
     assert not os.path.exists(tmp_path / "x.tlm")
 
 
-def test_cli_convert_and_load_model_folder_caches(tmp_path, folders, monkeypatch, capsys):
+def test_cli_convert_and_load_model_folder_caches(tmp_path, looped_folders, monkeypatch, capsys):
     from tinyloop import cli
     from tinyloop.convert import hf
-    folder, cfg, t, _ = folders["ouro"]
+    folder, cfg, t, _ = looped_folders["ouro"]
     assert cli.main(["convert", folder, str(tmp_path / "o4.tlm"), "--bits", "4"]) == 0
     assert "layer_norms=pre_post" in capsys.readouterr().out
     with tinyloop.format.read_tlm(str(tmp_path / "o4.tlm")) as f:
@@ -395,7 +380,7 @@ def test_cli_convert_and_load_model_folder_caches(tmp_path, folders, monkeypatch
     np.testing.assert_array_equal(got[0], got[1])
 
 
-def test_cuda_runs_every_fact_sliding_windows_included(folders):
+def test_cuda_runs_every_fact_sliding_windows_included(looped_folders):
     """The CUDA kernels run every VERSION 2 fact: Huginn (sandwich norms, seeded state, Q/K/V
     bias, embedding scale), Nanbeige and Ouro with its sliding-window layer (the window is a
     kernel argument of every attention kernel) load; an unknown backend is refused every
@@ -403,7 +388,7 @@ def test_cuda_runs_every_fact_sliding_windows_included(folders):
     from tinyloop.model import backend_missing_features
     cfgs = {}
     for arch in ("huginn", "nanbeige", "ouro"):
-        with tinyloop.format.read_tlm(folders[arch][3]) as f:
+        with tinyloop.format.read_tlm(looped_folders[arch][3]) as f:
             cfgs[arch] = f.config
     assert cfgs["huginn"].arch_facts and cfgs["nanbeige"].arch_facts
     assert "sliding_window" in cfgs["ouro"].arch_facts and cfgs["ouro"].sliding_layers
@@ -449,7 +434,7 @@ def test_inspect_an_ouro_1_4b_shaped_folder(tmp_path, capsys):
         assert int(cols[2].replace(",", "")) == 24 * d * per_slot
 
 
-def test_readme_looped_section_commands_parse_and_run(tmp_path, folders, monkeypatch, capsys):
+def test_readme_looped_section_commands_parse_and_run(tmp_path, looped_folders, monkeypatch, capsys):
     """The README's looped-checkpoint commands parse with the real parser; with a tiny Ouro
     folder in place of the download, its inspect and convert lines run as written."""
     import re
@@ -471,7 +456,7 @@ def test_readme_looped_section_commands_parse_and_run(tmp_path, folders, monkeyp
         cli.build_parser().parse_args(argv[1:])
     # a tiny Ouro folder where the download would be: the inspect and convert lines run
     monkeypatch.chdir(tmp_path)
-    _, cfg, t, _ = folders["ouro"]
+    _, cfg, t, _ = looped_folders["ouro"]
     L.save(str(tmp_path / "Ouro-1.4B"), cfg, t)
     ran = 0
     for argv in tl:
@@ -484,7 +469,7 @@ def test_readme_looped_section_commands_parse_and_run(tmp_path, folders, monkeyp
 
 
 @pytest.mark.parametrize("arch", sorted(L.ARCHS))
-def test_a_captured_decode_step_runs_every_fact_like_the_eager_forward(folders, monkeypatch,
+def test_a_captured_decode_step_runs_every_fact_like_the_eager_forward(looped_folders, monkeypatch,
                                                                        arch):
     """The decode step as graphs.DecodeGraphs captures it (tests/test_graphs.py's recording
     fake: no host read while recording) at the deepest loop: every greedy token is the argmax
@@ -492,7 +477,7 @@ def test_a_captured_decode_step_runs_every_fact_like_the_eager_forward(folders, 
     step's position and the sliding layers (Ouro) keep their window inside the step."""
     from .test_graphs import RecordingOps
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-    m = tinyloop.load_model(folders[arch][3], backend="numpy", max_seq_len=64)
+    m = tinyloop.load_model(looped_folders[arch][3], backend="numpy", max_seq_len=64)
     RecordingOps().attach(m)
     try:
         depth = m.config.max_depth
