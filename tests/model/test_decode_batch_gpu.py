@@ -67,6 +67,47 @@ def test_cuda_decode_batch_matches_the_reference_and_the_solo_step(small_path, k
             tinyloop.free_model(m)
 
 
+def _batch_against_solo(m, monkeypatch, prompts, depth, capacity, refused, kv_mode=None,
+                        steps=2):
+    """``steps`` decode steps of ``prompts``' requests as one ``decode_batch`` against each
+    request's solo step (forward of one id, then the head) on a second set of caches: every
+    batch row finite and within 2e-2 relative of its solo logits, with the ops in ``refused``
+    made to fail during the batch (the batch kernels run, not a per-row loop). Releases every
+    cache it made."""
+    caches = []
+
+    def prefilled():
+        out = []
+        for p in prompts:
+            c = m.new_kv_cache(depth, capacity, kv_mode=kv_mode)
+            caches.append(c)
+            m.forward(p, 0, depth, c)
+            out.append(c)
+        return out
+    try:
+        batch, solo = prefilled(), prefilled()
+        tokens, pos = [int(p[-1]) for p in prompts], [len(p) for p in prompts]
+        row = m.logit_row()
+        for step in range(steps):
+            with monkeypatch.context() as mp:
+                def refuse(*a, **k):
+                    raise AssertionError("decode_batch ran a per-row op")
+                for name in refused:
+                    mp.setattr(m.ops, name, refuse)
+                got = m.decode_batch(batch, tokens, pos, depth)
+            for i, (c, t, p) in enumerate(zip(solo, tokens, pos)):
+                m.forward(np.array([t], np.int32), p, depth, c)
+                m.head(p, 1, row)
+                alone = m.ops.to_host(row)[0]
+                assert np.isfinite(got[i]).all()
+                assert _rel(got[i], alone) < 2e-2, (step, i, _rel(got[i], alone))
+            tokens = [int(np.argmax(r)) for r in got]
+            pos = [p + 1 for p in pos]
+    finally:
+        for c in caches:
+            c.release()
+
+
 @pytest.mark.parametrize("kv_mode", ["fp16", "int8"])
 @pytest.mark.parametrize("version", ["split", "v1"])
 def test_cuda_decode_batch_of_32_runs_the_batch_kernels(small_path, monkeypatch, kv_mode,
@@ -85,44 +126,14 @@ def test_cuda_decode_batch_of_32_runs_the_batch_kernels(small_path, monkeypatch,
     pool = get_pool("cuda")
     start = dict(pool.by_tag())
     m = tinyloop.load_model(small_path, max_seq_len=256, backend="cuda")
-    caches = []
     try:
-        ops = m.ops
-        monkeypatch.setattr(ops, "kernels", dataclasses.replace(ops.kernels,
-                                                                attn_decode=version))
+        monkeypatch.setattr(m.ops, "kernels", dataclasses.replace(m.ops.kernels,
+                                                                  attn_decode=version))
         rng = np.random.default_rng(1)
-        vocab = m.config.vocab_size
-        prompts = [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
-
-        def prefilled():
-            out = []
-            for p in prompts:
-                c = m.new_kv_cache(depth, 208, kv_mode=kv_mode)
-                caches.append(c)
-                m.forward(p, 0, depth, c)
-                out.append(c)
-            return out
-        batch, solo = prefilled(), prefilled()
-        tokens, pos = [int(p[-1]) for p in prompts], list(lengths)
-        row = m.logit_row()
-        for step in range(2):
-            with monkeypatch.context() as mp:
-                def refuse(*a, **k):
-                    raise AssertionError("decode_batch ran the per-row K/V ops")
-                mp.setattr(ops, "kv_write", refuse)
-                mp.setattr(ops, "kv_attention", refuse)
-                got = m.decode_batch(batch, tokens, pos, depth)
-            for i, (c, t, p) in enumerate(zip(solo, tokens, pos)):
-                m.forward(np.array([t], np.int32), p, depth, c)
-                m.head(p, 1, row)
-                alone = ops.to_host(row)[0]
-                assert np.isfinite(got[i]).all()
-                assert _rel(got[i], alone) < 2e-2, (step, i, _rel(got[i], alone))
-            tokens = [int(np.argmax(r)) for r in got]
-            pos = [p + 1 for p in pos]
+        prompts = [rng.integers(0, m.config.vocab_size, n).astype(np.int32) for n in lengths]
+        _batch_against_solo(m, monkeypatch, prompts, depth, 208, ("kv_write", "kv_attention"),
+                            kv_mode)
     finally:
-        for c in caches:
-            c.release()
         tinyloop.free_model(m)
     assert dict(pool.by_tag()) == start
 
@@ -142,40 +153,12 @@ def test_cuda_decode_batch_of_a_huginn_like_stack(tmp_path, monkeypatch):
     write_synthetic(path, synthetic_config(**{**SMALL, **arch}), seed=5)
     lengths, depth = [1, 4, 5, 6, 31, 32, 33, 70], 3
     m = tinyloop.load_model(str(path), max_seq_len=96, backend="cuda")
-    caches = []
     try:
         rng = np.random.default_rng(2)
         prompts = [rng.integers(0, m.config.vocab_size, n).astype(np.int32) for n in lengths]
-
-        def prefilled():
-            out = []
-            for p in prompts:
-                c = m.new_kv_cache(depth, 80)
-                caches.append(c)
-                m.forward(p, 0, depth, c)
-                out.append(c)
-            return out
-        batch, solo = prefilled(), prefilled()
-        tokens, pos = [int(p[-1]) for p in prompts], list(lengths)
-        row = m.logit_row()
-        for step in range(2):
-            with monkeypatch.context() as mp:
-                def refuse(*a, **k):
-                    raise AssertionError("decode_batch ran a per-row op")
-                for name in ("kv_write", "kv_attention", "init_state"):
-                    mp.setattr(m.ops, name, refuse)
-                got = m.decode_batch(batch, tokens, pos, depth)
-            for i, (c, t, p) in enumerate(zip(solo, tokens, pos)):
-                m.forward(np.array([t], np.int32), p, depth, c)
-                m.head(p, 1, row)
-                alone = m.ops.to_host(row)[0]
-                assert np.isfinite(got[i]).all()
-                assert _rel(got[i], alone) < 2e-2, (step, i, _rel(got[i], alone))
-            tokens = [int(np.argmax(r)) for r in got]
-            pos = [p + 1 for p in pos]
+        _batch_against_solo(m, monkeypatch, prompts, depth, 80,
+                            ("kv_write", "kv_attention", "init_state"))
     finally:
-        for c in caches:
-            c.release()
         tinyloop.free_model(m)
 
 
