@@ -24,14 +24,13 @@ import cupy  # noqa: E402
 from tinyloop.backends.cuda import attention as cuda_attention  # noqa: E402
 from tinyloop.config import ModelConfig  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
-from tinyloop.kv import PageAllocator, RuntimeKVCache  # noqa: E402
 from tinyloop.kv.cache import BatchSlot, batch_index  # noqa: E402
 from tinyloop.memory import MemoryPool  # noqa: E402
 
+from ..kv.test_batch_kv import P, _caches  # noqa: E402  (pages for positions 0..pos)
 from .test_kernels_gpu import (F16_RTOL, SESSION_SEED, FakeCudaPool, assert_close,  # noqa: E402
                                copy_pages, poisoned, rms)
 
-P = 16
 # B = 1, 3 and 32 rows; positions at 0, on both sides of page boundaries (P = 16), short and
 # long contexts in one batch (the longest picks the split count, the others use fewer splits)
 POSITIONS = {
@@ -48,17 +47,6 @@ HEADS = [(9, 3, 64), (4, 4, 96), (6, 2, 128), (8, 8, 64)]
 def _cfg(h, hkv, hd) -> ModelConfig:
     return ModelConfig(vocab_size=8, d_model=64, n_heads=h, n_kv_heads=hkv, head_dim=hd,
                        ffn_dim=8, n_prelude=1, n_recurrent=0, n_coda=0)
-
-
-def _caches(ops, pool, cfg, mode, positions):
-    """One single-slot cache per row with pages for positions 0..pos."""
-    alloc = PageAllocator(ops, pool)
-    out = []
-    for p in positions:
-        c = RuntimeKVCache(ops, pool, cfg, 1, p + 1, (mode,), alloc, P)
-        c.ensure(p + 1)
-        out.append(c)
-    return out
 
 
 def _rows(ops, caches, positions) -> BatchSlot:
