@@ -5,7 +5,7 @@
 Separate runs on separate machines cannot tell a kernel change from host and clock variation
 (batch-1 decode here is partly host-bound), so this alternates A (this checkout's kernel
 folder) and B (``git archive REF`` of that commit's kernel folder, ``KERNEL_DIRS``, in a
-temporary folder) in fresh
+temporary folder; or REF itself when it is a folder holding ``common.cuh``) in fresh
 subprocesses, ``--rounds`` times each, on the same GPU, with this checkout's Python host code
 for both: B must keep the kernel entry points and signatures the host launches (a run that
 fails says so). Each run: greedy decode through the captured graph
@@ -97,14 +97,18 @@ def run_side(src: str | None, model: str, depths: tuple) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("ref", help="git commit whose kernel folder is side B")
+    ap.add_argument("ref", help="git commit whose kernel folder is side B, or a folder of "
+                                "kernel sources (one holding common.cuh: for a machine "
+                                "without the repository's history)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--depths", default="1,4")
     add_model_arg(ap)
     a = ap.parse_args(argv)
     depths = tuple(int(x) for x in a.depths.split(","))
-    tmp = tempfile.mkdtemp(prefix="tl_ab_")
-    b_src = extract_sources(a.ref, tmp)
+    if os.path.isfile(os.path.join(a.ref, "common.cuh")):
+        b_src = os.path.abspath(a.ref)
+    else:
+        b_src = extract_sources(a.ref, tempfile.mkdtemp(prefix="tl_ab_"))
     model = model_path(a.model)
     res = {"A": {d: [] for d in depths}, "B": {d: [] for d in depths}}
     for r in range(a.rounds):

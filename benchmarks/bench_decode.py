@@ -42,7 +42,7 @@ import numpy as np
 
 import tinyloop
 
-from .common import (add_model_arg, gpu_time_us, model_label, model_path, spread,
+from .common import (BenchError, add_model_arg, gpu_time_us, model_label, model_path, spread,
                      user_setting, weight_bytes_per_token, write_json)
 
 
@@ -105,14 +105,25 @@ def _not_run(why: str) -> dict:
 def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len=16,
                   sampling=None) -> dict:
     prompt = [10 + i % 1000 for i in range(prompt_len)]
-    kw = dict(sampling or {})
+    # stop=[]: no end-of-sequence token ends a run early, so every generation decodes
+    # new_tokens tokens at the context it was given (a model that answers a long prompt with
+    # EOS would otherwise time nothing)
+    kw = dict(sampling or {}, stop=[])
+
+    def once():
+        r = model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode,
+                           **kw)
+        if len(r.token_ids) != new_tokens:
+            raise BenchError(f"a generation at depth {depth} after {prompt_len} prompt tokens "
+                             f"made {len(r.token_ids)} of {new_tokens} tokens "
+                             f"({r.finish_reason})")
+        return r.decode_tokens_per_s
+
     t = time.perf_counter()
     while time.perf_counter() - t < warmup_s:
-        model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode, **kw)
+        once()
     clock = sm_clock_mhz()
-    tps = spread(model.generate(prompt, max_new_tokens=new_tokens, depth=depth,
-                                kv_mode=kv_mode, **kw).decode_tokens_per_s
-                 for _ in range(reps))
+    tps = spread(once() for _ in range(reps))
     return {"median": tps.median, "min": tps.min, "max": tps.max, "sm_clock_mhz": clock}
 
 

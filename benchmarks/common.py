@@ -20,6 +20,14 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from tinyloop.errors import TinyLoopError
+
+
+class BenchError(TinyLoopError):
+    """A benchmark run that cannot give its figure (a llama-bench run or a GGUF write that
+    failed, a generation cut short); the message names what and why."""
+
+
 SYNTHETIC = "synthetic"        # --model value: the synthetic SmolLM2-dims model
 DEFAULT = "default"            # --model value: the default model (tinyloop.default_model_path)
 

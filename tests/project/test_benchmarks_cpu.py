@@ -549,7 +549,9 @@ def test_vs_llamacpp_runs_both_programs_per_rep(tmp_path):
     """vs_llamacpp --arch nanbeige on shrunk dims with the NumPy backend, against a stand-in
     llama-bench that logs its command line and reports 50 tokens/s and 2 ms: it runs once per
     rep with the side-by-side flags on the written file, TinyLoop runs every depth up to the
-    file's loop count, and the ratios are TinyLoop's medians over the stand-in's figures."""
+    file's loop count, and the ratios are TinyLoop's medians over the stand-in's figures.
+    A ``--write-only`` run before writes the file into ``--work`` and its conversion into the
+    cache without running either program; the full run then takes that same file."""
     log = tmp_path / "calls.jsonl"
     fake = tmp_path / "llama-bench"
     fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, log=str(log)))
@@ -558,11 +560,20 @@ def test_vs_llamacpp_runs_both_programs_per_rep(tmp_path):
                 "--backend", "numpy", "--reps", "3", "--new-tokens", "4", "--prefill", "16",
                 "--warmup", "0", "--work", str(tmp_path / "work"), "--out", str(tmp_path))
     env = dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    gguf_path = str(tmp_path / "work" / "nanbeige_random.Q4_1.loops2.shrink16.gguf")
+    pre = subprocess.run([sys.executable, "-m", "benchmarks", "vs_llamacpp", *env_args[:12],
+                          "--work", str(tmp_path / "work"), "--write-only"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    assert not log.exists()                       # llama-bench did not run
+    mtime = os.stat(gguf_path).st_mtime_ns
+    assert len(list((tmp_path / "cache").rglob("nanbeige_random*.tlm"))) == 1
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "vs_llamacpp", *env_args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"nanbeige: using {gguf_path} (written before)" in proc.stdout
+    assert os.stat(gguf_path).st_mtime_ns == mtime
     calls = [json.loads(ln) for ln in log.read_text().splitlines()]
-    gguf_path = str(tmp_path / "work" / "nanbeige_random.Q4_1.gguf")
     assert calls == [["-m", gguf_path, "-p", "16", "-n", "4", "-fa", "1", "-ngl", "99",
                       "-r", "1", "-o", "json"]] * 3
     res = json.load(open(tmp_path / "vs_llamacpp.json"))
@@ -618,7 +629,8 @@ def test_vs_llamacpp_runs_the_real_llama_bench_on_the_written_file(tmp_path):
 def test_bench_decode_context_sweep_runs_each_context_at_its_length(tiny_adapter_path,
                                                                     monkeypatch):
     """The long-context sweep decodes after each prompt length (the prompt generate gets has
-    that many ids), per depth, and reports each against the shortest context."""
+    that many ids), per depth, and reports each against the shortest context. No stop token
+    ends a timed run: every generation makes its new tokens."""
     from benchmarks import bench_decode as bd
     m = tinyloop.load_model(tiny_adapter_path, backend="numpy", max_seq_len=96)
     seen = []
@@ -626,7 +638,10 @@ def test_bench_decode_context_sweep_runs_each_context_at_its_length(tiny_adapter
 
     def spy(prompt, **kw):
         seen.append((len(prompt), kw["depth"], kw["kv_mode"]))
-        return real(prompt, **kw)
+        assert kw["stop"] == []
+        r = real(prompt, **kw)
+        assert len(r.token_ids) == 3
+        return r
     monkeypatch.setattr(m, "generate", spy)
     try:
         r = bd.context_sweep(m, [4, 40], ["fp16"], depths=(1, 2), new_tokens=3)
@@ -639,6 +654,23 @@ def test_bench_decode_context_sweep_runs_each_context_at_its_length(tiny_adapter
         v = r["fp16"][f"depth{d}_ctx40"]
         assert v["median"] > 0 and v["vs_shortest"] == v["median"] / \
             r["fp16"][f"depth{d}_ctx4"]["median"]
+
+
+def test_bench_decode_refuses_a_generation_cut_short(tiny_adapter_path, monkeypatch):
+    """A generation that ends before its new tokens (here a stand-in generate that stops at
+    8) is a BenchError naming the depth, the context and the count, not a figure."""
+    from benchmarks import bench_decode as bd
+    from benchmarks.common import BenchError
+    m = tinyloop.load_model(tiny_adapter_path, backend="numpy", max_seq_len=96)
+    real = m.generate
+    monkeypatch.setattr(m, "generate",
+                        lambda prompt, **kw: real(prompt, **dict(kw, max_new_tokens=8)))
+    try:
+        with pytest.raises(BenchError, match=r"at depth 1 after 40 prompt tokens made "
+                                             r"8 of 20 tokens \(length\)"):
+            bd.context_sweep(m, [40], ["fp16"], depths=(1,), new_tokens=20)
+    finally:
+        tinyloop.free_model(m)
 
 
 def test_bench_adaptive_runs_on_the_numpy_backend(tmp_path):
