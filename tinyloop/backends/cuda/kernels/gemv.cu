@@ -158,12 +158,24 @@ __device__ __forceinline__ float gemv_row_acc(const u8* __restrict__ qw,
     const uint4* w0 = (const uint4*)(qw + row * row_bytes);
     float acc0 = 0.0f, acc1 = 0.0f;
     if (EPI == EPI_SWIGLU) {
+        // Batches of two chunks of each row (four 16-byte loads per lane) issued before any is
+        // used, the same chunk order c, c + 32, ... per row as one at a time.
         const i64 row1 = row + F;
         const uint4* w1 = (const uint4*)(qw + row1 * row_bytes);
-        for (int c = lane; c < chunks; c += 32) {
-            const uint4 a = w0[c], b = w1[c];
-            acc0 += chunk_dot<BITS>(a, x, c, sc, zr, row, ngroups, log2g);
-            acc1 += chunk_dot<BITS>(b, x, c, sc, zr, row1, ngroups, log2g);
+        for (int c = lane; c < chunks; c += 64) {
+            uint4 a[2], b[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const bool ok = c + 32 * j < chunks;
+                a[j] = ok ? w0[c + 32 * j] : make_uint4(0u, 0u, 0u, 0u);
+                b[j] = ok ? w1[c + 32 * j] : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                if (c + 32 * j < chunks) {
+                    acc0 += chunk_dot<BITS>(a[j], x, c + 32 * j, sc, zr, row, ngroups, log2g);
+                    acc1 += chunk_dot<BITS>(b[j], x, c + 32 * j, sc, zr, row1, ngroups, log2g);
+                }
         }
         acc1 = warp_sum(acc1);
     } else {
@@ -405,9 +417,14 @@ __device__ __forceinline__ void gemv_norm_impl(const float* __restrict__ x,
     TL_PDL_ENTER();                               // the residual row: the kernel before wrote it
     norm_row_to_shared(x, weight, eps, K, xs, &nw);
     // int row index (N < 2^30, the host checks): an i64 loop counter made ptxas spill here
+    // Each pass prefetches the next pass's row into L1 first, so a grid smaller than the rows
+    // pays the DRAM round trip of a row while the pass before computes.
     const int step = gridDim.x * GEMV_WARPS;
-    for (int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5); row < N; row += step)
+    for (int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5); row < N; row += step) {
+        if (row + step < N)
+            gemv_prefetch_row<BITS, EPI>(qw, sc, zr, row + step, K, F, (int)log2g, lane);
         gemv_row<BITS, EPI>(qw, sc, zr, xs, row, K, F, (int)log2g, out, lane);
+    }
 }
 
 #ifndef TL_DEVICE_ONLY

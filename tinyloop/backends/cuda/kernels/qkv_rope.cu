@@ -71,6 +71,9 @@ __device__ __forceinline__ void qkv_rope_impl(const float* __restrict__ x,
     for (int r0 = blockIdx.x * GEMV_WARPS; r0 < N; r0 += step_rows) {   // block-uniform
         const int row = r0 + warp;
         float unused = 0.0f;
+        if (row + step_rows < N)                  // the next pass's row: into L1 meanwhile
+            gemv_prefetch_row<BITS, EPI_F16>(qw, sc, zr, row + step_rows, K, 0, (int)log2g,
+                                             lane);
         if (row < N) {
             const float acc = gemv_row_acc<BITS, EPI_F16>(qw, sc, zr, xs, row, K, 0,
                                                           (int)log2g, lane, unused);
