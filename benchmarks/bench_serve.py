@@ -1,7 +1,8 @@
 """Continuous batching: aggregate decode tokens/s of the serving engine at 1/4/16/32 requests.
 
     python -m benchmarks bench_serve [--model PATH|default|synthetic] [--backend B]
-        [--concurrency 1,4,16,32] [--prompt-tokens 128] [--new-tokens 128] [--out DIR]
+        [--concurrency 1,4,16,32] [--prompt-tokens 128] [--new-tokens 128]
+        [--batch-gemv rows|mma|gemm] [--out DIR]
 
 For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids, at most
 --new-tokens new tokens each; a request ends early at EOS) go to one ``tinyloop.serve.Engine``
@@ -114,13 +115,20 @@ def main(argv=None) -> int:
     ap.add_argument("--no-threads", action="store_true",
                     help="skip the comparison with one Model.generate thread per request "
                          "(default: run it)")
+    ap.add_argument("--batch-gemv", default=None, choices=("rows", "mma", "gemm"),
+                    help="CUDA: the decode batch's GEMV (KernelChoice.batch_gemv; default: "
+                         "the product's)")
     ap.add_argument("--out", default=None,
                     help="folder (or .json file) for bench_serve.json (default: none)")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
     path = model_path(a.model)
+    kernels = None
+    if a.batch_gemv is not None:
+        from tinyloop.backends.cuda import KernelChoice
+        kernels = KernelChoice(batch_gemv=a.batch_gemv)
     model = tinyloop.load_model(path, max_seq_len=a.prompt_tokens + a.new_tokens,
-                                backend=a.backend)
+                                backend=a.backend, kernels=kernels)
     try:
         rng = np.random.default_rng(a.seed)
         vocab = model.config.vocab_size

@@ -111,9 +111,9 @@ def test_gemv_rows_swiglu(v1, ref, rng, bits, g, t, f, k):
 
 
 def test_gemv_rows_off_and_wide_grids_take_the_gemm(rng):
-    """KernelChoice(gemv_rows=False), T past ROWS_MAX_T, or a GEMM grid that fills the GPU
+    """KernelChoice(batch_gemv="gemm"), T past ROWS_MAX_T, or a GEMM grid that fills the GPU
     (an LM head) run the tiled GEMM; within the FP16 bound of the rows path."""
-    on, off = CudaOps(KernelChoice(gemv="v1")), CudaOps(KernelChoice(gemv_rows=False))
+    on, off = CudaOps(KernelChoice(gemv="v1")), CudaOps(KernelChoice(batch_gemv="gemm"))
     prefill = CudaOps(KernelChoice(gemv="v1"))
     w0 = dev_weight(prefill, rand_weight(rng, 576, 576, 4, 32))
     assert not prefill._rows_path(prefill._info(w0), 8)     # outside a decode batch: GEMM

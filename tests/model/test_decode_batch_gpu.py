@@ -109,14 +109,15 @@ def _batch_against_solo(m, monkeypatch, prompts, depth, capacity, refused, kv_mo
 
 
 @pytest.mark.parametrize("kv_mode", ["fp16", "int8"])
-@pytest.mark.parametrize("version", ["split", "v1"])
+@pytest.mark.parametrize("version,batch_gemv", [("split", "rows"), ("v1", "rows"),
+                                                ("split", "mma")])
 def test_cuda_decode_batch_of_32_runs_the_batch_kernels(small_path, monkeypatch, kv_mode,
-                                                        version):
+                                                        version, batch_gemv):
     """32 requests of lengths across page boundaries (pages of 32) and up to a few pages: each
     row within the bound above of its solo CUDA step, with the per-row kv_write /
     kv_attention made to fail (the batch kernels run, not the per-row loop), for both decode
-    attention choices; every pool tag back at its figure after free_model (the index buffer,
-    the batch split-K scratch)."""
+    attention choices and both batch GEMVs (KernelChoice.batch_gemv); every pool tag back at
+    its figure after free_model (the index buffer, the batch split-K scratch)."""
     import dataclasses
 
     from tinyloop.memory import get_pool
@@ -125,7 +126,9 @@ def test_cuda_decode_batch_of_32_runs_the_batch_kernels(small_path, monkeypatch,
     depth = 2
     pool = get_pool("cuda")
     start = dict(pool.by_tag())
-    m = tinyloop.load_model(small_path, max_seq_len=256, backend="cuda")
+    from tinyloop.backends.cuda import KernelChoice
+    m = tinyloop.load_model(small_path, max_seq_len=256, backend="cuda",
+                            kernels=KernelChoice(batch_gemv=batch_gemv))
     try:
         monkeypatch.setattr(m.ops, "kernels", dataclasses.replace(m.ops.kernels,
                                                                   attn_decode=version))

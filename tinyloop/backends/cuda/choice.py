@@ -18,6 +18,7 @@ GEMV2_THREADS = (64, 128, 256)    # v2 block sizes (norm_row_v256 needs a diviso
 ATTN_DECODE_VERSIONS = ("split", "v1")      # split-K (default) | single-pass at every length
 ATTN_PREFILL_VERSIONS = ("mma", "scalar")   # tensor cores (default) | FP32 at every T > 1
 SAMPLERS = ("fast", "reference")            # grid + candidates (default) | one block, whole row
+BATCH_GEMVS = ("rows", "mma", "gemm")       # a decode batch's products: see KernelChoice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +44,12 @@ class KernelChoice:
     use it). ``sampler``: the temperature sampler of sample.cu: ``fast`` (a grid over the
     row, then one block on the candidates; it runs the reference itself where the candidates
     cannot settle the pick) or ``reference`` (one block over the whole row, ``sample_step``);
-    both pick the same id. ``gemv_rows``: products of 2 to ``gemv.ROWS_MAX_T`` input rows
-    whose GEMM grid would not fill the GPU (a decode batch) run ``gemv_rows{R}_*`` (the GEMV per
-    output row over every input row; False: the tiled GEMM, its reference).
+    both pick the same id. ``batch_gemv``: how a decode batch's products of 2 to
+    ``gemv.ROWS_MAX_T`` input rows whose GEMM grid would not fill the GPU run: ``mma``
+    (the default; ``gemv_mma{CT}_*``: the codes on tensor cores against the rows as MMA
+    columns, within FP32 rounding of ``rows``), ``rows`` (``gemv_rows{R}_*``: the T = 1 GEMV
+    per output row over every input row, each row equal to that row alone bit for bit) or
+    ``gemm`` (the tiled GEMM, their reference).
     """
 
     gemv: str = "auto"
@@ -56,11 +60,12 @@ class KernelChoice:
     fused_qkv_rope: bool = True
     pdl: bool = True
     sampler: str = "fast"
-    gemv_rows: bool = True
+    batch_gemv: str = "mma"
 
     def __post_init__(self):
         for name, allowed in (("gemv", GEMV_VERSIONS), ("attn_decode", ATTN_DECODE_VERSIONS),
-                              ("attn_prefill", ATTN_PREFILL_VERSIONS), ("sampler", SAMPLERS)):
+                              ("attn_prefill", ATTN_PREFILL_VERSIONS), ("sampler", SAMPLERS),
+                              ("batch_gemv", BATCH_GEMVS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"KernelChoice.{name}={getattr(self, name)!r}: expected one "
                                   f"of {allowed}")
@@ -70,7 +75,7 @@ class KernelChoice:
                                   or v not in allowed):
                 raise ConfigError(f"KernelChoice.{name}={v!r}: expected None or one of "
                                   f"{allowed}")
-        for name in ("fused_qkv_rope", "pdl", "gemv_rows"):
+        for name in ("fused_qkv_rope", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelChoice.{name}={getattr(self, name)!r}: expected "
                                   "True or False")

@@ -26,7 +26,7 @@ except ImportError:  # the package still imports (for docs / source checks) with
     cupy = None
 
 FAMILIES = ("dequant", "rmsnorm", "gemv", "gemm", "rope", "attention", "attention_decode",
-            "attention_prefill", "elementwise", "sample", "kv_h", "qkv_rope")
+            "attention_prefill", "elementwise", "sample", "kv_h", "qkv_rope", "gemv_mma")
 _INCLUDE = '#include "common.cuh"'
 
 ATTN_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)   # attention.cu instantiates one kernel pair each
@@ -42,6 +42,8 @@ GEOMETRY = {
                     "STATE_ATTEMPTS": STATE_ATTEMPTS},
     "gemv": {"GEMV_WARPS": 8,                    # warps (= output rows) per 32*W-thread block
              "GEMV2_MAX_THREADS": 256},          # v2: the largest block (its launch bound)
+    "gemv_mma": {"MMA_MAX_WARPS": 16},           # a decode batch's tensor-core GEMV: warps
+                                                 # (K splits) per block, at most
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
              "GEMM_THREADS": 128},               # 4 warps in 2 x 2
     "rope": {"KVW_THREADS": 128,                 # kv_write*: threads per position row
@@ -68,7 +70,7 @@ GEOMETRY = {
 }
 # A family whose source #includes other families' .cu files (their device code; entries
 # compiled out with TL_DEVICE_ONLY) compiles with their geometry too.
-FAMILY_INCLUDES = {"qkv_rope": ("gemv", "rope")}
+FAMILY_INCLUDES = {"qkv_rope": ("gemv", "rope"), "gemv_mma": ("gemv",)}
 
 
 def nvrtc_options(family: str) -> tuple:

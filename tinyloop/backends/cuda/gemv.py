@@ -32,6 +32,9 @@ ROWS_MAX_T = 32         # gemv_rows{R}_*: the most input rows it takes (a decode
 ROWS_TILES = (8, 4, 2)  # gemv_rows{R}_*: the row tiles built, largest first
 _ROWS_WARPS_PER_SM = 32  # rows_tile: warps per SM that hide the dependent FMA chains
 _EW_THREADS = GEOMETRY["elementwise"]["EW_THREADS"]
+_MMA_MAX_WARPS = GEOMETRY["gemv_mma"]["MMA_MAX_WARPS"]
+MMA_COL_TILES = (1, 2, 4)   # gemv_mma{CT}_*: CT tiles of 8 input rows (T <= 8, 16, 32)
+_MMA_SMEM = 48 * 1024       # gemv_mma: the warps' partial sums, under the no-opt-in limit
 _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dynamic shared
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
@@ -55,6 +58,17 @@ def rows_tile(n: int, t: int, sms: int) -> int:
         if n * -(-t // r) >= _ROWS_WARPS_PER_SM * sms:
             return r
     return ROWS_TILES[-1]
+
+
+def mma_geometry(t: int, k: int, two: bool) -> tuple:
+    """(CT, warps, shared bytes) of a ``gemv_mma{CT}_*`` launch over ``t`` input rows of a
+    K = ``k`` weight (``two``: SwiGLU's gate and up tiles): the fewest 8-row column tiles
+    holding t; one warp per 32-column chunk of K up to _MMA_MAX_WARPS and what the warps'
+    partial sums in shared memory (warps * tiles * CT * 128 floats) allow."""
+    ct = next(c for c in MMA_COL_TILES if t <= 8 * c)
+    per_warp = (2 if two else 1) * ct * 128 * 4
+    warps = max(1, min(_MMA_MAX_WARPS, k // 32, _MMA_SMEM // per_warp))
+    return ct, warps, warps * per_warp
 
 
 def gemv_choice(n: int, kernels: KernelChoice) -> tuple:
@@ -100,8 +114,8 @@ def gemv2_geometry(n: int, k: int, bits: int, sms: int, lpr: int | None = None,
 class _WInfo:
     """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
 
-    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "rows", "v2", "lpr", "g2",
-                 "g2_norm", "g2_argmax", "geo", "__weakref__")
+    __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "rows", "bits", "mma",
+                 "v2", "lpr", "g2", "g2_norm", "g2_argmax", "geo", "__weakref__")
 
     def __init__(self, ops, w):
         _weight(w, "w")
@@ -122,6 +136,8 @@ class _WInfo:
         self.gemm = {e: ops._fn("gemm", f"gemm_q{b}_{e}") for e in ("f16", "resid", "f32")}
         self.rows = {(r, e): ops._fn("gemv", f"gemv_rows{r}_q{b}_{e}") for r in ROWS_TILES
                      for e in ("f16", "resid", "swiglu", "f32")}
+        self.bits = b
+        self.mma = None                           # gemv_mma{CT}_*: built at their first use
         # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights): needs x in shared memory
         # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
         # runs v1, which takes any shape
@@ -189,14 +205,15 @@ class GemvOps:
         launch_gemm(info, epi, x, t, out, ldo)
 
     def _rows_path(self, info, t: int) -> bool:
-        """Whether a T = ``t`` product runs as ``gemv_rows{R}_*`` (each weight row read once
-        per tile of input rows, a warp per output row) instead of the tiled GEMM: inside
-        ``decode_batch_scope`` (prefill keeps the GEMM, so a prefix's recomputed tail matches
-        a full prefill), 2 <= t <= ROWS_MAX_T, and a GEMM grid under one block per SM, whose
-        K loop of dependent tile loads on few blocks is latency-bound. A GEMM grid that fills
-        the GPU (the LM head's 49k rows) keeps the GEMM's tensor cores.
-        ``KernelChoice.gemv_rows = False`` always takes the GEMM."""
-        if not (self._in_batch and 2 <= t <= ROWS_MAX_T and self.kernels.gemv_rows):
+        """Whether a T = ``t`` product runs as a decode batch's GEMV (``gemv_rows{R}_*``:
+        each weight row read once per tile of input rows, a warp per output row; or
+        ``gemv_mma{CT}_*`` with ``KernelChoice.batch_gemv = "mma"``) instead of the tiled
+        GEMM: inside ``decode_batch_scope`` (prefill keeps the GEMM, so a prefix's recomputed
+        tail matches a full prefill), 2 <= t <= ROWS_MAX_T, and a GEMM grid under one block
+        per SM, whose K loop of dependent tile loads on few blocks is latency-bound. A GEMM
+        grid that fills the GPU (the LM head's 49k rows) keeps the GEMM's tensor cores.
+        ``batch_gemv = "gemm"`` always takes the GEMM."""
+        if not (self._in_batch and 2 <= t <= ROWS_MAX_T and self.kernels.batch_gemv != "gemm"):
             return False
         return -(-info.n // _GEMM_BN) * -(-t // _GEMM_BM) < self.sms
 
@@ -210,9 +227,19 @@ class GemvOps:
             self._in_batch = prev
 
     def _gemv_rows(self, info, epi: str, x, t: int, rows: int, f: int, out, ldo: int) -> None:
-        """Launch ``gemv_rows{R}_*`` (R: ``rows_tile``) over x f16 [t, K] (contiguous) into
+        """Launch ``gemv_rows{R}_*`` (R: ``rows_tile``), or ``gemv_mma{CT}_*``
+        (``mma_geometry``) with ``batch_gemv = "mma"``, over x f16 [t, K] (contiguous) into
         ``out`` (rows ``ldo`` elements apart): ``rows`` output rows (F for SwiGLU, with ``f``
         = F)."""
+        if self.kernels.batch_gemv == "mma":
+            if info.mma is None:
+                info.mma = {(c, e): self._fn("gemv_mma", f"gemv_mma{c}_q{info.bits}_{e}")
+                            for c in MMA_COL_TILES for e in ("f16", "resid", "swiglu", "f32")}
+            ct, warps, smem = mma_geometry(t, info.k, epi == "swiglu")
+            info.mma[ct, epi](((rows + 15) // 16,), (32 * warps,),
+                              (*info.args, x.data.ptr, info.k, t, rows, info.k, f, info.lg,
+                               out.data.ptr, ldo), shared_mem=smem)
+            return
         r = rows_tile(rows, t, self.sms)
         info.rows[r, epi](((rows + _GEMV_ROWS - 1) // _GEMV_ROWS, (t + r - 1) // r),
                           (32 * _GEMV_ROWS,),

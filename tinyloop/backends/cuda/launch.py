@@ -130,6 +130,7 @@ SIGNATURES = (
     (r"concat_inject_f(16|32)", "ppip"),
     (r"gemv_q\d+_\w+", "ppppiiiip"),
     (r"gemv_rows\d_q\d+_\w+", "ppppiiiiiipi"),
+    (r"gemv_mma\w+_q\d+_\w+", "ppppiiiiiipi"),
     (r"gemv_norm_q\d+_\w+", "ppfpppiiiip"),
     (r"gemv2_q\d+_\w+_l\w+", "ppppiiiip"),
     (r"gemv2_norm_q\d+_argmax_l\w+", "ppfpppiiipppppp"),
