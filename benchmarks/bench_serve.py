@@ -8,8 +8,9 @@ For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids
 --new-tokens new tokens each; a request ends early at EOS) go to one ``tinyloop.serve.Engine``
 (max_batch = C) at once. Measures:
   - aggregate tokens/s: every request's new tokens over the wall time from submit to the
-    last token; and decode tokens/s: the tokens after each request's first over the time from
-    the last first token to the end (every request decoding);
+    last token; and decode tokens/s: the tokens made after every request had its first one
+    (``EngineRequest.generated`` read at that moment), over the time from then to the last
+    token (the batch at its full size, then shrinking as requests end);
   - time to first token, p50 and p99 (submit to the first token: queueing + prefill);
   - against the same model's batch-1 figure: ``Model.generate`` of one such request alone
     (its decode tokens/s), and against the same requests without the engine: one thread per
@@ -55,6 +56,8 @@ def run_level(model, prompts, new_tokens: int, depth, prefill_chunk: int) -> dic
         its = [iter(r) for r in reqs]
         for it in its:                     # every request has its first token: all decode
             next(it, None)
+        t_all = time.perf_counter()
+        before = sum(r.generated for r in reqs)   # made before every request decoded
         tags = model.pool.by_tag()
         per_request = {t: (tags[t] - base_tags.get(t, 0)) / c for t in tags
                        if tags[t] != base_tags.get(t, 0)}
@@ -63,13 +66,13 @@ def run_level(model, prompts, new_tokens: int, depth, prefill_chunk: int) -> dic
     finally:
         eng.stop()
     tokens = sum(len(r.token_ids) for r in results)
-    last_first = max(r.first_token_at for r in reqs)
     end = max(r.finished_at for r in reqs)
-    after_first = sum(max(0, len(r.token_ids) - 1) for r in results)
+    decode_tokens, window = tokens - before, end - t_all
     ttft = [r.ttft_s * 1e3 for r in reqs]
     return {"concurrency": c, "tokens": tokens,
             "aggregate_tok_s": tokens / (t1 - t0),
-            "decode_tok_s": after_first / (end - last_first) if end > last_first else 0.0,
+            "decode_tok_s": decode_tokens / window if window > 0 else 0.0,
+            "decode_tokens": decode_tokens, "decode_window_s": window,
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
             "bytes_per_request_by_tag": per_request,
             # outside tag graphs: the captured step's blocks stay with the model

@@ -32,4 +32,8 @@ def test_bench_serve_runs_on_the_numpy_backend(tmp_path):
         assert lv["ttft_ms_p50"] <= lv["ttft_ms_p99"]
         assert lv["bytes_per_request_by_tag"]["kv_cache"] > 0
         assert lv["threads_tok_s"] > 0
+        # the decode window counts only tokens made once every request had its first
+        assert 0 <= lv["decode_tokens"] <= lv["tokens"] - lv["concurrency"]
+        assert lv["decode_window_s"] > 0
+        assert lv["decode_tok_s"] == lv["decode_tokens"] / lv["decode_window_s"]
     assert out["batch1_generate_decode_tok_s"] > 0

@@ -141,6 +141,12 @@ class EngineRequest:
         return self._result
 
     @property
+    def generated(self) -> int:
+        """New tokens sampled so far (an end-of-sequence token is not one); grows while the
+        request decodes, read without waiting."""
+        return len(self._new)
+
+    @property
     def ttft_s(self):
         """Seconds from submit to the first sampled token (None before it)."""
         if self.first_token_at is None:
