@@ -2,7 +2,7 @@
 
     python -m benchmarks bench_serve [--model PATH|default|synthetic] [--backend B]
         [--concurrency 1,4,16,32] [--prompt-tokens 128] [--new-tokens 128]
-        [--batch-gemv rows|mma|gemm] [--out DIR]
+        [--reps 1] [--batch-gemv rows|mma|gemm] [--out DIR]
 
 For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids, at most
 --new-tokens new tokens each; a request ends early at EOS) go to one ``tinyloop.serve.Engine``
@@ -18,7 +18,10 @@ For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids
   - memory per request by pool tag while all C requests decode (pool bytes by tag minus
     those at the engine's start, over C), and whether allocated bytes returned to their
     value at start once the engine stopped.
-Runs on either backend (--backend numpy: use a small model). Prints a table; with --out
+With --reps N each level runs N times on the same prompts: the decode and aggregate figures
+and the TTFT percentiles are medians over the runs, with their min-max (``*_spread``), and
+``back to start`` must hold for every run. Runs on either backend (--backend numpy: use a
+small model). Prints a table; with --out
 writes bench_serve.json there.
 """
 
@@ -33,7 +36,7 @@ import numpy as np
 
 import tinyloop
 
-from .common import add_model_arg, format_table, model_label, model_path, write_json
+from .common import add_model_arg, format_table, model_label, model_path, spread, write_json
 
 
 def percentile(values, q: float) -> float:
@@ -118,12 +121,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-threads", action="store_true",
                     help="skip the comparison with one Model.generate thread per request "
                          "(default: run it)")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="runs of each level (same prompts); the table gives the decode and "
+                         "aggregate medians with their min-max (default: %(default)s)")
     ap.add_argument("--batch-gemv", default=None, choices=("rows", "mma", "gemm"),
                     help="CUDA: the decode batch's GEMV (KernelChoice.batch_gemv; default: "
                          "the product's)")
     ap.add_argument("--out", default=None,
                     help="folder (or .json file) for bench_serve.json (default: none)")
     a = ap.parse_args(argv)
+    if a.reps < 1:
+        ap.error("--reps must be at least 1")
     levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
     path = model_path(a.model)
     kernels = None
@@ -148,24 +156,37 @@ def main(argv=None) -> int:
         rows = []
         for c in levels:
             prompts = [prompt() for _ in range(c)]
-            row = run_level(model, prompts, a.new_tokens, a.depth, a.prefill_chunk)
+            runs = [run_level(model, prompts, a.new_tokens, a.depth, a.prefill_chunk)
+                    for _ in range(a.reps)]
+            row = dict(runs[0])
+            row["runs"] = runs
+            for name in ("decode_tok_s", "aggregate_tok_s", "ttft_ms_p50", "ttft_ms_p99"):
+                row[name + "_spread"] = spread(r[name] for r in runs).as_dict()
+                row[name] = row[name + "_spread"]["median"]
+            row["allocated_back_to_start"] = all(r["allocated_back_to_start"] for r in runs)
+            row["allocated_after_minus_start"] = max(
+                (r["allocated_after_minus_start"] for r in runs), key=abs)
             row["threads_tok_s"] = (None if a.no_threads else
                                     run_threads(model, prompts, a.new_tokens, a.depth))
             rows.append(row)
     finally:
         tinyloop.free_model(model)
     result = {"model": model_label(a.model, path), "backend": model.backend,
-              "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+              "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "reps": a.reps,
               "batch1_generate_decode_tok_s": solo_tps, "levels": rows}
     print(f"# {result['model']} on {model.backend}: {a.prompt_tokens}-token prompts, "
           f"<= {a.new_tokens} new tokens; Model.generate alone: {solo_tps:.1f} tok/s decode")
+    def cell(r, name):
+        t = r[name + "_spread"]
+        return (f"{t['median']:.1f}" if t["runs"] == 1 else
+                f"{t['median']:.1f} ({t['min']:.0f}-{t['max']:.0f})")
     print(format_table(
         ["requests", "tokens", "aggregate tok/s", "threads tok/s", "decode tok/s",
          "x batch-1",
          "TTFT p50 ms", "TTFT p99 ms", "KV B/request", "back to start"],
-        [[r["concurrency"], r["tokens"], f"{r['aggregate_tok_s']:.1f}",
+        [[r["concurrency"], r["tokens"], cell(r, "aggregate_tok_s"),
           "-" if r["threads_tok_s"] is None else f"{r['threads_tok_s']:.1f}",
-          f"{r['decode_tok_s']:.1f}",
+          cell(r, "decode_tok_s"),
           f"{r['decode_tok_s'] / solo_tps:.2f}" if solo_tps else "-",
           f"{r['ttft_ms_p50']:.1f}", f"{r['ttft_ms_p99']:.1f}",
           f"{r['bytes_per_request_by_tag'].get('kv_cache', 0):.0f}",

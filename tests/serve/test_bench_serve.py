@@ -19,7 +19,7 @@ def test_bench_serve_runs_on_the_numpy_backend(tmp_path):
     model = write_synthetic_model(str(tmp_path / "tiny.tlm"), seed=5, max_depth=4, **dims)
     r = subprocess.run([sys.executable, "-m", "benchmarks", "bench_serve", "--backend", "numpy",
                         "--model", model, "--concurrency", "1,3", "--prompt-tokens", "12",
-                        "--new-tokens", "5", "--out", str(tmp_path)],
+                        "--new-tokens", "5", "--reps", "2", "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
@@ -35,5 +35,14 @@ def test_bench_serve_runs_on_the_numpy_backend(tmp_path):
         # the decode window counts only tokens made once every request had its first
         assert 0 <= lv["decode_tokens"] <= lv["tokens"] - lv["concurrency"]
         assert lv["decode_window_s"] > 0
-        assert lv["decode_tok_s"] == lv["decode_tokens"] / lv["decode_window_s"]
+        runs = lv["runs"]
+        assert len(runs) == 2
+        for run in runs:
+            assert run["decode_tok_s"] == run["decode_tokens"] / run["decode_window_s"]
+            assert run["allocated_back_to_start"]
+        # the level's figure is the median of its runs, with their spread
+        decode = sorted(run["decode_tok_s"] for run in runs)
+        assert lv["decode_tok_s"] == (decode[0] + decode[1]) / 2
+        assert lv["decode_tok_s_spread"] == {"median": lv["decode_tok_s"], "min": decode[0],
+                                             "max": decode[1], "runs": 2}
     assert out["batch1_generate_decode_tok_s"] > 0
