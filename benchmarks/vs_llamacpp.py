@@ -375,8 +375,11 @@ def main(argv=None) -> int:
             else:
                 written = path
                 t = time.perf_counter()
-                dims = write_nanbeige_gguf(path, conf, qtype=args.qtype, num_loops=loops,
-                                           vocab_from=args.vocab_from)
+                # written under another name, then renamed: a run cut off while writing
+                # leaves no file a later run would take as complete
+                dims = write_nanbeige_gguf(path + ".part", conf, qtype=args.qtype,
+                                           num_loops=loops, vocab_from=args.vocab_from)
+                os.replace(path + ".part", path)
                 print(f"nanbeige: wrote {os.path.getsize(path) / 1e9:.2f} GB ({dims}) in "
                       f"{time.perf_counter() - t:.0f} s", flush=True)
             llama_depth = loops
