@@ -59,6 +59,9 @@ ab 2
 # setting ("depth D pdl P: ..." lines), then depth 1's captured step kernel by kernel
 [[ -n "$M" ]] && XT=240 x step_kernels python3 -m benchmarks step_kernels --model "$M" \
     --depths 1,2,4 --table-depths 1 --pdl 0,1
+# continuous batching on the real model: 1 / 4 / 16 / 32 requests, each level 3 times
+[[ -n "$M" ]] && XT=200 x bench_serve python3 -m benchmarks bench_serve --model "$M" \
+    --backend cuda --reps 3 --out "$W/serve"
 [[ $PART != suite ]] && x bench_attn python3 -m benchmarks bench_attn_decode --out "$W/attn_decode.json"
 [[ $PART != suite ]] && x bench_attn_prefill python3 -m benchmarks bench_attn_prefill --out "$W/attn_prefill.json"
 [[ $PART != suite ]] && x bench_pool python3 -m benchmarks bench_pool --device cuda
@@ -81,6 +84,7 @@ echo; echo "================ SUMMARY ================"
 [[ -f "$W/gpu_real_tests.log" ]] && { echo "-- GPU tests on the real model:"; grep -E "passed|failed|^FAILED|^ERROR" "$W/gpu_real_tests.log" | tail -n 6; }
 [[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; grep -E "decode depth|prefill|peer|captured" "$W/bench_real.log" | head -24; tail -n 8 "$W/bench_real.log"; }
 for f in "$W"/bench_baseline*.log; do [[ -f $f ]] && { echo "-- $(basename $f .log) (.baseline tree):"; grep -E "decode depth|prefill|graphs" "$f" | head -12; }; done
+[[ -f "$W/bench_serve.log" ]] && { echo "-- bench_serve (real SmolLM2):"; grep -A5 "^requests" "$W/bench_serve.log"; }
 [[ -f "$W/step_kernels.log" ]] && { grep -E "^depth" "$W/step_kernels.log"
     grep -vE "cupy|Traceback|File|^ |^$|^depth" "$W/step_kernels.log" | tail -n 12; }
 tail -n 14 "$W/bench_attn.log" 2>/dev/null
