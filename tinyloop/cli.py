@@ -327,11 +327,8 @@ def _parse_devices(text):
     the option otherwise."""
     if text is None:
         return None
-    out = [d.strip() for d in text.split(",")]
-    if not out or not all(d.isdigit() for d in out):
-        raise ConfigError(f"--devices must be device ids separated by commas (0,1,...), "
-                          f"got {text!r}")
-    return out
+    from .serve.replica import device_ids
+    return device_ids(text, "--devices")
 
 
 def _serve_replicas(a, path: str, devices) -> int:

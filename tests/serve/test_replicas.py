@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -443,6 +444,18 @@ def test_replica_set_refuses_bad_arguments_by_name(chat_model_path, kw, word):
     spec = ReplicaSpec(model=chat_model_path, backend="numpy", max_seq_len=64)
     with pytest.raises(ConfigError, match=word):
         ReplicaSet(spec, **kw)
+
+
+def test_device_ids_take_lists_and_comma_strings():
+    """One rule for device ids (ReplicaSet's devices, the CLI's --devices): ints or digit
+    strings, or one string of them separated by commas; anything else names the argument."""
+    from tinyloop.serve.replica import device_ids
+    assert device_ids([0, "3", " 1 "]) == ["0", "3", "1"]
+    assert device_ids("2, 0") == ["2", "0"]
+    for bad in ([], "", "0,", "-1", ["a"], [1.5]):
+        with pytest.raises(ConfigError, match=r"^--devices must be device ids \(0,1,...\), "
+                                              r"got " + re.escape(repr(bad)) + "$"):
+            device_ids(bad, "--devices")
 
 
 def test_replica_spec_round_trips_and_checks():

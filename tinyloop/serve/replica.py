@@ -31,6 +31,17 @@ PARENT_POLL_S = 0.5          # how often a worker checks that its parent is aliv
 READY_KEY = "ready"          # the key of the worker's one stdout line
 
 
+
+def device_ids(devices, what: str = "devices") -> list:
+    """``devices`` (ints or digit strings, or one string of ids separated by commas) as a
+    list of device id strings, e.g. ["0", "1"]. Raises ConfigError naming ``what`` (an
+    argument or an option) when none is given or one is not a non-negative integer."""
+    parts = devices.split(",") if isinstance(devices, str) else devices
+    out = [str(d).strip() for d in parts]
+    if not out or not all(d.isdigit() for d in out):
+        raise ConfigError(f"{what} must be device ids (0,1,...), got {devices!r}")
+    return out
+
 @dataclasses.dataclass(frozen=True)
 class ReplicaSpec:
     """What one replica loads and how its engine runs: ``model`` (a .tlm path), ``backend``,

@@ -55,7 +55,7 @@ import time
 from ..config import child_environment
 from ..errors import ConfigError, TinyLoopError
 from .http import DISCONNECT_POLL_S
-from .replica import READY_KEY, ReplicaSpec
+from .replica import READY_KEY, ReplicaSpec, device_ids
 
 BLOCK_TOKENS = 16            # prompt ids per PrefixIndex key
 MAX_INDEX_BLOCKS = 1 << 16   # keys kept per replica (least recently used dropped)
@@ -202,10 +202,7 @@ class ReplicaSet:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ConfigError(f"replicas must be an int >= 1, got {replicas!r}")
         if devices is not None:
-            devices = [str(d).strip() for d in devices]
-            if not devices or not all(d.isdigit() for d in devices):
-                raise ConfigError(f"devices must be a list of device ids (0,1,...), got "
-                                  f"{devices!r}")
+            devices = device_ids(devices)
         elif spec.backend != "numpy":
             devices = [str(i) for i in range(replicas)]
         self.spec = spec
