@@ -104,9 +104,9 @@ def mma_x(X, bits):
     return [[X[:, 0], X[:, 1]], [X[:, 2], X[:, 3]]]
 
 
-def emulate(w, x, bits, two, warps):
+def emulate(w, x, bits, two, warps, place_x=mma_x):
     """gemv_mma_impl's block loop for every block: the raw products [T, N] (SwiGLU: the gate
-    and up products [2, T, F]) in float64."""
+    and up products [2, T, F]) in float64. ``place_x``: mma_x, or a planted fault."""
     n_all, k = w.shape
     n = n_all // 2 if two else n_all
     f = n if two else 0
@@ -137,7 +137,7 @@ def emulate(w, x, bits, two, warps):
                     xs = np.where((t < t_rows)[:, None],
                                   xw[np.minimum(t, t_rows - 1)[:, None], cols], 0)
                     X = (xs[:, 0::2] | (xs[:, 1::2] << 16)).astype(np.uint32)
-                    b = mma_x(X, bits)
+                    b = place_x(X, bits)
                     sx = np.zeros((32, 4))
                     for m in range(2):
                         sx = mma16816(sx, np.full((32, 4), ONES, np.uint32),
@@ -200,11 +200,5 @@ def test_the_emulation_catches_a_wrong_pairing():
     w = quantize(rng.standard_normal((16, 64)).astype(np.float32), bits=4, group_size=32)
     x = rng.standard_normal((3, 64)).astype(np.float16)
     want = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
-    global mma_x
-    real = mma_x
-    mma_x = lambda X, bits: real(X, 8)                            # noqa: E731
-    try:
-        got = emulate(w, x, 4, False, 2)
-    finally:
-        mma_x = real
+    got = emulate(w, x, 4, False, 2, place_x=lambda X, bits: mma_x(X, 8))
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
