@@ -21,8 +21,7 @@ For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids
 With --reps N each level runs N times on the same prompts: the decode and aggregate figures
 and the TTFT percentiles are medians over the runs, with their min-max (``*_spread``), and
 ``back to start`` must hold for every run. Runs on either backend (--backend numpy: use a
-small model). Prints a table; with --out
-writes bench_serve.json there.
+small model). Prints a table; with --out writes bench_serve.json there.
 """
 
 from __future__ import annotations
@@ -176,6 +175,7 @@ def main(argv=None) -> int:
               "batch1_generate_decode_tok_s": solo_tps, "levels": rows}
     print(f"# {result['model']} on {model.backend}: {a.prompt_tokens}-token prompts, "
           f"<= {a.new_tokens} new tokens; Model.generate alone: {solo_tps:.1f} tok/s decode")
+
     def cell(r, name):
         t = r[name + "_spread"]
         return (f"{t['median']:.1f}" if t["runs"] == 1 else
