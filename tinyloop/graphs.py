@@ -362,7 +362,8 @@ class DecodeGraphs:
 
     @staticmethod
     def bucket(rows: int, cap: int) -> int:
-        """``batch_bucket``: the padded row count of a captured batch of ``rows`` rows."""
+        """``batch_bucket``: the padded row count of a captured batch of ``rows`` rows (here
+        so that Model reaches it through its graphs object: model imports no graphs)."""
         return batch_bucket(rows, cap)
 
     def batch_key(self, cache, rows: int, ctx: int) -> tuple:

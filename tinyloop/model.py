@@ -1225,9 +1225,9 @@ class Model:
         ``DecodeGraphs.bucket`` rows with copies of its first row (same id, position and
         cache: they write that row's own K/V values again, and their logits are not read),
         the inputs are uploaded, the step (stack, head into the held logits, the rows'
-        argmax into mapped host memory) replays, and after one synchronisation greedy rows take their argmax; the others are
-        drawn from their logits rows (``Ops.sample_rows``: on CUDA queued together, one more
-        synchronisation)."""
+        argmax into mapped host memory) replays, and after one synchronisation greedy rows
+        take their argmax; the others are drawn from their logits rows (``Ops.sample_rows``:
+        on CUDA queued together, one more synchronisation)."""
         b, ops, cap = len(caches), self._ops, self._buf.capacity_rows
         logits_all, host_ids = graphs.batch_buffers(graphs.bucket(rows, cap))
         out = None if sampling is not None else np.empty((b, self.config.vocab_size), np.float32)
@@ -1248,12 +1248,13 @@ class Model:
                 out[b0:b0 + n] = ops.to_host(logits)
                 continue
             got = [None] * n
-            drawn = [i for i in range(n) if not _greedy(sampling[b0 + i])]
+            drawn = []
             for i in range(n):
-                if _greedy(sampling[b0 + i]):
-                    code = int(hid[i, 1])
-                    got[i] = (int(hid[i, 0]) if not code
-                              else non_finite_logits(LOGIT_FAULTS[code]))
+                if not _greedy(sampling[b0 + i]):
+                    drawn.append(i)
+                    continue
+                code = int(hid[i, 1])
+                got[i] = int(hid[i, 0]) if not code else non_finite_logits(LOGIT_FAULTS[code])
             if drawn:
                 for i, g in zip(drawn, ops.sample_rows(
                         logits, [(i, *sampling[b0 + i]) for i in drawn])):

@@ -497,9 +497,9 @@ class Ops:
     @contextlib.contextmanager
     def decode_batch_scope(self):
         """The ops issued inside are a decode batch's (``Model.decode_batch``): a backend may
-        pick kernels for a few rows there (CUDA: ``gemv_rows``) that prefill, whose results
-        prefix reuse compares against a full recompute, does not take. Nothing changes
-        here."""
+        pick kernels for a few rows there (CUDA: ``gemv_mma`` / ``gemv_rows``) that prefill,
+        whose results prefix reuse compares against a full recompute, does not take. Nothing
+        changes here."""
         yield
 
     def argmax_rows(self, logits, out) -> None:

@@ -219,7 +219,8 @@ class GemvOps:
 
     @contextlib.contextmanager
     def decode_batch_scope(self):
-        """``Ops.decode_batch_scope``: products of a few rows run ``gemv_rows`` inside."""
+        """``Ops.decode_batch_scope``: products of a few rows run the decode batch's GEMV
+        inside (``_rows_path``)."""
         prev, self._in_batch = self._in_batch, True
         try:
             yield
@@ -282,8 +283,9 @@ class GemvOps:
         """out f16 [T, F] = silu(x @ Wg.T) * (x @ Wu.T); W [2F, in] gate rows then up rows.
 
         T = 1: one fused GEMV (each warp reads its gate and up rows); a few rows (a decode
-        batch, ``_rows_path``): one ``gemv_rows{R}_q*_swiglu`` launch; else GEMM into ``tmp``
-        f16 [>= T, 2F], then the SwiGLU kernel.
+        batch, ``_rows_path``): one ``gemv_mma{CT}_q*_swiglu`` or ``gemv_rows{R}_q*_swiglu``
+        launch (``KernelChoice.batch_gemv``); else GEMM into ``tmp`` f16 [>= T, 2F], then the
+        SwiGLU kernel.
         """
         info = self._info(w)
         t = self._act_in(x, info)
