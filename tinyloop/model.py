@@ -88,6 +88,21 @@ class BatchRows:
         return BatchSlot(slots, self.positions, self.index[0], self.index[1 + s])
 
 
+class PendingBatch:
+    """A decode batch step in flight (:meth:`Model.decode_batch_start`): ``result`` is its
+    list of ids (or logits) once :meth:`Model.decode_batch_finish` has read it, or at once for
+    a step the start computed; ``logits`` / ``host_ids`` / ``sampling`` are the captured
+    step's outputs and its rows' sampling, read by the finish."""
+
+    __slots__ = ("result", "logits", "host_ids", "sampling")
+
+    def __init__(self, result=None, logits=None, host_ids=None, sampling=None):
+        self.result = result
+        self.logits = logits
+        self.host_ids = host_ids
+        self.sampling = sampling
+
+
 # What each VERSION 2 fact needs from a backend, as the refusal names it.
 _FEATURE_TEXT = {"layer_norms": "post-branch and sandwich norms (layer_norms)",
                  "loop_norm": "the loop-boundary norm (loop_norm)",
@@ -242,6 +257,7 @@ class Model:
         self.backend = self._ops.name
         self._pool = get_pool(self._ops.device)
         self._extras: dict = {}  # name -> model-owned extra made at first use (extra())
+        self._pending_batch = None   # the PendingBatch decode_batch_start left in flight
         self._loop_warned = False    # ArtificialLoopWarning given (once per model)
         self._rows_hooks: list = []  # watch_forward callbacks
         # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
@@ -387,6 +403,7 @@ class Model:
             if self._freed:
                 return
             self._freed = True
+            self._pending_batch = None      # the synchronisations below let it finish
             with _live_lock:
                 _live_models.discard(self)
             extras, self._extras = self._extras, {}
@@ -1161,8 +1178,25 @@ class Model:
         ConfigError for mismatched lengths, mixed depths or kv modes, a cache given twice or
         a position outside its cache, TokenizerError for an id outside the vocabulary,
         ModelFreedError after free, HandleError for a released cache, OutOfMemoryError when a
-        page does not fit. Takes the model's lock for the step.
+        page does not fit. Takes the model's lock for the step. It is
+        :meth:`decode_batch_finish` of :meth:`decode_batch_start`.
         """
+        with self._lock:
+            return self.decode_batch_finish(self.decode_batch_start(
+                caches, tokens, positions, depth, sampling, graphs))
+
+    def decode_batch_start(self, caches, tokens, positions, depth: int | None = None,
+                           sampling=None, graphs=None) -> "PendingBatch":
+        """Launch :meth:`decode_batch`'s step and return at once, before the device has run
+        it: a :class:`PendingBatch` whose ids :meth:`decode_batch_finish` reads. The host may
+        do other work meanwhile (the serving engine streams the previous step's text), so a
+        step's device time and the host's per-step work overlap. Only a captured step of at
+        most one sub-batch with ``sampling`` given runs asynchronously (nothing of it is read
+        on the host before the finish); any other batch is computed here and its finish
+        returns at once. The caller holds the model's lock from the start to the finish (the
+        step's buffers are the model's), and one batch at a time is in flight: a second start
+        before the finish raises ConfigError. The other arguments, checks and errors are
+        :meth:`decode_batch`'s."""
         caches = list(caches)
         b = len(caches)
         if b == 0:
@@ -1175,6 +1209,9 @@ class Model:
                               + " must have one entry per request")
         with self._lock:
             self.check_alive()
+            if self._pending_batch is not None:
+                raise ConfigError("decode_batch_start: a decode batch is in flight; "
+                                  "decode_batch_finish it first")
             ids = self.check_token_ids(tokens, "tokens")
             depth = caches[0].depth if depth is None else self.config.check_depth(depth)
             if len({id(c) for c in caches}) != b:
@@ -1194,30 +1231,93 @@ class Model:
             if graphs is not None and not graphs.batch_eligible(caches[0]):
                 graphs = None
             rows = min(b, self._buf.capacity_rows)
-            if graphs is not None:
-                return self._decode_batch_graphs(graphs, caches, ids, pos, depth, sampling, rows)
-            vocab = self.config.vocab_size
-            block, blk = self._ops.empty(self._pool, (rows, vocab), np.float32, "logits")
-            try:
-                out = None if sampling is not None else np.empty((b, vocab), np.float32)
-                picked = []
-                for b0 in range(0, b, rows):
-                    n = min(rows, b - b0)
-                    logits = block[:n]
-                    batch = self._batch_inputs(ids[b0:b0 + n], pos[b0:b0 + n], depth,
-                                               caches[b0:b0 + n])
-                    self._decode_rows_ops(batch, depth, logits)
-                    for hook in self._rows_hooks:       # eager rows (watch_forward)
-                        for p in pos[b0:b0 + n]:
-                            hook(p, 1)
-                    if sampling is None:
-                        out[b0:b0 + n] = self._ops.to_host(logits)
-                        continue
-                    picked.extend(self._ops.sample_rows(
-                        logits, [(i, *sampling[b0 + i]) for i in range(n)]))
-            finally:
-                self._pool.free(blk)
-            return out if sampling is None else picked
+            if graphs is not None and sampling is not None and b <= rows:
+                pending = self._launch_batch_graph(graphs, caches, ids, pos, depth, sampling)
+            elif graphs is not None:
+                pending = PendingBatch(result=self._decode_batch_graphs(
+                    graphs, caches, ids, pos, depth, sampling, rows))
+            else:
+                pending = PendingBatch(result=self._decode_batch_eager(
+                    caches, ids, pos, depth, sampling, rows))
+            self._pending_batch = pending
+            return pending
+
+    def _decode_batch_eager(self, caches, ids, pos, depth: int, sampling, rows: int):
+        """``decode_batch`` launch by launch (no captured step), sub-batch by sub-batch."""
+        b = len(caches)
+        vocab = self.config.vocab_size
+        block, blk = self._ops.empty(self._pool, (rows, vocab), np.float32, "logits")
+        try:
+            out = None if sampling is not None else np.empty((b, vocab), np.float32)
+            picked = []
+            for b0 in range(0, b, rows):
+                n = min(rows, b - b0)
+                logits = block[:n]
+                batch = self._batch_inputs(ids[b0:b0 + n], pos[b0:b0 + n], depth,
+                                           caches[b0:b0 + n])
+                self._decode_rows_ops(batch, depth, logits)
+                for hook in self._rows_hooks:       # eager rows (watch_forward)
+                    for p in pos[b0:b0 + n]:
+                        hook(p, 1)
+                if sampling is None:
+                    out[b0:b0 + n] = self._ops.to_host(logits)
+                    continue
+                picked.extend(self._ops.sample_rows(
+                    logits, [(i, *sampling[b0 + i]) for i in range(n)]))
+        finally:
+            self._pool.free(blk)
+        return out if sampling is None else picked
+
+    def decode_batch_finish(self, pending: "PendingBatch"):
+        """The result of the step :meth:`decode_batch_start` launched (what
+        :meth:`decode_batch` returns): waits for the device, reads the greedy rows' argmax and
+        draws the sampled rows (``Ops.sample_rows``). Finishing it again returns the same
+        result. Raises ConfigError for a batch this model does not have in flight (and
+        ModelFreedError once the model is freed)."""
+        with self._lock:
+            if pending is self._pending_batch:
+                self._pending_batch = None
+                if pending.result is None:
+                    pending.result = self._read_batch_graph(pending)
+            elif pending.result is None:
+                self.check_alive()
+                raise ConfigError("decode_batch_finish: this model has no such batch in "
+                                  "flight")
+            return pending.result
+
+    def _launch_batch_graph(self, graphs, caches, ids, pos, depth: int, sampling):
+        """Upload one sub-batch's inputs and replay its captured step (``_decode_batch_graphs``
+        for a batch of one sub-batch, up to its synchronisation): a PendingBatch."""
+        n, cap = len(caches), self._buf.capacity_rows
+        nb = graphs.bucket(n, cap)              # padded with copies of the first row
+        logits_all, host_ids = graphs.batch_buffers(nb)
+        sub = caches + [caches[0]] * (nb - n)
+        spos = pos + [pos[0]] * (nb - n)
+        batch = self._batch_inputs(list(ids) + [ids[0]] * (nb - n), spos, depth, sub)
+        key = graphs.batch_key(sub[0], nb, max(spos) + 1)
+        graphs.run_batch(key, lambda: self._decode_rows_ops(batch, depth, logits_all[:nb],
+                                                            host_ids[:nb]))
+        return PendingBatch(logits=logits_all[:n], host_ids=host_ids[:n], sampling=sampling)
+
+    def _read_batch_graph(self, pending: "PendingBatch") -> list:
+        """Synchronise, then every row's id: greedy rows take the step's device argmax, the
+        others are drawn from their logits rows (``Ops.sample_rows``)."""
+        ops, sampling, hid = self._ops, pending.sampling, pending.host_ids
+        ops.graph_sync()
+        n = len(sampling)
+        got: list = [None] * n
+        drawn = []
+        for i in range(n):
+            if not _greedy(sampling[i]):
+                drawn.append(i)
+                continue
+            code = int(hid[i, 1])
+            got[i] = int(hid[i, 0]) if not code else non_finite_logits(LOGIT_FAULTS[code])
+        if drawn:
+            for i, g in zip(drawn, ops.sample_rows(pending.logits,
+                                                   [(i, *sampling[i]) for i in drawn])):
+                got[i] = g
+        return got
 
     def _decode_batch_graphs(self, graphs, caches, ids, pos, depth: int, sampling, rows: int):
         """``decode_batch`` through the captured batch step (``graphs.DecodeGraphs
@@ -1228,38 +1328,19 @@ class Model:
         argmax into mapped host memory) replays, and after one synchronisation greedy rows
         take their argmax; the others are drawn from their logits rows (``Ops.sample_rows``:
         on CUDA queued together, one more synchronisation)."""
-        b, ops, cap = len(caches), self._ops, self._buf.capacity_rows
-        logits_all, host_ids = graphs.batch_buffers(graphs.bucket(rows, cap))
+        b, ops = len(caches), self._ops
         out = None if sampling is not None else np.empty((b, self.config.vocab_size), np.float32)
         picked = []
-        for b0 in range(0, b, rows):
+        for b0 in range(0, b, rows):            # the first sub-batch sizes the buffers
             n = min(rows, b - b0)
-            nb = graphs.bucket(n, cap)          # padded with copies of the first row
-            logits, hid = logits_all[:n], host_ids[:n]
-            sub = caches[b0:b0 + n] + [caches[b0]] * (nb - n)
-            spos = pos[b0:b0 + n] + [pos[b0]] * (nb - n)
-            batch = self._batch_inputs(list(ids[b0:b0 + n]) + [ids[b0]] * (nb - n), spos,
-                                       depth, sub)
-            key = graphs.batch_key(sub[0], nb, max(spos) + 1)
-            graphs.run_batch(key, lambda: self._decode_rows_ops(batch, depth, logits_all[:nb],
-                                                                host_ids[:nb]))
-            ops.graph_sync()
+            pending = self._launch_batch_graph(
+                graphs, caches[b0:b0 + n], ids[b0:b0 + n], pos[b0:b0 + n], depth,
+                None if sampling is None else sampling[b0:b0 + n])
             if sampling is None:
-                out[b0:b0 + n] = ops.to_host(logits)
-                continue
-            got = [None] * n
-            drawn = []
-            for i in range(n):
-                if not _greedy(sampling[b0 + i]):
-                    drawn.append(i)
-                    continue
-                code = int(hid[i, 1])
-                got[i] = int(hid[i, 0]) if not code else non_finite_logits(LOGIT_FAULTS[code])
-            if drawn:
-                for i, g in zip(drawn, ops.sample_rows(
-                        logits, [(i, *sampling[b0 + i]) for i in drawn])):
-                    got[i] = g
-            picked.extend(got)
+                ops.graph_sync()
+                out[b0:b0 + n] = ops.to_host(pending.logits)
+            else:
+                picked.extend(self._read_batch_graph(pending))
         return out if sampling is None else picked
 
     def _batch_inputs(self, ids, positions, depth: int, caches) -> BatchRows:

@@ -32,9 +32,11 @@ def arch_path(tmp_path_factory):
     return str(path)
 
 
-def _run(model, depth, kv_mode, sampling_of, seed=0):
+def _run(model, depth, kv_mode, sampling_of, seed=0, split=False):
     """Decode SCHEDULE's steps over 5 prefilled requests; every step's picks (and the logits
-    of the steps with no sampling) in order."""
+    of the steps with no sampling) in order. ``split``: the sampled steps run as
+    ``decode_batch_start``, host work, ``decode_batch_finish`` (as the serving engine runs
+    them)."""
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, n) for n in LENGTHS]
@@ -53,6 +55,12 @@ def _run(model, depth, kv_mode, sampling_of, seed=0):
                 logits = model.decode_batch(*args, depth, graphs=graphs)
                 out.append(logits)
                 picks = [int(np.argmax(r)) for r in logits]
+            elif split:
+                pending = model.decode_batch_start(*args, depth, graphs=graphs,
+                                                   sampling=[sampling_of(step, i) for i in rows])
+                np.sort(rng.random(1 << 16))        # host work while the step runs
+                picks = model.decode_batch_finish(pending)
+                out.append(picks)
             else:
                 picks = model.decode_batch(*args, depth, graphs=graphs,
                                            sampling=[sampling_of(step, i) for i in rows])
@@ -106,6 +114,7 @@ def test_batch_graphs_match_eager(arch_path, monkeypatch, kv_mode, sampling_of):
             monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
             got = _run(m, depth, kv_mode, sampling_of)
             _same(got, want)
+            _same(_run(m, depth, kv_mode, sampling_of, split=True), want)
             st = m.graph_stats()
             # B = 3 runs padded to 4 rows (eager, capture, then replays), 5 to 8, 2 as is
             batch_keys = [k for k in st["keys"] if k[0] == "batch" and k[2] == depth]

@@ -169,8 +169,9 @@ def test_cuda_decode_batch_of_a_huginn_like_stack(tmp_path, monkeypatch):
 def test_batch_graphs_on_and_off_agree(small_path, monkeypatch, kv_mode):
     """The captured decode batch (graphs.DecodeGraphs.run_batch) launches what the eager
     batch launches, so graphs on and off give the same picks and logits bit for bit while
-    requests join, leave and trade places (test_batch_graphs.SCHEDULE), greedy and sampled;
-    batch sizes replay; every graph and tag goes with the model."""
+    requests join, leave and trade places (test_batch_graphs.SCHEDULE), greedy and sampled,
+    read at once or after host work (decode_batch_start / finish); batch sizes replay; every
+    graph and tag goes with the model."""
     from .test_batch_graphs import _greedy, _mixed, _run, _same
     m = tinyloop.load_model(small_path, max_seq_len=64, backend="cuda")
     before = m.pool.by_tag()
@@ -183,6 +184,8 @@ def test_batch_graphs_on_and_off_agree(small_path, monkeypatch, kv_mode):
             got = _run(m, 2, kv_mode, sampling_of)
             _same(got, want)
             assert m.graph_stats()["replays"] - r0 >= 4
+            # launched, host work, then read: what the serving engine runs
+            _same(_run(m, 2, kv_mode, sampling_of, split=True), want)
     finally:
         tinyloop.free_model(m)
     assert m.pool.by_tag().get("graphs", 0) == before.get("graphs", 0)

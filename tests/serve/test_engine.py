@@ -214,7 +214,7 @@ def test_a_request_that_runs_out_of_memory_ends_alone_and_frees_its_pages(model,
 
 def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkeypatch):
     from tinyloop.errors import TinyLoopError
-    real = type(model).decode_batch
+    real = type(model).decode_batch_start
     calls = {"n": 0}
 
     def flaky(self, *args, **kw):
@@ -223,7 +223,7 @@ def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkey
             raise RuntimeError("planted")
         return real(self, *args, **kw)
 
-    monkeypatch.setattr(type(model), "decode_batch", flaky)
+    monkeypatch.setattr(type(model), "decode_batch_start", flaky)
     eng = Engine(model)        # both admitted before the scheduler starts: one batch
     rs = [eng.submit(p, max_new_tokens=20) for p in ([1, 2, 3], [4, 5])]
     with eng:
@@ -238,7 +238,7 @@ def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkey
         assert errs[1].partial.prompt_token_ids == [4, 5]
         assert model.pool.by_tag()["kv_cache"] == 0
         # the engine goes on serving
-        monkeypatch.setattr(type(model), "decode_batch", real)
+        monkeypatch.setattr(type(model), "decode_batch_start", real)
         assert eng.submit([7, 8], max_new_tokens=4).result(timeout=60).token_ids == \
             model.generate([7, 8], max_new_tokens=4).token_ids
 
@@ -329,3 +329,86 @@ def test_few_rows_replay_one_by_one_and_more_share_a_batch(tiny_model_path, monk
 def test_serial_rows_must_not_be_negative(model):
     with pytest.raises(ConfigError, match="serial_rows"):
         Engine(model, serial_rows=-1)
+
+
+def test_a_steps_tokens_stream_while_the_next_step_runs(model, monkeypatch):
+    """The host streams step k's pieces between step k + 1's decode_batch_start and its
+    finish; a request a stop string ends while a step that reads its cache is in flight ends
+    after that step (its cache still live at the finish) with its solo run's tokens, text and
+    pieces; every request's pages are freed at its end."""
+    cls = type(model)
+    real_start, real_finish = cls.decode_batch_start, cls.decode_batch_finish
+    events, in_flight, live_at_finish, ended_in_flight = [], [], [], [0]
+
+    def start(self, caches, *a, **k):
+        events.append("start")
+        in_flight.append(list(caches))
+        return real_start(self, caches, *a, **k)
+
+    def finish(self, pending):
+        caches = in_flight.pop()
+        for c in caches:
+            try:
+                c.table_addresses()          # raises HandleError once the cache is released
+                live_at_finish.append(True)
+            except tinyloop.errors.HandleError:
+                live_at_finish.append(False)
+        ended_in_flight[0] += sum(r._ending is not None for r in reqs)
+        events.append("finish")
+        return real_finish(self, pending)
+
+    prompts = _prompts(12, seed=5)
+    kws = []
+    for i, p in enumerate(prompts):     # odd requests stop at a character of their text
+        text = model.generate(p, max_new_tokens=24, stop=[]).text
+        cut = [ch for ch in text[4:] if ch != "\ufffd"]
+        kws.append(dict(stop=[cut[0]]) if i % 2 and cut else {})
+    want = [_solo(model, p, 24, kw) for p, kw in zip(prompts, kws)]
+    assert sum(res.finish_reason == "stop" for res, _ in want) >= 3
+    monkeypatch.setattr(cls, "decode_batch_start", start)
+    monkeypatch.setattr(cls, "decode_batch_finish", finish)
+    before = model.pool.by_tag().get("kv_cache", 0)
+    eng = Engine(model, max_batch=12, prefill_chunk=512, serial_rows=0)
+    reqs = [eng.submit(p, max_new_tokens=24, **kw) for p, kw in zip(prompts, kws)]
+    for r in reqs:
+        r.notify = lambda: events.append("piece")
+    with eng:
+        got = [(r.result(timeout=120), [(t.token_id, t.text, t.finish_reason) for t in r])
+               for r in reqs]
+    for (res, pieces), (want_res, want_pieces) in zip(got, want):
+        assert res.token_ids == want_res.token_ids
+        assert res.text == want_res.text and res.finish_reason == want_res.finish_reason
+        assert pieces == want_pieces
+    # pieces were handed out while a step was in flight
+    inside, overlapped = False, 0
+    for e in events:
+        if e == "start":
+            inside = True
+        elif e == "finish":
+            inside = False
+        elif inside:
+            overlapped += 1
+    assert overlapped > 0
+    assert ended_in_flight[0] > 0 and all(live_at_finish)
+    assert model.pool.by_tag().get("kv_cache", 0) == before
+
+
+def test_one_decode_batch_is_in_flight_at_a_time(model):
+    """decode_batch_start refuses a second batch before the first's finish; the finish
+    returns what decode_batch returns."""
+    caches = [model.new_kv_cache(2, 16) for _ in range(2)]
+    try:
+        for c, t in zip(caches, [3, 4]):
+            model.forward(np.array([t], np.int32), 0, 2, c)
+        args = (caches, [5, 6], [1, 1], 2)
+        sampling = [(0.0, 0, 1.0, 0.0)] * 2
+        pending = model.decode_batch_start(*args, sampling=sampling)
+        with pytest.raises(ConfigError, match="in flight"):
+            model.decode_batch_start(*args, sampling=sampling)
+        got = model.decode_batch_finish(pending)
+        assert model.decode_batch_finish(pending) == got
+        logits = model.decode_batch(*args)          # the same step again, by logits
+        assert got == [int(np.argmax(row)) for row in logits]
+    finally:
+        for c in caches:
+            c.release()

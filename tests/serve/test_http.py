@@ -246,12 +246,12 @@ def test_a_client_that_disconnects_from_a_non_streamed_request_frees_its_pages(s
     m, eng, srv, client, before = served
     base = m.pool.by_tag()["kv_cache"]
     cancelled = eng.stats()["finished"].get("cancelled", 0)
-    real = m.decode_batch
+    real = m.decode_batch_start
 
     def slow(*a, **k):
         time.sleep(0.02)
         return real(*a, **k)
-    monkeypatch.setattr(m, "decode_batch", slow)
+    monkeypatch.setattr(m, "decode_batch_start", slow)
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
     body = json.dumps({"model": "tiny", "prompt": "a long one", "max_tokens": 480,
                        "temperature": 0})

@@ -113,6 +113,10 @@ class EngineRequest:
         self._rows = None            # (array, block): prompt residual rows for the pool insert
         self._pos = 0                # prompt positions prefilled, then the decode position
         self._last = None            # the token the next decode step feeds
+        self._held: list = []        # accepted tokens not yet streamed (None: EOS)
+        self._final = False          # the last accepted token ends it: no more steps
+        self._ending = None          # (reason, pieces): a stop string ended it while a step
+                                     # that reads its cache was in flight
         self._cached = 0             # prompt positions restored from the PrefixPool
         self._prefill_ms = 0.0
         self._prefill_t0 = None
@@ -259,33 +263,61 @@ class EngineRequest:
         self._put(_END)             # the result
 
     def _fail(self, e: TinyLoopError) -> None:
+        self._push_held()
+        if self.done:
+            return
         pos = self._pos if self.state == "decode" else len(self.args.ids) - 1
         err = located(e, len(self._new), pos)
         self._finish("error", self._text.partial_text(), error=err)
 
-    def _take(self, nxt) -> None:
-        """Handle the token sampled by the last step: stream its pieces, end the request at
-        EOS, a stop string or max_new_tokens."""
+    def _accept(self, nxt) -> None:
+        """Take the token the last step sampled without streaming it: it becomes the next
+        step's input, and an EOS or the ``max_new_tokens``-th token marks the request
+        final (no further step runs it). Its text and pieces wait for :meth:`_push_held`,
+        which the engine runs while the next step is on the device."""
         if isinstance(nxt, TinyLoopError):
             self._fail(nxt)
             return
-        now = time.perf_counter()
         if self.first_token_at is None:
+            now = time.perf_counter()
             self.first_token_at = now
             self._decode_t0 = now
-        cfg = self._engine.model.config
-        if nxt == cfg.eos_token_id:
-            pieces = self._text.eos()
-            self._finish("eos", self._text.text, pieces)
+        if nxt == self._engine.model.config.eos_token_id:
+            self._held.append(None)             # EOS: releases what the text holds, ends
+            self._final = True
             return
         self._new.append(nxt)
-        pieces, reason = self._text.push(nxt)
-        if reason is not None:
-            self._finish(reason, self._text.text, pieces)
-            return
-        for p in pieces:
-            self._put(p)
+        self._held.append(nxt)
         self._last = nxt
+        self._final = len(self._new) >= self.args.max_new_tokens
+
+    def _push_held(self, in_flight: bool = False) -> None:
+        """Stream the accepted tokens' pieces and end the request at EOS, a stop string or
+        max_new_tokens. ``in_flight``: a step that reads this request's cache is on the
+        device, so a stop string found now ends the request only after that step
+        (``_ending``); its token is then dropped."""
+        held, self._held = self._held, []
+        for nxt in held:
+            if self.done:
+                return
+            if nxt is None:
+                pieces = self._text.eos()
+                self._finish("eos", self._text.text, pieces)
+                return
+            pieces, reason = self._text.push(nxt)
+            if reason is not None:
+                if in_flight:
+                    self._ending = (reason, pieces)
+                else:
+                    self._finish(reason, self._text.text, pieces)
+                return
+            for p in pieces:
+                self._put(p)
+
+    def _take(self, nxt) -> None:
+        """Accept the token and stream it at once (``_accept``, ``_push_held``)."""
+        self._accept(nxt)
+        self._push_held()
 
 
 class Engine:
@@ -343,6 +375,9 @@ class Engine:
         self.steps = 0                   # decode steps run
         self.baseline_allocated = None   # allocated_outside_graphs(pool) at start
         self.on_finish = None            # callback(request) after a request ends
+        self._deferred: list = []        # requests whose accepted tokens wait to stream
+                                         # (engine thread)
+        self._pushed = False             # whether this iteration streamed them
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -442,6 +477,7 @@ class Engine:
             r._finish("cancelled", r._text.partial_text())
             return
         with self.model.lock:                 # waits for the step in flight
+            r._push_held()                    # its accepted tokens stream first
             if not r.done:
                 r._finish("cancelled", r._text.partial_text())
 
@@ -514,9 +550,13 @@ class Engine:
         for r in active:
             if r.state == "decode":
                 groups.setdefault((r.args.depth, r.args.kv_mode), []).append(r)
+        self._pushed = False
         for key, group in groups.items():
             for b0 in range(0, len(group), self.max_batch):
                 self._decode(key[0], group[b0:b0 + self.max_batch])
+        if self._deferred and not self._pushed:   # no step ran to overlap them
+            with self.model.lock:
+                self._push_deferred()
 
     def _prefill_chunk(self, r: EngineRequest, budget: int) -> int:
         """One chunk of ``r``'s prompt, at most ``budget`` positions; after the last one, its
@@ -597,14 +637,30 @@ class Engine:
         except TinyLoopError as e:
             return e
 
+    def _push_deferred(self, in_flight=()) -> None:
+        """Stream what the requests accepted in earlier steps (``EngineRequest._push_held``),
+        oldest first; ``in_flight``: the requests of the step on the device now. Under the
+        model's lock."""
+        self._pushed = True
+        deferred, self._deferred = self._deferred, []
+        for r in deferred:
+            r._push_held(r in in_flight)
+
     def _decode(self, depth: int, group: list) -> None:
-        """One decode step of ``group`` (one depth and kv_mode)."""
+        """One decode step of ``group`` (one depth and kv_mode). A batched step runs on the
+        device while the host streams the tokens earlier steps accepted
+        (``_push_deferred``); the tokens of this step are accepted after it and streamed while
+        the next one runs."""
         model = self.model
         with model.lock:
+            live = [r for r in group if not r.done and not r._final]
+            if len(live) <= self.serial_rows:
+                # the captured single-row step reads on the host at once: nothing overlaps it,
+                # and a request may end before it runs
+                self._push_deferred()
+                live = [r for r in live if not r.done]
             rows = []
-            for r in group:
-                if r.done:
-                    continue
+            for r in live:
                 try:
                     r._cache.ensure(r._pos + 1)   # a page that does not fit ends this request
                 except TinyLoopError as e:
@@ -621,15 +677,22 @@ class Engine:
             rest = [i for i, g in enumerate(got) if g is None]   # not captured: one batch
             if rest:
                 try:
-                    batch = model.decode_batch([rows[i]._cache for i in rest],
-                                               [rows[i]._last for i in rest],
-                                               [rows[i]._pos for i in rest], depth,
-                                               sampling=[sampling[i] for i in rest],
-                                               graphs=decode_graphs(model))
+                    pending = model.decode_batch_start(
+                        [rows[i]._cache for i in rest], [rows[i]._last for i in rest],
+                        [rows[i]._pos for i in rest], depth,
+                        sampling=[sampling[i] for i in rest], graphs=decode_graphs(model))
+                    try:
+                        self._push_deferred({rows[i] for i in rest})
+                    finally:
+                        batch = model.decode_batch_finish(pending)
                 except TinyLoopError as e:       # the batch's rows end; the replayed ones go on
                     failed = set(rest)
                     for i in rest:
-                        rows[i]._fail(e)
+                        r = rows[i]
+                        if r._ending is not None:     # it had ended before the step failed
+                            r._finish(r._ending[0], r._text.text, r._ending[1])
+                        else:
+                            r._fail(e)
                     rows = [r for i, r in enumerate(rows) if i not in failed]
                     got = [g for i, g in enumerate(got) if i not in failed]
                 else:
@@ -639,6 +702,14 @@ class Engine:
                 return
             self.steps += 1
             for r, nxt in zip(rows, got):
+                if r._ending is not None:        # a stop string ended it while this step ran:
+                    reason, pieces = r._ending   # its token is dropped
+                    r._finish(reason, r._text.text, pieces)
+                    continue
+                if r.done:
+                    continue
                 r._pos += 1
                 self.generated_tokens += 1
-                r._take(nxt)
+                r._accept(nxt)
+                if r._held:
+                    self._deferred.append(r)
