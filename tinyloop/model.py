@@ -88,6 +88,25 @@ class BatchRows:
         return BatchSlot(slots, self.positions, self.index[0], self.index[1 + s])
 
 
+class PreparedBatch:
+    """A decode batch step made ready on the host (:meth:`Model.decode_batch_prepare`): its
+    rows padded to the captured bucket (``caches``, ``positions``; the first ``n`` are the
+    batch's own), ``depth``, the host index (``kv.cache.batch_index``), the graph ``key`` and
+    the step's ``logits`` / ``host_ids`` buffers (bucket rows, views of ``owner``, the
+    captured batch's buffers then); :meth:`Model.decode_batch_start` takes it with the step's
+    token ids."""
+
+    __slots__ = ("graphs", "caches", "positions", "n", "depth", "index", "key", "logits",
+                 "host_ids", "owner")
+
+    def __init__(self, graphs, caches, positions, n, depth, index, key, logits, host_ids,
+                 owner):
+        self.graphs, self.caches, self.positions, self.n = graphs, caches, positions, n
+        self.depth, self.index, self.key = depth, index, key
+        self.logits, self.host_ids = logits, host_ids
+        self.owner = owner          # DecodeGraphs.batch_logits the views are of
+
+
 class PendingBatch:
     """A decode batch step in flight (:meth:`Model.decode_batch_start`): ``result`` is its
     list of ids (or logits) once :meth:`Model.decode_batch_finish` has read it, or at once for
@@ -1186,53 +1205,49 @@ class Model:
                 caches, tokens, positions, depth, sampling, graphs))
 
     def decode_batch_start(self, caches, tokens, positions, depth: int | None = None,
-                           sampling=None, graphs=None) -> "PendingBatch":
+                           sampling=None, graphs=None, prepared=None) -> "PendingBatch":
         """Launch :meth:`decode_batch`'s step and return at once, before the device has run
         it: a :class:`PendingBatch` whose ids :meth:`decode_batch_finish` reads. The host may
-        do other work meanwhile (the serving engine streams the previous step's text), so a
-        step's device time and the host's per-step work overlap. Only a captured step of at
-        most one sub-batch with ``sampling`` given runs asynchronously (nothing of it is read
-        on the host before the finish); any other batch is computed here and its finish
-        returns at once. The caller holds the model's lock from the start to the finish (the
-        step's buffers are the model's), and one batch at a time is in flight: a second start
-        before the finish raises ConfigError. The other arguments, checks and errors are
-        :meth:`decode_batch`'s."""
+        do other work meanwhile (the serving engine streams the previous step's text and
+        prepares the next step), so a step's device time and the host's per-step work
+        overlap. Only a captured step of at most one sub-batch with ``sampling`` given runs
+        asynchronously (nothing of it is read on the host before the finish); any other batch
+        is computed here and its finish returns at once. The caller holds the model's lock
+        from the start to the finish (the step's buffers are the model's), and one batch at a
+        time is in flight: a second start before the finish raises ConfigError.
+        ``prepared``: what :meth:`decode_batch_prepare` made for these caches and positions
+        (ConfigError for others), so only the token ids are checked and the inputs uploaded
+        here. The other arguments, checks and errors are :meth:`decode_batch`'s."""
         caches = list(caches)
         b = len(caches)
-        if b == 0:
-            raise ConfigError("decode_batch needs at least one request (caches is empty)")
         pos = [int(p) for p in positions]
-        if len(pos) != b or len(tokens) != b or (sampling is not None and len(sampling) != b):
-            raise ConfigError(f"decode_batch: caches ({b}), tokens ({len(tokens)}), positions "
-                              f"({len(pos)})" + ("" if sampling is None else
-                                                 f" and sampling ({len(sampling)})")
+        if len(tokens) != b or (sampling is not None and len(sampling) != b):
+            raise ConfigError(f"decode_batch: caches ({b}), tokens ({len(tokens)})"
+                              + ("" if sampling is None else f", sampling ({len(sampling)})")
                               + " must have one entry per request")
         with self._lock:
             self.check_alive()
             if self._pending_batch is not None:
                 raise ConfigError("decode_batch_start: a decode batch is in flight; "
                                   "decode_batch_finish it first")
+            if prepared is not None:
+                if (sampling is None or prepared.caches[:prepared.n] != caches
+                        or prepared.positions[:prepared.n] != pos
+                        or (depth is not None and depth != prepared.depth)):
+                    raise ConfigError("decode_batch_start: the prepared batch is for other "
+                                      "caches, positions or depth (or sampling is None)")
+                for c in caches:
+                    c.check_alive()
+                ids = self.check_token_ids(tokens, "tokens")
+                pending = self._launch_prepared(prepared, ids, sampling)
+                self._pending_batch = pending
+                return pending
             ids = self.check_token_ids(tokens, "tokens")
-            depth = caches[0].depth if depth is None else self.config.check_depth(depth)
-            if len({id(c) for c in caches}) != b:
-                raise ConfigError("decode_batch: a request's cache appears twice in one batch")
-            for i, (c, p) in enumerate(zip(caches, pos)):
-                if c.depth != depth or c.modes != caches[0].modes:
-                    raise ConfigError(
-                        f"decode_batch: request {i} is at depth {c.depth}, kv_mode "
-                        f"{c.mode!r}; the batch runs depth {depth}, kv_mode "
-                        f"{caches[0].mode!r} (group requests by depth and kv_mode)")
-                if not 0 <= p < c.capacity:
-                    raise ConfigError(f"decode_batch: positions[{i}]={p} is outside its "
-                                      f"cache's 0..{c.capacity - 1}")
-            for c, p in zip(caches, pos):
-                c.ensure(p + 1)
-            self._check_loop_depth(depth)
-            if graphs is not None and not graphs.batch_eligible(caches[0]):
-                graphs = None
+            depth, graphs = self._check_batch(caches, pos, depth, graphs)
             rows = min(b, self._buf.capacity_rows)
             if graphs is not None and sampling is not None and b <= rows:
-                pending = self._launch_batch_graph(graphs, caches, ids, pos, depth, sampling)
+                pending = self._launch_prepared(
+                    self._prepare_batch_graph(graphs, caches, pos, depth), ids, sampling)
             elif graphs is not None:
                 pending = PendingBatch(result=self._decode_batch_graphs(
                     graphs, caches, ids, pos, depth, sampling, rows))
@@ -1241,6 +1256,57 @@ class Model:
                     caches, ids, pos, depth, sampling, rows))
             self._pending_batch = pending
             return pending
+
+    def decode_batch_prepare(self, caches, positions, depth: int | None = None,
+                             graphs=None):
+        """The host half of a later :meth:`decode_batch_start` over ``caches`` at
+        ``positions`` (as it takes them): checks them, gains each cache's page for its
+        position (``RuntimeKVCache.ensure``), and builds the step's index and graph key on the
+        host, so the start only checks the token ids, uploads and replays. Runs while another
+        batch is in flight (it reads nothing that batch writes; a page gained then waits for
+        that batch before its block table upload). Returns a :class:`PreparedBatch`, or None
+        for a batch the start would not run as one captured sub-batch (graphs off, a mode
+        the backend does not capture, more rows than the scratch holds). Raises as
+        :meth:`decode_batch` for the caches and positions; OutOfMemoryError when a page does
+        not fit (the pages gained before it stay with their caches)."""
+        caches = list(caches)
+        pos = [int(p) for p in positions]
+        with self._lock:
+            self.check_alive()
+            depth, graphs = self._check_batch(caches, pos, depth, graphs)
+            if graphs is None or len(caches) > self._buf.capacity_rows:
+                return None
+            return self._prepare_batch_graph(graphs, caches, pos, depth)
+
+    def _check_batch(self, caches: list, pos: list, depth, graphs) -> tuple:
+        """``decode_batch``'s checks of the caches and positions, each cache's page for its
+        position gained; returns (depth, graphs or None where the batch does not run as a
+        graph)."""
+        b = len(caches)
+        if b == 0:
+            raise ConfigError("decode_batch needs at least one request (caches is empty)")
+        if len(pos) != b:
+            raise ConfigError(f"decode_batch: caches ({b}) and positions ({len(pos)}) must "
+                              "have one entry per request")
+        depth = caches[0].depth if depth is None else self.config.check_depth(depth)
+        if len({id(c) for c in caches}) != b:
+            raise ConfigError("decode_batch: a request's cache appears twice in one batch")
+        modes = caches[0].modes
+        for i, (c, p) in enumerate(zip(caches, pos)):
+            if c.depth != depth or c.modes != modes:
+                raise ConfigError(
+                    f"decode_batch: request {i} is at depth {c.depth}, kv_mode "
+                    f"{c.mode!r}; the batch runs depth {depth}, kv_mode "
+                    f"{caches[0].mode!r} (group requests by depth and kv_mode)")
+            if not 0 <= p < c.capacity:
+                raise ConfigError(f"decode_batch: positions[{i}]={p} is outside its "
+                                  f"cache's 0..{c.capacity - 1}")
+        for c, p in zip(caches, pos):
+            c.ensure(p + 1)
+        self._check_loop_depth(depth)
+        if graphs is not None and not graphs.batch_eligible(caches[0]):
+            graphs = None
+        return depth, graphs
 
     def _decode_batch_eager(self, caches, ids, pos, depth: int, sampling, rows: int):
         """``decode_batch`` launch by launch (no captured step), sub-batch by sub-batch."""
@@ -1285,19 +1351,37 @@ class Model:
                                   "flight")
             return pending.result
 
-    def _launch_batch_graph(self, graphs, caches, ids, pos, depth: int, sampling):
-        """Upload one sub-batch's inputs and replay its captured step (``_decode_batch_graphs``
-        for a batch of one sub-batch, up to its synchronisation): a PendingBatch."""
+    def _prepare_batch_graph(self, graphs, caches, pos, depth: int) -> "PreparedBatch":
+        """One sub-batch's captured step up to its inputs: padded to ``DecodeGraphs.bucket``
+        rows with copies of its first row, its host index (``kv.cache.batch_index``) and
+        graph key."""
         n, cap = len(caches), self._buf.capacity_rows
         nb = graphs.bucket(n, cap)              # padded with copies of the first row
         logits_all, host_ids = graphs.batch_buffers(nb)
         sub = caches + [caches[0]] * (nb - n)
         spos = pos + [pos[0]] * (nb - n)
-        batch = self._batch_inputs(list(ids) + [ids[0]] * (nb - n), spos, depth, sub)
+        index = batch_index(sub, spos, self.config.n_slots(depth))
         key = graphs.batch_key(sub[0], nb, max(spos) + 1)
-        graphs.run_batch(key, lambda: self._decode_rows_ops(batch, depth, logits_all[:nb],
-                                                            host_ids[:nb]))
-        return PendingBatch(logits=logits_all[:n], host_ids=host_ids[:n], sampling=sampling)
+        return PreparedBatch(graphs, sub, spos, n, depth, index, key, logits_all, host_ids,
+                             graphs.batch_logits)
+
+    def _launch_prepared(self, p: "PreparedBatch", ids, sampling) -> "PendingBatch":
+        """Upload ``p``'s token ids (padded as its rows) and index, replay its captured step
+        (``_decode_batch_graphs`` for one sub-batch, up to its synchronisation)."""
+        nb = len(p.caches)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        if nb > p.n:
+            ids = np.concatenate([ids, np.full(nb - p.n, ids[0], np.int32)])
+        self._ops.from_host(ids, self._views(nb)["ids"])
+        dev = self._buf.flat("batch_index")[:p.index.size].reshape(p.index.shape)
+        self._ops.from_host(p.index, dev)
+        batch = BatchRows(p.caches, p.positions, dev)
+        logits, host_ids = p.logits, p.host_ids
+        if p.graphs.batch_logits is not p.owner:        # the buffers grew since: new views
+            logits, host_ids = p.graphs.batch_buffers(nb)
+        p.graphs.run_batch(p.key, lambda: self._decode_rows_ops(batch, p.depth, logits,
+                                                                host_ids))
+        return PendingBatch(logits=logits[:p.n], host_ids=host_ids[:p.n], sampling=sampling)
 
     def _read_batch_graph(self, pending: "PendingBatch") -> list:
         """Synchronise, then every row's id: greedy rows take the step's device argmax, the
@@ -1333,9 +1417,9 @@ class Model:
         picked = []
         for b0 in range(0, b, rows):            # the first sub-batch sizes the buffers
             n = min(rows, b - b0)
-            pending = self._launch_batch_graph(
-                graphs, caches[b0:b0 + n], ids[b0:b0 + n], pos[b0:b0 + n], depth,
-                None if sampling is None else sampling[b0:b0 + n])
+            pending = self._launch_prepared(
+                self._prepare_batch_graph(graphs, caches[b0:b0 + n], pos[b0:b0 + n], depth),
+                ids[b0:b0 + n], None if sampling is None else sampling[b0:b0 + n])
             if sampling is None:
                 ops.graph_sync()
                 out[b0:b0 + n] = ops.to_host(pending.logits)

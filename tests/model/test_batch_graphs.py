@@ -35,8 +35,9 @@ def arch_path(tmp_path_factory):
 def _run(model, depth, kv_mode, sampling_of, seed=0, split=False):
     """Decode SCHEDULE's steps over 5 prefilled requests; every step's picks (and the logits
     of the steps with no sampling) in order. ``split``: the sampled steps run as
-    ``decode_batch_start``, host work, ``decode_batch_finish`` (as the serving engine runs
-    them)."""
+    ``decode_batch_start``, host work, ``decode_batch_finish``; "prepared": and a sampled
+    step's host half is made while the step before it runs (``decode_batch_prepare``), as
+    the serving engine runs them."""
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, n) for n in LENGTHS]
@@ -49,9 +50,22 @@ def _run(model, depth, kv_mode, sampling_of, seed=0, split=False):
             model.forward(np.asarray(p, np.int32), 0, depth, c)
         pos = list(LENGTHS)
         tokens = [int(p[-1]) for p in prompts]
+        prepared = None
         for step, rows in enumerate(SCHEDULE):
             args = ([caches[i] for i in rows], [tokens[i] for i in rows], [pos[i] for i in rows])
-            if step % 3 == 2:         # every third step returns the logits
+            nxt = SCHEDULE[step + 1] if step + 1 < len(SCHEDULE) else None
+            if split == "prepared" and step % 3 != 2:
+                pending = model.decode_batch_start(*args, depth, graphs=graphs,
+                                                   sampling=[sampling_of(step, i) for i in rows],
+                                                   prepared=prepared)
+                prepared = None
+                if nxt is not None and (step + 1) % 3 != 2:   # the next step, sampled
+                    prepared = model.decode_batch_prepare(
+                        [caches[i] for i in nxt], [pos[i] + (i in rows) for i in nxt],
+                        depth, graphs=graphs)
+                picks = model.decode_batch_finish(pending)
+                out.append(picks)
+            elif step % 3 == 2:         # every third step returns the logits
                 logits = model.decode_batch(*args, depth, graphs=graphs)
                 out.append(logits)
                 picks = [int(np.argmax(r)) for r in logits]
@@ -115,6 +129,7 @@ def test_batch_graphs_match_eager(arch_path, monkeypatch, kv_mode, sampling_of):
             got = _run(m, depth, kv_mode, sampling_of)
             _same(got, want)
             _same(_run(m, depth, kv_mode, sampling_of, split=True), want)
+            _same(_run(m, depth, kv_mode, sampling_of, split="prepared"), want)
             st = m.graph_stats()
             # B = 3 runs padded to 4 rows (eager, capture, then replays), 5 to 8, 2 as is
             batch_keys = [k for k in st["keys"] if k[0] == "batch" and k[2] == depth]
@@ -122,6 +137,46 @@ def test_batch_graphs_match_eager(arch_path, monkeypatch, kv_mode, sampling_of):
             assert st["captures"] - before["captures"] >= 1
             assert st["replays"] - before["replays"] >= 4
     finally:
+        tinyloop.free_model(m)
+
+
+def test_a_prepared_batch_is_for_its_own_caches_and_positions(arch_path, monkeypatch):
+    """decode_batch_start refuses a PreparedBatch for other caches, positions or depth, or
+    without sampling; decode_batch_prepare returns None where the batch does not run as a
+    graph (graphs off)."""
+    from tinyloop.errors import ConfigError
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = RecordingOps().attach(tinyloop.load_model(arch_path, max_seq_len=64, backend="numpy"))
+    caches = [m.new_kv_cache(1, 16) for _ in range(3)]
+    try:
+        graphs = decode_graphs(m)
+        for c in caches:
+            m.forward(np.array([3, 4], np.int32), 0, 1, c)
+        p = m.decode_batch_prepare(caches[:2], [2, 2], 1, graphs=graphs)
+        greedy = [(0.0, 0, 1.0, 0.0)] * 2
+        for bad in (dict(caches=caches[1:], positions=[2, 2]),
+                    dict(caches=caches[:2], positions=[2, 3]),
+                    dict(caches=caches[:2], positions=[2, 2], depth=2),
+                    dict(caches=caches[:2], positions=[2, 2], sampling=None)):
+            kw = dict(tokens=[5, 6], depth=1, sampling=greedy, graphs=graphs, prepared=p)
+            kw.update(bad)
+            with pytest.raises(ConfigError, match="prepared"):
+                m.decode_batch_start(**kw)
+        got = m.decode_batch_finish(m.decode_batch_start(caches[:2], [5, 6], [2, 2], 1,
+                                                         sampling=greedy, graphs=graphs,
+                                                         prepared=p))
+        monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+        assert m.decode_batch_prepare(caches[:2], [3, 3], 1, graphs=graphs) is None
+        for c in caches[:2]:       # the same step again, eagerly, on fresh caches
+            c.release()
+        again = [m.new_kv_cache(1, 16) for _ in range(2)]
+        caches[:2] = again
+        for c in again:
+            m.forward(np.array([3, 4], np.int32), 0, 1, c)
+        assert m.decode_batch(again, [5, 6], [2, 2], 1, sampling=greedy) == got
+    finally:
+        for c in caches:
+            c.release()
         tinyloop.free_model(m)
 
 
@@ -134,11 +189,11 @@ def test_batch_replay_reads_the_uploaded_inputs(arch_path, monkeypatch):
         monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
         want = _run(m, 1, "fp16", _greedy)
         monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-        real, first = m._batch_inputs, {}
+        real, first = m._launch_prepared, {}
 
-        def stale(ids, positions, depth, caches):
-            return real(first.setdefault(len(ids), list(ids)), positions, depth, caches)
-        m._batch_inputs = stale
+        def stale(prepared, ids, sampling):
+            return real(prepared, first.setdefault(len(prepared.caches), list(ids)), sampling)
+        m._launch_prepared = stale
         got = _run(m, 1, "fp16", _greedy)
         assert got[1] != want[1]
     finally:

@@ -412,3 +412,36 @@ def test_one_decode_batch_is_in_flight_at_a_time(model):
     finally:
         for c in caches:
             c.release()
+
+
+def test_steady_steps_launch_what_the_step_before_prepared(tiny_model_path, monkeypatch):
+    """With graphs (the recording fake), a decode step whose rows and positions are the ones
+    its predecessor prepared (``Model.decode_batch_prepare``, made while that step ran)
+    launches the prepared batch; requests that reach max_new_tokens leave it without a new
+    preparation (known ahead). Each request's tokens are its solo run's."""
+    from ..model.test_graphs import RecordingOps
+    from tinyloop.model import Model
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
+    RecordingOps().attach(m)
+    used = []
+    real = Model.decode_batch_start
+
+    def start(self, *a, prepared=None, **k):
+        used.append(prepared is not None)
+        return real(self, *a, prepared=prepared, **k)
+    try:
+        prompts = [p[:20] for p in _prompts(6, seed=3)]
+        lengths = [6, 9, 12, 12, 12, 12]
+        want = [m.generate(p, max_new_tokens=n, stop=[]).token_ids
+                for p, n in zip(prompts, lengths)]
+        monkeypatch.setattr(Model, "decode_batch_start", start)
+        with Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0) as eng:
+            reqs = [eng.submit(p, max_new_tokens=n, stop=[]) for p, n in zip(prompts, lengths)]
+            got = [r.result(timeout=120).token_ids for r in reqs]
+        assert got == want
+        # 11 steps after the prefill's first token; every one but the first was prepared,
+        # also those after a request reached its length (6, 9 tokens: known ahead)
+        assert used == [False] + [True] * (max(lengths) - 2)
+    finally:
+        tinyloop.free_model(m)

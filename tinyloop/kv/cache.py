@@ -173,6 +173,10 @@ class RuntimeKVCache:
         if self._table_block is None:
             raise HandleError("RuntimeKVCache used after release()")
 
+    def check_alive(self) -> None:
+        """Raise HandleError once the cache is released."""
+        self._alive()
+
     def ensure(self, n_positions: int) -> None:
         """Own pages for positions 0..n_positions-1 in every slot: gains whole pages, one
         ``PageAllocator.alloc_many`` per page layout for all slots together, and refreshes the

@@ -117,6 +117,7 @@ class EngineRequest:
         self._final = False          # the last accepted token ends it: no more steps
         self._ending = None          # (reason, pieces): a stop string ended it while a step
                                      # that reads its cache was in flight
+        self._page_error = None      # the error gaining its next step's page raised
         self._cached = 0             # prompt positions restored from the PrefixPool
         self._prefill_ms = 0.0
         self._prefill_t0 = None
@@ -378,6 +379,8 @@ class Engine:
         self._deferred: list = []        # requests whose accepted tokens wait to stream
                                          # (engine thread)
         self._pushed = False             # whether this iteration streamed them
+        self._prepared = None            # Model.decode_batch_prepare's next step (engine
+                                         # thread, under the model's lock)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -646,6 +649,29 @@ class Engine:
         for r in deferred:
             r._push_held(r in in_flight)
 
+    def _prepare_next(self, rows: list, depth: int) -> None:
+        """While ``rows``' step runs: the host half of their next step
+        (``Model.decode_batch_prepare``), for those this step leaves decoding unless it
+        samples their EOS; the next step uses it when its rows and positions are these."""
+        nxt = []
+        for r in rows:
+            if r._ending is not None or len(r._new) + 1 >= r.args.max_new_tokens:
+                continue
+            try:
+                r._cache.ensure(r._pos + 2)      # the next step's page
+            except TinyLoopError as e:           # the request ends when it needs the page
+                r._page_error = e
+                continue
+            nxt.append(r)
+        if not nxt:
+            return
+        try:
+            self._prepared = self.model.decode_batch_prepare(
+                [r._cache for r in nxt], [r._pos + 1 for r in nxt], depth,
+                graphs=decode_graphs(self.model))
+        except TinyLoopError:        # e.g. a page that does not fit: the next step's own
+            self._prepared = None    # ensure ends the request it belongs to
+
     def _decode(self, depth: int, group: list) -> None:
         """One decode step of ``group`` (one depth and kv_mode). A batched step runs on the
         device while the host streams the tokens earlier steps accepted
@@ -662,6 +688,8 @@ class Engine:
             rows = []
             for r in live:
                 try:
+                    if r._page_error is not None:     # found while its last step ran
+                        raise r._page_error
                     r._cache.ensure(r._pos + 1)   # a page that does not fit ends this request
                 except TinyLoopError as e:
                     r._fail(e)
@@ -676,13 +704,20 @@ class Engine:
                     got[i] = self._decode_one(r, sampling[i])
             rest = [i for i, g in enumerate(got) if g is None]   # not captured: one batch
             if rest:
+                batch_rows = [rows[i] for i in rest]
+                caches, pos = [r._cache for r in batch_rows], [r._pos for r in batch_rows]
+                prepared, self._prepared = self._prepared, None
+                if prepared is not None and (prepared.caches[:prepared.n] != caches
+                                             or prepared.positions[:prepared.n] != pos):
+                    prepared = None              # the batch changed since it was prepared
                 try:
                     pending = model.decode_batch_start(
-                        [rows[i]._cache for i in rest], [rows[i]._last for i in rest],
-                        [rows[i]._pos for i in rest], depth,
-                        sampling=[sampling[i] for i in rest], graphs=decode_graphs(model))
+                        caches, [r._last for r in batch_rows], pos, depth,
+                        sampling=[sampling[i] for i in rest], graphs=decode_graphs(model),
+                        prepared=prepared)
                     try:
-                        self._push_deferred({rows[i] for i in rest})
+                        self._push_deferred(set(batch_rows))
+                        self._prepare_next(batch_rows, depth)
                     finally:
                         batch = model.decode_batch_finish(pending)
                 except TinyLoopError as e:       # the batch's rows end; the replayed ones go on
