@@ -93,18 +93,21 @@ class PreparedBatch:
     rows padded to the captured bucket (``caches``, ``positions``; the first ``n`` are the
     batch's own), ``depth``, the host index (``kv.cache.batch_index``), the graph ``key`` and
     the step's ``logits`` / ``host_ids`` buffers (bucket rows, views of ``owner``, the
-    captured batch's buffers then); :meth:`Model.decode_batch_start` takes it with the step's
-    token ids."""
+    captured batch's buffers then), and its inputs' host staging (``Ops.batch_host_inputs``)
+    and device views; :meth:`Model.decode_batch_start` takes it with the step's token
+    ids."""
 
     __slots__ = ("graphs", "caches", "positions", "n", "depth", "index", "key", "logits",
-                 "host_ids", "owner")
+                 "host_ids", "owner", "stage_ids", "stage_index", "dev_ids", "dev_index")
 
     def __init__(self, graphs, caches, positions, n, depth, index, key, logits, host_ids,
-                 owner):
+                 owner, stage_ids, stage_index, dev_ids, dev_index):
         self.graphs, self.caches, self.positions, self.n = graphs, caches, positions, n
         self.depth, self.index, self.key = depth, index, key
         self.logits, self.host_ids = logits, host_ids
         self.owner = owner          # DecodeGraphs.batch_logits the views are of
+        self.stage_ids, self.stage_index = stage_ids, stage_index    # host staging
+        self.dev_ids, self.dev_index = dev_ids, dev_index            # device inputs
 
 
 class PendingBatch:
@@ -277,6 +280,7 @@ class Model:
         self._pool = get_pool(self._ops.device)
         self._extras: dict = {}  # name -> model-owned extra made at first use (extra())
         self._pending_batch = None   # the PendingBatch decode_batch_start left in flight
+        self._stage = None           # a captured decode batch's input staging (_batch_stage)
         self._loop_warned = False    # ArtificialLoopWarning given (once per model)
         self._rows_hooks: list = []  # watch_forward callbacks
         # CuPy's own temporaries go through this pool (tag "cupy") while a CUDA model lives
@@ -423,6 +427,7 @@ class Model:
                 return
             self._freed = True
             self._pending_batch = None      # the synchronisations below let it finish
+            self._stage = None              # views of the backend's block, released below
             with _live_lock:
                 _live_models.discard(self)
             extras, self._extras = self._extras, {}
@@ -1353,8 +1358,8 @@ class Model:
 
     def _prepare_batch_graph(self, graphs, caches, pos, depth: int) -> "PreparedBatch":
         """One sub-batch's captured step up to its inputs: padded to ``DecodeGraphs.bucket``
-        rows with copies of its first row, its host index (``kv.cache.batch_index``) and
-        graph key."""
+        rows with copies of its first row, its host index (``kv.cache.batch_index``), graph
+        key, and the host staging and device views its inputs go through."""
         n, cap = len(caches), self._buf.capacity_rows
         nb = graphs.bucket(n, cap)              # padded with copies of the first row
         logits_all, host_ids = graphs.batch_buffers(nb)
@@ -1362,25 +1367,44 @@ class Model:
         spos = pos + [pos[0]] * (nb - n)
         index = batch_index(sub, spos, self.config.n_slots(depth))
         key = graphs.batch_key(sub[0], nb, max(spos) + 1)
+        stage_ids, stage_index = self._batch_stage()
+        dev_index = self._buf.flat("batch_index")[:index.size].reshape(index.shape)
         return PreparedBatch(graphs, sub, spos, n, depth, index, key, logits_all, host_ids,
-                             graphs.batch_logits)
+                             graphs.batch_logits, stage_ids[:nb],
+                             stage_index[:index.size].reshape(index.shape),
+                             self._views(nb)["ids"], dev_index)
+
+    def _batch_stage(self) -> tuple:
+        """(int32 [capacity rows], int64 [the device batch index's size]): host views of
+        ``Ops.batch_host_inputs`` a captured decode batch stages its token ids and index in
+        (its copy nodes read them at every replay); made once, so they never move."""
+        if self._stage is None:
+            n_ids, n_index = self._buf.capacity_rows, self._buf.flat("batch_index").size
+            off = -(-4 * n_ids // 16) * 16
+            raw = self._ops.batch_host_inputs(off + 8 * n_index)
+            self._stage = (raw[:4 * n_ids].view(np.int32),
+                           raw[off:off + 8 * n_index].view(np.int64))
+        return self._stage
 
     def _launch_prepared(self, p: "PreparedBatch", ids, sampling) -> "PendingBatch":
-        """Upload ``p``'s token ids (padded as its rows) and index, replay its captured step
-        (``_decode_batch_graphs`` for one sub-batch, up to its synchronisation)."""
-        nb = len(p.caches)
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        if nb > p.n:
-            ids = np.concatenate([ids, np.full(nb - p.n, ids[0], np.int32)])
-        self._ops.from_host(ids, self._views(nb)["ids"])
-        dev = self._buf.flat("batch_index")[:p.index.size].reshape(p.index.shape)
-        self._ops.from_host(p.index, dev)
-        batch = BatchRows(p.caches, p.positions, dev)
-        logits, host_ids = p.logits, p.host_ids
-        if p.graphs.batch_logits is not p.owner:        # the buffers grew since: new views
-            logits, host_ids = p.graphs.batch_buffers(nb)
-        p.graphs.run_batch(p.key, lambda: self._decode_rows_ops(batch, p.depth, logits,
-                                                                host_ids))
+        """Stage ``p``'s token ids (padded as its rows) and index, and replay its captured
+        step, whose first launches copy them to the device (``_decode_batch_graphs`` for one
+        sub-batch, up to its synchronisation). The step before has finished: nothing reads
+        the staging meanwhile."""
+        if p.graphs.batch_logits is not p.owner:         # the buffers grew since: new views
+            p = self._prepare_batch_graph(p.graphs, p.caches[:p.n], p.positions[:p.n],
+                                          p.depth)
+        p.stage_ids[:p.n] = ids
+        p.stage_ids[p.n:] = ids[0]
+        p.stage_index[...] = p.index
+        batch = BatchRows(p.caches, p.positions, p.dev_index)
+        ops, logits, host_ids = self._ops, p.logits, p.host_ids
+
+        def issue():
+            ops.copy_host_inputs(p.stage_ids, p.dev_ids)
+            ops.copy_host_inputs(p.stage_index, p.dev_index)
+            self._decode_rows_ops(batch, p.depth, logits, host_ids)
+        p.graphs.run_batch(p.key, issue)
         return PendingBatch(logits=logits[:p.n], host_ids=host_ids[:p.n], sampling=sampling)
 
     def _read_batch_graph(self, pending: "PendingBatch") -> list:
@@ -1391,12 +1415,11 @@ class Model:
         n = len(sampling)
         got: list = [None] * n
         drawn = []
-        for i in range(n):
+        for i, (nxt, code) in enumerate(hid[:n].tolist()):
             if not _greedy(sampling[i]):
                 drawn.append(i)
                 continue
-            code = int(hid[i, 1])
-            got[i] = int(hid[i, 0]) if not code else non_finite_logits(LOGIT_FAULTS[code])
+            got[i] = nxt if not code else non_finite_logits(LOGIT_FAULTS[code])
         if drawn:
             for i, g in zip(drawn, ops.sample_rows(pending.logits,
                                                    [(i, *sampling[i]) for i in drawn])):

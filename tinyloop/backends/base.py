@@ -537,6 +537,22 @@ class Ops:
             buf = self._batch_ids = np.zeros((int(rows), 2), np.int32)
         return buf[:rows]
 
+    def batch_host_inputs(self, nbytes: int):
+        """Host bytes, uint8 [nbytes], that a decode batch stages its inputs in (its token
+        ids and index) for ``copy_host_inputs`` (CUDA: pinned memory); the same buffer while
+        ``nbytes`` does not grow."""
+        buf = getattr(self, "_batch_inputs", None)
+        if buf is None or buf.size < nbytes:
+            buf = self._batch_inputs = np.zeros(int(nbytes), np.uint8)
+        return buf[:nbytes]
+
+    def copy_host_inputs(self, host, out) -> None:
+        """Copy ``host`` (a view of ``batch_host_inputs``) into the device array ``out`` of
+        its dtype and size, queued on the stream. Capturable: a captured step's copy reads
+        what ``host`` holds when it replays, so the host writes a step's inputs there (after
+        the step before it finished) and replays."""
+        out[...] = host.reshape(out.shape)
+
     def batch_attention_key(self, ctx: int, rows: int, n_heads: int, windows) -> tuple:
         """The host-chosen launch constants of a decode batch's attention over a context of
         at most ``ctx`` keys, ``rows`` rows, for each sliding ``window`` in ``windows`` (0 =

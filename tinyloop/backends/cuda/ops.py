@@ -119,6 +119,9 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         # a decode batch's greedy ids and fault codes, int32 [rows, 2] of mapped pinned
         # memory that argmax_rows' kernel writes (batch_host_ids; grown for more rows)
         self._bids_blk, self._bids = None, None
+        # a decode batch's token ids and index, staged for the step's own copy nodes
+        # (pinned; batch_host_inputs)
+        self._binp_blk, self._binp = None, None
         # sample_rows' parameters and results per row (mapped pinned, _rows_sampler)
         self._rsmp_blk, self._rsmp = None, None
         self._ring = self._ering = self._estate = None
@@ -128,7 +131,7 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         self._capturing = None              # that stream while a capture is open
 
     _BLOCKS = ("_pinned_blk", "_scratch_blk", "_ds_blk", "_dsb_blk", "_wq_blk", "_fs_blk",
-               "_epin_blk", "_bids_blk", "_rsmp_blk")
+               "_epin_blk", "_bids_blk", "_rsmp_blk", "_binp_blk")
 
     @property
     def kernels(self) -> KernelChoice:
@@ -150,7 +153,7 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         self._id_ptr = self._smp_ptr = self._esmp_ptr = 0
         self._scratch_ptr = self._ds_ptr = self._wq_ptr = self._pl_ptr = self._fs_ptr = 0
         self._ring = self._ering = self._estate = None
-        self._bids = self._rsmp = None
+        self._bids = self._rsmp = self._binp = None
         self._ering_ptr = self._estate_ptr = 0
         self._ds_cap = self._wq_cap = self._dsb_cap = self._dsb_tick = 0
         for name in self._BLOCKS:

@@ -102,22 +102,56 @@ class SamplingOps:
         self._fn("sample", "argmax_f32")((b,), (_SAMPLE_THREADS,),
                                          (logits.data.ptr, logits.shape[1], out.ctypes.data))
 
+    def _host_block(self, name: str, nbytes: int):
+        """The mapped pinned block held in attribute ``name`` (tag scratch), of at least
+        ``nbytes`` bytes: taken, or when too small freed after a synchronisation and taken
+        again (never inside a capture: a captured step addresses the old one). Returns its
+        host address."""
+        blk = getattr(self, name)
+        if blk is None or blk.requested_bytes < nbytes:
+            if self._capturing is not None:
+                raise ConfigError("a decode batch's host buffers must exist before a capture")
+            if blk is not None:
+                cupy.cuda.get_current_stream().synchronize()
+                setattr(self, name, None)
+                blk.free()
+            blk = self._pinned_pool.allocate(int(nbytes), "scratch")
+            setattr(self, name, blk)
+        return blk.ptr
+
     def batch_host_ids(self, rows: int):
         """``Ops.batch_host_ids``: int32 [rows, 2] of mapped pinned memory (tag scratch, UVA:
         the kernel writes it at its host address); grown, never inside a capture, when more
         rows are asked for (the old buffer is then freed after a synchronisation)."""
         rows = int(rows)
         if self._bids is None or self._bids.shape[0] < rows:
-            if self._capturing is not None:
-                raise ConfigError("the batch ids buffer must exist before a capture")
-            if self._bids_blk is not None:
-                cupy.cuda.get_current_stream().synchronize()
-                blk, self._bids_blk, self._bids = self._bids_blk, None, None
-                blk.free()
-            self._bids_blk = self._pinned_pool.allocate(8 * rows, "scratch")
+            self._bids = None
+            ptr = self._host_block("_bids_blk", 8 * rows)
             self._bids = np.ctypeslib.as_array(
-                (ctypes.c_int32 * (2 * rows)).from_address(self._bids_blk.ptr)).reshape(rows, 2)
+                (ctypes.c_int32 * (2 * rows)).from_address(ptr)).reshape(rows, 2)
         return self._bids[:rows]
+
+    def batch_host_inputs(self, nbytes: int):
+        """``Ops.batch_host_inputs``: uint8 [nbytes] of pinned memory (tag scratch) that
+        ``copy_host_inputs`` copies from; grown as ``batch_host_ids``."""
+        nbytes = int(nbytes)
+        if self._binp is None or self._binp.size < nbytes:
+            self._binp = None
+            ptr = self._host_block("_binp_blk", nbytes)
+            self._binp = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        return self._binp[:nbytes]
+
+    def copy_host_inputs(self, host, out) -> None:
+        """``Ops.copy_host_inputs``: one cudaMemcpyAsync host -> device on the current stream
+        (inside a capture: a copy node, which reads ``host`` at every replay)."""
+        if host.nbytes != out.nbytes or host.dtype != out.dtype:
+            raise ConfigError(f"copy_host_inputs: host {host.dtype} {host.shape} does not "
+                              f"match device {out.dtype} {out.shape}")
+        if not (host.flags.c_contiguous and out.flags.c_contiguous):
+            raise ConfigError("copy_host_inputs: both arrays must be contiguous")
+        cupy.cuda.runtime.memcpyAsync(out.data.ptr, host.ctypes.data, host.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
 
     def sample_rows(self, logits, rows) -> list:
         """``Ops.sample_rows`` with one synchronisation: every row without a repetition
