@@ -445,3 +445,20 @@ def test_steady_steps_launch_what_the_step_before_prepared(tiny_model_path, monk
         assert used == [False] + [True] * (max(lengths) - 2)
     finally:
         tinyloop.free_model(m)
+
+
+def test_the_engine_freezes_the_heap_it_starts_with_and_unfreezes_it_at_stop(model):
+    """freeze_gc (the default): the objects alive at start leave the collector's generations
+    (gc.freeze) while the engine runs, and come back at stop; False leaves the collector as
+    it is. Requests are served either way."""
+    import gc
+    assert gc.get_freeze_count() == 0
+    with Engine(model) as eng:
+        assert gc.get_freeze_count() > 0
+        assert eng.submit([1, 2, 3], max_new_tokens=3).result(timeout=60).token_ids == \
+            model.generate([1, 2, 3], max_new_tokens=3).token_ids
+    assert gc.get_freeze_count() == 0
+    with Engine(model, freeze_gc=False) as eng:
+        assert gc.get_freeze_count() == 0
+        eng.submit([1, 2, 3], max_new_tokens=3).result(timeout=60)
+    assert gc.get_freeze_count() == 0

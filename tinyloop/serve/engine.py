@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
 import itertools
 import queue
 import threading
@@ -325,9 +326,13 @@ class Engine:
     """Continuous batching over one Model (see the module doc).
 
     ``Engine(model, max_batch=32, max_queue=256, prefill_chunk=256, kv_budget=None,
-    prefix_pool=None, serial_rows=2)``: ``max_batch`` rows per decode step (and admitted
-    requests); ``serial_rows``: up to this many decoding rows step one by one through the
-    captured decode step (0: always ``decode_batch``);
+    prefix_pool=None, serial_rows=2, freeze_gc=True)``: ``max_batch`` rows per decode step
+    (and admitted requests); ``serial_rows``: up to this many decoding rows step one by one
+    through the captured decode step (0: always ``decode_batch``); ``freeze_gc``: at start,
+    collect and then freeze every object alive (``gc.freeze``, as vLLM does after its
+    start-up), so the collections the scheduler's allocations trigger scan only what was made
+    since, not the whole heap (a full collection stalls every request's step); stop unfreezes
+    them if this engine froze the first ones;
     ``max_queue`` requests waiting for admission; ``prefill_chunk`` prompt positions per
     scheduler iteration; ``kv_budget`` bytes (int or size string) the admitted requests' KV
     caches may take together (None: the pool's limit minus what is allocated at start, or no
@@ -339,8 +344,11 @@ class Engine:
     def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH,
                  max_queue: int = DEFAULT_MAX_QUEUE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv_budget=None,
-                 prefix_pool=None, serial_rows: int = DEFAULT_SERIAL_ROWS):
+                 prefix_pool=None, serial_rows: int = DEFAULT_SERIAL_ROWS,
+                 freeze_gc: bool = True):
         model.check_alive()
+        self.freeze_gc = bool(freeze_gc)
+        self._froze_gc = False
         self.model = model
         self.max_batch = as_int(max_batch, "max_batch")
         self.max_queue = as_int(max_queue, "max_queue")
@@ -399,6 +407,10 @@ class Engine:
             self.baseline_allocated = allocated_outside_graphs(pool)
             if self._budget_arg is None and pool.limit_bytes is not None:
                 self.kv_budget = max(0, pool.limit_bytes - pool.allocated_bytes)
+        if self.freeze_gc:
+            self._froze_gc = gc.get_freeze_count() == 0
+            gc.collect()
+            gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
         return self
@@ -415,6 +427,9 @@ class Engine:
             left = list(self._queue) + list(self._active)
         for r in left:
             self.cancel(r)
+        if self._froze_gc:
+            self._froze_gc = False
+            gc.unfreeze()
 
     def __enter__(self) -> "Engine":
         return self.start() if self._thread is None else self
