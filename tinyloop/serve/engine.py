@@ -20,6 +20,13 @@ runs): a replayed step costs a fraction of an eager batched one, so below some b
 replaying each row beats batching them (docs/architecture.md, "Serving"); more share
 ``Model.decode_batch``. Both pick a token by the same rule from the same drawn uniform.
 
+**Overlap**: a batched step runs on the device while the host streams the tokens the step
+before accepted and prepares the next step (``Model.decode_batch_prepare``); after the step
+the host only takes the new ids, and the next step, when its rows and positions are the
+prepared ones, launches at once (``Model.decode_batch_start(prepared=)``). A token's text
+therefore streams at the next launch; a request a stop string ends while a step that reads
+its cache runs ends after that step, with that step's token dropped.
+
 **Memory**: every request's pages are tagged ``kv_cache`` (``prefix_cache`` while a
 PrefixPool entry holds them) and freed when it ends, is cancelled, or the engine stops; a
 request that inserts into the engine's PrefixPool keeps its prompt's final residual rows in a
