@@ -1431,8 +1431,9 @@ class Model:
         .run_batch``): per sub-batch of at most ``rows`` rows, padded to
         ``DecodeGraphs.bucket`` rows with copies of its first row (same id, position and
         cache: they write that row's own K/V values again, and their logits are not read),
-        the inputs are uploaded, the step (stack, head into the held logits, the rows'
-        argmax into mapped host memory) replays, and after one synchronisation greedy rows
+        the inputs are staged (``_launch_prepared``), the step (their copies, stack, head into
+        the held logits, the rows' argmax into mapped host memory) replays, and after one
+        synchronisation greedy rows
         take their argmax; the others are drawn from their logits rows (``Ops.sample_rows``:
         on CUDA queued together, one more synchronisation)."""
         b, ops = len(caches), self._ops
