@@ -36,8 +36,9 @@ _CODES = {v: k for k, v in LOGIT_FAULTS.items()}
 @pytest.fixture
 def v1():
     """The T = 1 reference: the v1 GEMV at every shape; its products of a few rows run as a
-    decode batch's (``decode_batch_scope``)."""
-    o = CudaOps(KernelChoice(gemv="v1"))
+    decode batch's (``decode_batch_scope``) on gemv_rows (``batch_gemv="rows"``: the
+    default batch kernel, gemv_mma, rounds otherwise)."""
+    o = CudaOps(KernelChoice(gemv="v1", batch_gemv="rows"))
     with o.decode_batch_scope():
         yield o
 
