@@ -465,3 +465,36 @@ def test_the_engine_freezes_the_heap_it_starts_with_and_unfreezes_it_at_stop(mod
         assert gc.get_freeze_count() == after
         eng.submit([1, 2, 3], max_new_tokens=3).result(timeout=60)
     assert gc.get_freeze_count() == after
+
+
+def test_each_group_launches_its_own_prepared_step(tiny_model_path, monkeypatch):
+    """Two groups (depths 2 and 3) stepping in turn each keep the step they prepared: after
+    both groups' first steps every step launches a prepared batch, and each request gives
+    its solo run's tokens."""
+    from ..model.test_graphs import RecordingOps
+    from tinyloop.model import Model
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
+    RecordingOps().attach(m)
+    used = []
+    real = Model.decode_batch_start
+
+    def start(self, caches, *a, prepared=None, **k):
+        used.append((caches[0].depth, prepared is not None))
+        return real(self, caches, *a, prepared=prepared, **k)
+    try:
+        prompts = [p[:16] for p in _prompts(6, seed=8)]
+        depths = [2, 3, 2, 3, 2, 3]
+        want = [m.generate(p, max_new_tokens=8, depth=d, stop=[]).token_ids
+                for p, d in zip(prompts, depths)]
+        monkeypatch.setattr(Model, "decode_batch_start", start)
+        with Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0) as eng:
+            reqs = [eng.submit(p, max_new_tokens=8, depth=d, stop=[])
+                    for p, d in zip(prompts, depths)]
+            got = [r.result(timeout=120).token_ids for r in reqs]
+        assert got == want
+        # 7 steps a group after the prefill's first token, the groups in turn
+        assert [d for d, _ in used] == [2, 3] * 7
+        assert [p for _, p in used] == [False, False] + [True] * 12
+    finally:
+        tinyloop.free_model(m)

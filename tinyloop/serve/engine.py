@@ -394,8 +394,8 @@ class Engine:
         self._deferred: list = []        # requests whose accepted tokens wait to stream
                                          # (engine thread)
         self._pushed = False             # whether this iteration streamed them
-        self._prepared = None            # Model.decode_batch_prepare's next step (engine
-                                         # thread, under the model's lock)
+        self._prepared: dict = {}        # (depth, kv_mode) -> that group's next step,
+                                         # Model.decode_batch_prepare's (engine thread)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -578,7 +578,7 @@ class Engine:
         self._pushed = False
         for key, group in groups.items():
             for b0 in range(0, len(group), self.max_batch):
-                self._decode(key[0], group[b0:b0 + self.max_batch])
+                self._decode(key, group[b0:b0 + self.max_batch])
         if self._deferred and not self._pushed:   # no step ran to overlap them
             with self.model.lock:
                 self._push_deferred()
@@ -671,7 +671,7 @@ class Engine:
         for r in deferred:
             r._push_held(r in in_flight)
 
-    def _prepare_next(self, rows: list, depth: int) -> None:
+    def _prepare_next(self, key, rows: list) -> None:
         """While ``rows``' step runs: the host half of their next step
         (``Model.decode_batch_prepare``), for those this step leaves decoding unless it
         samples their EOS; the next step uses it when its rows and positions are these."""
@@ -688,16 +688,19 @@ class Engine:
         if not nxt:
             return
         try:
-            self._prepared = self.model.decode_batch_prepare(
-                [r._cache for r in nxt], [r._pos + 1 for r in nxt], depth,
+            got = self.model.decode_batch_prepare(
+                [r._cache for r in nxt], [r._pos + 1 for r in nxt], key[0],
                 graphs=decode_graphs(self.model))
-        except TinyLoopError:        # e.g. a page that does not fit: the next step's own
-            self._prepared = None    # ensure ends the request it belongs to
+        except TinyLoopError:        # the next step's own checks end the request at fault
+            return
+        if got is not None:
+            self._prepared[key] = got
 
-    def _decode(self, depth: int, group: list) -> None:
-        """One decode step of ``group`` (one depth and kv_mode). A batched step runs on the
-        device while the host streams the tokens earlier steps accepted
-        (``_push_deferred``); the tokens of this step are accepted after it and streamed while
+    def _decode(self, key, group: list) -> None:
+        """One decode step of ``group`` (the requests of one ``key``: depth and kv_mode). A
+        batched step runs on the device while the host streams the tokens earlier steps
+        accepted (``_push_deferred``) and prepares this group's next step
+        (``_prepare_next``); the tokens of this step are accepted after it and streamed while
         the next one runs."""
         model = self.model
         with model.lock:
@@ -728,18 +731,18 @@ class Engine:
             if rest:
                 batch_rows = [rows[i] for i in rest]
                 caches, pos = [r._cache for r in batch_rows], [r._pos for r in batch_rows]
-                prepared, self._prepared = self._prepared, None
+                prepared = self._prepared.pop(key, None)
                 if prepared is not None and (prepared.caches[:prepared.n] != caches
                                              or prepared.positions[:prepared.n] != pos):
                     prepared = None              # the batch changed since it was prepared
                 try:
                     pending = model.decode_batch_start(
-                        caches, [r._last for r in batch_rows], pos, depth,
+                        caches, [r._last for r in batch_rows], pos, key[0],
                         sampling=[sampling[i] for i in rest], graphs=decode_graphs(model),
                         prepared=prepared)
                     try:
                         self._push_deferred(set(batch_rows))
-                        self._prepare_next(batch_rows, depth)
+                        self._prepare_next(key, batch_rows)
                     finally:
                         batch = model.decode_batch_finish(pending)
                 except TinyLoopError as e:       # the batch's rows end; the replayed ones go on
