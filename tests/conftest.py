@@ -67,18 +67,20 @@ def fresh_pools(monkeypatch):
     _reset_pools_for_tests()
 
 
-def fail_nth_allocation(monkeypatch, pool, failing_tag: str, nth: int) -> dict:
-    """Make the ``nth`` allocation under ``failing_tag`` from ``pool`` raise OutOfMemoryError
-    ("injected"), as a budget failure part-way through a load phase would. Returns a dict
-    whose ``"n"`` counts the allocations seen under ``failing_tag``."""
+def fail_nth_allocation(monkeypatch, pool, failing_tag: str, nth) -> dict:
+    """Make the ``nth`` allocation under ``failing_tag`` from ``pool`` (an int, or a set of
+    them: each of those) raise OutOfMemoryError ("injected"), as a budget failure part-way
+    through a load phase would. Returns a dict whose ``"n"`` counts the allocations seen
+    under ``failing_tag``."""
     real = pool.allocate
     seen = {"n": 0}
+    failing = {nth} if isinstance(nth, int) else set(nth)
 
     def flaky(nbytes, tag=None):
         tag_now = tag or current_tag()
         if tag_now == failing_tag:
             seen["n"] += 1
-            if seen["n"] == nth:
+            if seen["n"] in failing:
                 raise errors.OutOfMemoryError("injected", requested_bytes=nbytes, tag=tag_now,
                                               device=pool.device)
         return real(nbytes, tag)
@@ -90,7 +92,7 @@ def fail_nth_allocation(monkeypatch, pool, failing_tag: str, nth: int) -> dict:
         if tag_now == failing_tag:
             first = seen["n"] + 1
             seen["n"] += n
-            if first <= nth <= seen["n"]:
+            if any(first <= k <= seen["n"] for k in failing):
                 raise errors.OutOfMemoryError("injected", requested_bytes=nbytes, tag=tag_now,
                                               device=pool.device)
         return real_many(nbytes, n, tag)

@@ -1271,7 +1271,10 @@ class Model:
         batch is in flight (it reads nothing that batch writes; a page gained then waits for
         that batch before its block table upload). Returns a :class:`PreparedBatch`, or None
         for a batch the start would not run as one captured sub-batch (graphs off, a mode
-        the backend does not capture, more rows than the scratch holds). Raises as
+        the backend does not capture, more rows than the scratch holds) and, while a batch
+        is in flight, for one that needs larger batch buffers (``DecodeGraphs.batch_buffers``:
+        growing them frees the in-flight batch's; ``Model.reserve_decode_batch`` sizes them
+        ahead). Raises as
         :meth:`decode_batch` for the caches and positions; OutOfMemoryError when a page does
         not fit (the pages gained before it stay with their caches)."""
         caches = list(caches)
@@ -1279,8 +1282,13 @@ class Model:
         with self._lock:
             self.check_alive()
             depth, graphs = self._check_batch(caches, pos, depth, graphs)
-            if graphs is None or len(caches) > self._buf.capacity_rows:
+            cap = self._buf.capacity_rows
+            if graphs is None or len(caches) > cap:
                 return None
+            if self._pending_batch is not None and (
+                    graphs.batch_logits is None
+                    or graphs.batch_logits.shape[0] < graphs.bucket(len(caches), cap)):
+                return None         # growing the batch buffers would free the in-flight's
             return self._prepare_batch_graph(graphs, caches, pos, depth)
 
     def _check_batch(self, caches: list, pos: list, depth, graphs) -> tuple:

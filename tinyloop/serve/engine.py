@@ -125,7 +125,6 @@ class EngineRequest:
         self._final = False          # the last accepted token ends it: no more steps
         self._ending = None          # (reason, pieces): a stop string ended it while a step
                                      # that reads its cache was in flight
-        self._page_error = None      # the error gaining its next step's page raised
         self._cached = 0             # prompt positions restored from the PrefixPool
         self._prefill_ms = 0.0
         self._prefill_t0 = None
@@ -579,9 +578,16 @@ class Engine:
         for key, group in groups.items():
             for b0 in range(0, len(group), self.max_batch):
                 self._decode(key, group[b0:b0 + self.max_batch])
-        if self._deferred and not self._pushed:   # no step ran to overlap them
+        # requests this iteration's steps ended (EOS, max_new_tokens) stream their last
+        # tokens now, so their pages and budget return before the next admission and the
+        # next page gains
+        ending = [r for r in active if r._final and not r.done]
+        if ending or (self._deferred and not self._pushed):
             with self.model.lock:
-                self._push_deferred()
+                for r in ending:
+                    r._push_held()
+                if not self._pushed:          # no step ran to overlap the others
+                    self._push_deferred()
 
     def _prefill_chunk(self, r: EngineRequest, budget: int) -> int:
         """One chunk of ``r``'s prompt, at most ``budget`` positions; after the last one, its
@@ -681,9 +687,8 @@ class Engine:
                 continue
             try:
                 r._cache.ensure(r._pos + 2)      # the next step's page
-            except TinyLoopError as e:           # the request ends when it needs the page
-                r._page_error = e
-                continue
+            except TinyLoopError:                # its own step tries again when due (other
+                continue                         # requests' ends may free pages by then)
             nxt.append(r)
         if not nxt:
             return
@@ -713,13 +718,15 @@ class Engine:
             rows = []
             for r in live:
                 try:
-                    if r._page_error is not None:     # found while its last step ran
-                        raise r._page_error
                     r._cache.ensure(r._pos + 1)   # a page that does not fit ends this request
                 except TinyLoopError as e:
                     r._fail(e)
                     continue
                 rows.append(r)
+            if len(rows) <= self.serial_rows < len(live):
+                # page failures left few enough rows for the single-row step: as above
+                self._push_deferred()
+                rows = [r for r in rows if not r.done]
             if not rows:
                 return
             sampling = [r._sampling() for r in rows]     # draws each row's uniform once
