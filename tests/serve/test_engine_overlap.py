@@ -1,8 +1,7 @@
 """The overlapped engine step (tinyloop/serve/engine.py, "Overlap") under adversarial
-schedules: the
-tokens a step accepts stream while the next step runs, the next step's host half is prepared
-meanwhile (``Model.decode_batch_prepare``), and a request a stop string ends while a step
-reads its cache ends after that step. Each request must still give its solo
+schedules: the tokens a step accepts stream while the next step runs, the next step's host
+half is prepared meanwhile (``Model.decode_batch_prepare``), and a request a stop string ends
+while a step reads its cache ends after that step. Each request must still give its solo
 ``Model.generate`` / ``Model.stream`` run (ids, text, pieces, finish reason), its pages must
 be freed at its end, and the engine's counters must be right, under random schedules, EOS
 mid-batch, stop strings at the first tokens, cancels from another thread, page faults,
