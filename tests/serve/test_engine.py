@@ -38,6 +38,20 @@ KINDS = [dict(), dict(temperature=0.9, top_k=20, seed=7), dict(temperature=1.2, 
          dict(temperature=0.8, top_p=0.9, repetition_penalty=1.5, seed=17)]
 
 
+def record_prepared(monkeypatch) -> list:
+    """Patch ``Model.decode_batch_start`` to note, per call, (the batch's depth, whether it
+    launched a prepared batch); returns the list it appends to."""
+    from tinyloop.model import Model
+    used = []
+    real = Model.decode_batch_start
+
+    def start(self, caches, *a, prepared=None, **k):
+        used.append((caches[0].depth, prepared is not None))
+        return real(self, caches, *a, prepared=prepared, **k)
+    monkeypatch.setattr(Model, "decode_batch_start", start)
+    return used
+
+
 def _solo(model, prompt, n, kw):
     res = model.generate(prompt, max_new_tokens=n, **kw)
     pieces = [(t.token_id, t.text, t.finish_reason)
@@ -422,29 +436,22 @@ def test_steady_steps_launch_what_the_step_before_prepared(tiny_model_path, monk
     launches the prepared batch; requests that reach max_new_tokens leave it without a new
     preparation (known ahead). Each request's tokens are its solo run's."""
     from ..model.test_graphs import RecordingOps
-    from tinyloop.model import Model
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
     m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
     RecordingOps().attach(m)
-    used = []
-    real = Model.decode_batch_start
-
-    def start(self, *a, prepared=None, **k):
-        used.append(prepared is not None)
-        return real(self, *a, prepared=prepared, **k)
     try:
         prompts = [p[:20] for p in _prompts(6, seed=3)]
         lengths = [6, 9, 12, 12, 12, 12]
         want = [m.generate(p, max_new_tokens=n, stop=[]).token_ids
                 for p, n in zip(prompts, lengths)]
-        monkeypatch.setattr(Model, "decode_batch_start", start)
+        used = record_prepared(monkeypatch)
         with Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0) as eng:
             reqs = [eng.submit(p, max_new_tokens=n, stop=[]) for p, n in zip(prompts, lengths)]
             got = [r.result(timeout=120).token_ids for r in reqs]
         assert got == want
         # 11 steps after the prefill's first token; every one but the first was prepared,
         # also those after a request reached its length (6, 9 tokens: known ahead)
-        assert used == [False] + [True] * (max(lengths) - 2)
+        assert [p for _, p in used] == [False] + [True] * (max(lengths) - 2)
     finally:
         tinyloop.free_model(m)
 
@@ -474,22 +481,15 @@ def test_each_group_launches_its_own_prepared_step(tiny_model_path, monkeypatch)
     both groups' first steps every step launches a prepared batch, and each request gives
     its solo run's tokens."""
     from ..model.test_graphs import RecordingOps
-    from tinyloop.model import Model
     monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
     m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
     RecordingOps().attach(m)
-    used = []
-    real = Model.decode_batch_start
-
-    def start(self, caches, *a, prepared=None, **k):
-        used.append((caches[0].depth, prepared is not None))
-        return real(self, caches, *a, prepared=prepared, **k)
     try:
         prompts = [p[:16] for p in _prompts(6, seed=8)]
         depths = [2, 3, 2, 3, 2, 3]
         want = [m.generate(p, max_new_tokens=8, depth=d, stop=[]).token_ids
                 for p, d in zip(prompts, depths)]
-        monkeypatch.setattr(Model, "decode_batch_start", start)
+        used = record_prepared(monkeypatch)
         with Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0) as eng:
             reqs = [eng.submit(p, max_new_tokens=8, depth=d, stop=[])
                     for p, d in zip(prompts, depths)]

@@ -30,6 +30,7 @@ from tinyloop.serve.engine import allocated_outside_graphs
 
 from ..conftest import TINY
 from ..model.test_graphs import RecordingOps
+from .test_engine import _solo, record_prepared
 
 EOS = 51        # a token the tiny model samples now and then, mid-run (checked below)
 
@@ -52,15 +53,21 @@ def _load(path, graphs, monkeypatch, max_seq_len=96):
     return m
 
 
-def _solo(m, prompt, n, kw):
-    res = m.generate(prompt, max_new_tokens=n, **kw)
-    pieces = [(t.token_id, t.text, t.finish_reason)
-              for t in m.stream(prompt, max_new_tokens=n, **kw)]
-    return res, pieces
-
-
 def _pieces(r):
     return [(t.token_id, t.text, t.finish_reason) for t in r]
+
+
+def _serve_beside(eng, reqs, side):
+    """Wait for the started engine's ``reqs`` while a thread runs ``side()``; stops the
+    engine. Returns ([(GenerationResult, pieces)], stats before the stop)."""
+    t = threading.Thread(target=side)
+    t.start()
+    try:
+        got = [(r.result(timeout=60), _pieces(r)) for r in reqs]
+        t.join(60)
+        return got, eng.stats()
+    finally:
+        eng.stop()
 
 
 def _random_jobs(m, seed, n):
@@ -331,14 +338,7 @@ def test_eos_mid_batch_on_the_captured_batch(eos_model_path, monkeypatch):
     """Requests that sample EOS at different steps of a captured batch (greedy and sampled)
     end "eos" with their solo pieces (the EOS releases a held piece), while the rest go on
     and the steady steps keep launching prepared batches."""
-    from tinyloop.model import Model
     m = _load(eos_model_path, True, monkeypatch)
-    used = []
-    real = Model.decode_batch_start
-
-    def start(self, *a, prepared=None, **k):
-        used.append(prepared is not None)
-        return real(self, *a, prepared=prepared, **k)
     try:
         rng = np.random.default_rng(5)
         eos_jobs, other = [], []
@@ -357,10 +357,10 @@ def test_eos_mid_batch_on_the_captured_batch(eos_model_path, monkeypatch):
         assert len(eos_jobs) >= 3, "no EOS samples mid-run: pick another EOS id"
         jobs = [(p, 16, kw) for p, kw, _ in eos_jobs + other]
         want = [_solo(m, *j) for j in jobs]
-        monkeypatch.setattr(Model, "decode_batch_start", start)
+        used = record_prepared(monkeypatch)
         got, st, eng = _serve(m, jobs, max_batch=8, prefill_chunk=96, serial_rows=0)
         _check_solo(got, want, st, m, eng)
-        assert sum(used) >= len(used) // 2
+        assert sum(p for _, p in used) >= len(used) // 2
     finally:
         tinyloop.free_model(m)
 
@@ -395,14 +395,7 @@ def test_cancels_from_another_thread_end_only_their_requests(eos_model_path, mon
                             faults.append(("not done after cancel", r.id))
                     except Exception as e:      # noqa: BLE001 - any escape is the fault
                         faults.append(repr(e))
-            t = threading.Thread(target=killer)
-            t.start()
-            try:
-                got = [(r.result(timeout=60), _pieces(r)) for r in reqs]
-                t.join(60)
-                st = eng.stats()
-            finally:
-                eng.stop()
+            got, st = _serve_beside(eng, reqs, killer)
             assert faults == []
             for (res, pieces), (w, wp) in zip(got, want):
                 if res.finish_reason == "cancelled":
@@ -476,14 +469,7 @@ def test_direct_generate_between_prepared_steps_changes_no_ones_tokens(eos_model
         with m.lock:
             reqs = [eng.submit(p, max_new_tokens=n, **kw) for p, n, kw in jobs]
             eng.start()
-        t = threading.Thread(target=side)
-        t.start()
-        try:
-            got = [(r.result(timeout=60), _pieces(r)) for r in reqs]
-            t.join(60)
-            st = eng.stats()
-        finally:
-            eng.stop()
+        got, st = _serve_beside(eng, reqs, side)
         try:
             assert faults == []
             assert out[0::2] == want_direct and all(b == want_batch for b in out[1::2])
