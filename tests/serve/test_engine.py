@@ -445,8 +445,9 @@ def test_steady_steps_launch_what_the_step_before_prepared(tiny_model_path, monk
         want = [m.generate(p, max_new_tokens=n, stop=[]).token_ids
                 for p, n in zip(prompts, lengths)]
         used = record_prepared(monkeypatch)
-        with Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0) as eng:
-            reqs = [eng.submit(p, max_new_tokens=n, stop=[]) for p, n in zip(prompts, lengths)]
+        eng = Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0)
+        reqs = [eng.submit(p, max_new_tokens=n, stop=[]) for p, n in zip(prompts, lengths)]
+        with eng:                   # all admitted before the scheduler starts: one batch
             got = [r.result(timeout=120).token_ids for r in reqs]
         assert got == want
         # 11 steps after the prefill's first token; every one but the first was prepared,
@@ -490,9 +491,10 @@ def test_each_group_launches_its_own_prepared_step(tiny_model_path, monkeypatch)
         want = [m.generate(p, max_new_tokens=8, depth=d, stop=[]).token_ids
                 for p, d in zip(prompts, depths)]
         used = record_prepared(monkeypatch)
-        with Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0) as eng:
-            reqs = [eng.submit(p, max_new_tokens=8, depth=d, stop=[])
-                    for p, d in zip(prompts, depths)]
+        eng = Engine(m, max_batch=6, prefill_chunk=512, serial_rows=0)
+        reqs = [eng.submit(p, max_new_tokens=8, depth=d, stop=[])
+                for p, d in zip(prompts, depths)]
+        with eng:                   # all admitted before the scheduler starts
             got = [r.result(timeout=120).token_ids for r in reqs]
         assert got == want
         # 7 steps a group after the prefill's first token, the groups in turn

@@ -433,6 +433,7 @@ class Engine:
             left = list(self._queue) + list(self._active)
         for r in left:
             self.cancel(r)
+        self._prepared.clear()            # they refer to the requests' released caches
         if self._froze_gc:
             self._froze_gc = False
             gc.unfreeze()
