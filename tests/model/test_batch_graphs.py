@@ -241,3 +241,17 @@ def test_batch_buckets():
     assert [batch_bucket(n, 64) for n in range(1, 14)] == [1, 2, 4, 4, 8, 8, 8, 8, 12, 12,
                                                            12, 12, 16]
     assert batch_bucket(31, 30) == 30 and batch_bucket(64, 64) == 64
+
+
+@pytest.mark.parametrize("bad", [np.zeros(4, np.int64), np.zeros(3, np.int32)])
+def test_copy_host_inputs_refuses_another_dtype_or_size(bad):
+    """Ops.copy_host_inputs copies bytes as they are: a host array of another dtype or size
+    than the device array is refused by name, not cast or cut."""
+    from tinyloop.backends.numpy_ops import NumpyOps
+    from tinyloop.errors import ConfigError
+    out = np.full(4, 7, np.int32)
+    with pytest.raises(ConfigError, match="copy_host_inputs"):
+        NumpyOps().copy_host_inputs(bad, out)
+    assert (out == 7).all()
+    NumpyOps().copy_host_inputs(np.arange(4, dtype=np.int32), out)
+    assert out.tolist() == [0, 1, 2, 3]

@@ -550,7 +550,11 @@ class Ops:
         """Copy ``host`` (a view of ``batch_host_inputs``) into the device array ``out`` of
         its dtype and size, queued on the stream. Capturable: a captured step's copy reads
         what ``host`` holds when it replays, so the host writes a step's inputs there (after
-        the step before it finished) and replays."""
+        the step before it finished) and replays. Raises ConfigError when the dtypes or
+        sizes differ."""
+        if host.nbytes != out.nbytes or host.dtype != out.dtype:
+            raise ConfigError(f"copy_host_inputs: host {host.dtype} {host.shape} does not "
+                              f"match device {out.dtype} {out.shape}")
         out[...] = host.reshape(out.shape)
 
     def batch_attention_key(self, ctx: int, rows: int, n_heads: int, windows) -> tuple:
