@@ -365,7 +365,7 @@ def test_a_steps_tokens_stream_while_the_next_step_runs(model, monkeypatch):
         caches = in_flight.pop()
         for c in caches:
             try:
-                c.table_addresses()          # raises HandleError once the cache is released
+                c.check_alive()              # raises HandleError once the cache is released
                 live_at_finish.append(True)
             except tinyloop.errors.HandleError:
                 live_at_finish.append(False)
