@@ -195,23 +195,21 @@ def test_a_request_that_runs_out_of_memory_ends_alone_and_frees_its_pages(model,
     from ..conftest import fail_nth_allocation
     a, b = list(range(1, 31)), list(range(40, 70))        # 30 positions: one page per slot
     want_b = model.generate(b, max_new_tokens=10)
-    eng = Engine(model)
-    try:
-        slots = len(slot_layers(model.config, model.config.default_depth))
-        # 1st kv_cache allocation: a's block table (its prefill); then, in a second run, the
-        # page for position 32, after both prefills (table + one page per slot each): a's
-        # first try, while the step at 31 runs (the engine prepares the next step), then,
-        # after b's, a's second try at its own step
-        first = 2 * (1 + slots) + 1
-        for nth, phase in ((1, "prefill"), ({first, first + 2 * slots}, "decode")):
+    slots = len(slot_layers(model.config, model.config.default_depth))
+    # 1st kv_cache allocation: a's block table (its prefill); then, in a second run, the page
+    # for position 32, after both prefills (table + one page per slot each): a's first try,
+    # while the step at 31 runs (the engine prepares the next step), then, after b's, a's
+    # second try at its own step
+    first = 2 * (1 + slots) + 1
+    for nth, phase in ((1, "prefill"), ({first, first + 2 * slots}, "decode")):
+        eng = Engine(model)
+        try:
             with monkeypatch.context() as mp:
-                with model.lock:                          # both prefill in one iteration
-                    seen = fail_nth_allocation(mp, model.pool, "kv_cache", nth)
-                    ra = eng.submit(a, max_new_tokens=10)
-                    rb = eng.submit(b, max_new_tokens=10)
-                    if phase == "prefill":                # admitted before it starts
-                        eng.start()
-                        before = eng.baseline_allocated
+                seen = fail_nth_allocation(mp, model.pool, "kv_cache", nth)
+                ra = eng.submit(a, max_new_tokens=10)
+                rb = eng.submit(b, max_new_tokens=10)
+                eng.start()          # both admitted before it starts: they prefill in one
+                before = eng.baseline_allocated      # iteration and step together
                 with pytest.raises(OutOfMemoryError, match="injected") as e:
                     ra.result(timeout=60)
                 assert seen["n"] >= max({nth} if isinstance(nth, int) else nth)
@@ -219,13 +217,13 @@ def test_a_request_that_runs_out_of_memory_ends_alone_and_frees_its_pages(model,
             assert (got.token_ids, got.text) == (want_b.token_ids, want_b.text)
             partial = e.value.partial
             assert partial.finish_reason == "error"
-            # the decode failure: the first token (prefill), those fed at positions 30 and 31;
-            # position 32 needs the page that failed
+            # the decode failure: the first token (prefill), those fed at positions 30 and
+            # 31; position 32 needs the page that failed
             assert len(partial.token_ids) == (0 if phase == "prefill" else 3)
             assert e.value.step == len(partial.token_ids)
             assert model.pool.allocated_bytes == before
-    finally:
-        eng.stop()
+        finally:
+            eng.stop()
 
 
 def test_a_fault_in_a_step_ends_its_requests_each_with_its_partial(model, monkeypatch):
