@@ -38,6 +38,16 @@ KINDS = [dict(), dict(temperature=0.9, top_k=20, seed=7), dict(temperature=1.2, 
          dict(temperature=0.8, top_p=0.9, repetition_penalty=1.5, seed=17)]
 
 
+def _graphs_model(path, monkeypatch):
+    """The NumPy model of ``path`` with graphs on through the recording fake
+    (tests/model/test_graphs.py), so the engine takes the captured-step paths."""
+    from ..model.test_graphs import RecordingOps
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
+    m = tinyloop.load_model(path, max_seq_len=96, backend="numpy")
+    RecordingOps().attach(m)
+    return m
+
+
 def record_prepared(monkeypatch) -> list:
     """Patch ``Model.decode_batch_start`` to note, per call, (the batch's depth, whether it
     launched a prepared batch); returns the list it appends to."""
@@ -286,10 +296,7 @@ def test_a_lone_request_runs_the_captured_step(tiny_model_path, monkeypatch):
     engine's baseline while the graphs' blocks stay with the model."""
     from tinyloop.serve.engine import allocated_outside_graphs
 
-    from ..model.test_graphs import RecordingOps
-    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
-    RecordingOps().attach(m)
+    m = _graphs_model(tiny_model_path, monkeypatch)
     try:
         prompt = _prompts(1, seed=7)[0][:30]
         kw = [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 3, "repetition_penalty": 1.2}]
@@ -314,10 +321,7 @@ def test_few_rows_replay_one_by_one_and_more_share_a_batch(tiny_model_path, monk
     serial_rows >= 4 every decode step of every row is a replay of the captured step; with
     fewer, the steps where more rows decode run as decode_batch. Either way each request's
     tokens are its solo generate's (greedy and seeded sampled)."""
-    from ..model.test_graphs import RecordingOps
-    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
-    RecordingOps().attach(m)
+    m = _graphs_model(tiny_model_path, monkeypatch)
     try:
         prompts = [p[:24] for p in _prompts(4, seed=11)]
         kws = [{}, {"temperature": 0.7, "seed": 2}, {}, {"temperature": 0.9, "top_k": 9,
@@ -433,10 +437,7 @@ def test_steady_steps_launch_what_the_step_before_prepared(tiny_model_path, monk
     its predecessor prepared (``Model.decode_batch_prepare``, made while that step ran)
     launches the prepared batch; requests that reach max_new_tokens leave it without a new
     preparation (known ahead). Each request's tokens are its solo run's."""
-    from ..model.test_graphs import RecordingOps
-    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
-    RecordingOps().attach(m)
+    m = _graphs_model(tiny_model_path, monkeypatch)
     try:
         prompts = [p[:20] for p in _prompts(6, seed=3)]
         lengths = [6, 9, 12, 12, 12, 12]
@@ -479,10 +480,7 @@ def test_each_group_launches_its_own_prepared_step(tiny_model_path, monkeypatch)
     """Two groups (depths 2 and 3) stepping in turn each keep the step they prepared: after
     both groups' first steps every step launches a prepared batch, and each request gives
     its solo run's tokens."""
-    from ..model.test_graphs import RecordingOps
-    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "1")
-    m = tinyloop.load_model(tiny_model_path, max_seq_len=96, backend="numpy")
-    RecordingOps().attach(m)
+    m = _graphs_model(tiny_model_path, monkeypatch)
     try:
         prompts = [p[:16] for p in _prompts(6, seed=8)]
         depths = [2, 3, 2, 3, 2, 3]
