@@ -5,7 +5,8 @@ kernel's page partition, per-split online-softmax partials and combine against a
 import numpy as np
 import pytest
 
-from tinyloop.backends.cuda.attention import (DS_MAX_SPLITS, DS_MIN_KEYS,
+from tinyloop.backends.cuda.attention import (DS_BATCH_BLOCKS_PER_SM, DS_MAX_SPLITS,
+                                              DS_MIN_KEYS, DS_ROW_BLOCKS_PER_SM,
                                               DS_SINGLE_PASS_MAX, decode_splits)
 from tinyloop.backends.cuda.compile import GEOMETRY
 
@@ -87,10 +88,18 @@ def test_split_partition_of_a_sliding_window(page, nsplit, window):
 
 
 def test_split_count_rule():
-    # 9 heads on 132 SMs (SmolLM2 on an H200): bucket / DS_MIN_KEYS, capped near 2 blocks/SM
+    # 9 heads on 132 SMs (SmolLM2 on an H200): bucket / DS_MIN_KEYS, capped near 8 blocks / SM
+    # for one query row (so every split is one chunk of keys up to 8,192 keys), near 2 for a
+    # batch's rows x heads
+    assert (DS_ROW_BLOCKS_PER_SM, DS_BATCH_BLOCKS_PER_SM) == (8, 2)
     assert decode_splits(DS_SINGLE_PASS_MAX + 1, 9, 132) == 2
     assert decode_splits(2048, 9, 132) == 2048 // DS_MIN_KEYS
-    assert decode_splits(2110, 9, 132) == min(4096 // DS_MIN_KEYS, -(-264 // 9))
+    assert decode_splits(2110, 9, 132) == 4096 // DS_MIN_KEYS
+    assert decode_splits(8000, 9, 132) == 8192 // DS_MIN_KEYS == DS_MAX_SPLITS
+    assert decode_splits(8000, 9, 132, DS_BATCH_BLOCKS_PER_SM) == -(-264 // 9)
+    assert decode_splits(2110, 9, 132, DS_BATCH_BLOCKS_PER_SM) == min(4096 // DS_MIN_KEYS,
+                                                                      -(-264 // 9))
+    assert decode_splits(8000, 4 * 9, 132, DS_BATCH_BLOCKS_PER_SM) == -(-264 // 36)
     assert decode_splits(1 << 20, 1, 10_000) == DS_MAX_SPLITS
     # a function of the bucket: every length of one bucket gets the same count
     assert len({decode_splits(c, 9, 132) for c in range(1025, 2049)}) == 1
@@ -105,22 +114,25 @@ def test_short_contexts_fall_back_to_the_single_pass_kernel():
         assert decode_splits(ctx, 9, 132) == 0, ctx
     for ctx in (129, 200, 256, 257, 512, 4096):
         assert decode_splits(ctx, 9, 132) >= 2, ctx
-    # one split by the SM cap (heads >= 2 x SMs) is the single pass too
-    assert decode_splits(4096, 400, 132) == 0
+    # one split by the SM cap (heads >= 8 x SMs) is the single pass too
+    assert decode_splits(4096, 1100, 132) == 0
+    assert decode_splits(4096, 400, 132, DS_BATCH_BLOCKS_PER_SM) == 0
     # slow reference of the rule, independent of the implementation's bucket arithmetic
     for ctx in range(1, 5000, 7):
         bucket = DS_MIN_KEYS
         while bucket < ctx:
             bucket *= 2
-        ns = min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, -(-264 // 9))
-        want = 0 if ctx <= DS_SINGLE_PASS_MAX or ns <= 1 else ns
-        assert decode_splits(ctx, 9, 132) == want, ctx
+        for per_sm in (DS_ROW_BLOCKS_PER_SM, DS_BATCH_BLOCKS_PER_SM):
+            ns = min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, -(-per_sm * 132 // 9))
+            want = 0 if ctx <= DS_SINGLE_PASS_MAX or ns <= 1 else ns
+            assert decode_splits(ctx, 9, 132, per_sm) == want, (ctx, per_sm)
 
 
 def test_the_batch_scratch_bound_covers_every_batch_and_context():
     """Engine.start reserves batch_split_bound's scratch once: every batch of 1..rows rows at
     every context length takes no more tickets and partials than it covers (the split count
-    of the batch kernel is max(1, decode_splits(...)) over B * n_heads blocks)."""
+    of the batch kernel is max(1, decode_splits(..., DS_BATCH_BLOCKS_PER_SM)) over
+    B * n_heads blocks)."""
     from tinyloop.backends.cuda.attention import batch_split_bound, decode_splits
     for sms in (1, 78, 132):
         for n_heads in (1, 9, 16, 48):
@@ -130,5 +142,5 @@ def test_the_batch_scratch_bound_covers_every_batch_and_context():
                 for b in range(1, rows + 1):
                     for ctx in (1, 63, 64, 257, 1024, 4097, 8000, 1 << 17):
                         units = b * n_heads
-                        ns = max(1, decode_splits(ctx, units, sms))
+                        ns = max(1, decode_splits(ctx, units, sms, DS_BATCH_BLOCKS_PER_SM))
                         assert units * ns <= partials, (sms, n_heads, rows, b, ctx)

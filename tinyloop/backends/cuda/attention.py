@@ -36,29 +36,37 @@ _KVW_THREADS = GEOMETRY["rope"]["KVW_THREADS"]
 _H_ATTN_THREADS_DECODE = GEOMETRY["kv_h"]["H_ATTN_THREADS_DECODE"]
 _H_ATTN_THREADS_PREFILL = GEOMETRY["kv_h"]["H_ATTN_THREADS_PREFILL"]
 DS_MIN_KEYS = 128       # split-K decode: a split gets at least this many keys of the bucket
-DS_MAX_SPLITS = 64      # ... and at most this many splits (the partials scratch)
+DS_MAX_SPLITS = GEOMETRY["attention_decode"]["DS_MAX_SPLITS"]   # ... and at most this many
 _DS_TICKETS = 1024      # split-K decode: per-head merge tickets (query heads at most)
 # Contexts of at most this many keys run the single-pass decode kernel (attention.cu), not
 # split-K: one split there does the single-pass work plus a merge, and the measured
 # break-even lies between the 128 and 256 buckets (docs/architecture.md "Split-K decode
 # attention"; benchmarks/bench_attn_decode.py's 192 / 256 rows check it).
 DS_SINGLE_PASS_MAX = 128
+# Blocks per SM the split count may reach: one query row takes up to DS_ROW_BLOCKS_PER_SM (its
+# splits then hold one chunk of DS_MIN_KEYS keys each up to DS_MAX_SPLITS * DS_MIN_KEYS keys,
+# all loaded at once); a decode batch, whose rows already fill the grid, DS_BATCH_BLOCKS_PER_SM.
+DS_ROW_BLOCKS_PER_SM = 8
+DS_BATCH_BLOCKS_PER_SM = 2
 
 
-def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
+def decode_splits(ctx: int, n_heads: int, sms: int,
+                  blocks_per_sm: int = DS_ROW_BLOCKS_PER_SM) -> int:
     """Split count of the split-K decode attention for a context of ``ctx`` keys, or 0 for
     the single-pass kernel (``ctx <= DS_SINGLE_PASS_MAX``, or a rule outcome of one split:
     one split does the single-pass work plus a combine launch; see DS_SINGLE_PASS_MAX).
     Otherwise from the power-of-two length bucket ``b = max(DS_MIN_KEYS, 2^ceil(log2 ctx))``:
-    ``b / DS_MIN_KEYS`` splits, capped so n_heads * splits is about two blocks per SM and at
-    DS_MAX_SPLITS. A function of the bucket only, so a captured graph
-    keyed by the bucket (or by the block table's capacity, whose ctx it passes) launches a
-    valid grid for every length in it; each split's page range is computed on the device from
-    the real length. The one place the split / single-pass choice is made."""
+    ``b / DS_MIN_KEYS`` splits, capped so n_heads * splits is about ``blocks_per_sm`` blocks
+    per SM (``DS_ROW_BLOCKS_PER_SM`` for one query row, ``DS_BATCH_BLOCKS_PER_SM`` for a
+    batch, whose ``n_heads`` counts every row's heads) and at DS_MAX_SPLITS. A function of
+    the bucket only, so a captured graph keyed by the bucket (or by the block table's
+    capacity, whose ctx it passes) launches a valid grid for every length in it; each split's
+    page range is computed on the device from the real length. The one place the split /
+    single-pass choice is made."""
     if int(ctx) <= DS_SINGLE_PASS_MAX:
         return 0
     bucket = max(DS_MIN_KEYS, 1 << max(0, int(ctx) - 1).bit_length())
-    by_sms = -(-2 * int(sms) // max(1, int(n_heads)))
+    by_sms = -(-int(blocks_per_sm) * int(sms) // max(1, int(n_heads)))
     ns = max(1, min(DS_MAX_SPLITS, bucket // DS_MIN_KEYS, by_sms))
     return 0 if ns == 1 else ns
 
@@ -66,12 +74,12 @@ def decode_splits(ctx: int, n_heads: int, sms: int) -> int:
 def batch_split_bound(rows: int, n_heads: int, sms: int) -> tuple[int, int]:
     """(ticket units, (unit, split) partial pairs) that cover the batched split-K attention
     of any batch of 1..``rows`` rows at any context: B * n_heads units take at most
-    max(1, min(DS_MAX_SPLITS, ceil(2 * sms / (B * n_heads)))) splits (``decode_splits``'s
-    SM cap, at least one split in the batch kernel)."""
-    worst = 0
+    max(1, min(DS_MAX_SPLITS, ceil(DS_BATCH_BLOCKS_PER_SM * sms / (B * n_heads)))) splits
+    (``decode_splits``'s SM cap, at least one split in the batch kernel)."""
+    worst, per_sm = 0, DS_BATCH_BLOCKS_PER_SM
     for b in range(1, int(rows) + 1):
         units = b * int(n_heads)
-        worst = max(worst, units * max(1, min(DS_MAX_SPLITS, -(-2 * int(sms) // units))))
+        worst = max(worst, units * max(1, min(DS_MAX_SPLITS, -(-per_sm * int(sms) // units))))
     return int(rows) * int(n_heads), worst
 
 
@@ -256,7 +264,8 @@ class AttentionOps:
         """The split count of the batched split-K attention (at least 1: the batch rows give
         the grid its width) for a longest context of ``ctx`` keys."""
         keys = self._decode_keys(ctx, window)
-        return max(1, int(decode_splits(keys, int(n_heads) * int(b), self.sms)))
+        return max(1, int(decode_splits(keys, int(n_heads) * int(b), self.sms,
+                                        DS_BATCH_BLOCKS_PER_SM)))
 
     def batch_attention_key(self, ctx: int, rows: int, n_heads: int, windows) -> tuple:
         """``Ops.batch_attention_key``: the split count ``kv_attention_batch`` launches for

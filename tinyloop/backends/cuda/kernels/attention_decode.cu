@@ -37,6 +37,14 @@
 #ifndef DS_THREADS
 #define DS_THREADS 128
 #endif
+// The most splits a head's keys are dealt to (attention.py DS_MAX_SPLITS: the partials scratch),
+// and the most that attn_combine_head merges one thread per output (more: the whole block).
+#ifndef DS_MAX_SPLITS
+#define DS_MAX_SPLITS 64
+#endif
+#ifndef DS_MERGE_SERIAL
+#define DS_MERGE_SERIAL 8
+#endif
 
 // Keys [k0, k1) of split s of nsplit over keys lo..ctx-1 (lo = win_lo(ctx - 1, window)) in
 // pages of P, and n_used, the splits that hold keys: the npages = ceil(ctx / P) - lo / P pages
@@ -269,29 +277,66 @@ __device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 k0, i64 k
     if (tid == 0 && out == nullptr) { dst[HD] = m; dst[HD + 1] = l; }
 }
 
-// Head h's merge of its partials 0..n_used-1 (of nsplit rows per head) into out[h * HD ..]
-// (f16): the block's threads stride over the HD outputs. Partials are read through L2
-// (__ldcg): other blocks wrote them. Two passes over the splits, each unrolled so its loads
-// are all in flight at once (one L2 round trip per 8 splits, not one per split); each output
-// sums the splits in ascending order. An empty split (m = -inf) weighs 0.
+// Head h's merge of its partials 0..n_used-1 (of nsplit rows per head, n_used <= DS_MAX_SPLITS)
+// into out[h * HD ..] (f16). Partials are read through L2 (__ldcg): other blocks wrote them. An
+// empty split (m = -inf) weighs 0. Up to DS_MERGE_SERIAL splits, each output's thread reads
+// them all itself (two passes, each unrolled so its loads are in flight at once; the splits
+// summed in ascending order): two L2 round trips, no barrier. More splits would cost a round
+// trip per DS_MERGE_SERIAL of them that way, so the whole block merges them, every split's
+// loads in flight at once: thread s reads split s's (m, l), the block reduces M = max m_s, the
+// weights w_s = 2^(m_s - M) (shared memory) and den = sum_s w_s l_s (block_sum's fixed tree);
+// thread (slice sl, dim i) of DS_THREADS / HD slices sums w_s o_s[i] over s = sl, sl + slices,
+// ..., and the slices' sums are added in slice order.
 template <int HD>
 __device__ __forceinline__ void attn_combine_head(const float* part, i64 nsplit, i64 n_used,
                                                   half_t* out, i64 h) {
+    static_assert(HD <= DS_THREADS, "a merge thread per output dimension");
+    static_assert(DS_MAX_SPLITS <= DS_THREADS, "a merge thread per split");
     const float* src = part + h * nsplit * (HD + 2);
-    const int ns = (int)n_used;
-    float mx = TL_NEG_INF;                        // max is exact in any order
+    const int ns = (int)n_used, tid = threadIdx.x;
+    if (ns <= DS_MERGE_SERIAL) {                  // block-uniform
+        float mx = TL_NEG_INF;                    // max is exact in any order
 #pragma unroll 8
-    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, __ldcg(src + s * (HD + 2) + HD));
-    for (int i = threadIdx.x; i < HD; i += blockDim.x) {
-        float num = 0.0f, den = 0.0f;
+        for (int s = 0; s < ns; ++s) mx = fmaxf(mx, __ldcg(src + s * (HD + 2) + HD));
+        for (int i = tid; i < HD; i += blockDim.x) {
+            float num = 0.0f, den = 0.0f;
 #pragma unroll 8
-        for (int s = 0; s < ns; ++s) {
-            const float* ps = src + s * (HD + 2);
-            const float wgt = exp2f(__ldcg(ps + HD) - mx);
-            num = fmaf(wgt, __ldcg(ps + i), num);
-            den = fmaf(wgt, __ldcg(ps + HD + 1), den);
+            for (int s = 0; s < ns; ++s) {
+                const float* ps = src + s * (HD + 2);
+                const float wgt = exp2f(__ldcg(ps + HD) - mx);
+                num = fmaf(wgt, __ldcg(ps + i), num);
+                den = fmaf(wgt, __ldcg(ps + HD + 1), den);
+            }
+            out[h * HD + i] = f2h(num / den);
         }
-        out[h * HD + i] = f2h(num / den);
+        return;
+    }
+    constexpr int SL = DS_THREADS / HD;
+    __shared__ float wgt[DS_MAX_SPLITS];
+    __shared__ float red[32];
+    __shared__ float acc[SL * HD];
+    float m = TL_NEG_INF, l = 0.0f;
+    if (tid < ns) {
+        m = __ldcg(src + tid * (HD + 2) + HD);
+        l = __ldcg(src + tid * (HD + 2) + HD + 1);
+    }
+    const float mx = block_max(m, red);           // split 0 holds key lo: finite
+    const float w = tid < ns ? exp2f(m - mx) : 0.0f;
+    if (tid < ns) wgt[tid] = w;
+    const float den = block_sum(w * l, red);      // its barriers publish wgt
+    const int i = tid % HD, sl = tid / HD;
+    if (sl < SL) {
+        float num = 0.0f;
+#pragma unroll 16
+        for (int s = sl; s < ns; s += SL) num = fmaf(wgt[s], __ldcg(src + s * (HD + 2) + i), num);
+        acc[sl * HD + i] = num;
+    }
+    __syncthreads();
+    if (tid < HD) {
+        float num = 0.0f;
+#pragma unroll
+        for (int k = 0; k < SL; ++k) num += acc[k * HD + tid];
+        out[h * HD + tid] = f2h(num / den);
     }
 }
 
