@@ -227,8 +227,8 @@ def test_cli_passes_min_p_and_the_penalty(tiny_model_path, capsys):
 
 
 def test_base_window_ring_follows_the_step_state():
-    """The captured step's window ring (base semantics, which sample_penalize follows on the
-    device): seeded once from the host, it then takes each step's input token itself."""
+    """The captured step's window ring (base semantics, which sample.cu's sample_params follows
+    on the device): seeded once from the host, it then takes each step's input token itself."""
     ops = NumpyOps()
     rng = np.random.default_rng(5)
     vocab, last_n = 40, 5

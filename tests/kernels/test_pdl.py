@@ -43,7 +43,8 @@ def _entries():
 
 # The bodies that load ahead of the wait: (function, its preload, what first touches the
 # predecessor's output). The wait must sit between the two. The GEMVs preload weights; the
-# split-K attention preloads K / V rows of earlier positions (attention_decode.cu).
+# split-K attention preloads K / V rows of earlier positions (attention_decode.cu); the
+# sampler's first kernel reads its host parameters and the penalty window (sample.cu).
 _PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (const uint4*)xin")),
                ("gemv_impl", "gemv_prefetch_row<", ("gemv_row<", "__ldcg(", "gemv_row_acc<")),
                ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)),
@@ -51,7 +52,8 @@ _PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (co
                ("gemv_mma_impl", "prefetch_l1(", ("X[ct] = t < T", "gemv_store<")),
                ("qkv_rope_impl", "gemv_prefetch_row<", ("norm_row_to_shared(", "qkv[")),
                ("attn_split_step", "ds_load<MODE, HD>(ch", ("ds_load_key<", "attn_split_unit<")),
-               ("kv_write_impl", "kv_page_w(", ("row[e]", "v[j]", "kv_int8_rows_block(")))
+               ("kv_write_impl", "kv_page_w(", ("row[e]", "v[j]", "kv_int8_rows_block(")),
+               ("sample_params_impl", "ring[(pos - j) % N]", ("sc->prm[", "sc->win[")))
 
 
 def _preloads_then_waits(func: str, preload: str, touches) -> bool:
@@ -72,8 +74,8 @@ def test_every_pdl_kernel_waits_for_its_predecessor():
     for f, n, body in pdl:
         first = body[1:].lstrip(" \t\n\\")
         call = body.split(";")[0]
-        waits = first.startswith("TL_PDL_ENTER();") or any(f"{fn}<" in call
-                                                          for fn, _, _ in _PRELOADING)
+        waits = first.startswith("TL_PDL_ENTER();") or any(
+            f"{fn}<" in call or f"{fn}(" in call for fn, _, _ in _PRELOADING)
         assert waits, f"{f}: {n}* is launched with PDL but does not start with TL_PDL_ENTER"
     for fn, preload, touches in _PRELOADING:
         assert _preloads_then_waits(fn, preload, touches), fn

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from ...errors import ConfigError
-from ..base import STATE_ATTEMPTS
+from ..base import REPEAT_LAST_N_MAX, STATE_ATTEMPTS
 
 try:
     import cupy
@@ -61,7 +61,8 @@ GEOMETRY = {
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     # the argmax's and the sampler's one block; the fast sampler's grid blocks
-    "sample": {"SMP_THREADS": 1024, "SMP_FAST_THREADS": 256},
+    "sample": {"SMP_THREADS": 1024, "SMP_FAST_THREADS": 256,
+               "SMP_WINDOW_MAX": REPEAT_LAST_N_MAX},     # the longest penalty window
     "kv_h": {"H_THREADS": 256,                   # h_write / h_read: threads per position row
              # h_attn_chunk: one block per (query row, head), its warps splitting the chunk's
              # keys: 32 warps for a decode row (few blocks: the keys are the parallelism), 8

@@ -156,8 +156,9 @@ SIGNATURES = (
     (r"h_attn_chunk", "piipiiiiifipiip"),
     (r"argmax_f32", "pip"),
     (r"sample_step", "pippp"),
-    (r"sample_penalize", "pipppp"),
-    (r"sample_fast_max", "pipp"),
+    (r"sample_params", "pppp"),
+    (r"sample_penalize", "pipp"),
+    (r"sample_fast_max", "pip"),
     (r"sample_fast_hist", "pipp"),
     (r"sample_fast_pick", "pipipp"),
 )

@@ -1,7 +1,8 @@
 """Picking the next token (kernels/sample.cu): the argmax, the temperature sampler (for an
 eager ``sample`` and inside a captured step alike: the fast path, ``sample_fast_*``, or the
-one-block reference ``sample_step`` by ``KernelChoice.sampler``), the repetition penalty
-(``sample_penalize``) and the heads of a captured step: a mixin of CudaOps.
+one-block reference ``sample_step`` by ``KernelChoice.sampler``, each after ``sample_params``
+copies its parameters to the device), the repetition penalty (``sample_penalize``) and the
+heads of a captured step: a mixin of CudaOps.
 ``numpy_ops.sample_from_logits`` is the rule each follows."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _FAST_THREADS = GEOMETRY["sample"]["SMP_FAST_THREADS"]
 _SAMPLE_MAX_N = 1 << 22  # sample_step: u64 sums of 2^40-scaled weights stay < 2^63
 _FAST_MAX_BLOCKS = 512   # sample.cu SMP_MAX_BLOCKS
 _FAST_CHUNK = 512        # tokens per block of the fast path's grid kernels (at least)
-_FAST_BYTES = 9280       # sizeof(SmpFast) in sample.cu
+_FAST_BYTES = 9288 + 4 * REPEAT_LAST_N_MAX    # sizeof(SmpFast) in sample.cu
 _PRM = 8                 # sample.cu SMP_PRM: f64 parameters per sampler call
 
 
@@ -250,25 +251,28 @@ class SamplingOps:
 
     def _sampler_launches(self, logits_ptr: int, n: int, prm_ptr: int, out_ptr: int,
                           penalty) -> None:
-        """The sampler's launches on the row at ``logits_ptr`` (f32 [n]): with ``penalty`` =
-        (window ring, state) pointers, ``sample_penalize`` into the scratch row first; then the
-        fast path's three kernels, or the reference ``sample_step`` when
-        ``KernelChoice.sampler`` says so. Fixed launches whatever the parameters (they are
-        read on the device), so a captured step holds them."""
+        """The sampler's launches on the row at ``logits_ptr`` (f32 [n]): ``sample_params``
+        first (the f64 [8] parameters at ``prm_ptr``, and with ``penalty`` = (window ring,
+        state) pointers the window, into the device scratch), then with ``penalty``
+        ``sample_penalize`` into the scratch row; then the fast path's three kernels, or the
+        reference ``sample_step`` when ``KernelChoice.sampler`` says so. Fixed launches
+        whatever the parameters (they are read on the device), so a captured step holds
+        them."""
+        fs = self._fs_ptr
+        ring, state = penalty if penalty is not None else (0, 0)
+        self._fn("sample", "sample_params")((1,), (_SAMPLE_THREADS,),
+                                            (prm_ptr, fs, ring, state))
         if penalty is not None:
-            g = _fast_grid(n)
             self._fn("sample", "sample_penalize")(
-                (g,), (_FAST_THREADS,), (logits_ptr, n, prm_ptr, penalty[0], penalty[1],
-                                         self._pl_ptr))
+                (_fast_grid(n),), (_FAST_THREADS,), (logits_ptr, n, fs, self._pl_ptr))
             logits_ptr = self._pl_ptr
         if self.kernels.sampler == "reference":
+            # SmpFast's first field is the parameters' device copy
             self._fn("sample", "sample_step")(
-                (1,), (_SAMPLE_THREADS,), (logits_ptr, n, prm_ptr, self._wq_ptr, out_ptr))
+                (1,), (_SAMPLE_THREADS,), (logits_ptr, n, fs, self._wq_ptr, out_ptr))
             return
         g = _fast_grid(n)
-        fs = self._fs_ptr
-        self._fn("sample", "sample_fast_max")((g,), (_FAST_THREADS,),
-                                              (logits_ptr, n, prm_ptr, fs))
+        self._fn("sample", "sample_fast_max")((g,), (_FAST_THREADS,), (logits_ptr, n, fs))
         self._fn("sample", "sample_fast_hist")((g,), (_FAST_THREADS,),
                                                (logits_ptr, n, fs, self._wq_ptr))
         self._fn("sample", "sample_fast_pick")(
@@ -355,8 +359,8 @@ class SamplingOps:
     def head_sample_step(self, x, weight, eps, w, out, norm, step) -> None:
         """Sampled head into the step state (``Ops.head_sample_step``): ``rmsnorm_lm_head``
         into ``out`` f32 [1, vocab], then (with the repetition penalty of the last
-        ``set_step_sampling`` on) ``sample_penalize`` over the window ring, which it advances,
-        and the sampler (``_sampler_launches``; parameters read at run time from
+        ``set_step_sampling`` on) ``sample_penalize`` over the window ring, which
+        ``sample_params`` advances, and the sampler (``_sampler_launches``; parameters read at run time from
         ``set_step_sampling``'s pinned buffer; id and fault code to ``step``). Whether the
         penalty runs is fixed when the step is captured (a graph key). Its scratch must exist
         before a capture: the eager step that precedes every capture makes it. Raises

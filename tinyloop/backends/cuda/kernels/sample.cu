@@ -371,9 +371,10 @@ __device__ __noinline__ void sample_impl(const float* __restrict__ logits, i64 n
     if (threadIdx.x == 0) smp_write(id, 0, id_dev, id_host);
 }
 
-// Sampler parameters prm f64 [SMP_PRM]: read when a kernel runs, from mapped pinned host
+// Sampler parameters prm f64 [SMP_PRM]: read when the sampler runs, from mapped pinned host
 // memory that the host fills first, so one captured decode step (tinyloop/graphs.py) serves
-// every step and every setting (CudaOps.set_step_sampling).
+// every step and every setting (CudaOps.set_step_sampling). sample_params copies them to the
+// device scratch (SmpFast::prm) once; the sampler's other kernels read that copy.
 #define SMP_PRM 8
 #define SMP_P_TEMP 0
 #define SMP_P_TOPK 1
@@ -388,7 +389,7 @@ struct SmpParams {
     i64 top_k, last_n;
 };
 
-// One read of host memory per value, into shared memory, then to every thread.
+// One read per value, into shared memory, then to every thread.
 __device__ __forceinline__ SmpParams smp_params(const volatile double* prm) {
     __shared__ double p[SMP_PRM];
     if (threadIdx.x < SMP_PRM) p[threadIdx.x] = prm[threadIdx.x];
@@ -404,9 +405,9 @@ __device__ __forceinline__ SmpParams smp_params(const volatile double* prm) {
     return r;
 }
 
-// The reference sampler: parameters from prm (above); the id and the fault code go to
-// step[0..1]: the device step state (STEP_ID, STEP_FAULT), or for an eager CudaOps.sample a
-// mapped pinned int [2]. grid = 1, block = SMP_THREADS.
+// The reference sampler: parameters from prm (SmpFast::prm, which sample_params wrote); the id
+// and the fault code go to step[0..1]: the device step state (STEP_ID, STEP_FAULT), or for an
+// eager CudaOps.sample a mapped pinned int [2]. grid = 1, block = SMP_THREADS.
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
     sample_step(const float* logits, i64 n64, const volatile double* prm, u64* wq, int* step) {
     TL_PDL_ENTER();
@@ -415,53 +416,37 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
 }
 
 // ================================================================================================
+// The sampler's first launch, sample_params: its parameters and the repetition penalty's window
+// into the device scratch SmpFast (below), so that no later kernel of the sampler reads host
+// memory (a grid whose every block reads mapped pinned memory waits on thousands of PCIe
+// reads).
+//
 // The repetition penalty (CTRL, Keskar et al. 2019; HF RepetitionPenaltyLogitsProcessor,
 // llama.cpp penalty_repeat): out f32 [n] = logits, except every distinct id among the tokens
 // of the last N positions (pos - N + 1 .. pos, from 0) has l / penalty if l > 0 else
-// l * penalty, in float32 with IEEE rounding (numpy_ops.penalize_logits). A token written
+// l * penalty, in float32 with IEEE rounding (numpy_ops.penalize_logits). A token listed
 // several times writes the same value, so duplicates need no care.
 //
 // The window is a ring: ring int32 [N] holds the token at position p in slot p % N; the token
-// at pos itself is state[STEP_ID] (the step's input token), which this kernel stores in slot
-// pos % N for the next step (no block reads that slot: it takes state[STEP_ID] instead), so
-// the ring follows a captured decode step on the device; the host fills it only when it
-// writes the step state (CudaOps.set_step_window). pos = state[STEP_POS]; N = prm's last_n.
-// grid: blocks over contiguous chunks of the row; each writes its chunk and the penalised ids
-// that fall in it.
+// at pos itself is state[STEP_ID] (the step's input token), which sample_params stores in slot
+// pos % N for the next step (it reads that slot for no position: it takes state[STEP_ID]
+// instead), so the ring follows a captured decode step on the device; the host fills it only
+// when it writes the step state (CudaOps.set_step_window). pos = state[STEP_POS]; N = prm's
+// last_n. sample_params lists the window's ids, token at pos first, in sc->win[0 .. win_n);
+// sample_penalize (a grid over contiguous chunks of the row) copies its chunk and writes the
+// penalised listed ids that fall in it.
 // ================================================================================================
 #define SMP_STEP_ID 0
 #define SMP_STEP_POS 2
-
-extern "C" __global__ void sample_penalize(const float* __restrict__ logits, i64 n64,
-                                           const volatile double* prm, int* ring,
-                                           const int* state, float* __restrict__ out) {
-    TL_PDL_ENTER();
-    const SmpParams q = smp_params(prm);
-    const int n = (int)n64;
-    const int chunk = (n + (int)gridDim.x - 1) / (int)gridDim.x;
-    const int lo = (int)blockIdx.x * chunk, hi = min(n, lo + chunk);
-    for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) out[i] = logits[i];
-    __syncthreads();
-    const int N = (int)q.last_n;
-    const int pos = state[SMP_STEP_POS], tok = state[SMP_STEP_ID];
-    if (N <= 0 || pos < 0) return;
-    const float pen = (float)q.penalty;
-    const int cnt = min(N, pos + 1);
-    for (int j = threadIdx.x; j < cnt; j += blockDim.x) {
-        const int id = j == 0 ? tok : ring[(pos - j) % N];
-        if (id >= lo && id < hi) {
-            const float v = logits[id];
-            out[id] = v > 0.0f ? __fdiv_rn(v, pen) : __fmul_rn(v, pen);
-        }
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) ring[pos % N] = tok;
-}
+// The longest penalty window (base.REPEAT_LAST_N_MAX; compile.py GEOMETRY, -D from the host).
+#ifndef SMP_WINDOW_MAX
+#define SMP_WINDOW_MAX 4096
+#endif
 
 // ================================================================================================
 // The fast path: the same pick as sample_impl, in three launches.
 //   sample_fast_max  (grid): per-block maximum and NaN flag of contiguous chunks; block 0 clears
-//                    the bin histogram and copies the parameters to device memory, which the
-//                    next two read instead of host memory.
+//                    the bin histogram. The parameters come from sc->prm (sample_params).
 //   sample_fast_hist (grid): every token's weight wq (smp_weight, as the reference) and bin:
 //                    bin = floor((m - l) * SMP_BIN_SCALE / T) in float32 (clamped to the last
 //                    bin), non-decreasing in rank order; per bin the count, the fixed-point mass
@@ -490,15 +475,83 @@ extern "C" __global__ void sample_penalize(const float* __restrict__ logits, i64
 static_assert(SMP_CAP <= 2 * SMP_THREADS, "sample_fast_pick's min-p mask: two per thread");
 
 struct SmpFast {
-    double prm[SMP_PRM];            // the parameters, copied by sample_fast_max (one host read)
+    double prm[SMP_PRM];            // the parameters, copied by sample_params (one host read)
     float part_max[SMP_MAX_BLOCKS];
     int part_nan[SMP_MAX_BLOCKS];
     unsigned cnt[SMP_BINS];
     u64 mass[SMP_BINS];
     u64 maxw[SMP_BINS];
+    int win_n, win_pad;             // the penalty window's ids (sample_params), 0: no penalty
+    int win[SMP_WINDOW_MAX];
 };
 // sampling.py's _FAST_BYTES: the scratch block the host allocates
-static_assert(sizeof(SmpFast) == 9280, "SmpFast's size is sampling.py's _FAST_BYTES");
+static_assert(sizeof(SmpFast) == 9288 + 4 * SMP_WINDOW_MAX,
+              "SmpFast's size is sampling.py's _FAST_BYTES");
+
+// The parameters and the window into sc. prm f64 [SMP_PRM] (mapped pinned: written by the host
+// before the launch); ring / state as above, or ring = null: no penalty (win_n = 0). The reads
+// come before the PDL wait: no kernel of this step writes prm, the ring (only this kernel,
+// in an earlier step) or state's id and position (the step before wrote them; this step's
+// sampler writes the next id after this kernel). The writes come after it (the previous
+// sampler call's kernels may still read sc). grid = 1, block = SMP_THREADS.
+__device__ __forceinline__ void sample_params_impl(const volatile double* prm, SmpFast* sc,
+                                                   int* ring, const int* state) {
+    __shared__ double p[SMP_PRM];
+    __shared__ int hdr[2];
+    if (threadIdx.x < SMP_PRM) p[threadIdx.x] = prm[threadIdx.x];
+    if (threadIdx.x == 0) {
+        hdr[0] = ring != nullptr ? state[SMP_STEP_POS] : -1;
+        hdr[1] = ring != nullptr ? state[SMP_STEP_ID] : 0;
+    }
+    __syncthreads();
+    const int N = ring != nullptr ? min((int)p[SMP_P_LAST_N], SMP_WINDOW_MAX) : 0;
+    const int pos = hdr[0], tok = hdr[1];
+    const int cnt = N > 0 && pos >= 0 ? min(N, pos + 1) : 0;
+    constexpr int PER = (SMP_WINDOW_MAX + SMP_THREADS - 1) / SMP_THREADS;
+    int ids[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+        const int j = (int)threadIdx.x + u * SMP_THREADS;
+        ids[u] = j < cnt ? (j == 0 ? tok : ring[(pos - j) % N]) : 0;
+    }
+    TL_PDL_ENTER();
+    if (threadIdx.x < SMP_PRM) sc->prm[threadIdx.x] = p[threadIdx.x];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+        const int j = (int)threadIdx.x + u * SMP_THREADS;
+        if (j < cnt) sc->win[j] = ids[u];
+    }
+    if (threadIdx.x == 0) {
+        sc->win_n = cnt;
+        if (cnt > 0) ring[pos % N] = tok;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+    sample_params(const volatile double* prm, SmpFast* sc, int* ring, const int* state) {
+    sample_params_impl(prm, sc, ring, state);
+}
+
+// The penalised copy of the row (see above): grid over contiguous chunks, block any size.
+extern "C" __global__ void sample_penalize(const float* __restrict__ logits, i64 n64,
+                                           const SmpFast* sc, float* __restrict__ out) {
+    TL_PDL_ENTER();
+    const int n = (int)n64;
+    const int chunk = (n + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int lo = (int)blockIdx.x * chunk, hi = min(n, lo + chunk);
+    for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) out[i] = logits[i];
+    __syncthreads();                              // the copy, then the penalised ids over it
+    const int cnt = sc->win_n;
+    if (cnt <= 0) return;
+    const float pen = (float)sc->prm[SMP_P_PENALTY];
+    for (int j = threadIdx.x; j < cnt; j += blockDim.x) {
+        const int id = sc->win[j];
+        if (id >= lo && id < hi) {
+            const float v = logits[id];
+            out[id] = v > 0.0f ? __fdiv_rn(v, pen) : __fmul_rn(v, pen);
+        }
+    }
+}
 
 // The bin of logit l (m: the row's maximum; s = SMP_BIN_SCALE / T as float32): monotone in l.
 __device__ __forceinline__ int smp_bin(float l, float m, float s) {
@@ -526,8 +579,7 @@ __device__ void smp_fast_max_of(const SmpFast* sc, int blocks, float& m, int& co
 }
 
 extern "C" __global__ void __launch_bounds__(SMP_FAST_THREADS)
-    sample_fast_max(const float* __restrict__ logits, i64 n64, const volatile double* prm,
-                    SmpFast* sc) {
+    sample_fast_max(const float* __restrict__ logits, i64 n64, SmpFast* sc) {
     TL_PDL_ENTER();
     __shared__ float red[32];
     const int n = (int)n64;
@@ -547,7 +599,6 @@ extern "C" __global__ void __launch_bounds__(SMP_FAST_THREADS)
         sc->part_nan[blockIdx.x] = nan_seen;
     }
     if (blockIdx.x == 0) {
-        if (threadIdx.x < SMP_PRM) sc->prm[threadIdx.x] = prm[threadIdx.x];
         for (int b = threadIdx.x; b < SMP_BINS; b += blockDim.x) {
             sc->cnt[b] = 0;
             sc->mass[b] = 0;
