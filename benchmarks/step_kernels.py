@@ -2,12 +2,15 @@
 
     python -m benchmarks step_kernels [--model PATH|default|synthetic] [--depths 1] [--ctx 64]
                                       [--pdl 0,1] [--table-depths D] [--kv-mode fp16]
+                                      [--sampling greedy|top_p|min_p_penalty|all]
                                       [--no-replay] [--cprofile]
 
 The one decode-step profiler. For each depth and each ``--pdl`` setting
 (``KernelChoice.pdl``: programmatic dependent launch in the capture):
-  - per kernel (at ``--table-depths``, default the same depths): records every kernel launch of one decode step (the eager step that precedes
-    a capture, with its real arguments), groups the launches by kernel, and captures each
+  - per kernel (at ``--table-depths``, default the same depths): records every kernel launch
+    of one decode step (the eager step that precedes a capture, with its real arguments;
+    ``--sampling`` picks the step's sampler: greedy, or one of ``SAMPLING``'s device-sampled
+    settings, whose window of recent tokens is the context's last 64), groups the launches by kernel, and captures each
     group alone as a graph (its launches in step order): the graph's replay time (CUDA events,
     median of 20 replays after 5) divided by the group's launches is that kernel's cost inside
     a captured step, launch gap included. A table: kernel, launches per step, µs per launch,
@@ -43,12 +46,28 @@ from .common import (add_model_arg, gpu_time_us, model_label, model_path, record
                      write_json)
 
 REPLAYS = 200
+# --sampling: (temperature, top_k, top_p, min_p, repetition_penalty), bench_decode's rows
+SAMPLING = {"greedy": (0.0, 0, 1.0, 0.0, 1.0), "top_p": (0.8, 0, 0.9, 0.0, 1.0),
+            "min_p_penalty": (0.8, 0, 0.9, 0.05, 1.1), "all": (0.8, 40, 0.9, 0.05, 1.1)}
+WINDOW = 64         # the penalty's window of recent tokens (repeat_last_n)
 
 
-def record_step(model, depth: int, ctx: int, cache) -> list:
-    """The launches (kernel, grid, block, args, shared_mem) of one eager decode step."""
+def record_step(model, depth: int, ctx: int, cache, sampling: str = "greedy") -> list:
+    """The launches (kernel, grid, block, args, shared_mem) of one eager decode step of token
+    11 at position ``ctx`` (the prompt ``prompt_ids(ctx)`` before it), sampled as
+    ``SAMPLING[sampling]`` says (u = 0.37)."""
+    t, k, p, mp, pen = SAMPLING[sampling]
+    recent = None
+    if pen != 1.0:       # the window ends with the step's own token
+        recent = np.append(prompt_ids(ctx)[max(0, ctx + 1 - WINDOW):], 11).astype(np.int32)
     # the key's first step runs eagerly
-    return record_launches(lambda: decode_step(model, cache, 11, ctx, 0.0))
+    return record_launches(lambda: decode_step(model, cache, 11, ctx, t, k, p, 0.37, mp, pen,
+                                               recent, WINDOW if pen != 1.0 else 0))
+
+
+def prompt_ids(ctx: int) -> np.ndarray:
+    """The ``ctx`` prompt ids the tables' step follows."""
+    return np.arange(10, 10 + ctx, dtype=np.int32)
 
 
 def group_key(name: str, args: tuple) -> str:
@@ -104,17 +123,17 @@ def launch_bytes(name: str, args: tuple, wbytes: dict, kv_per_pos: int, ctx: int
 
 
 def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1",
-               out=sys.stdout) -> list:
-    """Per-kernel GPU time of one captured decode step at ``depth`` after ``ctx`` tokens,
-    printed to ``out`` per PDL setting (comma list) and returned as dicts (pdl, whole_us,
+               out=sys.stdout, sampling: str = "greedy") -> list:
+    """Per-kernel GPU time of one captured decode step at ``depth`` after ``ctx`` tokens
+    (sampled as ``SAMPLING[sampling]``), printed to ``out`` per PDL setting (comma list) and returned as dicts (pdl, whole_us,
     rows: kernel, launches, us_per_launch, us_per_step, bytes_per_launch, GBps). The replays
     rewrite the model's decode scratch with stale inputs: free the model after."""
     ops = model.ops
     results = []
     with model.lock, model.new_kv_cache(depth, ctx + 64, kv_mode=kv_mode) as cache:
         decode_graphs(model).release()       # so the step below runs eagerly (a key's first)
-        model.forward(np.arange(10, 10 + ctx, dtype=np.int32), 0, depth, cache)
-        rec = record_step(model, depth, ctx, cache)
+        model.forward(prompt_ids(ctx), 0, depth, cache)
+        rec = record_step(model, depth, ctx, cache, sampling)
         kv_per_pos = cache.slot(0).layout.bytes_per_token
         wbytes = weight_bytes(model)
         state = np.zeros(STEP_WORDS, np.int32)
@@ -130,8 +149,8 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
             for p in pdl.split(","):
                 ops.kernels = dataclasses.replace(old, pdl=p == "1")
                 whole = graph_us(ops, rec, reset)
-                print(f"\n== depth {depth}, ctx {ctx}, PDL {p}: {len(rec)} launches, whole step "
-                      f"{whole:.1f} us", file=out)
+                print(f"\n== depth {depth}, ctx {ctx}, {sampling}, PDL {p}: {len(rec)} "
+                      f"launches, whole step {whole:.1f} us", file=out)
                 print(f"{'kernel':44s} {'n':>4s} {'us/launch':>10s} {'us/step':>9s} "
                       f"{'KB/launch':>10s} {'GB/s':>7s}", file=out)
                 rows, total = [], 0.0
@@ -149,7 +168,8 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
                           f"{key:44s} {len(launches):4d} {per:10.2f} {us:9.1f} "
                           f"{'-':>10s} {'-':>7s}", file=out)
                 print(f"{'sum of the groups':44s} {'':4s} {'':10s} {total:9.1f}", file=out)
-                results.append({"pdl": p, "depth": depth, "ctx": ctx, "whole_us": whole,
+                results.append({"pdl": p, "depth": depth, "ctx": ctx, "sampling": sampling,
+                                "whole_us": whole,
                                 "sum_us": total, "rows": rows})
         finally:
             ops.kernels = old
@@ -160,7 +180,7 @@ def replay_us(model, depth: int, ctx: int) -> float:
     """GPU µs per replay of the depth's captured step, REPLAYS back to back from ``ctx``
     (median of 5 batches)."""
     g = decode_graphs(model)
-    prompt = np.arange(10, 10 + ctx, dtype=np.int32)
+    prompt = prompt_ids(ctx)
     cap = ctx + 5 * REPLAYS + 8
     with model.lock, model.new_kv_cache(depth, cap) as cache:
         model.forward(prompt, 0, depth, cache)
@@ -221,6 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table-depths", default=None,
                     help="comma list of depths of the per-kernel tables (default: --depths)")
     ap.add_argument("--kv-mode", default=None, help="KV storage mode (default: the model's)")
+    ap.add_argument("--sampling", default="greedy", choices=sorted(SAMPLING),
+                    help="the per-kernel tables' sampler (default greedy)")
     ap.add_argument("--no-replay", action="store_true",
                     help="skip the generate / back-to-back replay / host line")
     ap.add_argument("--cprofile", action="store_true",
@@ -228,7 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="directory for step_kernels.json")
     a = ap.parse_args(argv)
     path = model_path(a.model)
-    m = tinyloop.load_model(path, max_seq_len=2048, backend="cuda")
+    # room for the tables' step, or for the replays' REPLAYS steps a batch after the context
+    need = a.ctx + 64 if a.no_replay else a.ctx + 5 * REPLAYS + 72
+    m = tinyloop.load_model(path, max_seq_len=max(2048, need), backend="cuda")
     depths = [int(x) for x in a.depths.split(",")]
     table_depths = depths if a.table_depths is None else \
         [int(x) for x in a.table_depths.split(",")]
@@ -252,7 +276,8 @@ def main(argv=None) -> int:
         res["graphs"] = m.graph_stats()["graphs"]
         print(f"graphs: {res['graphs']} captured")
         for d in table_depths:          # last: the isolated replays leave the scratch stale
-            res["kernels"][f"depth{d}"] = step_table(m, d, a.ctx, a.kv_mode, a.pdl)
+            res["kernels"][f"depth{d}"] = step_table(m, d, a.ctx, a.kv_mode, a.pdl,
+                                                     sampling=a.sampling)
     finally:
         tinyloop.free_model(m)
     write_json(a.out, "step_kernels.json", res)
