@@ -43,7 +43,8 @@ from .common import (DECODE_PROMPT, HUGINN_3_5B, OURO_1_4B, shrunk, user_setting
 
 
 def _generate(model, new_tokens: int, **kw):
-    return model.generate(list(DECODE_PROMPT), max_new_tokens=new_tokens, stop=[], **kw)
+    return model.generate(list(DECODE_PROMPT), max_new_tokens=new_tokens, stop=[],
+                          ignore_eos=True, **kw)
 
 
 def _timed(model, new_tokens: int, reps: int, graphs: bool, **kw) -> dict:

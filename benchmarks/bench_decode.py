@@ -105,10 +105,10 @@ def _not_run(why: str) -> dict:
 def _bench_decode(model, depth, new_tokens, reps, warmup_s, kv_mode, prompt_len=16,
                   sampling=None) -> dict:
     prompt = [10 + i % 1000 for i in range(prompt_len)]
-    # stop=[]: no end-of-sequence token ends a run early, so every generation decodes
+    # no stop string and ignore_eos: nothing ends a run early, so every generation decodes
     # new_tokens tokens at the context it was given (a model that answers a long prompt with
     # EOS would otherwise time nothing)
-    kw = dict(sampling or {}, stop=[])
+    kw = dict(sampling or {}, stop=[], ignore_eos=True)
 
     def once():
         r = model.generate(prompt, max_new_tokens=new_tokens, depth=depth, kv_mode=kv_mode,

@@ -324,9 +324,9 @@ DECODE_PROMPT = tuple(10 + i for i in range(16))
 
 def decode_once(model, depth: int, new_tokens: int) -> float:
     """Decode tokens/s of one generation of ``new_tokens`` tokens after DECODE_PROMPT at
-    ``depth`` (no stop token: every generation has the same length)."""
+    ``depth`` (no stop string, EOS ignored: every generation has the same length)."""
     return model.generate(list(DECODE_PROMPT), max_new_tokens=new_tokens, depth=depth,
-                          stop=[]).decode_tokens_per_s
+                          stop=[], ignore_eos=True).decode_tokens_per_s
 
 
 def warm_decode(model, depth: int, new_tokens: int, seconds: float) -> None:

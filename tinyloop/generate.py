@@ -135,6 +135,7 @@ class _Request:
     prefix_pool: object
     kv_iterations: str = "all"  # the iteration KV policy (kv.layouts.KV_ITERATIONS)
     exit: ExitRule | None = None   # depth="auto": the exit rule (tinyloop.adaptive)
+    ignore_eos: bool = False       # the EOS token ends nothing: it is a token like any other
 
 
 def kv_iterations_arg(model, kv_iterations, prefix=None, prefix_pool=None) -> str:
@@ -164,10 +165,12 @@ def reusable_positions(model, m: int, kv_iterations: str) -> int:
 def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                   stop, kv_mode, prefix, prefix_pool, min_p=0.0, repetition_penalty=1.0,
                   repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
-                  exit_threshold=None, max_depth=None) -> _Request:
+                  exit_threshold=None, max_depth=None, ignore_eos=False) -> _Request:
     """Every argument check of generate / stream, in one place, before any work: both raise
     the same error for the same bad argument, at the call."""
     model.check_alive()
+    if not isinstance(ignore_eos, (bool, np.bool_)):
+        raise ConfigError(f"ignore_eos must be True or False, got {ignore_eos!r}")
     cfg = model.config
     rule = exit_rule_for(cfg, depth, exit_rule, exit_threshold, max_depth)
     rule = _prefix_rule(prefix, depth, rule)
@@ -197,7 +200,7 @@ def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_
                           f"{total} exceeds max_seq_len={model.max_seq_len}")
     return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
                     float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
-                    seed, stops, prefix, prefix_pool, policy, rule)
+                    seed, stops, prefix, prefix_pool, policy, rule, bool(ignore_eos))
 
 
 def _prefix_rule(prefix, depth, rule: ExitRule | None) -> ExitRule | None:
@@ -259,7 +262,7 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
            top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
            prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
            repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
-           exit_threshold=None, max_depth=None) -> Stream:
+           exit_threshold=None, max_depth=None, ignore_eos=False) -> Stream:
     """A :class:`Stream` of StreamToken, one per new token. Sampling rule: see
     ``backends.numpy_ops.sample_from_logits`` (the uniform draws come from
     ``numpy.random.default_rng(seed)`` on the host, so both backends sample alike): the
@@ -272,7 +275,10 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     :func:`generate`); the work starts at the first ``next``.
 
     Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
-    contains a ``stop`` string (the text is cut before the earliest one). The yielded ids are
+    contains a ``stop`` string (the text is cut before the earliest one). ``ignore_eos``: the
+    EOS token ends nothing and is yielded like any other token, so a run without stop
+    strings always makes ``max_new_tokens`` tokens (what a decode benchmark needs: vLLM's
+    ``SamplingParams.ignore_eos``, llama.cpp's ``--ignore-eos``). The yielded ids are
     :func:`generate`'s ``token_ids`` (the token that completed a stop string included, with
     the text before the stop string) and their texts joined equal its ``text``: a token's text
     leaves out the tail that could still grow into a stop string (or is part of a UTF-8
@@ -310,7 +316,8 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     """
     req = check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_p, seed,
                         stop, kv_mode, prefix, prefix_pool, min_p, repetition_penalty,
-                        repeat_last_n, kv_iterations, exit_rule, exit_threshold, max_depth)
+                        repeat_last_n, kv_iterations, exit_rule, exit_threshold, max_depth,
+                        ignore_eos)
     return Stream(_run(model, req))
 
 
@@ -403,7 +410,7 @@ def _run(model, req: _Request):
         pos = len(ids)
         one = np.empty(1, dtype=np.int32)
         while True:
-            if nxt == cfg.eos_token_id:
+            if nxt == cfg.eos_token_id and not req.ignore_eos:
                 pieces = st.eos()
                 cache.release()
                 res = result("eos", st.text)
@@ -539,7 +546,7 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
              top_k=0, top_p=1.0, seed=None, stop=None, kv_mode=None, *, prefix=None,
              prefix_pool=None, min_p=0.0, repetition_penalty=1.0,
              repeat_last_n=DEFAULT_REPEAT_LAST_N, kv_iterations=None, exit_rule=None,
-             exit_threshold=None, max_depth=None) -> GenerationResult:
+             exit_threshold=None, max_depth=None, ignore_eos=False) -> GenerationResult:
     """Run :func:`stream` to completion and return its GenerationResult (the same code: the
     same tokens, text and finish reason, the same argument checks and errors).
 
@@ -551,7 +558,7 @@ def generate(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, t
                kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
                repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
                kv_iterations=kv_iterations, exit_rule=exit_rule, exit_threshold=exit_threshold,
-               max_depth=max_depth)
+               max_depth=max_depth, ignore_eos=ignore_eos)
     with model.lock:
         for _ in s:
             pass

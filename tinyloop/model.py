@@ -1535,7 +1535,7 @@ class Model:
                  seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                  prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None,
-                 exit_rule=None, exit_threshold=None, max_depth=None):
+                 exit_rule=None, exit_threshold=None, max_depth=None, ignore_eos: bool = False):
         """Generate up to ``max_new_tokens`` tokens; returns a GenerationResult (new token ids,
         text, finish reason, timings, ``cached_tokens``). ``prompt`` is text or token ids
         (an empty one is [BOS]: :meth:`encode_prompt`). ``prefix`` / ``prefix_pool``: start
@@ -1543,13 +1543,15 @@ class Model:
         ``min_p``, ``repetition_penalty`` over the last ``repeat_last_n`` tokens: see
         :func:`tinyloop.generate.stream` for the sampling rule, and for the errors.
         ``depth="auto"`` with ``exit_rule`` / ``exit_threshold`` / ``max_depth``: per-token
-        adaptive depth (:mod:`tinyloop.adaptive`); ``kv_iterations``: "all" | "latest"."""
+        adaptive depth (:mod:`tinyloop.adaptive`); ``kv_iterations``: "all" | "latest";
+        ``ignore_eos``: decode past the EOS token (a benchmark's fixed token count)."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
                          repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
                          kv_iterations=kv_iterations, exit_rule=exit_rule,
-                         exit_threshold=exit_threshold, max_depth=max_depth)
+                         exit_threshold=exit_threshold, max_depth=max_depth,
+                         ignore_eos=ignore_eos)
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                depth: int | None = None,
@@ -1557,7 +1559,7 @@ class Model:
                seed: int | None = None, stop=None, kv_mode=None, *, prefix=None,
                prefix_pool=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
                repeat_last_n: int = DEFAULT_REPEAT_LAST_N, kv_iterations=None,
-               exit_rule=None, exit_threshold=None, max_depth=None):
+               exit_rule=None, exit_threshold=None, max_depth=None, ignore_eos: bool = False):
         """Streaming form of :meth:`generate`: returns a :class:`~tinyloop.generate.Stream`
         of ``StreamToken(token_id, text, finish_reason)``, one as each token is sampled
         (``text`` is the newly decodable text, possibly empty); the ids and texts are
@@ -1568,7 +1570,8 @@ class Model:
                        kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,
                        repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
                        kv_iterations=kv_iterations, exit_rule=exit_rule,
-                       exit_threshold=exit_threshold, max_depth=max_depth)
+                       exit_threshold=exit_threshold, max_depth=max_depth,
+                       ignore_eos=ignore_eos)
 
     # -- cached state across calls (tinyloop.kv) -----------------------------------------------
     def prefill(self, prompt, depth: int | None = None, kv_mode=None, kv_iterations=None, *,

@@ -160,6 +160,35 @@ def test_eos_stops_generation(tiny_model_path, monkeypatch):
         tinyloop.free_model(m)
 
 
+def test_ignore_eos_decodes_past_the_eos_token(tiny_model_path):
+    """With ignore_eos a seeded run is the one whose EOS id the model never picks: the same
+    ids (the EOS token among them), max_new_tokens of them, finish "length"; stream yields
+    the same tokens; without it the run ends before its first EOS."""
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=3)     # greedy repeats one id
+    try:
+        full = m.generate([10, 20, 30], **kw)
+        assert full.finish_reason == "length" and len(full.token_ids) == 12
+        first = next(i for i in range(1, 12) if full.token_ids[i] not in full.token_ids[:i])
+        eos = full.token_ids[first]
+        object.__setattr__(m.config, "eos_token_id", eos)
+        cut = m.generate([10, 20, 30], **kw)
+        assert cut.finish_reason == "eos" and cut.token_ids == full.token_ids[:first]
+        res = m.generate([10, 20, 30], ignore_eos=True, **kw)
+        assert res.finish_reason == "length"
+        assert res.token_ids == full.token_ids and eos in res.token_ids
+        assert res.text == full.text
+        st = m.stream([10, 20, 30], ignore_eos=True, **kw)
+        assert [t.token_id for t in st] == full.token_ids
+        assert st.finish_reason == "length"
+        with pytest.raises(errors.ConfigError, match="ignore_eos"):
+            m.generate([10, 20, 30], max_new_tokens=4, ignore_eos="yes")
+        with pytest.raises(errors.ConfigError, match="ignore_eos"):
+            m.stream([10, 20, 30], max_new_tokens=4, ignore_eos=1)
+    finally:
+        tinyloop.free_model(m)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(depth=0), "depth=0"),
     (dict(depth=5), "max_depth=4"),
