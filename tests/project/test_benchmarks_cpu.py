@@ -701,3 +701,23 @@ def test_bench_adaptive_runs_on_the_numpy_backend(tmp_path):
     r, left = divmod(a["kv_slots"] - b["kv_slots"], 5)     # (P + 6R + C) - (P + R + C)
     assert left == 0 and 1 <= r < b["kv_slots"]
     assert b["decode_tok_s"]["median"] > 0
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "top_p", "min_p_penalty", "all"])
+def test_step_kernels_records_the_sampled_step(monkeypatch, sampling):
+    """--sampling: the recorded step is decode_step with that preset's parameters; with the
+    penalty, its window is the last WINDOW positions through the step's own: the prompt's
+    last ids, then token 11 (what generate passes at that position)."""
+    from benchmarks import step_kernels as mod
+    seen = []
+    monkeypatch.setattr(mod, "decode_step", lambda *a: seen.append(a) or 0)
+    monkeypatch.setattr(mod, "record_launches", lambda fn: fn() or ["launch"])
+    assert mod.record_step("model", 1, 100, "cache", sampling) == ["launch"]
+    (model, cache, tok, pos, t, k, p, u, mp, pen, recent, last_n), = seen
+    assert (model, cache, tok, pos) == ("model", "cache", 11, 100)
+    assert (t, k, p, mp, pen) == mod.SAMPLING[sampling]
+    if pen == 1.0:
+        assert recent is None and last_n == 0
+    else:
+        want = list(range(10 + 100 - 63, 10 + 100)) + [11]
+        assert last_n == mod.WINDOW == 64 and recent.tolist() == want
