@@ -143,6 +143,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "over; 0 is off (default: %(default)s, as llama.cpp)")
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="seed of the sampler's random draws (default: a fresh seed per run)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="decode past the end-of-sequence token, so a run makes "
+                        "--max-new-tokens tokens (default: EOS ends the run)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template (default: "
                         "apply the template); an empty prompt is the BOS token alone")
@@ -239,7 +242,7 @@ def cmd_run_like(model_path: str, prompt: str, a, *, default: bool = False) -> i
                                  temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                  seed=a.seed, min_p=a.min_p,
                                  repetition_penalty=a.repetition_penalty,
-                                 repeat_last_n=a.repeat_last_n)
+                                 repeat_last_n=a.repeat_last_n, ignore_eos=a.ignore_eos)
         print(res.text, flush=True)
         at = f"mean depth {res.mean_depth:.2f}" if auto else f"depth {res.depth}"
         note(f"{len(res.prompt_token_ids)} prompt tokens, prefill {res.prefill_ms:.1f} ms; "

@@ -263,3 +263,31 @@ def test_step_sampling_checks_the_filters():
                          "repeat_last_n")):
         with pytest.raises(ConfigError, match=match):
             ops.set_step_sampling(*args)
+
+
+def test_cli_ignore_eos_runs_past_the_models_eos(tiny_model_path, tmp_path, capsys):
+    """--ignore-eos: on a model whose EOS id its seeded run samples, the CLI prints the text
+    of the run on the same weights with another EOS id, all 8 tokens, ended by "length";
+    without it the run ends at that EOS."""
+    from tinyloop.cli import main
+    from tinyloop.convert.synthetic import synthetic_config, write_synthetic
+
+    from ..conftest import TINY
+    m = tinyloop.load_model(tiny_model_path, backend="numpy")
+    try:
+        full = m.generate("hello", max_new_tokens=8, temperature=1.0, seed=3)
+    finally:
+        tinyloop.free_model(m)
+    first = next(i for i in range(1, 8) if full.token_ids[i] not in full.token_ids[:i])
+    path = tmp_path / "eos.tlm"      # tiny_model_path's weights (same seed), that EOS id
+    write_synthetic(path, synthetic_config(**TINY, eos_token_id=full.token_ids[first]),
+                    seed=11)
+    args = ["generate", str(path), "hello", "--max-new-tokens", "8", "--backend", "numpy",
+            "--raw", "--no-progress", "--temperature", "1.0", "--seed", "3"]
+    assert main(args + ["--ignore-eos"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.rstrip("\n") == full.text
+    assert "8 new tokens" in cap.err and "(length)" in cap.err
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    assert f"{first} new tokens" in cap.err and "(eos)" in cap.err
