@@ -10,10 +10,10 @@ The one decode-step profiler. For each depth and each ``--pdl`` setting
   - per kernel (at ``--table-depths``, default the same depths): records every kernel launch
     of one decode step (the eager step that precedes a capture, with its real arguments;
     ``--sampling`` picks the step's sampler: greedy, or one of ``SAMPLING``'s device-sampled
-    settings, whose window of recent tokens is the context's last 64), groups the launches by kernel, and captures each
-    group alone as a graph (its launches in step order): the graph's replay time (CUDA events,
-    median of 20 replays after 5) divided by the group's launches is that kernel's cost inside
-    a captured step, launch gap included. A table: kernel, launches per step, µs per launch,
+    settings, whose window of recent tokens is the context's last 64), groups the launches
+    by kernel, and captures each group alone as a graph (its launches in step order): the
+    graph's replay time (CUDA events, median of 20 replays after 5) divided by the group's
+    launches is that kernel's cost inside a captured step, launch gap included. A table: kernel, launches per step, µs per launch,
     µs per step, the bytes a launch must read (its weight's codes + scales + zeros, or the
     attention's K / V for the context) and the GB/s that gives, and the sum against the whole
     step's replay;
@@ -125,9 +125,10 @@ def launch_bytes(name: str, args: tuple, wbytes: dict, kv_per_pos: int, ctx: int
 def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1",
                out=sys.stdout, sampling: str = "greedy") -> list:
     """Per-kernel GPU time of one captured decode step at ``depth`` after ``ctx`` tokens
-    (sampled as ``SAMPLING[sampling]``), printed to ``out`` per PDL setting (comma list) and returned as dicts (pdl, whole_us,
-    rows: kernel, launches, us_per_launch, us_per_step, bytes_per_launch, GBps). The replays
-    rewrite the model's decode scratch with stale inputs: free the model after."""
+    (sampled as ``SAMPLING[sampling]``), printed to ``out`` per PDL setting (comma list) and
+    returned as dicts (pdl, depth, ctx, sampling, whole_us, sum_us, rows: kernel, launches,
+    us_per_launch, us_per_step, bytes_per_launch, GBps). The replays rewrite the model's
+    decode scratch with stale inputs: free the model after."""
     ops = model.ops
     results = []
     with model.lock, model.new_kv_cache(depth, ctx + 64, kv_mode=kv_mode) as cache:

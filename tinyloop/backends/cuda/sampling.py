@@ -360,11 +360,11 @@ class SamplingOps:
         """Sampled head into the step state (``Ops.head_sample_step``): ``rmsnorm_lm_head``
         into ``out`` f32 [1, vocab], then (with the repetition penalty of the last
         ``set_step_sampling`` on) ``sample_penalize`` over the window ring, which
-        ``sample_params`` advances, and the sampler (``_sampler_launches``; parameters read at run time from
-        ``set_step_sampling``'s pinned buffer; id and fault code to ``step``). Whether the
-        penalty runs is fixed when the step is captured (a graph key). Its scratch must exist
-        before a capture: the eager step that precedes every capture makes it. Raises
-        ConfigError past the device sampler's vocabulary limit."""
+        ``sample_params`` advances, and the sampler (``_sampler_launches``; parameters read
+        at run time from ``set_step_sampling``'s pinned buffer; id and fault code to
+        ``step``). Whether the penalty runs is fixed when the step is captured (a graph
+        key). Its scratch must exist before a capture: the eager step that precedes every
+        capture makes it. Raises ConfigError past the device sampler's vocabulary limit."""
         sp = self._step_ptr(step)
         self.rmsnorm_lm_head(x, weight, eps, w, out, norm)
         info = self._info(w)
