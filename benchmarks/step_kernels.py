@@ -13,10 +13,10 @@ The one decode-step profiler. For each depth and each ``--pdl`` setting
     settings, whose window of recent tokens is the context's last 64), groups the launches
     by kernel, and captures each group alone as a graph (its launches in step order): the
     graph's replay time (CUDA events, median of 20 replays after 5) divided by the group's
-    launches is that kernel's cost inside a captured step, launch gap included. A table: kernel, launches per step, µs per launch,
-    µs per step, the bytes a launch must read (its weight's codes + scales + zeros, or the
-    attention's K / V for the context) and the GB/s that gives, and the sum against the whole
-    step's replay;
+    launches is that kernel's cost inside a captured step, launch gap included. A table:
+    kernel, launches per step, µs per launch, µs per step, the bytes a launch must read (its
+    weight's codes + scales + zeros, or the attention's K / V for the context) and the GB/s
+    that gives, and the sum against the whole step's replay;
   - unless --no-replay, one line ``depth D pdl P: generate ... | replay ... | host ...``:
     decode tokens/s of greedy ``generate`` (median of 5 runs of 128 tokens after a warm-up),
     the model's own captured step launched 200 times back to back with no host
