@@ -98,6 +98,26 @@ def test_batched_requests_equal_their_solo_runs_and_memory_returns(model):
     assert model.pool.by_tag()["kv_cache"] == 0
 
 
+def test_ignore_eos_runs_past_the_eos_the_request_samples(model):
+    """A seeded request whose run samples the model's EOS id: it ends there ("eos"), and with
+    ignore_eos it runs all max_new_tokens as Model.generate(ignore_eos=True) does, EOS
+    included, beside a request that ends at it."""
+    kw = dict(temperature=1.0, seed=3)
+    full = model.generate([10, 20, 30], max_new_tokens=12, **kw)
+    first = next(i for i in range(1, 12) if full.token_ids[i] not in full.token_ids[:i])
+    object.__setattr__(model.config, "eos_token_id", full.token_ids[first])
+    want = model.generate([10, 20, 30], max_new_tokens=12, ignore_eos=True, **kw)
+    assert want.token_ids == full.token_ids and want.finish_reason == "length"
+    with Engine(model, max_batch=4) as eng:
+        a = eng.submit([10, 20, 30], max_new_tokens=12, ignore_eos=True, **kw)
+        b = eng.submit([10, 20, 30], max_new_tokens=12, **kw)
+        ra, rb = a.result(timeout=60), b.result(timeout=60)
+    assert (ra.token_ids, ra.text, ra.finish_reason) == (want.token_ids, want.text, "length")
+    assert (rb.token_ids, rb.finish_reason) == (full.token_ids[:first], "eos")
+    with pytest.raises(ConfigError, match="ignore_eos"):
+        Engine(model).submit([1], max_new_tokens=2, ignore_eos="no")
+
+
 def test_admission_waits_for_the_kv_budget(model):
     p1, p2 = _prompts(2, seed=1)
     want = [model.generate(p, max_new_tokens=6).token_ids for p in (p1, p2)]

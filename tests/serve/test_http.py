@@ -75,6 +75,29 @@ def test_completions_streamed_and_not_equal_the_solo_text(served):
     assert r.choices[0].text == want
 
 
+def test_ignore_eos_extra_field_runs_past_the_eos(served):
+    """"ignore_eos": true (vLLM's extra field) on a seeded request whose run samples the EOS
+    id: all max_tokens tokens, the text of Model.generate(ignore_eos=True); without it the
+    run stops at that EOS."""
+    m, eng, srv, client, _ = served
+    ids = m.encode_prompt("abc").tolist()
+    kw = dict(temperature=1.0, seed=7)
+    full = m.generate(ids, max_new_tokens=10, **kw)
+    first = next(i for i in range(1, 10) if full.token_ids[i] not in full.token_ids[:i])
+    eos = m.config.eos_token_id
+    object.__setattr__(m.config, "eos_token_id", full.token_ids[first])
+    try:
+        want = m.generate(ids, max_new_tokens=10, ignore_eos=True, **kw)
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=10, **kw,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.text and r.usage.completion_tokens == 10
+        assert r.choices[0].finish_reason == "length"
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=10, **kw)
+        assert r.usage.completion_tokens == first and r.choices[0].finish_reason == "stop"
+    finally:
+        object.__setattr__(m.config, "eos_token_id", eos)
+
+
 def test_chat_streamed_and_not_equal_the_solo_text_of_the_template(served):
     m, eng, srv, client, _ = served
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -104,6 +127,7 @@ def test_chat_streamed_and_not_equal_the_solo_text_of_the_template(served):
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "depth": 99}, "depth"),
     ({"prompt": "x", "kv_mode": "bogus"}, "kv_mode"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": {"a": 1}}, "prompt"),

@@ -290,7 +290,7 @@ class EngineRequest:
             now = time.perf_counter()
             self.first_token_at = now
             self._decode_t0 = now
-        if nxt == self._engine.model.config.eos_token_id:
+        if nxt == self._engine.model.config.eos_token_id and not self.args.ignore_eos:
             self._held.append(None)             # EOS: releases what the text holds, ends
             self._final = True
             return
@@ -453,14 +453,16 @@ class Engine:
                depth: int | None = None, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop=None,
                kv_mode=None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               repeat_last_n: int = DEFAULT_REPEAT_LAST_N) -> EngineRequest:
+               repeat_last_n: int = DEFAULT_REPEAT_LAST_N,
+               ignore_eos: bool = False) -> EngineRequest:
         """Queue a request; returns its :class:`EngineRequest` at once. Arguments and their
-        checks are ``Model.generate``'s (ConfigError / TokenizerError at the call). Raises
+        checks are ``Model.generate``'s (ConfigError / TokenizerError at the call;
+        ``ignore_eos``: the EOS token ends nothing). Raises
         ConfigError when its KV cache alone exceeds the KV budget, QueueFullError when
         ``max_queue`` requests wait already, EngineStoppedError once stopped."""
         req = check_request(self.model, prompt, max_new_tokens, depth, temperature, top_k,
                             top_p, seed, stop, kv_mode, None, self.prefix_pool, min_p,
-                            repetition_penalty, repeat_last_n)
+                            repetition_penalty, repeat_last_n, ignore_eos=ignore_eos)
         if req.exit is not None:
             raise ConfigError("depth='auto' is not taken by the engine: a batched decode step "
                               "runs every request of its group at one fixed depth")

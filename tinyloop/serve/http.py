@@ -8,7 +8,8 @@ with ``data: [DONE]``; chat prompts go through the model's chat template,
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format: requests by route
 and status, prompt and generated tokens, queue length, active requests, time to first token,
 the memory pool's allocated bytes by tag). Extra request fields: ``top_k``, ``min_p``,
-``repetition_penalty``, ``depth``, ``kv_mode``. Bad input answers 400 with OpenAI's error object naming the field (``{"error":
+``repetition_penalty``, ``depth``, ``kv_mode``, ``ignore_eos`` (as vLLM's: the EOS token ends
+nothing). Bad input answers 400 with OpenAI's error object naming the field (``{"error":
 {"message", "type": "invalid_request_error", "param", "code"}}``); a full queue 429; a stopped
 engine or a request the memory could not take 503. A client that disconnects before its
 request ends cancels it (its pages are freed at once).
@@ -37,7 +38,8 @@ DISCONNECT_POLL_S = 0.25     # how often a waiting handler checks its client is 
 # a request field -> the engine argument its check names
 _ARG_OF_FIELD = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "seed": "seed", "stop": "stop", "depth": "depth", "kv_mode": "kv_mode"}
+                 "seed": "seed", "stop": "stop", "depth": "depth", "kv_mode": "kv_mode",
+                 "ignore_eos": "ignore_eos"}
 
 # the engine's finish reasons in OpenAI's words
 _FINISH = {"length": "length", "eos": "stop", "stop": "stop", "cancelled": "stop"}
@@ -159,7 +161,9 @@ def sampling_args(body: dict) -> dict:
                                   lambda v: _is_number(v) and v > 0, "a number > 0", 1.0),
         seed=_field(body, "seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         depth=_field(body, "depth", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-        stop=_stop_field(body), kv_mode=kv_mode)
+        stop=_stop_field(body), kv_mode=kv_mode,
+        ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false",
+                          False))
 
 
 def completion_prompt(body: dict, model):
