@@ -170,8 +170,7 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
                           f"{'-':>10s} {'-':>7s}", file=out)
                 print(f"{'sum of the groups':44s} {'':4s} {'':10s} {total:9.1f}", file=out)
                 results.append({"pdl": p, "depth": depth, "ctx": ctx, "sampling": sampling,
-                                "whole_us": whole,
-                                "sum_us": total, "rows": rows})
+                                "whole_us": whole, "sum_us": total, "rows": rows})
         finally:
             ops.kernels = old
     return results
