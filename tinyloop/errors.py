@@ -18,6 +18,29 @@ class TinyLoopError(Exception):
 
     partial = None
 
+    def __reduce__(self):
+        # copy and pickle without calling __init__, whose keyword-only arguments (kind=, ...)
+        # the default reduction does not pass: the arguments and every attribute as they are
+        # (an OSError's filename lives outside args: its own reduction has it)
+        args = OSError.__reduce__(self)[1] if isinstance(self, OSError) else self.args
+        return _restore_error, (type(self), args, dict(self.__dict__))
+
+
+_HEAPTYPE = 1 << 9          # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+
+
+def _restore_error(cls, args: tuple, state: dict) -> TinyLoopError:
+    """A TinyLoopError of class ``cls`` with ``args`` and the attributes ``state``, made
+    without its ``__init__`` (``TinyLoopError.__reduce__``), by the ``__new__`` of the
+    builtin its layout comes from (``__base__`` chain: OSError for FileWriteError, Exception
+    for the others; Python refuses another builtin's)."""
+    base = cls
+    while base.__flags__ & _HEAPTYPE:
+        base = base.__base__
+    e = base.__new__(cls, *args)            # sets args (an OSError's: errno, strerror, file)
+    e.__dict__.update(state)
+    return e
+
 
 class ConfigError(TinyLoopError, ValueError):
     """A model configuration, argument or environment variable is invalid."""

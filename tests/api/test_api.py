@@ -637,3 +637,29 @@ def test_quant_weights_name_every_quantized_tensor(fixture, request):
         tinyloop.free_model(m)
     with pytest.raises(errors.ModelFreedError):
         m.quant_weights()
+
+
+def test_every_error_copies_and_pickles_with_its_attributes():
+    """copy.copy and pickle keep each TinyLoopError's class, message, arguments and
+    attributes, including those whose __init__ takes required keyword-only arguments
+    (NonFiniteLogitsError's kind: the default reduction re-calls __init__ without them, so
+    the engine's per-request copy of a row's error failed) and an OSError's filename."""
+    import copy
+    import inspect
+    import pickle
+    classes = [c for c in vars(errors).values()
+               if inspect.isclass(c) and issubclass(c, errors.TinyLoopError)]
+    assert len(classes) > 20
+    for cls in classes:
+        kw = {errors.NonFiniteLogitsError: dict(kind="+inf", step=3, position=9),
+              errors.OutOfMemoryError: dict(requested_bytes=5, tag="kv_cache", step=1)}
+        e = cls(28, "no space", "out.tlm") if cls is errors.FileWriteError else \
+            cls("what went wrong", **kw.get(cls, {}))
+        e.partial = "the partial result"
+        for c in (copy.copy(e), pickle.loads(pickle.dumps(e))):
+            assert type(c) is cls and c is not e
+            assert (str(c), c.args, c.__dict__) == (str(e), e.args, e.__dict__), cls
+    c = copy.copy(errors.FileWriteError(28, "no space", "out.tlm"))
+    assert (c.errno, c.strerror, c.filename) == (28, "no space", "out.tlm")
+    c = pickle.loads(pickle.dumps(errors.NonFiniteLogitsError("x", kind="nan", step=2)))
+    assert (c.kind, c.step, c.position) == ("nan", 2, None)
