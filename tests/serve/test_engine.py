@@ -118,6 +118,36 @@ def test_ignore_eos_runs_past_the_eos_the_request_samples(model):
         Engine(model).submit([1], max_new_tokens=2, ignore_eos="no")
 
 
+def test_generated_tokens_leave_out_a_row_that_came_back_as_an_error(model, monkeypatch):
+    """A batch row whose step came back as an error (planted: non-finite logits on the
+    third step's first row) fails its request and adds no token to ``generated_tokens``,
+    which then counts exactly the tokens the two requests sampled."""
+    from tinyloop.backends.base import LOGIT_FAULTS, non_finite_logits
+    from tinyloop.errors import NonFiniteLogitsError
+    from tinyloop.model import Model
+    real, calls = Model.decode_batch_finish, []
+
+    def finish(self, pending):
+        got = list(real(self, pending))
+        calls.append(len(got))
+        if len(calls) == 3:               # what the step gives a row with a NaN logit
+            got[0] = non_finite_logits(LOGIT_FAULTS[1])
+        return got
+    monkeypatch.setattr(Model, "decode_batch_finish", finish)
+    eng = Engine(model, max_batch=2)
+    reqs = [eng.submit(p, max_new_tokens=8) for p in _prompts(2, seed=4)]
+    with eng:
+        for r in reqs:
+            r._done.wait(60)
+    assert calls[2] == 2                       # the planted step ran both rows
+    failed = [r for r in reqs if r._error is not None]
+    assert len(failed) == 1 and isinstance(failed[0]._error, NonFiniteLogitsError)
+    ok = next(r for r in reqs if r._error is None).result()
+    want = len(ok.token_ids) + (ok.finish_reason == "eos") + failed[0].generated
+    assert eng.stats()["generated_tokens"] == want
+    assert model.pool.by_tag()["kv_cache"] == 0
+
+
 def test_admission_waits_for_the_kv_budget(model):
     p1, p2 = _prompts(2, seed=1)
     want = [model.generate(p, max_new_tokens=6).token_ids for p in (p1, p2)]

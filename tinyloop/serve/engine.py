@@ -779,7 +779,8 @@ class Engine:
                 if r.done:
                     continue
                 r._pos += 1
-                self.generated_tokens += 1
+                if not isinstance(nxt, TinyLoopError):      # an error row sampled nothing
+                    self.generated_tokens += 1
                 r._accept(nxt)
                 if r._held:
                     self._deferred.append(r)
