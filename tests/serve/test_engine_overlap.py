@@ -509,9 +509,10 @@ def test_the_prefix_pool_with_prepared_steps_and_eviction(eos_model_path, monkey
 
 def test_a_model_freed_while_served_ends_requests_and_refuses_cleanly(
         eos_model_path, monkeypatch):
-    """free_model while prepared steps run: every request ends (its solo ids' prefix, or an
-    error carrying a partial), none hangs, a later submit ends with an error, stop() returns
-    (and again is a no-op), and a new engine refuses the freed model."""
+    """free_model while prepared steps run: every request ends (its solo ids' prefix, or
+    ModelFreedError carrying a partial, not the HandleError of a cache free_model released),
+    none hangs, a later submit ends with an error, stop() returns (and again is a no-op), and
+    a new engine refuses the freed model."""
     m = _load(eos_model_path, True, monkeypatch)
     jobs = [(list(range(1 + i, 12 + i)), 60, dict(stop=[])) for i in range(4)]
     want = [m.generate(p, max_new_tokens=n, **kw).token_ids for p, n, kw in jobs]
@@ -523,6 +524,7 @@ def test_a_model_freed_while_served_ends_requests_and_refuses_cleanly(
         try:
             ids = r.result(timeout=30).token_ids
         except tinyloop.errors.TinyLoopError as e:
+            assert isinstance(e, tinyloop.errors.ModelFreedError), repr(e)
             ids = e.partial.token_ids
         assert ids == w[:len(ids)]
     with pytest.raises(tinyloop.errors.TinyLoopError):

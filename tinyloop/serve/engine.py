@@ -57,7 +57,8 @@ import numpy as np
 
 from ..config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N, parse_size
 from ..config import as_int
-from ..errors import ConfigError, EngineStoppedError, QueueFullError, TinyLoopError
+from ..errors import (ConfigError, EngineStoppedError, ModelFreedError, QueueFullError,
+                      TinyLoopError)
 from ..generate import (GenerationResult, StreamText, check_request, insert_prompt, located,
                         restore_prefix)
 from ..graphs import decode_graphs, decode_step
@@ -274,6 +275,10 @@ class EngineRequest:
         self._push_held()
         if self.done:
             return
+        try:
+            self._engine.model.check_alive()
+        except ModelFreedError as freed:  # free_model under the request: that is the cause
+            e = freed                     # (not the cache released by it that a step met)
         pos = self._pos if self.state == "decode" else len(self.args.ids) - 1
         err = located(e, len(self._new), pos)
         self._finish("error", self._text.partial_text(), error=err)
