@@ -526,6 +526,32 @@ def test_the_engine_freezes_the_heap_it_starts_with_and_unfreezes_it_at_stop(mod
     assert gc.get_freeze_count() == after
 
 
+def test_the_heap_stays_frozen_until_the_last_engine_stops(model, tiny_model_path):
+    """gc.freeze is process-wide: with two engines running, the first one's stop leaves the
+    heap frozen under the second (both serve on); the second's stop unfreezes it."""
+    import gc
+    before = gc.get_freeze_count()
+    other = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        a, b = Engine(model).start(), Engine(other).start()
+        frozen = gc.get_freeze_count()
+        assert frozen > before
+        a.stop()           # the heap stays frozen (a few frozen objects die with a's state)
+        assert gc.get_freeze_count() > before + (frozen - before) // 2
+        assert b.submit([1, 2, 3], max_new_tokens=3).result(timeout=60).token_ids == \
+            other.generate([1, 2, 3], max_new_tokens=3).token_ids
+        b.stop()
+        b.stop()                                # idempotent: no second release
+        if before == 0:                         # the engines froze the heap: now it is not
+            assert gc.get_freeze_count() == 0
+            with Engine(model) as c:            # a later engine freezes afresh
+                assert gc.get_freeze_count() > 0
+                c.submit([4, 5], max_new_tokens=2).result(timeout=60)
+            assert gc.get_freeze_count() == 0
+    finally:
+        tinyloop.free_model(other)
+
+
 def test_each_group_launches_its_own_prepared_step(tiny_model_path, monkeypatch):
     """Two groups (depths 2 and 3) stepping in turn each keep the step they prepared: after
     both groups' first steps every step launches a prepared batch, and each request gives

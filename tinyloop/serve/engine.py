@@ -70,6 +70,11 @@ DEFAULT_MAX_QUEUE = 256      # requests waiting for admission
 DEFAULT_PREFILL_CHUNK = 256  # prompt positions one scheduler iteration prefills
 
 _END = object()              # the last item of a request's token queue
+# The engines of this process running with freeze_gc, and whether they froze the heap first
+# (gc.freeze is process-wide: the last of them to stop unfreezes it, the first one's stop
+# would unfreeze it under the others)
+_GC_FREEZE = {"engines": 0, "owned": False}
+_GC_FREEZE_LOCK = threading.Lock()
 
 
 def allocated_outside_graphs(pool) -> int:
@@ -342,8 +347,8 @@ class Engine:
     through the captured decode step (0: always ``decode_batch``); ``freeze_gc``: at start,
     collect and then freeze every object alive (``gc.freeze``, as vLLM does after its
     start-up), so the collections the scheduler's allocations trigger scan only what was made
-    since, not the whole heap (a full collection stalls every request's step); stop unfreezes
-    them if this engine froze the first ones;
+    since, not the whole heap (a full collection stalls every request's step); the last such
+    engine of the process to stop unfreezes them if the first one froze the first ones;
     ``max_queue`` requests waiting for admission; ``prefill_chunk`` prompt positions per
     scheduler iteration; ``kv_budget`` bytes (int or size string) the admitted requests' KV
     caches may take together (None: the pool's limit minus what is allocated at start, or no
@@ -419,9 +424,13 @@ class Engine:
             if self._budget_arg is None and pool.limit_bytes is not None:
                 self.kv_budget = max(0, pool.limit_bytes - pool.allocated_bytes)
         if self.freeze_gc:
-            self._froze_gc = gc.get_freeze_count() == 0
-            gc.collect()
-            gc.freeze()
+            with _GC_FREEZE_LOCK:
+                if _GC_FREEZE["engines"] == 0:
+                    _GC_FREEZE["owned"] = gc.get_freeze_count() == 0
+                _GC_FREEZE["engines"] += 1
+                self._froze_gc = True
+                gc.collect()
+                gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
         return self
@@ -440,8 +449,12 @@ class Engine:
             self.cancel(r)
         self._prepared.clear()            # they refer to the requests' released caches
         if self._froze_gc:
-            self._froze_gc = False
-            gc.unfreeze()
+            with _GC_FREEZE_LOCK:
+                self._froze_gc = False
+                _GC_FREEZE["engines"] -= 1
+                if _GC_FREEZE["engines"] == 0 and _GC_FREEZE["owned"]:
+                    _GC_FREEZE["owned"] = False
+                    gc.unfreeze()
 
     def __enter__(self) -> "Engine":
         return self.start() if self._thread is None else self
