@@ -384,9 +384,9 @@ __device__ __noinline__ void sample_impl(const float* __restrict__ logits, i64 n
 #define SMP_P_PENALTY 5
 #define SMP_P_LAST_N 6
 
-struct SmpParams {
-    double temp, top_p, min_p, u, penalty;
-    i64 top_k, last_n;
+struct SmpParams {            // the picks'; sample_params / sample_penalize read the penalty's
+    double temp, top_p, min_p, u;
+    i64 top_k;
 };
 
 // One read per value, into shared memory, then to every thread.
@@ -400,8 +400,6 @@ __device__ __forceinline__ SmpParams smp_params(const volatile double* prm) {
     r.top_p = p[SMP_P_TOPP];
     r.u = p[SMP_P_U];
     r.min_p = p[SMP_P_MINP];
-    r.penalty = p[SMP_P_PENALTY];
-    r.last_n = (i64)p[SMP_P_LAST_N];
     return r;
 }
 
