@@ -40,8 +40,9 @@ class GenerationResult:
     ``token_ids`` (new tokens only), ``text`` (their decoded text, cut before a stop string),
     ``prompt_token_ids``, ``finish_reason`` ("length" | "eos" | "stop"; "error" in the
     ``partial`` result an error carries, ``TinyLoopError.partial``), ``depth``,
-    ``prefill_ms``, ``decode_ms``, ``decode_tokens_per_s`` (new tokens after the first
-    over the decode time; 0.0 when fewer than 2 tokens), ``cached_tokens`` (prompt
+    ``prefill_ms``, ``decode_ms`` (from the prefill's end to the moment the last token is
+    known, before the KV cache's release), ``decode_tokens_per_s`` (new tokens after the
+    first over the decode time; 0.0 when fewer than 2 tokens), ``cached_tokens`` (prompt
     positions taken from a PrefixCache / ResumeHandle / PrefixPool instead of prefilled), and
     ``depths``: the depth of the forward whose logits each new token was sampled from (the
     first token's is the prompt's; at a fixed depth every entry is ``depth``; at
@@ -339,13 +340,15 @@ def _run(model, req: _Request):
     cached = 0
     prefill_ms = 0.0
     t1 = None                  # when the prefill ended
+    t2 = None                  # when the last token was known (before the cache's release)
 
     def result(reason: str, text: str) -> GenerationResult:
         extra = {}
         if req.exit is not None:        # depth="auto": what each decode position compared
             extra = {"exit_rule": req.exit.key, "exit_values": [list(v) for v in
                                                                 req.exit.values]}
-        decode_ms = 0.0 if t1 is None else (time.perf_counter() - t1) * 1e3
+        end = time.perf_counter() if t2 is None else t2
+        decode_ms = 0.0 if t1 is None else (end - t1) * 1e3
         n = len(new)
         tps = (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else 0.0
         return GenerationResult(token_ids=list(new), text=text,
@@ -411,6 +414,7 @@ def _run(model, req: _Request):
         one = np.empty(1, dtype=np.int32)
         while True:
             if nxt == cfg.eos_token_id and not req.ignore_eos:
+                t2 = time.perf_counter()     # the decode's end: the release is teardown
                 pieces = st.eos()
                 cache.release()
                 res = result("eos", st.text)
@@ -422,6 +426,7 @@ def _run(model, req: _Request):
                 history.append(nxt)
             pieces, reason = st.push(nxt)
             if reason is not None:
+                t2 = time.perf_counter()
                 cache.release()              # free the request's memory before the last yield
                 res = result(reason, st.text)
                 yield from pieces

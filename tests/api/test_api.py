@@ -663,3 +663,51 @@ def test_every_error_copies_and_pickles_with_its_attributes():
     assert (c.errno, c.strerror, c.filename) == (28, "no space", "out.tlm")
     c = pickle.loads(pickle.dumps(errors.NonFiniteLogitsError("x", kind="nan", step=2)))
     assert (c.kind, c.step, c.position) == ("nan", 2, None)
+
+
+class _ShiftedClock:
+    """The time module with perf_counter shifted forward by ``shift`` seconds: a KV cache's
+    release that advances it takes that long by this clock."""
+
+    def __init__(self, real):
+        self._real, self.shift = real, 0.0
+
+    def perf_counter(self):
+        return self._real.perf_counter() + self.shift
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _drained(st):
+    list(st)
+    return st.result
+
+
+def test_decode_time_ends_when_the_last_token_is_known(tiny_model_path, monkeypatch):
+    """decode_ms runs from the prefill's end to the last token, not through the KV cache's
+    release that follows it (a long context's pages take milliseconds to free): a release
+    that takes 1,000 s by the module's clock leaves decode_ms and tokens/s as they were."""
+    import time
+    from tinyloop import generate as gen
+    from tinyloop.kv import RuntimeKVCache
+    clock = _ShiftedClock(time)
+    monkeypatch.setattr(gen, "time", clock)
+    real = RuntimeKVCache.release
+
+    def slow_release(self):
+        if self._table_block is not None:
+            clock.shift += 1000.0
+        real(self)
+    monkeypatch.setattr(RuntimeKVCache, "release", slow_release)
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        for run in (lambda: m.generate([10, 20, 30], max_new_tokens=6),
+                    lambda: _drained(m.stream([10, 20, 30], max_new_tokens=6))):
+            before = clock.shift
+            r = run()
+            assert clock.shift == before + 1000.0            # the release did run
+            assert len(r.token_ids) == 6 and 0.0 < r.decode_ms < 1000.0
+            assert r.decode_tokens_per_s > 5.0             # 5 tokens in under a second
+    finally:
+        tinyloop.free_model(m)

@@ -237,8 +237,9 @@ class EngineRequest:
         return (a.temperature, a.top_k, a.top_p, self._draw(), a.min_p, a.repetition_penalty,
                 self._recent(self._pos))
 
-    def _gen_result(self, reason: str, text: str) -> GenerationResult:
-        now = time.perf_counter()
+    def _gen_result(self, reason: str, text: str, now: float | None = None) -> GenerationResult:
+        """The request's GenerationResult; ``now``: the decode's end (default: now)."""
+        now = time.perf_counter() if now is None else now
         decode_ms = 0.0 if self._decode_t0 is None else (now - self._decode_t0) * 1e3
         n = len(self._new)
         tps = (n - 1) / (decode_ms / 1e3) if n > 1 and decode_ms > 0 else 0.0
@@ -261,14 +262,15 @@ class EngineRequest:
                 self._engine.model.pool.free(rows[1])
 
     def _finish(self, reason: str, text: str, pieces=(), error=None) -> None:
+        end = time.perf_counter()        # the decode's end: the release below is teardown
         self._free()
         self.state = "done"
         self.finished_at = time.perf_counter()
-        self._result = self._gen_result(reason, text)
+        self._result = self._gen_result(reason, text, end)
         if error is not None:
             # one error may end every request of a step: each gets its own copy and partial
             error = copy.copy(error).with_traceback(error.__traceback__)
-            error.partial = self._gen_result("error", text)
+            error.partial = self._gen_result("error", text, end)
             self._error = error
         self._engine.finished(self)     # its slot and budget return, counters move
         for p in pieces:
