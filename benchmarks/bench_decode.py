@@ -78,6 +78,8 @@ SAMPLED = {
     "sampled": (dict(temperature=0.8, top_p=0.9, seed=0), "fast"),
     "sampled_min_p_penalty": (dict(temperature=0.8, top_p=0.9, min_p=0.05,
                                    repetition_penalty=1.1, seed=0), "fast"),
+    "sampled_all_filters": (dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05,
+                                 repetition_penalty=1.1, seed=0), "fast"),
     "sampled_reference": (dict(temperature=0.8, top_p=0.9, seed=0), "reference"),
 }
 
