@@ -1187,7 +1187,7 @@ class Model:
         its forward and head inside one hold of the model's lock, so no request needs its
         residual rows across two holds). On the NumPy backend row i equals a solo decode
         step of request i (``forward`` of one id, then ``head``) bit for bit: its products
-        pad small calls so rows do not depend on T (``numpy_ops.ROW_INVARIANT_ELEMENTS``).
+        run one row at a time (``NumpyOps._matmul``), so rows do not depend on B.
 
         ``tokens``: B ints in 0..vocab-1; ``positions``: B ints, ``positions[i]`` below
         ``caches[i].capacity``, the caches all at ``depth`` (default their depth) with one

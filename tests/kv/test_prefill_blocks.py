@@ -113,3 +113,22 @@ def test_numpy_linear_rows_do_not_depend_on_how_many_rows_share_the_call(d_in, d
             part = np.empty((n, d_out), np.float32)
             ops.linear(x[a:a + n], w, part)
             assert np.array_equal(part, whole[a:a + n]), (a, n)
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (300, 64), (128, 32), (576, 576), (3072, 576)])
+def test_a_rows_product_does_not_depend_on_the_other_rows(n, k):
+    """NumpyOps' products (every linear op goes through _matmul) give a row the same bits
+    whatever rows share the call: any slice of a 70-row input, a single row, and the rows in
+    another order equal the full call's rows. (A plain float32 GEMM does not: OpenBLAS's
+    results depend on the row count and the row's offset on some CPUs.)"""
+    rng = np.random.default_rng(n * 1000 + k)
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32), bits=4, group_size=32)
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    full = NumpyOps._matmul(x, w)
+    assert full.shape == (70, n) and full.dtype == np.float32
+    for a, b in [(0, 1), (69, 70), (3, 70), (20, 70), (5, 37), (1, 69), (33, 34)]:
+        assert np.array_equal(NumpyOps._matmul(x[a:b], w), full[a:b]), (a, b)
+    perm = rng.permutation(70)
+    assert np.array_equal(NumpyOps._matmul(x[perm], w), full[perm])
+    ref = x.astype(np.float64) @ NumpyOps._dense(w).astype(np.float64).T
+    assert np.abs(full - ref).max() <= 1e-5 * np.abs(ref).max()

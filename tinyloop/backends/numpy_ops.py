@@ -248,10 +248,6 @@ def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p
     return int(order[min(idx, order.size - 1)])
 
 
-# Output elements (rows x out_features) below which a product runs padded with zero rows
-# (NumpyOps._matmul): OpenBLAS's results for a row differ from those of a larger call below
-# about a thousand output elements; this keeps a margin over that.
-ROW_INVARIANT_ELEMENTS = 4096
 
 
 class NumpyOps(Ops):
@@ -292,19 +288,15 @@ class NumpyOps(Ops):
     def _matmul(cls, x, w: QuantWeight) -> np.ndarray:
         # float32 BLAS product of the dequantized matrix (same values with or without the
         # cache); sums of <= a few thousand terms keep ~1e-6 relative accuracy. A row's
-        # product must not depend on how many rows share the call (a position's logits may
-        # not depend on where a request's chunk began): BLAS takes other kernels, which round
-        # differently, for one row (GEMV) and for few output elements (OpenBLAS's small-matrix
-        # kernels), so such calls run padded with zero rows up to ROW_INVARIANT_ELEMENTS.
+        # product must not depend on the other rows of the call (a position's logits may not
+        # depend on where a request's chunk began, a decode batch's row equals the request
+        # alone): a GEMM's rounding depends on the row's place in the kernel's tiles and on
+        # the row count (OpenBLAS's Zen kernels differ for nearly every row count and offset),
+        # so each row is its own product of one row (a stacked matmul: the same BLAS call
+        # for every row, whatever the call's row count).
         x = np.asarray(x, dtype=np.float32)
         dense = cls._dense(w)
-        t = x.shape[0]
-        rows = max(2, -(-ROW_INVARIANT_ELEMENTS // dense.shape[0]))
-        if t >= rows:
-            return x @ dense.T
-        padded = np.zeros((rows, x.shape[1]), dtype=np.float32)
-        padded[:t] = x
-        return (padded @ dense.T)[:t]
+        return np.matmul(x[:, None, :], dense.T)[:, 0, :]
 
     def linear(self, x, w, out):
         out[...] = self._matmul(x, w)
