@@ -4,9 +4,10 @@
         [--concurrency 1,4,16,32] [--prompt-tokens 128] [--new-tokens 128]
         [--reps 1] [--batch-gemv rows|mma|gemm] [--out DIR]
 
-For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids, at most
---new-tokens new tokens each; a request ends early at EOS) go to one ``tinyloop.serve.Engine``
-(max_batch = C) at once. Measures:
+For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids, --new-tokens
+new tokens each: EOS and stop strings are ignored, as vLLM's serving benchmark's
+``ignore_eos``, so every request decodes the same length) go to one ``tinyloop.serve.Engine`` (max_batch = C) at once.
+Measures:
   - aggregate tokens/s: every request's new tokens over the wall time from submit to the
     last token; and decode tokens/s: the tokens made after every request had its first one
     (``EngineRequest.generated`` read at that moment), over the time from then to the last
@@ -15,9 +16,9 @@ For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids
   - against the same model's batch-1 figure: ``Model.generate`` of one such request alone
     (its decode tokens/s), and against the same requests without the engine: one thread per
     request calling ``Model.generate`` (serialized by the model's lock; --no-threads skips);
-  - memory per request by pool tag while all C requests decode (pool bytes by tag minus
-    those at the engine's start, over C), and whether allocated bytes returned to their
-    value at start once the engine stopped.
+  - memory per request by pool tag while all C requests decode (the level's peak pool bytes
+    by tag minus those at the engine's start, over C), and whether allocated bytes returned
+    to their value at start once the engine stopped.
 With --reps N each level runs N times on the same prompts: the decode and aggregate figures
 and the TTFT percentiles are medians over the runs, with their min-max (``*_spread``), and
 ``back to start`` must hold for every run. Runs on either backend (--backend numpy: use a
@@ -52,19 +53,24 @@ def run_level(model, prompts, new_tokens: int, depth, prefill_chunk: int) -> dic
     eng = Engine(model, max_batch=c, max_queue=c, prefill_chunk=prefill_chunk).start()
     base_tags = model.pool.by_tag()
     base = eng.baseline_allocated
+    # the per-request bytes come from the level's peak by tag: every request is admitted into
+    # the one batch and decodes its full length, so the peak holds all C of them at once
+    # (a snapshot after the first tokens misses requests that already ended)
+    model.pool.reset_peak_stats()
     try:
         t0 = time.perf_counter()
-        reqs = [eng.submit(p, max_new_tokens=new_tokens, depth=depth) for p in prompts]
+        reqs = [eng.submit(p, max_new_tokens=new_tokens, depth=depth, stop=[],
+                           ignore_eos=True) for p in prompts]
         its = [iter(r) for r in reqs]
         for it in its:                     # every request has its first token: all decode
             next(it, None)
         t_all = time.perf_counter()
         before = sum(r.generated for r in reqs)   # made before every request decoded
-        tags = model.pool.by_tag()
-        per_request = {t: (tags[t] - base_tags.get(t, 0)) / c for t in tags
-                       if tags[t] != base_tags.get(t, 0)}
         results = [r.result(timeout=3600) for r in reqs]
         t1 = time.perf_counter()
+        peak = model.pool.stats().peak_by_tag
+        per_request = {t: (peak[t] - base_tags.get(t, 0)) / c for t in peak
+                       if peak[t] > base_tags.get(t, 0)}
     finally:
         eng.stop()
     tokens = sum(len(r.token_ids) for r in results)
@@ -90,7 +96,8 @@ def run_threads(model, prompts, new_tokens: int, depth) -> float:
     out = [None] * len(prompts)
 
     def one(i):
-        out[i] = model.generate(prompts[i], max_new_tokens=new_tokens, depth=depth)
+        out[i] = model.generate(prompts[i], max_new_tokens=new_tokens, depth=depth,
+                                stop=[], ignore_eos=True)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
     for t in threads:
@@ -149,7 +156,8 @@ def main(argv=None) -> int:
         # the batch-1 figure: Model.generate alone (after one warm-up run)
         solo_prompt = prompt()
         model.generate(solo_prompt, max_new_tokens=min(8, a.new_tokens), depth=a.depth)
-        solo = [model.generate(solo_prompt, max_new_tokens=a.new_tokens, depth=a.depth)
+        solo = [model.generate(solo_prompt, max_new_tokens=a.new_tokens, depth=a.depth,
+                               stop=[], ignore_eos=True)
                 for _ in range(2)]
         solo_tps = statistics.median(r.decode_tokens_per_s for r in solo)
         rows = []
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
               "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "reps": a.reps,
               "batch1_generate_decode_tok_s": solo_tps, "levels": rows}
     print(f"# {result['model']} on {model.backend}: {a.prompt_tokens}-token prompts, "
-          f"<= {a.new_tokens} new tokens; Model.generate alone: {solo_tps:.1f} tok/s decode")
+          f"{a.new_tokens} new tokens; Model.generate alone: {solo_tps:.1f} tok/s decode")
 
     def cell(r, name):
         t = r[name + "_spread"]

@@ -9,11 +9,11 @@ import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def _wait(cond, timeout=30.0, what="the condition"):
+def _wait(cond, timeout=30.0, what="the condition", poll=0.05):
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def _replica_metrics(url: str) -> dict:

@@ -200,7 +200,7 @@ def test_a_killed_replica_fails_or_retries_its_requests_and_comes_back(cluster, 
                                   temperature=0)
     _wait(lambda: all(w.in_flight == 0 for w in rs.workers))
     base = {w.index: _allocated(w.url) for w in rs.workers}
-    n_new = 150
+    n_new = 270                     # each request outlives the placement of all nine
     prompts = [_prompt(50 + i) for i in range(9)]
     want = [solo.generate(p, max_new_tokens=n_new).text for p in prompts]
     firsts = [threading.Event() for _ in prompts]
@@ -219,7 +219,7 @@ def test_a_killed_replica_fails_or_retries_its_requests_and_comes_back(cluster, 
             futs.append(ex.submit(_stream, srv.url, p, n_new, firsts[i], seen, i) if i % 2 == 0
                         else ex.submit(plain, p))
             _wait(lambda: sum(w.in_flight for w in rs.workers) == i + 1, 30,
-                  f"request {i} in flight")
+                  f"request {i} in flight", poll=0.002)
             placed.append(next(w.index for w, n in zip(rs.workers, loads) if w.in_flight > n))
         assert sorted(w.in_flight for w in rs.workers) == [3, 3, 3]
         for i in range(0, len(prompts), 2):
