@@ -142,18 +142,29 @@ class PageAllocator:
         HandleError, before changing anything, when a page would be released twice or keep
         more holders than references."""
         pages = list(pages)
-        drops: dict[int, int] = {}
-        for p in pages:
-            drops[id(p)] = drops.get(id(p), 0) + 1
-            if drops[id(p)] > p.refs:
-                raise HandleError("page released twice")
-            if p.refs - drops[id(p)] < p.holds:
-                raise HandleError("a held page lost the reference of its holder")
+        # distinct pages (a request's release): each drops one reference; a page listed more
+        # than once drops one per listing, counted first
+        distinct = len(set(map(id, pages))) == len(pages)
+        if distinct:
+            for p in pages:
+                if p.refs < 1:
+                    raise HandleError("page released twice")
+                if p.refs - 1 < p.holds:
+                    raise HandleError("a held page lost the reference of its holder")
+        else:
+            drops: dict[int, int] = {}
+            for p in pages:
+                drops[id(p)] = drops.get(id(p), 0) + 1
+                if drops[id(p)] > p.refs:
+                    raise HandleError("page released twice")
+                if p.refs - drops[id(p)] < p.holds:
+                    raise HandleError("a held page lost the reference of its holder")
         dead = []
+        live = self._pages
         for p in pages:
             p.refs -= 1
             if p.refs == 0:
-                del self._pages[p.addr]
+                del live[p.addr]
                 p.drop_views()
                 dead.append(p.block)
         self._pool.free_many(dead)

@@ -285,16 +285,20 @@ class MemoryPool:
                 if len(run) == 1:
                     self._free_locked(blocks[i])
                 else:
-                    freed = 0
+                    freed = requested = 0
                     arena.give_back_run(run)
+                    by_tag = self._by_tag
                     for blk in blocks[i:j]:
-                        log((_now(), "free_requested", blk.ptr, blk.nbytes, blk.tag))
+                        ptr, nb, tag = blk.ptr, blk.nbytes, blk.tag
+                        t = _now()              # one clock read: the free is synchronous
+                        log((t, "free_requested", ptr, nb, tag))
                         blk.freed = True
                         blk.chunk = None
-                        freed += blk.nbytes
-                        self._requested_bytes -= blk.requested_bytes
-                        self._by_tag[blk.tag] -= blk.nbytes
-                        log((_now(), "free_completed", blk.ptr, blk.nbytes, blk.tag))
+                        freed += nb
+                        requested += blk.requested_bytes
+                        by_tag[tag] -= nb
+                        log((t, "free_completed", ptr, nb, tag))
+                    self._requested_bytes -= requested
                     self._allocated_bytes -= freed
                     self._live_blocks -= j - i
                     self._num_frees += j - i
