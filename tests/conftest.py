@@ -169,3 +169,35 @@ def rng(request):
     session, replayable with the seed the header prints."""
     seed = zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("TINYLOOP_TEST_SEED") or 0)
     return np.random.default_rng(seed)
+
+
+class ShiftedClock:
+    """The ``time`` module with ``perf_counter`` shifted forward by ``shift`` seconds: a test
+    that advances ``shift`` inside a call makes that call take so long by this clock."""
+
+    def __init__(self, real):
+        self._real, self.shift = real, 0.0
+
+    def perf_counter(self):
+        return self._real.perf_counter() + self.shift
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def slow_kv_release(monkeypatch, module, seconds: float = 1000.0) -> ShiftedClock:
+    """Make every KV cache release take ``seconds`` by ``module``'s clock (its ``time``
+    replaced by a ShiftedClock that each live release advances); returns the clock."""
+    import time
+
+    from tinyloop.kv import RuntimeKVCache
+    clock = ShiftedClock(time)
+    real = RuntimeKVCache.release
+
+    def release(self):
+        if self._table_block is not None:
+            clock.shift += seconds
+        real(self)
+    monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(RuntimeKVCache, "release", release)
+    return clock

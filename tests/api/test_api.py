@@ -14,7 +14,7 @@ from tinyloop.backends.base import Ops
 from tinyloop.memory import get_pool
 from tinyloop.plan import plan_bytes_by_phase
 
-from ..conftest import TINY, fail_nth_allocation
+from ..conftest import TINY, fail_nth_allocation, slow_kv_release
 
 
 def _allocated():
@@ -665,20 +665,6 @@ def test_every_error_copies_and_pickles_with_its_attributes():
     assert (c.kind, c.step, c.position) == ("nan", 2, None)
 
 
-class _ShiftedClock:
-    """The time module with perf_counter shifted forward by ``shift`` seconds: a KV cache's
-    release that advances it takes that long by this clock."""
-
-    def __init__(self, real):
-        self._real, self.shift = real, 0.0
-
-    def perf_counter(self):
-        return self._real.perf_counter() + self.shift
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 def _drained(st):
     list(st)
     return st.result
@@ -688,18 +674,8 @@ def test_decode_time_ends_when_the_last_token_is_known(tiny_model_path, monkeypa
     """decode_ms runs from the prefill's end to the last token, not through the KV cache's
     release that follows it (a long context's pages take milliseconds to free): a release
     that takes 1,000 s by the module's clock leaves decode_ms and tokens/s as they were."""
-    import time
     from tinyloop import generate as gen
-    from tinyloop.kv import RuntimeKVCache
-    clock = _ShiftedClock(time)
-    monkeypatch.setattr(gen, "time", clock)
-    real = RuntimeKVCache.release
-
-    def slow_release(self):
-        if self._table_block is not None:
-            clock.shift += 1000.0
-        real(self)
-    monkeypatch.setattr(RuntimeKVCache, "release", slow_release)
+    clock = slow_kv_release(monkeypatch, gen)
     m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
     try:
         for run in (lambda: m.generate([10, 20, 30], max_new_tokens=6),

@@ -579,27 +579,10 @@ def test_each_group_launches_its_own_prepared_step(tiny_model_path, monkeypatch)
 def test_decode_time_ends_before_the_release(model, monkeypatch):
     """A request's decode_ms ends when its last token is known: a KV cache release that takes
     1,000 s by the engine module's clock leaves it under a second."""
-    import time
-    from tinyloop.kv import RuntimeKVCache
     from tinyloop.serve import engine as engine_mod
 
-    class Shifted:
-        shift = 0.0
-
-        def perf_counter(self):
-            return time.perf_counter() + self.shift
-
-        def __getattr__(self, name):
-            return getattr(time, name)
-    clock = Shifted()
-    real = RuntimeKVCache.release
-
-    def slow_release(self):
-        if self._table_block is not None:
-            clock.shift += 1000.0
-        real(self)
-    monkeypatch.setattr(engine_mod, "time", clock)
-    monkeypatch.setattr(RuntimeKVCache, "release", slow_release)
+    from ..conftest import slow_kv_release
+    clock = slow_kv_release(monkeypatch, engine_mod)
     with Engine(model, max_batch=2) as eng:
         r = eng.submit([10, 20, 30], max_new_tokens=6).result(timeout=60)
     assert clock.shift >= 1000.0                                 # the release did run
