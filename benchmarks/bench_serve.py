@@ -6,8 +6,8 @@
 
 For each concurrency C, C greedy requests (random prompts of --prompt-tokens ids, --new-tokens
 new tokens each: EOS and stop strings are ignored, as vLLM's serving benchmark's
-``ignore_eos``, so every request decodes the same length) go to one ``tinyloop.serve.Engine`` (max_batch = C) at once.
-Measures:
+``ignore_eos``, so every request decodes the same length) go to one
+``tinyloop.serve.Engine`` (max_batch = C) at once. Measures:
   - aggregate tokens/s: every request's new tokens over the wall time from submit to the
     last token; and decode tokens/s: the tokens made after every request had its first one
     (``EngineRequest.generated`` read at that moment), over the time from then to the last

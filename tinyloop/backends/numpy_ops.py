@@ -248,8 +248,6 @@ def sample_from_logits(logits: np.ndarray, temperature: float, top_k: int, top_p
     return int(order[min(idx, order.size - 1)])
 
 
-
-
 class NumpyOps(Ops):
     """Reference ops on host NumPy arrays (activations float32, KV cache float32)."""
 
