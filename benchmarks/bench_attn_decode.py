@@ -1,14 +1,18 @@
 """Decode attention (T = 1) over the paged KV cache: v1 against split-K, GPU µs per launch.
 
 v1 (one block per query head, attention.cu) against split-K (attention_decode.cu), GPU µs per
-launch (CUDA events, median of 200 with the min-max spread), at SmolLM2 dims (9 query heads,
-3 KV heads, head dim 64, pages of 32) for each K/V page mode and context 128, 192, 256, 512,
-2048, 2110, 4096.
+launch inside a captured graph: SLOTS launches, each over its own KV slot (a decode step's
+layers), captured once and replayed (CUDA events around each replay, median of 9 with the
+min-max spread, divided by SLOTS), at SmolLM2 dims (9 query heads, 3 KV heads, head dim 64,
+pages of 32) for each K/V page mode and context 128, 192, 256, 512, 2048, 2110, 4096, 8000.
+Launched one by one from the host instead, each launch costs the host's launch time (tens of
+µs), not the kernel's.
 
-The KV pages are one device array cut into page-sized pieces with random contents (timing only;
-correctness is tests/kernels/test_kernels_gpu.py::test_decode_split). Also prints the split count the
-host rule picks (0 = the single-pass kernel: the "default" column then times v1) and a
-"split-K forced" column (at least one split: the crossover check of DS_SINGLE_PASS_MAX).
+The KV pages are one device array per slot cut into page-sized pieces with random contents
+(timing only; correctness is tests/kernels/test_kernels_gpu.py::test_decode_split). Also
+prints the split count the host rule picks (0 = the single-pass kernel: the "default" column
+then times v1) and a "split-K forced" column (at least one split: the crossover check of
+DS_SINGLE_PASS_MAX).
 One call on the device:  python -m benchmarks bench_attn_decode [--out f.json]
 """
 
@@ -23,9 +27,39 @@ from tinyloop.backends.cuda import attention as cuda_attention
 from tinyloop.backends.cuda.attention import decode_splits
 
 from .common import ATTN_H as H, ATTN_HD as HD, ATTN_HKV as HKV, ATTN_PAGE as P
-from .common import gpu_time_us, random_kv_slot, write_json
+from .common import random_kv_slot, spread, write_json
 
-CTXS = (128, 192, 256, 512, 2048, 2110, 4096)   # 192 / 256: DS_SINGLE_PASS_MAX's crossover
+CTXS = (128, 192, 256, 512, 2048, 2110, 4096, 8000)   # 192 / 256: DS_SINGLE_PASS_MAX's crossover
+SLOTS = 30              # launches per captured graph, one KV slot each (SmolLM2's 30 layers)
+
+
+def captured_us(fn, slots, reps: int = 9):
+    """GPU µs per launch of ``fn(slot)`` (one attention launch over ``slot``), from one graph
+    capturing it once per slot of ``slots``: the median, min and max of ``reps`` replays,
+    each divided by the slot count. The first call, outside the capture, makes the op's
+    scratch."""
+    import cupy
+    st = cupy.cuda.Stream(non_blocking=True)
+    with st:
+        fn(slots[0])
+        st.synchronize()
+        st.begin_capture()
+        try:
+            for slot in slots:
+                fn(slot)
+        finally:
+            graph = st.end_capture()
+        graph.launch(st)
+        st.synchronize()
+        us = []
+        for _ in range(reps):
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(st)
+            graph.launch(st)
+            b.record(st)
+            b.synchronize()
+            us.append(cupy.cuda.get_elapsed_time(a, b) * 1e3 / len(slots))
+    return spread(us)
 
 
 def main(argv=None) -> int:
@@ -39,18 +73,21 @@ def main(argv=None) -> int:
         o.compile_all()
     q = cupy.asarray(rng.standard_normal((1, (H + 2 * HKV) * HD)).astype(np.float16))
     res = {}
-    print(f"decode attention, H={H} Hkv={HKV} hd={HD} P={P}: GPU us per call (min-max)")
+    print(f"decode attention, H={H} Hkv={HKV} hd={HD} P={P}: GPU us per launch inside a graph "
+          f"of {SLOTS} (min-max)")
     print(f"{'mode':<6}{'ctx':>6}{'splits':>8}{'v1':>20}{'default':>20}{'speedup':>9}"
           f"{'split-K forced':>22}{'v1/forced':>10}")
     for mode in ("fp16", "int8"):
         for ctx in CTXS:
-            kv, _buf = random_kv_slot(mode, ctx, rng)
+            slots = [random_kv_slot(mode, ctx, rng) for _ in range(SLOTS)]  # (slot, buffer)
+            kvs = [kv for kv, _buf in slots]
             row = {"splits": decode_splits(ctx, H, ops["split"].sms)}
             outs = {}
             for v, o in ops.items():
                 out = cupy.empty((1, H * HD), cupy.float16)
-                row[v] = gpu_time_us(lambda o=o, out=out: o.kv_attention(q, kv, ctx - 1, H, HKV, HD,
-                                                                     out))
+                row[v] = captured_us(lambda kv, o=o, out=out: o.kv_attention(
+                    q, kv, ctx - 1, H, HKV, HD, out), kvs)
+                o.kv_attention(q, kvs[0], ctx - 1, H, HKV, HD, out)
                 outs[v] = cupy.asnumpy(out).astype(np.float32)
             # split-K even where the rule falls back to single-pass (one split at ctx <= 128):
             # the column that checks DS_SINGLE_PASS_MAX
@@ -58,8 +95,8 @@ def main(argv=None) -> int:
             cuda_attention.decode_splits = lambda c, h, s: max(1, rule(c, h, s))
             try:
                 out = cupy.empty((1, H * HD), cupy.float16)
-                row["forced"] = gpu_time_us(lambda out=out: ops["split"].kv_attention(
-                    q, kv, ctx - 1, H, HKV, HD, out))
+                row["forced"] = captured_us(lambda kv, out=out: ops["split"].kv_attention(
+                    q, kv, ctx - 1, H, HKV, HD, out), kvs)
             finally:
                 cuda_attention.decode_splits = rule
             row["max_abs_diff_v1_split"] = float(np.abs(outs["v1"] - outs["split"]).max())
