@@ -279,7 +279,7 @@ def test_a_client_that_leaves_through_the_router_frees_the_replicas_pages(cluste
     _wait(lambda: all(w.in_flight == 0 for w in rs.workers))
     base = {w.index: _allocated(w.url) for w in rs.workers}
     cancelled = _cancelled(srv.url)
-    body = {"model": "tiny", "prompt": _prompt(90 + stream), "max_tokens": 250,
+    body = {"model": "tiny", "prompt": _prompt(90 + stream), "max_tokens": 270,
             "temperature": 0, "stream": stream}
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
     conn.request("POST", "/v1/completions", body=json.dumps(body),
@@ -290,12 +290,14 @@ def test_a_client_that_leaves_through_the_router_frees_the_replicas_pages(cluste
         assert resp.status == 200
         resp.readline()                         # the first event: it is decoding
     else:
-        _wait(lambda: sum(w.in_flight for w in rs.workers) == 1, 30, "the request in flight")
+        # polled every 2 ms: the request must still be decoding when its worker stops
+        _wait(lambda: sum(w.in_flight for w in rs.workers) == 1, 30, "the request in flight",
+              poll=0.002)
         stopped = next(w for w in rs.workers if w.in_flight == 1)
         _wait(lambda: _replica_metrics(stopped.url).get(("tinyloop_generated_tokens_total",
                                                          ()), 0) > 0 or
               _replica_metrics(stopped.url).get(("tinyloop_active_requests", ()), 0) == 1,
-              30, "the request admitted")
+              30, "the request admitted", poll=0.002)
         os.kill(stopped.pid, signal.SIGSTOP)
     try:
         conn.sock.close()                       # the client leaves
