@@ -181,16 +181,24 @@ def test_a_full_queue_refuses_and_nothing_is_allocated(model):
     assert model.pool.allocated_bytes == eng.baseline_allocated
 
 
-def test_cancel_frees_the_requests_pages_at_once(model):
+def test_cancel_frees_the_requests_pages_at_once(model, monkeypatch):
+    import time
+
+    from tinyloop.backends.numpy_ops import NumpyOps
+    real = NumpyOps.lm_head
+
+    def slow_head(self, x, w, out):    # a step of at least 5 ms: the request outlives the
+        time.sleep(0.005)              # test thread's checks however busy the machine is
+        return real(self, x, w, out)
+    monkeypatch.setattr(NumpyOps, "lm_head", slow_head)
     with Engine(model) as eng:
         before = model.pool.by_tag()["kv_cache"]
         r = eng.submit(list(range(1, 30)), max_new_tokens=90)
         it = iter(r)
         next(it)                                          # it is decoding
-        with model.lock:          # no step runs meanwhile: it cannot finish before the cancel
-            assert model.pool.by_tag()["kv_cache"] > before
-            r.cancel()
-            assert model.pool.by_tag()["kv_cache"] == before
+        assert model.pool.by_tag()["kv_cache"] > before
+        r.cancel()
+        assert model.pool.by_tag()["kv_cache"] == before
         res = r.result(timeout=5)
         assert res.finish_reason == "cancelled" and 1 <= len(res.token_ids) < 90
         r.cancel()                                        # idempotent
@@ -588,3 +596,4 @@ def test_decode_time_ends_before_the_release(model, monkeypatch):
         r = eng.submit([10, 20, 30], max_new_tokens=6).result(timeout=60)
     assert clock.shift >= 1000.0                                 # the release did run
     assert len(r.token_ids) == 6 and 0.0 < r.decode_ms < 1000.0
+

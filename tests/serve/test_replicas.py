@@ -37,7 +37,7 @@ from tinyloop.serve.router import (FAILED_HEADER, REPLICA_HEADER, PrefixIndex,  
 
 from .replica_helpers import _allocated, _replica_metrics, _wait  # noqa: E402
 
-MAX_SEQ_LEN = 320
+MAX_SEQ_LEN = 1024
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tinyloop.__file__)))
 
 
@@ -200,7 +200,7 @@ def test_a_killed_replica_fails_or_retries_its_requests_and_comes_back(cluster, 
                                   temperature=0)
     _wait(lambda: all(w.in_flight == 0 for w in rs.workers))
     base = {w.index: _allocated(w.url) for w in rs.workers}
-    n_new = 270                     # each request outlives the placement of all nine
+    n_new = 600                     # each request outlives the placement of all nine
     prompts = [_prompt(50 + i) for i in range(9)]
     want = [solo.generate(p, max_new_tokens=n_new).text for p in prompts]
     firsts = [threading.Event() for _ in prompts]
@@ -279,7 +279,7 @@ def test_a_client_that_leaves_through_the_router_frees_the_replicas_pages(cluste
     _wait(lambda: all(w.in_flight == 0 for w in rs.workers))
     base = {w.index: _allocated(w.url) for w in rs.workers}
     cancelled = _cancelled(srv.url)
-    body = {"model": "tiny", "prompt": _prompt(90 + stream), "max_tokens": 270,
+    body = {"model": "tiny", "prompt": _prompt(90 + stream), "max_tokens": 900,
             "temperature": 0, "stream": stream}
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
     conn.request("POST", "/v1/completions", body=json.dumps(body),
