@@ -100,8 +100,9 @@ def test_prefill_chunks_and_head_blocks_sit_at_absolute_multiples(tiny_model_pat
 @pytest.mark.parametrize("d_in, d_out", [(64, 64), (64, 128), (128, 64), (64, 300),
                                          (32, 64), (256, 1536)])
 def test_numpy_linear_rows_do_not_depend_on_how_many_rows_share_the_call(d_in, d_out):
-    """Each row of ``linear`` over any slice of rows equals that row of the whole product
-    (BLAS takes other kernels for one row and for small products)."""
+    """Each row of ``linear`` over any slice of rows, and over the rows in another order,
+    equals that row of the whole product (a GEMM rounds a row by the row count and the
+    row's offset in its tiles: OpenBLAS's Zen kernels differ for nearly every one)."""
     rng = np.random.default_rng(d_in * 1000 + d_out)
     w = quantize(rng.standard_normal((d_out, d_in)).astype(np.float32), 4, 32)
     ops = NumpyOps()
@@ -113,22 +114,7 @@ def test_numpy_linear_rows_do_not_depend_on_how_many_rows_share_the_call(d_in, d
             part = np.empty((n, d_out), np.float32)
             ops.linear(x[a:a + n], w, part)
             assert np.array_equal(part, whole[a:a + n]), (a, n)
-
-
-@pytest.mark.parametrize("n,k", [(64, 64), (300, 64), (128, 32), (576, 576), (3072, 576)])
-def test_a_rows_product_does_not_depend_on_the_other_rows(n, k):
-    """NumpyOps' products (every linear op goes through _matmul) give a row the same bits
-    whatever rows share the call: any slice of a 70-row input, a single row, and the rows in
-    another order equal the full call's rows. (A plain float32 GEMM does not: OpenBLAS's
-    results depend on the row count and the row's offset on some CPUs.)"""
-    rng = np.random.default_rng(n * 1000 + k)
-    w = quantize(rng.standard_normal((n, k)).astype(np.float32), bits=4, group_size=32)
-    x = rng.standard_normal((70, k)).astype(np.float32)
-    full = NumpyOps._matmul(x, w)
-    assert full.shape == (70, n) and full.dtype == np.float32
-    for a, b in [(0, 1), (69, 70), (3, 70), (20, 70), (5, 37), (1, 69), (33, 34)]:
-        assert np.array_equal(NumpyOps._matmul(x[a:b], w), full[a:b]), (a, b)
-    perm = rng.permutation(70)
-    assert np.array_equal(NumpyOps._matmul(x[perm], w), full[perm])
-    ref = x.astype(np.float64) @ NumpyOps._dense(w).astype(np.float64).T
-    assert np.abs(full - ref).max() <= 1e-5 * np.abs(ref).max()
+    perm = rng.permutation(80)
+    shuffled = np.empty((80, d_out), np.float32)
+    ops.linear(x[perm], w, shuffled)
+    assert np.array_equal(shuffled, whole[perm])

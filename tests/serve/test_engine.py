@@ -596,4 +596,3 @@ def test_decode_time_ends_before_the_release(model, monkeypatch):
         r = eng.submit([10, 20, 30], max_new_tokens=6).result(timeout=60)
     assert clock.shift >= 1000.0                                 # the release did run
     assert len(r.token_ids) == 6 and 0.0 < r.decode_ms < 1000.0
-
