@@ -19,6 +19,7 @@ One call on the device:  python -m benchmarks bench_attn_decode [--out f.json]
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import numpy as np
 
@@ -27,39 +28,18 @@ from tinyloop.backends.cuda import attention as cuda_attention
 from tinyloop.backends.cuda.attention import decode_splits
 
 from .common import ATTN_H as H, ATTN_HD as HD, ATTN_HKV as HKV, ATTN_PAGE as P
-from .common import random_kv_slot, spread, write_json
+from .common import graph_time_us, random_kv_slot, write_json
 
 CTXS = (128, 192, 256, 512, 2048, 2110, 4096, 8000)   # 192 / 256: DS_SINGLE_PASS_MAX's crossover
 SLOTS = 30              # launches per captured graph, one KV slot each (SmolLM2's 30 layers)
 
 
-def captured_us(fn, slots, reps: int = 9):
-    """GPU µs per launch of ``fn(slot)`` (one attention launch over ``slot``), from one graph
-    capturing it once per slot of ``slots``: the median, min and max of ``reps`` replays,
-    each divided by the slot count. The first call, outside the capture, makes the op's
-    scratch."""
-    import cupy
-    st = cupy.cuda.Stream(non_blocking=True)
-    with st:
-        fn(slots[0])
-        st.synchronize()
-        st.begin_capture()
-        try:
-            for slot in slots:
-                fn(slot)
-        finally:
-            graph = st.end_capture()
-        graph.launch(st)
-        st.synchronize()
-        us = []
-        for _ in range(reps):
-            a, b = cupy.cuda.Event(), cupy.cuda.Event()
-            a.record(st)
-            graph.launch(st)
-            b.record(st)
-            b.synchronize()
-            us.append(cupy.cuda.get_elapsed_time(a, b) * 1e3 / len(slots))
-    return spread(us)
+def captured_us(attend, slots):
+    """GPU µs per launch of ``attend(slot)`` (one attention launch over ``slot``) inside a
+    captured graph that runs it once over each of ``slots`` (common.graph_time_us: median,
+    min and max of 9 replays)."""
+    it = itertools.cycle(slots)
+    return graph_time_us(lambda: attend(next(it)), n=len(slots), reps=9)
 
 
 def main(argv=None) -> int:

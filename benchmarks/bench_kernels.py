@@ -47,7 +47,7 @@ from tinyloop.kv import PageAllocator, PageLayout, RuntimeKVCache
 from tinyloop.memory import MemoryPool
 from tinyloop.quant import QuantWeight, dequantize
 
-from .common import gpu_time_us, record_launches, spread, write_json
+from .common import gpu_time_us, graph_time_us, record_launches, spread, write_json
 
 D, H, HKV, HD, FFN, VOCAB, LAYERS = 576, 9, 3, 64, 1536, 49152, 30
 THETA, EPS = 1e4, 1e-5
@@ -78,27 +78,9 @@ def gpu_ms(fn, reps=50, warmup=5) -> float:
 
 
 def graph_us(fn, n=20) -> float:
-    """GPU time per call of ``fn`` (microseconds), from replaying a CUDA graph of n calls:
-    launch gaps removed, so small kernels are timed alone."""
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(n):
-            fn()
-        graph = stream.end_capture()
-    graph.launch(stream)
-    stream.synchronize()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(20):
-        start.record(stream)
-        graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times) * 1e3 / n
+    """Median GPU time per call of ``fn`` (microseconds) from a CUDA graph of n calls
+    (common.graph_time_us)."""
+    return graph_time_us(fn, n).median
 
 
 def host_us(fn, n=2000) -> float:
