@@ -12,6 +12,7 @@ its last reference goes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 
@@ -142,23 +143,13 @@ class PageAllocator:
         HandleError, before changing anything, when a page would be released twice or keep
         more holders than references."""
         pages = list(pages)
-        # distinct pages (a request's release): each drops one reference; a page listed more
-        # than once drops one per listing, counted first
-        distinct = len(set(map(id, pages))) == len(pages)
-        if distinct:
-            for p in pages:
-                if p.refs < 1:
-                    raise HandleError("page released twice")
-                if p.refs - 1 < p.holds:
-                    raise HandleError("a held page lost the reference of its holder")
-        else:
-            drops: dict[int, int] = {}
-            for p in pages:
-                drops[id(p)] = drops.get(id(p), 0) + 1
-                if drops[id(p)] > p.refs:
-                    raise HandleError("page released twice")
-                if p.refs - drops[id(p)] < p.holds:
-                    raise HandleError("a held page lost the reference of its holder")
+        drops = collections.Counter(map(id, pages))    # a page listed k times drops k
+        for p in pages:
+            d = drops[id(p)]
+            if d > p.refs:
+                raise HandleError("page released twice")
+            if p.refs - d < p.holds:
+                raise HandleError("a held page lost the reference of its holder")
         dead = []
         live = self._pages
         for p in pages:
