@@ -72,6 +72,19 @@ def test_gemv_choice_by_shape():
     assert gemv_choice(49152, KernelChoice(gemv_lpr=16)) == ("v2", 16)
 
 
+def test_gemv_choice_takes_tc_for_wide_int4_layers():
+    """auto: the tensor-core GEMV for INT4 weights of K >= 3072 below the LM-head rows (the
+    Nanbeige4.2-3B layers), v1 for Ouro-1.4B's K = 2048 layers and for INT8; forcing wins."""
+    auto = KernelChoice()
+    assert gemv_choice(3072, auto, 10752, 4) == ("tc", None)
+    assert gemv_choice(8192, auto, 3072, 4) == ("tc", None)
+    assert gemv_choice(2048, auto, 2048, 4) == ("v1", None)
+    assert gemv_choice(2048, auto, 3072, 8) == ("v1", None)
+    assert gemv_choice(49152, auto, 3072, 4) == ("v2", 4)
+    assert gemv_choice(576, KernelChoice(gemv="tc"), 576, 4) == ("tc", None)
+    assert gemv_choice(3072, KernelChoice(gemv="v1"), 10752, 4) == ("v1", None)
+
+
 def test_the_numpy_backend_refuses_a_choice_it_would_ignore():
     assert get_ops("numpy", KernelChoice()).name == "numpy"
     assert get_ops("numpy", None).name == "numpy"

@@ -37,7 +37,7 @@ BITS_G = [(b, g) for b in (4, 8) for g in (32, 64, 128)]
 F16_RTOL = 2e-3        # FP16 output rounding (half an ulp is 4.9e-4) plus float accumulation
 
 
-ALL_GEMVS = pytest.mark.parametrize("ops", ["v1", "v2"], indirect=True)
+ALL_GEMVS = pytest.mark.parametrize("ops", ["v1", "v2", "tc"], indirect=True)
 
 
 # Fresh inputs every session (tests/conftest.py picks TINYLOOP_TEST_SEED; set it to replay);

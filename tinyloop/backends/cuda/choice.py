@@ -12,7 +12,7 @@ import dataclasses
 
 from ...errors import ConfigError
 
-GEMV_VERSIONS = ("auto", "v1", "v2")
+GEMV_VERSIONS = ("auto", "v1", "v2", "tc")
 GEMV2_LPR = (4, 8, 16, 32)        # lanes per row the v2 kernels are built for
 GEMV2_THREADS = (64, 128, 256)    # v2 block sizes (norm_row_v256 needs a divisor of 256)
 ATTN_DECODE_VERSIONS = ("split", "v1")      # split-K (default) | single-pass at every length
@@ -28,7 +28,9 @@ class KernelChoice:
     paths. Validated on construction (ConfigError naming the field).
 
     ``gemv``: the decode GEMV (T = 1): ``auto`` (per weight shape, GEMV_BY_SHAPE), or ``v1``
-    (one warp per row) / ``v2`` (lanes per row, x in shared memory) for every shape.
+    (one warp per row) / ``v2`` (lanes per row, x in shared memory) / ``tc`` (16-row tiles on
+    tensor cores, INT4 weights; INT8 ones run v1) for every shape; ``auto`` takes ``tc`` for
+    INT4 layers of K >= 3072.
     ``gemv_lpr``: 4 | 8 | 16 | 32 forces v2's lanes per row (None: per shape,
     ``gemv2_geometry``); ``gemv_threads``: 64 | 128 | 256 forces its block size (None: per
     shape). ``attn_decode``: ``split`` (split-K, attention_decode.cu; contexts of at most

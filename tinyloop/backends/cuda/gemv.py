@@ -1,11 +1,12 @@
 """Decode projections (T = 1) and the linear ops that dispatch between GEMV and GEMM
 (kernels/gemv.cu): a mixin of CudaOps.
 
-Two GEMV kernels: v1 (one warp per output row, ``GEMV_WARPS`` rows per block) and v2 (a group
-of 4 to 32 lanes per row, x staged in shared memory; ``gemv2_geometry``). The default
-(``KernelChoice.gemv = "auto"``) picks per weight shape from ``GEMV_BY_SHAPE``: v1 for every
-layer shape, v2 for an LM-head-sized weight (docs/architecture.md "GEMV choice" has the
-measurements). The RMSNorm -> projection pairs (``rmsnorm_linear``,
+Three GEMV kernels: v1 (one warp per output row, ``GEMV_WARPS`` rows per block), v2 (a group
+of 4 to 32 lanes per row, x staged in shared memory; ``gemv2_geometry``) and tc (INT4 only:
+16-row tiles on tensor cores, kernels/gemv_mma.cu ``gemv_tc_*``; ``tc_smem``). The default
+(``KernelChoice.gemv = "auto"``) picks per weight shape from ``GEMV_BY_SHAPE``: v2 for an
+LM-head-sized weight, tc for INT4 layers of K >= 3072, v1 for the rest (docs/architecture.md
+"GEMV choice" has the measurements). The RMSNorm -> projection pairs (``rmsnorm_linear``,
 ``rmsnorm_linear_swiglu``, ``rmsnorm_lm_head``) are one launch at T == 1 (``gemv_norm_*``:
 the GEMV normalizes the FP32 residual row into shared memory first, bit-identically to
 ``rmsnorm``) and leave their ``norm`` scratch unwritten; T > 1 composes ``rmsnorm`` with the
@@ -39,14 +40,19 @@ _NORM_MAX_K = 16384     # gemv_norm_*: the FP16 normalized row (2 K bytes) in dy
                         # memory, <= 32 KiB (under the 48 KiB a launch gets without opt-in)
 _NORM_MAX_N = 1 << 30   # gemv_norm_*: int row index in the kernel
 _BLOCKS_PER_SM = 8      # 2048 resident threads per SM / 256-thread GEMV blocks
+_TC_WARPS = 8           # gemv_tc_*: warps per block (the RMSNorm prologue is rmsnorm.cu's
+                        # 256-thread arithmetic)
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
 # The decode GEMV per weight shape (KernelChoice.gemv = "auto", the default): the first row
-# whose min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). v1
-# measured faster on every layer shape of SmolLM2, v2 at 4 lanes per row on its LM head
-# (docs/architecture.md "GEMV choice").
-GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
-                 (0, "v1", None))      # every layer shape
+# (min_rows, min_k, bits) with min_rows <= N, min_k <= K and bits None or the weight's gives
+# (version, v2 lanes per row or None = gemv2_geometry's rule). v1 measured faster on every
+# layer shape of SmolLM2 and Ouro-1.4B's K = 2048 layers, v2 at 4 lanes per row on the LM
+# head, the tensor-core GEMV on INT4 layers from K = 3072 (docs/architecture.md "GEMV
+# choice").
+GEMV_BY_SHAPE = ((16384, 0, None, "v2", 4),   # LM-head sized: 49,152 x 576
+                 (0, 3072, 4, "tc", None),     # INT4 layers of K >= 3072 (Nanbeige4.2-3B)
+                 (0, 0, None, "v1", None))     # every other layer shape
 
 
 def rows_tile(n: int, t: int, sms: int) -> int:
@@ -71,14 +77,22 @@ def mma_geometry(t: int, k: int, two: bool) -> tuple:
     return ct, warps, warps * per_warp
 
 
-def gemv_choice(n: int, kernels: KernelChoice) -> tuple:
-    """(version, forced lanes per row or None) of the decode GEMV over ``n`` output rows under
-    ``kernels``: a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A forced ``gemv_lpr``
-    overrides the table's."""
+def tc_smem(k: int, two: bool) -> int:
+    """Dynamic shared memory bytes of a ``gemv_tc_*`` launch over K = ``k``: x's FP16 pairs and
+    chunk sums for K rounded up to 8 chunks of 32, and the 8 warps' sums of one or two
+    (``two``: SwiGLU) 16-row tiles."""
+    cpad = -(-(k // 32) // 8) * 8
+    return cpad * 68 + _TC_WARPS * (2 if two else 1) * 16 * 4
+
+
+def gemv_choice(n: int, kernels: KernelChoice, k: int = 0, bits: int = 4) -> tuple:
+    """(version, forced lanes per row or None) of the decode GEMV over an ``n`` x ``k`` weight
+    of ``bits`` under ``kernels``: a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A
+    forced ``gemv_lpr`` overrides the table's."""
     ver, lpr = kernels.gemv, kernels.gemv_lpr
     if ver == "auto":
-        for min_rows, v, l in GEMV_BY_SHAPE:
-            if n >= min_rows:
+        for min_rows, min_k, b, v, l in GEMV_BY_SHAPE:
+            if n >= min_rows and k >= min_k and b in (None, bits):
                 ver, lpr = v, (lpr if lpr is not None else l)
                 break
     return ver, lpr
@@ -115,7 +129,7 @@ class _WInfo:
     """Launch parameters of one device QuantWeight, validated once (cached weakly per weight)."""
 
     __slots__ = ("n", "k", "lg", "args", "gemv", "gemv_norm", "gemm", "rows", "bits", "mma",
-                 "v2", "lpr", "g2", "g2_norm", "g2_argmax", "geo", "__weakref__")
+                 "v2", "lpr", "g2", "g2_norm", "g2_argmax", "geo", "tc", "__weakref__")
 
     def __init__(self, ops, w):
         _weight(w, "w")
@@ -142,7 +156,7 @@ class _WInfo:
         # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
         # runs v1, which takes any shape
         kc = ops.kernels
-        ver, lpr = gemv_choice(self.n, kc)
+        ver, lpr = gemv_choice(self.n, kc, self.k, b)
         self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
                    and self.n * 32 < _NORM_MAX_N)
         self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
@@ -155,6 +169,15 @@ class _WInfo:
             self.g2_norm = {e: ops._fn("gemv", f"gemv2_norm_q{b}_{e}{sfx}")
                             for e in ("f16", "swiglu", "f32")}
             self.g2_argmax = ops._fn("gemv", f"gemv2_norm_q{b}_argmax{sfx}")
+        # the tensor-core GEMV (gemv_tc_*): INT4 weights, x staged in shared memory
+        # (K <= _NORM_MAX_K), int row arithmetic
+        self.tc = None
+        if (ver == "tc" and not self.v2 and b == 4 and self.n < _NORM_MAX_N
+                and self.k <= _NORM_MAX_K):
+            self.tc = {e: ops._fn("gemv_mma", f"gemv_tc_q4_{e}") for e in ("f16", "resid",
+                                                                            "swiglu", "f32")}
+            for e in ("f16", "swiglu", "f32"):
+                self.tc["norm_" + e] = ops._fn("gemv_mma", f"gemv_tc_norm_q4_{e}")
 
     def geometry(self, ops, rows: int, cap_wave: bool = False) -> tuple:
         """(threads, blocks) of a v2 launch over ``rows`` output rows."""
@@ -191,6 +214,9 @@ class GemvOps:
         if t == 1:
             if info.v2:
                 self._gemv2(info, info.g2[epi], n, 0, x, out)
+                return
+            if info.tc is not None:
+                self._gemv_tc(info, epi, n, 0, (x.data.ptr,), out)
                 return
             info.gemv[epi](((n + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                            (*info.args, x.data.ptr, n, k, 0, lg, out.data.ptr))
@@ -298,6 +324,9 @@ class GemvOps:
             if info.v2:
                 self._gemv2(info, info.g2["swiglu"], f, f, x, out)
                 return
+            if info.tc is not None:
+                self._gemv_tc(info, "swiglu", f, f, (x.data.ptr,), out)
+                return
             info.gemv["swiglu"](((f + _GEMV_ROWS - 1) // _GEMV_ROWS,), (32 * _GEMV_ROWS,),
                                 (*info.args, x.data.ptr, f, info.k, f,
                                  w.group_size.bit_length() - 1, out.data.ptr))
@@ -385,7 +414,27 @@ class GemvOps:
         _shape(weight, "weight", (info.k,))
         return info.gemv_norm is not None
 
+    def _gemv_tc(self, info, epi: str, rows: int, f: int, xargs: tuple, out) -> None:
+        """Launch ``gemv_tc_[norm_]q4_{epi}`` (``xargs``: (x,) for f16 x [1, K] after the
+        weight, or (x, weight, eps) before it for the RMSNorm-fused entry) over ``rows`` output rows (F for SwiGLU,
+        with ``f`` = F): a block per 16-row tile, the RMSNorm-fused entries capped at the
+        resident blocks (each block normalizes the row once and strides over the tiles)."""
+        norm = len(xargs) == 3
+        fn = info.tc[("norm_" if norm else "") + epi]
+        smem = tc_smem(info.k, epi == "swiglu")
+        blocks = (rows + 15) // 16
+        threads = 32 * _TC_WARPS
+        cap = self.resident_blocks(fn, threads, smem) if norm else self._grid_cap
+        if cap is not None and blocks > cap:
+            blocks = cap
+        args = (*xargs, *info.args) if norm else (*info.args, *xargs)
+        fn((blocks,), (threads,), (*args, rows, info.k, f, info.lg, out.data.ptr),
+           shared_mem=smem)
+
     def _gemv_norm(self, info, epi: str, x, weight, eps, rows: int, f: int, out) -> None:
+        if info.tc is not None:
+            self._gemv_tc(info, epi, rows, f, (x.data.ptr, weight.data.ptr, float(eps)), out)
+            return
         if info.v2:
             nt, nb = self._geo(info, rows, True)
             info.g2_norm[epi]((nb,), (nt,),

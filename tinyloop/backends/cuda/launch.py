@@ -133,6 +133,8 @@ SIGNATURES = (
     (r"gemv_mma\w+_q\d+_\w+", "ppppiiiiiipi"),
     (r"gemv_norm_q\d+_\w+", "ppfpppiiiip"),
     (r"gemv2_q\d+_\w+_l\w+", "ppppiiiip"),
+    (r"gemv_tc_q\d+_\w+", "ppppiiiip"),
+    (r"gemv_tc_norm_q\d+_\w+", "ppfpppiiiip"),
     (r"gemv2_norm_q\d+_argmax_l\w+", "ppfpppiiipppppp"),
     (r"gemv2_norm_q\d+_(?!argmax)\w+_l\w+", "ppfpppiiiip"),
     (r"gemm_q\d+_\w+", "ppppiiiipi"),

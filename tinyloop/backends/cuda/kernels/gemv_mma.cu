@@ -1,5 +1,6 @@
-// Quantized GEMV for a decode batch on tensor cores: out[t] = epilogue(x[t] @ W.T) for the
-// T <= 8 * CT input rows of x, W group-quantized (INT4 / INT8, g = 32 / 64 / 128).
+// Quantized GEMV on tensor cores: gemv_mma{CT}_* for a decode batch (out[t] = epilogue(x[t] @
+// W.T) for the T <= 8 * CT input rows of x, W group-quantized INT4 / INT8, g = 32 / 64 / 128),
+// and gemv_tc_* for one row (T = 1, INT4; its own section below).
 //
 // Checked against: NumpyOps.linear / linear_residual / linear_swiglu (the product from the
 // dequantized weights) and gemv_rows{R}_* (tests/kernels/test_gemv_mma_gpu.py).
@@ -231,3 +232,260 @@ __device__ __forceinline__ void gemv_mma_impl(const u8* __restrict__ qw,
 GEMV_MMA_ALL(1)
 GEMV_MMA_ALL(2)
 GEMV_MMA_ALL(4)
+
+// ================================================================================================
+// Tensor-core GEMV for decode (T = 1, INT4 g = 32 / 64 / 128): gemv_tc_q4_{f16,resid,swiglu,f32}
+// (x f16 [K]) and gemv_tc_norm_q4_{f16,swiglu,f32} (x the f32 residual row, RMSNorm-fused).
+//
+// Checked against: NumpyOps.linear / linear_residual / linear_swiglu / lm_head at T = 1 and the
+// v1 GEMV (tests/kernels/test_gemv_tc_gpu.py); gemv_tc_norm_* against rmsnorm + gemv_tc_*, bit
+// for bit.
+//
+// v1 turns each code into a float and runs an FMA per code (about six instructions a weight,
+// latency-bound at few warps per SM). Here one mma.sync m16n8k16 takes 16 rows x 16 columns of
+// codes as FP16 integers (exact: a code is at most 15) against x, so the products and their
+// sums run on the tensor cores in FP32 and a lane spends about one instruction a weight on
+// turning nibbles into FP16 pairs (LOP3 into a mantissa, then one exact HSUB2 / HFMA2):
+// - a warp owns a 16-row tile (two tiles, gate and up rows, for SwiGLU) and takes one step of
+//   8 consecutive 32-column chunks (c0 .. c0 + 7): lane (g, t4) loads chunk c0 + t4 and chunk
+//   c0 + 4 + t4 of rows g and g + 8 as four 16-byte loads (a row's 8 chunks are 128
+//   contiguous bytes across the 4 lanes of a row);
+// - the MMA's 8 columns keep the chunks apart, so each chunk's own scale and zero apply after:
+//   x enters B only at column n for the k of chunk n (lane (g, t4) holds B's column g, and
+//   chunk n's k are lane n & 3's; the other columns' B entries are zero), so 16 MMAs (one per
+//   code pair of the chunk) leave D[row][n] = sum_k q_k x_k over chunk c0 + n, and the lane
+//   adds s * D + z * sum(x) for its columns 2 t4, 2 t4 + 1 (the product is sum (q s + z) x);
+// - a block's warps split K by steps (step c0 / 8 to warp c0 / 8 mod warps) and add their
+//   partial sums in shared memory in warp order; blocks stride over the tiles.
+// x is staged once per block in shared memory: each 16-byte unit of 8 values (x_0 .. x_7) is
+// stored as the FP16 pairs (x_j, x_j+4), the order the code pairs come out in, with each
+// chunk's FP32 sum beside; chunks past K are zeros. The MMA sums round differently from v1's
+// FMA chain (FP32 either way), so a row is within FP32 rounding of v1's, not equal to it.
+// Fragments: common.cuh mma16816. Needs K % 32 == 0, 16-byte aligned rows, N < 2^30 (host).
+// ================================================================================================
+#define TC_CHUNKS 8         // 32-column chunks per warp step (the MMA's 8 columns)
+
+__device__ __forceinline__ unsigned hfma2u(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Code word w (nibble j = column 8 i + j of its chunk) as the FP16 pairs p[j] = (q_j, q_j+4):
+// nibbles j and j + 4 are bits 4 j and 4 j + 16, so a mask and an OR with 1024 (0x6400) put
+// them into two mantissas; an odd j sits 4 bits up (1024 + 16 q), undone by x / 16 - 64.
+__device__ __forceinline__ void tc_word(unsigned w, unsigned (&p)[4]) {
+    const unsigned M0 = 0x000F000Fu, M1 = 0x00F000F0u, B = 0x64006400u;
+    const unsigned SIXTEENTH = 0x2C002C00u, MINUS64 = 0xD400D400u;
+    const unsigned h = w >> 8;
+    p[0] = hsub2((w & M0) | B, B);
+    p[1] = hfma2u((w & M1) | B, SIXTEENTH, MINUS64);
+    p[2] = hsub2((h & M0) | B, B);
+    p[3] = hfma2u((h & M1) | B, SIXTEENTH, MINUS64);
+}
+
+// One warp step's loads: wv[t][h][u] = chunk c0 + t4 + 4 u of row g + 8 h of tile t; s / z[t][h][e]
+// = the scale / zero of chunk c0 + 2 t4 + e of that row (0 past the row's chunks).
+template <int NT>
+struct TcLoad {
+    uint4 wv[NT][2][2];
+    float s[NT][2][2], z[NT][2][2];
+};
+
+template <int NT>
+__device__ __forceinline__ void tc_load(TcLoad<NT>& L, const u8* __restrict__ qw,
+                                        const unsigned short* __restrict__ sc,
+                                        const unsigned short* __restrict__ zr,
+                                        const i64 (&rows)[NT][2], i64 row_bytes, int c0,
+                                        int chunks, int ngroups, int log2g, int t4, bool valid) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4* w = (const uint4*)(qw + rows[t][h] * row_bytes);
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int c = c0 + t4 + 4 * u;
+                L.wv[t][h][u] = valid && c < chunks ? __ldg(w + c) : make_uint4(0u, 0u, 0u, 0u);
+            }
+            const i64 g0 = rows[t][h] * ngroups;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = c0 + 2 * t4 + e;
+                const bool ok = valid && c < chunks;
+                const i64 gi = g0 + ((c << 5) >> log2g);
+                L.s[t][h][e] = ok ? h2f((half_t)__ldg(sc + gi)) : 0.0f;
+                L.z[t][h][e] = ok ? h2f((half_t)__ldg(zr + gi)) : 0.0f;
+            }
+        }
+}
+
+// x staged for the block (the layout above): xp holds cpad chunks of 16 pairs (64 bytes), sx
+// their sums. NORM: xin is the f32 residual row, normalized first by norm_row_to_shared
+// (rmsnorm.cu's values bit for bit at 256 threads, written into xp in natural order, then
+// permuted in place); else xin is the f16 row. Ends with a barrier.
+template <bool NORM>
+__device__ __forceinline__ void tc_stage(const void* __restrict__ xin,
+                                         const float* __restrict__ nw, double eps, int K,
+                                         int cpad, uint4* xp, float* sx) {
+    if (NORM) norm_row_to_shared((const float*)xin, nw, eps, K, (half_t*)xp);
+    const int units = cpad * 4, kunits = K / 8;
+    for (int u0 = threadIdx.x - (threadIdx.x & 31); u0 < units; u0 += blockDim.x) {
+        const int u = u0 + (threadIdx.x & 31);          // a warp's 32 units: 8 whole chunks
+        uint4 X = make_uint4(0u, 0u, 0u, 0u);
+        if (u < kunits) X = NORM ? xp[u] : ((const uint4*)xin)[u];
+        float s = ((h2_lo(X.x) + h2_hi(X.x)) + (h2_lo(X.y) + h2_hi(X.y))) +
+                  ((h2_lo(X.z) + h2_hi(X.z)) + (h2_lo(X.w) + h2_hi(X.w)));
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if ((u & 3) == 0) sx[u >> 2] = s;
+        if (u < units)
+            xp[u] = make_uint4(__byte_perm(X.x, X.z, 0x5410), __byte_perm(X.x, X.z, 0x7632),
+                               __byte_perm(X.y, X.w, 0x5410), __byte_perm(X.y, X.w, 0x7632));
+    }
+    __syncthreads();
+}
+
+// out: as gemv_impl's (EPI_F16 / EPI_F32: [N]; EPI_RESID: f32 [N] +=; EPI_SWIGLU: f16 [F],
+// W rows [2F, K] gate then up, N = F). grid: any (blocks stride over ceil(N / 16) tiles);
+// block = 256 threads (8 warps); dynamic shared memory = gemv.py tc_smem: x's pairs
+// (64 bytes a chunk) and sums (4 bytes a chunk) for K rounded up to 8 chunks, and the warps'
+// sums (8 * 16 floats a tile).
+template <int EPI, bool NORM>
+__device__ __forceinline__ void gemv_tc_body(const void* __restrict__ xin,
+                                             const float* __restrict__ nw, double eps,
+                                             const u8* __restrict__ qw,
+                                             const half_t* __restrict__ sc_h,
+                                             const half_t* __restrict__ zr_h, int N, int K,
+                                             int F, int log2g, void* __restrict__ out) {
+    constexpr int NT = EPI == EPI_SWIGLU ? 2 : 1;
+    const unsigned short* sc = (const unsigned short*)sc_h;
+    const unsigned short* zr = (const unsigned short*)zr_h;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw_ = blockDim.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int chunks = K >> 5, ngroups = K >> log2g;
+    const int steps = (chunks + TC_CHUNKS - 1) / TC_CHUNKS, cpad = steps * TC_CHUNKS;
+    const i64 row_bytes = K / 2;
+    const int tiles = (N + 15) >> 4;
+    uint4* xp = (uint4*)gemv_smem;
+    float* sx = (float*)(xp + cpad * 4);
+    float* red = sx + cpad;                              // [warps][NT][16]
+    // B: lane (g, t4) holds column g, whose chunk g's k belong to lane t4 == g & 3
+    const bool diag = (g & 3) == t4;
+    const unsigned lo_mask = g < 4 ? 0xFFFFFFFFu : 0u;
+
+    i64 rows[NT][2];
+    auto set_rows = [&](int tile) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = tile * 16 + g + 8 * h;
+                rows[t][h] = (i64)(r < N ? r : N - 1) + (i64)t * F;   // clamped: loads only
+            }
+    };
+    TcLoad<NT> L;
+    int tile = blockIdx.x;
+    if (tile < tiles) {                                  // the first loads: before the wait
+        set_rows(tile);
+        tc_load<NT>(L, qw, sc, zr, rows, row_bytes, warp * TC_CHUNKS, chunks, ngroups, log2g, t4,
+                    warp < steps);
+    }
+    TL_PDL_ENTER();                               // x and out: written / read by the kernel before
+    tc_stage<NORM>(xin, nw, eps, K, cpad, xp, sx);
+    bool preloaded = true;
+    for (; tile < tiles; tile += gridDim.x) {
+        if (!preloaded) set_rows(tile);
+        float acc[NT][2];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = 0.0f;
+        for (int s = warp; s < steps; s += nw_) {
+            if (!preloaded)
+                tc_load<NT>(L, qw, sc, zr, rows, row_bytes, s * TC_CHUNKS, chunks, ngroups,
+                            log2g, t4, true);
+            preloaded = false;
+            {
+                const int c0 = s * TC_CHUNKS;
+                uint4 xv[4] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u),
+                               make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+                if (diag)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) xv[i] = xp[(c0 + g) * 4 + i];
+                const float2 sxv = *(const float2*)(sx + c0 + 2 * t4);
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        unsigned p00[4], p10[4], p01[4], p11[4];    // p{h}{u}
+                        tc_word((&L.wv[t][0][0].x)[i], p00);
+                        tc_word((&L.wv[t][1][0].x)[i], p10);
+                        tc_word((&L.wv[t][0][1].x)[i], p01);
+                        tc_word((&L.wv[t][1][1].x)[i], p11);
+                        const unsigned xw[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const unsigned a[4] = {p00[j], p10[j], p01[j], p11[j]};
+                            const unsigned b[2] = {xw[j] & lo_mask, xw[j] & ~lo_mask};
+                            mma16816(d, a, b);
+                        }
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        acc[t][h] += fmaf(L.s[t][h][0], d[2 * h], L.z[t][h][0] * sxv.x) +
+                                     fmaf(L.s[t][h][1], d[2 * h + 1], L.z[t][h][1] * sxv.y);
+                }
+            }
+        }
+        // the row sums: the lane's two columns, then the row's 4 lanes, then the warps in order
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = acc[t][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if (t4 == 0) red[(warp * NT + t) * 16 + g + 8 * h] = v;
+            }
+        __syncthreads();
+        if (threadIdx.x < 16) {
+            const int r = tile * 16 + threadIdx.x;
+            float v[NT];
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                float sum = 0.0f;
+                for (int k = 0; k < nw_; ++k) sum += red[(k * NT + t) * 16 + threadIdx.x];
+                v[t] = sum;
+            }
+            if (r < N) gemv_store<EPI>(out, r, v[0], v[NT - 1]);
+        }
+        __syncthreads();                                 // red is rewritten by the next tile
+    }
+}
+
+// MINB: the blocks per SM the register budget is held to (launch bounds): 3 for the one-tile
+// RMSNorm-fused entries, whose grid is then resident in one wave at the projections' sizes;
+// 2 for SwiGLU's two tiles.
+#define GEMV_TC_ENTRY(NAME, EPI, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                  \
+        NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
+             i64 F, i64 log2g, void* out) {                                                   \
+        gemv_tc_body<EPI, false>(x, nullptr, 0.0, qw, sc, zr, (int)N, (int)K, (int)F,      \
+                                    (int)log2g, out);                                         \
+    }
+
+#define GEMV_TC_NORM_ENTRY(NAME, EPI, MINB)                                                   \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                  \
+        NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
+             const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
+        gemv_tc_body<EPI, true>(x, weight, eps, qw, sc, zr, (int)N, (int)K, (int)F,        \
+                                   (int)log2g, out);                                          \
+    }
+
+GEMV_TC_ENTRY(gemv_tc_q4_f16, EPI_F16, 1)
+GEMV_TC_ENTRY(gemv_tc_q4_resid, EPI_RESID, 1)
+GEMV_TC_ENTRY(gemv_tc_q4_swiglu, EPI_SWIGLU, 2)
+GEMV_TC_ENTRY(gemv_tc_q4_f32, EPI_F32, 1)
+GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_f16, EPI_F16, 3)
+GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_swiglu, EPI_SWIGLU, 2)
+GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_f32, EPI_F32, 3)

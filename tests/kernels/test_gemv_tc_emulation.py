@@ -1,0 +1,190 @@
+"""CPU check of gemv_tc_*'s fragment arithmetic (kernels/gemv_mma.cu, the T = 1 tensor-core
+GEMV), which this machine cannot run: a NumPy emulation of the kernel as written (x staged as
+the FP16 pairs (x_j, x_j+4) of each 8-value unit with each chunk's sum; each lane's code words
+of chunks c0 + t4 and c0 + 4 + t4 of rows g and g + 8; tc_word's LOP3 / sub.f16x2 / fma.f16x2
+placement of nibbles into FP16; x entering B only at column g for lanes with g % 4 == t4;
+mma.sync m16n8k16 assembled by the PTX ISA's fragment layout; s * D + z * sum(x) per chunk
+column; the warps' step split, the 4-lane and warp-order sums) against
+x @ W.T from the dequantized weights (tinyloop.quant.dequantize), in float64. A wrong pair, a
+wrong fragment or a wrong column of B fails it (the planted faults below).
+tests/kernels/test_gemv_tc_gpu.py checks the kernel itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyloop.quant import dequantize, quantize
+
+from .test_gemv_mma_emulation import byte_perm, halves, hsub2, mma16816, pack
+
+
+def hfma2(a, b, c):
+    """fma.rn.f16x2 (exact here: small integers and powers of two)."""
+    al, ah = halves(a)
+    bl, bh = halves(b)
+    cl, ch = halves(c)
+    return pack(al * bl + cl, ah * bh + ch)
+
+
+def tc_word(w):
+    """tc_word for uint32 words w [32]: the 4 FP16 pairs (q_j, q_j+4)."""
+    M0, M1, B = 0x000F000F, 0x00F000F0, 0x64006400
+    h = w >> 8
+    return [hsub2((w & M0) | B, B), hfma2((w & M1) | B, 0x2C002C00, 0xD400D400),
+            hsub2((h & M0) | B, B), hfma2((h & M1) | B, 0x2C002C00, 0xD400D400)]
+
+
+def stage_x(x):
+    """tc_stage: (xp uint32 [cpad * 4, 4], sx [cpad]) from x f16 [K]."""
+    k = x.size
+    cpad = -(-(k // 32) // 8) * 8
+    xh = np.zeros(cpad * 32, np.float16)
+    xh[:k] = x
+    words = xh.view(np.uint16).astype(np.uint32).reshape(-1, 4, 2)
+    X = words[:, :, 0] | (words[:, :, 1] << 16)                 # [units, 4]
+    xp = np.stack([byte_perm(X[:, 0], X[:, 2], 0x5410), byte_perm(X[:, 0], X[:, 2], 0x7632),
+                   byte_perm(X[:, 1], X[:, 3], 0x5410), byte_perm(X[:, 1], X[:, 3], 0x7632)], 1)
+    sx = xh.astype(np.float64).reshape(cpad, 32).sum(1)
+    return xp, sx
+
+
+def emulate(w, x, two=False, warps=8, ks=None, b_cols=None):
+    """gemv_tc_body over every tile: the raw products [N] (SwiGLU: gate and up [2, F]).
+    ``ks``: columns per pass (default K: the kernel's one pass); ``b_cols``: a planted fault,
+    (diag, lo mask) per lane from (g, t4)."""
+    n_all, k = w.shape
+    nt = 2 if two else 1
+    n = n_all // nt
+    f = n if two else 0
+    ks = ks or k
+    lg = int(np.log2(w.group_size))
+    q = w.qweight.view(np.uint8)
+    sc, zr = w.scales.astype(np.float64), w.zeros.astype(np.float64)
+    xp, sx = stage_x(x)
+    lane = np.arange(32)
+    g, t4 = lane // 4, lane % 4
+    diag = (g & 3) == t4
+    lo = np.where(g < 4, 0xFFFFFFFF, 0).astype(np.uint32)
+    if b_cols is not None:
+        diag, lo = b_cols(g, t4)
+    out = np.zeros((nt, n))
+    for tile in range(-(-n // 16)):
+        red = np.zeros((warps, nt, 16))
+        for kk in range(-(-k // ks)):
+            kw = min(ks, k - kk * ks)
+            pchunks = kw // 32
+            acc = np.zeros((warps, nt, 2, 32))
+            for s in range(-(-pchunks // 8)):
+                warp = s % warps
+                c0 = 8 * s
+                cg = kk * ks // 32 + c0
+                xv = np.where(diag[:, None, None], xp[(cg + g)[:, None] * 4 + np.arange(4)], 0)
+                xv = xv.astype(np.uint32)                        # [32 lanes, 4 units, 4 pairs]
+                for t in range(nt):
+                    rows = [np.minimum(16 * tile + g + 8 * h, n - 1) + t * f for h in range(2)]
+                    d = np.zeros((32, 4))
+                    for i in range(4):
+                        p = {}
+                        for h in range(2):
+                            for u in range(2):
+                                c = c0 + t4 + 4 * u
+                                col = kk * ks // 2 + 16 * c + 4 * i
+                                byt = [np.where(c < pchunks, q[rows[h], np.minimum(col + b, q.shape[1] - 1)], 0)
+                                       for b in range(4)]
+                                word = (byt[0].astype(np.uint32) | byt[1].astype(np.uint32) << 8
+                                        | byt[2].astype(np.uint32) << 16
+                                        | byt[3].astype(np.uint32) << 24)
+                                p[h, u] = tc_word(word)
+                        for j in range(4):
+                            a = np.stack([p[0, 0][j], p[1, 0][j], p[0, 1][j], p[1, 1][j]], 1)
+                            b = np.stack([xv[:, i, j] & lo, xv[:, i, j] & ~lo], 1)
+                            d = mma16816(d, a, b)
+                    for h in range(2):
+                        for e in range(2):
+                            c = c0 + 2 * t4 + e
+                            grp = ((kk * ks // 32 + c) * 32) >> lg
+                            ok = c < pchunks
+                            s_ = np.where(ok, sc[rows[h], np.minimum(grp, sc.shape[1] - 1)], 0)
+                            z_ = np.where(ok, zr[rows[h], np.minimum(grp, sc.shape[1] - 1)], 0)
+                            sxe = sx[np.minimum(cg + 2 * t4 + e, sx.size - 1)]
+                            acc[warp, t, h] += s_ * d[:, 2 * h + e] + z_ * sxe
+            for t in range(nt):
+                for h in range(2):
+                    v = acc[:, t, h].reshape(warps, 8, 4).sum(2)   # the row's 4 lanes
+                    red[:, t, 8 * h:8 * h + 8] += v
+        tot = red.sum(0)
+        r = 16 * tile + np.arange(16)
+        ok = r < n
+        out[:, r[ok]] = tot[:, ok]
+    return out if two else out[0]
+
+
+def _weight(rng, n, k, g):
+    return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1
+                    + rng.standard_normal((n, 1)).astype(np.float32) * 0.05, bits=4,
+                    group_size=g)
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("n,k,warps", [(16, 256, 8), (37, 1024, 2), (20, 3072, 8), (9, 96, 8),
+                                       (17, 800, 8)])
+def test_emulated_gemv_tc_is_the_product(g, n, k, warps):
+    if k % g:
+        pytest.skip("K must hold whole groups")
+    ks = None
+    rng = np.random.default_rng(g + n + k)
+    w = _weight(rng, n, k, g)
+    x = rng.standard_normal(k).astype(np.float16)
+    want = dequantize(w).astype(np.float64) @ x.astype(np.float64)
+    got = emulate(w, x, warps=warps, ks=ks)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_emulated_gemv_tc_swiglu_takes_gate_and_up_rows():
+    rng = np.random.default_rng(5)
+    f, k = 21, 512
+    w = _weight(rng, 2 * f, k, 32)
+    x = rng.standard_normal(k).astype(np.float16)
+    full = dequantize(w).astype(np.float64) @ x.astype(np.float64)
+    gate, up = emulate(w, x, two=True, warps=2)
+    np.testing.assert_allclose(gate, full[:f], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(up, full[f:], rtol=1e-9, atol=1e-9)
+
+
+def test_the_emulation_catches_a_wrong_b_column():
+    """The check can fail: x entering B at every lane's column (no chunk separation) sums
+    chunks under one another's scales."""
+    rng = np.random.default_rng(7)
+    w = _weight(rng, 16, 512, 32)
+    x = rng.standard_normal(512).astype(np.float16)
+    want = dequantize(w).astype(np.float64) @ x.astype(np.float64)
+    bad = emulate(w, x, b_cols=lambda g, t4: (np.ones(32, bool),
+                                              np.where(g < 4, 0xFFFFFFFF, 0).astype(np.uint32)))
+    assert np.max(np.abs(bad - want)) > 1e-3
+
+
+def test_the_emulation_catches_a_wrong_code_pair():
+    """tc_word's pairs (q_j, q_j+4) against x pairs (x_j, x_j+1) permutes K between the
+    operands."""
+    rng = np.random.default_rng(8)
+    w = _weight(rng, 16, 256, 32)
+    x = rng.standard_normal(256).astype(np.float16)
+    want = dequantize(w).astype(np.float64) @ x.astype(np.float64)
+    global stage_x
+    good = stage_x
+
+    def wrong(xx):
+        xp, sx = good(xx)
+        words = np.zeros_like(xp)
+        h = np.pad(xx, (0, xp.shape[0] * 8 - xx.size)).astype(np.float16).view(np.uint16)
+        h = h.astype(np.uint32).reshape(-1, 4, 2)
+        words[:] = h[:, :, 0] | (h[:, :, 1] << 16)
+        return words, sx
+
+    stage_x = wrong
+    try:
+        bad = emulate(w, x)
+    finally:
+        stage_x = good
+    assert np.max(np.abs(bad - want)) > 1e-3
