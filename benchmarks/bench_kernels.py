@@ -1,14 +1,17 @@
 """Kernel micro-benchmarks of the CUDA backend at SmolLM2-135M's dims (GEMV, GEMM, attention, stack).
 
     python -m benchmarks bench_kernels [--out DIR] [--quick] [--ctx N]
+                                       [--gemv-shapes smollm2|ouro|nanbeige] [--gemv-only]
 
 Times (CUDA events, median of repeats after warm-up, GPU time per launch):
   - the device-to-device copy bandwidth (bytes read + written), the ceiling for the GEMVs;
   - decode GEMVs (T = 1) for each layer matrix, the LM head (also with the fused argmax) and
-    one large matrix, for GEMV v1 (one warp per row), v2 with its default geometry and, unless
-    --quick, v2 at each lanes-per-row (4 / 8 / 16 / 32): GPU us from a CUDA graph of launches
-    cycling over weight copies that do not fit in L2, GB/s of bytes read + written against the
-    copy bandwidth, and the max error against float64 NumPy (relative to the output's RMS);
+    one large matrix (--gemv-shapes: SmolLM2-135M's, or Ouro-1.4B's / Nanbeige4.2-3B's layer
+    shapes), for GEMV v1 (one warp per row), v2 with its default geometry, tc (tensor cores,
+    INT4), auto (the default pick per shape) and, unless --quick, v2 at each lanes-per-row
+    (4 / 8 / 16 / 32): GPU us from a CUDA graph of launches cycling over weight copies that do
+    not fit in L2, GB/s of bytes read + written against the copy bandwidth, and the max error
+    against float64 NumPy (relative to the output's RMS); --gemv-only stops there;
   - prefill GEMMs (T = 2048) for each layer matrix, as TFLOP/s, with and without the FP16 cache
     (cuBLAS); prefill and decode attention over the paged KV cache (``kv_write`` /
     ``kv_attention`` on a RuntimeKVCache, fp16 and int8 pages);
@@ -234,6 +237,51 @@ def rand_qw_fast(w: QuantWeight) -> QuantWeight:
     return QuantWeight(w.bits, w.group_size, w.qweight.copy(), w.scales.copy(), w.zeros.copy())
 
 
+# The decode GEMV cases per model (--gemv-shapes): (name, out rows, K, bits, epilogue); the
+# looped architectures' layer shapes from their published configs (common.OURO_1_4B,
+# common.NANBEIGE_3B), INT4 as bench_looped writes them.
+GEMV_SHAPES = {
+    "smollm2": [("qkv", 960, D, 4, "f16"), ("wo", D, D, 4, "resid"),
+                ("gate_up", 2 * FFN, D, 4, "swiglu"), ("down", D, FFN, 4, "resid"),
+                ("lm_head", VOCAB, D, 8, "f32"),
+                ("big_q4", 16384, 8192, 4, "f16"), ("big_q8", 8192, 8192, 8, "f16"),
+                ("norm+qkv", 960, D, 4, "norm_f16"), ("norm+gate_up", 2 * FFN, D, 4, "norm_swiglu"),
+                ("norm+lm_head", VOCAB, D, 8, "norm_f32"),
+                ("norm+lm_head+argmax", VOCAB, D, 8, "norm_argmax")],
+    "ouro": [("norm+qkv", 6144, 2048, 4, "norm_f16"), ("wo", 2048, 2048, 4, "resid"),
+             ("norm+gate_up", 11264, 2048, 4, "norm_swiglu"), ("down", 2048, 5632, 4, "resid"),
+             ("norm+lm_head", 49152, 2048, 4, "norm_f32"),
+             ("norm+lm_head+argmax", 49152, 2048, 4, "norm_argmax")],
+    "nanbeige": [("norm+qkv", 8192, 3072, 4, "norm_f16"), ("wo", 3072, 6144, 4, "resid"),
+                 ("norm+gate_up", 21504, 3072, 4, "norm_swiglu"),
+                 ("down", 3072, 10752, 4, "resid")],
+}
+
+
+def print_gemv(res: dict, variants, copy_gbs: float) -> None:
+    """The GEMV table of ``res["gemv"]``, a column per variant."""
+    gemv = res["gemv"]
+    vn = [v for v in variants]
+    print("GEMV (T=1): GPU us per launch (CUDA-graph replay over copies that do not fit L2), "
+          "GB/s of bytes read+written, % of copy bandwidth; err = max |out - NumPy| / rms(ref)")
+    print(f"{'case':<21}{'shape':>12}{'b':>2}" + "".join(f"{v:>22}" for v in vn))
+    for k_, v in gemv.items():
+        line = f"{k_:<21}{'x'.join(map(str, v['shape'])):>12}{v['bits']:>2}"
+        for name in vn:
+            c = v.get(name)
+            if c is None:
+                line += f"{'-':>22}"
+                continue
+            e = "" if c["max_err_rel_rms"] is None else f" e{c['max_err_rel_rms']:.0e}"
+            line += f"{c['us']:>7.2f}us{c['GBps']:>5.0f}G{100 * c['frac_copy']:>3.0f}%{e:>6}"
+        if "argmax_ok" in v:
+            line += f"  argmax==np.argmax(logits): {v['argmax_ok']}"
+        print(line)
+    print("host us per GEMV call (v1 / v2): " + ", ".join(
+        f"{k_} {v['v1']['host_us']:.1f}/{v['v2']['host_us']:.1f}" for k_, v in gemv.items()
+        if "v1" in v))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -243,6 +291,11 @@ def main(argv=None) -> int:
                     help="v1 and v2 only (no lanes-per-row sweep)")
     ap.add_argument("--ctx", type=int, default=2048,
                     help="decode context of the stack's decode step (<= 2048)")
+    ap.add_argument("--gemv-shapes", choices=sorted(GEMV_SHAPES), default="smollm2",
+                    help="the decode GEMV cases: SmolLM2-135M's (default), or Ouro-1.4B's / "
+                         "Nanbeige4.2-3B's layer shapes")
+    ap.add_argument("--gemv-only", action="store_true",
+                    help="only the copy bandwidth and the decode GEMV table")
     args = ap.parse_args(argv)
     if cupy is None:
         raise SystemExit("bench_kernels needs CuPy and a CUDA GPU")
@@ -262,19 +315,13 @@ def main(argv=None) -> int:
     # --- decode GEMVs: v1 against v2 (auto geometry and each lanes-per-row) -------------------
     variants = {"v1": CudaOps(KernelChoice(gemv="v1")),
                 "v2": CudaOps(KernelChoice(gemv="v2")),
+                "tc": CudaOps(KernelChoice(gemv="tc")),
                 "auto": ops}                      # auto: GEMV_BY_SHAPE's pick per shape
     if not args.quick:
         for lpr in (4, 8, 16, 32):
             variants[f"v2/l{lpr}"] = CudaOps(KernelChoice(gemv="v2", gemv_lpr=lpr))
     gemv = {}
-    cases = [("qkv", 960, D, 4, "f16"), ("wo", D, D, 4, "resid"),
-             ("gate_up", 2 * FFN, D, 4, "swiglu"), ("down", D, FFN, 4, "resid"),
-             ("lm_head", VOCAB, D, 8, "f32"),
-             ("big_q4", 16384, 8192, 4, "f16"), ("big_q8", 8192, 8192, 8, "f16"),
-             # RMSNorm fused in (T = 1): the input is the f32 residual row
-             ("norm+qkv", 960, D, 4, "norm_f16"), ("norm+gate_up", 2 * FFN, D, 4, "norm_swiglu"),
-             ("norm+lm_head", VOCAB, D, 8, "norm_f32"),
-             ("norm+lm_head+argmax", VOCAB, D, 8, "norm_argmax")]
+    cases = GEMV_SHAPES[args.gemv_shapes]
     for name, nout, k, bits, epi in cases:
         # enough copies (>= 2.5x the 50 MB L2, at most 400) that the weights come from DRAM
         one = rand_qw(rng, nout, k, bits)
@@ -350,6 +397,12 @@ def main(argv=None) -> int:
                           "host_us": host_us(run, 300)}
         gemv[name] = row
     res["gemv"] = gemv
+    if args.gemv_only:
+        write_json(args.out, "bench_kernels.json", res)
+        print(f"\n== bench_kernels on {res['device']}; copy {copy_gbs:.0f} GB/s (read+write); "
+              f"GEMV shapes: {args.gemv_shapes}")
+        print_gemv(res, variants, copy_gbs)
+        return 0
 
     # --- prefill GEMMs (T = 2048) ---------------------------------------------------------------
     t = 2048
@@ -542,25 +595,7 @@ def main(argv=None) -> int:
     write_json(args.out, "bench_kernels.json", res)
 
     print(f"\n== bench_kernels on {res['device']}; copy {copy_gbs:.0f} GB/s (read+write)")
-    vn = [v for v in variants]
-    print("GEMV (T=1): GPU us per launch (CUDA-graph replay over copies that do not fit L2), "
-          "GB/s of bytes read+written, % of copy bandwidth; err = max |out - NumPy| / rms(ref)")
-    print(f"{'case':<21}{'shape':>12}{'b':>2}" + "".join(f"{v:>22}" for v in vn))
-    for k_, v in gemv.items():
-        line = f"{k_:<21}{'x'.join(map(str, v['shape'])):>12}{v['bits']:>2}"
-        for name in vn:
-            c = v.get(name)
-            if c is None:
-                line += f"{'-':>22}"
-                continue
-            e = "" if c["max_err_rel_rms"] is None else f" e{c['max_err_rel_rms']:.0e}"
-            line += f"{c['us']:>7.2f}us{c['GBps']:>5.0f}G{100 * c['frac_copy']:>3.0f}%{e:>6}"
-        if "argmax_ok" in v:
-            line += f"  argmax==np.argmax(logits): {v['argmax_ok']}"
-        print(line)
-    print("host us per GEMV call (v1 / v2): " + ", ".join(
-        f"{k_} {v['v1']['host_us']:.1f}/{v['v2']['host_us']:.1f}" for k_, v in gemv.items()
-        if "v1" in v))
+    print_gemv(res, variants, copy_gbs)
     print(f"{'GEMM (T=2048)':<14}{'N x K':>14}{'ms':>9}{'TFLOP/s':>9}{'cuBLAS ms':>11}{'TFLOP/s':>9}")
     for k_, v in gemm.items():
         print(f"{k_:<14}{'x'.join(map(str, v['shape'][1:])):>14}{v['ms']:>9.3f}{v['TFLOPs']:>9.1f}"
