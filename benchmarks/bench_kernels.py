@@ -7,8 +7,9 @@ Times (CUDA events, median of repeats after warm-up, GPU time per launch):
   - the device-to-device copy bandwidth (bytes read + written), the ceiling for the GEMVs;
   - decode GEMVs (T = 1) for each layer matrix, the LM head (also with the fused argmax) and
     one large matrix (--gemv-shapes: SmolLM2-135M's, or Ouro-1.4B's / Nanbeige4.2-3B's layer
-    shapes), for GEMV v1 (one warp per row), v2 with its default geometry, tc (tensor cores,
-    INT4), auto (the default pick per shape) and, unless --quick, v2 at each lanes-per-row
+    shapes), for GEMV v1 (one warp per row), v2 with its default geometry, tc (tensor cores;
+    INT4 only, its column times v1 for the INT8 cases), auto (the default pick per shape) and,
+    unless --quick, v2 at each lanes-per-row
     (4 / 8 / 16 / 32): GPU us from a CUDA graph of launches cycling over weight copies that do
     not fit in L2, GB/s of bytes read + written against the copy bandwidth, and the max error
     against float64 NumPy (relative to the output's RMS); --gemv-only stops there;

@@ -147,7 +147,7 @@ _OPS: dict = {}
 @pytest.fixture(scope="module")
 def ops(request):
     """CudaOps with the default decode GEMV (v2), or the version a test passes indirectly
-    (``@ALL_GEMVS``: each GEMV test runs for v1 and v2)."""
+    (``@ALL_GEMVS``: each GEMV test runs for v1, v2 and tc)."""
     from tinyloop.backends.cuda import CudaOps, KernelChoice
     ver = getattr(request, "param", "v2")      # "auto": GEMV_BY_SHAPE, as a model runs
     if ver not in _OPS:

@@ -72,17 +72,14 @@ def test_gemv_choice_by_shape():
     assert gemv_choice(49152, KernelChoice(gemv_lpr=16)) == ("v2", 16)
 
 
-def test_gemv_choice_takes_tc_for_wide_int4_layers():
-    """auto: the tensor-core GEMV for INT4 weights of K >= 3072 below the LM-head rows (the
-    Nanbeige4.2-3B layers), v1 for Ouro-1.4B's K = 2048 layers and for INT8; forcing wins."""
-    auto = KernelChoice()
-    assert gemv_choice(3072, auto, 10752, 4) == ("tc", None)
-    assert gemv_choice(8192, auto, 3072, 4) == ("tc", None)
-    assert gemv_choice(2048, auto, 2048, 4) == ("v1", None)
-    assert gemv_choice(2048, auto, 3072, 8) == ("v1", None)
-    assert gemv_choice(49152, auto, 3072, 4) == ("v2", 4)
-    assert gemv_choice(576, KernelChoice(gemv="tc"), 576, 4) == ("tc", None)
-    assert gemv_choice(3072, KernelChoice(gemv="v1"), 10752, 4) == ("v1", None)
+def test_gemv_choice_takes_tc_only_when_forced():
+    """auto keeps v1 on the layer shapes of every size and v2 on LM-head rows (the Nanbeige4.2-3B
+    gate / up's 21,504 rows included); gemv="tc" is taken for any shape."""
+    auto, tc = KernelChoice(), KernelChoice(gemv="tc")
+    assert [gemv_choice(n, auto, k, 4) for n, k in ((3072, 10752), (8192, 3072), (2048, 2048))] \
+        == [("v1", None)] * 3
+    assert gemv_choice(21504, auto, 3072, 4) == ("v2", 4)
+    assert gemv_choice(576, tc, 576, 4) == gemv_choice(49152, tc, 2048, 8) == ("tc", None)
 
 
 def test_the_numpy_backend_refuses_a_choice_it_would_ignore():

@@ -29,8 +29,7 @@ class KernelChoice:
 
     ``gemv``: the decode GEMV (T = 1): ``auto`` (per weight shape, GEMV_BY_SHAPE), or ``v1``
     (one warp per row) / ``v2`` (lanes per row, x in shared memory) / ``tc`` (16-row tiles on
-    tensor cores, INT4 weights; INT8 ones run v1) for every shape; ``auto`` takes ``tc`` for
-    INT4 layers of K >= 3072.
+    tensor cores, INT4 weights; INT8 ones run v1) for every shape.
     ``gemv_lpr``: 4 | 8 | 16 | 32 forces v2's lanes per row (None: per shape,
     ``gemv2_geometry``); ``gemv_threads``: 64 | 128 | 256 forces its block size (None: per
     shape). ``attn_decode``: ``split`` (split-K, attention_decode.cu; contexts of at most

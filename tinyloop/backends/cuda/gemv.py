@@ -5,8 +5,8 @@ Three GEMV kernels: v1 (one warp per output row, ``GEMV_WARPS`` rows per block),
 of 4 to 32 lanes per row, x staged in shared memory; ``gemv2_geometry``) and tc (INT4 only:
 16-row tiles on tensor cores, kernels/gemv_mma.cu ``gemv_tc_*``; ``tc_smem``). The default
 (``KernelChoice.gemv = "auto"``) picks per weight shape from ``GEMV_BY_SHAPE``: v2 for an
-LM-head-sized weight, tc for INT4 layers of K >= 3072, v1 for the rest (docs/architecture.md
-"GEMV choice" has the measurements). The RMSNorm -> projection pairs (``rmsnorm_linear``,
+LM-head-sized weight, v1 for every layer shape; ``KernelChoice(gemv="tc")`` takes tc wherever
+the weight is INT4 (docs/architecture.md "GEMV choice" has the measurements). The RMSNorm -> projection pairs (``rmsnorm_linear``,
 ``rmsnorm_linear_swiglu``, ``rmsnorm_lm_head``) are one launch at T == 1 (``gemv_norm_*``:
 the GEMV normalizes the FP32 residual row into shared memory first, bit-identically to
 ``rmsnorm``) and leave their ``norm`` scratch unwritten; T > 1 composes ``rmsnorm`` with the
@@ -47,12 +47,11 @@ _MAX_BLOCKS_PER_SM = 32
 # The decode GEMV per weight shape (KernelChoice.gemv = "auto", the default): the first row
 # (min_rows, min_k, bits) with min_rows <= N, min_k <= K and bits None or the weight's gives
 # (version, v2 lanes per row or None = gemv2_geometry's rule). v1 measured faster on every
-# layer shape of SmolLM2 and Ouro-1.4B's K = 2048 layers, v2 at 4 lanes per row on the LM
-# head, the tensor-core GEMV on INT4 layers from K = 3072 (docs/architecture.md "GEMV
-# choice").
+# layer shape of SmolLM2 and on Ouro-1.4B's K = 2048 layers, v2 at 4 lanes per row on the LM
+# head; tc (forced only) is faster than v1 on Nanbeige4.2-3B's layers, but not yet measured
+# against v2 on its 21,504-row gate / up or end to end (docs/architecture.md "GEMV choice").
 GEMV_BY_SHAPE = ((16384, 0, None, "v2", 4),   # LM-head sized: 49,152 x 576
-                 (0, 3072, 4, "tc", None),     # INT4 layers of K >= 3072 (Nanbeige4.2-3B)
-                 (0, 0, None, "v1", None))     # every other layer shape
+                 (0, 0, None, "v1", None))     # every layer shape
 
 
 def rows_tile(n: int, t: int, sms: int) -> int:

@@ -201,7 +201,7 @@ class KVOps:
         if kv.layout.mode not in ("fp16", "int8") or not self.kernels.fused_qkv_rope:
             return False
         info = self._info(w)
-        if info.v2 or head_dim % 2 or head_dim > STEP_ROPE_MAX:
+        if info.v2 or info.tc is not None or head_dim % 2 or head_dim > STEP_ROPE_MAX:
             return False
         if info.n != (n_heads + 2 * n_kv_heads) * head_dim or not self._norm_fused(x, weight,
                                                                                   info):
