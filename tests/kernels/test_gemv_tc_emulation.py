@@ -89,7 +89,9 @@ def emulate(w, x, two=False, warps=8, b_cols=None):
                             for u in range(2):
                                 c = c0 + t4 + 4 * u
                                 col = kk * ks // 2 + 16 * c + 4 * i
-                                byt = [np.where(c < pchunks, q[rows[h], np.minimum(col + b, q.shape[1] - 1)], 0)
+                                last = q.shape[1] - 1
+                                byt = [np.where(c < pchunks,
+                                                q[rows[h], np.minimum(col + b, last)], 0)
                                        for b in range(4)]
                                 word = (byt[0].astype(np.uint32) | byt[1].astype(np.uint32) << 8
                                         | byt[2].astype(np.uint32) << 16

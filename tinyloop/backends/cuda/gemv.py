@@ -6,11 +6,11 @@ of 4 to 32 lanes per row, x staged in shared memory; ``gemv2_geometry``) and tc 
 16-row tiles on tensor cores, kernels/gemv_mma.cu ``gemv_tc_*``; ``tc_smem``). The default
 (``KernelChoice.gemv = "auto"``) picks per weight shape from ``GEMV_BY_SHAPE``: v2 for an
 LM-head-sized weight, v1 for every layer shape; ``KernelChoice(gemv="tc")`` takes tc wherever
-the weight is INT4 (docs/architecture.md "GEMV choice" has the measurements). The RMSNorm -> projection pairs (``rmsnorm_linear``,
-``rmsnorm_linear_swiglu``, ``rmsnorm_lm_head``) are one launch at T == 1 (``gemv_norm_*``:
-the GEMV normalizes the FP32 residual row into shared memory first, bit-identically to
-``rmsnorm``) and leave their ``norm`` scratch unwritten; T > 1 composes ``rmsnorm`` with the
-projection through ``norm``.
+the weight is INT4 (docs/architecture.md "GEMV choice" has the measurements). The RMSNorm ->
+projection pairs (``rmsnorm_linear``, ``rmsnorm_linear_swiglu``, ``rmsnorm_lm_head``) are one
+launch at T == 1 (``gemv_norm_*``: the GEMV normalizes the FP32 residual row into shared memory
+first, bit-identically to ``rmsnorm``) and leave their ``norm`` scratch unwritten; T > 1
+composes ``rmsnorm`` with the projection through ``norm``.
 """
 
 from __future__ import annotations
@@ -415,9 +415,10 @@ class GemvOps:
 
     def _gemv_tc(self, info, epi: str, rows: int, f: int, xargs: tuple, out) -> None:
         """Launch ``gemv_tc_[norm_]q4_{epi}`` (``xargs``: (x,) for f16 x [1, K] after the
-        weight, or (x, weight, eps) before it for the RMSNorm-fused entry) over ``rows`` output rows (F for SwiGLU,
-        with ``f`` = F): a block per 16-row tile, the RMSNorm-fused entries capped at the
-        resident blocks (each block normalizes the row once and strides over the tiles)."""
+        weight, or (x, weight, eps) before it for the RMSNorm-fused entry) over ``rows`` output
+        rows (F for SwiGLU, with ``f`` = F): a block per 16-row tile, the RMSNorm-fused entries
+        capped at the resident blocks (each block normalizes the row once and strides over the
+        tiles)."""
         norm = len(xargs) == 3
         fn = info.tc[("norm_" if norm else "") + epi]
         smem = tc_smem(info.k, epi == "swiglu")
