@@ -259,7 +259,7 @@ GEMV_SHAPES = {
 }
 
 
-def print_gemv(res: dict, variants, copy_gbs: float) -> None:
+def print_gemv(res: dict, variants) -> None:
     """The GEMV table of ``res["gemv"]``, a column per variant."""
     gemv = res["gemv"]
     vn = [v for v in variants]
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
         write_json(args.out, "bench_kernels.json", res)
         print(f"\n== bench_kernels on {res['device']}; copy {copy_gbs:.0f} GB/s (read+write); "
               f"GEMV shapes: {args.gemv_shapes}")
-        print_gemv(res, variants, copy_gbs)
+        print_gemv(res, variants)
         return 0
 
     # --- prefill GEMMs (T = 2048) ---------------------------------------------------------------
@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     write_json(args.out, "bench_kernels.json", res)
 
     print(f"\n== bench_kernels on {res['device']}; copy {copy_gbs:.0f} GB/s (read+write)")
-    print_gemv(res, variants, copy_gbs)
+    print_gemv(res, variants)
     print(f"{'GEMM (T=2048)':<14}{'N x K':>14}{'ms':>9}{'TFLOP/s':>9}{'cuBLAS ms':>11}{'TFLOP/s':>9}")
     for k_, v in gemm.items():
         print(f"{k_:<14}{'x'.join(map(str, v['shape'][1:])):>14}{v['ms']:>9.3f}{v['TFLOPs']:>9.1f}"

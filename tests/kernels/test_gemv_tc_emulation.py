@@ -56,7 +56,6 @@ def emulate(w, x, two=False, warps=8, b_cols=None):
     nt = 2 if two else 1
     n = n_all // nt
     f = n if two else 0
-    ks = k                                 # one pass over K (the loop below is general)
     lg = int(np.log2(w.group_size))
     q = w.qweight.view(np.uint8)
     sc, zr = w.scales.astype(np.float64), w.zeros.astype(np.float64)
@@ -67,54 +66,46 @@ def emulate(w, x, two=False, warps=8, b_cols=None):
     lo = np.where(g < 4, 0xFFFFFFFF, 0).astype(np.uint32)
     if b_cols is not None:
         diag, lo = b_cols(g, t4)
+    chunks = k // 32
+    last = q.shape[1] - 1
     out = np.zeros((nt, n))
     for tile in range(-(-n // 16)):
-        red = np.zeros((warps, nt, 16))
-        for kk in range(-(-k // ks)):
-            kw = min(ks, k - kk * ks)
-            pchunks = kw // 32
-            acc = np.zeros((warps, nt, 2, 32))
-            for s in range(-(-pchunks // 8)):
-                warp = s % warps
-                c0 = 8 * s
-                cg = kk * ks // 32 + c0
-                xv = np.where(diag[:, None, None], xp[(cg + g)[:, None] * 4 + np.arange(4)], 0)
-                xv = xv.astype(np.uint32)                        # [32 lanes, 4 units, 4 pairs]
-                for t in range(nt):
-                    rows = [np.minimum(16 * tile + g + 8 * h, n - 1) + t * f for h in range(2)]
-                    d = np.zeros((32, 4))
-                    for i in range(4):
-                        p = {}
-                        for h in range(2):
-                            for u in range(2):
-                                c = c0 + t4 + 4 * u
-                                col = kk * ks // 2 + 16 * c + 4 * i
-                                last = q.shape[1] - 1
-                                byt = [np.where(c < pchunks,
-                                                q[rows[h], np.minimum(col + b, last)], 0)
-                                       for b in range(4)]
-                                word = (byt[0].astype(np.uint32) | byt[1].astype(np.uint32) << 8
-                                        | byt[2].astype(np.uint32) << 16
-                                        | byt[3].astype(np.uint32) << 24)
-                                p[h, u] = tc_word(word)
-                        for j in range(4):
-                            a = np.stack([p[0, 0][j], p[1, 0][j], p[0, 1][j], p[1, 1][j]], 1)
-                            b = np.stack([xv[:, i, j] & lo, xv[:, i, j] & ~lo], 1)
-                            d = mma16816(d, a, b)
-                    for h in range(2):
-                        for e in range(2):
-                            c = c0 + 2 * t4 + e
-                            grp = ((kk * ks // 32 + c) * 32) >> lg
-                            ok = c < pchunks
-                            s_ = np.where(ok, sc[rows[h], np.minimum(grp, sc.shape[1] - 1)], 0)
-                            z_ = np.where(ok, zr[rows[h], np.minimum(grp, sc.shape[1] - 1)], 0)
-                            sxe = sx[np.minimum(cg + 2 * t4 + e, sx.size - 1)]
-                            acc[warp, t, h] += s_ * d[:, 2 * h + e] + z_ * sxe
+        acc = np.zeros((warps, nt, 2, 32))
+        for s in range(-(-chunks // 8)):
+            warp = s % warps
+            c0 = 8 * s
+            xv = np.where(diag[:, None, None], xp[(c0 + g)[:, None] * 4 + np.arange(4)], 0)
+            xv = xv.astype(np.uint32)                            # [32 lanes, 4 units, 4 pairs]
             for t in range(nt):
+                rows = [np.minimum(16 * tile + g + 8 * h, n - 1) + t * f for h in range(2)]
+                d = np.zeros((32, 4))
+                for i in range(4):
+                    p = {}
+                    for h in range(2):
+                        for u in range(2):
+                            c = c0 + t4 + 4 * u
+                            col = 16 * c + 4 * i
+                            byt = [np.where(c < chunks, q[rows[h], np.minimum(col + b, last)], 0)
+                                   for b in range(4)]
+                            word = (byt[0].astype(np.uint32) | byt[1].astype(np.uint32) << 8
+                                    | byt[2].astype(np.uint32) << 16
+                                    | byt[3].astype(np.uint32) << 24)
+                            p[h, u] = tc_word(word)
+                    for j in range(4):
+                        a = np.stack([p[0, 0][j], p[1, 0][j], p[0, 1][j], p[1, 1][j]], 1)
+                        b = np.stack([xv[:, i, j] & lo, xv[:, i, j] & ~lo], 1)
+                        d = mma16816(d, a, b)
                 for h in range(2):
-                    v = acc[:, t, h].reshape(warps, 8, 4).sum(2)   # the row's 4 lanes
-                    red[:, t, 8 * h:8 * h + 8] += v
-        tot = red.sum(0)
+                    for e in range(2):
+                        c = c0 + 2 * t4 + e
+                        grp = np.minimum((c * 32) >> lg, sc.shape[1] - 1)
+                        ok = c < chunks
+                        s_ = np.where(ok, sc[rows[h], grp], 0)
+                        z_ = np.where(ok, zr[rows[h], grp], 0)
+                        sxe = sx[np.minimum(c, sx.size - 1)]
+                        acc[warp, t, h] += s_ * d[:, 2 * h + e] + z_ * sxe
+        red = acc.reshape(warps, nt, 2, 8, 4).sum(4)             # the row's 4 lanes
+        tot = red.sum(0).reshape(nt, 16)                         # warps; rows g, g + 8
         r = 16 * tile + np.arange(16)
         ok = r < n
         out[:, r[ok]] = tot[:, ok]

@@ -1,5 +1,5 @@
-"""gemv_tc_* (kernels/gemv_mma.cu: the T = 1 tensor-core GEMV, ``KernelChoice(gemv="tc")``
-and the default for INT4 layers of K >= 3072) on the GPU: against the NumPy reference within
+"""gemv_tc_* (kernels/gemv_mma.cu: the T = 1 tensor-core GEMV, ``KernelChoice(gemv="tc")``)
+on the GPU: against the NumPy reference within
 the FP16 bound of the outputs and against the v1 GEMV within FP32 rounding of the sums, for
 every epilogue and the RMSNorm-fused entries (bit for bit against rmsnorm + the unfused
 entry); groups of 32 to 128, output rows not a multiple of the 16-row tile, K of one chunk to

@@ -45,13 +45,12 @@ _TC_WARPS = 8           # gemv_tc_*: warps per block (the RMSNorm prologue is rm
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
 # The decode GEMV per weight shape (KernelChoice.gemv = "auto", the default): the first row
-# (min_rows, min_k, bits) with min_rows <= N, min_k <= K and bits None or the weight's gives
-# (version, v2 lanes per row or None = gemv2_geometry's rule). v1 measured faster on every
-# layer shape of SmolLM2 and on Ouro-1.4B's K = 2048 layers, v2 at 4 lanes per row on the LM
-# head; tc (forced only) is faster than v1 on Nanbeige4.2-3B's layers, but not yet measured
+# whose min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). v1
+# measured faster on every layer shape of SmolLM2 and on Ouro-1.4B's K = 2048 layers, v2 at 4
+# lanes per row on the LM head; tc (forced only) is faster than v1 on Nanbeige4.2-3B's layers, but not yet measured
 # against v2 on its 21,504-row gate / up or end to end (docs/architecture.md "GEMV choice").
-GEMV_BY_SHAPE = ((16384, 0, None, "v2", 4),   # LM-head sized: 49,152 x 576
-                 (0, 0, None, "v1", None))     # every layer shape
+GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
+                 (0, "v1", None))      # every layer shape
 
 
 def rows_tile(n: int, t: int, sms: int) -> int:
@@ -84,14 +83,14 @@ def tc_smem(k: int, two: bool) -> int:
     return cpad * 68 + _TC_WARPS * (2 if two else 1) * 16 * 4
 
 
-def gemv_choice(n: int, kernels: KernelChoice, k: int = 0, bits: int = 4) -> tuple:
-    """(version, forced lanes per row or None) of the decode GEMV over an ``n`` x ``k`` weight
-    of ``bits`` under ``kernels``: a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A
-    forced ``gemv_lpr`` overrides the table's."""
+def gemv_choice(n: int, kernels: KernelChoice) -> tuple:
+    """(version, forced lanes per row or None) of the decode GEMV over ``n`` output rows under
+    ``kernels``: a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A forced ``gemv_lpr``
+    overrides the table's."""
     ver, lpr = kernels.gemv, kernels.gemv_lpr
     if ver == "auto":
-        for min_rows, min_k, b, v, l in GEMV_BY_SHAPE:
-            if n >= min_rows and k >= min_k and b in (None, bits):
+        for min_rows, v, l in GEMV_BY_SHAPE:
+            if n >= min_rows:
                 ver, lpr = v, (lpr if lpr is not None else l)
                 break
     return ver, lpr
@@ -155,7 +154,7 @@ class _WInfo:
         # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
         # runs v1, which takes any shape
         kc = ops.kernels
-        ver, lpr = gemv_choice(self.n, kc, self.k, b)
+        ver, lpr = gemv_choice(self.n, kc)
         self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
                    and self.n * 32 < _NORM_MAX_N)
         self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
