@@ -47,8 +47,9 @@ _MAX_BLOCKS_PER_SM = 32
 # The decode GEMV per weight shape (KernelChoice.gemv = "auto", the default): the first row
 # whose min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). v1
 # measured faster on every layer shape of SmolLM2 and on Ouro-1.4B's K = 2048 layers, v2 at 4
-# lanes per row on the LM head; tc (forced only) is faster than v1 on Nanbeige4.2-3B's layers, but not yet measured
-# against v2 on its 21,504-row gate / up or end to end (docs/architecture.md "GEMV choice").
+# lanes per row on the LM head; tc (forced only) is faster than v1 on Nanbeige4.2-3B's layers,
+# but not yet measured against v2 on its 21,504-row gate / up or end to end
+# (docs/architecture.md "GEMV choice").
 GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
                  (0, "v1", None))      # every layer shape
 
