@@ -371,7 +371,9 @@ __device__ __forceinline__ void norm_weight_load(const float* __restrict__ weigh
 
 // nw: the weight's held values (norm_weight_load) or null (read here). The per-thread order of
 // the sum of squares (i = tid, tid + blockDim.x, ...) and every product are as before the
-// values were held, so the row is unchanged.
+// values were held, so the row is unchanged. Past the held values a thread reads its values in
+// batches of NORM_BATCH, each batch's loads in flight together.
+#define NORM_BATCH 8
 __device__ __forceinline__ void norm_row_to_shared(const float* __restrict__ xr,
                                                    const float* __restrict__ weight, double eps,
                                                    i64 d, half_t* xs,
@@ -387,7 +389,14 @@ __device__ __forceinline__ void norm_row_to_shared(const float* __restrict__ xr,
 #pragma unroll
     for (int a = 0; a < NORM_HELD; ++a)
         if (threadIdx.x + a * nt < d) ss = fmaf(xv[a], xv[a], ss);
-    for (i64 i = rest; i < d; i += nt) ss = fmaf(xr[i], xr[i], ss);
+    for (i64 i0 = rest; i0 < d; i0 += NORM_BATCH * nt) {
+        float v[NORM_BATCH];
+#pragma unroll
+        for (int b = 0; b < NORM_BATCH; ++b) v[b] = i0 + b * nt < d ? xr[i0 + b * nt] : 0.0f;
+#pragma unroll
+        for (int b = 0; b < NORM_BATCH; ++b)
+            if (i0 + b * nt < d) ss = fmaf(v[b], v[b], ss);
+    }
     ss = block_sum(ss, red);
     const float inv = (float)(1.0 / sqrt((double)ss / (double)d + eps));
 #pragma unroll
@@ -395,7 +404,18 @@ __device__ __forceinline__ void norm_row_to_shared(const float* __restrict__ xr,
         const i64 i = threadIdx.x + a * nt;
         if (i < d) xs[i] = f2h(xv[a] * inv * (nw != nullptr ? nw->w[a] : weight[i]));
     }
-    for (i64 i = rest; i < d; i += nt) xs[i] = f2h(xr[i] * inv * weight[i]);
+    for (i64 i0 = rest; i0 < d; i0 += NORM_BATCH * nt) {
+        float v[NORM_BATCH], w[NORM_BATCH];
+#pragma unroll
+        for (int b = 0; b < NORM_BATCH; ++b) {
+            const i64 i = i0 + b * nt;
+            v[b] = i < d ? xr[i] : 0.0f;
+            w[b] = i < d ? weight[i] : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < NORM_BATCH; ++b)
+            if (i0 + b * nt < d) xs[i0 + b * nt] = f2h(v[b] * inv * w[b]);
+    }
     __syncthreads();
 }
 
