@@ -4,7 +4,7 @@ the FP16 pairs (x_j, x_j+4) of each 8-value unit with each chunk's sum; each lan
 of chunks c0 + t4 and c0 + 4 + t4 of rows g and g + 8; tc_word's LOP3 / sub.f16x2 / fma.f16x2
 placement of nibbles into FP16; x entering B only at column g for lanes with g % 4 == t4;
 mma.sync m16n8k16 assembled by the PTX ISA's fragment layout; s * D + z * sum(x) per chunk
-column; the warps' step split, the 4-lane and warp-order sums) against
+column; one 16-row partial per (tile, gate / up, step), each row's steps summed in order) against
 x @ W.T from the dequantized weights (tinyloop.quant.dequantize), in float64. A wrong pair, a
 wrong fragment or a wrong column of B fails it (the planted faults below).
 tests/kernels/test_gemv_tc_gpu.py checks the kernel itself."""
@@ -49,7 +49,7 @@ def stage_x(x):
     return xp, sx
 
 
-def emulate(w, x, two=False, warps=8, b_cols=None):
+def emulate(w, x, two=False, b_cols=None):
     """gemv_tc_body over every tile: the raw products [N] (SwiGLU: gate and up [2, F]).
     ``b_cols``: a planted fault, (diag, lo mask) per lane from (g, t4)."""
     n_all, k = w.shape
@@ -70,9 +70,9 @@ def emulate(w, x, two=False, warps=8, b_cols=None):
     last = q.shape[1] - 1
     out = np.zeros((nt, n))
     for tile in range(-(-n // 16)):
-        acc = np.zeros((warps, nt, 2, 32))
-        for s in range(-(-chunks // 8)):
-            warp = s % warps
+        steps = -(-chunks // 8)
+        red = np.zeros((nt, steps, 2, 32))                       # the items' partials
+        for s in range(steps):
             c0 = 8 * s
             xv = np.where(diag[:, None, None], xp[(c0 + g)[:, None] * 4 + np.arange(4)], 0)
             xv = xv.astype(np.uint32)                            # [32 lanes, 4 units, 4 pairs]
@@ -103,9 +103,9 @@ def emulate(w, x, two=False, warps=8, b_cols=None):
                         s_ = np.where(ok, sc[rows[h], grp], 0)
                         z_ = np.where(ok, zr[rows[h], grp], 0)
                         sxe = sx[np.minimum(c, sx.size - 1)]
-                        acc[warp, t, h] += s_ * d[:, 2 * h + e] + z_ * sxe
-        red = acc.reshape(warps, nt, 2, 8, 4).sum(4)             # the row's 4 lanes
-        tot = red.sum(0).reshape(nt, 16)                         # warps; rows g, g + 8
+                        red[t, s, h] += s_ * d[:, 2 * h + e] + z_ * sxe
+        red = red.reshape(nt, steps, 2, 8, 4).sum(4)             # the row's 4 lanes
+        tot = red.sum(1).reshape(nt, 16)                         # steps; rows g, g + 8
         r = 16 * tile + np.arange(16)
         ok = r < n
         out[:, r[ok]] = tot[:, ok]
@@ -123,15 +123,14 @@ def _weight(rng, n, k, g):
                                  (5, 384), (21, 320)])
 def test_emulated_gemv_tc_is_the_product(g, n, k):
     """Ragged last steps (K = 96, 800, 320 and 384: 3, 25, 10 and 12 chunks) at every group
-    size that divides K, more steps than warps, partial tiles."""
+    size that divides K, partial tiles."""
     if k % g:
         pytest.skip("K must hold whole groups")
-    warps = 8
     rng = np.random.default_rng(g + n + k)
     w = _weight(rng, n, k, g)
     x = rng.standard_normal(k).astype(np.float16)
     want = dequantize(w).astype(np.float64) @ x.astype(np.float64)
-    got = emulate(w, x, warps=warps)
+    got = emulate(w, x)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
@@ -182,3 +181,26 @@ def test_the_emulation_catches_a_wrong_code_pair():
     finally:
         stage_x = good
     assert np.max(np.abs(bad - want)) > 1e-3
+
+
+@pytest.mark.parametrize("n,k,two", [(16, 256, False), (960, 576, False), (8192, 3072, False),
+                                     (10752, 3072, True), (3072, 10752, False),
+                                     (49152, 2048, False), (150000, 16384, True), (17, 96, True)])
+@pytest.mark.parametrize("resident", [1, 7, 264, 396, 100000])
+def test_tc_geometry_deals_every_tile_once(n, k, two, resident):
+    """gemv_tc_body gives block b tiles [b tb, min(tiles, (b + 1) tb)) with tb = ceil(tiles /
+    blocks): on tc_geometry's grid every tile falls in exactly one block, no block is empty,
+    the grid stays within one wave unless 48 KiB forces more blocks, and the shared memory
+    holds x's staging and the largest block's partials."""
+    from tinyloop.backends.cuda.gemv import tc_geometry
+
+    blocks, smem = tc_geometry(n, k, two, resident)
+    tiles = -(-n // 16)
+    tb = -(-tiles // blocks)
+    owned = [min(tiles, (b + 1) * tb) - b * tb for b in range(blocks)]
+    assert min(owned) >= 1 and sum(owned) == tiles
+    cpad = -(-(k // 32) // 8) * 8
+    assert smem == cpad * 68 + tb * (2 if two else 1) * (cpad // 8) * 16 * 4
+    assert smem <= 48 * 1024
+    if cpad * 68 + -(-tiles // min(tiles, resident)) * (2 if two else 1) * cpad * 8 <= 48 * 1024:
+        assert blocks <= resident

@@ -62,23 +62,25 @@ def test_the_old_variables_choose_nothing(monkeypatch):
 
 
 def test_gemv_choice_by_shape():
-    """auto: v1 for the layer shapes, v2 at 4 lanes per row for an LM-head-sized weight; a
-    forced version or lpr wins."""
+    """auto: tc for INT4 weights of K >= 3072; else v1 for the layer shapes and v2 at 4 lanes
+    per row for an LM-head-sized weight; a forced version or lpr wins."""
     auto = KernelChoice()
-    assert [gemv_choice(n, auto) for n in (576, 960, 3072, 49152)] == \
-        [("v1", None)] * 3 + [("v2", 4)]
-    assert gemv_choice(960, KernelChoice(gemv="v2")) == ("v2", None)
-    assert gemv_choice(49152, KernelChoice(gemv="v1")) == ("v1", None)
-    assert gemv_choice(49152, KernelChoice(gemv_lpr=16)) == ("v2", 16)
-
-
-def test_gemv_choice_takes_tc_only_when_forced():
-    """auto keeps v1 on the layer shapes of every size and v2 on LM-head rows (the Nanbeige4.2-3B
-    gate / up's 21,504 rows included); gemv="tc" is taken for any shape."""
-    auto, tc = KernelChoice(), KernelChoice(gemv="tc")
-    assert [gemv_choice(n, auto) for n in (3072, 8192, 2048)] == [("v1", None)] * 3
-    assert gemv_choice(21504, auto) == ("v2", 4)
-    assert gemv_choice(576, tc) == gemv_choice(49152, tc) == ("tc", None)
+    # SmolLM2 (K 576 / 1536) and Ouro-1.4B (K 2048) layers, their heads
+    assert [gemv_choice(n, k, 4, auto) for n, k in ((960, 576), (576, 1536), (6144, 2048),
+                                                     (11264, 2048), (2048, 2048))] == \
+        [("v1", None)] * 5
+    assert gemv_choice(49152, 576, 4, auto) == gemv_choice(49152, 2048, 4, auto) == ("v2", 4)
+    # Nanbeige4.2-3B: QKV, O, gate | up (21,504 rows), down, head; Ouro's down (K 5632)
+    for n, k in ((8192, 3072), (3072, 6144), (21504, 3072), (3072, 10752), (166144, 3072),
+                 (2048, 5632)):
+        assert gemv_choice(n, k, 4, auto) == ("tc", None), (n, k)
+    # INT8 weights never take tc: the same shapes as INT4 below K = 3072
+    assert gemv_choice(8192, 3072, 8, auto) == ("v1", None)
+    assert gemv_choice(166144, 3072, 8, auto) == ("v2", 4)
+    assert gemv_choice(960, 576, 4, KernelChoice(gemv="v2")) == ("v2", None)
+    assert gemv_choice(8192, 3072, 4, KernelChoice(gemv="v1")) == ("v1", None)
+    assert gemv_choice(49152, 576, 4, KernelChoice(gemv_lpr=16)) == ("v2", 16)
+    assert gemv_choice(576, 576, 4, KernelChoice(gemv="tc")) == ("tc", None)
 
 
 def test_the_numpy_backend_refuses_a_choice_it_would_ignore():

@@ -50,7 +50,7 @@ _PRELOADING = (("gemv2_body", "gemv2_load<BITS, TWO>", ("norm_row_v256(", "= (co
                ("gemv_norm_impl", "gemv_prefetch_row<", ("norm_row_to_shared(",)),
                ("gemv_rows_impl", "gemv_prefetch_row<", ("chunk_dot_q<", "gemv_store<")),
                ("gemv_mma_impl", "prefetch_l1(", ("X[ct] = t < T", "gemv_store<")),
-               ("gemv_tc_body", "tc_load<NT>(L", ("tc_stage<NORM>(", "gemv_store<")),
+               ("gemv_tc_body", "load_round(0);", ("tc_stage<NORM>(", "gemv_store<")),
                ("qkv_rope_impl", "gemv_prefetch_row<", ("norm_row_to_shared(", "qkv[")),
                ("attn_split_step", "ds_load<MODE, HD>(ch", ("ds_load_key<", "attn_split_unit<")),
                ("kv_write_impl", "kv_page_w(", ("row[e]", "v[j]", "kv_int8_rows_block(")),

@@ -42,8 +42,10 @@ GEOMETRY = {
                     "STATE_ATTEMPTS": STATE_ATTEMPTS},
     "gemv": {"GEMV_WARPS": 8,                    # warps (= output rows) per 32*W-thread block
              "GEMV2_MAX_THREADS": 256},          # v2: the largest block (its launch bound)
-    "gemv_mma": {"MMA_MAX_WARPS": 16},           # a decode batch's tensor-core GEMV: warps
+    "gemv_mma": {"MMA_MAX_WARPS": 16,            # a decode batch's tensor-core GEMV: warps
                                                  # (K splits) per block, at most
+                 "TC_ITEMS": 3,                  # gemv_tc_*: (tile, step) items a warp loads
+                 "TC_MINB": 2},                  # at once; resident blocks the registers fit
     "gemm": {"BM": 64, "BN": 64,                 # block tile: BM rows of X x BN rows of W
              "GEMM_THREADS": 128},               # 4 warps in 2 x 2
     "rope": {"KVW_THREADS": 128,                 # kv_write*: threads per position row

@@ -3,10 +3,11 @@
 
 Three GEMV kernels: v1 (one warp per output row, ``GEMV_WARPS`` rows per block), v2 (a group
 of 4 to 32 lanes per row, x staged in shared memory; ``gemv2_geometry``) and tc (INT4 only:
-16-row tiles on tensor cores, kernels/gemv_mma.cu ``gemv_tc_*``; ``tc_smem``). The default
-(``KernelChoice.gemv = "auto"``) picks per weight shape from ``GEMV_BY_SHAPE``: v2 for an
-LM-head-sized weight, v1 for every layer shape; ``KernelChoice(gemv="tc")`` takes tc wherever
-the weight is INT4 (docs/architecture.md "GEMV choice" has the measurements). The RMSNorm ->
+16-row tiles on tensor cores, kernels/gemv_mma.cu ``gemv_tc_*``; ``tc_geometry``). The default
+(``KernelChoice.gemv = "auto"``) picks per weight shape from ``GEMV_BY_SHAPE``: tc for INT4
+weights of K >= 3072, else v2 for an LM-head-sized weight and v1 for the layer shapes;
+``KernelChoice(gemv="tc")`` takes tc wherever the weight is INT4 (docs/architecture.md "GEMV
+choice" has the measurements). The RMSNorm ->
 projection pairs (``rmsnorm_linear``, ``rmsnorm_linear_swiglu``, ``rmsnorm_lm_head``) are one
 launch at T == 1 (``gemv_norm_*``: the GEMV normalizes the FP32 residual row into shared memory
 first, bit-identically to ``rmsnorm``) and leave their ``norm`` scratch unwritten; T > 1
@@ -44,14 +45,14 @@ _TC_WARPS = 8           # gemv_tc_*: warps per block (the RMSNorm prologue is rm
                         # 256-thread arithmetic)
 _THREADS_PER_SM = 2048
 _MAX_BLOCKS_PER_SM = 32
-# The decode GEMV per weight shape (KernelChoice.gemv = "auto", the default): the first row
-# whose min_rows <= N gives (version, v2 lanes per row or None = gemv2_geometry's rule). v1
-# measured faster on every layer shape of SmolLM2 and on Ouro-1.4B's K = 2048 layers, v2 at 4
-# lanes per row on the LM head; tc (forced only) is faster than v1 on Nanbeige4.2-3B's layers,
-# but not yet measured against v2 on its 21,504-row gate / up or end to end
-# (docs/architecture.md "GEMV choice").
-GEMV_BY_SHAPE = ((16384, "v2", 4),     # LM-head sized: 49,152 x 576
-                 (0, "v1", None))      # every layer shape
+# The decode GEMV per weight (KernelChoice.gemv = "auto", the default): the first row whose
+# min_rows <= N, min_k <= K and bits (None: any) match gives (version, v2 lanes per row or None
+# = gemv2_geometry's rule). tc for INT4 weights of K >= 3072 (Nanbeige4.2-3B's and Huginn's
+# layers and heads); v1 for SmolLM2's and Ouro-1.4B's K = 2048 layer shapes, v2 at 4 lanes per
+# row for an LM-head-sized weight there (docs/architecture.md "GEMV choice").
+GEMV_BY_SHAPE = ((0, 3072, 4, "tc", None),     # Nanbeige4.2-3B: 8192 x 3072 ... 166k x 3072
+                 (16384, 0, None, "v2", 4),    # LM-head sized: 49,152 x 576
+                 (0, 0, None, "v1", None))     # every other layer shape
 
 
 def rows_tile(n: int, t: int, sms: int) -> int:
@@ -76,22 +77,34 @@ def mma_geometry(t: int, k: int, two: bool) -> tuple:
     return ct, warps, warps * per_warp
 
 
-def tc_smem(k: int, two: bool) -> int:
-    """Dynamic shared memory bytes of a ``gemv_tc_*`` launch over K = ``k``: x's FP16 pairs and
-    chunk sums for K rounded up to 8 chunks of 32, and the 8 warps' sums of one or two
-    (``two``: SwiGLU) 16-row tiles."""
+_TC_SMEM_MAX = 48 * 1024  # gemv_tc_*: dynamic shared memory without the opt-in
+
+
+def tc_geometry(n: int, k: int, two: bool, resident: int) -> tuple:
+    """(blocks, dynamic shared memory bytes) of a ``gemv_tc_*`` launch over ``n`` output rows
+    (F for SwiGLU, ``two``) of a K = ``k`` weight, with ``resident`` blocks resident at once:
+    the kernel gives block b the ceil(tiles / blocks) 16-row tiles from b * that, so the grid
+    is the fewest blocks, at most ``resident`` (one wave), that leave none empty. Shared
+    memory: x's FP16 pairs (64 bytes a chunk) and chunk sums (4 bytes) for K rounded up to 8
+    chunks of 32, and 16 floats per (tile, gate / up, 8-chunk step) of a block; a block holds
+    fewer tiles (more blocks) where that would pass 48 KiB."""
+    tiles = -(-n // 16)
     cpad = -(-(k // 32) // 8) * 8
-    return cpad * 68 + _TC_WARPS * (2 if two else 1) * 16 * 4
+    base, per_tile = cpad * 68, (2 if two else 1) * (cpad // 8) * 64
+    blocks = max(1, min(tiles, resident))
+    tb = min(-(-tiles // blocks), max(1, (_TC_SMEM_MAX - base) // per_tile))
+    blocks = -(-tiles // tb)
+    return blocks, base + -(-tiles // blocks) * per_tile
 
 
-def gemv_choice(n: int, kernels: KernelChoice) -> tuple:
-    """(version, forced lanes per row or None) of the decode GEMV over ``n`` output rows under
-    ``kernels``: a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A forced ``gemv_lpr``
-    overrides the table's."""
+def gemv_choice(n: int, k: int, bits: int, kernels: KernelChoice) -> tuple:
+    """(version, forced lanes per row or None) of the decode GEMV over an ``n`` x ``k`` weight
+    of ``bits`` under ``kernels``: a forced version wins; ``auto`` reads GEMV_BY_SHAPE. A
+    forced ``gemv_lpr`` overrides the table's."""
     ver, lpr = kernels.gemv, kernels.gemv_lpr
     if ver == "auto":
-        for min_rows, v, l in GEMV_BY_SHAPE:
-            if n >= min_rows:
+        for min_rows, min_k, b, v, l in GEMV_BY_SHAPE:
+            if n >= min_rows and k >= min_k and b in (None, bits):
                 ver, lpr = v, (lpr if lpr is not None else l)
                 break
     return ver, lpr
@@ -151,11 +164,11 @@ class _WInfo:
                      for e in ("f16", "resid", "swiglu", "f32")}
         self.bits = b
         self.mma = None                           # gemv_mma{CT}_*: built at their first use
-        # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights): needs x in shared memory
+        # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights of K < 3072): needs x in shared memory
         # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
         # runs v1, which takes any shape
         kc = ops.kernels
-        ver, lpr = gemv_choice(self.n, kc)
+        ver, lpr = gemv_choice(self.n, self.k, b, kc)
         self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K
                    and self.n * 32 < _NORM_MAX_N)
         self.lpr = self.g2 = self.g2_norm = self.g2_argmax = None
@@ -416,17 +429,14 @@ class GemvOps:
     def _gemv_tc(self, info, epi: str, rows: int, f: int, xargs: tuple, out) -> None:
         """Launch ``gemv_tc_[norm_]q4_{epi}`` (``xargs``: (x,) for f16 x [1, K] after the
         weight, or (x, weight, eps) before it for the RMSNorm-fused entry) over ``rows`` output
-        rows (F for SwiGLU, with ``f`` = F): a block per 16-row tile, the RMSNorm-fused entries
-        capped at the resident blocks (each block normalizes the row once and strides over the
-        tiles)."""
+        rows (F for SwiGLU, with ``f`` = F) on ``tc_geometry``'s grid: one wave of resident
+        blocks, each with its consecutive tiles."""
         norm = len(xargs) == 3
         fn = info.tc[("norm_" if norm else "") + epi]
-        smem = tc_smem(info.k, epi == "swiglu")
-        blocks = (rows + 15) // 16
-        threads = 32 * _TC_WARPS
-        cap = self.resident_blocks(fn, threads, smem) if norm else self._grid_cap
-        if cap is not None and blocks > cap:
-            blocks = cap
+        two, threads = epi == "swiglu", 32 * _TC_WARPS
+        # the occupancy at one tile a block: the registers, not shared memory, bound it
+        resident = self.resident_blocks(fn, threads, tc_geometry(rows, info.k, two, rows)[1])
+        blocks, smem = tc_geometry(rows, info.k, two, resident)
         args = (*xargs, *info.args) if norm else (*info.args, *xargs)
         fn((blocks,), (threads,), (*args, rows, info.k, f, info.lg, out.data.ptr),
            shared_mem=smem)

@@ -255,8 +255,12 @@ GEMV_MMA_ALL(4)
 //   chunk n's k are lane n & 3's; the other columns' B entries are zero), so 16 MMAs (one per
 //   code pair of the chunk) leave D[row][n] = sum_k q_k x_k over chunk c0 + n, and the lane
 //   adds s * D + z * sum(x) for its columns 2 t4, 2 t4 + 1 (the product is sum (q s + z) x);
-// - a block's warps split K by steps (step c0 / 8 to warp c0 / 8 mod warps) and add their
-//   partial sums in shared memory in warp order; blocks stride over the tiles.
+// - block b owns ceil(tiles / blocks) consecutive tiles, whose (tile, gate / up, step) items
+//   it deals to its warps round-robin; a warp issues the loads of TC_ITEMS items (a round)
+//   before it uses any, the first round's before the PDL wait, since bytes in flight per SM,
+//   not instructions, bound a GEMV at these sizes; each item's 16 row sums go to shared
+//   memory, and each output adds its steps in ascending order, so a row's value does not
+//   depend on the grid.
 // x is staged once per block in shared memory: each 16-byte unit of 8 values (x_0 .. x_7) is
 // stored as the FP16 pairs (x_j, x_j+4), the order the code pairs come out in, with each
 // chunk's FP32 sum beside; chunks past K are zeros. The MMA sums round differently from v1's
@@ -264,6 +268,15 @@ GEMV_MMA_ALL(4)
 // Fragments: common.cuh mma16816. Needs K % 32 == 0, 16-byte aligned rows, N < 2^30 (host).
 // ================================================================================================
 #define TC_CHUNKS 8         // 32-column chunks per warp step (the MMA's 8 columns)
+// items (tile, step) a warp loads in one round; resident 256-thread blocks per SM the
+// registers are held to (compile.py GEOMETRY)
+#ifndef TC_ITEMS
+#define TC_ITEMS 3
+#endif
+#define TC_STAGE_UNITS 8    // 8-value units of x a thread stages: K <= 16384 at 256 threads
+#ifndef TC_MINB
+#define TC_MINB 2
+#endif
 
 __device__ __forceinline__ unsigned hfma2u(unsigned a, unsigned b, unsigned c) {
     unsigned d;
@@ -284,56 +297,31 @@ __device__ __forceinline__ void tc_word(unsigned w, unsigned (&p)[4]) {
     p[3] = hfma2u((h & M1) | B, SIXTEENTH, MINUS64);
 }
 
-// One warp step's loads: wv[t][h][u] = chunk c0 + t4 + 4 u of row g + 8 h of tile t; s / z[t][h][e]
-// = the scale / zero of chunk c0 + 2 t4 + e of that row (0 past the row's chunks).
-template <int NT>
-struct TcLoad {
-    uint4 wv[NT][2][2];
-    float s[NT][2][2], z[NT][2][2];
-};
-
-template <int NT>
-__device__ __forceinline__ void tc_load(TcLoad<NT>& L, const u8* __restrict__ qw,
-                                        const unsigned short* __restrict__ sc,
-                                        const unsigned short* __restrict__ zr,
-                                        const i64 (&rows)[NT][2], i64 row_bytes, int c0,
-                                        int chunks, int ngroups, int log2g, int t4, bool valid) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint4* w = (const uint4*)(qw + rows[t][h] * row_bytes);
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                const int c = c0 + t4 + 4 * u;
-                L.wv[t][h][u] = valid && c < chunks ? __ldg(w + c) : make_uint4(0u, 0u, 0u, 0u);
-            }
-            const i64 g0 = rows[t][h] * ngroups;
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = c0 + 2 * t4 + e;
-                const bool ok = valid && c < chunks;
-                const i64 gi = g0 + ((c << 5) >> log2g);
-                L.s[t][h][e] = ok ? h2f((half_t)__ldg(sc + gi)) : 0.0f;
-                L.z[t][h][e] = ok ? h2f((half_t)__ldg(zr + gi)) : 0.0f;
-            }
-        }
-}
-
 // x staged for the block (the layout above): xp holds cpad chunks of 16 pairs (64 bytes), sx
 // their sums. NORM: xin is the f32 residual row, normalized first by norm_row_to_shared
 // (rmsnorm.cu's values bit for bit at 256 threads, written into xp in natural order, then
-// permuted in place); else xin is the f16 row. Ends with a barrier.
+// permuted in place; w_held: the weight's first values, loaded before the PDL wait); else xin
+// is the f16 row, read through L2 (the kernel before wrote it) with a thread's units in flight
+// together. Needs cpad * 4 <= TC_STAGE_UNITS * blockDim.x. Ends with a barrier.
 template <bool NORM>
 __device__ __forceinline__ void tc_stage(const void* __restrict__ xin,
                                          const float* __restrict__ nw, double eps, int K,
-                                         int cpad, uint4* xp, float* sx) {
-    if (NORM) norm_row_to_shared((const float*)xin, nw, eps, K, (half_t*)xp);
+                                         int cpad, uint4* xp, float* sx, const NormW* w_held) {
+    if (NORM) norm_row_to_shared((const float*)xin, nw, eps, K, (half_t*)xp, w_held);
     const int units = cpad * 4, kunits = K / 8;
-    for (int u0 = threadIdx.x - (threadIdx.x & 31); u0 < units; u0 += blockDim.x) {
-        const int u = u0 + (threadIdx.x & 31);          // a warp's 32 units: 8 whole chunks
+    uint4 Xg[TC_STAGE_UNITS];                           // x's units from global, all in flight
+    if (!NORM)
+#pragma unroll
+        for (int a = 0; a < TC_STAGE_UNITS; ++a) {
+            const int u = threadIdx.x + a * blockDim.x;
+            Xg[a] = u < kunits ? __ldcg((const uint4*)xin + u) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+    for (int a = 0; a < TC_STAGE_UNITS; ++a) {
+        const int u = threadIdx.x + a * blockDim.x;     // a warp's 32 units: 8 whole chunks
+        if (u - (threadIdx.x & 31) >= units) break;     // warp-uniform
         uint4 X = make_uint4(0u, 0u, 0u, 0u);
-        if (u < kunits) X = NORM ? xp[u] : ((const uint4*)xin)[u];
+        if (u < kunits) X = NORM ? xp[u] : Xg[a];
         float s = ((h2_lo(X.x) + h2_hi(X.x)) + (h2_lo(X.y) + h2_hi(X.y))) +
                   ((h2_lo(X.z) + h2_hi(X.z)) + (h2_lo(X.w) + h2_hi(X.w)));
         s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -346,11 +334,97 @@ __device__ __forceinline__ void tc_stage(const void* __restrict__ xin,
     __syncthreads();
 }
 
+// The loads of one item (a 16-row tile t of the block, one step of 8 chunks from c0): wv[h][u]
+// = chunk c0 + t4 + 4 u of row g + 8 h; sz[h] = the scales (.x) and zeros (.y) of chunks
+// c0 + 2 t4 and c0 + 2 t4 + 1 of that row as FP16 pairs (0 past the row's chunks).
+struct TcItem {
+    uint4 wv[2][2];
+    uint2 sz[2];
+};
+
+// The FP16 pair (group value of chunk c, of chunk c + 1) of row r's scale or zero array p at
+// g = 32 (log2g 5: one group a chunk; one 4-byte load when the row's group count is even) or
+// g >= 64 (both chunks of an even c in one group); 0 past the row's chunks.
+__device__ __forceinline__ unsigned tc_pair(const unsigned short* __restrict__ p, i64 g0, int c,
+                                            int chunks, int log2g, bool even) {
+    if (c >= chunks) return 0u;
+    if (log2g > 5) {
+        const unsigned v = __ldg(p + g0 + ((c << 5) >> log2g));
+        return v | (v << 16);
+    }
+    if (even && c + 1 < chunks) return __ldg((const unsigned*)(p + g0 + c));
+    return (unsigned)__ldg(p + g0 + c) | (c + 1 < chunks ? (unsigned)__ldg(p + g0 + c + 1) << 16 : 0u);
+}
+
+__device__ __forceinline__ void tc_load_item(TcItem& L, const u8* __restrict__ qw,
+                                             const unsigned short* __restrict__ sc,
+                                             const unsigned short* __restrict__ zr,
+                                             const i64 (&rows)[2], i64 row_bytes, int c0,
+                                             int chunks, int ngroups, int log2g, int t4) {
+    const bool even = (ngroups & 1) == 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint4* w = (const uint4*)(qw + rows[h] * row_bytes);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int c = c0 + t4 + 4 * u;
+            L.wv[h][u] = c < chunks ? __ldg(w + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        const i64 g0 = rows[h] * ngroups;
+        const int c = c0 + 2 * t4;
+        L.sz[h] = make_uint2(tc_pair(sc, g0, c, chunks, log2g, even),
+                             tc_pair(zr, g0, c, chunks, log2g, even));
+    }
+}
+
+// One item's 16 row sums over its step: D[row][n] = chunk c0 + n's dot product (16 MMAs, see
+// above), then s * D + z * sum(x) for the lane's columns 2 t4, 2 t4 + 1, then the row's 4
+// lanes; v[h] (row g + 8 h) is valid in lane t4 == 0.
+__device__ __forceinline__ void tc_item_sums(const TcItem& L, const uint4* xp, const float* sx,
+                                             int c0, int g, int t4, bool diag,
+                                             unsigned lo_mask, float (&v)[2]) {
+    uint4 xv[4] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u),
+                   make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    if (diag)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xv[i] = xp[(c0 + g) * 4 + i];
+    const float2 sxv = *(const float2*)(sx + c0 + 2 * t4);
+    float dd[4][4];                                  // one accumulator chain per code word
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        dd[i][0] = dd[i][1] = dd[i][2] = dd[i][3] = 0.0f;
+        unsigned p00[4], p10[4], p01[4], p11[4];    // p{h}{u}
+        tc_word((&L.wv[0][0].x)[i], p00);
+        tc_word((&L.wv[1][0].x)[i], p10);
+        tc_word((&L.wv[0][1].x)[i], p01);
+        tc_word((&L.wv[1][1].x)[i], p11);
+        const unsigned xw[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned a[4] = {p00[j], p10[j], p01[j], p11[j]};
+            const unsigned b[2] = {xw[j] & lo_mask, xw[j] & ~lo_mask};
+            mma16816(dd[i], a, b);
+        }
+    }
+    float d[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = (dd[0][e] + dd[1][e]) + (dd[2][e] + dd[3][e]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const unsigned s = L.sz[h].x, z = L.sz[h].y;
+        float t = fmaf(h2_lo(s), d[2 * h], h2_lo(z) * sxv.x) +
+                  fmaf(h2_hi(s), d[2 * h + 1], h2_hi(z) * sxv.y);
+        t += __shfl_xor_sync(0xffffffffu, t, 1);
+        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        v[h] = t;
+    }
+}
+
 // out: as gemv_impl's (EPI_F16 / EPI_F32: [N]; EPI_RESID: f32 [N] +=; EPI_SWIGLU: f16 [F],
-// W rows [2F, K] gate then up, N = F). grid: any (blocks stride over ceil(N / 16) tiles);
-// block = 256 threads (8 warps); dynamic shared memory = gemv.py tc_smem: x's pairs
-// (64 bytes a chunk) and sums (4 bytes a chunk) for K rounded up to 8 chunks, and the warps'
-// sums (8 * 16 floats a tile).
+// W rows [2F, K] gate then up, N = F). grid: any; block b owns TB = ceil(tiles / gridDim.x)
+// consecutive 16-row tiles from b TB; block = 256 threads (8 warps); dynamic shared memory =
+// gemv.py tc_geometry: x's pairs (64 bytes a chunk) and sums (4 bytes a chunk) for K rounded up to
+// 8 chunks, and one 16-float partial per (tile, gate / up, step) of the block.
 template <int EPI, bool NORM>
 __device__ __forceinline__ void gemv_tc_body(const void* __restrict__ xin,
                                              const float* __restrict__ nw, double eps,
@@ -361,131 +435,103 @@ __device__ __forceinline__ void gemv_tc_body(const void* __restrict__ xin,
     constexpr int NT = EPI == EPI_SWIGLU ? 2 : 1;
     const unsigned short* sc = (const unsigned short*)sc_h;
     const unsigned short* zr = (const unsigned short*)zr_h;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw_ = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int chunks = K >> 5, ngroups = K >> log2g;
     const int steps = (chunks + TC_CHUNKS - 1) / TC_CHUNKS, cpad = steps * TC_CHUNKS;
     const i64 row_bytes = K / 2;
-    const int tiles = (N + 15) >> 4;
+    const int tiles = (N + 15) >> 4, tb = (tiles + gridDim.x - 1) / gridDim.x;
+    const int tile0 = blockIdx.x * tb;
+    if (tile0 >= tiles) return;                          // block-uniform: no tiles
+    const int ntile = tiles - tile0 < tb ? tiles - tile0 : tb;
+    const int per_tile = NT * steps, items = ntile * per_tile;
     uint4* xp = (uint4*)gemv_smem;
     float* sx = (float*)(xp + cpad * 4);
-    float* red = sx + cpad;                              // [warps][NT][16]
+    float* red = sx + cpad;                              // [ntile][NT][steps][16]
     // B: lane (g, t4) holds column g, whose chunk g's k belong to lane t4 == g & 3
     const bool diag = (g & 3) == t4;
     const unsigned lo_mask = g < 4 ? 0xFFFFFFFFu : 0u;
 
-    i64 rows[NT][2];
-    auto set_rows = [&](int tile) {
+    // item i of the block: tile tile0 + i / per_tile, gate / up (i / steps) % NT, step
+    // i % steps; warp w takes items w, w + nwarps, ..., TC_ITEMS of them a round, all of a
+    // round's loads in flight before any is used (the first round's before the PDL wait)
+    TcItem L[TC_ITEMS];
+    auto load_round = [&](int k0) {
 #pragma unroll
-        for (int t = 0; t < NT; ++t)
+        for (int k = 0; k < TC_ITEMS; ++k) {
+            const int i = warp + (k0 + k) * nwarps;
+            if (i < items) {                             // warp-uniform
+                const int tl = i / per_tile, t = (i / steps) % NT, s = i % steps;
+                i64 rows[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = tile * 16 + g + 8 * h;
-                rows[t][h] = (i64)(r < N ? r : N - 1) + (i64)t * F;   // clamped: loads only
+                for (int h = 0; h < 2; ++h) {
+                    const int r = (tile0 + tl) * 16 + g + 8 * h;
+                    rows[h] = (i64)(r < N ? r : N - 1) + (i64)t * F;   // clamped: loads only
+                }
+                tc_load_item(L[k], qw, sc, zr, rows, row_bytes, s * TC_CHUNKS, chunks,
+                             ngroups, log2g, t4);
             }
+        }
     };
-    TcLoad<NT> L;
-    int tile = blockIdx.x;
-    if (tile < tiles) {                                  // the first loads: before the wait
-        set_rows(tile);
-        tc_load<NT>(L, qw, sc, zr, rows, row_bytes, warp * TC_CHUNKS, chunks, ngroups, log2g, t4,
-                    warp < steps);
-    }
+    load_round(0);
+    NormW w_held;
+    if (NORM) norm_weight_load(nw, K, w_held);
     TL_PDL_ENTER();                               // x and out: written / read by the kernel before
-    tc_stage<NORM>(xin, nw, eps, K, cpad, xp, sx);
-    bool preloaded = true;
-    for (; tile < tiles; tile += gridDim.x) {
-        if (!preloaded) set_rows(tile);
-        float acc[NT][2];
+    tc_stage<NORM>(xin, nw, eps, K, cpad, xp, sx, &w_held);
+    const int kmax = (items - warp + nwarps - 1) / nwarps;   // this warp's items
+    for (int k0 = 0; k0 < kmax; k0 += TC_ITEMS) {
+        if (k0 > 0) load_round(k0);
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = 0.0f;
-        for (int s = warp; s < steps; s += nw_) {
-            if (!preloaded)
-                tc_load<NT>(L, qw, sc, zr, rows, row_bytes, s * TC_CHUNKS, chunks, ngroups,
-                            log2g, t4, true);
-            preloaded = false;
-            {
-                const int c0 = s * TC_CHUNKS;
-                uint4 xv[4] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u),
-                               make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
-                if (diag)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) xv[i] = xp[(c0 + g) * 4 + i];
-                const float2 sxv = *(const float2*)(sx + c0 + 2 * t4);
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        unsigned p00[4], p10[4], p01[4], p11[4];    // p{h}{u}
-                        tc_word((&L.wv[t][0][0].x)[i], p00);
-                        tc_word((&L.wv[t][1][0].x)[i], p10);
-                        tc_word((&L.wv[t][0][1].x)[i], p01);
-                        tc_word((&L.wv[t][1][1].x)[i], p11);
-                        const unsigned xw[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const unsigned a[4] = {p00[j], p10[j], p01[j], p11[j]};
-                            const unsigned b[2] = {xw[j] & lo_mask, xw[j] & ~lo_mask};
-                            mma16816(d, a, b);
-                        }
-                    }
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        acc[t][h] += fmaf(L.s[t][h][0], d[2 * h], L.z[t][h][0] * sxv.x) +
-                                     fmaf(L.s[t][h][1], d[2 * h + 1], L.z[t][h][1] * sxv.y);
+        for (int k = 0; k < TC_ITEMS; ++k) {
+            const int i = warp + (k0 + k) * nwarps;
+            if (i < items) {
+                float v[2];
+                tc_item_sums(L[k], xp, sx, (i % steps) * TC_CHUNKS, g, t4, diag, lo_mask, v);
+                if (t4 == 0) {
+                    red[i * 16 + g] = v[0];
+                    red[i * 16 + g + 8] = v[1];
                 }
             }
         }
-        // the row sums: the lane's two columns, then the row's 4 lanes, then the warps in order
+    }
+    __syncthreads();
+    // the row sums: each output's steps in ascending order (gate, then up)
+    for (int j = threadIdx.x; j < ntile * 16; j += blockDim.x) {
+        const int tl = j >> 4, r = (tile0 + tl) * 16 + (j & 15);
+        float v[NT];
 #pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float v = acc[t][h];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if (t4 == 0) red[(warp * NT + t) * 16 + g + 8 * h] = v;
-            }
-        __syncthreads();
-        if (threadIdx.x < 16) {
-            const int r = tile * 16 + threadIdx.x;
-            float v[NT];
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                float sum = 0.0f;
-                for (int k = 0; k < nw_; ++k) sum += red[(k * NT + t) * 16 + threadIdx.x];
-                v[t] = sum;
-            }
-            if (r < N) gemv_store<EPI>(out, r, v[0], v[NT - 1]);
+        for (int t = 0; t < NT; ++t) {
+            const float* p = red + ((tl * NT + t) * steps) * 16 + (j & 15);
+            float sum = 0.0f;
+            for (int s = 0; s < steps; ++s) sum += p[s * 16];
+            v[t] = sum;
         }
-        __syncthreads();                                 // red is rewritten by the next tile
+        if (r < N) gemv_store<EPI>(out, r, v[0], v[NT - 1]);
     }
 }
 
-// MINB: the blocks per SM the register budget is held to (launch bounds): 3 for the one-tile
-// RMSNorm-fused entries, whose grid is then resident in one wave at the projections' sizes;
-// 2 for SwiGLU's two tiles.
-#define GEMV_TC_ENTRY(NAME, EPI, MINB)                                                        \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                  \
+// The register budget of every entry: TC_MINB blocks of 256 threads per SM (launch bounds), so a
+// round of TC_ITEMS items' loads (about 20 registers an item) stays in registers.
+#define GEMV_TC_ENTRY(NAME, EPI)                                                        \
+    extern "C" __global__ void __launch_bounds__(256, TC_MINB)                                  \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
              i64 F, i64 log2g, void* out) {                                                   \
         gemv_tc_body<EPI, false>(x, nullptr, 0.0, qw, sc, zr, (int)N, (int)K, (int)F,      \
                                     (int)log2g, out);                                         \
     }
 
-#define GEMV_TC_NORM_ENTRY(NAME, EPI, MINB)                                                   \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                  \
+#define GEMV_TC_NORM_ENTRY(NAME, EPI)                                                   \
+    extern "C" __global__ void __launch_bounds__(256, TC_MINB)                                  \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
              const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
         gemv_tc_body<EPI, true>(x, weight, eps, qw, sc, zr, (int)N, (int)K, (int)F,        \
                                    (int)log2g, out);                                          \
     }
 
-GEMV_TC_ENTRY(gemv_tc_q4_f16, EPI_F16, 1)
-GEMV_TC_ENTRY(gemv_tc_q4_resid, EPI_RESID, 1)
-GEMV_TC_ENTRY(gemv_tc_q4_swiglu, EPI_SWIGLU, 2)
-GEMV_TC_ENTRY(gemv_tc_q4_f32, EPI_F32, 1)
-GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_f16, EPI_F16, 3)
-GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_swiglu, EPI_SWIGLU, 2)
-GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_f32, EPI_F32, 3)
+GEMV_TC_ENTRY(gemv_tc_q4_f16, EPI_F16)
+GEMV_TC_ENTRY(gemv_tc_q4_resid, EPI_RESID)
+GEMV_TC_ENTRY(gemv_tc_q4_swiglu, EPI_SWIGLU)
+GEMV_TC_ENTRY(gemv_tc_q4_f32, EPI_F32)
+GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_f16, EPI_F16)
+GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_swiglu, EPI_SWIGLU)
+GEMV_TC_NORM_ENTRY(gemv_tc_norm_q4_f32, EPI_F32)
