@@ -582,6 +582,17 @@ def test_finalizer_free_while_the_lock_is_held_is_deferred():
     assert other.freed
 
 
+def test_a_cuda_ops_dying_at_exit_reads_no_module_global(monkeypatch):
+    """At interpreter exit a module's globals may already be None when a CudaOps is collected:
+    its finalizer must not look ``sys`` up then (it printed an AttributeError traceback at the
+    end of every GPU script that left a CudaOps alive)."""
+    import importlib
+    ops_mod = importlib.import_module("tinyloop.backends.cuda.ops")
+    obj = object.__new__(ops_mod.CudaOps)      # no device needed: it holds no block
+    monkeypatch.setattr(ops_mod, "sys", None)  # what shutdown leaves in the module
+    ops_mod.CudaOps.__del__(obj)
+
+
 def test_threads_allocate_and_free_concurrently():
     pool = MemoryPool("host")
     errors = []

@@ -169,11 +169,12 @@ class CudaOps(NormOps, GemvOps, GemmOps, KVOps, AttentionOps, SamplingOps, StepO
         return sum(b.nbytes for b in (getattr(self, n, None) for n in self._BLOCKS)
                    if b is not None and not b.freed and b.pool is pool)
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
         # An Ops no Model released (a test's or a benchmark's) gives its blocks back when it
         # dies; the collector may run this while a pool's lock is held, so the pool defers
-        # the free. At exit the pools go with the process.
-        if sys.is_finalizing():
+        # the free. At exit the pools go with the process (the check is bound here: by then
+        # the interpreter may have cleared this module's globals, sys among them).
+        if _finalizing():
             return
         for name in self._BLOCKS:
             blk = getattr(self, name, None)
