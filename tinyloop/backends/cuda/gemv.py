@@ -164,9 +164,9 @@ class _WInfo:
                      for e in ("f16", "resid", "swiglu", "f32")}
         self.bits = b
         self.mma = None                           # gemv_mma{CT}_*: built at their first use
-        # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights of K < 3072): needs x in shared memory
-        # (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight past either
-        # runs v1, which takes any shape
+        # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights of K < 3072): needs x in
+        # shared memory (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight
+        # past either runs v1, which takes any shape
         kc = ops.kernels
         ver, lpr = gemv_choice(self.n, self.k, b, kc)
         self.v2 = (ver == "v2" and self.k <= _NORM_MAX_K

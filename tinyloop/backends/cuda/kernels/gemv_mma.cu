@@ -257,8 +257,8 @@ GEMV_MMA_ALL(4)
 //   adds s * D + z * sum(x) for its columns 2 t4, 2 t4 + 1 (the product is sum (q s + z) x);
 // - block b owns ceil(tiles / blocks) consecutive tiles, whose (tile, gate / up, step) items
 //   it deals to its warps round-robin; a warp issues the loads of TC_ITEMS items (a round)
-//   before it uses any, the first round's before the PDL wait, since bytes in flight per SM,
-//   not instructions, bound a GEMV at these sizes; each item's 16 row sums go to shared
+//   before it uses any, the first round's before the PDL wait, so a launch's weight bytes
+//   are in flight together rather than step by step; each item's 16 row sums go to shared
 //   memory, and each output adds its steps in ascending order, so a row's value does not
 //   depend on the grid.
 // x is staged once per block in shared memory: each 16-byte unit of 8 values (x_0 .. x_7) is
@@ -342,9 +342,10 @@ struct TcItem {
     uint2 sz[2];
 };
 
-// The FP16 pair (group value of chunk c, of chunk c + 1) of row r's scale or zero array p at
-// g = 32 (log2g 5: one group a chunk; one 4-byte load when the row's group count is even) or
-// g >= 64 (both chunks of an even c in one group); 0 past the row's chunks.
+// The FP16 pair (group value of chunk c, of chunk c + 1) from a scale or zero array p whose
+// row starts at group g0: at g = 32 (log2g 5) one group a chunk, one 4-byte load when the
+// rows' group count is even (the pair is then aligned); at g >= 64 both chunks of an even c
+// share a group. 0 past the row's chunks.
 __device__ __forceinline__ unsigned tc_pair(const unsigned short* __restrict__ p, i64 g0, int c,
                                             int chunks, int log2g, bool even) {
     if (c >= chunks) return 0u;
@@ -353,7 +354,8 @@ __device__ __forceinline__ unsigned tc_pair(const unsigned short* __restrict__ p
         return v | (v << 16);
     }
     if (even && c + 1 < chunks) return __ldg((const unsigned*)(p + g0 + c));
-    return (unsigned)__ldg(p + g0 + c) | (c + 1 < chunks ? (unsigned)__ldg(p + g0 + c + 1) << 16 : 0u);
+    return (unsigned)__ldg(p + g0 + c) |
+           (c + 1 < chunks ? (unsigned)__ldg(p + g0 + c + 1) << 16 : 0u);
 }
 
 __device__ __forceinline__ void tc_load_item(TcItem& L, const u8* __restrict__ qw,
@@ -423,8 +425,8 @@ __device__ __forceinline__ void tc_item_sums(const TcItem& L, const uint4* xp, c
 // out: as gemv_impl's (EPI_F16 / EPI_F32: [N]; EPI_RESID: f32 [N] +=; EPI_SWIGLU: f16 [F],
 // W rows [2F, K] gate then up, N = F). grid: any; block b owns TB = ceil(tiles / gridDim.x)
 // consecutive 16-row tiles from b TB; block = 256 threads (8 warps); dynamic shared memory =
-// gemv.py tc_geometry: x's pairs (64 bytes a chunk) and sums (4 bytes a chunk) for K rounded up to
-// 8 chunks, and one 16-float partial per (tile, gate / up, step) of the block.
+// gemv.py tc_geometry: x's pairs (64 bytes a chunk) and sums (4 bytes a chunk) for K rounded
+// up to 8 chunks, and one 16-float partial per (tile, gate / up, step) of the block.
 template <int EPI, bool NORM>
 __device__ __forceinline__ void gemv_tc_body(const void* __restrict__ xin,
                                              const float* __restrict__ nw, double eps,
