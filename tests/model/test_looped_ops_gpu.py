@@ -224,8 +224,8 @@ def test_a_bad_window_is_refused_by_name(ops, rng, window):
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_qkv_rope_step_with_bias_equals_the_unfused_ops(ops, ref, rng, h, hkv, hd, d, mode):
     """qkv_rope.cu with a bias leaves qkv and the page row at the step's position bit for bit
-    as rmsnorm_linear + add_bias + kv_write_step do (Huginn's decode step keeps the one
-    fused launch)."""
+    as rmsnorm_linear + add_bias + kv_write_step do, on v1 (under auto an INT4 QKV of K >=
+    3072, as Huginn's, runs tc and the step takes that pair instead)."""
     from ..kernels.test_kernels_gpu import gather, kv_pair
     pos, theta = 45, 50000.0
     n = (h + 2 * hkv) * hd

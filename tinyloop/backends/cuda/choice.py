@@ -48,8 +48,9 @@ class KernelChoice:
     both pick the same id. ``batch_gemv``: how a decode batch's products of 2 to
     ``gemv.ROWS_MAX_T`` input rows whose GEMM grid would not fill the GPU run: ``mma``
     (the default; ``gemv_mma{CT}_*``: the codes on tensor cores against the rows as MMA
-    columns, within FP32 rounding of ``rows``), ``rows`` (``gemv_rows{R}_*``: the T = 1 GEMV
-    per output row over every input row, each row equal to that row alone bit for bit) or
+    columns, within FP32 rounding of ``rows``), ``rows`` (``gemv_rows{R}_*``: the T = 1 v1 GEMV
+    per output row over every input row, each row equal to that row alone bit for bit where
+    the row alone runs v1, i.e. not for INT4 weights of K >= 3072, which run tc alone) or
     ``gemm`` (the tiled GEMM, their reference).
     """
 

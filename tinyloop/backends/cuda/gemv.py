@@ -77,7 +77,10 @@ def mma_geometry(t: int, k: int, two: bool) -> tuple:
     return ct, warps, warps * per_warp
 
 
-_TC_SMEM_MAX = 48 * 1024  # gemv_tc_*: dynamic shared memory without the opt-in
+# gemv_tc_*: dynamic shared memory, at most; without the opt-in a launch gets 48 KiB of static
+# and dynamic shared memory together, and the RMSNorm-fused entries hold a static block_sum
+# scratch (128 bytes), so 1 KiB stays free for it
+_TC_SMEM_MAX = 48 * 1024 - 1024
 
 
 def tc_geometry(n: int, k: int, two: bool, resident: int) -> tuple:
@@ -87,7 +90,7 @@ def tc_geometry(n: int, k: int, two: bool, resident: int) -> tuple:
     is the fewest blocks, at most ``resident`` (one wave), that leave none empty. Shared
     memory: x's FP16 pairs (64 bytes a chunk) and chunk sums (4 bytes) for K rounded up to 8
     chunks of 32, and 16 floats per (tile, gate / up, 8-chunk step) of a block; a block holds
-    fewer tiles (more blocks) where that would pass 48 KiB."""
+    fewer tiles (more blocks) where that would pass ``_TC_SMEM_MAX``."""
     tiles = -(-n // 16)
     cpad = -(-(k // 32) // 8) * 8
     base, per_tile = cpad * 68, (2 if two else 1) * (cpad // 8) * 64
@@ -164,8 +167,8 @@ class _WInfo:
                      for e in ("f16", "resid", "swiglu", "f32")}
         self.bits = b
         self.mma = None                           # gemv_mma{CT}_*: built at their first use
-        # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights of K < 3072): needs x in
-        # shared memory (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight
+        # GEMV v2 (GEMV_BY_SHAPE's pick for LM-head-sized weights but INT4 ones of K >= 3072):
+        # needs x in shared memory (K <= _NORM_MAX_K) and int row arithmetic (N * 32 < 2^31); a weight
         # past either runs v1, which takes any shape
         kc = ops.kernels
         ver, lpr = gemv_choice(self.n, self.k, b, kc)
