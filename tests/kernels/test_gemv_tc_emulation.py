@@ -4,9 +4,11 @@ the FP16 pairs (x_j, x_j+4) of each 8-value unit with each chunk's sum; each lan
 of chunks c0 + t4 and c0 + 4 + t4 of rows g and g + 8; tc_word's LOP3 / sub.f16x2 / fma.f16x2
 placement of nibbles into FP16; x entering B only at column g for lanes with g % 4 == t4;
 mma.sync m16n8k16 assembled by the PTX ISA's fragment layout; s * D + z * sum(x) per chunk
-column; one 16-row partial per (tile, gate / up, step), each row's steps summed in order) against
-x @ W.T from the dequantized weights (tinyloop.quant.dequantize), in float64. A wrong pair, a
-wrong fragment or a wrong column of B fails it (the planted faults below).
+column, the scales and zeros as tc_pair loads them; a grid's blocks each dealing its tiles'
+(tile, gate / up, step) items to warps in rounds, one 16-row partial per item at the kernel's
+offsets, each row's steps summed in order) against x @ W.T from the dequantized weights
+(tinyloop.quant.dequantize), in float64. A wrong pair, a wrong fragment, a wrong column of B
+or a wrong item deal fails it (the planted faults below).
 tests/kernels/test_gemv_tc_gpu.py checks the kernel itself."""
 
 from __future__ import annotations
@@ -49,9 +51,28 @@ def stage_x(x):
     return xp, sx
 
 
-def emulate(w, x, two=False, b_cols=None):
-    """gemv_tc_body over every tile: the raw products [N] (SwiGLU: gate and up [2, F]).
-    ``b_cols``: a planted fault, (diag, lo mask) per lane from (g, t4)."""
+def tc_pair(arr, row, c, chunks, lg, even):
+    """tc_pair: the (chunk c, chunk c + 1) values of a scale or zero row, as the kernel loads
+    them (g = 32: a 4-byte pair when the group count is even, else two halves; g >= 64: chunk
+    c's group twice); 0 past the row's chunks."""
+    if c >= chunks:
+        return 0.0, 0.0
+    if lg > 5:
+        v = arr[row, (c * 32) >> lg]
+        return v, v
+    if even and c + 1 < chunks:
+        return arr[row, c], arr[row, c + 1]
+    return arr[row, c], (arr[row, c + 1] if c + 1 < chunks else 0.0)
+
+
+def emulate(w, x, two=False, b_cols=None, blocks=None, items_per_round=3, warps=8, deal=None):
+    """gemv_tc_body on a grid of ``blocks`` (default: one per tile): the raw products [N]
+    (SwiGLU: gate and up [2, F]). Each block's tiles, its items dealt to ``warps`` warps in
+    rounds of ``items_per_round``, each item's partials written to the block's ``red`` at the
+    kernel's offsets (a slot never written stays NaN) and each output's steps summed as the
+    kernel reads them back. Planted faults: ``b_cols``, (diag, lo mask) per lane from
+    (g, t4); ``deal``, item i -> (tile of the block, gate / up, step) from (i, per_tile,
+    steps, nt)."""
     n_all, k = w.shape
     nt = 2 if two else 1
     n = n_all // nt
@@ -67,48 +88,72 @@ def emulate(w, x, two=False, b_cols=None):
     if b_cols is not None:
         diag, lo = b_cols(g, t4)
     chunks = k // 32
+    ngroups = sc.shape[1]
     last = q.shape[1] - 1
-    out = np.zeros((nt, n))
-    for tile in range(-(-n // 16)):
-        steps = -(-chunks // 8)
-        red = np.zeros((nt, steps, 2, 32))                       # the items' partials
-        for s in range(steps):
-            c0 = 8 * s
-            xv = np.where(diag[:, None, None], xp[(c0 + g)[:, None] * 4 + np.arange(4)], 0)
-            xv = xv.astype(np.uint32)                            # [32 lanes, 4 units, 4 pairs]
-            for t in range(nt):
-                rows = [np.minimum(16 * tile + g + 8 * h, n - 1) + t * f for h in range(2)]
-                d = np.zeros((32, 4))
-                for i in range(4):
-                    p = {}
-                    for h in range(2):
-                        for u in range(2):
-                            c = c0 + t4 + 4 * u
-                            col = 16 * c + 4 * i
-                            byt = [np.where(c < chunks, q[rows[h], np.minimum(col + b, last)], 0)
-                                   for b in range(4)]
-                            word = (byt[0].astype(np.uint32) | byt[1].astype(np.uint32) << 8
-                                    | byt[2].astype(np.uint32) << 16
-                                    | byt[3].astype(np.uint32) << 24)
-                            p[h, u] = tc_word(word)
-                    for j in range(4):
-                        a = np.stack([p[0, 0][j], p[1, 0][j], p[0, 1][j], p[1, 1][j]], 1)
-                        b = np.stack([xv[:, i, j] & lo, xv[:, i, j] & ~lo], 1)
-                        d = mma16816(d, a, b)
-                for h in range(2):
-                    for e in range(2):
-                        c = c0 + 2 * t4 + e
-                        grp = np.minimum((c * 32) >> lg, sc.shape[1] - 1)
-                        ok = c < chunks
-                        s_ = np.where(ok, sc[rows[h], grp], 0)
-                        z_ = np.where(ok, zr[rows[h], grp], 0)
-                        sxe = sx[np.minimum(c, sx.size - 1)]
-                        red[t, s, h] += s_ * d[:, 2 * h + e] + z_ * sxe
-        red = red.reshape(nt, steps, 2, 8, 4).sum(4)             # the row's 4 lanes
-        tot = red.sum(1).reshape(nt, 16)                         # steps; rows g, g + 8
-        r = 16 * tile + np.arange(16)
-        ok = r < n
-        out[:, r[ok]] = tot[:, ok]
+    steps = -(-chunks // 8)
+
+    def item(tile, t, s):
+        """One item's row sums [2, 8]: rows g and g + 8 of the tile, step s, gate / up t."""
+        c0 = 8 * s
+        xv = np.where(diag[:, None, None], xp[(c0 + g)[:, None] * 4 + np.arange(4)], 0)
+        xv = xv.astype(np.uint32)                                # [32 lanes, 4 units, 4 pairs]
+        rows = [np.minimum(16 * tile + g + 8 * h, n - 1) + t * f for h in range(2)]
+        d = np.zeros((32, 4))
+        for i in range(4):
+            p = {}
+            for h in range(2):
+                for u in range(2):
+                    c = c0 + t4 + 4 * u
+                    col = 16 * c + 4 * i
+                    byt = [np.where(c < chunks, q[rows[h], np.minimum(col + b, last)], 0)
+                           for b in range(4)]
+                    word = (byt[0].astype(np.uint32) | byt[1].astype(np.uint32) << 8
+                            | byt[2].astype(np.uint32) << 16 | byt[3].astype(np.uint32) << 24)
+                    p[h, u] = tc_word(word)
+            for j in range(4):
+                a = np.stack([p[0, 0][j], p[1, 0][j], p[0, 1][j], p[1, 1][j]], 1)
+                b = np.stack([xv[:, i, j] & lo, xv[:, i, j] & ~lo], 1)
+                d = mma16816(d, a, b)
+        v = np.zeros((2, 32))
+        for h in range(2):
+            for ln in range(32):
+                c = c0 + 2 * t4[ln]
+                ss = tc_pair(sc, rows[h][ln], c, chunks, lg, ngroups % 2 == 0)
+                zz = tc_pair(zr, rows[h][ln], c, chunks, lg, ngroups % 2 == 0)
+                for e in range(2):
+                    sxe = sx[min(c + e, sx.size - 1)]
+                    v[h, ln] += ss[e] * d[ln, 2 * h + e] + zz[e] * sxe
+        return v.reshape(2, 8, 4).sum(2)                         # the row's 4 lanes
+
+    tiles = -(-n // 16)
+    blocks = tiles if blocks is None else blocks
+    tb = -(-tiles // blocks)
+    out = np.full((nt, n), np.nan)
+    for blk in range(blocks):
+        tile0 = blk * tb
+        if tile0 >= tiles:
+            continue
+        ntile = min(tb, tiles - tile0)
+        per_tile = nt * steps
+        items = ntile * per_tile
+        red = np.full(items * 16, np.nan)
+        for warp in range(warps):
+            kmax = (items - warp + warps - 1) // warps
+            for k0 in range(0, kmax, items_per_round):
+                for kk in range(items_per_round):
+                    i = warp + (k0 + kk) * warps
+                    if i < items:
+                        tl, t, s = ((i // per_tile, (i // steps) % nt, i % steps)
+                                    if deal is None else deal(i, per_tile, steps, nt))
+                        v = item(tile0 + tl, t, s)
+                        red[i * 16 + np.arange(8)] = v[0]
+                        red[i * 16 + 8 + np.arange(8)] = v[1]
+        for j in range(ntile * 16):
+            tl, r = j >> 4, (tile0 + (j >> 4)) * 16 + (j & 15)
+            if r < n:
+                for t in range(nt):
+                    out[t, r] = sum(red[((tl * nt + t) * steps + s) * 16 + (j & 15)]
+                                    for s in range(steps))
     return out if two else out[0]
 
 
@@ -130,8 +175,9 @@ def test_emulated_gemv_tc_is_the_product(g, n, k):
     w = _weight(rng, n, k, g)
     x = rng.standard_normal(k).astype(np.float16)
     want = dequantize(w).astype(np.float64) @ x.astype(np.float64)
-    got = emulate(w, x)
-    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    for blocks in (None, 1, 2):                  # one tile a block; all tiles in one; a ragged last
+        got = emulate(w, x, blocks=blocks)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=f"blocks={blocks}")
 
 
 def test_emulated_gemv_tc_swiglu_takes_gate_and_up_rows():
@@ -140,7 +186,7 @@ def test_emulated_gemv_tc_swiglu_takes_gate_and_up_rows():
     w = _weight(rng, 2 * f, k, 32)
     x = rng.standard_normal(k).astype(np.float16)
     full = dequantize(w).astype(np.float64) @ x.astype(np.float64)
-    gate, up = emulate(w, x, two=True)
+    gate, up = emulate(w, x, two=True, blocks=1)     # both tiles' gate and up items in one block
     np.testing.assert_allclose(gate, full[:f], rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(up, full[f:], rtol=1e-9, atol=1e-9)
 
@@ -208,3 +254,17 @@ def test_tc_geometry_deals_every_tile_once(n, k, two, resident):
     assert smem <= 47 * 1024
     if cpad * 68 + -(-tiles // min(tiles, resident)) * (2 if two else 1) * cpad * 8 <= 47 * 1024:
         assert blocks <= resident
+
+
+def test_the_emulation_catches_a_wrong_item_deal():
+    """Items dealt as (gate / up, step) in the other order put a step's gate partial in an up
+    slot: the block's rows come out wrong."""
+    rng = np.random.default_rng(9)
+    f, k = 20, 768
+    w = _weight(rng, 2 * f, k, 32)
+    x = rng.standard_normal(k).astype(np.float16)
+    full = dequantize(w).astype(np.float64) @ x.astype(np.float64)
+    gate, up = emulate(w, x, two=True, blocks=1,
+                       deal=lambda i, per_tile, steps, nt: (i // per_tile, i % nt,
+                                                            (i // nt) % steps))
+    assert np.max(np.abs(np.concatenate([gate, up]) - full)) > 1e-3
