@@ -48,8 +48,9 @@ _MAX_BLOCKS_PER_SM = 32
 # The decode GEMV per weight (KernelChoice.gemv = "auto", the default): the first row whose
 # min_rows <= N, min_k <= K and bits (None: any) match gives (version, v2 lanes per row or None
 # = gemv2_geometry's rule). tc for INT4 weights of K >= 3072 (Nanbeige4.2-3B's and Huginn's
-# layers and heads, Ouro-1.4B's down projection); v1 for SmolLM2's and Ouro-1.4B's K = 2048 layer shapes, v2 at 4 lanes per
-# row for an LM-head-sized weight there (docs/architecture.md "GEMV choice").
+# layers and heads, Ouro-1.4B's down projection); v1 for SmolLM2's and Ouro-1.4B's K = 2048
+# layer shapes, v2 at 4 lanes per row for an LM-head-sized weight there
+# (docs/architecture.md "GEMV choice").
 GEMV_BY_SHAPE = ((0, 3072, 4, "tc", None),     # Nanbeige4.2-3B: 8192 x 3072 ... 166k x 3072
                  (16384, 0, None, "v2", 4),    # LM-head sized: 49,152 x 576
                  (0, 0, None, "v1", None))     # every other layer shape
