@@ -514,19 +514,19 @@ __device__ __forceinline__ void gemv_tc_body(const void* __restrict__ xin,
 
 // The register budget of every entry: TC_MINB blocks of 256 threads per SM (launch bounds), so a
 // round of TC_ITEMS items' loads (about 20 registers an item) stays in registers.
-#define GEMV_TC_ENTRY(NAME, EPI)                                                        \
-    extern "C" __global__ void __launch_bounds__(256, TC_MINB)                                  \
+#define GEMV_TC_ENTRY(NAME, EPI)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, TC_MINB)                                \
         NAME(const u8* qw, const half_t* sc, const half_t* zr, const half_t* x, i64 N, i64 K, \
              i64 F, i64 log2g, void* out) {                                                   \
-        gemv_tc_body<EPI, false>(x, nullptr, 0.0, qw, sc, zr, (int)N, (int)K, (int)F,      \
+        gemv_tc_body<EPI, false>(x, nullptr, 0.0, qw, sc, zr, (int)N, (int)K, (int)F,         \
                                     (int)log2g, out);                                         \
     }
 
-#define GEMV_TC_NORM_ENTRY(NAME, EPI)                                                   \
-    extern "C" __global__ void __launch_bounds__(256, TC_MINB)                                  \
+#define GEMV_TC_NORM_ENTRY(NAME, EPI)                                                         \
+    extern "C" __global__ void __launch_bounds__(256, TC_MINB)                                \
         NAME(const float* x, const float* weight, double eps, const u8* qw, const half_t* sc, \
              const half_t* zr, i64 N, i64 K, i64 F, i64 log2g, void* out) {                   \
-        gemv_tc_body<EPI, true>(x, weight, eps, qw, sc, zr, (int)N, (int)K, (int)F,        \
+        gemv_tc_body<EPI, true>(x, weight, eps, qw, sc, zr, (int)N, (int)K, (int)F,           \
                                    (int)log2g, out);                                          \
     }
 
