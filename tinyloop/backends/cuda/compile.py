@@ -59,7 +59,7 @@ GEOMETRY = {
                                                          for hd in FA_HEAD_DIMS)},
     "attention_decode": {"DS_THREADS": 128,      # split-K decode: threads per (head, split)
                          "DS_MAX_SPLITS": 64,     # splits per head at most (the partials)
-                         "DS_MERGE_SERIAL": 8,    # splits merged one thread per output
+                         "DS_MIN_BLOCKS": 5,      # blocks per SM the registers leave room for
                          "DS_HEAD_DIM_ENTRIES": "".join(f"DS_ENTRIES({hd})"
                                                         for hd in ATTN_HEAD_DIMS)},
     # the argmax's and the sampler's one block; the fast sampler's grid blocks

@@ -28,8 +28,9 @@
 // out = sum_s 2^(m_s-M) o_s / sum_s 2^(m_s-M) l_s. Split 0 always holds key lo, so M is finite.
 // ctx comes from the host (ctx > 0) or, when step_pos is not null, from the device step state
 // (tinyloop/graphs.py: ctx = *step_pos + 1), so one captured graph serves every step.
-// Scores: one key per thread, the K row read with 16-byte loads. P*V: thread (slice, 8-dim
-// chunk) reads 8 dims of V with one 16-byte (fp16) / 8-byte (int8) load per key of its slice.
+// Each thread holds 8 dims of K and V of a few keys (DsGeom: a group of lanes per key, so a
+// warp's loads read whole rows, coalesced) and runs its own online softmax over them, with
+// no barrier per chunk; the block's threads merge once at the end.
 #include "common.cuh"
 
 // Launch geometry shared with the host (tinyloop/backends/cuda/compile.py GEOMETRY; -D from the
@@ -39,11 +40,13 @@
 #endif
 // The most splits a head's keys are dealt to (attention.py DS_MAX_SPLITS: the partials scratch),
 // and the most that attn_combine_head merges one thread per output (more: the whole block).
+// Blocks per SM the register allocation leaves room for: a long context's split grid then
+// runs in one wave.
+#ifndef DS_MIN_BLOCKS
+#define DS_MIN_BLOCKS 5
+#endif
 #ifndef DS_MAX_SPLITS
 #define DS_MAX_SPLITS 64
-#endif
-#ifndef DS_MERGE_SERIAL
-#define DS_MERGE_SERIAL 8
 #endif
 
 // Keys [k0, k1) of split s of nsplit over keys lo..ctx-1 (lo = win_lo(ctx - 1, window)) in
@@ -71,171 +74,189 @@ __device__ __forceinline__ DsRange ds_split_range(i64 ctx, i64 window, i64 P, i6
     return r;
 }
 
-// One chunk of up to DS_THREADS keys c0.. (< k1), as raw page bytes (kv_raw8) in registers:
-// the thread's own key c0 + tid (its K row, for the scores) and, for the P*V pass, keys
-// c0 + sl + t * NSL (t < NVK) of its key slice sl, 8 dims at chunk ch (the V parts).
-template <int MODE, int HD>
-struct DsChunk {
-    static constexpr int C8 = HD / 8, NSL = DS_THREADS / C8, NVK = (DS_THREADS + NSL - 1) / NSL;
-    uint4 k[C8];
-    float ks;
-    uint4 v[NVK];
-    float vs[NVK];
+// How a block's DS_THREADS threads share a chunk of keys: lane c < C8 = HD / 8 of a group of
+// GS lanes (GS the power of two >= C8; lanes C8..GS-1 of HD 48 / 80 / 96 load nothing) holds
+// dims 8c..8c+7 of one key, so one warp load reads KPW = 32 / GS whole K (or V) rows,
+// coalesced. A block step covers KPS = NW * KPW keys (NW warps), a thread holds TU steps and
+// a chunk is CH = KPS * TU keys: key c0 + t * KPS + w * KPW + g of chunk c0 belongs to group
+// g of warp w at step t. TU is chosen so a chunk holds DS_THREADS keys where a thread's share
+// fits in at most 8 steps (TU * 32 bytes of fp16 K and V per thread).
+template <int HD>
+struct DsGeom {
+    static constexpr int C8 = HD / 8;
+    static constexpr int GS = C8 <= 2 ? 2 : C8 <= 4 ? 4 : C8 <= 8 ? 8 : C8 <= 16 ? 16 : 32;
+    static constexpr int KPW = 32 / GS, NW = DS_THREADS / 32, KPS = NW * KPW;
+    static constexpr int TU = KPS >= DS_THREADS ? 1 : (DS_THREADS / KPS > 8 ? 8 : DS_THREADS / KPS);
+    static constexpr int CH = KPS * TU;
+    static_assert(HD % 8 == 0 && C8 <= 32, "head dims are multiples of 8, at most 256");
+    static_assert(DS_THREADS % 32 == 0, "whole warps");
 };
 
-// Load chunk c0's keys below k1 into ch, all but key `skip` (-1: none): the split kernel loads
-// its first chunk before its PDL wait, when key ctx-1 (this step's, written by the kernel
-// before) is not yet there; ds_load_key then loads that one after the wait. Both load through
-// L2 only (kv_raw8 / kv_scale L2): nothing this kernel reads ahead leaves an L1 line that key
-// ctx-1's later reads could hit (an int8 scale shares its sector with its neighbours').
+// One chunk's raw page bytes (kv_raw8) in registers: the thread's 8 dims of K and V of its
+// TU keys, and their int8 scales.
+template <int MODE, int HD>
+struct DsChunk {
+    static constexpr int TU = DsGeom<HD>::TU;
+    uint4 k[TU], v[TU];
+    float ks[TU], vs[TU];
+};
+
+// The thread's place in the chunk (DsGeom): warp w, group g, lane c of the group, and the
+// offset in the chunk of the key it holds at step t.
+template <int HD>
+struct DsLane {
+    int w, g, c;
+    __device__ __forceinline__ DsLane() {
+        const int lane = threadIdx.x & 31;
+        w = threadIdx.x >> 5;
+        g = lane / DsGeom<HD>::GS;
+        c = lane % DsGeom<HD>::GS;
+    }
+    __device__ __forceinline__ int off(int t) const {
+        using G = DsGeom<HD>;
+        return t * G::KPS + w * G::KPW + g;
+    }
+};
+
+// Keys of chunk c0 below k1 (at most CH).
+template <int HD>
+__device__ __forceinline__ int ds_keys(i64 c0, i64 k1) {
+    return (int)(k1 - c0 < DsGeom<HD>::CH ? k1 - c0 : DsGeom<HD>::CH);
+}
+
+// Row r (row * n_kv + hk) of key j, and its page (kv_page in 32-bit arithmetic: positions
+// and page sizes are below 2^31).
+__device__ __forceinline__ const char* ds_page(const i64* __restrict__ table, i64 P, i64 j,
+                                               i64 n_kv, i64 hk, i64* r) {
+    const unsigned ju = (unsigned)j, pu = (unsigned)P, pg = ju / pu;
+    *r = (i64)(ju - pg * pu) * n_kv + hk;
+    return (const char*)table[pg];
+}
+
+// Load the thread's parts of chunk c0's keys below k1 into ch, all but key `skip` (-1: none):
+// the split kernel loads its first chunk before its PDL wait, when key ctx-1 (this step's,
+// written by the kernel before) is not yet there; ds_load_key then loads that one after the
+// wait. Both load through L2 only (kv_raw8 / kv_scale L2): nothing this kernel reads ahead
+// leaves an L1 line that key ctx-1's later reads could hit (an int8 scale shares its sector
+// with its neighbours').
 template <int MODE, int HD>
 __device__ __forceinline__ void ds_load(DsChunk<MODE, HD>& ch, const i64* __restrict__ table,
                                         i64 P, i64 k_off, i64 v_off, i64 ks_off, i64 vs_off,
                                         i64 n_kv, i64 hk, i64 c0, i64 k1, i64 skip) {
-    using C = DsChunk<MODE, HD>;
-    const int tid = threadIdx.x, cc = tid % C::C8, sl = tid / C::C8;
-    const i64 j = c0 + tid;
-    if (j < k1 && j != skip) {
-        i64 row;
-        const char* base = kv_page(table, P, j, &row);
+    using G = DsGeom<HD>;
+    const DsLane<HD> ln;
+    if (ln.c >= G::C8) return;
+    const int nk = ds_keys<HD>(c0, k1), sk = skip >= c0 ? (int)(skip - c0) : -1;
 #pragma unroll
-        for (int u = 0; u < C::C8; ++u)
-            ch.k[u] = kv_raw8<MODE, HD, true>(base, k_off, row * n_kv + hk, 8 * u);
-        ch.ks = kv_scale<MODE, true>(base, ks_off, row * n_kv + hk);
-    }
-    if (sl < C::NSL) {
-#pragma unroll
-        for (int t = 0; t < C::NVK; ++t) {
-            const i64 jj = c0 + sl + t * C::NSL;
-            if (jj < k1 && jj != skip && sl + t * C::NSL < DS_THREADS) {
-                i64 row;
-                const char* base = kv_page(table, P, jj, &row);
-                ch.v[t] = kv_raw8<MODE, HD, true>(base, v_off, row * n_kv + hk, 8 * cc);
-                ch.vs[t] = kv_scale<MODE, true>(base, vs_off, row * n_kv + hk);
-            }
+    for (int t = 0; t < G::TU; ++t) {
+        const int o = ln.off(t);
+        if (o < nk && o != sk) {
+            i64 r;
+            const char* base = ds_page(table, P, c0 + o, n_kv, hk, &r);
+            ch.k[t] = kv_raw8<MODE, HD, true>(base, k_off, r, 8 * ln.c);
+            ch.v[t] = kv_raw8<MODE, HD, true>(base, v_off, r, 8 * ln.c);
+            ch.ks[t] = kv_scale<MODE, true>(base, ks_off, r);
+            ch.vs[t] = kv_scale<MODE, true>(base, vs_off, r);
         }
     }
 }
 
-// Load key `key` into ch (its K row and V parts, by the threads that hold them) when it falls
-// in chunk c0 (and below k1).
+// Load key `key` into ch (by the group that holds it) when it falls in chunk c0, below k1.
 template <int MODE, int HD>
 __device__ __forceinline__ void ds_load_key(DsChunk<MODE, HD>& ch, const i64* __restrict__ table,
                                             i64 P, i64 k_off, i64 v_off, i64 ks_off,
                                             i64 vs_off, i64 n_kv, i64 hk, i64 c0, i64 k1,
                                             i64 key) {
-    if (key < c0 || key >= k1 || key >= c0 + DS_THREADS) return;   // block-uniform
-    using C = DsChunk<MODE, HD>;
-    const int tid = threadIdx.x, cc = tid % C::C8, sl = tid / C::C8;
-    i64 row;
-    const char* base = kv_page(table, P, key, &row);
-    const i64 r = row * n_kv + hk;
-    if (c0 + tid == key) {
+    using G = DsGeom<HD>;
+    if (key < c0 || key >= k1 || key >= c0 + G::CH) return;   // block-uniform
+    const DsLane<HD> ln;
+    const int off = (int)(key - c0), tk = off / G::KPS, rem = off % G::KPS;
+    if (ln.c >= G::C8 || ln.w != rem / G::KPW || ln.g != rem % G::KPW) return;
+    i64 r;
+    const char* base = ds_page(table, P, key, n_kv, hk, &r);
 #pragma unroll
-        for (int u = 0; u < C::C8; ++u)
-            ch.k[u] = kv_raw8<MODE, HD, true>(base, k_off, r, 8 * u);
-        ch.ks = kv_scale<MODE, true>(base, ks_off, r);
-    }
-    if (sl < C::NSL) {
-#pragma unroll
-        for (int t = 0; t < C::NVK; ++t) {
-            if (c0 + sl + t * C::NSL == key) {
-                ch.v[t] = kv_raw8<MODE, HD, true>(base, v_off, r, 8 * cc);
-                ch.vs[t] = kv_scale<MODE, true>(base, vs_off, r);
-            }
+    for (int t = 0; t < G::TU; ++t) {           // a constant index: ch stays in registers
+        if (t == tk) {
+            ch.k[t] = kv_raw8<MODE, HD, true>(base, k_off, r, 8 * ln.c);
+            ch.v[t] = kv_raw8<MODE, HD, true>(base, v_off, r, 8 * ln.c);
+            ch.ks[t] = kv_scale<MODE, true>(base, ks_off, r);
+            ch.vs[t] = kv_scale<MODE, true>(base, vs_off, r);
         }
     }
 }
 
-// The online-softmax update of one chunk c0.. (< k1) of up to DS_THREADS keys: scores (one
-// key per thread, q * scale * log2(e) in qs), the running max m and sum l, the thread's 8 dims
-// o of sum p v over its key slice. HELD: the chunk's K / V bytes are in *pre (loaded ahead);
-// otherwise they are read here. Ends with a barrier (ps is rewritten by the next chunk).
-template <int MODE, int HD, bool HELD>
-__device__ __forceinline__ void ds_chunk(const float* qs, float* ps, float* red,
-                                         const i64* __restrict__ table, i64 P, i64 k_off,
-                                         i64 v_off, i64 ks_off, i64 vs_off, i64 n_kv, i64 hk,
-                                         i64 c0, i64 k1, const DsChunk<MODE, HD>* pre,
-                                         float& m, float& l, float* o) {
-    using C = DsChunk<MODE, HD>;
-    constexpr int C8 = C::C8, NSL = C::NSL;
-    const int tid = threadIdx.x, cc = tid % C8, sl = tid / C8;
-    const i64 j = c0 + tid;
-    float sc = TL_NEG_INF;
-    if (j < k1) {
-        i64 row = 0;
-        const char* base = HELD ? nullptr : kv_page(table, P, j, &row);
+// The online-softmax update of the thread's running (m, l, o) by its keys of chunk c0 (in
+// ch, below k1): m the running max of the scores (log2 units, q8 = the thread's 8 dims of
+// q * scale * log2(e)), l the sum of 2^(s - m), o its 8 dims of the sum of 2^(s - m) v. A
+// key's score is its group's 8-dim partial dots summed by shuffles (the same in every lane
+// of the group, so a group's (m, l) agree). No barrier: the threads' states merge at the end.
+template <int MODE, int HD>
+__device__ __forceinline__ void ds_compute(const DsChunk<MODE, HD>& ch, const float* q8,
+                                           i64 c0, i64 k1, float& m, float& l, float* o) {
+    using G = DsGeom<HD>;
+    const DsLane<HD> ln;
+    const bool dims = ln.c < G::C8;
+    const int nk = ds_keys<HD>(c0, k1);
+    float sc[G::TU];
+#pragma unroll
+    for (int t = 0; t < G::TU; ++t) {
+        const bool ok = ln.off(t) < nk;
         float d = 0.0f;
-#pragma unroll
-        for (int u = 0; u < C8; ++u) {
+        if (ok && dims) {
             float k8[8];
-            if (HELD) kv_unpack8<MODE>(pre->k[u], pre->ks, k8);
-            else kv_load8<MODE, HD>(base, k_off, ks_off, row * n_kv + hk, 8 * u, k8);
+            kv_unpack8<MODE>(ch.k[t], ch.ks[t], k8);
 #pragma unroll
-            for (int w = 0; w < 8; ++w) d = fmaf(qs[8 * u + w], k8[w], d);
+            for (int i = 0; i < 8; ++i) d = fmaf(q8[i], k8[i], d);
         }
-        sc = d;
+#pragma unroll
+        for (int x = G::GS / 2; x > 0; x >>= 1) d += __shfl_xor_sync(0xffffffffu, d, x);
+        sc[t] = ok ? d : TL_NEG_INF;
     }
-    const float m_new = fmaxf(m, block_max(sc, red));   // key c0 < k1: finite
-    const float alpha = exp2f(m - m_new);
-    const float p = j < k1 ? exp2f(sc - m_new) : 0.0f;
-    ps[tid] = p;
-    const float csum = block_sum(p, red);                // its barriers publish ps
-    l = l * alpha + csum;
-    m = m_new;
+    float mx = m;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) o[w] *= alpha;
-    const int nk = (int)(k1 - c0 < DS_THREADS ? k1 - c0 : DS_THREADS);
-    if (sl < NSL) {                                      // DS_THREADS % C8 leftover threads idle
-        if (HELD) {
+    for (int t = 0; t < G::TU; ++t) mx = fmaxf(mx, sc[t]);
+    if (mx == TL_NEG_INF) return;                 // no key of this group yet
+    const float alpha = exp2f(m - mx);            // m = -inf: 0
+    l *= alpha;
 #pragma unroll
-            for (int t = 0; t < C::NVK; ++t) {
-                const int jj = sl + t * NSL;
-                if (jj < nk) {
-                    float v8[8];
-                    kv_unpack8<MODE>(pre->v[t], pre->vs[t], v8);
-                    const float pj = ps[jj];
+    for (int i = 0; i < 8; ++i) o[i] *= alpha;
 #pragma unroll
-                    for (int w = 0; w < 8; ++w) o[w] = fmaf(pj, v8[w], o[w]);
-                }
-            }
-        } else {
-            for (int jj = sl; jj < nk; jj += NSL) {
-                i64 row;
-                const char* base = kv_page(table, P, c0 + jj, &row);
+    for (int t = 0; t < G::TU; ++t) {
+        if (ln.off(t) < nk) {
+            const float p = exp2f(sc[t] - mx);
+            l += p;
+            if (dims) {
                 float v8[8];
-                kv_load8<MODE, HD>(base, v_off, vs_off, row * n_kv + hk, 8 * cc, v8);
-                const float pj = ps[jj];
+                kv_unpack8<MODE>(ch.v[t], ch.vs[t], v8);
 #pragma unroll
-                for (int w = 0; w < 8; ++w) o[w] = fmaf(pj, v8[w], o[w]);
+                for (int i = 0; i < 8; ++i) o[i] = fmaf(p, v8[i], o[i]);
             }
         }
     }
-    __syncthreads();
+    m = mx;
 }
 
 // One (query head h, split s of nsplit) unit over the split's keys [k0, k1) (ds_split_range),
 // run by a block of DS_THREADS threads (the split kernel below: h = blockIdx.x,
 // s = blockIdx.y). qkv is read through L2 (__ldcg): the kernel before it in the step wrote it.
-// PRE: *pre holds the unit's first chunk, already loaded (ds_load + ds_load_key); the other
-// chunks (all of them without PRE) are read as they are used, which keeps registers low.
-// out: null, or where the head's output goes when this is its only split (o / l, f16
-// [n_heads * HD]) instead of the partial.
-template <int MODE, int HD, bool PRE = false>
+// ch: the chunk registers; held: they already hold the first chunk (ds_load + ds_load_key,
+// the split kernel's preload), the other chunks are loaded as they come. Each thread runs the
+// online softmax over its own keys (ds_compute); at the end the groups of a warp merge by
+// shuffles, then the warps through shared memory, in warp order: M = max m,
+// l = sum 2^(m - M) l, o = sum 2^(m - M) o. out: null, or where the head's output goes when
+// this is its only split (o / l, f16 [n_heads * HD]) instead of the partial.
+template <int MODE, int HD>
 __device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 k0, i64 k1,
                                                 const i64* __restrict__ table, i64 P, i64 k_off,
                                                 i64 v_off, i64 ks_off, i64 vs_off, i64 n_heads,
                                                 i64 n_kv, float scale_log2, float* part, i64 h,
-                                                i64 s, i64 nsplit,
-                                                const DsChunk<MODE, HD>* pre = nullptr,
-                                                half_t* out = nullptr) {
-    using C = DsChunk<MODE, HD>;
-    constexpr int C8 = C::C8, NSL = C::NSL;
-    __shared__ __align__(16) float qs[HD];
-    __shared__ float ps[DS_THREADS];
-    __shared__ float red[32];
-    __shared__ float osum[NSL * HD];
+                                                i64 s, i64 nsplit, DsChunk<MODE, HD>& ch,
+                                                bool held, half_t* out) {
+    using G = DsGeom<HD>;
+    __shared__ float wm[G::NW], wl[G::NW];
+    __shared__ float wo[G::NW * HD];
     const int tid = threadIdx.x;
+    const DsLane<HD> ln;
     const i64 hk = h / (n_heads / n_kv);
     float* dst = part + (h * nsplit + s) * (HD + 2);
     if (k0 >= k1) {                               // block-uniform: no keys in this split
@@ -243,100 +264,122 @@ __device__ __forceinline__ void attn_split_unit(const half_t* qkv, i64 k0, i64 k
         if (tid == 0) { dst[HD] = TL_NEG_INF; dst[HD + 1] = 0.0f; }
         return;
     }
-    for (int i = tid; i < HD; i += DS_THREADS) qs[i] = h2f(__ldcg(qkv + h * HD + i)) * scale_log2;
-    __syncthreads();
-    const int cc = tid % C8, sl = tid / C8;        // P*V: 8-dim chunk and key slice
-    const bool pv = sl < NSL;
+    float q8[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        q8[i] = ln.c < G::C8 ? h2f(__ldcg(qkv + h * HD + 8 * ln.c + i)) * scale_log2 : 0.0f;
     float m = TL_NEG_INF, l = 0.0f, o[8];
 #pragma unroll
-    for (int w = 0; w < 8; ++w) o[w] = 0.0f;
-    if (PRE) {                                     // the first chunk from registers
-        ds_chunk<MODE, HD, true>(qs, ps, red, table, P, k_off, v_off, ks_off, vs_off, n_kv, hk,
-                                 k0, k1, pre, m, l, o);
-        for (i64 c0 = k0 + DS_THREADS; c0 < k1; c0 += DS_THREADS)
-            ds_chunk<MODE, HD, false>(qs, ps, red, table, P, k_off, v_off, ks_off, vs_off, n_kv,
-                                      hk, c0, k1, pre, m, l, o);
-    } else {
-        for (i64 c0 = k0; c0 < k1; c0 += DS_THREADS)
-            ds_chunk<MODE, HD, false>(qs, ps, red, table, P, k_off, v_off, ks_off, vs_off, n_kv,
-                                      hk, c0, k1, pre, m, l, o);
+    for (int i = 0; i < 8; ++i) o[i] = 0.0f;
+    for (i64 c0 = k0; c0 < k1; c0 += G::CH) {
+        if (!held || c0 != k0)
+            ds_load<MODE, HD>(ch, table, P, k_off, v_off, ks_off, vs_off, n_kv, hk, c0, k1, -1);
+        ds_compute<MODE, HD>(ch, q8, c0, k1, m, l, o);
     }
-    if (pv) {
 #pragma unroll
-        for (int w = 0; w < 8; ++w) osum[sl * HD + 8 * cc + w] = o[w];
+    for (int x = G::GS; x < 32; x <<= 1) {         // the warp's groups: lane c gets them all
+        const float mo = __shfl_xor_sync(0xffffffffu, m, x);
+        const float lo = __shfl_xor_sync(0xffffffffu, l, x);
+        const float mx = fmaxf(m, mo);
+        const float a = mx == TL_NEG_INF ? 0.0f : exp2f(m - mx);
+        const float b = mx == TL_NEG_INF ? 0.0f : exp2f(mo - mx);
+        l = l * a + lo * b;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = o[i] * a + __shfl_xor_sync(0xffffffffu, o[i], x) * b;
+        m = mx;
     }
+    if (ln.g == 0 && ln.c < G::C8) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wo[ln.w * HD + 8 * ln.c + i] = o[i];
+    }
+    if ((tid & 31) == 0) { wm[ln.w] = m; wl[ln.w] = l; }
     __syncthreads();
     for (int i = tid; i < HD; i += DS_THREADS) {
-        float acc = 0.0f;
+        float mx = TL_NEG_INF;                    // finite: the split holds a key
 #pragma unroll
-        for (int k = 0; k < NSL; ++k) acc += osum[k * HD + i];
-        // the one split: what attn_split_merge's read-back of the partial gives, bit for bit
-        if (out != nullptr) out[h * HD + i] = f2h(__fadd_rn(acc, 0.0f) / __fadd_rn(l, 0.0f));
-        else dst[i] = acc;
+        for (int w = 0; w < G::NW; ++w) mx = fmaxf(mx, wm[w]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < G::NW; ++w) {
+            const float a = exp2f(wm[w] - mx);    // a warp without keys: 0
+            num = fmaf(a, wo[w * HD + i], num);
+            den = fmaf(a, wl[w], den);
+        }
+        if (out != nullptr) {
+            out[h * HD + i] = f2h(num / den);
+        } else {
+            dst[i] = num;
+            if (i == 0) { dst[HD] = mx; dst[HD + 1] = den; }
+        }
     }
-    if (tid == 0 && out == nullptr) { dst[HD] = m; dst[HD + 1] = l; }
 }
 
-// Head h's merge of its partials 0..n_used-1 (of nsplit rows per head, n_used <= DS_MAX_SPLITS)
-// into out[h * HD ..] (f16). Partials are read through L2 (__ldcg): other blocks wrote them. An
-// empty split (m = -inf) weighs 0. Up to DS_MERGE_SERIAL splits, each output's thread reads
-// them all itself (two passes, each unrolled so its loads are in flight at once; the splits
-// summed in ascending order): two L2 round trips, no barrier. More splits would cost a round
-// trip per DS_MERGE_SERIAL of them that way, so the whole block merges them, every split's
-// loads in flight at once: thread s reads split s's (m, l), the block reduces M = max m_s, the
-// weights w_s = 2^(m_s - M) (shared memory) and den = sum_s w_s l_s (block_sum's fixed tree);
-// thread (slice sl, dim i) of DS_THREADS / HD slices sums w_s o_s[i] over s = sl, sl + slices,
-// ..., and the slices' sums are added in slice order.
+// Head h's merge of its partials 0..n_used-1 (of nsplit rows per head, n_used <= DS_MAX_SPLITS,
+// each holding keys) into out[h * HD ..] (f16): M = max_s m_s, out = sum_s 2^(m_s - M) o_s /
+// sum_s 2^(m_s - M) l_s. Partials are read through L2 (__ldcg): other blocks wrote them. One
+// round of loads: thread s < n_used reads split s's (m, l) into shared memory while thread
+// (slice sl, dim i) of SL = DS_THREADS / HD slices reads o_s[i] of its splits
+// s = sl, sl + SL, ... (up to 32 at once); after one barrier every warp finds M (warp_max's
+// fixed tree), warp 0 sums the denominator (warp_sum's) and each slice its numerator in
+// ascending s; the slices' sums are added in slice order.
 template <int HD>
 __device__ __forceinline__ void attn_combine_head(const float* part, i64 nsplit, i64 n_used,
                                                   half_t* out, i64 h) {
+    constexpr int SL = DS_THREADS / HD, NB = (DS_MAX_SPLITS + SL - 1) / SL;
+    constexpr int B = NB < 32 ? NB : 32;
     static_assert(HD <= DS_THREADS, "a merge thread per output dimension");
     static_assert(DS_MAX_SPLITS <= DS_THREADS, "a merge thread per split");
+    __shared__ float sm_m[DS_MAX_SPLITS], sm_l[DS_MAX_SPLITS], acc[SL * HD];
+    __shared__ float den;
     const float* src = part + h * nsplit * (HD + 2);
-    const int ns = (int)n_used, tid = threadIdx.x;
-    if (ns <= DS_MERGE_SERIAL) {                  // block-uniform
-        float mx = TL_NEG_INF;                    // max is exact in any order
-#pragma unroll 8
-        for (int s = 0; s < ns; ++s) mx = fmaxf(mx, __ldcg(src + s * (HD + 2) + HD));
-        for (int i = tid; i < HD; i += blockDim.x) {
-            float num = 0.0f, den = 0.0f;
-#pragma unroll 8
-            for (int s = 0; s < ns; ++s) {
-                const float* ps = src + s * (HD + 2);
-                const float wgt = exp2f(__ldcg(ps + HD) - mx);
-                num = fmaf(wgt, __ldcg(ps + i), num);
-                den = fmaf(wgt, __ldcg(ps + HD + 1), den);
-            }
-            out[h * HD + i] = f2h(num / den);
-        }
-        return;
-    }
-    constexpr int SL = DS_THREADS / HD;
-    __shared__ float wgt[DS_MAX_SPLITS];
-    __shared__ float red[32];
-    __shared__ float acc[SL * HD];
-    float m = TL_NEG_INF, l = 0.0f;
+    const int ns = (int)n_used, tid = threadIdx.x, lane = tid & 31, i = tid % HD, sl = tid / HD;
+    const bool act = sl < SL;
     if (tid < ns) {
-        m = __ldcg(src + tid * (HD + 2) + HD);
-        l = __ldcg(src + tid * (HD + 2) + HD + 1);
+        sm_m[tid] = __ldcg(src + tid * (HD + 2) + HD);
+        sm_l[tid] = __ldcg(src + tid * (HD + 2) + HD + 1);
     }
-    const float mx = block_max(m, red);           // split 0 holds key lo: finite
-    const float w = tid < ns ? exp2f(m - mx) : 0.0f;
-    if (tid < ns) wgt[tid] = w;
-    const float den = block_sum(w * l, red);      // its barriers publish wgt
-    const int i = tid % HD, sl = tid / HD;
-    if (sl < SL) {
-        float num = 0.0f;
-#pragma unroll 16
-        for (int s = sl; s < ns; s += SL) num = fmaf(wgt[s], __ldcg(src + s * (HD + 2) + i), num);
-        acc[sl * HD + i] = num;
+    float ov[B];
+#pragma unroll
+    for (int k = 0; k < B; ++k) {
+        const int s = sl + k * SL;
+        ov[k] = act && s < ns ? __ldcg(src + s * (HD + 2) + i) : 0.0f;
+    }
+    __syncthreads();
+    float mx = TL_NEG_INF;
+    for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, sm_m[s]);
+    mx = warp_max(mx);                            // split 0 holds key lo: finite
+    float num = 0.0f;
+#pragma unroll
+    for (int k = 0; k < B; ++k) {
+        const int s = sl + k * SL;
+        if (s < ns) num = fmaf(exp2f(sm_m[s] - mx), ov[k], num);
+    }
+#pragma unroll
+    for (int k0 = B; k0 < NB; k0 += B) {          // HD > DS_THREADS / 2: a second round
+#pragma unroll
+        for (int k = 0; k < B; ++k) {
+            const int s = sl + (k0 + k) * SL;
+            ov[k] = act && s < ns ? __ldcg(src + s * (HD + 2) + i) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < B; ++k) {
+            const int s = sl + (k0 + k) * SL;
+            if (s < ns) num = fmaf(exp2f(sm_m[s] - mx), ov[k], num);
+        }
+    }
+    if (act) acc[sl * HD + i] = num;
+    if (tid < 32) {
+        float d = 0.0f;
+        for (int s = lane; s < ns; s += 32) d = fmaf(exp2f(sm_m[s] - mx), sm_l[s], d);
+        d = warp_sum(d);
+        if (lane == 0) den = d;
     }
     __syncthreads();
     if (tid < HD) {
-        float num = 0.0f;
+        float t = 0.0f;
 #pragma unroll
-        for (int k = 0; k < SL; ++k) num += acc[k * HD + tid];
-        out[h * HD + tid] = f2h(num / den);
+        for (int k = 0; k < SL; ++k) t += acc[k * HD + tid];
+        out[h * HD + tid] = f2h(t / den);
     }
 }
 
@@ -384,9 +427,9 @@ __device__ __forceinline__ void attn_split_step(const half_t* qkv, i64 ctx, cons
     ds_load<MODE, HD>(ch, table, P, k_off, v_off, ks_off, vs_off, n_kv, hk, k0, k1, c - 1);
     TL_PDL_ENTER();                               // q and key c - 1: the kernel before wrote them
     ds_load_key<MODE, HD>(ch, table, P, k_off, v_off, ks_off, vs_off, n_kv, hk, k0, k1, c - 1);
-    attn_split_unit<MODE, HD, true>(qkv, k0, k1, table, P, k_off, v_off, ks_off, vs_off,
-                                    n_heads, n_kv, scale_log2, part, h, s, nsplit, &ch,
-                                    n_used == 1 ? out : nullptr);
+    attn_split_unit<MODE, HD>(qkv, k0, k1, table, P, k_off, v_off, ks_off, vs_off, n_heads,
+                              n_kv, scale_log2, part, h, s, nsplit, ch, true,
+                              n_used == 1 ? out : nullptr);
     if (n_used > 1) attn_split_merge<HD>(part, nsplit, n_used, tickets, out, h);
 }
 
@@ -413,9 +456,10 @@ __device__ __forceinline__ void attn_split_batch(const half_t* qkv, i64 ld,
     if (s >= r.n_used) return;                    // no keys: no partial, no ticket
     float* bpart = part + b * n_heads * nsplit * (HD + 2);
     half_t* bout = out + b * n_heads * HD;
+    DsChunk<MODE, HD> ch;
     attn_split_unit<MODE, HD>(qkv + b * ld, r.k0, r.k1, (const i64*)tables[b], P, k_off, v_off,
                               ks_off, vs_off, n_heads, n_kv, scale_log2, bpart, h, s, nsplit,
-                              nullptr, r.n_used == 1 ? bout : nullptr);
+                              ch, false, r.n_used == 1 ? bout : nullptr);
     if (r.n_used > 1)
         attn_split_merge<HD>(bpart, nsplit, r.n_used, tickets + b * n_heads, bout, h);
 }
@@ -428,7 +472,7 @@ __device__ __forceinline__ void attn_split_batch(const half_t* qkv, i64 ld,
 // tickets: u32 [>= n_heads], 0 before the first launch (the merging block re-arms its head's);
 // out: f16 [n_heads * HD].
 #define DS_ENTRIES_MODE(MODE, NAME, HD)                                                        \
-    extern "C" __global__ void __launch_bounds__(DS_THREADS)                                  \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_BLOCKS)                               \
         attn_split_##NAME##_hd##HD(const half_t* qkv, i64 ctx, const int* step_pos,            \
                                    const i64* table, i64 P, i64 k_off, i64 v_off, i64 ks_off,  \
                                    i64 vs_off, i64 n_heads, i64 n_kv, double scale_log2,       \
@@ -439,7 +483,7 @@ __device__ __forceinline__ void attn_split_batch(const half_t* qkv, i64 ld,
     }                                                                                          \
     /* a decode batch (attn_split_batch): part f32 [B, n_heads, nsplit, HD + 2], tickets   */ \
     /* u32 [>= B * n_heads], out f16 [B, n_heads * HD]                                      */ \
-    extern "C" __global__ void __launch_bounds__(DS_THREADS)                                  \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_BLOCKS)                               \
         attn_split_batch_##NAME##_hd##HD(const half_t* qkv, i64 ld, const i64* pos,            \
                                          const i64* tables, i64 P, i64 k_off, i64 v_off,       \
                                          i64 ks_off, i64 vs_off, i64 n_heads, i64 n_kv,        \
