@@ -671,7 +671,7 @@ def test_gemv_choice_errors_name_the_field(monkeypatch):
 
 
 # --- RoPE and attention ------------------------------------------------------------------------
-HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 128), (3, 1, 16)]
+HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 128), (3, 1, 16), (5, 1, 80)]
 
 
 def qkv_rows(rng, t, h, hkv, hd, extra=0):

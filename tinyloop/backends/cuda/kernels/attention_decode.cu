@@ -7,7 +7,9 @@
 // reads the same page layout (tinyloop/kv/layouts.py PageLayout) through the same block table;
 // the decode batch entry row by row (tests/kernels/test_batch_attention_gpu.py).
 // Query head h reads KV head h / (n_heads / n_kv); scale 1/sqrt(head_dim); scores in log2 units
-// (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials.
+// (q pre-multiplied by scale*log2(e)) so exp2f does the exponentials. An int8 row's scale
+// multiplies its dot product and its softmax weight once, not each code (ds_codes8), which
+// differs from dequantize-then-dot (layouts.py) only by float32 rounding.
 //
 // One launch, attn_split_{fp16,int8}_hd{HD}: grid (n_heads, nsplit), DS_THREADS threads. The
 // keys lo..ctx-1 lie in pages pg0 = lo / P .. ceil(ctx / P) - 1, npages = ceil(ctx / P) - pg0 of
@@ -185,6 +187,23 @@ __device__ __forceinline__ void ds_load_key(DsChunk<MODE, HD>& ch, const i64* __
     }
 }
 
+// A K or V part's 8 raw values as floats, before the int8 scale: FP16 values, or the int8
+// codes exactly (code + 128 placed in the low mantissa byte of 2^23 by a byte permute, then
+// 2^23 + 128 subtracted: two full-rate instructions a value in place of a conversion). The
+// caller applies the row's scale once, to the dot product (K) or to the weight p (V).
+template <int MODE>
+__device__ __forceinline__ void ds_codes8(uint4 w4, float* x) {
+    if (MODE == KV_FP16) {
+        kv_unpack8<MODE>(w4, 1.0f, x);
+    } else {
+        const unsigned w[2] = {w4.x ^ 0x80808080u, w4.y ^ 0x80808080u};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            x[j] = __uint_as_float(__byte_perm(w[j >> 2], 0x4B000000u, 0x7440u | (j & 3))) -
+                   8388736.0f;
+    }
+}
+
 // The online-softmax update of the thread's running (m, l, o) by its keys of chunk c0 (in
 // ch, below k1): m the running max of the scores (log2 units, q8 = the thread's 8 dims of
 // q * scale * log2(e)), l the sum of 2^(s - m), o its 8 dims of the sum of 2^(s - m) v. A
@@ -204,9 +223,10 @@ __device__ __forceinline__ void ds_compute(const DsChunk<MODE, HD>& ch, const fl
         float d = 0.0f;
         if (ok && dims) {
             float k8[8];
-            kv_unpack8<MODE>(ch.k[t], ch.ks[t], k8);
+            ds_codes8<MODE>(ch.k[t], k8);
 #pragma unroll
             for (int i = 0; i < 8; ++i) d = fmaf(q8[i], k8[i], d);
+            d *= ch.ks[t];                        // the row's scale (1 for FP16)
         }
 #pragma unroll
         for (int x = G::GS / 2; x > 0; x >>= 1) d += __shfl_xor_sync(0xffffffffu, d, x);
@@ -227,9 +247,10 @@ __device__ __forceinline__ void ds_compute(const DsChunk<MODE, HD>& ch, const fl
             l += p;
             if (dims) {
                 float v8[8];
-                kv_unpack8<MODE>(ch.v[t], ch.vs[t], v8);
+                ds_codes8<MODE>(ch.v[t], v8);
+                const float pv = p * ch.vs[t];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) o[i] = fmaf(p, v8[i], o[i]);
+                for (int i = 0; i < 8; ++i) o[i] = fmaf(pv, v8[i], o[i]);
             }
         }
     }
