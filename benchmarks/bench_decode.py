@@ -2,6 +2,7 @@
 
     python -m benchmarks bench_decode [--model PATH|default|synthetic] [--out DIR] [--no-peer]
                                       [--kv-modes fp16,int8] [--contexts 64,1024,4096,8000]
+                                      [--context-modes fp16,int8]
 
 By default (--model synthetic) it writes a synthetic model with SmolLM2-135M's dims (INT4 g=32 layers, INT8
 g=32 tied embedding, as the Q4_1 GGUF) from a fixed seed, so nothing has to be carried to the
@@ -19,8 +20,9 @@ warm-up):
     prompt (graphs; the store-h modes rebuild K/V over the whole context every step: their
     cost grows with it; they run eagerly, never as a captured graph),
     prefill of 2,048 tokens;
-  - with --contexts: decode tokens/s after each prompt length at depths 1 and 4 per mode, and
-    against the shortest (the long-context slowdown);
+  - with --contexts: decode tokens/s after each prompt length at depths 1 and 4 per mode
+    (--context-modes, default the --kv-modes ones), and against the shortest (the
+    long-context slowdown);
   - the captured graphs the model holds at the end (count, keys) and the pool bytes under
     tag ``graphs``;
   - the pool's stats after the run;
@@ -239,8 +241,12 @@ def main(argv=None) -> int:
                          "the CUDA backend runs); the headline figures use fp16")
     ap.add_argument("--contexts", default="",
                     help="comma list of prompt lengths for a long-context decode sweep at "
-                         "depths 1 and 4 per --kv-modes mode (e.g. 64,1024,4096,8000); off "
+                         "depths 1 and 4 per --context-modes mode (e.g. 64,1024,4096,8000); off "
                          "by default")
+    ap.add_argument("--context-modes", default="",
+                    help="comma list of KV modes for the --contexts sweep (default: the "
+                         "--kv-modes ones; the store-h modes rebuild K/V over the whole "
+                         "context every step)")
     a = ap.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",") if c]
     path = model_path(a.model)
@@ -280,7 +286,8 @@ def main(argv=None) -> int:
             res[f"prefill_{n}_tokens_per_s"] = n / (ms / 1e3)
         res["kv_modes"] = bench_kv_modes(model, a.kv_modes, a.new_tokens)
         if contexts:
-            names = model.ops.kv_modes if a.kv_modes == "all" else tuple(a.kv_modes.split(","))
+            modes = a.context_modes or a.kv_modes
+            names = model.ops.kv_modes if modes == "all" else tuple(modes.split(","))
             res["context_sweep"] = context_sweep(model, contexts, names)
         gs = model.graph_stats()
         res["graphs"] = {"count": gs["graphs"], "captures": gs["captures"],

@@ -52,14 +52,12 @@ ab() { [[ -n "$M" && -d .baseline && -n "${BASELINE:-}" ]] || return 0
             --no-step-table ${BASELINE_ARGS:-} --out "$W/baseline$1"
     fi; }
 ab 1
-[[ -n "$M" ]] && XT=300 x bench_real python3 -m benchmarks bench_decode --model "$M" \
-    --kv-modes "${BENCH_KV_MODES:-all}" --out "$W/real"
+# with the long-context sweep (decode after 64 / 1k / 4k / 8k prompt tokens at depths 1 and 4)
+# in the captured modes only: the store-h modes would rebuild K/V over 8k keys a step
+[[ -n "$M" ]] && XT=420 x bench_real python3 -m benchmarks bench_decode --model "$M" \
+    --kv-modes "${BENCH_KV_MODES:-all}" --contexts "${BENCH_CONTEXTS:-64,1024,4096,8000}" \
+    --context-modes fp16,int8 --out "$W/real"
 ab 2
-# the long-context sweep (decode after 64 / 1k / 4k / 8k prompt tokens at depths 1 and 4, the
-# captured modes): its own run, since the store-h modes would rebuild K/V over 8k keys a step
-[[ -n "$M" ]] && XT=300 x bench_ctx python3 -m benchmarks bench_decode --model "$M" \
-    --kv-modes fp16,int8 --no-peer --contexts "${BENCH_CONTEXTS:-64,1024,4096,8000}" \
-    --out "$W/ctx"
 # the decode-step profiler: generate against the graph replayed back to back per depth and PDL
 # setting ("depth D pdl P: ..." lines), then depth 1's captured step kernel by kernel
 [[ -n "$M" ]] && XT=240 x step_kernels python3 -m benchmarks step_kernels --model "$M" \
@@ -88,7 +86,7 @@ echo; echo "================ SUMMARY ================"
 [[ -f "$W/gpu_suite_summary.txt" ]] && tail -n 10 "$W/gpu_suite_summary.txt"
 [[ -f "$W/gpu_real_tests.log" ]] && { echo "-- GPU tests on the real model:"; grep -E "passed|failed|^FAILED|^ERROR" "$W/gpu_real_tests.log" | tail -n 6; }
 [[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2:"; grep -E "decode depth|prefill|peer|captured" "$W/bench_real.log" | head -24; tail -n 8 "$W/bench_real.log"; }
-[[ -f "$W/bench_ctx.log" ]] && { echo "-- real SmolLM2, decode after a long prompt:"; grep -E "ctx[0-9]" "$W/bench_ctx.log"; }
+[[ -f "$W/bench_real.log" ]] && { echo "-- real SmolLM2, decode after a long prompt:"; grep -E "ctx[0-9]" "$W/bench_real.log"; }
 for f in "$W"/bench_baseline*.log; do [[ -f $f ]] && { echo "-- $(basename $f .log) (.baseline tree):"; grep -E "decode depth|prefill|graphs" "$f" | head -12; }; done
 [[ -f "$W/bench_serve.log" ]] && { echo "-- bench_serve (real SmolLM2):"; grep -A5 "^requests" "$W/bench_serve.log"; }
 [[ -f "$W/step_kernels.log" ]] && { grep -E "^depth" "$W/step_kernels.log"
