@@ -1192,15 +1192,21 @@ def test_decode_sequence_allocates_nothing(ops, rng):
 @pytest.mark.parametrize("ops", ["auto"], indirect=True)    # v1 on layer shapes: the pair's
 @pytest.mark.parametrize("h,hkv,hd", HEADS)
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("pos,table_ready", [(0, False), (45, True), (45, False), (4097, True)])
+@pytest.mark.parametrize("pos,table_ready,cap", [(0, False, None), (45, True, None),
+                                                 (45, False, None), (4097, True, None),
+                                                 (45, True, 1), (45, True, 3)])
 @pytest.mark.parametrize("mode", ["fp16", "int8"])
 def test_qkv_rope_step_equals_the_pair(ops, ref, rng, monkeypatch, h, hkv, hd, bits, pos,
-                                       table_ready, mode):
+                                       table_ready, cap, mode):
     """qkv_rope.cu (RMSNorm + QKV GEMV + RoPE + K/V page write, one launch) leaves qkv and
     every part of the page row at the step's position (int8: codes and scales) bit for bit as
     rmsnorm_linear + kv_write_step do, with the step state's RoPE table (written by
-    step_advance) or without one; twice in a row (the int8 ticket re-arms)."""
+    step_advance) or without one; twice in a row (the int8 ticket re-arms). ``cap``: the grid
+    capped at that many blocks, so each block loops over several passes of rows (and with int8
+    pages one block is also the last, quantizing block)."""
     from tinyloop.backends.base import STEP_ROPE_POS
+    if cap is not None:
+        monkeypatch.setattr(ops, "_grid_cap", cap)
     d = 256
     n = (h + 2 * hkv) * hd
     w = dev_weight(ops, rand_weight(rng, n, d, bits, 32))
