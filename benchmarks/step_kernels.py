@@ -176,13 +176,13 @@ def step_table(model, depth: int = 1, ctx: int = 64, kv_mode=None, pdl: str = "1
     return results
 
 
-def replay_us(model, depth: int, ctx: int) -> float:
+def replay_us(model, depth: int, ctx: int, kv_mode=None) -> float:
     """GPU µs per replay of the depth's captured step, REPLAYS back to back from ``ctx``
-    (median of 5 batches)."""
+    (median of 5 batches), over a cache in ``kv_mode`` (None: the model's)."""
     g = decode_graphs(model)
     prompt = prompt_ids(ctx)
     cap = ctx + 5 * REPLAYS + 8
-    with model.lock, model.new_kv_cache(depth, cap) as cache:
+    with model.lock, model.new_kv_cache(depth, cap, kv_mode=kv_mode) as cache:
         model.forward(prompt, 0, depth, cache)
         tok, pos = 11, ctx
         for _ in range(3):                      # eager, capture, one replay
@@ -204,15 +204,17 @@ def replay_us(model, depth: int, ctx: int) -> float:
     return us
 
 
-def generate_vs_replay(model, depth: int, ctx: int) -> dict:
+def generate_vs_replay(model, depth: int, ctx: int, kv_mode=None) -> dict:
     """Greedy ``generate`` tokens/s against the captured step's back-to-back replay at
-    ``depth`` after ``ctx`` tokens; ``host_us``: the difference per token."""
+    ``depth`` after ``ctx`` tokens, both in ``kv_mode`` (None: the model's); ``host_us``: the
+    difference per token."""
     prompt = list(range(10, 10 + ctx))
     for _ in range(3):
-        model.generate(prompt, max_new_tokens=64, depth=depth)
-    tps = statistics.median(model.generate(prompt, max_new_tokens=128, depth=depth)
-                            .decode_tokens_per_s for _ in range(5))
-    us = replay_us(model, depth, ctx)
+        model.generate(prompt, max_new_tokens=64, depth=depth, kv_mode=kv_mode)
+    tps = statistics.median(model.generate(prompt, max_new_tokens=128, depth=depth,
+                                           kv_mode=kv_mode).decode_tokens_per_s
+                            for _ in range(5))
+    us = replay_us(model, depth, ctx, kv_mode)
     return {"generate_tokens_per_s": tps, "replay_us": us, "replay_tokens_per_s": 1e6 / us,
             "host_us": 1e6 / tps - us}
 
@@ -240,7 +242,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", default="0,1", help="comma list of PDL settings (0, 1)")
     ap.add_argument("--table-depths", default=None,
                     help="comma list of depths of the per-kernel tables (default: --depths)")
-    ap.add_argument("--kv-mode", default=None, help="KV storage mode (default: the model's)")
+    ap.add_argument("--kv-mode", default=None,
+                    help="KV storage mode of the replay line and the tables (default: the "
+                         "model's)")
     ap.add_argument("--sampling", default="greedy", choices=sorted(SAMPLING),
                     help="the per-kernel tables' sampler (default greedy)")
     ap.add_argument("--no-replay", action="store_true",
@@ -264,7 +268,8 @@ def main(argv=None) -> int:
                 for p in a.pdl.split(","):
                     m.ops.kernels = dataclasses.replace(old, pdl=p == "1")
                     try:
-                        g = res["replay"][f"depth{d}_pdl{p}"] = generate_vs_replay(m, d, a.ctx)
+                        g = res["replay"][f"depth{d}_pdl{p}"] = generate_vs_replay(
+                            m, d, a.ctx, a.kv_mode)
                     finally:
                         m.ops.kernels = old
                     print(f"depth {d} pdl {p}: generate {g['generate_tokens_per_s']:7.1f} tok/s"

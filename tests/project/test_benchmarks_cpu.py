@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -721,3 +722,36 @@ def test_step_kernels_records_the_sampled_step(monkeypatch, sampling):
     else:
         want = list(range(10 + 100 - 63, 10 + 100)) + [11]
         assert last_n == mod.WINDOW == 64 and recent.tolist() == want
+
+
+def test_step_kernels_replay_line_runs_in_the_kv_mode(monkeypatch):
+    """--kv-mode reaches the replay line too: generate and the back-to-back replay's cache
+    both run in it (the line once measured the model's own mode whatever was asked)."""
+    from benchmarks import step_kernels as mod
+    modes, replays = [], []
+    replay_us = mod.replay_us
+
+    class Result:
+        decode_tokens_per_s = 500.0
+
+    class Fake:
+        def generate(self, prompt, max_new_tokens, depth, kv_mode=None):
+            modes.append(kv_mode)
+            return Result()
+    monkeypatch.setattr(mod, "replay_us", lambda m, d, c, kv=None: replays.append(kv) or 1000.0)
+    g = mod.generate_vs_replay(Fake(), 2, 64, "int8")
+    assert modes == ["int8"] * 8 and replays == ["int8"]
+    assert g["host_us"] == 1e6 / 500.0 - 1000.0
+
+    class Stop(Exception):
+        pass
+
+    class Model:
+        lock = threading.Lock()
+
+        def new_kv_cache(self, depth, cap, kv_mode=None):
+            raise Stop(depth, cap, kv_mode)
+    monkeypatch.setattr(mod, "decode_graphs", lambda m: None)
+    with pytest.raises(Stop) as e:
+        replay_us(Model(), 4, 100, "int8")
+    assert e.value.args == (4, 100 + 5 * mod.REPLAYS + 8, "int8")
