@@ -210,6 +210,59 @@ def test_cancel_frees_the_requests_pages_at_once(model, monkeypatch):
         q.stop()
 
 
+class _LockNeverFree:
+    """The model's lock as a scheduler that takes it back step after step makes it for one
+    thread: every acquire of ``starved`` fails (a plain ``with`` raises), others get it."""
+
+    def __init__(self, inner, starved):
+        self.inner, self.starved = inner, starved
+
+    def acquire(self, blocking=True, timeout=-1):
+        if threading.current_thread() is self.starved:
+            if not blocking or timeout < 0:
+                raise AssertionError("a blocking acquire by the starved thread never returns")
+            threading.Event().wait(timeout)
+            return False
+        return self.inner.acquire(blocking, timeout)
+
+    def release(self):
+        self.inner.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_cancel_ends_the_request_at_the_next_step_when_the_lock_never_comes_free(
+        model, monkeypatch):
+    import time
+
+    from tinyloop.backends.numpy_ops import NumpyOps
+    real = NumpyOps.lm_head
+
+    def slow_head(self, x, w, out):
+        time.sleep(0.005)
+        return real(self, x, w, out)
+    monkeypatch.setattr(NumpyOps, "lm_head", slow_head)
+    with Engine(model) as eng:
+        before = model.pool.by_tag()["kv_cache"]
+        r = eng.submit(list(range(1, 30)), max_new_tokens=90)
+        it = iter(r)
+        next(it)
+        inner = model._lock
+        model._lock = _LockNeverFree(inner, threading.current_thread())
+        try:
+            r.cancel()                     # the scheduler's next step ends it
+        finally:
+            model._lock = inner
+        assert r.done and model.pool.by_tag()["kv_cache"] == before
+        res = r.result(timeout=5)
+        assert res.finish_reason == "cancelled" and 1 <= len(res.token_ids) < 90
+
+
 def test_the_prefix_pool_is_shared_and_its_hits_give_the_solo_text(model):
     head = list(range(1, 50))
     prompts = [head + [60, 61], head + [70], head + [80, 81, 82]]

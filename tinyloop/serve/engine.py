@@ -129,6 +129,7 @@ class EngineRequest:
         self._last = None            # the token the next decode step feeds
         self._held: list = []        # accepted tokens not yet streamed (None: EOS)
         self._final = False          # the last accepted token ends it: no more steps
+        self._cancel = False         # cancel() asked: the next step under the lock ends it
         self._ending = None          # (reason, pieces): a stop string ended it while a step
                                      # that reads its cache was in flight
         self._cached = 0             # prompt positions restored from the PrefixPool
@@ -523,10 +524,24 @@ class Engine:
         if queued:
             r._finish("cancelled", r._text.partial_text())
             return
-        with self.model.lock:                 # waits for the step in flight
-            r._push_held()                    # its accepted tokens stream first
-            if not r.done:
-                r._finish("cancelled", r._text.partial_text())
+        # the model's lock is not fair: a busy scheduler can take it back step after step,
+        # so the scheduler ends a request marked here at its next step under the lock, and
+        # this waits for whichever of the two comes first
+        r._cancel = True
+        lock = self.model.lock
+        while not r.done:
+            if lock.acquire(timeout=0.002):   # waits for the step in flight
+                try:
+                    self._end_cancelled(r)
+                finally:
+                    lock.release()
+
+    @staticmethod
+    def _end_cancelled(r: EngineRequest) -> None:
+        """End ``r`` "cancelled" unless it is done. Under the model's lock."""
+        r._push_held()                        # its accepted tokens stream first
+        if not r.done:
+            r._finish("cancelled", r._text.partial_text())
 
     def finished(self, r: EngineRequest) -> None:
         """Bookkeeping when ``r`` ended (called by the request): its slot and budget return."""
@@ -619,6 +634,8 @@ class Engine:
         ids = a.ids
         done = 0
         with model.lock:
+            if r._cancel:
+                self._end_cancelled(r)
             if r.done:
                 return 0
             try:
@@ -732,6 +749,9 @@ class Engine:
         the next one runs."""
         model = self.model
         with model.lock:
+            for r in group:
+                if r._cancel:
+                    self._end_cancelled(r)
             live = [r for r in group if not r.done and not r._final]
             if len(live) <= self.serial_rows:
                 # the captured single-row step reads on the host at once: nothing overlaps it,
