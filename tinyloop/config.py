@@ -26,6 +26,7 @@ INJECTION_KINDS = ("none", "adapter")
 # "pre": x += f(n1(x)) (llama, Nanbeige); "pre_post": x += n2(f(n1(x))) (Ouro's four norms);
 # "sandwich": x = n2(x + f(n1(x))) (Huginn's SandwichBlock: the second norm after the add).
 LAYER_NORM_KINDS = ("pre", "pre_post", "sandwich")
+MAX_LAYERS = 4096           # prelude + recurrent + coda layers a config may declare
 # What the recurrent state starts from: "prelude" (the prelude output itself), "zeros", or
 # "normal": a truncated normal (std ``state_std``, cut at +-3 std) drawn per position from
 # ``state_seed`` (backends.base.seeded_state), so equal seeds give equal runs.
@@ -148,6 +149,9 @@ class ModelConfig:
             raise ConfigError("a model with n_recurrent=0 must have max_depth=1")
         if self.n_layers == 0:
             raise ConfigError("the model has no layers (n_prelude + n_recurrent + n_coda == 0)")
+        if self.n_layers > MAX_LAYERS:
+            raise ConfigError(f"{self.n_layers} layers (n_prelude + n_recurrent + n_coda) is "
+                              f"over the {MAX_LAYERS}-layer limit")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads={self.n_heads} is not a multiple of "
                               f"n_kv_heads={self.n_kv_heads}")

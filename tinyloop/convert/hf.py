@@ -40,11 +40,12 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 
 import numpy as np
 
-from ..config import GROUP_SIZES, ModelConfig
+from ..config import GROUP_SIZES, MAX_LAYERS, ModelConfig
 from ..errors import ConfigError, ConversionError, FormatError
 from ..format import expected_tensors, write_tlm
 from ..quant import quantize
@@ -68,9 +69,32 @@ MODEL_TYPES = {"ouro": "ouro", "huginn_raven": "huginn", "nanbeige": "nanbeige"}
 # --------------------------------------------------------------------------------------------
 # The hostile-file checks
 # --------------------------------------------------------------------------------------------
-def _read_json(path: str, what: str, limit: int = MAX_JSON_BYTES):
+def _regular_size(path: str, what: str) -> int:
+    """The byte size of ``path``; ConversionError when it cannot be stat'ed or is not a
+    regular file (a FIFO would block the read, a folder cannot be read)."""
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConversionError(f"{path}: {what} is not a regular file")
+    return st.st_size
+
+
+def _unique_keys(pairs):
+    """json.loads' object_pairs_hook: a dict, ValueError on a repeated key (which a plain
+    dict would resolve silently to the last one)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r:.80} appears twice")
+        out[k] = v
+    return out
+
+
+def _read_json(path: str, what: str, limit: int = MAX_JSON_BYTES):
+    size = _regular_size(path, what)
+    try:
         if size > limit:
             raise ConversionError(f"{path}: {what} is {size} bytes, over the {limit}-byte limit")
         with open(path, "rb") as f:
@@ -93,11 +117,14 @@ def check_safetensors(path: str) -> tuple[int, dict]:
     Returns (data_start, {name: (dtype, shape, begin, end)}) with begin/end relative to
     data_start. Raises ConversionError naming the file and the field: a header length past
     the file or over MAX_HEADER_BYTES, a header that is not a JSON object, more than
-    MAX_ENTRIES tensors, an unknown dtype, a shape that is not a list of at most MAX_RANK
-    non-negative ints, data_offsets that are not [begin, end] with 0 <= begin <= end <= the
-    data section, a byte count that disagrees with shape x itemsize, overlapping tensors."""
+    MAX_ENTRIES tensors, a key listed twice, a ``__metadata__`` that is not an object of
+    strings, an unknown dtype, a shape that is not a list of at most MAX_RANK non-negative
+    ints, data_offsets that are not [begin, end] with 0 <= begin <= end <= the data section,
+    a byte count that disagrees with shape x itemsize, tensors that overlap or leave bytes
+    of the data section to none (the format requires them to tile it), a path that is not a
+    regular file."""
+    size = _regular_size(path, "the safetensors file")
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -114,7 +141,7 @@ def check_safetensors(path: str) -> tuple[int, dict]:
     except OSError as e:
         raise ConversionError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConversionError(f"{path}: header is not UTF-8 JSON: {str(e)[:200]}") from None
     if not isinstance(header, dict):
@@ -123,6 +150,9 @@ def check_safetensors(path: str) -> tuple[int, dict]:
         raise ConversionError(f"{path}: {len(header)} header entries (limit {MAX_ENTRIES})")
     data_start = 8 + n
     data_len = size - data_start
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ConversionError(f"{path}: __metadata__ must be an object of strings")
     out = {}
     for name, e in header.items():
         if name == "__metadata__":
@@ -148,11 +178,19 @@ def check_safetensors(path: str) -> tuple[int, dict]:
             raise ConversionError(f"{where}: data_offsets hold {offs[1] - offs[0]} bytes, "
                                   f"shape {shape} of {dt} needs {count * ITEMSIZE[dt]}")
         out[name] = (dt, tuple(shape), offs[0], offs[1])
-    spans = sorted((b, e, nm) for nm, (_, _, b, e) in out.items() if e > b)
-    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
-        if b0 < a1:
-            raise ConversionError(f"{path}: tensors {an!r} and {bn!r} overlap "
-                                  f"([{a0}, {a1}) and [{b0}, {b1}))")
+    # the format's rule (safetensors' own validation): the tensors tile the data section,
+    # in offset order, with no hole, no overlap and nothing after the last one
+    at, prev = 0, None
+    for b, e, nm in sorted((b, e, nm) for nm, (_, _, b, e) in out.items()):
+        if b < at:
+            raise ConversionError(f"{path}: tensors {prev!r} and {nm!r} overlap (the first "
+                                  f"ends at {at}, the second begins at {b})")
+        if b > at:
+            raise ConversionError(f"{path}: data bytes [{at}, {b}) belong to no tensor")
+        at, prev = e, nm
+    if at != data_len:
+        raise ConversionError(f"{path}: data bytes [{at}, {data_len}) after the last tensor "
+                              "belong to no tensor")
     return data_start, out
 
 
@@ -160,7 +198,7 @@ def _shards(src: str) -> tuple[list[str], dict | None]:
     """The safetensors files of the folder and the index's weight_map (None without an
     index): the index's shards, else model.safetensors, else every *.safetensors file."""
     index = os.path.join(src, INDEX_NAME)
-    if os.path.isfile(index):
+    if os.path.lexists(index):
         spec = _read_json(index, "the shard index")
         wm = spec.get("weight_map") if isinstance(spec, dict) else None
         if not isinstance(wm, dict) or not wm or not all(
@@ -172,7 +210,7 @@ def _shards(src: str) -> tuple[list[str], dict | None]:
             if os.path.basename(nm) != nm or not nm.endswith(".safetensors"):
                 raise ConversionError(f"{index}: weight_map names shard {nm!r}, not a "
                                       ".safetensors file name in the folder")
-            if not os.path.isfile(os.path.join(src, nm)):
+            if not os.path.lexists(os.path.join(src, nm)):
                 raise ConversionError(f"{index}: shard {nm!r} is missing from {src}")
         return [os.path.join(src, nm) for nm in names], wm
     one = os.path.join(src, "model.safetensors")
@@ -242,9 +280,12 @@ class _Tensors:
                             shape=((e - b) // 2,)) if e > b else np.zeros(0, "<u2")
             a = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
         else:
-            from safetensors import safe_open
-            with safe_open(path, framework="np") as f:
-                a = f.get_tensor(name)
+            from safetensors import SafetensorError, safe_open
+            try:
+                with safe_open(path, framework="np") as f:
+                    a = f.get_tensor(name)
+            except (SafetensorError, OSError) as err:   # the file changed since its check
+                raise ConversionError(f"{path}: cannot read tensor {name!r}: {err}") from None
         a = np.asarray(a, dtype=np.float32).reshape(shape)
         if not np.isfinite(a).all():
             raise ConversionError(f"{path}: tensor {name!r} holds NaN or inf")
@@ -260,13 +301,13 @@ class _Conf:
     def __init__(self, d: dict, path: str):
         self.d, self.path = d, path
 
-    def int(self, *keys, default=None, lo: int = 0):
+    def int(self, *keys, default=None, lo: int = 0, hi: int = MAX_DIM):
         for k in keys:
             if k in self.d and self.d[k] is not None:
                 v = self.d[k]
-                if not _is_int(v) or not lo <= v <= MAX_DIM:
-                    raise ConversionError(f"{self.path}: {k}={v!r} must be an int in "
-                                          f"{lo}..{MAX_DIM}")
+                if not _is_int(v) or not lo <= v <= hi:
+                    raise ConversionError(f"{self.path}: {k}={v!r:.40} must be an int in "
+                                          f"{lo}..{hi}")
                 return v
         if default is None:
             raise ConversionError(f"{self.path}: {keys[0]} is missing")
@@ -276,10 +317,15 @@ class _Conf:
         for k in keys:
             if k in self.d and self.d[k] is not None:
                 v = self.d[k]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) \
-                        or not math.isfinite(v):
-                    raise ConversionError(f"{self.path}: {k}={v!r} must be a finite number")
-                return float(v)
+                try:                          # an int past float's range: OverflowError
+                    f = None if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                        else float(v)
+                except OverflowError:
+                    f = None
+                if f is None or not math.isfinite(f):
+                    raise ConversionError(f"{self.path}: {k}={v!r:.40} must be a finite "
+                                          "number")
+                return f
         if default is None:
             raise ConversionError(f"{self.path}: {keys[0]} is missing")
         return default
@@ -305,14 +351,14 @@ def architecture_of(conf: dict, path: str) -> str:
     archs = conf.get("architectures")
     if isinstance(archs, list) and archs:
         for a in archs:
-            if a in ARCHITECTURES:
+            if isinstance(a, str) and a in ARCHITECTURES:
                 return ARCHITECTURES[a]
-        raise ConversionError(f"{path}: unsupported architecture {archs[0]!r} (supported: "
+        raise ConversionError(f"{path}: unsupported architecture {archs[0]!r:.80} (supported: "
                               f"{', '.join(ARCHITECTURES)})")
     mt = conf.get("model_type")
-    if mt in MODEL_TYPES:
+    if isinstance(mt, str) and mt in MODEL_TYPES:
         return MODEL_TYPES[mt]
-    raise ConversionError(f"{path}: unsupported architecture {mt!r} (config.json names no "
+    raise ConversionError(f"{path}: unsupported architecture {mt!r:.80} (config.json names no "
                           f"architecture; supported: {', '.join(ARCHITECTURES)})")
 
 
@@ -322,6 +368,17 @@ def permute_rotate_half(w: np.ndarray, n_heads: int) -> np.ndarray:
     rows 2i and 2i + 1 (llama.cpp's ``LlamaModel.permute``)."""
     return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def _vocab(t: _Tensors, name: str) -> int:
+    """The vocabulary size: the row count of the embedding ``name``, which must be a
+    non-empty matrix."""
+    shape = t.shape(name)
+    if len(shape) != 2 or not shape[0]:
+        path = t.table[name][0]
+        raise ConversionError(f"{path}: tensor {name!r} has shape {list(shape)}, the "
+                              "embedding must be a [vocab, hidden] matrix")
+    return shape[0]
 
 
 def _check_llama_like(c: _Conf, kind: str) -> None:
@@ -339,12 +396,12 @@ def _check_llama_like(c: _Conf, kind: str) -> None:
 def _llama_stack(c: _Conf, t: _Tensors, kind: str):
     """ModelConfig facts and tensors of an Ouro / Nanbeige checkpoint (llama names)."""
     d = c.int("hidden_size", lo=1)
-    n_layers = c.int("num_hidden_layers", lo=1)
+    n_layers = c.int("num_hidden_layers", lo=1, hi=MAX_LAYERS)
     heads = c.int("num_attention_heads", lo=1)
     kv_heads = c.int("num_key_value_heads", default=heads, lo=1)
     head_dim = c.int("head_dim", default=d // heads, lo=1)
     ffn = c.int("intermediate_size", lo=1)
-    vocab = t.shape("model.embed_tokens.weight")[0] if "model.embed_tokens.weight" in t \
+    vocab = _vocab(t, "model.embed_tokens.weight") if "model.embed_tokens.weight" in t \
         else c.int("vocab_size", lo=1)
     tied = c.bool("tie_word_embeddings", False)
     if kind == "ouro":
@@ -433,9 +490,9 @@ def _huginn(c: _Conf, t: _Tensors, state_seed: int):
                               f"num_attention_heads={heads}")
     head_dim = d // heads
     ffn = c.int("intermediate_size", lo=1)
-    P = c.int("n_layers_in_prelude")
-    R = c.int("n_layers_in_recurrent_block", lo=1)
-    C = c.int("n_layers_in_coda")
+    P = c.int("n_layers_in_prelude", hi=MAX_LAYERS)
+    R = c.int("n_layers_in_recurrent_block", lo=1, hi=MAX_LAYERS)
+    C = c.int("n_layers_in_coda", hi=MAX_LAYERS)
     rec = c.int("mean_recurrence", lo=1)
     for key, want in (("injection_type", "linear"), ("state_init", "like-init")):
         if c.d.get(key, want) != want:
@@ -460,7 +517,7 @@ def _huginn(c: _Conf, t: _Tensors, state_seed: int):
         raise ConversionError(f"{c.path}: init_values embed_scale={embed_scale} and "
                               f"std={std} must be > 0")
     tied = c.bool("tie_embeddings", c.bool("tie_word_embeddings", True))
-    vocab = t.shape("transformer.wte.weight")[0] if "transformer.wte.weight" in t \
+    vocab = _vocab(t, "transformer.wte.weight") if "transformer.wte.weight" in t \
         else c.int("padded_vocab_size", "vocab_size", lo=1)
     cfg = dict(vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv_heads,
                head_dim=head_dim, ffn_dim=ffn, n_prelude=P, n_recurrent=R, n_coda=C,
@@ -511,7 +568,7 @@ def read_hf_folder(src, *, state_seed: int = 0, tensors: bool = True):
     if not os.path.isdir(src):
         raise ConversionError(f"{src}: not a folder")
     cpath = os.path.join(src, "config.json")
-    if not os.path.isfile(cpath):
+    if not os.path.lexists(cpath):
         raise ConversionError(f"{src}: config.json is missing")
     conf = _read_json(cpath, "config.json")
     if not isinstance(conf, dict):
@@ -542,13 +599,18 @@ def _tokenizer(src: str):
     path = os.path.join(src, "tokenizer.json")
     if not os.path.isfile(path):
         return None, ""
-    if os.path.getsize(path) > MAX_TOKENIZER_BYTES:
+    if _regular_size(path, "tokenizer.json") > MAX_TOKENIZER_BYTES:
         raise ConversionError(f"{path}: over the {MAX_TOKENIZER_BYTES}-byte limit")
-    with open(path, "rb") as f:
-        try:
-            text = f.read().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConversionError(f"{path}: not UTF-8 ({e.reason})") from None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKENIZER_BYTES + 1)
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read tokenizer.json: {e.strerror or e}") \
+            from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{path}: not UTF-8 ({e.reason})") from None
     template = ""
     tc = os.path.join(src, "tokenizer_config.json")
     if os.path.isfile(tc):
@@ -618,9 +680,19 @@ def folder_key(src: str, options: dict) -> str:
     from ..default import content_hash
     from ..format import VERSION
     files = {}
-    for f in sorted(os.listdir(src)):
+    try:
+        names = sorted(os.listdir(src))
+    except OSError as e:
+        raise ConversionError(f"{src}: cannot list the folder: {e.strerror or e}") from None
+    for f in names:
         if f.endswith((".safetensors", ".json")):
-            files[f] = content_hash(os.path.join(src, f))
+            path = os.path.join(src, f)
+            _regular_size(path, "a checkpoint file")
+            try:
+                files[f] = content_hash(path)
+            except OSError as e:
+                raise ConversionError(f"{path}: cannot read a checkpoint file: "
+                                      f"{e.strerror or e}") from None
     ident = {"files": files, "converter": CONVERTER_VERSION, "format": VERSION,
              "options": dict(sorted(options.items()))}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
