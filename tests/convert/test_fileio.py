@@ -373,14 +373,13 @@ def test_load_prefix_os_errors_name_the_file(model, tmp_path, monkeypatch):
     with model.prefill([3, 4, 5], depth=1) as h:
         h.save(path)
     before = get_pool("host").stats().allocated_bytes
-    real_open = open
+    real_open = tlpx.open_regular
 
     class FailingRead(_FileProxy):
         def read(self, n=-1):
             raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(tlpx, "open", lambda p, mode="r": FailingRead(real_open(p, mode)),
-                        raising=False)
+    monkeypatch.setattr(tlpx, "open_regular", lambda p: FailingRead(real_open(p)))
     with pytest.raises(OSError) as info:
         model.load_prefix(path)
     assert info.value.errno == errno.EIO and info.value.filename == str(path)

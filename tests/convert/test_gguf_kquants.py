@@ -274,6 +274,9 @@ def test_load_model_and_cli_take_a_q4_k_m_file(files, token_ids, tmp_path, monke
     np.testing.assert_array_equal(via_load, want)
     with pytest.raises(TinyLoopError, match="model file not found: .*missing.gguf"):
         tinyloop.load_model(tmp_path / "missing.gguf", backend="numpy")
+    os.mkfifo(tmp_path / "fifo.gguf")       # refused before any read, which would block
+    with pytest.raises(TinyLoopError, match="model path is not a file: .*fifo.gguf"):
+        tinyloop.load_model(tmp_path / "fifo.gguf", backend="numpy")
     bad = tmp_path / "iq2.gguf"
     write_tiny_gguf(bad, types={"blk.0.attn_q.weight": T.IQ2_XXS})
     with pytest.raises(ConversionError, match="'blk.0.attn_q.weight' has GGML type IQ2_XXS"):

@@ -60,6 +60,7 @@ import numpy as np
 
 from ..config import GROUP_SIZES, ModelConfig
 from ..errors import ConfigError, ConversionError, FormatError, TokenizerError
+from ..fileio import open_regular
 from ..format import write_tlm
 from ..quant import QuantWeight, concat_rows, non_finite_message, pack_int4, quantize
 from .gguf_check import check_gguf
@@ -202,7 +203,7 @@ def _token_id(reader, layout, key: str, n_tokens: int) -> int:
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()

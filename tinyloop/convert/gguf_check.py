@@ -37,6 +37,7 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import ConversionError
+from ..fileio import open_regular
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -172,7 +173,7 @@ def check_gguf(path) -> GGUFLayout:
     declares, through a read-only memory map."""
     src = os.fspath(path)
     try:
-        with open(src, "rb") as f:
+        with open_regular(src) as f:
             size = os.fstat(f.fileno()).st_size
             if size < 4:
                 raise ConversionError(f"{src}: invalid GGUF file: {size} bytes, shorter than "
