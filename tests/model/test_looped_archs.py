@@ -261,17 +261,38 @@ def test_sharded_checkpoint_with_index(tmp_path, looped_folders):
     np.testing.assert_array_equal(out[0], out[1])
 
 
+def _split(path):
+    """(JSON header, data bytes) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n)), f.read()
+
+
+def _write(path, raw_header: bytes, data: bytes):
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw_header)) + raw_header + data)
+
+
 def _rewrite_header(path, edit):
     """Rewrite a safetensors file's JSON header through ``edit(header) -> header`` (or raw
     bytes), keeping the data bytes."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
+    header, data = _split(path)
     new = edit(header)
-    raw = new if isinstance(new, bytes) else json.dumps(new).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + data)
+    _write(path, new if isinstance(new, bytes) else json.dumps(new).encode(), data)
+
+
+def _gap(path):
+    """16 bytes between the last tensor and the one before it."""
+    h, data = _split(path)
+    name = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+    b, e = h[name]["data_offsets"]
+    h[name]["data_offsets"] = [b + 16, e + 16]
+    _write(path, json.dumps(h).encode(), data[:b] + bytes(16) + data[b:])
+
+
+def _trailing(path):
+    with open(path, "ab") as f:
+        f.write(bytes(64))
 
 
 def _one_tensor(header, name="model.norm.weight"):
@@ -298,6 +319,13 @@ HOSTILE = {
                              h["model.embed_tokens.weight"]["data_offsets"][0]
                              + h["model.norm.weight"]["data_offsets"][1]
                              - h["model.norm.weight"]["data_offsets"][0]]}}),
+    # the format's tiling rule, keys listed once, string metadata (safetensors' own checks)
+    "belong to no tensor": _gap,
+    "after the last tensor": _trailing,
+    "appears twice": lambda p: _rewrite_header(    # json.loads would keep the last silently
+        p, lambda h: (json.dumps(h)[:-1] + ', "model.norm.weight": '
+                      + json.dumps(h["model.norm.weight"]) + "}").encode()),
+    "__metadata__": lambda p: _rewrite_header(p, lambda h: {**h, "__metadata__": {"f": [1]}}),
 }
 
 
@@ -314,6 +342,23 @@ def test_hostile_safetensors_headers(tmp_path, looped_folders, what):
     with pytest.raises(errors.ConversionError, match=what):
         convert_hf(folder, dst)
     assert not os.path.exists(dst) and os.listdir(tmp_path) == ["bad"]
+
+
+def test_the_tiling_check_agrees_with_the_safetensors_library(tmp_path, looped_folders):
+    """Each file check_safetensors refuses for its tiling, the safetensors library refuses
+    too, and the file it passes, the library reads."""
+    from safetensors import SafetensorError, safe_open
+    _, cfg, t, _ = looped_folders["nanbeige"]
+    for what in ("belong to no tensor", "after the last tensor"):
+        folder = str(tmp_path / what.replace(" ", "_"))
+        L.save(folder, cfg, t)
+        path = os.path.join(folder, "model.safetensors")
+        with safe_open(path, framework="np") as f:
+            assert sorted(f.keys()) == sorted(t)
+        HOSTILE[what](path)
+        with pytest.raises(SafetensorError):
+            with safe_open(path, framework="np") as f:
+                f.get_tensor("model.norm.weight")
 
 
 def test_hostile_folders(tmp_path, looped_folders):

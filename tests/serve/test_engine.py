@@ -181,16 +181,22 @@ def test_a_full_queue_refuses_and_nothing_is_allocated(model):
     assert model.pool.allocated_bytes == eng.baseline_allocated
 
 
-def test_cancel_frees_the_requests_pages_at_once(model, monkeypatch):
+@pytest.fixture
+def slow_steps(monkeypatch):
+    """Decode steps of at least 5 ms (the NumPy LM head sleeps): a 90-token request outlives
+    the test thread's checks however busy the machine is."""
     import time
 
     from tinyloop.backends.numpy_ops import NumpyOps
     real = NumpyOps.lm_head
 
-    def slow_head(self, x, w, out):    # a step of at least 5 ms: the request outlives the
-        time.sleep(0.005)              # test thread's checks however busy the machine is
+    def slow_head(self, x, w, out):
+        time.sleep(0.005)
         return real(self, x, w, out)
     monkeypatch.setattr(NumpyOps, "lm_head", slow_head)
+
+
+def test_cancel_frees_the_requests_pages_at_once(model, slow_steps):
     with Engine(model) as eng:
         before = model.pool.by_tag()["kv_cache"]
         r = eng.submit(list(range(1, 30)), max_new_tokens=90)
@@ -237,16 +243,7 @@ class _LockNeverFree:
 
 
 def test_cancel_ends_the_request_at_the_next_step_when_the_lock_never_comes_free(
-        model, monkeypatch):
-    import time
-
-    from tinyloop.backends.numpy_ops import NumpyOps
-    real = NumpyOps.lm_head
-
-    def slow_head(self, x, w, out):
-        time.sleep(0.005)
-        return real(self, x, w, out)
-    monkeypatch.setattr(NumpyOps, "lm_head", slow_head)
+        model, slow_steps):
     with Engine(model) as eng:
         before = model.pool.by_tag()["kv_cache"]
         r = eng.submit(list(range(1, 30)), max_new_tokens=90)
