@@ -10,8 +10,10 @@ new tokens each: EOS and stop strings are ignored, as vLLM's serving benchmark's
 ``tinyloop.serve.Engine`` (max_batch = C) at once. Measures:
   - aggregate tokens/s: every request's new tokens over the wall time from submit to the
     last token; and decode tokens/s: the tokens made after every request had its first one
-    (``EngineRequest.generated`` read at that moment), over the time from then to the last
-    token (the batch at its full size, then shrinking as requests end);
+    (``EngineRequest.generated`` read once the caller has seen every first token, so at
+    least as many as the engine had made at that moment: the figure errs low), over the
+    engine's time (``first_token_at`` / ``finished_at``) from the last first token to the
+    last token (the batch at its full size, then shrinking as requests end);
   - time to first token, p50 and p99 (submit to the first token: queueing + prefill);
   - against the same model's batch-1 figure: ``Model.generate`` of one such request alone
     (its decode tokens/s), and against the same requests without the engine: one thread per
@@ -64,7 +66,6 @@ def run_level(model, prompts, new_tokens: int, depth, prefill_chunk: int) -> dic
         its = [iter(r) for r in reqs]
         for it in its:                     # every request has its first token: all decode
             next(it, None)
-        t_all = time.perf_counter()
         before = sum(r.generated for r in reqs)   # made before every request decoded
         results = [r.result(timeout=3600) for r in reqs]
         t1 = time.perf_counter()
@@ -74,7 +75,13 @@ def run_level(model, prompts, new_tokens: int, depth, prefill_chunk: int) -> dic
     finally:
         eng.stop()
     tokens = sum(len(r.token_ids) for r in results)
-    end = max(r.finished_at for r in reqs)
+    # the window runs on the engine's clock, from the last first token to the last token:
+    # this thread wakes up after the engine's step, so a time taken here could fall after
+    # every request ended (a negative window); ``before``, read after that wake-up, counts
+    # at least the tokens made by then, so the decode figure errs low, never high
+    firsts = [r.first_token_at for r in reqs if r.first_token_at is not None]
+    t_all = max(firsts, default=t0)
+    end = max((r.finished_at for r in reqs), default=t_all)
     decode_tokens, window = tokens - before, end - t_all
     ttft = [r.ttft_s * 1e3 for r in reqs]
     return {"concurrency": c, "tokens": tokens,

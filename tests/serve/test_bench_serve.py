@@ -46,3 +46,30 @@ def test_bench_serve_runs_on_the_numpy_backend(tmp_path):
         assert lv["decode_tok_s_spread"] == {"median": lv["decode_tok_s"], "min": decode[0],
                                              "max": decode[1], "runs": 2}
     assert out["batch1_generate_decode_tok_s"] > 0
+
+
+def test_the_decode_window_runs_on_the_engines_clock_when_the_caller_wakes_late(
+        tiny_model_path, monkeypatch):
+    """A caller that wakes only after every request ended (a busy machine) still gets a
+    positive window, measured from the engine's last first token to its last token, and
+    counts no decode token it could not see being made."""
+    import numpy as np
+
+    import tinyloop
+    from benchmarks.bench_serve import run_level
+    from tinyloop.serve.engine import EngineRequest
+    seen = []
+    real_iter = EngineRequest.__iter__
+
+    def late_iter(self):
+        self._done.wait(60)                 # the caller wakes after the request ended
+        seen.append(self)
+        return real_iter(self)
+    monkeypatch.setattr(EngineRequest, "__iter__", late_iter)
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=128, backend="numpy")
+    prompts = [np.random.default_rng(i).integers(3, 200, 8).tolist() for i in range(3)]
+    lv = run_level(m, prompts, new_tokens=10, depth=None, prefill_chunk=64)
+    assert lv["tokens"] == 30
+    window = max(r.finished_at for r in seen) - max(r.first_token_at for r in seen)
+    assert window > 0 and lv["decode_window_s"] == window
+    assert lv["decode_tokens"] == 0 and lv["decode_tok_s"] == 0.0
