@@ -3,6 +3,7 @@
 # most 64 MiB, so this one brings part 0 of the real model (carry .model_parts/smollm2.tlm.part00)
 # to /root/tlc, and, where the image lacks nbclient/ipykernel (needed to execute the notebook),
 # installs wheels carried in .whl/ into /root/site. The machine stays warm ~30 s for the next call.
+# scripts/device_carry.sh writes .model_parts/ and .whl/serve/ on the machine that calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p /root/tlc

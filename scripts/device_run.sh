@@ -3,7 +3,7 @@
 # call before, part 2 carried in .model_parts/), then the GPU suite (tests + kernel and decode
 # benchmarks on a synthetic SmolLM2-dims model), the decode benchmark on the real model, the
 # pool benchmark against CuPy's MemoryPool, and the diagnostics on CUDA. Logs: $OUT/logs.tgz;
-# the summary table is printed last.
+# the summary table is printed last. scripts/device_carry.sh writes what the two calls carry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-$PWD/device_out}
