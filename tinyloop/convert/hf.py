@@ -47,6 +47,7 @@ import numpy as np
 
 from ..config import GROUP_SIZES, MAX_LAYERS, ModelConfig
 from ..errors import ConfigError, ConversionError, FormatError
+from ..fileio import NotRegularFileError, open_regular
 from ..format import expected_tensors, write_tlm
 from ..quant import quantize
 
@@ -81,6 +82,18 @@ def _regular_size(path: str, what: str) -> int:
     return st.st_size
 
 
+def _open_checked(path: str, what: str):
+    """(binary file, byte size) of ``path``, the size fstat'ed on the open descriptor, so the
+    check and the read see one file; ConversionError as :func:`_regular_size`."""
+    try:
+        f = open_regular(path)
+    except (NotRegularFileError, IsADirectoryError):
+        raise ConversionError(f"{path}: {what} is not a regular file") from None
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    return f, os.fstat(f.fileno()).st_size
+
+
 def _unique_keys(pairs):
     """json.loads' object_pairs_hook: a dict, ValueError on a repeated key (which a plain
     dict would resolve silently to the last one)."""
@@ -93,11 +106,12 @@ def _unique_keys(pairs):
 
 
 def _read_json(path: str, what: str, limit: int = MAX_JSON_BYTES):
-    size = _regular_size(path, what)
+    f, size = _open_checked(path, what)
     try:
-        if size > limit:
-            raise ConversionError(f"{path}: {what} is {size} bytes, over the {limit}-byte limit")
-        with open(path, "rb") as f:
+        with f:
+            if size > limit:
+                raise ConversionError(f"{path}: {what} is {size} bytes, over the {limit}-byte "
+                                      "limit")
             raw = f.read(limit + 1)
     except OSError as e:
         raise ConversionError(f"{path}: cannot read {what}: {e.strerror or e}") from None
@@ -123,9 +137,9 @@ def check_safetensors(path: str) -> tuple[int, dict]:
     a byte count that disagrees with shape x itemsize, tensors that overlap or leave bytes
     of the data section to none (the format requires them to tile it), a path that is not a
     regular file."""
-    size = _regular_size(path, "the safetensors file")
+    f, size = _open_checked(path, "the safetensors file")
     try:
-        with open(path, "rb") as f:
+        with f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise ConversionError(f"{path}: {size} bytes, shorter than the 8-byte header "
@@ -599,10 +613,11 @@ def _tokenizer(src: str):
     path = os.path.join(src, "tokenizer.json")
     if not os.path.isfile(path):
         return None, ""
-    if _regular_size(path, "tokenizer.json") > MAX_TOKENIZER_BYTES:
-        raise ConversionError(f"{path}: over the {MAX_TOKENIZER_BYTES}-byte limit")
+    f, size = _open_checked(path, "tokenizer.json")
     try:
-        with open(path, "rb") as f:
+        with f:
+            if size > MAX_TOKENIZER_BYTES:
+                raise ConversionError(f"{path}: over the {MAX_TOKENIZER_BYTES}-byte limit")
             raw = f.read(MAX_TOKENIZER_BYTES + 1)
     except OSError as e:
         raise ConversionError(f"{path}: cannot read tokenizer.json: {e.strerror or e}") \
