@@ -437,12 +437,19 @@ def test_few_rows_replay_one_by_one_and_more_share_a_batch(tiny_model_path, monk
                                                         "seed": 5}]
         want = [m.generate(p, max_new_tokens=10, stop=[], **k).token_ids
                 for p, k in zip(prompts, kws)]
-        with Engine(m, max_batch=4, prefill_chunk=96, serial_rows=serial_rows) as eng:
-            before = m.graph_stats()["replays"]
+        # all four admitted before the scheduler starts, so they decode together however
+        # slowly this thread submits
+        eng = Engine(m, max_batch=4, prefill_chunk=96, serial_rows=serial_rows)
+        before = m.graph_stats()["replays"]
+        with m.lock:
             reqs = [eng.submit(p, max_new_tokens=10, stop=[], **k)
                     for p, k in zip(prompts, kws)]
+            eng.start()
+        try:
             got = [r.result(timeout=120).token_ids for r in reqs]
             replays = m.graph_stats()["replays"] - before
+        finally:
+            eng.stop()
         assert got == want
         steps = sum(len(t) - 1 for t in got)
         if serial_rows >= 4:

@@ -64,8 +64,11 @@ def cluster(chat_model_path):
 
 
 def _prompt(i: int, n: int = 40) -> str:
-    """A prompt of n distinct-enough bytes; different i: different first block."""
-    return "".join(chr(97 + (i * 7 + j * 3 + j // 5) % 26) for j in range(n))
+    """A prompt of n letters; different i < 676: different first two letters, so a different
+    first block (letter j is 7 r + 3 j + j // 5 + q (j + 1) mod 26 for i = 26 q + r: two
+    prompts agreeing on letters 0 and 1 agree on q, then, 7 being invertible mod 26, on r)."""
+    q, r = divmod(i, 26)
+    return "".join(chr(97 + (r * 7 + j * 3 + j // 5 + q * (j + 1)) % 26) for j in range(n))
 
 
 # -- the pure routing rule ------------------------------------------------------------------
@@ -294,10 +297,11 @@ def test_a_client_that_leaves_through_the_router_frees_the_replicas_pages(cluste
         _wait(lambda: sum(w.in_flight for w in rs.workers) == 1, 30, "the request in flight",
               poll=0.002)
         stopped = next(w for w in rs.workers if w.in_flight == 1)
-        _wait(lambda: _replica_metrics(stopped.url).get(("tinyloop_generated_tokens_total",
-                                                         ()), 0) > 0 or
-              _replica_metrics(stopped.url).get(("tinyloop_active_requests", ()), 0) == 1,
-              30, "the request admitted", poll=0.002)
+        # the replica's engine holds it (queued or admitted), so the close reaches a request
+        # (its finished-requests counters would count earlier tests' requests too)
+        _wait(lambda: sum(_replica_metrics(stopped.url).get((name, ()), 0)
+                          for name in ("tinyloop_active_requests", "tinyloop_queue_length"))
+              == 1, 30, "the request admitted", poll=0.002)
         os.kill(stopped.pid, signal.SIGSTOP)
     try:
         conn.sock.close()                       # the client leaves
@@ -472,11 +476,13 @@ def test_replica_spec_round_trips_and_checks():
 def test_a_stalled_worker_times_out_answers_503_and_is_replaced(chat_model_path, solo):
     """SIGSTOP the only worker: a request to it gives up at the read timeout with 503
     naming it (no other replica to retry on), the failed health checks kill it, it restarts
-    and serves the solo text."""
+    and serves the solo text. The health checks may kill it only once the router has chosen
+    it for the request: a kill before that would answer "no replica is up" instead, and
+    after it the read timeout and the kill give the same answer, whichever comes first."""
     spec = ReplicaSpec(model=chat_model_path, backend="numpy", max_seq_len=64,
                        model_name="tiny")
     with ReplicaSet(spec, 1, health_interval_s=0.2, health_timeout_s=0.5,
-                    health_failures=2) as rs:
+                    health_failures=10 ** 9) as rs:
         app = create_router_app(rs, "tiny", load_tokenizer(chat_model_path), read_timeout_s=1)
         with ServerThread(app) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
@@ -485,8 +491,14 @@ def test_a_stalled_worker_times_out_answers_503_and_is_replaced(chat_model_path,
             old_pid = w.pid
             os.kill(old_pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            with pytest.raises(openai.InternalServerError) as e:
-                client.completions.create(model="tiny", prompt="x", max_tokens=2)
+            with ThreadPoolExecutor(max_workers=1) as ex:
+                fut = ex.submit(client.completions.create, model="tiny", prompt="x",
+                                max_tokens=2)
+                _wait(lambda: w.in_flight == 1 or fut.done(), 30, "the request at the router",
+                      poll=0.002)
+                rs.health_failures = 2              # from now on the health checks kill it
+                with pytest.raises(openai.InternalServerError) as e:
+                    fut.result(timeout=60)
             assert time.monotonic() - t0 < 20
             assert e.value.status_code == 503
             assert f"replica 0 (pid {old_pid})" in e.value.message
