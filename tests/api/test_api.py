@@ -683,7 +683,8 @@ def test_decode_time_ends_when_the_last_token_is_known(tiny_model_path, monkeypa
             before = clock.shift
             r = run()
             assert clock.shift == before + 1000.0            # the release did run
-            assert len(r.token_ids) == 6 and 0.0 < r.decode_ms < 1000.0
-            assert r.decode_tokens_per_s > 5.0             # 5 tokens in under a second
+            # far below the 1,000 s the release took, whatever a loaded machine's stalls
+            assert len(r.token_ids) == 6 and 0.0 < r.decode_ms < 100_000.0
+            assert r.decode_tokens_per_s > 5 / 100.0       # 5 tokens in under 100 s
     finally:
         tinyloop.free_model(m)

@@ -70,10 +70,14 @@ def test_python_m_tinyloop_is_the_tinyloop_command(tmp_path):
 
 def test_inspect_closed_stdout_is_not_an_error(tmp_path, tiny_model_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-m", "tinyloop", "inspect", tiny_model_path,
-                          "--backend", "numpy"], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    p.stdout.close()                      # the reader leaves, as `| head -1` does
+    r, w = os.pipe()
+    os.close(r)                           # the reader left before the first line, as a
+    try:                                  # `| head -1` that has its line does
+        p = subprocess.Popen([sys.executable, "-m", "tinyloop", "inspect", tiny_model_path,
+                              "--backend", "numpy"], cwd=tmp_path, env=env,
+                             stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141     # 128 + SIGPIPE, as a shell reports a closed pipe
     assert not err, err
