@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import ExitRule, exit_rule_for
-from .backends.base import check_filters, non_finite_logits
+from .backends.base import _finite, _integral, check_filters, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
@@ -83,6 +83,9 @@ class StreamToken:
     finish_reason: str | None = None
 
 
+SAMPLING_EPS = 1e-5     # temperatures below it sample greedily (check_request)
+
+
 def _is_number(v) -> bool:
     return (isinstance(v, (int, float, np.integer, np.floating))
             and not isinstance(v, (bool, np.bool_)))
@@ -91,15 +94,14 @@ def _is_number(v) -> bool:
 def check_sampling(max_new_tokens, temperature, top_k, top_p, min_p=0.0,
                    repetition_penalty=1.0, repeat_last_n=DEFAULT_REPEAT_LAST_N) -> None:
     """Raise ConfigError naming the first bad sampling argument (NumPy scalars are fine)."""
-    if (not _is_number(max_new_tokens) or not float(max_new_tokens).is_integer()
-            or max_new_tokens < 0):
-        raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not _is_number(top_k) or not float(top_k).is_integer() or top_k < 0:
-        raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if not _is_number(max_new_tokens) or not _integral(max_new_tokens) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r:.80}")
+    if not _is_number(temperature) or not _finite(temperature) or temperature < 0:
+        raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r:.80}")
+    if not _is_number(top_k) or not _integral(top_k) or top_k < 0:
+        raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r:.80}")
     if not _is_number(top_p) or not 0 <= top_p <= 1:
-        raise ConfigError(f"top_p must be in [0, 1] (0 = greedy), got {top_p!r}")
+        raise ConfigError(f"top_p must be in [0, 1] (0 = greedy), got {top_p!r:.80}")
     check_filters(min_p, repetition_penalty, repeat_last_n)
 
 
@@ -197,9 +199,14 @@ def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_
     depth, modes = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens
     if total > model.max_seq_len:
-        raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
-                          f"{total} exceeds max_seq_len={model.max_seq_len}")
-    return _Request(ids, max_new_tokens, depth, tuple(modes), float(temperature), int(top_k),
+        raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                          f"({max_new_tokens!s:.80}) = {total!s:.80} exceeds "
+                          f"max_seq_len={model.max_seq_len}")
+    # a temperature below SAMPLING_EPS is greedy (as vLLM's _SAMPLING_EPS): logits over it
+    # leave float range; a top_k past the vocabulary keeps it all, as 0 does
+    temperature = 0.0 if temperature < SAMPLING_EPS else float(temperature)
+    top_k = min(int(top_k), cfg.vocab_size)
+    return _Request(ids, max_new_tokens, depth, tuple(modes), temperature, top_k,
                     float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
                     seed, stops, prefix, prefix_pool, policy, rule, bool(ignore_eos))
 
@@ -270,7 +277,9 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     repetition penalty (``repetition_penalty``, 1 = off; it applies to greedy decoding too)
     over the distinct tokens of the request's last ``repeat_last_n`` positions (prompt and
     generated, up to the one sampled from; 0 = off; default DEFAULT_REPEAT_LAST_N), then
-    temperature, top-k, top-p, min-p (``min_p``: keep p >= min_p * p_max; 0 = off).
+    temperature, top-k, top-p, min-p (``min_p``: keep p >= min_p * p_max; 0 = off). A
+    temperature below SAMPLING_EPS (1e-5) picks greedily, as 0 does (vLLM's rule: dividing
+    by it would take the logits past float range).
 
     Every argument is checked here, at the call (the same checks and errors as
     :func:`generate`); the work starts at the first ``next``.
@@ -537,13 +546,21 @@ def _first_stop(text: str, stops: list[str], start: int) -> int | None:
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-    best = 0
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string.
+    Only tails starting with the stop string's first character are compared, earliest (the
+    longest) first, each by one C-level startswith: no slice of the stop string per length
+    (which cost O(len(stop)^2) a token)."""
+    best, n = 0, len(text)
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
+        m = min(len(s) - 1, n)
+        if m <= best:
+            continue
+        i = text.find(s[0], n - m)
+        while i != -1 and n - i > best:
+            if s.startswith(text[i:]):
+                best = n - i
                 break
+            i = text.find(s[0], i + 1)
     return best
 
 

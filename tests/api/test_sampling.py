@@ -220,3 +220,41 @@ def test_loader_refuses_nan_norm_weights_and_scales(tiny_model_path, tmp_path, e
         tinyloop.load_model(bad, max_seq_len=32, backend="numpy")
     assert isinstance(ei.value, errors.FormatError) and str(bad) in str(ei.value)
     assert get_pool("host").stats().allocated_bytes == before
+
+
+@pytest.mark.parametrize("kw, name", [({"max_new_tokens": 10 ** 400}, "max_seq_len"),
+                                      ({"temperature": 10 ** 400}, "temperature"),
+                                      ({"top_k": float("nan")}, "top_k"),
+                                      ({"repetition_penalty": 10 ** 400}, "repetition_penalty"),
+                                      ({"repeat_last_n": 10 ** 400}, "repeat_last_n"),
+                                      ({"temperature": float("inf")}, "temperature")])
+def test_numbers_past_float_range_are_config_errors(tiny_model_path, kw, name):
+    """An int too large for a float is refused by name (float() of it raised OverflowError),
+    and the message shows at most the value's first 80 characters."""
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        with pytest.raises(errors.ConfigError, match=name) as e:
+            m.generate([5, 6], max_new_tokens=kw.pop("max_new_tokens", 3), **kw)
+        assert len(str(e.value)) < 300
+    finally:
+        tinyloop.free_model(m)
+
+
+def test_a_temperature_below_sampling_eps_is_greedy_and_a_huge_top_k_keeps_all(
+        tiny_model_path):
+    """temperature 1e-308 divided the logits past float range (inf - inf: NaN weights, and
+    junk tokens); below SAMPLING_EPS it is greedy. top_k past the vocabulary (even past
+    int64) keeps every token, as top_k = 0 does, with the same seeded draws."""
+    from tinyloop.generate import SAMPLING_EPS
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        greedy = m.generate([5, 6, 7], max_new_tokens=8).token_ids
+        for t in (5e-324, 1e-308, SAMPLING_EPS / 2):
+            assert m.generate([5, 6, 7], max_new_tokens=8, temperature=t,
+                              seed=3).token_ids == greedy
+        want = m.generate([5, 6, 7], max_new_tokens=8, temperature=1.0, seed=3).token_ids
+        for k in (m.config.vocab_size, 10 ** 400):
+            assert m.generate([5, 6, 7], max_new_tokens=8, temperature=1.0, top_k=k,
+                              seed=3).token_ids == want
+    finally:
+        tinyloop.free_model(m)

@@ -298,3 +298,27 @@ def test_model_freed_part_way_carries_the_tokens_so_far(tiny_model_path):
         next(s)
     p = ei.value.partial.token_ids                   # a held-back token may follow
     assert got == want[:4] == p[:4] and p == want[:len(p)]
+
+
+def _stop_prefix_len_reference(text, stops):
+    """The rule by definition: the longest k < len(s), k <= len(text), with text ending in
+    s[:k], over the stop strings."""
+    return max([k for s in stops for k in range(min(len(s) - 1, len(text)) + 1)
+                if text.endswith(s[:k])], default=0)
+
+
+def test_the_stop_prefix_search_agrees_with_its_definition():
+    from hypothesis import given, settings, strategies as st
+
+    from tinyloop.generate import _stop_prefix_len
+
+    @settings(max_examples=400, deadline=None)
+    @given(text=st.text("ab\u00e9", max_size=24),
+           stops=st.lists(st.text("ab\u00e9", min_size=1, max_size=12), min_size=1,
+                          max_size=4))
+    def check(text, stops):
+        assert _stop_prefix_len(text, stops) == _stop_prefix_len_reference(text, stops)
+    check()
+    # a long stop string costs one pass per candidate start, not one slice per length
+    long_stop, text = "x" * 100_000 + "!", "y" * 30_000 + "x" * 5
+    assert _stop_prefix_len(text, [long_stop]) == 5

@@ -643,6 +643,22 @@ STEP_WORDS = STEP_ROPE + STEP_ROPE_MAX
 REPEAT_LAST_N_MAX = 4096
 
 
+def _finite(v) -> bool:
+    """math.isfinite for a number, False for an int too large for a float (not an
+    OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _integral(v) -> bool:
+    """An int (of any size: no float conversion) or a float with no fractional part."""
+    if isinstance(v, (int, np.integer)):
+        return True
+    return _finite(v) and float(v).is_integer()
+
+
 def check_filters(min_p, repetition_penalty, repeat_last_n) -> None:
     """Raise ConfigError naming the first bad min-p / repetition-penalty argument: min_p a
     number in [0, 1]; repetition_penalty a finite number > 0; repeat_last_n an int in
@@ -651,15 +667,15 @@ def check_filters(min_p, repetition_penalty, repeat_last_n) -> None:
         return (isinstance(v, (int, float, np.integer, np.floating))
                 and not isinstance(v, (bool, np.bool_)))
     if not number(min_p) or not 0.0 <= min_p <= 1.0:
-        raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
-    if (not number(repetition_penalty) or not math.isfinite(repetition_penalty)
+        raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {min_p!r:.80}")
+    if (not number(repetition_penalty) or not _finite(repetition_penalty)
             or not repetition_penalty > 0):
         raise ConfigError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
-                          f"{repetition_penalty!r}")
-    if (not number(repeat_last_n) or not float(repeat_last_n).is_integer()
+                          f"{repetition_penalty!r:.80}")
+    if (not number(repeat_last_n) or not _integral(repeat_last_n)
             or not 0 <= repeat_last_n <= REPEAT_LAST_N_MAX):
         raise ConfigError(f"repeat_last_n must be an int in [0, {REPEAT_LAST_N_MAX}] (0 = "
-                          f"no penalty window), got {repeat_last_n!r}")
+                          f"no penalty window), got {repeat_last_n!r:.80}")
 
 
 def window_ring(recent_ids, pos: int, repeat_last_n: int) -> np.ndarray:
