@@ -134,6 +134,11 @@ def test_chat_streamed_and_not_equal_the_solo_text_of_the_template(served):
     ({"prompt": [1, 99999]}, "prompt"),
     ({"prompt": "x", "max_tokens": 1000}, "max_tokens"),      # past max_seq_len
     ({}, "prompt"),
+    # past float range: float() of them raised OverflowError, a bare 500
+    ({"prompt": "x", "max_tokens": 10 ** 400}, "max_tokens"),
+    ({"prompt": "x", "repetition_penalty": 10 ** 400}, "repetition_penalty"),
+    ({"prompt": "x", "stop": ["y" * 1025]}, "stop"),             # MAX_STOP_CHARS
+    ({"prompt": "x", "max_completion_tokens": -3, "max_tokens": 2}, "max_completion_tokens"),
 ])
 def test_bad_completion_input_answers_400_naming_the_field(served, body, param):
     m, eng, srv, client, _ = served
@@ -157,6 +162,63 @@ def test_bad_chat_input_and_bad_json_answer_400(served):
     resp = conn.getresponse()
     assert resp.status == 400 and "not valid JSON" in json.loads(resp.read())["error"]["message"]
     conn.close()
+
+
+def _raw_post(srv, body: bytes, path: str = "/v1/completions"):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    try:
+        conn.request("POST", path, body=body,
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_bodies_that_gave_a_bare_500_answer_400(served):
+    m, eng, srv, client, _ = served
+    for body in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000):
+        status, out = _raw_post(srv, body)
+        assert status == 400 and "nests too deeply" in out["error"]["message"]
+    for name in ("content", "role"):            # a lone surrogate: no UTF-8 for the template
+        msg = {"role": "user", "content": "hi"} | {name: "a\ud800"}
+        body = json.dumps({"model": "tiny", "messages": [msg]}).encode()   # ASCII escapes
+        status, out = _raw_post(srv, body, "/v1/chat/completions")
+        assert status == 400 and out["error"]["param"] == f"messages[0].{name}", out
+    # a top_k past int64 keeps every token: the request runs, as top_k = 0
+    got = client.completions.create(model="tiny", prompt="ab", max_tokens=4, seed=1,
+                                    temperature=0.9, extra_body={"top_k": 10 ** 400})
+    assert got.choices[0].text == _solo(m, "ab", 4, temperature=0.9, seed=1)
+
+
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(served):
+    m, eng, srv, client, _ = served
+    r = client.post("/completions", body={"model": "tiny", "prompt": "ab", "max_tokens": 2,
+                                          "max_completion_tokens": None, "ignore_eos": True},
+                    cast_to=object)
+    assert r["usage"]["completion_tokens"] == 2
+
+
+def test_requests_are_tokenized_off_the_event_loop(served, monkeypatch):
+    """The engine's submit (tokenizing, the chat template) runs on a worker thread: on the
+    event loop a long prompt held up every other client until it was tokenized."""
+    import asyncio
+    m, eng, srv, client, _ = served
+    on_loop = []
+    real = eng.submit
+
+    def submit(*a, **kw):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(*a, **kw)
+    monkeypatch.setattr(eng, "submit", submit)
+    client.completions.create(model="tiny", prompt="ab", max_tokens=1)
+    client.chat.completions.create(model="tiny", max_tokens=1,
+                                   messages=[{"role": "user", "content": "ab"}])
+    assert on_loop == [False, False]
 
 
 def test_an_oversized_body_answers_413_and_is_not_read(served, monkeypatch):

@@ -39,13 +39,15 @@ DISCONNECT_POLL_S = 0.25     # how often a waiting handler checks its client is 
 _ARG_OF_FIELD = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                  "seed": "seed", "stop": "stop", "depth": "depth", "kv_mode": "kv_mode",
-                 "ignore_eos": "ignore_eos"}
+                 "ignore_eos": "ignore_eos", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty"}
 
 # the engine's finish reasons in OpenAI's words
 _FINISH = {"length": "length", "eos": "stop", "stop": "stop", "cancelled": "stop"}
 
 
 MAX_BODY_BYTES = 16 << 20      # a request body past this answers 413 (read no further)
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024   # stop strings a request may give, and their length
 
 
 class BodyTooLarge(Exception):
@@ -67,10 +69,12 @@ async def read_json(request, limit: int | None = None):
         if len(buf) > limit:
             raise BodyTooLarge(f"the request body is over {limit} bytes, the most this "
                                "server takes")
-    try:
-        return json.loads(bytes(buf))
+    try:                   # off the event loop: a 16 MB body parses for a while
+        return await asyncio.to_thread(json.loads, bytes(buf))
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply") from None
 
 
 class BadRequest(Exception):
@@ -109,14 +113,15 @@ def _field(body: dict, name: str, check, what: str, default=None):
 
 def _stop_field(body: dict):
     v = body.get("stop")
-    if v is None:
+    if v is None or v == "":
         return None
     if isinstance(v, str):
-        return [v] if v else None
-    if isinstance(v, list) and all(isinstance(s, str) and s for s in v) and len(v) <= 16:
+        v = [v]
+    if (isinstance(v, list) and len(v) <= MAX_STOPS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v)):
         return v or None
-    raise BadRequest("'stop' must be a non-empty string or a list of up to 16 non-empty "
-                     "strings", "stop")
+    raise BadRequest(f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} "
+                     f"non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
 
 
 def sampling_args(body: dict) -> dict:
@@ -139,8 +144,10 @@ def sampling_args(body: dict) -> dict:
     if fmt is not None and fmt != {"type": "text"}:
         raise BadRequest("only 'response_format' {\"type\": \"text\"} is supported",
                          "response_format")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    # max_completion_tokens (OpenAI's newer name) wins unless it is absent or null
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(field)
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 0):
         raise BadRequest(f"'{field}' must be an integer >= 0, got {json.dumps(max_tokens)}",
                          field)
@@ -203,6 +210,13 @@ def chat_prompt(body: dict, model) -> list:
         if not isinstance(c, str):
             raise BadRequest(f"'messages[{i}].content' must be a string",
                              f"messages[{i}].content")
+        for name, v in (("role", m["role"]), ("content", c)):
+            try:                         # a lone surrogate (JSON "\ud800") is no UTF-8
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BadRequest(f"'messages[{i}].{name}' is not valid Unicode text: "
+                                 f"{e.reason} at index {e.start}",
+                                 f"messages[{i}].{name}") from None
         clean.append({"role": m["role"], "content": c})
     tok = model.tokenizer
     if tok is None or not tok.chat_template:
@@ -290,7 +304,12 @@ def create_app(engine, model_name: str = "tinyloop") -> Starlette:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def submit(body, chat: bool):
-        """The EngineRequest of a body, or an error Response."""
+        """The EngineRequest of a body (BadRequest naming a bad field), made on a worker
+        thread: tokenizing a long prompt or rendering a chat template would hold up every
+        other client on the event loop."""
+        return await asyncio.to_thread(submit_now, body, chat)
+
+    def submit_now(body, chat: bool):
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         if body.get("stream") not in (None, True, False):
