@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -390,3 +391,37 @@ def test_a_stopped_engine_answers_503(served):
         conn.request("GET", "/health")
         assert conn.getresponse().status == 503
         conn.close()
+
+
+def _slow_body(port: int, path: str = "/v1/completions") -> tuple[int, dict]:
+    """Declare a 100-byte body, send one byte, wait: (status, JSON body) of the answer."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  "Content-Length: 100\r\n\r\n{".encode())
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"content-length: (\d+)", data.lower()).group(1)):
+            chunk = s.recv(65536)
+            assert chunk, data
+            data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_body_that_never_arrives_whole_answers_408_and_long_messages_are_cut(served):
+    """A client sending a byte now and then held its connection forever; past body_timeout_s
+    the server answers 408 and the connection is free. An error message quoting a huge
+    value is cut at MAX_MESSAGE_CHARS."""
+    from tinyloop.serve.http import MAX_MESSAGE_CHARS
+    m, eng, srv, client, _ = served
+    with ServerThread(create_app(eng, "tiny", body_timeout_s=0.3)) as quick:
+        t0 = time.monotonic()
+        status, out = _slow_body(quick.port)
+        assert status == 408 and "did not arrive whole within 0.3 s (1 bytes came)" in \
+            out["error"]["message"]
+        assert time.monotonic() - t0 < 20
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", extra_body={"kv_mode": "z" * 10 ** 5})
+    assert e.value.body["param"] == "kv_mode"
+    assert len(e.value.body["message"]) == MAX_MESSAGE_CHARS + 3

@@ -520,3 +520,25 @@ def test_no_replica_up_answers_503(chat_model_path):
             r = httpx2.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
             assert r.status_code == 503 and "no replica is up" in r.json()["error"]["message"]
             assert httpx2.get(srv.url + "/health", timeout=10).status_code == 503
+
+
+def test_the_router_reads_bodies_with_the_servers_limits(cluster, chat_model_path):
+    """A body that never arrives whole answers 408 past body_timeout_s (it held the
+    router's connection forever), one past MAX_BODY_BYTES 413 unread, and a body nesting too
+    deeply for json goes to a replica, which answers 400 (the router's own parse raised
+    RecursionError: a bare 500)."""
+    from tinyloop.serve.http import MAX_BODY_BYTES
+
+    from .test_http import _slow_body
+    rs, app, srv, client = cluster
+    quick_app = create_router_app(rs, "tiny", load_tokenizer(chat_model_path),
+                                  body_timeout_s=0.3)
+    with ServerThread(quick_app) as quick:
+        status, out = _slow_body(quick.port)
+        assert status == 408 and "within 0.3 s" in out["error"]["message"]
+    r = httpx2.post(srv.url + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                    headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
+    r = httpx2.post(srv.url + "/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
+                    headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413

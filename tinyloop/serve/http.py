@@ -48,33 +48,56 @@ _FINISH = {"length": "length", "eos": "stop", "stop": "stop", "cancelled": "stop
 
 MAX_BODY_BYTES = 16 << 20      # a request body past this answers 413 (read no further)
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024   # stop strings a request may give, and their length
+BODY_TIMEOUT_S = 30.0          # a body not whole by then answers 408 (its connection freed)
+MAX_MESSAGE_CHARS = 2000       # an error message is cut there (it may quote the bad value)
 
 
 class BodyTooLarge(Exception):
     """A request body past the server's limit: answered 413."""
 
 
-async def read_json(request, limit: int | None = None):
-    """The request's JSON body, read at most ``limit`` bytes far (default MAX_BODY_BYTES; the
-    declared length checked first, then the bytes as they arrive: a chunked body has none).
-    Raises BodyTooLarge past it and BadRequest for a body that is not JSON."""
+async def read_body(request, limit: int | None = None,
+                    timeout_s: float = BODY_TIMEOUT_S) -> bytes:
+    """The request's body, read at most ``limit`` bytes far (default MAX_BODY_BYTES; the
+    declared length checked first, then the bytes as they arrive: a chunked body has none)
+    and for at most ``timeout_s`` seconds. Raises BodyTooLarge past the limit and
+    BodyTimeout past the time (a client sending a byte now and then would hold its
+    connection forever)."""
     limit = MAX_BODY_BYTES if limit is None else limit
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"the request body is {int(declared)} bytes; this server takes at "
                            f"most {limit}")
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise BodyTooLarge(f"the request body is over {limit} bytes, the most this "
-                               "server takes")
-    try:                   # off the event loop: a 16 MB body parses for a while
-        return await asyncio.to_thread(json.loads, bytes(buf))
+
+    async def receive():
+        async for chunk in request.stream():
+            buf.extend(chunk)
+            if len(buf) > limit:
+                raise BodyTooLarge(f"the request body is over {limit} bytes, the most this "
+                                   "server takes")
+    try:
+        await asyncio.wait_for(receive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive whole within {timeout_s:g} s "
+                          f"({len(buf)} bytes came)") from None
+    return bytes(buf)
+
+
+async def read_json(request, limit: int | None = None, timeout_s: float = BODY_TIMEOUT_S):
+    """:func:`read_body` parsed as JSON (on a worker thread: a 16 MB body parses for a
+    while); BadRequest for a body that is not JSON or nests too deeply."""
+    raw = await read_body(request, limit, timeout_s)
+    try:
+        return await asyncio.to_thread(json.loads, raw)
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
     except RecursionError:
         raise BadRequest("the request body nests too deeply") from None
+
+
+class BodyTimeout(Exception):
+    """The request body was not whole within the server's body timeout (answered 408)."""
 
 
 class BadRequest(Exception):
@@ -87,7 +110,10 @@ class BadRequest(Exception):
 
 def error_response(status: int, message: str, param=None, kind: str = "invalid_request_error",
                    code=None) -> JSONResponse:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``; the
+    message cut at MAX_MESSAGE_CHARS."""
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "..."
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                    "code": code}}, status_code=status)
 
@@ -281,9 +307,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def create_app(engine, model_name: str = "tinyloop") -> Starlette:
+def create_app(engine, model_name: str = "tinyloop", *,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
     """The Starlette app serving ``engine`` (started by the caller) as model ``model_name``;
-    ``app.state.engine`` / ``app.state.metrics`` hold them."""
+    ``app.state.engine`` / ``app.state.metrics`` hold them. ``body_timeout_s``: seconds a
+    request body may take to arrive (408 past it)."""
     model = engine.model
     metrics = Metrics(engine)
 
@@ -372,10 +400,12 @@ def create_app(engine, model_name: str = "tinyloop") -> Starlette:
     async def generate(request: Request, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         try:
-            body = await read_json(request)
+            body = await read_json(request, timeout_s=body_timeout_s)
             r = await submit(body, chat)
         except BodyTooLarge as e:
             return counted(route, error_response(413, str(e)))
+        except BodyTimeout as e:
+            return counted(route, error_response(408, str(e)))
         except BadRequest as e:
             return counted(route, error_response(400, str(e), e.param))
         except QueueFullError as e:

@@ -54,7 +54,7 @@ import time
 
 from ..config import child_environment
 from ..errors import ConfigError, TinyLoopError
-from .http import DISCONNECT_POLL_S
+from .http import BODY_TIMEOUT_S, DISCONNECT_POLL_S, BodyTimeout, BodyTooLarge, read_body
 from .replica import READY_KEY, ReplicaSpec, device_ids
 
 BLOCK_TOKENS = 16            # prompt ids per PrefixIndex key
@@ -477,10 +477,13 @@ class _Relabelled:
 
 def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, *,
                       retries: int = 1, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                      read_timeout_s: float = READ_TIMEOUT_S, **router_kw):
+                      read_timeout_s: float = READ_TIMEOUT_S,
+                      body_timeout_s: float = BODY_TIMEOUT_S, **router_kw):
     """The Starlette app of the router over the started ``replica_set`` (see the module
     doc); ``app.state.router`` holds the :class:`Router`. The httpx2 client is made on the
-    app's event loop at its first request and closed by :func:`close_router_app`."""
+    app's event loop at its first request and closed by :func:`close_router_app`. A request
+    body is read as the replicas' server reads it (http.read_body: at most MAX_BODY_BYTES,
+    413 past it; whole within ``body_timeout_s`` seconds, 408 past it)."""
     import httpx2
     from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                    generate_latest)
@@ -588,12 +591,23 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
 
     async def forward(request: Request):
         route = request.url.path
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            body = None
-        ids = prompt_ids(body, route.endswith("chat/completions"), router.tokenizer)
+            raw = await read_body(request, timeout_s=body_timeout_s)
+        except BodyTooLarge as e:
+            m_requests.labels("none", route, "413").inc()
+            return error_response(413, str(e))
+        except BodyTimeout as e:
+            m_requests.labels("none", route, "408").inc()
+            return error_response(408, str(e))
+
+        def parse():          # a worker thread: a long prompt tokenizes for a while
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                body = None   # forwarded as it is: the replica answers 400
+            return body, prompt_ids(body, route.endswith("chat/completions"),
+                                    router.tokenizer)
+        body, ids = await asyncio.to_thread(parse)
         keys = block_keys(ids, router.block_tokens)
         stream = isinstance(body, dict) and body.get("stream") is True
         headers = {"content-type": request.headers.get("content-type", "application/json")}
