@@ -425,3 +425,26 @@ def test_a_body_that_never_arrives_whole_answers_408_and_long_messages_are_cut(s
         client.completions.create(model="tiny", prompt="x", extra_body={"kv_mode": "z" * 10 ** 5})
     assert e.value.body["param"] == "kv_mode"
     assert len(e.value.body["message"]) == MAX_MESSAGE_CHARS + 3
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_options_include_usage_ends_the_stream_with_the_usage(served, chat):
+    """OpenAI's stream_options.include_usage: every chunk has "usage": null and one last
+    chunk without choices carries the request's token counts (it was ignored)."""
+    m, eng, srv, client, _ = served
+    kw = dict(model="tiny", max_tokens=5, temperature=0, stream=True,
+              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    if chat:
+        msgs = [{"role": "user", "content": "ab"}]
+        chunks = list(client.chat.completions.create(messages=msgs, **kw))
+        n_prompt = len(m.tokenizer.apply_chat_template(msgs, tokenize=True))
+    else:
+        chunks = list(client.completions.create(prompt="ab", **kw))
+        n_prompt = len(m.encode_prompt("ab"))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    u = chunks[-1].usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n_prompt, 5, n_prompt + 5)
+    with pytest.raises(openai.BadRequestError) as e:       # only with stream: true
+        client.completions.create(model="tiny", prompt="ab", max_tokens=2,
+                                  stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"

@@ -342,6 +342,15 @@ def create_app(engine, model_name: str = "tinyloop", *,
             raise BadRequest("the request body must be a JSON object")
         if body.get("stream") not in (None, True, False):
             raise BadRequest("'stream' must be a boolean", "stream")
+        opts = body.get("stream_options")
+        if opts is not None:
+            if not body.get("stream"):
+                raise BadRequest("'stream_options' is only allowed when 'stream' is true",
+                                 "stream_options")
+            if not isinstance(opts, dict) or set(opts) - {"include_usage"} \
+                    or opts.get("include_usage") not in (None, True, False):
+                raise BadRequest("'stream_options' must be {\"include_usage\": true or "
+                                 "false}", "stream_options")
         args = sampling_args(body)
         prompt = chat_prompt(body, model) if chat else completion_prompt(body, model)
         try:
@@ -415,18 +424,26 @@ def create_app(engine, model_name: str = "tinyloop", *,
         rid = ("chatcmpl-" if chat else "cmpl-") + f"{r.id}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        # OpenAI's stream_options.include_usage: "usage": null on every chunk, then a last
+        # chunk with no choices and the request's usage
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        def chunk(text, reason=None, first=False) -> str:
-            if chat:
+        def chunk(text, reason=None, first=False, usage_of=None) -> str:
+            if usage_of is not None:
+                choices = []
+            elif chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
                 if reason is not None:
                     delta = {}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                choices = [{"index": 0, "delta": delta, "finish_reason": reason}]
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            return "data: " + json.dumps({"id": rid, "object": obj + (".chunk" if chat else ""),
-                                          "created": created, "model": model_name,
-                                          "choices": [choice]}) + "\n\n"
+                choices = [{"index": 0, "text": text, "logprobs": None,
+                            "finish_reason": reason}]
+            out = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                   "model": model_name, "choices": choices}
+            if with_usage:
+                out["usage"] = None if usage_of is None else usage(usage_of)
+            return "data: " + json.dumps(out) + "\n\n"
 
         if body.get("stream"):
             async def events():
@@ -451,6 +468,8 @@ def create_app(engine, model_name: str = "tinyloop", *,
                 if first:
                     yield chunk("", None, True)
                 yield chunk("", _FINISH.get(res.finish_reason, "stop"))
+                if with_usage:
+                    yield chunk("", usage_of=res)
                 yield "data: [DONE]\n\n"
 
             metrics.requests.labels(route, "200").inc()
