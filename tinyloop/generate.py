@@ -195,6 +195,14 @@ def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_
     stops = _normalise_stop(stop)
     model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
     policy = kv_iterations_arg(model, kv_iterations, prefix, prefix_pool)
+    if isinstance(prompt, str) and model.tokenizer is not None:
+        # refused before encoding when no tokenization could fit (a long text takes seconds
+        # and gigabytes to encode)
+        lo = model.tokenizer.min_tokens(prompt)
+        if lo + max_new_tokens > model.max_seq_len:
+            raise ConfigError(f"prompt (at least {lo} tokens: {len(prompt)} characters) + "
+                              f"max_new_tokens ({max_new_tokens!s:.80}) exceeds "
+                              f"max_seq_len={model.max_seq_len}")
     ids = model.encode_prompt(prompt)
     depth, modes = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens

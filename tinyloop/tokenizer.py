@@ -59,6 +59,28 @@ def _tokenizers():
     return tokenizers
 
 
+# pre-tokenizers that split text or map its bytes but drop none of it
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Digits", "Punctuation")
+
+
+def _keeps_every_byte(spec: dict) -> bool:
+    """Whether a tokenizer JSON passes every byte of a text on to its model: no normalizer,
+    and pre-tokenizers that only split (a Split that removes its matches does not)."""
+    if spec.get("normalizer") is not None:
+        return False
+    pre = spec.get("pre_tokenizer")
+    steps = [] if pre is None else (pre.get("pretokenizers") or [] if pre.get("type") ==
+                                    "Sequence" else [pre])
+    for st in steps:
+        t = st.get("type") if isinstance(st, dict) else None
+        if t == "Split":
+            if str(st.get("behavior", "")).lower() == "removed":
+                return False
+        elif t not in _KEEPING_PRE_TOKENIZERS:
+            return False
+    return True
+
+
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: printable stand-in char -> byte value."""
@@ -167,8 +189,13 @@ class Tokenizer:
     """
 
     def __init__(self, hf_tokenizer, *, bos_token_id: int = -1, eos_token_id: int = -1,
-                 chat_template: str = "", dropped_byte_id: int | None = None):
+                 chat_template: str = "", dropped_byte_id: int | None = None,
+                 keeps_every_byte: bool = False):
         self._tok = hf_tokenizer
+        # every byte of a text reaches the BPE model (no normalizer, no pre-tokenizer that
+        # removes text): the premise of min_tokens' bound
+        self._keeps_bytes = keeps_every_byte
+        self._bound = None            # (longest token in bytes, bytes no token holds)
         # the unk token from_json adds (the last id; never returned by encode)
         self._dropped = dropped_byte_id
         self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True)) \
@@ -221,7 +248,8 @@ class Tokenizer:
             except Exception as e:
                 raise TokenizerError(f"invalid tokenizer JSON: {e}") from None
         return cls(hf, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                   chat_template=chat_template, dropped_byte_id=barrier)
+                   chat_template=chat_template, dropped_byte_id=barrier,
+                   keeps_every_byte=_keeps_every_byte(spec))
 
     @classmethod
     def from_tlm(cls, tlm) -> "Tokenizer":
@@ -246,12 +274,35 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"encode needs a str, got {type(text).__name__}")
         hf = self._tok if parse_special else self._plain()
-        ids = hf.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it throughout, so a long
+        # text stalled every other thread, a server's event loop among them); same ids
+        ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
         if self._dropped is not None and self._dropped in ids:
             ids = [i for i in ids if i != self._dropped]
         if add_bos and self.bos_token_id >= 0:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` found without encoding: every token holds
+        at most the longest vocabulary entry's bytes, and every byte of the text but those no
+        token holds (which encode drops) lands in some token, so the count is at least
+        ceil(kept bytes / longest). 0 where that premise is not known to hold (a normalizer,
+        a pre-tokenizer that may remove text) or for text that is not valid Unicode."""
+        if not self._keeps_bytes or not isinstance(text, str):
+            return 0
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            return 0
+        if self._bound is None:
+            table = self._table()
+            singles = {b[0] for b in table if len(b) == 1}
+            self._bound = (max(map(len, table), default=1) or 1,
+                           bytes(b for b in range(256) if b not in singles))
+        longest, absent = self._bound
+        kept = len(data.translate(None, absent)) if absent else len(data)
+        return -(-kept // longest)
 
     def _plain(self):
         """A copy of the HF tokenizer that leaves special tokens unmatched (made once)."""

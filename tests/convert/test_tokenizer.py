@@ -359,3 +359,38 @@ def test_unsupported_vocab_raises():
 def test_from_json_rejects_garbage():
     with pytest.raises(TokenizerError):
         Tokenizer.from_json("{not json")
+
+
+# ---------------------------------------------------------------------------------------------
+# min_tokens: a lower bound without encoding
+# ---------------------------------------------------------------------------------------------
+def test_min_tokens_bounds_the_encoding_from_below(tok, reader):
+    """On the corpus, random strings, text with the bytes no token holds, and special-token
+    text, ``min_tokens`` never exceeds the true count; it is the ceiling of the kept bytes
+    over the longest token, counted here from the GGUF vocabulary."""
+    longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+    missing = _missing_bytes(reader)
+    texts = list(CORPUS) + _fuzz_strings(300, seed=7) + ["".join(map(chr, missing)) * 9,
+                                                         "a" + chr(min(missing)) * 50 + "b"]
+    texts += [t * 5 for t in _special_texts(reader)[:5]] + ["", " " * 200]
+    for t in texts:
+        kept = sum(1 for b in t.encode("utf-8") if b not in missing)
+        assert tok.min_tokens(t) == -(-kept // longest)
+        assert tok.min_tokens(t) <= len(tok.encode(t)) and \
+            tok.min_tokens(t) <= len(tok.encode(t, parse_special=False)), t[:40]
+    assert tok.min_tokens("a\ud800") == 0 and tok.min_tokens(b"x") == 0
+
+
+def test_min_tokens_claims_nothing_where_the_premise_is_unknown(reader):
+    """A normalizer or a pre-tokenizer that removes text (Whitespace, a removing Split) can
+    drop bytes, so no bound is claimed: 0."""
+    import json as _json
+    spec = _json.loads(build_tokenizer_json_from_gguf(reader))
+    for change in ({"normalizer": {"type": "NFKC"}},
+                   {"pre_tokenizer": {"type": "Whitespace"}},
+                   {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                       {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed",
+                        "invert": False}, {"type": "ByteLevel", "add_prefix_space": False,
+                                            "trim_offsets": True, "use_regex": True}]}}):
+        t = Tokenizer.from_json(_json.dumps({**spec, **change}))
+        assert t.min_tokens(" " * 10_000) == 0
