@@ -192,6 +192,35 @@ def test_bodies_that_gave_a_bare_500_answer_400(served):
     assert got.choices[0].text == _solo(m, "ab", 4, temperature=0.9, seed=1)
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing_naming_the_prompt(
+        served, monkeypatch):
+    """A 3 MB prompt is refused by Tokenizer.min_tokens' bound without being encoded (its
+    encoding took seconds and gigabytes), naming 'prompt' ('messages' on the chat route);
+    a prompt that fits alone but not with max_tokens names max_tokens."""
+    m, eng, srv, client, _ = served
+    encoded = []
+    real = type(m.tokenizer).encode
+    monkeypatch.setattr(type(m.tokenizer), "encode",
+                        lambda self, t, *a, **k: encoded.append(len(t)) or real(self, t, *a, **k))
+    big = "ab " * 1_000_000
+    for chat in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            if chat:
+                client.chat.completions.create(model="tiny", max_tokens=1,
+                                               messages=[{"role": "user", "content": big}])
+            else:
+                client.completions.create(model="tiny", prompt=big, max_tokens=0)
+        assert e.value.body["param"] == ("messages" if chat else "prompt")
+        assert "at least" in e.value.body["message"]
+    assert not [n for n in encoded if n >= len(big)]            # never encoded
+    with pytest.raises(openai.BadRequestError) as e:            # 300 ids fit, + 300 do not
+        client.completions.create(model="tiny", prompt=[5] * 300, max_tokens=300)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:            # 600 ids alone do not
+        client.completions.create(model="tiny", prompt=[5] * 600, max_tokens=0)
+    assert e.value.body["param"] == "prompt"
+
+
 def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(served):
     m, eng, srv, client, _ = served
     r = client.post("/completions", body={"model": "tiny", "prompt": "ab", "max_tokens": 2,
@@ -448,3 +477,30 @@ def test_stream_options_include_usage_ends_the_stream_with_the_usage(served, cha
         client.completions.create(model="tiny", prompt="ab", max_tokens=2,
                                   stream_options={"include_usage": True})
     assert e.value.body["param"] == "stream_options"
+
+
+def _requests_with_status(srv, status: str) -> float:
+    text = http_get_text(srv.url + "/metrics")
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in fams["tinyloop_requests"].samples
+               if s.labels.get("status") == status and s.name.endswith("_total"))
+
+
+def http_get_text(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
+def test_a_client_that_leaves_mid_body_is_counted_499(served):
+    """A client closing its connection before its body was whole raised starlette's
+    ClientDisconnect out of the handler (a logged traceback, the request uncounted); it is
+    counted 499 and the server serves on."""
+    import socket
+    m, eng, srv, client, _ = served
+    before = _requests_with_status(srv, "499")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    _wait(lambda: _requests_with_status(srv, "499") == before + 1, 30)
+    assert client.completions.create(model="tiny", prompt="ab", max_tokens=2).choices

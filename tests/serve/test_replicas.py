@@ -542,3 +542,24 @@ def test_the_router_reads_bodies_with_the_servers_limits(cluster, chat_model_pat
     r = httpx2.post(srv.url + "/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
                     headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413
+
+
+def test_the_router_forwards_what_it_cannot_tokenize_and_a_huge_prompt_quickly(cluster):
+    """A lone surrogate in a prompt or message raised a TypeError in the router's own
+    tokenizing (a bare 500): routed by load, the replica answers 400 naming the field. A
+    3 MB prompt is tokenized only ROUTE_TEXT_CHARS far for the routing, and the replica
+    refuses it by Tokenizer.min_tokens' bound, without encoding it."""
+    rs, app, srv, client = cluster
+    for path, body, param in [
+            ("/v1/completions", {"prompt": "a\ud800"}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+             "messages[0].content")]:
+        r = httpx2.post(srv.url + path, content=json.dumps({"model": "tiny", **body}),
+                        headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    t0 = time.monotonic()
+    r = httpx2.post(srv.url + "/v1/completions", timeout=60,
+                    json={"model": "tiny", "prompt": "ab " * 1_000_000, "max_tokens": 1})
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 30
+    assert all(w.state == "up" for w in rs.workers)

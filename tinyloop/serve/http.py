@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -71,6 +72,14 @@ async def read_body(request, limit: int | None = None,
     buf = bytearray()
 
     async def receive():
+        from starlette.requests import ClientDisconnect
+        try:
+            await read()
+        except ClientDisconnect:
+            raise ClientGone("the client closed the connection before its body was whole") \
+                from None
+
+    async def read():
         async for chunk in request.stream():
             buf.extend(chunk)
             if len(buf) > limit:
@@ -94,6 +103,10 @@ async def read_json(request, limit: int | None = None, timeout_s: float = BODY_T
         raise BadRequest("the request body is not valid JSON") from None
     except RecursionError:
         raise BadRequest("the request body nests too deeply") from None
+
+
+class ClientGone(Exception):
+    """The client left before its request body was whole (nobody to answer: counted 499)."""
 
 
 class BodyTimeout(Exception):
@@ -247,10 +260,20 @@ def chat_prompt(body: dict, model) -> list:
     tok = model.tokenizer
     if tok is None or not tok.chat_template:
         raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+    # the rendered prompt holds every content's bytes: refused before rendering when those
+    # alone cannot fit (Tokenizer.min_tokens)
+    lo = tok.min_tokens("".join(m["content"] for m in clean))
+    if lo > model.max_seq_len:
+        raise BadRequest(f"'messages' hold at least {lo} tokens, over max_seq_len="
+                         f"{model.max_seq_len}", "messages")
     try:
         return tok.apply_chat_template(clean, tokenize=True)
     except TokenizerError as e:
         raise BadRequest(f"the chat template failed on 'messages': {e}", "messages") from None
+
+
+# generate.check_request's length message: "prompt (N tokens) + ..." or "(at least N tokens"
+_PROMPT_TOKENS_RE = re.compile(r"prompt \((?:at least )?(\d+) tokens")
 
 
 def _param_of(message: str):
@@ -340,15 +363,17 @@ def create_app(engine, model_name: str = "tinyloop", *,
     def submit_now(body, chat: bool):
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        if body.get("stream") not in (None, True, False):
+        if not isinstance(body.get("stream", False), bool):
             raise BadRequest("'stream' must be a boolean", "stream")
         opts = body.get("stream_options")
         if opts is not None:
             if not body.get("stream"):
                 raise BadRequest("'stream_options' is only allowed when 'stream' is true",
                                  "stream_options")
-            if not isinstance(opts, dict) or set(opts) - {"include_usage"} \
-                    or opts.get("include_usage") not in (None, True, False):
+            # include_obfuscation (OpenAI's padding against side channels): accepted, and
+            # nothing to pad here
+            if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"} \
+                    or not all(isinstance(v, bool) for v in opts.values()):
                 raise BadRequest("'stream_options' must be {\"include_usage\": true or "
                                  "false}", "stream_options")
         args = sampling_args(body)
@@ -360,6 +385,12 @@ def create_app(engine, model_name: str = "tinyloop", *,
         except ConfigError as e:
             msg = str(e)
             param = _param_of(msg)
+            too_long = _PROMPT_TOKENS_RE.match(msg)
+            if too_long and int(too_long.group(1)) > model.max_seq_len:
+                param = None                  # the prompt alone does not fit
+            elif too_long and param == "max_tokens" and \
+                    body.get("max_completion_tokens") is not None:
+                param = "max_completion_tokens"   # the field the request gave
             if param is None and ("prompt" in msg or "KV budget" in msg):
                 param = "messages" if chat else "prompt"
             raise BadRequest(msg, param) from None
@@ -415,6 +446,8 @@ def create_app(engine, model_name: str = "tinyloop", *,
             return counted(route, error_response(413, str(e)))
         except BodyTimeout as e:
             return counted(route, error_response(408, str(e)))
+        except ClientGone as e:
+            return counted(route, error_response(499, str(e)))
         except BadRequest as e:
             return counted(route, error_response(400, str(e), e.param))
         except QueueFullError as e:

@@ -53,8 +53,9 @@ import threading
 import time
 
 from ..config import child_environment
-from ..errors import ConfigError, TinyLoopError
-from .http import BODY_TIMEOUT_S, DISCONNECT_POLL_S, BodyTimeout, BodyTooLarge, read_body
+from ..errors import ConfigError
+from .http import (BODY_TIMEOUT_S, DISCONNECT_POLL_S, BodyTimeout, BodyTooLarge, ClientGone,
+                   read_body)
 from .replica import READY_KEY, ReplicaSpec, device_ids
 
 BLOCK_TOKENS = 16            # prompt ids per PrefixIndex key
@@ -385,9 +386,14 @@ def load_tokenizer(path: str):
                                eos_token_id=cfg.eos_token_id)
 
 
+ROUTE_TEXT_CHARS = 1 << 16     # the routing tokenizes at most this much of a text prompt
+
+
 def prompt_ids(body, chat: bool, tokenizer) -> list:
-    """The prompt's token ids as the replica will see them, for the routing; [] when they
-    cannot be had (the replica then answers the bad request itself)."""
+    """The prompt's leading token ids as the replica will see them, for the routing; [] when
+    they cannot be had (the replica then answers the bad request itself). Of a text prompt
+    longer than ROUTE_TEXT_CHARS only that much is tokenized, less its last BLOCK_TOKENS ids
+    (the cut may split a word): the affinity looks at leading blocks only."""
     if not isinstance(body, dict):
         return []
     try:
@@ -397,15 +403,21 @@ def prompt_ids(body, chat: bool, tokenizer) -> list:
                 return []
             clean = [{"role": m.get("role"), "content": m.get("content")} for m in msgs
                      if isinstance(m, dict) and isinstance(m.get("content"), str)]
+            if sum(len(m["content"]) for m in clean) > ROUTE_TEXT_CHARS:
+                return []                 # a long conversation routes by load alone
             return list(tokenizer.apply_chat_template(clean, tokenize=True))
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, str):
-            return [] if tokenizer is None else list(tokenizer.encode(p))
+            if tokenizer is None:
+                return []
+            if len(p) <= ROUTE_TEXT_CHARS:
+                return list(tokenizer.encode(p))
+            return list(tokenizer.encode(p[:ROUTE_TEXT_CHARS]))[:-BLOCK_TOKENS]
         if isinstance(p, list) and all(isinstance(t, int) for t in p):
             return p
-    except TinyLoopError:
+    except Exception:     # routing is best effort: any failure routes by load alone
         pass
     return []
 
@@ -599,6 +611,9 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
         except BodyTimeout as e:
             m_requests.labels("none", route, "408").inc()
             return error_response(408, str(e))
+        except ClientGone as e:
+            m_requests.labels("none", route, "499").inc()
+            return error_response(499, str(e))
 
         def parse():          # a worker thread: a long prompt tokenizes for a while
             try:
