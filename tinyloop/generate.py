@@ -196,13 +196,7 @@ def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_
     model.resolve_kv_modes(kv_mode)          # a bad kv_mode raises before any work
     policy = kv_iterations_arg(model, kv_iterations, prefix, prefix_pool)
     if isinstance(prompt, str) and model.tokenizer is not None:
-        # refused before encoding when no tokenization could fit (a long text takes seconds
-        # and gigabytes to encode)
-        lo = model.tokenizer.min_tokens(prompt)
-        if lo + max_new_tokens > model.max_seq_len:
-            raise ConfigError(f"prompt (at least {lo} tokens: {len(prompt)} characters) + "
-                              f"max_new_tokens ({max_new_tokens!s:.80}) exceeds "
-                              f"max_seq_len={model.max_seq_len}")
+        check_text_length(model, prompt, max_new_tokens, "prompt")
     ids = model.encode_prompt(prompt)
     depth, modes = check_prefix_args(model, ids, depth, kv_mode, prefix, prefix_pool)
     total = len(ids) + max_new_tokens
@@ -217,6 +211,26 @@ def check_request(model, prompt, max_new_tokens, depth, temperature, top_k, top_
     return _Request(ids, max_new_tokens, depth, tuple(modes), temperature, top_k,
                     float(top_p), float(min_p), float(repetition_penalty), int(repeat_last_n),
                     seed, stops, prefix, prefix_pool, policy, rule, bool(ignore_eos))
+
+
+MAX_CHARS_PER_POSITION = 256    # a text over max_seq_len times this is refused unencoded
+
+
+def check_text_length(model, text: str, max_new_tokens: int, what: str) -> None:
+    """Refuse, before encoding (a long text takes seconds and gigabytes to encode), a text
+    that cannot fit ``max_seq_len`` with ``max_new_tokens``: at least
+    ``Tokenizer.min_tokens(text)`` tokens, or over MAX_CHARS_PER_POSITION characters a
+    position (a length only bytes the model drops, at no token, could bring back into the
+    window). ``what`` names the text in the ConfigError."""
+    n = model.max_seq_len
+    if len(text) > n * MAX_CHARS_PER_POSITION:
+        raise ConfigError(f"{what} of {len(text)} characters is over the "
+                          f"{n * MAX_CHARS_PER_POSITION}-character limit "
+                          f"({MAX_CHARS_PER_POSITION} a position of max_seq_len={n})")
+    lo = model.tokenizer.min_tokens(text)
+    if lo + max_new_tokens > n:
+        raise ConfigError(f"{what} (at least {lo} tokens: {len(text)} characters) + "
+                          f"max_new_tokens ({max_new_tokens!s:.80}) exceeds max_seq_len={n}")
 
 
 def _prefix_rule(prefix, depth, rule: ExitRule | None) -> ExitRule | None:

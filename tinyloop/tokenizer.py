@@ -64,9 +64,14 @@ _KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Digits", "Punctuation")
 
 
 def _keeps_every_byte(spec: dict) -> bool:
-    """Whether a tokenizer JSON passes every byte of a text on to its model: no normalizer,
-    and pre-tokenizers that only split (a Split that removes its matches does not)."""
-    if spec.get("normalizer") is not None:
+    """Whether every byte of a text reaches a token of this tokenizer JSON, each token
+    holding at most its vocabulary entry's bytes: a BPE model, no normalizer, no added token
+    that strips the whitespace beside it, and pre-tokenizers that only split (a Split that
+    removes its matches does not)."""
+    if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+        return False
+    if any(isinstance(t, dict) and (t.get("lstrip") or t.get("rstrip"))
+           for t in spec.get("added_tokens") or []):
         return False
     pre = spec.get("pre_tokenizer")
     steps = [] if pre is None else (pre.get("pretokenizers") or [] if pre.get("type") ==
@@ -296,9 +301,13 @@ class Tokenizer:
         except UnicodeEncodeError:
             return 0
         if self._bound is None:
-            table = self._table()
-            singles = {b[0] for b in table if len(b) == 1}
-            self._bound = (max(map(len, table), default=1) or 1,
+            # a byte counts only where the vocabulary holds its byte-level character (a raw
+            # " " entry is no token of the byte " ", which the model sees as "Ġ")
+            inv = _byte_decoder()
+            added = self._tok.get_added_tokens_decoder()
+            singles = {inv[t] for t, i in self._tok.get_vocab(with_added_tokens=True).items()
+                       if len(t) == 1 and t in inv and i not in added}
+            self._bound = (max(map(len, self._table()), default=1) or 1,
                            bytes(b for b in range(256) if b not in singles))
         longest, absent = self._bound
         kept = len(data.translate(None, absent)) if absent else len(data)

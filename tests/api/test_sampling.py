@@ -258,3 +258,26 @@ def test_a_temperature_below_sampling_eps_is_greedy_and_a_huge_top_k_keeps_all(
                               seed=3).token_ids == want
     finally:
         tinyloop.free_model(m)
+
+
+def test_a_text_past_the_character_limit_is_refused_before_encoding(tiny_model_path,
+                                                                    monkeypatch):
+    """Over MAX_CHARS_PER_POSITION characters a position of max_seq_len, a text prompt is
+    refused unencoded whatever it holds (bytes no token holds would otherwise pass the
+    min_tokens bound and encode for seconds); at the limit it is encoded as usual."""
+    from tinyloop.generate import MAX_CHARS_PER_POSITION
+    m = tinyloop.load_model(tiny_model_path, max_seq_len=64, backend="numpy")
+    try:
+        encoded = []
+        real = type(m.tokenizer).encode
+        monkeypatch.setattr(type(m.tokenizer), "encode",
+                            lambda self, t, *a, **k: encoded.append(len(t)) or
+                            real(self, t, *a, **k))
+        limit = 64 * MAX_CHARS_PER_POSITION
+        with pytest.raises(errors.ConfigError, match="character limit"):
+            m.generate("a" * (limit + 1), max_new_tokens=1)
+        assert encoded == []
+        with pytest.raises(errors.ConfigError, match="max_seq_len"):
+            m.generate("a" * limit, max_new_tokens=1)      # checked, then too many tokens
+    finally:
+        tinyloop.free_model(m)

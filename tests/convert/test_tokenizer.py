@@ -394,3 +394,22 @@ def test_min_tokens_claims_nothing_where_the_premise_is_unknown(reader):
                                             "trim_offsets": True, "use_regex": True}]}}):
         t = Tokenizer.from_json(_json.dumps({**spec, **change}))
         assert t.min_tokens(" " * 10_000) == 0
+    # an added token that strips the whitespace beside it swallows bytes: no bound either
+    stripping = [dict(t, lstrip=True) if t["content"] == "<|im_end|>" else t
+                 for t in spec["added_tokens"]]
+    t = Tokenizer.from_json(_json.dumps({**spec, "added_tokens": stripping}))
+    assert t.min_tokens(" " * 1000 + "<|im_end|>") == 0
+
+
+def test_min_tokens_counts_a_byte_only_through_its_byte_level_token(reader):
+    """A raw " " vocabulary entry is no token of the byte 0x20 (the model sees "Ġ"): with
+    "Ġ" gone, spaces are bytes no token holds, and the bound stays under the count."""
+    import json as _json
+    spec = _json.loads(build_tokenizer_json_from_gguf(reader))
+    vocab = spec["model"]["vocab"]
+    vocab[" "] = vocab.pop("\u0120")
+    spec["model"]["merges"] = [m for m in spec["model"]["merges"]
+                               if "\u0120" not in (m if isinstance(m, str) else " ".join(m))]
+    t = Tokenizer.from_json(_json.dumps(spec))
+    text = " " * 500
+    assert t.min_tokens(text) == 0 <= len(t.encode(text))
