@@ -194,25 +194,31 @@ def test_bodies_that_gave_a_bare_500_answer_400(served):
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing_naming_the_prompt(
         served, monkeypatch):
-    """A 3 MB prompt is refused by Tokenizer.min_tokens' bound without being encoded (its
-    encoding took seconds and gigabytes), naming 'prompt' ('messages' on the chat route);
-    a prompt that fits alone but not with max_tokens names max_tokens."""
+    """A prompt past MAX_CHARS_PER_POSITION characters a position (3 MB), or one under it
+    that Tokenizer.min_tokens' bound puts past max_seq_len (120 KB), is refused without
+    being encoded (a 15 MB encoding took seconds and gigabytes), naming 'prompt'
+    ('messages' on the chat route, checked on the rendered text); a prompt that fits alone
+    but not with max_tokens names max_tokens."""
+    from tinyloop.generate import MAX_CHARS_PER_POSITION
     m, eng, srv, client, _ = served
     encoded = []
     real = type(m.tokenizer).encode
     monkeypatch.setattr(type(m.tokenizer), "encode",
                         lambda self, t, *a, **k: encoded.append(len(t)) or real(self, t, *a, **k))
-    big = "ab " * 1_000_000
-    for chat in (False, True):
-        with pytest.raises(openai.BadRequestError) as e:
-            if chat:
-                client.chat.completions.create(model="tiny", max_tokens=1,
-                                               messages=[{"role": "user", "content": big}])
-            else:
-                client.completions.create(model="tiny", prompt=big, max_tokens=0)
-        assert e.value.body["param"] == ("messages" if chat else "prompt")
-        assert "at least" in e.value.body["message"]
-    assert not [n for n in encoded if n >= len(big)]            # never encoded
+    mid = "ab " * 40_000
+    assert len(mid) < m.max_seq_len * MAX_CHARS_PER_POSITION < m.tokenizer.min_tokens(mid) * \
+        MAX_CHARS_PER_POSITION
+    for text, words in (("ab " * 1_000_000, "character limit"), (mid, "at least")):
+        for chat in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                if chat:
+                    client.chat.completions.create(model="tiny", max_tokens=1,
+                                                   messages=[{"role": "user", "content": text}])
+                else:
+                    client.completions.create(model="tiny", prompt=text, max_tokens=0)
+            assert e.value.body["param"] == ("messages" if chat else "prompt")
+            assert words in e.value.body["message"]
+    assert not [n for n in encoded if n >= len(mid)]            # never encoded
     with pytest.raises(openai.BadRequestError) as e:            # 300 ids fit, + 300 do not
         client.completions.create(model="tiny", prompt=[5] * 300, max_tokens=300)
     assert e.value.body["param"] == "max_tokens"

@@ -548,7 +548,7 @@ def test_the_router_forwards_what_it_cannot_tokenize_and_a_huge_prompt_quickly(c
     """A lone surrogate in a prompt or message raised a TypeError in the router's own
     tokenizing (a bare 500): routed by load, the replica answers 400 naming the field. A
     3 MB prompt is tokenized only ROUTE_TEXT_CHARS far for the routing, and the replica
-    refuses it by Tokenizer.min_tokens' bound, without encoding it."""
+    refuses it by its length, without encoding it (check_text_length)."""
     rs, app, srv, client = cluster
     for path, body, param in [
             ("/v1/completions", {"prompt": "a\ud800"}, "prompt"),
@@ -560,6 +560,6 @@ def test_the_router_forwards_what_it_cannot_tokenize_and_a_huge_prompt_quickly(c
     t0 = time.monotonic()
     r = httpx2.post(srv.url + "/v1/completions", timeout=60,
                     json={"model": "tiny", "prompt": "ab " * 1_000_000, "max_tokens": 1})
-    assert r.status_code == 400 and "at least" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "character limit" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 30
     assert all(w.state == "up" for w in rs.workers)

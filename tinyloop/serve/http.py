@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from ..errors import (ConfigError, EngineStoppedError, OutOfMemoryError, QueueFullError,
                       TinyLoopError, TokenizerError)
+from ..generate import check_text_length
 from ..memory import TAGS
 
 DISCONNECT_POLL_S = 0.25     # how often a waiting handler checks its client is still there
@@ -76,7 +77,7 @@ async def read_body(request, limit: int | None = None,
         try:
             await read()
         except ClientDisconnect:
-            raise ClientGone("the client closed the connection before its body was whole") \
+            raise BodyAbandoned("the client closed the connection before its body was whole") \
                 from None
 
     async def read():
@@ -105,7 +106,7 @@ async def read_json(request, limit: int | None = None, timeout_s: float = BODY_T
         raise BadRequest("the request body nests too deeply") from None
 
 
-class ClientGone(Exception):
+class BodyAbandoned(Exception):
     """The client left before its request body was whole (nobody to answer: counted 499)."""
 
 
@@ -260,16 +261,15 @@ def chat_prompt(body: dict, model) -> list:
     tok = model.tokenizer
     if tok is None or not tok.chat_template:
         raise BadRequest("this model has no chat template; use /v1/completions", "messages")
-    # the rendered prompt holds every content's bytes: refused before rendering when those
-    # alone cannot fit (Tokenizer.min_tokens)
-    lo = tok.min_tokens("".join(m["content"] for m in clean))
-    if lo > model.max_seq_len:
-        raise BadRequest(f"'messages' hold at least {lo} tokens, over max_seq_len="
-                         f"{model.max_seq_len}", "messages")
     try:
+        # the rendered text, checked before it is encoded (check_text_length; a template
+        # may trim what the messages hold, so the messages alone prove nothing)
+        check_text_length(model, tok.apply_chat_template(clean), 0, "the rendered 'messages'")
         return tok.apply_chat_template(clean, tokenize=True)
     except TokenizerError as e:
         raise BadRequest(f"the chat template failed on 'messages': {e}", "messages") from None
+    except ConfigError as e:
+        raise BadRequest(str(e), "messages") from None
 
 
 # generate.check_request's length message: "prompt (N tokens) + ..." or "(at least N tokens"
@@ -446,7 +446,7 @@ def create_app(engine, model_name: str = "tinyloop", *,
             return counted(route, error_response(413, str(e)))
         except BodyTimeout as e:
             return counted(route, error_response(408, str(e)))
-        except ClientGone as e:
+        except BodyAbandoned as e:
             return counted(route, error_response(499, str(e)))
         except BadRequest as e:
             return counted(route, error_response(400, str(e), e.param))

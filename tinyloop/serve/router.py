@@ -54,8 +54,8 @@ import time
 
 from ..config import child_environment
 from ..errors import ConfigError
-from .http import (BODY_TIMEOUT_S, DISCONNECT_POLL_S, BodyTimeout, BodyTooLarge, ClientGone,
-                   read_body)
+from .http import (BODY_TIMEOUT_S, DISCONNECT_POLL_S, BodyAbandoned, BodyTimeout,
+                   BodyTooLarge, read_body)
 from .replica import READY_KEY, ReplicaSpec, device_ids
 
 BLOCK_TOKENS = 16            # prompt ids per PrefixIndex key
@@ -611,7 +611,7 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
         except BodyTimeout as e:
             m_requests.labels("none", route, "408").inc()
             return error_response(408, str(e))
-        except ClientGone as e:
+        except BodyAbandoned as e:
             m_requests.labels("none", route, "499").inc()
             return error_response(499, str(e))
 
