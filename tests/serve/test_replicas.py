@@ -536,6 +536,14 @@ def test_the_router_reads_bodies_with_the_servers_limits(cluster, chat_model_pat
     with ServerThread(quick_app) as quick:
         status, out = _slow_body(quick.port)
         assert status == 408 and "within 0.3 s" in out["error"]["message"]
+    # a client leaving mid-body is counted 499 (the router's own ClientGone hid the error)
+    key = ("tinyloop_router_requests_total",
+           (("replica", "none"), ("route", "/v1/completions"), ("status", "499")))
+    before = _replica_metrics(srv.url).get(key, 0)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    _wait(lambda: _replica_metrics(srv.url).get(key, 0) == before + 1, 30, "the 499")
     r = httpx2.post(srv.url + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
                     headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
