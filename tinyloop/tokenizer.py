@@ -246,7 +246,15 @@ class Tokenizer:
             ids += [t.get("id", -1) for t in spec.get("added_tokens") or []]
             barrier = max(ids, default=-1) + 1
             name = "<|tinyloop:dropped-byte|>"
-            model["vocab"][name] = barrier
+            # an added token missing from the model's vocab (the Qwen2 / Llama-3 layout) gets
+            # its id from the vocab's size when HF loads it, not from the JSON: the marker
+            # would shift them all by one. In the vocab at their own ids, they keep them
+            vocab = model["vocab"]
+            for t in spec.get("added_tokens") or []:
+                if isinstance(t, dict) and isinstance(t.get("content"), str) \
+                        and t["content"] not in vocab and isinstance(t.get("id"), int):
+                    vocab[t["content"]] = t["id"]
+            vocab[name] = barrier
             model["unk_token"], model["fuse_unk"] = name, False
             try:
                 hf = tk.Tokenizer.from_str(json.dumps(spec))

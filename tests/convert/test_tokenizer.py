@@ -413,3 +413,31 @@ def test_min_tokens_counts_a_byte_only_through_its_byte_level_token(reader):
     t = Tokenizer.from_json(_json.dumps(spec))
     text = " " * 500
     assert t.min_tokens(text) == 0 <= len(t.encode(text))
+
+
+def test_added_tokens_outside_the_vocab_keep_their_ids():
+    """The Qwen2 / Llama-3 layout: special tokens only in "added_tokens", a BPE with no unk
+    token. HF numbers such tokens from the vocab's size, so the dropped-byte marker shifted
+    them all by one and the last landed on the marker's id (encode then deleted it). Their
+    ids and every encoding equal HF's own tokenizer of the same JSON."""
+    import json as _json
+
+    from tokenizers import Tokenizer as HF
+
+    from tinyloop.convert.synthetic import byte_level_tokenizer_json
+    spec = _json.loads(byte_level_tokenizer_json(300))
+    vocab = spec["model"]["vocab"]
+    for a in spec["added_tokens"]:
+        vocab.pop(a["content"])
+    dense = {old: new for new, old in enumerate(sorted(vocab.values()))}
+    spec["model"]["vocab"] = {k: dense[i] for k, i in vocab.items()}
+    n = len(dense)
+    spec["added_tokens"] = [dict(a, id=n + k) for k, a in enumerate(spec["added_tokens"])]
+    js = _json.dumps(spec)
+    ref, tok = HF.from_str(js), Tokenizer.from_json(js)
+    specials = [a["content"] for a in spec["added_tokens"]]
+    for text in specials + ["hi" + specials[-1], "hello world", specials[0] + " x " +
+                            specials[-1]]:
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
+    assert [tok.encode(s) for s in specials] == [[n + k] for k in range(len(specials))]
+    assert tok.vocab_size == ref.get_vocab_size() == n + len(specials)
