@@ -26,7 +26,7 @@ import time
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -73,14 +73,6 @@ async def read_body(request, limit: int | None = None,
     buf = bytearray()
 
     async def receive():
-        from starlette.requests import ClientDisconnect
-        try:
-            await read()
-        except ClientDisconnect:
-            raise BodyAbandoned("the client closed the connection before its body was whole") \
-                from None
-
-    async def read():
         async for chunk in request.stream():
             buf.extend(chunk)
             if len(buf) > limit:
@@ -88,6 +80,9 @@ async def read_body(request, limit: int | None = None,
                                    "server takes")
     try:
         await asyncio.wait_for(receive(), timeout_s)
+    except ClientDisconnect:
+        raise BodyAbandoned("the client closed the connection before its body was whole") \
+            from None
     except asyncio.TimeoutError:
         raise BodyTimeout(f"the request body did not arrive whole within {timeout_s:g} s "
                           f"({len(buf)} bytes came)") from None
