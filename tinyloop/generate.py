@@ -16,7 +16,6 @@ it ends, however it ends.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 

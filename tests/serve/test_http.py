@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
