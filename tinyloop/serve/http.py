@@ -54,8 +54,14 @@ BODY_TIMEOUT_S = 30.0          # a body not whole by then answers 408 (its conne
 MAX_MESSAGE_CHARS = 2000       # an error message is cut there (it may quote the bad value)
 
 
-class BodyTooLarge(Exception):
+class BodyError(Exception):
+    """The request body could not be read whole; ``status`` is the HTTP answer."""
+    status = 400
+
+
+class BodyTooLarge(BodyError):
     """A request body past the server's limit: answered 413."""
+    status = 413
 
 
 async def read_body(request, limit: int | None = None,
@@ -101,12 +107,14 @@ async def read_json(request, limit: int | None = None, timeout_s: float = BODY_T
         raise BadRequest("the request body nests too deeply") from None
 
 
-class BodyAbandoned(Exception):
+class BodyAbandoned(BodyError):
     """The client left before its request body was whole (nobody to answer: counted 499)."""
+    status = 499
 
 
-class BodyTimeout(Exception):
+class BodyTimeout(BodyError):
     """The request body was not whole within the server's body timeout (answered 408)."""
+    status = 408
 
 
 class BadRequest(Exception):
@@ -437,12 +445,8 @@ def create_app(engine, model_name: str = "tinyloop", *,
         try:
             body = await read_json(request, timeout_s=body_timeout_s)
             r = await submit(body, chat)
-        except BodyTooLarge as e:
-            return counted(route, error_response(413, str(e)))
-        except BodyTimeout as e:
-            return counted(route, error_response(408, str(e)))
-        except BodyAbandoned as e:
-            return counted(route, error_response(499, str(e)))
+        except BodyError as e:
+            return counted(route, error_response(e.status, str(e)))
         except BadRequest as e:
             return counted(route, error_response(400, str(e), e.param))
         except QueueFullError as e:

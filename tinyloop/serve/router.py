@@ -54,8 +54,7 @@ import time
 
 from ..config import child_environment
 from ..errors import ConfigError
-from .http import (BODY_TIMEOUT_S, DISCONNECT_POLL_S, BodyAbandoned, BodyTimeout,
-                   BodyTooLarge, read_body)
+from .http import BODY_TIMEOUT_S, DISCONNECT_POLL_S, BodyError, read_body
 from .replica import READY_KEY, ReplicaSpec, device_ids
 
 BLOCK_TOKENS = 16            # prompt ids per PrefixIndex key
@@ -605,15 +604,9 @@ def create_router_app(replica_set: ReplicaSet, model_name: str, tokenizer=None, 
         route = request.url.path
         try:
             raw = await read_body(request, timeout_s=body_timeout_s)
-        except BodyTooLarge as e:
-            m_requests.labels("none", route, "413").inc()
-            return error_response(413, str(e))
-        except BodyTimeout as e:
-            m_requests.labels("none", route, "408").inc()
-            return error_response(408, str(e))
-        except BodyAbandoned as e:
-            m_requests.labels("none", route, "499").inc()
-            return error_response(499, str(e))
+        except BodyError as e:
+            m_requests.labels("none", route, str(e.status)).inc()
+            return error_response(e.status, str(e))
 
         def parse():          # a worker thread: a long prompt tokenizes for a while
             try:
