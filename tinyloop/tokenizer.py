@@ -383,7 +383,7 @@ class Tokenizer:
 
     # -- chat -------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False):
+                            tokenize: bool = False, check=None):
         """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the embedded Jinja
         chat template, as HF ``transformers`` does (sandboxed, trim_blocks, lstrip_blocks).
 
@@ -394,7 +394,9 @@ class Tokenizer:
         user cannot forge a turn boundary. Where no message holds a special token's text, the
         ids equal ``encode(apply_chat_template(messages))``. Use ``tokenize=True`` for any
         prompt with text from users: encoding the returned string with ``parse_special=True``
-        turns such text back into control tokens.
+        turns such text back into control tokens. ``check``: with ``tokenize=True``, called
+        with the prompt text after rendering and before encoding (to refuse a text too long
+        to encode; what it raises propagates).
         Raises TokenizerError when there is no template or it fails to render.
         """
         if not self.chat_template:
@@ -407,6 +409,8 @@ class Tokenizer:
                                         eos_token=self._token_text(self.eos_token_id))
         if not tokenize:
             return _unescape(rendered, literals)
+        if check is not None:
+            check(_unescape(rendered, literals))
         ids, pos = [], 0
         for m in self._special_re.finditer(rendered):        # the template's markers only
             if m.start() > pos:

@@ -267,8 +267,9 @@ def chat_prompt(body: dict, model) -> list:
     try:
         # the rendered text, checked before it is encoded (check_text_length; a template
         # may trim what the messages hold, so the messages alone prove nothing)
-        check_text_length(model, tok.apply_chat_template(clean), 0, "the rendered 'messages'")
-        return tok.apply_chat_template(clean, tokenize=True)
+        return tok.apply_chat_template(
+            clean, tokenize=True,
+            check=lambda text: check_text_length(model, text, 0, "the rendered 'messages'"))
     except TokenizerError as e:
         raise BadRequest(f"the chat template failed on 'messages': {e}", "messages") from None
     except ConfigError as e:
