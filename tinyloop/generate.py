@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import ExitRule, exit_rule_for
-from .backends.base import _finite, _integral, check_filters, non_finite_logits
+from .backends.base import check_filters, is_finite_number, is_integral_number, non_finite_logits
 from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEAT_LAST_N
 from .config import as_int as _as_int
 from .errors import ConfigError, NonFiniteLogitsError, OutOfMemoryError, TinyLoopError
@@ -93,11 +93,12 @@ def _is_number(v) -> bool:
 def check_sampling(max_new_tokens, temperature, top_k, top_p, min_p=0.0,
                    repetition_penalty=1.0, repeat_last_n=DEFAULT_REPEAT_LAST_N) -> None:
     """Raise ConfigError naming the first bad sampling argument (NumPy scalars are fine)."""
-    if not _is_number(max_new_tokens) or not _integral(max_new_tokens) or max_new_tokens < 0:
+    if (not _is_number(max_new_tokens) or not is_integral_number(max_new_tokens)
+            or max_new_tokens < 0):
         raise ConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r:.80}")
-    if not _is_number(temperature) or not _finite(temperature) or temperature < 0:
+    if not _is_number(temperature) or not is_finite_number(temperature) or temperature < 0:
         raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r:.80}")
-    if not _is_number(top_k) or not _integral(top_k) or top_k < 0:
+    if not _is_number(top_k) or not is_integral_number(top_k) or top_k < 0:
         raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {top_k!r:.80}")
     if not _is_number(top_p) or not 0 <= top_p <= 1:
         raise ConfigError(f"top_p must be in [0, 1] (0 = greedy), got {top_p!r:.80}")

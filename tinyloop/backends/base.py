@@ -643,7 +643,7 @@ STEP_WORDS = STEP_ROPE + STEP_ROPE_MAX
 REPEAT_LAST_N_MAX = 4096
 
 
-def _finite(v) -> bool:
+def is_finite_number(v) -> bool:
     """math.isfinite for a number, False for an int too large for a float (not an
     OverflowError)."""
     try:
@@ -652,11 +652,11 @@ def _finite(v) -> bool:
         return False
 
 
-def _integral(v) -> bool:
+def is_integral_number(v) -> bool:
     """An int (of any size: no float conversion) or a float with no fractional part."""
     if isinstance(v, (int, np.integer)):
         return True
-    return _finite(v) and float(v).is_integer()
+    return is_finite_number(v) and float(v).is_integer()
 
 
 def check_filters(min_p, repetition_penalty, repeat_last_n) -> None:
@@ -668,11 +668,11 @@ def check_filters(min_p, repetition_penalty, repeat_last_n) -> None:
                 and not isinstance(v, (bool, np.bool_)))
     if not number(min_p) or not 0.0 <= min_p <= 1.0:
         raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {min_p!r:.80}")
-    if (not number(repetition_penalty) or not _finite(repetition_penalty)
+    if (not number(repetition_penalty) or not is_finite_number(repetition_penalty)
             or not repetition_penalty > 0):
         raise ConfigError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
                           f"{repetition_penalty!r:.80}")
-    if (not number(repeat_last_n) or not _integral(repeat_last_n)
+    if (not number(repeat_last_n) or not is_integral_number(repeat_last_n)
             or not 0 <= repeat_last_n <= REPEAT_LAST_N_MAX):
         raise ConfigError(f"repeat_last_n must be an int in [0, {REPEAT_LAST_N_MAX}] (0 = "
                           f"no penalty window), got {repeat_last_n!r:.80}")
