@@ -14,7 +14,7 @@ import pytest
 import tinyloop
 from tinyloop import errors
 from tinyloop.config import KV_MODES
-from tinyloop.convert.hf import check_safetensors, convert_hf
+from tinyloop.convert.hf import NANBEIGE_OPTIONS, check_safetensors, convert_hf, folder_config
 
 from .. import looped_refs as L
 
@@ -201,6 +201,66 @@ def test_nanbeige_skip_loop_final_norm(tmp_path):
     normed = dict(cfg, skip_loop_final_norm=False)
     assert L.kl_rows(L.nanbeige_logits(normed, t, ids, 3), got).max() > 1e-3
 
+
+
+@pytest.mark.parametrize("key", sorted(NANBEIGE_OPTIONS))
+def test_nanbeige_options_tinyloop_does_not_run_are_refused(tmp_path, key):
+    """Each option of the published modeling code that changes the forward (NANBEIGE_OPTIONS)
+    is refused when on, naming it, and converts when off in each JSON spelling of off."""
+    cfg, t = L.nanbeige_checkpoint(0)
+    on = 2 if key in ("emb_neighbor_num", "loop_middle_layers") else \
+        [1] if key == "insert_ngram_layer_idx" else True
+    L.save(str(tmp_path / "on"), {**cfg, key: on}, t)
+    with pytest.raises(errors.ConversionError, match=f"{key}=.* which TinyLoop does not run"):
+        folder_config(str(tmp_path / "on"))
+    with pytest.raises(errors.ConversionError, match=key):
+        convert_hf(str(tmp_path / "on"), str(tmp_path / "on.tlm"))
+    assert not os.path.exists(tmp_path / "on.tlm")
+    for i, off in enumerate([False, None, 0, []]):
+        L.save(str(tmp_path / f"off{i}"), {**cfg, key: off}, t)
+        assert folder_config(str(tmp_path / f"off{i}"))[1].max_depth == cfg["num_loops"]
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+     "layers other than full attention"),
+    ({"layer_types": ["full_attention"]}, "for each of the 2 layers"),
+    ({"use_sliding_window": True, "sliding_window": 4}, "layers other than full attention"),
+    ({"loop_loss_weights": [0.5]}, "lists 1 weight, which the modeling code runs as 2 loops, "
+                                   "but num_loops=3"),
+    ({"loop_loss_weights": ["0.5", 1]}, "must be a list of numbers"),
+    ({"loop_loss_weights": 0.5}, "must be a list of numbers"),
+    ({"kv_channels": 32}, "head_dim=64 and kv_channels=32 disagree"),
+    ({"kv_channels": 0}, "kv_channels=0 must be an int"),
+])
+def test_nanbeige_config_facts_that_would_change_the_forward(tmp_path, extra, match):
+    cfg, t = L.nanbeige_checkpoint(0)
+    L.save(str(tmp_path / "c"), {**cfg, **extra}, t)
+    with pytest.raises(errors.ConversionError, match=match):
+        folder_config(str(tmp_path / "c"))
+
+
+def test_nanbeige_loop_count_and_head_dim_from_their_other_keys(tmp_path, looped_folders):
+    """``loop_loss_weights`` of n entries means n + 1 loops and ``kv_channels`` is the head
+    dim (the published modeling code): without ``num_loops`` / ``head_dim`` the folder
+    converts to the same model as the one that states them (head_dim 64 != d / heads = 32)."""
+    _, cfg, t, tlm = looped_folders["nanbeige"]
+    assert cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]
+    other = {k: v for k, v in cfg.items() if k not in ("num_loops", "head_dim")}
+    other.update(loop_loss_weights=[0.25] * (cfg["num_loops"] - 1), kv_channels=cfg["head_dim"])
+    L.save(str(tmp_path / "o"), other, t)
+    c = convert_hf(str(tmp_path / "o"), str(tmp_path / "o.tlm"), bits=8)
+    assert (c.max_depth, c.head_dim) == (cfg["num_loops"], cfg["head_dim"])
+    ids = _ids(PROMPT, cfg["vocab_size"])
+    got, want = [], []
+    for path, out in ((str(tmp_path / "o.tlm"), got), (tlm, want)):
+        m = tinyloop.load_model(path, backend="numpy", max_seq_len=64)
+        try:
+            out.append(m.logits(ids, depth=c.max_depth))
+        finally:
+            tinyloop.free_model(m)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert L.kl_rows(L.nanbeige_logits(cfg, t, ids, c.max_depth), got[0]).max() <= KL_MAX
 
 # --- import: dtypes, shards, hostile files ------------------------------------------------------
 def _save_dtype(folder, cfg, t, dtype):

@@ -18,8 +18,13 @@
   the Q/K bias (``qk_bias``; V's bias rows are 0), tied head; default depth
   ``mean_recurrence``.
 - ``NanbeigeForCausalLM`` (model_type ``nanbeige``): llama names, the stack loops
-  ``num_loops`` times, the final norm at each loop boundary unless ``skip_loop_final_norm``
-  (``loop_norm``), as llama.cpp's src/models/nanbeige.cpp.
+  ``num_loops`` times (``len(loop_loss_weights) + 1`` when that list is not empty, as the
+  published modeling code counts them), the final norm at each loop boundary unless
+  ``skip_loop_final_norm`` (``loop_norm``), as llama.cpp's src/models/nanbeige.cpp; the head
+  dim from ``head_dim`` or ``kv_channels``. The modeling code's other options (shared-KV
+  loops, double-loop split, hyper-connections / mHC, depth attention, QK layer norm, n-gram
+  embeddings, sliding-window layers: ``NANBEIGE_OPTIONS``) are off in the released
+  checkpoints and not run here: a config that turns one on is refused, never run without it.
 
 Another architecture is a ConversionError "unsupported architecture X". RoPE: Ouro and
 Nanbeige store Q/K rows in rotate-half (NeoX) order, so their rows (and Q/K bias) are
@@ -407,13 +412,74 @@ def _check_llama_like(c: _Conf, kind: str) -> None:
         raise ConversionError(f"{c.path}: mlp_bias is not supported")
 
 
+# Options of Nanbeige's published modeling code (config key -> what it turns on) that change
+# the forward and that TinyLoop does not run; the released Nanbeige4.2 configs leave them off
+# (false, null, 0 or empty), as mlx-lm's and mlx-swift-lm's ports require too
+NANBEIGE_OPTIONS = {
+    "loop_share_kv": "loops sharing one KV cache",
+    "enable_double_loop_split": "the double-loop split",
+    "loop_middle_layers": "looping only the middle layers",
+    "enable_hyper_connection": "hyper-connections",
+    "enable_mhc": "manifold-constrained hyper-connections (mHC)",
+    "enable_h_res_identity": "mHC's identity residual",
+    "enable_depth_attention": "depth attention",
+    "qk_layernorm": "the Q / K layer norm",
+    "emb_neighbor_num": "n-gram neighbour embeddings",
+    "insert_ngram_layer_idx": "n-gram embedding layers",
+    "ngram_insert_all_layers": "n-gram embeddings at every layer",
+}
+
+
+def _nanbeige_checks(c: _Conf, n_layers: int, head_dim_default: int) -> tuple[int, int]:
+    """(loops, head dim) of a Nanbeige config.json; ConversionError for an option of
+    ``NANBEIGE_OPTIONS`` turned on, sliding-window layers, a ``loop_loss_weights`` that is not
+    a list of numbers or disagrees with ``num_loops``, or ``kv_channels`` against
+    ``head_dim``."""
+    for key, what in NANBEIGE_OPTIONS.items():
+        v = c.d.get(key)
+        if v:                                 # JSON's off values are all falsy
+            raise ConversionError(f"{c.path}: {key}={v!r:.40} turns on {what}, which TinyLoop "
+                                  "does not run (only configs with it off, as the released "
+                                  "Nanbeige4.2 checkpoints, convert)")
+    types = c.d.get("layer_types")
+    if c.bool("use_sliding_window", False) or (
+            types is not None and (not isinstance(types, list) or len(types) != n_layers
+                                   or any(x != "full_attention" for x in types))):
+        raise ConversionError(f"{c.path}: Nanbeige layers other than full attention "
+                              f"(use_sliding_window / layer_types={types!r:.60}) are not "
+                              f"supported; layer_types must list 'full_attention' for each "
+                              f"of the {n_layers} layers")
+    loops = c.int("num_loops", default=1, lo=1)
+    w = c.d.get("loop_loss_weights")
+    if w is not None and w != []:
+        if not isinstance(w, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in w):
+            raise ConversionError(f"{c.path}: loop_loss_weights={w!r:.40} must be a list of "
+                                  "numbers")
+        # the published modeling code runs len(loop_loss_weights) + 1 loops when it is set
+        if "num_loops" in c.d and c.d["num_loops"] is not None and loops != len(w) + 1:
+            raise ConversionError(f"{c.path}: loop_loss_weights lists {len(w)} weight"
+                                  f"{'s' * (len(w) != 1)}, which the modeling code runs as "
+                                  f"{len(w) + 1} loops, but num_loops={loops}")
+        loops = len(w) + 1                    # ModelConfig bounds the depth
+    head_dim = c.int("head_dim", default=0, lo=1)
+    channels = c.int("kv_channels", default=0, lo=1)
+    if head_dim and channels and head_dim != channels:
+        raise ConversionError(f"{c.path}: head_dim={head_dim} and kv_channels={channels} "
+                              "disagree")
+    return loops, head_dim or channels or head_dim_default
+
+
 def _llama_stack(c: _Conf, t: _Tensors, kind: str):
     """ModelConfig facts and tensors of an Ouro / Nanbeige checkpoint (llama names)."""
     d = c.int("hidden_size", lo=1)
     n_layers = c.int("num_hidden_layers", lo=1, hi=MAX_LAYERS)
     heads = c.int("num_attention_heads", lo=1)
     kv_heads = c.int("num_key_value_heads", default=heads, lo=1)
-    head_dim = c.int("head_dim", default=d // heads, lo=1)
+    if kind == "nanbeige":
+        loops, head_dim = _nanbeige_checks(c, n_layers, d // heads)
+    else:
+        head_dim = c.int("head_dim", default=d // heads, lo=1)
     ffn = c.int("intermediate_size", lo=1)
     vocab = _vocab(t, "model.embed_tokens.weight") if "model.embed_tokens.weight" in t \
         else c.int("vocab_size", lo=1)
@@ -439,7 +505,6 @@ def _llama_stack(c: _Conf, t: _Tensors, kind: str):
         if sliding:
             facts.update(sliding_window=window, sliding_layers=sliding)
     else:
-        loops = c.int("num_loops", default=1, lo=1)
         skip = c.bool("skip_loop_final_norm", False)
         facts = dict(loop_norm=not skip)
     bias = c.bool("attention_bias", False)
