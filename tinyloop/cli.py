@@ -144,8 +144,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="seed of the sampler's random draws (default: a fresh seed per run)")
     p.add_argument("--ignore-eos", action="store_true",
-                   help="decode past the end-of-sequence token, so a run makes "
-                        "--max-new-tokens tokens (default: EOS ends the run)")
+                   help="decode past the end-of-generation tokens, so a run makes "
+                        "--max-new-tokens tokens (default: the model's eos and the other "
+                        "tokens llama.cpp stops at, such as <|endoftext|>, end the run)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template (default: "
                         "apply the template); an empty prompt is the BOS token alone")

@@ -138,7 +138,7 @@ class _Request:
     prefix_pool: object
     kv_iterations: str = "all"  # the iteration KV policy (kv.layouts.KV_ITERATIONS)
     exit: ExitRule | None = None   # depth="auto": the exit rule (tinyloop.adaptive)
-    ignore_eos: bool = False       # the EOS token ends nothing: it is a token like any other
+    ignore_eos: bool = False       # end-of-generation tokens end nothing: tokens like any other
 
 
 def kv_iterations_arg(model, kv_iterations, prefix=None, prefix_pool=None) -> str:
@@ -306,9 +306,11 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     Every argument is checked here, at the call (the same checks and errors as
     :func:`generate`); the work starts at the first ``next``.
 
-    Stops at ``max_new_tokens``, at the EOS token (not yielded), or once the decoded text
-    contains a ``stop`` string (the text is cut before the earliest one). ``ignore_eos``: the
-    EOS token ends nothing and is yielded like any other token, so a run without stop
+    Stops at ``max_new_tokens``, at an end-of-generation token (not yielded): the EOS token
+    or another of the tokenizer's ``eog_ids``, as llama.cpp stops
+    (``Model.is_end_of_generation``), or once the decoded text contains a ``stop`` string
+    (the text is cut before the earliest one). ``ignore_eos``: those tokens end nothing and
+    are yielded like any other token, so a run without stop
     strings always makes ``max_new_tokens`` tokens (what a decode benchmark needs: vLLM's
     ``SamplingParams.ignore_eos``, llama.cpp's ``--ignore-eos``). The yielded ids are
     :func:`generate`'s ``token_ids`` (the token that completed a stop string included, with
@@ -356,7 +358,7 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
 def _run(model, req: _Request):
     """The generation loop behind :func:`stream` and :func:`generate`: yields StreamToken,
     returns the GenerationResult."""
-    cfg, tok = model.config, model.tokenizer
+    tok = model.tokenizer
     ids = req.ids
     total = len(ids) + req.max_new_tokens
     temperature, top_k, top_p = req.temperature, req.top_k, req.top_p
@@ -444,7 +446,7 @@ def _run(model, req: _Request):
         pos = len(ids)
         one = np.empty(1, dtype=np.int32)
         while True:
-            if nxt == cfg.eos_token_id and not req.ignore_eos:
+            if model.is_end_of_generation(nxt) and not req.ignore_eos:
                 t2 = time.perf_counter()     # the decode's end: the release is teardown
                 pieces = st.eos()
                 cache.release()

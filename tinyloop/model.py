@@ -1529,6 +1529,13 @@ class Model:
         return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool,
                       kv_iterations=kv_iterations)
 
+    def is_end_of_generation(self, token_id: int) -> bool:
+        """Whether sampling ``token_id`` ends a generation (finish reason "eos"): the
+        config's ``eos_token_id`` or one of the tokenizer's ``eog_ids`` (llama.cpp's rule,
+        :func:`tinyloop.tokenizer.end_of_generation_ids`)."""
+        return token_id == self.config.eos_token_id or (
+            self.tokenizer is not None and token_id in self.tokenizer.eog_ids)
+
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  depth: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -1544,7 +1551,8 @@ class Model:
         :func:`tinyloop.generate.stream` for the sampling rule, and for the errors.
         ``depth="auto"`` with ``exit_rule`` / ``exit_threshold`` / ``max_depth``: per-token
         adaptive depth (:mod:`tinyloop.adaptive`); ``kv_iterations``: "all" | "latest";
-        ``ignore_eos``: decode past the EOS token (a benchmark's fixed token count)."""
+        ``ignore_eos``: decode past the end-of-generation tokens
+        (:meth:`is_end_of_generation`; a benchmark's fixed token count)."""
         return _generate(self, prompt, max_new_tokens=max_new_tokens, depth=depth,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                          kv_mode=kv_mode, prefix=prefix, prefix_pool=prefix_pool, min_p=min_p,

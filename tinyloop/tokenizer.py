@@ -50,6 +50,33 @@ _PRE_TOKENIZERS = {
 }
 
 
+# Token texts that end a generation beside the eos id, and the FIM pad / repo / file-separator
+# texts counted with them: llama.cpp's rule (llama-vocab.cpp, llama_vocab::impl::load,
+# special_eog_ids), so a model stops where llama.cpp stops it whatever its config's one eos id
+# says (SmolLM2's GGUF names <|im_end|>, its text ends with <|endoftext|>; Ouro's config.json
+# names <|endoftext|>, its chat turns end with <|im_end|>)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+             "<end_of_utterance>")
+FIM_EOG_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "<|fim_repo|>",
+                 "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
+
+
+def end_of_generation_ids(token_to_id, eos_token_id: int = -1) -> frozenset[int]:
+    """The ids that end a generation (llama.cpp's ``llama_vocab_is_eog``): ``eos_token_id``
+    (when >= 0) and every token whose text is in ``EOG_TEXTS`` or ``FIM_EOG_TEXTS``, except
+    ``<|end|>`` when ``<|return|>`` and ``<|call|>`` are there too (the o200k_harmony
+    vocabulary, where ``<|end|>`` ends a message, not the generation). ``token_to_id``: text
+    -> id or None (``tokenizers.Tokenizer.token_to_id``)."""
+    found = {t: token_to_id(t) for t in EOG_TEXTS + FIM_EOG_TEXTS}
+    ids = {i for i in found.values() if i is not None}
+    if eos_token_id >= 0:
+        ids.add(eos_token_id)
+    if all(found[t] is not None for t in ("<|return|>", "<|call|>", "<|end|>")):
+        ids.discard(found["<|end|>"])
+    return frozenset(ids)
+
+
 def _tokenizers():
     try:
         import tokenizers
@@ -189,6 +216,7 @@ class Tokenizer:
     """Encode/decode text and render chat prompts.
 
     ``vocab_size`` (int), ``bos_token_id`` / ``eos_token_id`` (int, -1 when absent),
+    ``eog_ids`` (frozenset of int: the ids that end a generation, :func:`end_of_generation_ids`),
     ``chat_template`` (str, Jinja). Raises TokenizerError on bad input (ids out of range, a
     missing template, non-str text).
     """
@@ -207,6 +235,7 @@ class Tokenizer:
             - (dropped_byte_id is not None)
         self.bos_token_id = int(bos_token_id)
         self.eos_token_id = int(eos_token_id)
+        self.eog_ids = end_of_generation_ids(hf_tokenizer.token_to_id, self.eos_token_id)
         self.chat_template = chat_template or ""
         self._bytes: list[bytes] | None = None
         added = hf_tokenizer.get_added_tokens_decoder()

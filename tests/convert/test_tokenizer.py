@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from tinyloop.errors import TokenizerError
-from tinyloop.tokenizer import Tokenizer, build_tokenizer_json_from_gguf
+from tinyloop.tokenizer import EOG_TEXTS, Tokenizer, build_tokenizer_json_from_gguf
 
 from ..corpus import CORPUS, PASSAGES
 
@@ -441,3 +441,65 @@ def test_added_tokens_outside_the_vocab_keep_their_ids():
         assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
     assert [tok.encode(s) for s in specials] == [[n + k] for k in range(len(specials))]
     assert tok.vocab_size == ref.get_vocab_size() == n + len(specials)
+
+
+# --- end of generation ---------------------------------------------------------------------
+def _llama_eog(llama) -> set[int]:
+    """llama.cpp's end-of-generation ids (``llama_vocab_is_eog`` over the whole vocab)."""
+    import llama_cpp
+    v = llama_cpp.llama_model_get_vocab(llama.model)
+    return {i for i in range(llama_cpp.llama_vocab_n_tokens(v)) if llama_cpp.llama_vocab_is_eog(v, i)}
+
+
+def test_end_of_generation_ids_are_llama_cpps(tok, llama):
+    """SmolLM2's GGUF names <|im_end|> its eos, yet llama.cpp also ends a generation at
+    <|endoftext|> and the FIM repo token <reponame>; the tokenizer's eog_ids are its set."""
+    want = _llama_eog(llama)
+    assert tok.eos_token_id in want and len(want) > 1
+    assert tok.eog_ids == want
+
+
+@pytest.mark.parametrize("added,eos", [
+    # every text of the rule, one spelling per FIM kind (llama.cpp keeps only the first FIM
+    # pad / repo / separator token it meets), and the o200k_harmony trio: <|end|> leaves
+    (EOG_TEXTS + ("<|fim_pad|>", "<|file_sep|>", "<|eot|>", "<end>"), "<end>"),
+    # without <|call|>, <|end|> stays; other FIM spellings; eos on an ordinary text
+    (tuple(t for t in EOG_TEXTS if t != "<|call|>") + ("<PAD>", "<end_of_turn|>"),
+     "<end_of_turn|>"),
+    # only decoys added, eos on one of them
+    (("<|eot|>", "<|im_end_|>", "<|END|>", "<EOS>"), "<EOS>"),
+])
+def test_end_of_generation_ids_equal_llama_cpps_on_crafted_vocabs(reader, tmp_path, added, eos):
+    """SmolLM2's vocab with control tokens appended (each text of EOG_TEXTS /
+    FIM_EOG_TEXTS not in it yet, and decoys close to them), written as a vocab-only GGUF: the
+    ids the converted tokenizer ends a generation at are the ids llama.cpp's vocab loader
+    marks."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    f = reader.fields
+    tokens = list(f["tokenizer.ggml.tokens"].contents())
+    added = [t for t in added if t not in tokens]
+    types = list(f["tokenizer.ggml.token_type"].contents()) + [3] * len(added)   # CONTROL
+    tokens += added
+    eos_id = tokens.index(eos)
+    path = str(tmp_path / "vocab.gguf")
+    w = gguf.GGUFWriter(path, f["general.architecture"].contents())
+    for key, field in f.items():
+        if key.startswith("GGUF.") or key in ("general.architecture",
+                                              "tokenizer.ggml.eos_token_id"):
+            continue
+        val = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}.get(
+            key, field.contents())
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, val, field.types[0], sub_type=sub)
+    w.add_eos_token_id(eos_id)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    r = gguf.GGUFReader(path)
+    got = Tokenizer.from_json(build_tokenizer_json_from_gguf(r), eos_token_id=eos_id).eog_ids
+    want = _llama_eog(llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False))
+    assert got == want
+    names = {tokens[i] for i in got}
+    assert names >= {eos, "<|endoftext|>", "<|im_end|>"} | (set(added) & set(EOG_TEXTS)
+                                                              - {"<|end|>"})
+    assert ("<|end|>" in names) == ("<|end|>" in added and "<|call|>" not in added)

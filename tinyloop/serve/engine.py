@@ -303,7 +303,7 @@ class EngineRequest:
             now = time.perf_counter()
             self.first_token_at = now
             self._decode_t0 = now
-        if nxt == self._engine.model.config.eos_token_id and not self.args.ignore_eos:
+        if self._engine.model.is_end_of_generation(nxt) and not self.args.ignore_eos:
             self._held.append(None)             # EOS: releases what the text holds, ends
             self._final = True
             return
@@ -478,7 +478,7 @@ class Engine:
                ignore_eos: bool = False) -> EngineRequest:
         """Queue a request; returns its :class:`EngineRequest` at once. Arguments and their
         checks are ``Model.generate``'s (ConfigError / TokenizerError at the call;
-        ``ignore_eos``: the EOS token ends nothing). Raises
+        ``ignore_eos``: the end-of-generation tokens end nothing). Raises
         ConfigError when its KV cache alone exceeds the KV budget, QueueFullError when
         ``max_queue`` requests wait already, EngineStoppedError once stopped."""
         req = check_request(self.model, prompt, max_new_tokens, depth, temperature, top_k,

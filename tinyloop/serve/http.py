@@ -8,8 +8,8 @@ with ``data: [DONE]``; chat prompts go through the model's chat template,
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format: requests by route
 and status, prompt and generated tokens, queue length, active requests, time to first token,
 the memory pool's allocated bytes by tag). Extra request fields: ``top_k``, ``min_p``,
-``repetition_penalty``, ``depth``, ``kv_mode``, ``ignore_eos`` (as vLLM's: the EOS token ends
-nothing). Bad input answers 400 with OpenAI's error object naming the field (``{"error":
+``repetition_penalty``, ``depth``, ``kv_mode``, ``ignore_eos`` (as vLLM's: the
+end-of-generation tokens end nothing). Bad input answers 400 with OpenAI's error object naming the field (``{"error":
 {"message", "type": "invalid_request_error", "param", "code"}}``); a full queue 429; a stopped
 engine or a request the memory could not take 503. A client that disconnects before its
 request ends cancels it (its pages are freed at once).
