@@ -485,6 +485,42 @@ def test_cli_convert_and_load_model_folder_caches(tmp_path, looped_folders, monk
     np.testing.assert_array_equal(got[0], got[1])
 
 
+
+def _chatml_tokenizer_json(vocab: int) -> str:
+    """A byte-level BPE of ``vocab`` ids: <|endoftext|>, <|im_start|>, <|im_end|> at 0, 1, 2
+    (SmolLM2's and Ouro's layout) as special added tokens, then the first byte symbols."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    symbols = sorted(ByteLevel.alphabet())[:vocab - len(specials)]
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(specials + symbols)},
+                               merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return tok.to_str()
+
+
+def test_ouro_with_the_upstream_token_ids_still_ends_chat_turns(tmp_path):
+    """The published Ouro config.json names <|endoftext|> (0) as bos and eos while its chat
+    turns end with <|im_end|> (2) (LoopedLMs/ouro_rl modeling/constants.py: "upstream config
+    has all three set to 0"): the converted model keeps the config's eos and ends a
+    generation at <|im_end|> too, as llama.cpp does by that token's text."""
+    cfg, t = L.ouro_checkpoint(0)
+    cfg = {**cfg, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    folder = tmp_path / "ouro"
+    L.save(str(folder), cfg, t)
+    (folder / "tokenizer.json").write_text(_chatml_tokenizer_json(cfg["vocab_size"]))
+    c = convert_hf(str(folder), str(tmp_path / "o.tlm"), bits=8)
+    assert (c.bos_token_id, c.eos_token_id) == (0, 0)
+    m = tinyloop.load_model(str(tmp_path / "o.tlm"), backend="numpy", max_seq_len=64)
+    try:
+        assert m.tokenizer.eog_ids == {0, 2}
+        assert m.is_end_of_generation(2) and not m.is_end_of_generation(1)
+        assert m.tokenizer.encode("<|im_start|>user") == [1] + m.tokenizer.encode("user")
+    finally:
+        tinyloop.free_model(m)
+
 def test_cuda_runs_every_fact_sliding_windows_included(looped_folders):
     """The CUDA kernels run every VERSION 2 fact: Huginn (sandwich norms, seeded state, Q/K/V
     bias, embedding scale), Nanbeige and Ouro with its sliding-window layer (the window is a
