@@ -321,6 +321,12 @@ class Model:
                                   "runs any shape: backend='numpy')")
             self.chat_template = f.chat_template
             self.metadata = dict(f.metadata)
+            extra = self.metadata.get("eos_token_ids", [])
+            if not isinstance(extra, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size
+                    for i in extra):
+                raise FormatError(f"{self.path}: metadata eos_token_ids={extra!r:.60} must be "
+                                  f"a list of token ids below vocab_size={cfg.vocab_size}")
             tok_json = f.tokenizer_json
             layout = f.quant_layout()
             self.kv_modes = resolve_kv_modes(self._kv_mode_spec, cfg)
@@ -338,6 +344,9 @@ class Model:
                     raise TokenizerError(
                         f"{self.path}: the embedded tokenizer has {self.tokenizer.vocab_size} "
                         f"tokens but the model's vocab_size is {cfg.vocab_size}")
+            # besides config.eos_token_id (read at each check: it may be replaced)
+            self._stop_ids = frozenset(extra) | (
+                self.tokenizer.eog_ids if self.tokenizer is not None else frozenset())
             # A plan that cannot fit fails here, before anything is allocated, naming each
             # phase's bytes against the room. One that can goes into one reserved segment
             # (the caller's packed_scope), so only that segment has a rounding tail; failing
@@ -1529,12 +1538,18 @@ class Model:
         return _score(self, token_ids, depth, kv_mode, prefix=prefix, prefix_pool=prefix_pool,
                       kv_iterations=kv_iterations)
 
+    @property
+    def end_of_generation_ids(self) -> frozenset:
+        """The token ids whose sampling ends a generation (finish reason "eos"): the
+        config's ``eos_token_id``, the tokenizer's ``eog_ids`` (llama.cpp's rule,
+        :func:`tinyloop.tokenizer.end_of_generation_ids`) and the metadata's
+        ``eos_token_ids`` (a Hugging Face folder's generation_config.json)."""
+        eos = self.config.eos_token_id
+        return self._stop_ids | ({eos} if eos >= 0 else set())
+
     def is_end_of_generation(self, token_id: int) -> bool:
-        """Whether sampling ``token_id`` ends a generation (finish reason "eos"): the
-        config's ``eos_token_id`` or one of the tokenizer's ``eog_ids`` (llama.cpp's rule,
-        :func:`tinyloop.tokenizer.end_of_generation_ids`)."""
-        return token_id == self.config.eos_token_id or (
-            self.tokenizer is not None and token_id in self.tokenizer.eog_ids)
+        """Whether ``token_id`` is one of :attr:`end_of_generation_ids`."""
+        return token_id == self.config.eos_token_id or token_id in self._stop_ids
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  depth: int | None = None,

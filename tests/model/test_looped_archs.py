@@ -521,6 +521,59 @@ def test_ouro_with_the_upstream_token_ids_still_ends_chat_turns(tmp_path):
     finally:
         tinyloop.free_model(m)
 
+
+@pytest.mark.parametrize("value,want", [(5, {0, 5}), ([2, 5, 5], {0, 2, 5}), ([], {0}),
+                                        (None, {0})])
+def test_generation_config_eos_ids_end_a_generation(tmp_path, value, want):
+    """generation_config.json's eos_token_id (what transformers' generate stops at: an id or
+    a list) goes into the metadata and ends a generation beside the config's eos."""
+    cfg, t = L.nanbeige_checkpoint(0)
+    cfg = {**cfg, "eos_token_id": 0}
+    folder = tmp_path / "nb"
+    L.save(str(folder), cfg, t)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": value,
+                                                               "do_sample": True}))
+    convert_hf(str(folder), str(tmp_path / "nb.tlm"), bits=8)
+    m = tinyloop.load_model(str(tmp_path / "nb.tlm"), backend="numpy", max_seq_len=16)
+    try:
+        assert m.end_of_generation_ids == want        # the folder has no tokenizer.json
+        assert all(m.is_end_of_generation(i) for i in want) and not m.is_end_of_generation(1)
+    finally:
+        tinyloop.free_model(m)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"eos_token_id": "2"}', "eos_token_id='2' must be a token id"),
+    ('{"eos_token_id": [2, -1]}', "must be a token id or a list"),
+    ('{"eos_token_id": [96]}', "of the 96-token vocabulary"),
+    ('{"eos_token_id": true}', "must be a token id"),
+    ('{"eos_token_id": [' + ", ".join(["1"] * 65) + "]}", "at most 64 token ids"),
+    ("[2]", "must be a JSON object"),
+    ('{"eos_token_id": 2', "is not UTF-8 JSON"),
+])
+def test_hostile_generation_configs(tmp_path, text, match):
+    cfg, t = L.nanbeige_checkpoint(0)
+    folder = tmp_path / "nb"
+    L.save(str(folder), cfg, t)
+    (folder / "generation_config.json").write_text(text)
+    with pytest.raises(errors.ConversionError, match=f"generation_config.json.*{match}"):
+        convert_hf(str(folder), str(tmp_path / "nb.tlm"))
+    assert not os.path.exists(tmp_path / "nb.tlm")
+
+
+@pytest.mark.parametrize("value", ["2", [2, "3"], [True], [-1], [96], {"a": 1}])
+def test_a_tlm_whose_metadata_eos_ids_are_not_token_ids_is_refused(tmp_path, looped_folders,
+                                                                   value):
+    from tinyloop.format import read_tlm, write_tlm
+    _, _, _, tlm = looped_folders["nanbeige"]
+    with read_tlm(tlm) as f:
+        cfg, meta = f.config, dict(f.metadata)
+        weights = {n: f.weight(n) for n in tinyloop.format.expected_tensors(cfg)}
+    bad = str(tmp_path / "bad.tlm")
+    write_tlm(bad, cfg, weights, metadata={**meta, "eos_token_ids": value})
+    with pytest.raises(errors.FormatError, match="metadata eos_token_ids=.* must be a list"):
+        tinyloop.load_model(bad, backend="numpy", max_seq_len=16)
+
 def test_cuda_runs_every_fact_sliding_windows_included(looped_folders):
     """The CUDA kernels run every VERSION 2 fact: Huginn (sandwich norms, seeded state, Q/K/V
     bias, embedding scale), Nanbeige and Ouro with its sliding-window layer (the window is a

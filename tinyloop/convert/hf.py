@@ -2,8 +2,10 @@
 
 ``convert_hf(src_dir, dst, bits=4, group_size=32)`` reads ``config.json``, the weights of one
 ``model.safetensors``, of the shards named by ``model.safetensors.index.json``, or of every
-``*.safetensors`` file in the folder (F32 / F16 / BF16), and an optional ``tokenizer.json``
-(+ ``tokenizer_config.json``'s chat template). ``config.json``'s ``architectures`` (else its
+``*.safetensors`` file in the folder (F32 / F16 / BF16), an optional ``tokenizer.json``
+(+ ``tokenizer_config.json``'s chat template) and an optional ``generation_config.json``,
+whose ``eos_token_id`` (an id or a list: what transformers' ``generate`` stops at) goes into
+the metadata's ``eos_token_ids``, each ending a generation beside the config's eos. ``config.json``'s ``architectures`` (else its
 ``model_type``) picks the name map:
 
 - ``OuroForCausalLM`` (model_type ``ouro``): the whole stack loops ``total_ut_steps`` times
@@ -56,13 +58,14 @@ from ..fileio import NotRegularFileError, open_regular
 from ..format import expected_tensors, write_tlm
 from ..quant import quantize
 
-CONVERTER_VERSION = 1           # bump when convert_hf's output changes for the same input
+CONVERTER_VERSION = 2           # bump when convert_hf's output changes for the same input
 MAX_JSON_BYTES = 16 << 20       # config.json, the index, tokenizer_config.json
 MAX_TOKENIZER_BYTES = 64 << 20
 MAX_HEADER_BYTES = 100 << 20    # a safetensors header larger than this is refused
 MAX_ENTRIES = 1 << 20           # tensors in one header
 MAX_RANK = 8
 MAX_DIM = 1 << 24               # any one config dim
+MAX_EOS_IDS = 64                # generation_config.json eos_token_id entries
 INDEX_NAME = "model.safetensors.index.json"
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
             "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
@@ -700,6 +703,28 @@ def _tokenizer(src: str):
     return text, template
 
 
+def generation_eos_ids(src: str, vocab: int) -> list[int]:
+    """The sorted ``eos_token_id`` ids of the folder's ``generation_config.json`` (an int or
+    a list of at most MAX_EOS_IDS ints), [] without the file or the key. Raises
+    ConversionError naming the file for one that is not a regular JSON object or a value
+    that is not token ids of the ``vocab``-token vocabulary."""
+    path = os.path.join(src, "generation_config.json")
+    if not os.path.lexists(path):
+        return []
+    conf = _read_json(path, "generation_config.json")
+    if not isinstance(conf, dict):
+        raise ConversionError(f"{path}: generation_config.json must be a JSON object")
+    v = conf.get("eos_token_id")
+    if v is None:
+        return []
+    ids = v if isinstance(v, list) else [v]
+    if len(ids) > MAX_EOS_IDS or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+        raise ConversionError(f"{path}: eos_token_id={v!r:.60} must be a token id or a list "
+                              f"of at most {MAX_EOS_IDS} token ids of the {vocab}-token "
+                              "vocabulary")
+    return sorted(set(ids))
+
+
 def convert_hf(src, dst, *, bits: int = 4, group_size: int = 32, state_seed: int = 0,
                max_depth: int | None = None) -> ModelConfig:
     """Convert the Hugging Face folder ``src`` (Ouro / Huginn / Nanbeige, see the module
@@ -744,6 +769,9 @@ def convert_hf(src, dst, *, bits: int = 4, group_size: int = 32, state_seed: int
             "architecture": arch, "converter": "tinyloop.convert.hf",
             "converter_version": CONVERTER_VERSION, "loop": "trained",
             "options": {"bits": bits, "group_size": group_size, "state_seed": state_seed}}
+    eos_ids = generation_eos_ids(src, cfg.vocab_size)
+    if eos_ids:
+        meta["eos_token_ids"] = eos_ids
     try:
         write_tlm(dst, cfg, out, tokenizer_json=tok, chat_template=template, metadata=meta)
     except FormatError as e:
