@@ -27,6 +27,7 @@ INJECTION_KINDS = ("none", "adapter")
 # "sandwich": x = n2(x + f(n1(x))) (Huginn's SandwichBlock: the second norm after the add).
 LAYER_NORM_KINDS = ("pre", "pre_post", "sandwich")
 MAX_LAYERS = 4096           # prelude + recurrent + coda layers a config may declare
+MAX_DEPTH = 4096            # the largest max_depth (loops) a config may declare
 # What the recurrent state starts from: "prelude" (the prelude output itself), "zeros", or
 # "normal": a truncated normal (std ``state_std``, cut at +-3 std) drawn per position from
 # ``state_seed`` (backends.base.seeded_state), so equal seeds give equal runs.
@@ -160,8 +161,9 @@ class ModelConfig:
         if not 1 <= self.default_depth <= self.max_depth:
             raise ConfigError(f"default_depth={self.default_depth} is outside "
                               f"1..max_depth={self.max_depth}")
-        if self.max_depth > 4096:
-            raise ConfigError(f"max_depth={self.max_depth} is unreasonably large (> 4096)")
+        if self.max_depth > MAX_DEPTH:
+            raise ConfigError(f"max_depth={self.max_depth} is unreasonably large "
+                              f"(> {MAX_DEPTH})")
         if not isinstance(self.injection, str) or self.injection not in INJECTION_KINDS:
             raise ConfigError(f"injection={self.injection!r} is not one of {INJECTION_KINDS}")
         if self.injection == "adapter" and self.n_recurrent == 0:

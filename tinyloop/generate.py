@@ -306,9 +306,10 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     Every argument is checked here, at the call (the same checks and errors as
     :func:`generate`); the work starts at the first ``next``.
 
-    Stops at ``max_new_tokens``, at an end-of-generation token (not yielded): the EOS token
-    or another of the tokenizer's ``eog_ids``, as llama.cpp stops
-    (``Model.is_end_of_generation``), or once the decoded text contains a ``stop`` string
+    Stops at ``max_new_tokens``, at an end-of-generation token (not yielded;
+    ``Model.end_of_generation_ids``: the EOS token, the tokenizer's ``eog_ids`` where
+    llama.cpp stops, and a Hugging Face folder's generation_config.json ids), or once the
+    decoded text contains a ``stop`` string
     (the text is cut before the earliest one). ``ignore_eos``: those tokens end nothing and
     are yielded like any other token, so a run without stop
     strings always makes ``max_new_tokens`` tokens (what a decode benchmark needs: vLLM's

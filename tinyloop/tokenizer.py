@@ -50,30 +50,44 @@ _PRE_TOKENIZERS = {
 }
 
 
-# Token texts that end a generation beside the eos id, and the FIM pad / repo / file-separator
-# texts counted with them: llama.cpp's rule (llama-vocab.cpp, llama_vocab::impl::load,
-# special_eog_ids), so a model stops where llama.cpp stops it whatever its config's one eos id
-# says (SmolLM2's GGUF names <|im_end|>, its text ends with <|endoftext|>; Ouro's config.json
-# names <|endoftext|>, its chat turns end with <|im_end|>)
-EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
-             "<end_of_utterance>")
-FIM_EOG_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "<|fim_repo|>",
+# The end-of-generation rule of the llama.cpp that llama-cpp-python 0.3.36 vendors
+# (src/llama-vocab.cpp, llama_vocab::impl::load, special_eog_ids), by token text, so a model
+# stops where llama.cpp stops it whatever its config's one eos id says (SmolLM2's GGUF names
+# <|im_end|>, its text ends with <|endoftext|>; Ouro's config.json names <|endoftext|>, its
+# chat turns end with <|im_end|>): these texts,
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+             "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+             "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+             "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+             "[e~[")
+# the fill-in-the-middle pad, repo and file-separator tokens,
+FIM_EOG_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>",
                  "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
+# and the eos id; less <|end|> beside <|return|> / <|call|> (o200k_harmony) or <|calls|> /
+# <|flush|> (solar-open), where it ends a message, and </s> beside <|tool_response> (gemma4)
+# or an eos <|plamo:eos|>, where it is an ordinary token.
 
 
 def end_of_generation_ids(token_to_id, eos_token_id: int = -1) -> frozenset[int]:
-    """The ids that end a generation (llama.cpp's ``llama_vocab_is_eog``): ``eos_token_id``
-    (when >= 0) and every token whose text is in ``EOG_TEXTS`` or ``FIM_EOG_TEXTS``, except
-    ``<|end|>`` when ``<|return|>`` and ``<|call|>`` are there too (the o200k_harmony
-    vocabulary, where ``<|end|>`` ends a message, not the generation). ``token_to_id``: text
-    -> id or None (``tokenizers.Tokenizer.token_to_id``)."""
+    """The ids that end a generation, llama.cpp's ``llama_vocab_is_eog`` set (the rule above
+    ``EOG_TEXTS``): every token whose text is in ``EOG_TEXTS`` or ``FIM_EOG_TEXTS`` and
+    ``eos_token_id`` (when >= 0), less the two exceptions. ``token_to_id``: text -> id or
+    None (``tokenizers.Tokenizer.token_to_id``). Where llama.cpp differs: it keeps one FIM
+    token of each kind (the first its hash map yields) where a vocabulary spells a kind twice,
+    this keeps both; a GGUF's ``tokenizer.ggml.eot_token_id`` / ``fim_*_token_id`` keys,
+    which llama.cpp adds, are not read; a GGUF without an eos key has none here (-1), where
+    llama.cpp assumes id 11."""
     found = {t: token_to_id(t) for t in EOG_TEXTS + FIM_EOG_TEXTS}
     ids = {i for i in found.values() if i is not None}
     if eos_token_id >= 0:
         ids.add(eos_token_id)
-    if all(found[t] is not None for t in ("<|return|>", "<|call|>", "<|end|>")):
+    has = {t for t, i in found.items() if i in ids}     # by text, as llama.cpp checks
+    calls = "<|call|>" in has or "<|calls|>" in has
+    if "<|end|>" in has and calls and ("<|return|>" in has or "<|flush|>" in has):
         ids.discard(found["<|end|>"])
+    plamo = token_to_id("<|plamo:eos|>")                 # an eos of that text counts too
+    if "</s>" in has and ("<|tool_response>" in has or (plamo is not None and plamo in ids)):
+        ids.discard(found["</s>"])
     return frozenset(ids)
 
 

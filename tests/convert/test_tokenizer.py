@@ -12,7 +12,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from tinyloop.errors import TokenizerError
-from tinyloop.tokenizer import EOG_TEXTS, Tokenizer, build_tokenizer_json_from_gguf
+from tinyloop.tokenizer import (EOG_TEXTS, FIM_EOG_TEXTS, Tokenizer,
+                                build_tokenizer_json_from_gguf)
 
 from ..corpus import CORPUS, PASSAGES
 
@@ -459,17 +460,28 @@ def test_end_of_generation_ids_are_llama_cpps(tok, llama):
     assert tok.eog_ids == want
 
 
-@pytest.mark.parametrize("added,eos", [
+_NO_CALLS = ("<|call|>", "<|calls|>", "<|tool_response>")
+
+
+@pytest.mark.parametrize("added,eos,gone", [
     # every text of the rule, one spelling per FIM kind (llama.cpp keeps only the first FIM
-    # pad / repo / separator token it meets), and the o200k_harmony trio: <|end|> leaves
-    (EOG_TEXTS + ("<|fim_pad|>", "<|file_sep|>", "<|eot|>", "<end>"), "<end>"),
-    # without <|call|>, <|end|> stays; other FIM spellings; eos on an ordinary text
-    (tuple(t for t in EOG_TEXTS if t != "<|call|>") + ("<PAD>", "<end_of_turn|>"),
-     "<end_of_turn|>"),
+    # pad / repo / separator token it meets): <|end|> leaves beside <|return|> and <|call|>
+    # (o200k_harmony), </s> beside <|tool_response> (gemma4)
+    (EOG_TEXTS + ("<|fim_pad|>", "<|file_sep|>", "<|eot|>", "<end>"), "<end>",
+     {"<|end|>", "</s>"}),
+    # without <|call|>, <|calls|> and <|tool_response>, <|end|> and </s> stay; other FIM
+    # spellings; eos on an ordinary text
+    (tuple(t for t in EOG_TEXTS if t not in _NO_CALLS) + ("[PAD]", "<end_of_turn|>"),
+     "<end_of_turn|>", set()),
+    # solar-open: <|calls|> and <|flush|> take <|end|> out
+    (("<|calls|>", "<|flush|>", "<|end|>"), "<|flush|>", {"<|end|>"}),
+    # an eos named <|plamo:eos|> makes </s> an ordinary token
+    (("</s>", "<|plamo:eos|>"), "<|plamo:eos|>", {"</s>"}),
     # only decoys added, eos on one of them
-    (("<|eot|>", "<|im_end_|>", "<|END|>", "<EOS>"), "<EOS>"),
+    (("<|eot|>", "<|im_end_|>", "<|END|>", "<EOS>"), "<EOS>", set()),
 ])
-def test_end_of_generation_ids_equal_llama_cpps_on_crafted_vocabs(reader, tmp_path, added, eos):
+def test_end_of_generation_ids_equal_llama_cpps_on_crafted_vocabs(reader, tmp_path, added, eos,
+                                                                   gone):
     """SmolLM2's vocab with control tokens appended (each text of EOG_TEXTS /
     FIM_EOG_TEXTS not in it yet, and decoys close to them), written as a vocab-only GGUF: the
     ids the converted tokenizer ends a generation at are the ids llama.cpp's vocab loader
@@ -500,6 +512,5 @@ def test_end_of_generation_ids_equal_llama_cpps_on_crafted_vocabs(reader, tmp_pa
     want = _llama_eog(llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False))
     assert got == want
     names = {tokens[i] for i in got}
-    assert names >= {eos, "<|endoftext|>", "<|im_end|>"} | (set(added) & set(EOG_TEXTS)
-                                                              - {"<|end|>"})
-    assert ("<|end|>" in names) == ("<|end|>" in added and "<|call|>" not in added)
+    assert names == ({eos, "<|endoftext|>", "<|im_end|>", "<reponame>"}
+                     | set(added) & set(EOG_TEXTS + FIM_EOG_TEXTS)) - gone

@@ -230,8 +230,9 @@ def test_nanbeige_options_tinyloop_does_not_run_are_refused(tmp_path, key):
                                    "but num_loops=3"),
     ({"loop_loss_weights": ["0.5", 1]}, "must be a list of numbers"),
     ({"loop_loss_weights": 0.5}, "must be a list of numbers"),
-    ({"kv_channels": 32}, "head_dim=64 and kv_channels=32 disagree"),
-    ({"kv_channels": 0}, "kv_channels=0 must be an int"),
+    ({"num_loops": None, "loop_loss_weights": [0.1] * 5000},
+     "loop_loss_weights lists 5000 weights: 5001 loops is over the 4096-loop limit"),
+    ({"num_loops": 5000}, "num_loops=5000 must be an int in 1..4096"),
 ])
 def test_nanbeige_config_facts_that_would_change_the_forward(tmp_path, extra, match):
     cfg, t = L.nanbeige_checkpoint(0)
@@ -240,17 +241,16 @@ def test_nanbeige_config_facts_that_would_change_the_forward(tmp_path, extra, ma
         folder_config(str(tmp_path / "c"))
 
 
-def test_nanbeige_loop_count_and_head_dim_from_their_other_keys(tmp_path, looped_folders):
-    """``loop_loss_weights`` of n entries means n + 1 loops and ``kv_channels`` is the head
-    dim (the published modeling code): without ``num_loops`` / ``head_dim`` the folder
-    converts to the same model as the one that states them (head_dim 64 != d / heads = 32)."""
+def test_nanbeige_loop_count_from_loop_loss_weights(tmp_path, looped_folders):
+    """``loop_loss_weights`` of n entries means n + 1 loops (the published modeling code's
+    ``_get_num_loops``): without ``num_loops`` the folder converts to the same model as the
+    one that states it."""
     _, cfg, t, tlm = looped_folders["nanbeige"]
-    assert cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]
-    other = {k: v for k, v in cfg.items() if k not in ("num_loops", "head_dim")}
-    other.update(loop_loss_weights=[0.25] * (cfg["num_loops"] - 1), kv_channels=cfg["head_dim"])
+    other = {k: v for k, v in cfg.items() if k != "num_loops"}
+    other.update(loop_loss_weights=[0.25] * (cfg["num_loops"] - 1))
     L.save(str(tmp_path / "o"), other, t)
     c = convert_hf(str(tmp_path / "o"), str(tmp_path / "o.tlm"), bits=8)
-    assert (c.max_depth, c.head_dim) == (cfg["num_loops"], cfg["head_dim"])
+    assert c.max_depth == cfg["num_loops"]
     ids = _ids(PROMPT, cfg["vocab_size"])
     got, want = [], []
     for path, out in ((str(tmp_path / "o.tlm"), got), (tlm, want)):
@@ -261,6 +261,7 @@ def test_nanbeige_loop_count_and_head_dim_from_their_other_keys(tmp_path, looped
             tinyloop.free_model(m)
     np.testing.assert_array_equal(got[0], want[0])
     assert L.kl_rows(L.nanbeige_logits(cfg, t, ids, c.max_depth), got[0]).max() <= KL_MAX
+
 
 # --- import: dtypes, shards, hostile files ------------------------------------------------------
 def _save_dtype(folder, cfg, t, dtype):

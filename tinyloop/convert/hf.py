@@ -22,8 +22,8 @@ the metadata's ``eos_token_ids``, each ending a generation beside the config's e
 - ``NanbeigeForCausalLM`` (model_type ``nanbeige``): llama names, the stack loops
   ``num_loops`` times (``len(loop_loss_weights) + 1`` when that list is not empty, as the
   published modeling code counts them), the final norm at each loop boundary unless
-  ``skip_loop_final_norm`` (``loop_norm``), as llama.cpp's src/models/nanbeige.cpp; the head
-  dim from ``head_dim`` or ``kv_channels``. The modeling code's other options (shared-KV
+  ``skip_loop_final_norm`` (``loop_norm``), as llama.cpp's src/models/nanbeige.cpp. The
+  modeling code's other options (shared-KV
   loops, double-loop split, hyper-connections / mHC, depth attention, QK layer norm, n-gram
   embeddings, sliding-window layers: ``NANBEIGE_OPTIONS``) are off in the released
   checkpoints and not run here: a config that turns one on is refused, never run without it.
@@ -52,7 +52,7 @@ import struct
 
 import numpy as np
 
-from ..config import GROUP_SIZES, MAX_LAYERS, ModelConfig
+from ..config import GROUP_SIZES, MAX_DEPTH, MAX_LAYERS, ModelConfig
 from ..errors import ConfigError, ConversionError, FormatError
 from ..fileio import NotRegularFileError, open_regular
 from ..format import expected_tensors, write_tlm
@@ -433,11 +433,10 @@ NANBEIGE_OPTIONS = {
 }
 
 
-def _nanbeige_checks(c: _Conf, n_layers: int, head_dim_default: int) -> tuple[int, int]:
-    """(loops, head dim) of a Nanbeige config.json; ConversionError for an option of
-    ``NANBEIGE_OPTIONS`` turned on, sliding-window layers, a ``loop_loss_weights`` that is not
-    a list of numbers or disagrees with ``num_loops``, or ``kv_channels`` against
-    ``head_dim``."""
+def _nanbeige_loops(c: _Conf, n_layers: int) -> int:
+    """The loop count of a Nanbeige config.json; ConversionError for an option of
+    ``NANBEIGE_OPTIONS`` turned on, sliding-window layers, or a ``loop_loss_weights`` that is
+    not a list of numbers or disagrees with ``num_loops``."""
     for key, what in NANBEIGE_OPTIONS.items():
         v = c.d.get(key)
         if v:                                 # JSON's off values are all falsy
@@ -452,7 +451,7 @@ def _nanbeige_checks(c: _Conf, n_layers: int, head_dim_default: int) -> tuple[in
                               f"(use_sliding_window / layer_types={types!r:.60}) are not "
                               f"supported; layer_types must list 'full_attention' for each "
                               f"of the {n_layers} layers")
-    loops = c.int("num_loops", default=1, lo=1)
+    loops = c.int("num_loops", default=1, lo=1, hi=MAX_DEPTH)
     w = c.d.get("loop_loss_weights")
     if w is not None and w != []:
         if not isinstance(w, list) or not all(
@@ -464,13 +463,11 @@ def _nanbeige_checks(c: _Conf, n_layers: int, head_dim_default: int) -> tuple[in
             raise ConversionError(f"{c.path}: loop_loss_weights lists {len(w)} weight"
                                   f"{'s' * (len(w) != 1)}, which the modeling code runs as "
                                   f"{len(w) + 1} loops, but num_loops={loops}")
-        loops = len(w) + 1                    # ModelConfig bounds the depth
-    head_dim = c.int("head_dim", default=0, lo=1)
-    channels = c.int("kv_channels", default=0, lo=1)
-    if head_dim and channels and head_dim != channels:
-        raise ConversionError(f"{c.path}: head_dim={head_dim} and kv_channels={channels} "
-                              "disagree")
-    return loops, head_dim or channels or head_dim_default
+        if len(w) + 1 > MAX_DEPTH:
+            raise ConversionError(f"{c.path}: loop_loss_weights lists {len(w)} weights: "
+                                  f"{len(w) + 1} loops is over the {MAX_DEPTH}-loop limit")
+        loops = len(w) + 1
+    return loops
 
 
 def _llama_stack(c: _Conf, t: _Tensors, kind: str):
@@ -479,16 +476,15 @@ def _llama_stack(c: _Conf, t: _Tensors, kind: str):
     n_layers = c.int("num_hidden_layers", lo=1, hi=MAX_LAYERS)
     heads = c.int("num_attention_heads", lo=1)
     kv_heads = c.int("num_key_value_heads", default=heads, lo=1)
+    head_dim = c.int("head_dim", default=d // heads, lo=1)
     if kind == "nanbeige":
-        loops, head_dim = _nanbeige_checks(c, n_layers, d // heads)
-    else:
-        head_dim = c.int("head_dim", default=d // heads, lo=1)
+        loops = _nanbeige_loops(c, n_layers)
     ffn = c.int("intermediate_size", lo=1)
     vocab = _vocab(t, "model.embed_tokens.weight") if "model.embed_tokens.weight" in t \
         else c.int("vocab_size", lo=1)
     tied = c.bool("tie_word_embeddings", False)
     if kind == "ouro":
-        loops = c.int("total_ut_steps", default=4, lo=1)
+        loops = c.int("total_ut_steps", default=4, lo=1, hi=MAX_DEPTH)
         facts = dict(layer_norms="pre_post", loop_norm=True, exit_gate=True)
         window = 0
         if c.bool("use_sliding_window", False):
@@ -575,7 +571,7 @@ def _huginn(c: _Conf, t: _Tensors, state_seed: int):
     P = c.int("n_layers_in_prelude", hi=MAX_LAYERS)
     R = c.int("n_layers_in_recurrent_block", lo=1, hi=MAX_LAYERS)
     C = c.int("n_layers_in_coda", hi=MAX_LAYERS)
-    rec = c.int("mean_recurrence", lo=1)
+    rec = c.int("mean_recurrence", lo=1, hi=MAX_DEPTH)
     for key, want in (("injection_type", "linear"), ("state_init", "like-init")):
         if c.d.get(key, want) != want:
             raise ConversionError(f"{c.path}: {key}={c.d.get(key)!r} is not supported "
