@@ -5,6 +5,7 @@ engine where that token is sampled, and ``ignore_eos`` runs past it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -58,13 +59,23 @@ def runs(tmp_path_factory):
     return cfg, tmp_path_factory.mktemp("eog"), full, first, full.token_ids[first]
 
 
+@contextlib.contextmanager
+def _loaded(tmp, name: str, cfg, renamed: dict[int, str]):
+    """The tiny model with ``renamed`` tokens (``_write``) as ``tmp / name``, loaded on the
+    NumPy backend, freed after."""
+    _write(tmp / name, cfg, renamed)
+    m = tinyloop.load_model(str(tmp / name), max_seq_len=64, backend="numpy")
+    try:
+        yield m
+    finally:
+        tinyloop.free_model(m)
+
+
 @pytest.mark.parametrize("text", ["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|fim_pad|>"])
 def test_generate_and_stream_end_at_an_eog_token_that_is_not_the_eos(runs, text):
     cfg, tmp, full, first, tid = runs
-    path = tmp / f"eog{EOG_TEXTS.index(text) if text in EOG_TEXTS else 'fim'}.tlm"
-    _write(path, cfg, {tid: text})
-    m = tinyloop.load_model(str(path), max_seq_len=64, backend="numpy")
-    try:
+    name = f"eog{EOG_TEXTS.index(text) if text in EOG_TEXTS else 'fim'}.tlm"
+    with _loaded(tmp, name, cfg, {tid: text}) as m:
         assert m.config.eos_token_id == 257 and m.tokenizer.eog_ids == {257, tid}
         assert m.is_end_of_generation(tid) and m.is_end_of_generation(257)
         assert not m.is_end_of_generation(full.token_ids[0])
@@ -75,32 +86,22 @@ def test_generate_and_stream_end_at_an_eog_token_that_is_not_the_eos(runs, text)
         assert [p.token_id for p in st] == cut.token_ids and st.finish_reason == "eos"
         past = m.generate(PROMPT, ignore_eos=True, **KW)
         assert (past.token_ids, past.finish_reason) == (full.token_ids, "length")
-    finally:
-        tinyloop.free_model(m)
 
 
 def test_a_decoy_text_ends_nothing(runs):
     cfg, tmp, full, first, tid = runs
-    _write(tmp / "decoy.tlm", cfg, {tid: "<|end_of_turn|>"})
-    m = tinyloop.load_model(str(tmp / "decoy.tlm"), max_seq_len=64, backend="numpy")
-    try:
+    with _loaded(tmp, "decoy.tlm", cfg, {tid: "<|end_of_turn|>"}) as m:
         assert m.tokenizer.eog_ids == {257}
         assert m.generate(PROMPT, **KW).token_ids == full.token_ids
-    finally:
-        tinyloop.free_model(m)
 
 
 def test_the_engine_ends_a_request_at_an_eog_token(runs):
     """Two requests in one batch: one ends at the EOG token, one with ignore_eos runs on."""
     cfg, tmp, full, first, tid = runs
-    _write(tmp / "engine.tlm", cfg, {tid: "<|endoftext|>"})
-    m = tinyloop.load_model(str(tmp / "engine.tlm"), max_seq_len=64, backend="numpy")
-    try:
+    with _loaded(tmp, "engine.tlm", cfg, {tid: "<|endoftext|>"}) as m:
         with Engine(m, max_batch=4) as eng:
             a = eng.submit(PROMPT, ignore_eos=True, **KW)
             b = eng.submit(PROMPT, **KW)
             ra, rb = a.result(timeout=60), b.result(timeout=60)
         assert (ra.token_ids, ra.finish_reason) == (full.token_ids, "length")
         assert (rb.token_ids, rb.finish_reason) == (full.token_ids[:first], "eos")
-    finally:
-        tinyloop.free_model(m)
