@@ -525,27 +525,50 @@ class StreamDecoder:
 
 def render_chat_template(template: str, messages: list[dict], *,
                          add_generation_prompt: bool = True, **extra) -> str:
-    """Render a HF-style chat template with jinja2 (sandboxed, trim_blocks, lstrip_blocks)."""
+    """Render a HF-style chat template with jinja2 in transformers' environment
+    (``chat_template_utils._compile_jinja_template``): sandboxed, trim_blocks and
+    lstrip_blocks, the loopcontrols extension (``{% break %}``, ``{% continue %}``), a
+    ``tojson`` filter that is ``json.dumps`` (no HTML escaping, ``ensure_ascii=False``; Jinja's
+    own escapes ``<`` and sorts keys), and the ``raise_exception`` and ``strftime_now``
+    (local time) globals. Raises TokenizerError for bad messages and for any failure of the
+    template (a file's template is untrusted input)."""
     try:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise TokenizerError("chat templates need the 'jinja2' package: pip install jinja2") \
             from None
+    import datetime
 
     def raise_exception(message):
         raise TokenizerError(f"chat template error: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
 
     if not isinstance(messages, (list, tuple)) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in messages):
         raise TokenizerError("messages must be a list of {'role': str, 'content': str} dicts, "
                              f"got {messages!r:.200}")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     try:
         return env.from_string(template).render(messages=messages,
                                                 add_generation_prompt=add_generation_prompt,
                                                 **extra)
+    except TokenizerError:
+        raise
     except jinja2.TemplateError as e:
         raise TokenizerError(f"chat template failed to render: {e}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+            RecursionError, SyntaxError) as e:    # the template's own code
+        raise TokenizerError(f"chat template failed to render: {type(e).__name__}: "
+                             f"{str(e)[:200]}") from None

@@ -328,6 +328,34 @@ def test_chat_template_errors():
         t.encode("<|eos|>x", parse_special=False)
 
 
+
+def test_chat_templates_render_in_transformers_environment():
+    """What transformers' ``_compile_jinja_template`` gives templates: {% break %} /
+    {% continue %} (loopcontrols), ``tojson`` as json.dumps (no HTML escaping, non-ASCII
+    kept, keys in order, its keyword options) and ``strftime_now``; a template whose own
+    expression fails is a TokenizerError, not a bare exception."""
+    import datetime
+    import json as js
+    from tinyloop.tokenizer import render_chat_template as render
+    msgs = [{"role": "user", "content": "a"}, {"role": "stop", "content": "b"},
+            {"role": "user", "content": "c"}]
+    loop = ("{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+            "{{ m.content }}{% endfor %}|{% for m in messages %}{% if m.role == 'stop' %}"
+            "{% continue %}{% endif %}{{ m.content }}{% endfor %}")
+    assert render(loop, msgs) == "a|ac"
+    tool = {"name": "f<x>", "desc": "été & \"q\"", "a": [1, 2]}
+    assert render("{{ tool | tojson }}", [], tool=tool) == js.dumps(tool, ensure_ascii=False)
+    assert render("{{ tool | tojson(indent=2, sort_keys=True) }}", [], tool=tool) == \
+        js.dumps(tool, ensure_ascii=False, indent=2, sort_keys=True)
+    before = datetime.datetime.now().strftime("%Y-%m-%d")
+    got = render("{{ strftime_now('%Y-%m-%d') }}", [])
+    assert got in (before, datetime.datetime.now().strftime("%Y-%m-%d"))
+    for bad in ("{{ 1 // 0 }}", "{{ messages[5].content }}", "{{ '%d' % 'x' }}",
+                "{{ messages[0].content.nope() }}", "{{ messages | tojson }}{{ x | tojson }}",
+                "{% break %}", "{{ messages[0].__class__.__mro__ }}"):
+        with pytest.raises(TokenizerError, match="chat template"):
+            render(bad, msgs, x={1, 2})
+
 # ---------------------------------------------------------------------------------------------
 # Unsupported vocabularies
 # ---------------------------------------------------------------------------------------------
