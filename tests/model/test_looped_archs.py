@@ -523,6 +523,66 @@ def test_ouro_with_the_upstream_token_ids_still_ends_chat_turns(tmp_path):
         tinyloop.free_model(m)
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("files,want", [
+    ({"chat_template.jinja": CHATML}, CHATML),
+    # chat_template.jinja wins over tokenizer_config.json, as transformers loads them
+    ({"chat_template.jinja": CHATML, "tokenizer_config.json": {"chat_template": "x"}}, CHATML),
+    ({"tokenizer_config.json": {"chat_template": CHATML}}, CHATML),
+    ({"tokenizer_config.json": {"chat_template": [{"name": "tool_use", "template": "t"},
+                                                  {"name": "default", "template": CHATML}]}},
+     CHATML),
+    ({"tokenizer_config.json": {"chat_template": [{"name": "tool_use", "template": "t"}]}}, ""),
+    ({}, ""),
+])
+def test_the_chat_template_is_found_where_transformers_looks(tmp_path, files, want):
+    cfg, t = L.ouro_checkpoint(0)
+    folder = tmp_path / "o"
+    L.save(str(folder), cfg, t)
+    (folder / "tokenizer.json").write_text(_chatml_tokenizer_json(cfg["vocab_size"]))
+    for name, body in files.items():
+        (folder / name).write_text(body if isinstance(body, str) else json.dumps(body))
+    convert_hf(str(folder), str(tmp_path / "o.tlm"), bits=8)
+    with tinyloop.format.read_tlm(str(tmp_path / "o.tlm")) as f:
+        assert f.chat_template == want
+    if want:
+        m = tinyloop.load_model(str(tmp_path / "o.tlm"), backend="numpy", max_seq_len=16)
+        try:
+            ids = m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                  tokenize=True)
+            want_ids = m.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>"
+                                          "assistant\n")
+            assert ids == want_ids and want_ids.count(1) == 2 and 2 in want_ids
+        finally:
+            tinyloop.free_model(m)
+
+
+def test_a_chat_template_jinja_file_is_checked_and_keys_the_cache(tmp_path):
+    from tinyloop.convert.hf import folder_key
+    cfg, t = L.ouro_checkpoint(0)
+    folder = tmp_path / "o"
+    L.save(str(folder), cfg, t)
+    (folder / "tokenizer.json").write_text(_chatml_tokenizer_json(cfg["vocab_size"]))
+    path = folder / "chat_template.jinja"
+    path.write_text(CHATML)
+    key = folder_key(str(folder), {})
+    path.write_text(CHATML + " ")
+    assert folder_key(str(folder), {}) != key       # a new template: a new conversion
+    path.write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(errors.ConversionError, match="chat_template.jinja is not UTF-8"):
+        convert_hf(str(folder), str(tmp_path / "o.tlm"))
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(errors.ConversionError, match="chat_template.jinja is not a regular file"):
+        convert_hf(str(folder), str(tmp_path / "o.tlm"))
+    with pytest.raises(errors.ConversionError, match="chat_template.jinja"):
+        folder_key(str(folder), {})
+    assert not os.path.exists(tmp_path / "o.tlm")
+
+
 @pytest.mark.parametrize("value,want", [(5, {0, 5}), ([2, 5, 5], {0, 2, 5}), ([], {0}),
                                         (None, {0})])
 def test_generation_config_eos_ids_end_a_generation(tmp_path, value, want):

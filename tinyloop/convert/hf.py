@@ -3,7 +3,8 @@
 ``convert_hf(src_dir, dst, bits=4, group_size=32)`` reads ``config.json``, the weights of one
 ``model.safetensors``, of the shards named by ``model.safetensors.index.json``, or of every
 ``*.safetensors`` file in the folder (F32 / F16 / BF16), an optional ``tokenizer.json``
-(+ ``tokenizer_config.json``'s chat template) and an optional ``generation_config.json``,
+(+ the chat template of ``chat_template.jinja``, else ``tokenizer_config.json``) and an
+optional ``generation_config.json``,
 whose ``eos_token_id`` (an id or a list: what transformers' ``generate`` stops at) goes into
 the metadata's ``eos_token_ids``, each ending a generation beside the config's eos. ``config.json``'s ``architectures`` (else its
 ``model_type``) picks the name map:
@@ -58,7 +59,7 @@ from ..fileio import NotRegularFileError, open_regular
 from ..format import expected_tensors, write_tlm
 from ..quant import quantize
 
-CONVERTER_VERSION = 2           # bump when convert_hf's output changes for the same input
+CONVERTER_VERSION = 3           # bump when convert_hf's output changes for the same input
 MAX_JSON_BYTES = 16 << 20       # config.json, the index, tokenizer_config.json
 MAX_TOKENIZER_BYTES = 64 << 20
 MAX_HEADER_BYTES = 100 << 20    # a safetensors header larger than this is refused
@@ -113,7 +114,9 @@ def _unique_keys(pairs):
     return out
 
 
-def _read_json(path: str, what: str, limit: int = MAX_JSON_BYTES):
+def _read_text(path: str, what: str, limit: int) -> str:
+    """The UTF-8 text of the regular file ``path`` of at most ``limit`` bytes; ConversionError
+    naming ``what`` otherwise."""
     f, size = _open_checked(path, what)
     try:
         with f:
@@ -124,8 +127,16 @@ def _read_json(path: str, what: str, limit: int = MAX_JSON_BYTES):
     except OSError as e:
         raise ConversionError(f"{path}: cannot read {what}: {e.strerror or e}") from None
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{path}: {what} is not UTF-8 ({e.reason})") from None
+
+
+def _read_json(path: str, what: str, limit: int = MAX_JSON_BYTES):
+    text = _read_text(path, what, limit)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise ConversionError(f"{path}: {what} is not UTF-8 JSON: {str(e)[:200]}") from None
 
 
@@ -674,29 +685,28 @@ def folder_config(src) -> tuple[str, ModelConfig]:
 
 
 def _tokenizer(src: str):
+    """(tokenizer.json's text or None, the chat template) of the folder ``src``."""
     path = os.path.join(src, "tokenizer.json")
     if not os.path.isfile(path):
         return None, ""
-    f, size = _open_checked(path, "tokenizer.json")
-    try:
-        with f:
-            if size > MAX_TOKENIZER_BYTES:
-                raise ConversionError(f"{path}: over the {MAX_TOKENIZER_BYTES}-byte limit")
-            raw = f.read(MAX_TOKENIZER_BYTES + 1)
-    except OSError as e:
-        raise ConversionError(f"{path}: cannot read tokenizer.json: {e.strerror or e}") \
-            from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConversionError(f"{path}: not UTF-8 ({e.reason})") from None
-    template = ""
-    tc = os.path.join(src, "tokenizer_config.json")
-    if os.path.isfile(tc):
-        spec = _read_json(tc, "tokenizer_config.json")
-        if isinstance(spec, dict) and isinstance(spec.get("chat_template"), str):
-            template = spec["chat_template"]
-    return text, template
+    return _read_text(path, "tokenizer.json", MAX_TOKENIZER_BYTES), _chat_template(src)
+
+
+def _chat_template(src: str) -> str:
+    """The folder's chat template as transformers loads it: ``chat_template.jinja`` when there
+    (where newer checkpoints save it), else tokenizer_config.json's ``chat_template``: a
+    string, or a list of ``{"name", "template"}`` whose "default" entry is the template;
+    "" when there is none. ConversionError as :func:`_read_text` / :func:`_read_json`."""
+    path = os.path.join(src, "chat_template.jinja")
+    if os.path.lexists(path):
+        return _read_text(path, "chat_template.jinja", MAX_JSON_BYTES)
+    path = os.path.join(src, "tokenizer_config.json")
+    spec = _read_json(path, "tokenizer_config.json") if os.path.lexists(path) else None
+    t = spec.get("chat_template") if isinstance(spec, dict) else None
+    if isinstance(t, list):
+        t = next((e.get("template") for e in t
+                  if isinstance(e, dict) and e.get("name") == "default"), None)
+    return t if isinstance(t, str) else ""
 
 
 def generation_eos_ids(src: str, vocab: int) -> list[int]:
@@ -779,8 +789,9 @@ def convert_hf(src, dst, *, bits: int = 4, group_size: int = 32, state_seed: int
 # load_model(DIR): one conversion in the cache
 # --------------------------------------------------------------------------------------------
 def folder_key(src: str, options: dict) -> str:
-    """16 hex digits over the folder's config.json, index and every safetensors file's
-    bytes (SHA-256), the tokenizer files, the converter and format versions and the options."""
+    """16 hex digits over the bytes (SHA-256) of the folder's .json files (config, index,
+    tokenizer, generation config), chat_template.jinja and every safetensors file, the
+    converter and format versions and the options."""
     from ..default import content_hash
     from ..format import VERSION
     files = {}
@@ -789,7 +800,7 @@ def folder_key(src: str, options: dict) -> str:
     except OSError as e:
         raise ConversionError(f"{src}: cannot list the folder: {e.strerror or e}") from None
     for f in names:
-        if f.endswith((".safetensors", ".json")):
+        if f.endswith((".safetensors", ".json")) or f == "chat_template.jinja":
             path = os.path.join(src, f)
             _regular_size(path, "a checkpoint file")
             try:
