@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer (HF ``tokenizers``) with llama.cpp-identical ids, and chat templates.
+"""Byte-level BPE tokenizer (HF ``tokenizers``) with llama.cpp-identical ids, SentencePiece-style
+tokenizer.json files (Llama's, Mistral's) with the ``tokenizers`` library's ids, and chat templates.
 
 A .tlm file embeds the tokenizer as HF ``tokenizers`` JSON (the u8 entry ``tokenizer.json``) and
 the chat template as a Jinja string in its header. :func:`build_tokenizer_json_from_gguf`
@@ -24,6 +25,11 @@ only the template's own markers are control tokens; a special token's text insid
 Decoding maps each token to its bytes (byte-level alphabet inverted; added tokens as UTF-8) and
 decodes the concatenation as UTF-8 with U+FFFD for invalid bytes. :class:`StreamDecoder` does
 the same incrementally, holding back a UTF-8 sequence split across tokens until it completes.
+A SentencePiece-style tokenizer.json (``_spm_decoding``: BPE or Unigram with a Metaspace or
+Replace + ByteFallback + Fuse + Strip decoder) decodes as its ``tokenizers`` decoder does: its
+space character as a space, each run of ``<0xNN>`` byte-fallback tokens as UTF-8 (one U+FFFD
+per token of an invalid run), one leading space dropped where the decoder strips it. GGUF
+files of that kind (``tokenizer.ggml.model`` "llama") are not read yet.
 """
 
 from __future__ import annotations
@@ -102,6 +108,50 @@ def _tokenizers():
 
 # pre-tokenizers that split text or map its bytes but drop none of it
 _KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Digits", "Punctuation")
+
+
+# A SentencePiece-style decoder (Llama / Mistral / T5 tokenizer.json): how its tokens become
+# bytes. ``space``: the character standing for a space ("\u2581"); ``byte_fallback``: "<0xNN>"
+# vocabulary tokens are the byte NN; ``strip``: one leading space of the decoded text goes
+# (the decoder's Strip(" ", 1, 0) after Fuse, or Metaspace's prepend scheme).
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _spm_decoding(spec: dict) -> dict | None:
+    """The SentencePiece-style decoding (``space``, ``byte_fallback``, ``strip``) of a
+    tokenizer JSON whose decoder is ``Metaspace`` or a Sequence of Replace(space -> " "),
+    ByteFallback, Fuse and Strip(" ", start <= 1, stop 0), over a BPE or Unigram model; None
+    for any other decoder."""
+    dec = spec.get("decoder") or {}
+    model = spec.get("model") or {}
+    if model.get("type") not in ("BPE", "Unigram"):
+        return None
+    out = {"space": "\u2581", "byte_fallback": bool(model.get("byte_fallback")),
+           "strip": False}
+    if dec.get("type") == "Metaspace":
+        out["space"] = dec.get("replacement", "\u2581")
+        scheme = dec.get("prepend_scheme", "always" if dec.get("add_prefix_space", True)
+                         else "never")
+        out["strip"] = scheme != "never"
+        return out if isinstance(out["space"], str) and len(out["space"]) == 1 else None
+    if dec.get("type") != "Sequence":
+        return None
+    for st in dec.get("decoders") or []:
+        t = st.get("type") if isinstance(st, dict) else None
+        if t == "Replace":
+            pat = (st.get("pattern") or {}).get("String")
+            if not (isinstance(pat, str) and len(pat) == 1 and st.get("content") == " "):
+                return None
+            out["space"] = pat
+        elif t == "Strip":
+            if st.get("content") != " " or st.get("start") not in (0, 1) or st.get("stop"):
+                return None
+            out["strip"] = st.get("start") == 1
+        elif t == "ByteFallback":
+            out["byte_fallback"] = True
+        elif t != "Fuse":
+            return None
+    return out
 
 
 def _keeps_every_byte(spec: dict) -> bool:
@@ -237,8 +287,10 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer, *, bos_token_id: int = -1, eos_token_id: int = -1,
                  chat_template: str = "", dropped_byte_id: int | None = None,
-                 keeps_every_byte: bool = False):
+                 keeps_every_byte: bool = False, spm: dict | None = None):
         self._tok = hf_tokenizer
+        # None: byte-level tokens; else how SentencePiece-style tokens decode (_spm_decoding)
+        self._spm = spm
         # every byte of a text reaches the BPE model (no normalizer, no pre-tokenizer that
         # removes text): the premise of min_tokens' bound
         self._keeps_bytes = keeps_every_byte
@@ -252,6 +304,7 @@ class Tokenizer:
         self.eog_ids = end_of_generation_ids(hf_tokenizer.token_to_id, self.eos_token_id)
         self.chat_template = chat_template or ""
         self._bytes: list[bytes] | None = None
+        self._byte_ids: set[int] = set()    # SentencePiece byte-fallback tokens ("<0xNN>")
         added = hf_tokenizer.get_added_tokens_decoder()
         self._special: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         # special token text -> id, and a regex matching them leftmost-longest (the way HF's
@@ -265,7 +318,10 @@ class Tokenizer:
     @classmethod
     def from_json(cls, json_str: str, *, bos_token_id: int = -1, eos_token_id: int = -1,
                   chat_template: str = "") -> "Tokenizer":
-        """Load HF ``tokenizers`` JSON (byte-level BPE); raises TokenizerError if invalid."""
+        """Load HF ``tokenizers`` JSON: byte-level BPE, or a SentencePiece-style BPE /
+        Unigram (``_spm_decoding``: Llama's and Mistral's tokenizer.json), whose ids and text
+        are the ``tokenizers`` library's own; raises TokenizerError if invalid or another
+        kind."""
         tk = _tokenizers()
         try:
             spec = json.loads(json_str)
@@ -273,12 +329,14 @@ class Tokenizer:
         except Exception as e:  # json.JSONDecodeError, or tokenizers' plain Exception
             raise TokenizerError(f"invalid tokenizer JSON: {e}") from None
         dec = (spec.get("decoder") or {}).get("type")
-        if dec != "ByteLevel":
-            raise TokenizerError(f"only byte-level BPE tokenizers are supported (decoder "
-                                 f"{dec!r})")
+        spm = None if dec == "ByteLevel" else _spm_decoding(spec)
+        if dec != "ByteLevel" and spm is None:
+            raise TokenizerError(f"only byte-level BPE and SentencePiece-style (Metaspace / "
+                                 f"Replace + ByteFallback) tokenizers are supported (decoder "
+                                 f"{dec!r}, model {(spec.get('model') or {}).get('type')!r})")
         barrier = None
         model = spec.get("model") or {}
-        if model.get("type") == "BPE" and model.get("unk_token") is None:
+        if dec == "ByteLevel" and model.get("type") == "BPE" and model.get("unk_token") is None:
             # A byte whose byte-level character is not in the vocab (SmolLM2 lacks 21 of the
             # 256) is dropped by both, but llama.cpp drops it *after* the BPE merges: the
             # symbol stays in the word and no merge crosses it ("a<b>c" with b missing gives
@@ -305,7 +363,7 @@ class Tokenizer:
                 raise TokenizerError(f"invalid tokenizer JSON: {e}") from None
         return cls(hf, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                    chat_template=chat_template, dropped_byte_id=barrier,
-                   keeps_every_byte=_keeps_every_byte(spec))
+                   keeps_every_byte=spm is None and _keeps_every_byte(spec), spm=spm)
 
     @classmethod
     def from_tlm(cls, tlm) -> "Tokenizer":
@@ -378,10 +436,18 @@ class Tokenizer:
             inv = _byte_decoder()
             added = self._tok.get_added_tokens_decoder()
             table = [b""] * self.vocab_size
+            spm = self._spm
             for tok, i in self._tok.get_vocab(with_added_tokens=True).items():
                 if i >= self.vocab_size:            # the dropped-byte marker (from_json)
                     continue
-                if i not in added and all(c in inv for c in tok):
+                if spm is not None:     # the decoder chain runs over added tokens too
+                    m = _BYTE_TOKEN.fullmatch(tok) if spm["byte_fallback"] else None
+                    if m:
+                        self._byte_ids.add(i)
+                        table[i] = bytes([int(m.group(1), 16)])
+                    else:
+                        table[i] = tok.replace(spm["space"], " ").encode("utf-8")
+                elif i not in added and all(c in inv for c in tok):
                     table[i] = bytes(inv[c] for c in tok)
                 else:   # added tokens (and any non-byte-level string) stand for their UTF-8
                     table[i] = tok.encode("utf-8")
@@ -410,7 +476,13 @@ class Tokenizer:
         return self._check_id(token_id) in self._special
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``: bytes concatenated, then UTF-8 (U+FFFD for invalid bytes)."""
+        """Text of ``ids``: bytes concatenated, then UTF-8 (U+FFFD for invalid bytes). A
+        SentencePiece-style tokenizer decodes as its ``tokenizers`` decoder does: each run of
+        byte-fallback tokens as UTF-8 (one U+FFFD per token of a run that is not), spaces for
+        its space character, and one leading space dropped where the decoder strips it."""
+        if self._spm is not None:
+            st = self.stream(skip_special_tokens)
+            return "".join(st.push(i) for i in ids) + st.flush()
         table = self._table()
         parts = []
         for i in ids:
@@ -419,6 +491,12 @@ class Tokenizer:
                 continue
             parts.append(table[i])
         return b"".join(parts).decode("utf-8", errors="replace")
+
+    @property
+    def strips_leading_space(self) -> bool:
+        """Whether decoding drops one leading space (a SentencePiece-style decoder's Strip
+        or Metaspace prefix; byte-level decoders keep it)."""
+        return self._spm is not None and self._spm["strip"]
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         """An incremental decoder: ``push(id) -> str`` then ``flush() -> str``."""
@@ -497,29 +575,56 @@ def _unescape(text: str, literals: list[str]) -> str:
 
 class StreamDecoder:
     """Decode token ids one at a time without emitting garbage for a UTF-8 character split
-    across tokens: bytes of an incomplete character are held back until it completes. The
+    across tokens: bytes of an incomplete character are held back until it completes (for a
+    SentencePiece-style tokenizer, a run of byte-fallback tokens until the run ends). The
     concatenation of every ``push`` and the final ``flush`` equals ``Tokenizer.decode``."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._spm = tokenizer._spm is not None
+        self._run = bytearray()          # SentencePiece: the byte-fallback run held back
+        self._lead = tokenizer.strips_leading_space   # the first text's space is still due
+
+    def _out(self, text: str) -> str:
+        if self._lead and text:
+            self._lead = False
+            return text[1:] if text.startswith(" ") else text
+        return text
+
+    def _end_run(self) -> str:
+        """The held byte-fallback run as text: its UTF-8, else one U+FFFD per byte
+        (tokenizers' ByteFallback decoder)."""
+        run, self._run = bytes(self._run), bytearray()
+        try:
+            return run.decode("utf-8")
+        except UnicodeDecodeError:
+            return "\ufffd" * len(run)
 
     def push(self, token_id: int) -> str:
         """Text completed by ``token_id`` (possibly "")."""
         if self._skip and self._tok.is_special(token_id):
             return ""
-        return self._dec.decode(self._tok.token_bytes(token_id))
+        raw = self._tok.token_bytes(token_id)
+        if not self._spm:
+            return self._out(self._dec.decode(raw))
+        if token_id in self._tok._byte_ids:
+            self._run += raw
+            return ""
+        head = self._end_run() if self._run else ""
+        return self._out(head + raw.decode("utf-8", errors="replace"))
 
     @property
     def holding(self) -> bool:
         """True while the bytes of an incomplete UTF-8 character are held back."""
-        return bool(self._dec.getstate()[0])
+        return bool(self._run) or bool(self._dec.getstate()[0])
 
     def flush(self) -> str:
         """Whatever is held back (an incomplete character becomes U+FFFD); resets the state."""
-        out = self._dec.decode(b"", final=True)
+        out = self._out(self._end_run() if self._run else self._dec.decode(b"", final=True))
         self._dec.reset()
+        self._lead = self._tok.strips_leading_space
         return out
 
 

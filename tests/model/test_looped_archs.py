@@ -523,6 +523,31 @@ def test_ouro_with_the_upstream_token_ids_still_ends_chat_turns(tmp_path):
         tinyloop.free_model(m)
 
 
+def test_a_nanbeige_folder_with_a_sentencepiece_tokenizer_generates_text(tmp_path,
+                                                                         monkeypatch):
+    """Nanbeige's tokenizer is Llama's kind (tokenizer_config: legacy, add_prefix_space), a
+    SentencePiece-style tokenizer.json: the folder converts and a text prompt generates, its
+    ids the ``tokenizers`` library's and its text the decoder's."""
+    from ..convert.test_tokenizer_spm import _llama_style
+    hf = _llama_style()
+    cfg, t = L.nanbeige_checkpoint(0, vocab=hf.get_vocab_size())
+    cfg = {**cfg, "bos_token_id": hf.token_to_id("<s>"), "eos_token_id": hf.token_to_id("</s>")}
+    folder = tmp_path / "nb"
+    L.save(str(folder), cfg, t)
+    (folder / "tokenizer.json").write_text(hf.to_str())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    m = tinyloop.load_model(str(folder), backend="numpy", max_seq_len=64)
+    try:
+        prompt = "The quick brown fox, été 🙂"
+        r = m.generate(prompt, max_new_tokens=12, temperature=1.0, seed=1, ignore_eos=True)
+        assert r.prompt_token_ids == hf.encode(prompt, add_special_tokens=False).ids
+        assert r.text == hf.decode(r.token_ids, skip_special_tokens=False) and r.text
+        assert m.end_of_generation_ids == {hf.token_to_id("</s>"),
+                                           hf.token_to_id("<|im_end|>")}
+    finally:
+        tinyloop.free_model(m)
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
