@@ -28,8 +28,9 @@ the same incrementally, holding back a UTF-8 sequence split across tokens until 
 A SentencePiece-style tokenizer.json (``_spm_decoding``: BPE or Unigram with a Metaspace or
 Replace + ByteFallback + Fuse + Strip decoder) decodes as its ``tokenizers`` decoder does: its
 space character as a space, each run of ``<0xNN>`` byte-fallback tokens as UTF-8 (one U+FFFD
-per token of an invalid run), one leading space dropped where the decoder strips it. GGUF
-files of that kind (``tokenizer.ggml.model`` "llama") are not read yet.
+per token of an invalid run), one leading space dropped where the decoder strips it. A GGUF
+SentencePiece vocab (``tokenizer.ggml.model`` "llama") becomes such a tokenizer with
+llama.cpp's ids (:func:`_spm_json_from_gguf`).
 """
 
 from __future__ import annotations
@@ -196,12 +197,13 @@ def _byte_decoder() -> dict[str, int]:
 # Building the JSON from a GGUF file
 # --------------------------------------------------------------------------------------------
 def build_tokenizer_json_from_gguf(reader) -> str:
-    """HF ``tokenizers`` JSON for the byte-level BPE vocab of a ``gguf.GGUFReader``.
+    """HF ``tokenizers`` JSON for the vocab of a ``gguf.GGUFReader``.
 
-    Supports ``tokenizer.ggml.model == "gpt2"`` with the pre-tokenizers listed in
-    ``_PRE_TOKENIZERS``. Raises TokenizerError for anything else (SentencePiece "llama" vocabs,
-    unknown pre-tokenizers, missing or mistyped fields, duplicate tokens, a merge whose
-    parts or result are not in the vocab), naming the field.
+    Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) with the pre-tokenizers listed
+    in ``_PRE_TOKENIZERS``, and ``"llama"`` (SentencePiece BPE, :func:`_spm_json_from_gguf`).
+    Raises TokenizerError for anything else (unknown models or pre-tokenizers, missing or
+    mistyped fields, duplicate tokens, a merge whose parts or result are not in the vocab),
+    naming the field.
     """
     tk = _tokenizers()
 
@@ -210,9 +212,11 @@ def build_tokenizer_json_from_gguf(reader) -> str:
         return default if f is None else f.contents()
 
     kind = field("tokenizer.ggml.model")
+    if kind == "llama":
+        return _spm_json_from_gguf(tk, field)
     if kind != "gpt2":
         raise TokenizerError(f"tokenizer.ggml.model={kind!r} is not supported (only byte-level "
-                             "BPE, 'gpt2')")
+                             "BPE, 'gpt2', and SentencePiece BPE, 'llama')")
     pre = field("tokenizer.ggml.pre", "default")
     if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
         raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; known: "
@@ -251,6 +255,72 @@ def build_tokenizer_json_from_gguf(reader) -> str:
         return _bpe_json(tk, vocab, pairs, pre, tokens, types)
     except Exception as e:             # tokenizers raises plain Exception
         raise TokenizerError(f"the GGUF vocab cannot make a BPE tokenizer: {e}") from None
+
+
+def _token_fields(field, what: str):
+    """(tokens, types) of a GGUF vocab, checked: strings, integer types of the same count,
+    no duplicate string."""
+    tokens = field("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError(f"the GGUF has no tokenizer.ggml.tokens ({what})")
+    if not isinstance(tokens, list) or not all(isinstance(x, str) for x in tokens):
+        raise TokenizerError("tokenizer.ggml.tokens must be an array of strings")
+    types = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(y, int) and not isinstance(y, bool)
+                                              for y in types):
+        raise TokenizerError("tokenizer.ggml.token_type must be an array of integers")
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
+    if len(set(tokens)) != len(tokens):
+        raise TokenizerError("the GGUF vocab has duplicate token strings; their ids cannot be "
+                             "kept")
+    return tokens, types
+
+
+def _spm_json_from_gguf(tk, field) -> str:
+    """HF JSON for a GGUF SentencePiece BPE vocab (``tokenizer.ggml.model == "llama"``:
+    tokens, ``tokenizer.ggml.scores``, types, ``tokenizer.ggml.add_space_prefix``, default
+    true) whose ids are llama.cpp's (llama-vocab.cpp ``llm_tokenizer_spm``): the text gets a
+    leading space where a fragment starts (the start, and after each special token), spaces
+    become U+2581, and of the adjacent symbol pairs whose join is a token the one of highest
+    score joins first (the leftmost on a tie), until none is left; a symbol that is no token
+    becomes its bytes' ``<0xNN>`` tokens. That is BPE with one merge (a, b) per token t = a + b
+    of two tokens, ranked by t's score (highest first), and byte fallback; scores that tie
+    between different tokens may order differently."""
+    import math
+    from tokenizers import AddedToken, decoders, models, normalizers
+    tokens, types = _token_fields(field, "a 'llama' vocab")
+    scores = field("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            for x in scores):
+        raise TokenizerError(f"tokenizer.ggml.scores must hold one finite number per token "
+                             f"({len(tokens)})")
+    prefix = field("tokenizer.ggml.add_space_prefix", True)
+    if not isinstance(prefix, bool):
+        raise TokenizerError("tokenizer.ggml.add_space_prefix must be a bool")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = sorted((-scores[i], i, k, t[:k], t[k:]) for t, i in vocab.items()
+                    for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab)
+    unk = next((t for t, y in zip(tokens, types) if y == _UNKNOWN), None)
+    try:
+        tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked],
+                                      unk_token=unk, byte_fallback=True, fuse_unk=False))
+        replace = normalizers.Replace(" ", "\u2581")
+        tok.normalizer = (normalizers.Sequence([normalizers.Prepend("\u2581"), replace])
+                          if prefix else replace)
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+        special = [AddedToken(t, special=(y != _USER_DEFINED), normalized=False, lstrip=False,
+                              rstrip=False, single_word=False)
+                   for t, y in zip(tokens, types) if y in (_CONTROL, _USER_DEFINED, _UNKNOWN)]
+        if special:
+            tok.add_special_tokens(special)
+        return tok.to_str()
+    except Exception as e:             # tokenizers raises plain Exception
+        raise TokenizerError(f"the GGUF vocab cannot make a SentencePiece tokenizer: {e}") \
+            from None
 
 
 def _bpe_json(tk, vocab, pairs, pre, tokens, types) -> str:

