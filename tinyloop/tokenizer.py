@@ -112,47 +112,47 @@ _KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Digits", "Punctuation")
 
 
 # A SentencePiece-style decoder (Llama / Mistral / T5 tokenizer.json): how its tokens become
-# bytes. ``space``: the character standing for a space ("\u2581"); ``byte_fallback``: "<0xNN>"
-# vocabulary tokens are the byte NN; ``strip``: one leading space of the decoded text goes
-# (the decoder's Strip(" ", 1, 0) after Fuse, or Metaspace's prepend scheme).
+# text, as the ``tokenizers`` decoder makes it. ``space``: the character standing for a space
+# ("\u2581"); ``byte_fallback``: "<0xNN>" tokens are the byte NN (the ByteFallback decoder);
+# ``strip``: "one" drops one leading space of the text (Strip(" ", 1, 0) after Fuse),
+# "first" drops every space character of the first token (Metaspace with a prepend scheme).
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SPM_MAX_PIECE = 256          # characters of a GGUF SentencePiece piece that merges build
+SPM_MAX_MERGES = 1 << 22     # merges a GGUF SentencePiece vocab may make
 
 
 def _spm_decoding(spec: dict) -> dict | None:
     """The SentencePiece-style decoding (``space``, ``byte_fallback``, ``strip``) of a
-    tokenizer JSON whose decoder is ``Metaspace`` or a Sequence of Replace(space -> " "),
-    ByteFallback, Fuse and Strip(" ", start <= 1, stop 0), over a BPE or Unigram model; None
-    for any other decoder."""
+    tokenizer JSON over a BPE or Unigram model whose decoder is ``Metaspace`` (no byte
+    fallback in decoding, whatever the model says) or the Sequence Replace(space -> " ") and
+    ByteFallback (either order), Fuse, then optionally Strip(" ", 1, 0) (Llama's, Gemma's);
+    None for any other decoder, whose text this module would not reproduce."""
     dec = spec.get("decoder") or {}
-    model = spec.get("model") or {}
-    if model.get("type") not in ("BPE", "Unigram"):
+    if (spec.get("model") or {}).get("type") not in ("BPE", "Unigram"):
         return None
-    out = {"space": "\u2581", "byte_fallback": bool(model.get("byte_fallback")),
-           "strip": False}
     if dec.get("type") == "Metaspace":
-        out["space"] = dec.get("replacement", "\u2581")
+        space = dec.get("replacement", "\u2581")
         scheme = dec.get("prepend_scheme", "always" if dec.get("add_prefix_space", True)
                          else "never")
-        out["strip"] = scheme != "never"
-        return out if isinstance(out["space"], str) and len(out["space"]) == 1 else None
-    if dec.get("type") != "Sequence":
-        return None
-    for st in dec.get("decoders") or []:
-        t = st.get("type") if isinstance(st, dict) else None
-        if t == "Replace":
-            pat = (st.get("pattern") or {}).get("String")
-            if not (isinstance(pat, str) and len(pat) == 1 and st.get("content") == " "):
-                return None
-            out["space"] = pat
-        elif t == "Strip":
-            if st.get("content") != " " or st.get("start") not in (0, 1) or st.get("stop"):
-                return None
-            out["strip"] = st.get("start") == 1
-        elif t == "ByteFallback":
-            out["byte_fallback"] = True
-        elif t != "Fuse":
+        if not (isinstance(space, str) and len(space) == 1):
             return None
-    return out
+        return {"space": space, "byte_fallback": False,
+                "strip": None if scheme == "never" else "first"}
+    steps = dec.get("decoders") if dec.get("type") == "Sequence" else None
+    if not isinstance(steps, list) or not all(isinstance(st, dict) for st in steps):
+        return None
+    kinds = [st.get("type") for st in steps]
+    strip = kinds[-1:] == ["Strip"]
+    if sorted(kinds[:3]) != ["ByteFallback", "Fuse", "Replace"] or kinds[2] != "Fuse" \
+            or len(kinds) != 3 + strip:
+        return None
+    rep = steps[kinds.index("Replace")]
+    space = (rep.get("pattern") or {}).get("String")
+    if not (isinstance(space, str) and len(space) == 1 and rep.get("content") == " "):
+        return None
+    if strip and steps[3] != {"type": "Strip", "content": " ", "start": 1, "stop": 0}:
+        return None
+    return {"space": space, "byte_fallback": True, "strip": "one" if strip else None}
 
 
 def _keeps_every_byte(spec: dict) -> bool:
@@ -209,7 +209,10 @@ def build_tokenizer_json_from_gguf(reader) -> str:
 
     def field(key, default=None):
         f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        try:
+            return default if f is None else f.contents()
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{key}: a string is not UTF-8 ({e.reason})") from None
 
     kind = field("tokenizer.ggml.model")
     if kind == "llama":
@@ -252,9 +255,16 @@ def build_tokenizer_json_from_gguf(reader) -> str:
         pairs.append((a, b))
 
     try:
-        return _bpe_json(tk, vocab, pairs, pre, tokens, types)
+        return _bpe_json(tk, vocab, pairs, pre, tokens, types, _eos_id(field, len(tokens)))
     except Exception as e:             # tokenizers raises plain Exception
         raise TokenizerError(f"the GGUF vocab cannot make a BPE tokenizer: {e}") from None
+
+
+def _eos_id(field, n: int) -> int:
+    """``tokenizer.ggml.eos_token_id`` when it is a token id of the ``n``-token vocab, else
+    -1 (the converter checks the key itself)."""
+    v = field("tokenizer.ggml.eos_token_id", -1)
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n else -1
 
 
 def _token_fields(field, what: str):
@@ -288,7 +298,7 @@ def _spm_json_from_gguf(tk, field) -> str:
     of two tokens, ranked by t's score (highest first), and byte fallback; scores that tie
     between different tokens may order differently."""
     import math
-    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import decoders, models, normalizers
     tokens, types = _token_fields(field, "a 'llama' vocab")
     scores = field("tokenizer.ggml.scores")
     if not isinstance(scores, list) or len(scores) != len(tokens) or not all(
@@ -300,8 +310,15 @@ def _spm_json_from_gguf(tk, field) -> str:
     if not isinstance(prefix, bool):
         raise TokenizerError("tokenizer.ggml.add_space_prefix must be a bool")
     vocab = {t: i for i, t in enumerate(tokens)}
+    # every split of a piece into two pieces, the piece's score deciding the rank; pieces
+    # longer than SPM_MAX_PIECE (sentencepiece's own default limit is 16) take no merge, which
+    # bounds the work on a hostile vocab to about len(tokens) * SPM_MAX_PIECE slices
     ranked = sorted((-scores[i], i, k, t[:k], t[k:]) for t, i in vocab.items()
+                    if len(t) <= SPM_MAX_PIECE
                     for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab)
+    if len(ranked) > SPM_MAX_MERGES:
+        raise TokenizerError(f"the GGUF 'llama' vocab of {len(tokens)} tokens makes "
+                             f"{len(ranked)} merges, over the {SPM_MAX_MERGES} limit")
     unk = next((t for t, y in zip(tokens, types) if y == _UNKNOWN), None)
     try:
         tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked],
@@ -312,19 +329,65 @@ def _spm_json_from_gguf(tk, field) -> str:
         tok.decoder = decoders.Sequence(
             [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
             + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-        special = [AddedToken(t, special=(y != _USER_DEFINED), normalized=False, lstrip=False,
-                              rstrip=False, single_word=False)
-                   for t, y in zip(tokens, types) if y in (_CONTROL, _USER_DEFINED, _UNKNOWN)]
-        if special:
-            tok.add_special_tokens(special)
+        _add_tokens(tok, tokens, types, _eos_id(field, len(tokens)))
         return tok.to_str()
     except Exception as e:             # tokenizers raises plain Exception
         raise TokenizerError(f"the GGUF vocab cannot make a SentencePiece tokenizer: {e}") \
             from None
 
 
-def _bpe_json(tk, vocab, pairs, pre, tokens, types) -> str:
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+# Token texts llama.cpp's vocab loader makes CONTROL whatever their GGUF type (the end of turn
+# / message, fill-in-the-middle and end-of-generation tokens it detects by text; src/
+# llama-vocab.cpp, "auto-detect special tokens by text"), the ones its gpt-oss rule makes
+# USER_DEFINED, and what the harmony / solar-open and gemma4 exceptions turn back
+_CONTROL_TEXTS = frozenset(EOG_TEXTS + FIM_EOG_TEXTS + (
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+    "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>",
+    "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>", "<|code_suffix|>",
+    "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
+    "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>"))
+_USER_TEXTS = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
+
+
+def _added_tokens(tokens, types, eos: int = -1):
+    """(special, user-defined) AddedTokens of a GGUF vocab as llama.cpp's loader types them:
+    CONTROL and UNKNOWN tokens are special (matched in text only with parse_special),
+    USER_DEFINED ones are matched always; a token of ``_CONTROL_TEXTS`` is CONTROL and one of
+    ``_USER_TEXTS`` USER_DEFINED whatever its type, but <|end|> and </s> where
+    :func:`end_of_generation_ids` leaves them out (USER_DEFINED / NORMAL there)."""
+    from tokenizers import AddedToken
+    index = {t: i for i, t in enumerate(tokens)}
+    eog = end_of_generation_ids(index.get, eos)
+    kind = list(types)
+    for t, i in index.items():
+        if t in _CONTROL_TEXTS:
+            kind[i] = _CONTROL
+        if t in _USER_TEXTS:
+            kind[i] = _USER_DEFINED
+    for t, y in (("<|end|>", _USER_DEFINED), ("</s>", _NORMAL)):
+        if t in index and index[t] not in eog and t in _CONTROL_TEXTS and index[t] != eos:
+            kind[index[t]] = y
+    special, user = [], []
+    for t, y in zip(tokens, kind):
+        if y in (_CONTROL, _UNKNOWN, _USER_DEFINED):
+            (user if y == _USER_DEFINED else special).append(
+                AddedToken(t, special=y != _USER_DEFINED, normalized=False, lstrip=False,
+                           rstrip=False, single_word=False))
+    return special, user
+
+
+def _add_tokens(tok, tokens, types, eos: int = -1) -> None:
+    """Register the vocab's added tokens on ``tok`` (``_added_tokens``); ``add_tokens`` keeps a
+    user-defined token non-special, where ``add_special_tokens`` would mark it special."""
+    special, user = _added_tokens(tokens, types, eos)
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+
+
+def _bpe_json(tk, vocab, pairs, pre, tokens, types, eos: int = -1) -> str:
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     tok = tk.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
                                   byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
@@ -335,11 +398,7 @@ def _bpe_json(tk, vocab, pairs, pre, tokens, types) -> str:
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=(y != _USER_DEFINED), normalized=False, lstrip=False,
-                          rstrip=False, single_word=False)
-               for t, y in zip(tokens, types) if y in (_CONTROL, _USER_DEFINED, _UNKNOWN)]
-    if special:
-        tok.add_special_tokens(special)
+    _add_tokens(tok, tokens, types, eos)
     return tok.to_str()
 
 
@@ -564,9 +623,10 @@ class Tokenizer:
 
     @property
     def strips_leading_space(self) -> bool:
-        """Whether decoding drops one leading space (a SentencePiece-style decoder's Strip
-        or Metaspace prefix; byte-level decoders keep it)."""
-        return self._spm is not None and self._spm["strip"]
+        """Whether decoding drops leading space: one space of the text (a SentencePiece
+        decoder's Strip) or every space of the first token (Metaspace); byte-level decoders
+        keep it."""
+        return self._spm is not None and self._spm["strip"] is not None
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         """An incremental decoder: ``push(id) -> str`` then ``flush() -> str``."""
@@ -657,11 +717,15 @@ class StreamDecoder:
         self._run = bytearray()          # SentencePiece: the byte-fallback run held back
         self._lead = tokenizer.strips_leading_space   # the first text's space is still due
 
-    def _out(self, text: str) -> str:
-        if self._lead and text:
-            self._lead = False
-            return text[1:] if text.startswith(" ") else text
-        return text
+    def _out(self, text: str, first_token: bool = False) -> str:
+        """``text`` with the leading space the decoder drops, once: one space (Strip) at
+        the start of the text, or (Metaspace) every space of the first token's own text."""
+        if not (self._lead and text):
+            return text
+        self._lead = False
+        if self._tok._spm["strip"] == "first":
+            return text.replace(" ", "") if first_token else text
+        return text[1:] if text.startswith(" ") else text
 
     def _end_run(self) -> str:
         """The held byte-fallback run as text: its UTF-8, else one U+FFFD per byte
@@ -682,8 +746,9 @@ class StreamDecoder:
         if token_id in self._tok._byte_ids:
             self._run += raw
             return ""
-        head = self._end_run() if self._run else ""
-        return self._out(head + raw.decode("utf-8", errors="replace"))
+        if self._run:
+            return self._out(self._end_run()) + self._out(raw.decode("utf-8", errors="replace"))
+        return self._out(raw.decode("utf-8", errors="replace"), first_token=True)
 
     @property
     def holding(self) -> bool:

@@ -124,7 +124,7 @@ def test_other_decoders_are_refused_by_name():
 
 
 # --- GGUF SentencePiece vocabularies, against llama.cpp -------------------------------------
-def _spm_gguf(path, hf, *, add_space_prefix=True) -> list[str]:
+def _spm_gguf(path, hf, *, add_space_prefix=True, retype=None) -> list[str]:
     """A vocab-only GGUF (SmolLM2's file's other keys) whose tokenizer is ``hf``'s vocab as a
     SentencePiece BPE ("llama"): score -id for a piece, 0 for the rest; types UNKNOWN for
     <unk>, CONTROL for the specials, BYTE for <0xNN>, NORMAL otherwise. Returns the tokens."""
@@ -138,6 +138,8 @@ def _spm_gguf(path, hf, *, add_space_prefix=True) -> list[str]:
     added = {t.content for t in hf.get_added_tokens_decoder().values()}
     types = [2 if t == "<unk>" else 3 if t in added else 6 if _is_byte(t) else 1
              for t in tokens]
+    for t, y in (retype or {}).items():          # text -> GGUF token type
+        types[tokens.index(t)] = y
     scores = [0.0 if y != 1 else -float(i) for i, y in enumerate(types)]
     w = gguf.GGUFWriter(str(path), src.fields["general.architecture"].contents())
     for key, f in src.fields.items():
@@ -218,3 +220,71 @@ def test_a_nanbeige_gguf_with_a_sentencepiece_vocab_converts_and_generates(tmp_p
         assert len(r.token_ids) == 8 and r.text == m.tokenizer.decode(r.token_ids)
     finally:
         tinyloop.free_model(m)
+
+
+
+def test_gguf_token_types_as_llama_cpp_assigns_them(tmp_path):
+    """llama.cpp matches a USER_DEFINED token (type 4) in text even without parse_special,
+    makes a token of an end-of-turn / FIM / end-of-generation text CONTROL whatever its type,
+    and <|channel|> USER_DEFINED (its gpt-oss rule): the ids agree either way of parse_special,
+    and decode keeps a user-defined token's text where skip_special_tokens drops the
+    control ones."""
+    gguf = pytest.importorskip("gguf")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tinyloop.tokenizer import build_tokenizer_json_from_gguf
+    hf = _llama_style()
+    hf.add_tokens([tk.AddedToken(t, normalized=False)
+                   for t in ("<think>", "<|channel|>", "<|fim_prefix|>")])
+    path = tmp_path / "types.gguf"
+    tokens = _spm_gguf(path, hf, retype={"<think>": 4, "<|im_end|>": 1, "<|channel|>": 3,
+                                         "<|fim_prefix|>": 1})
+    tok = Tokenizer.from_json(build_tokenizer_json_from_gguf(gguf.GGUFReader(str(path))))
+    llama = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in ("a <think> b", "x<|im_end|>y <|channel|>z", "<|fim_prefix|>def f():",
+                 "<think></think><|im_start|>user\nhi<|im_end|>", "plain text"):
+        for special in (True, False):
+            want = llama.tokenize(text.encode(), add_bos=False, special=special)
+            assert tok.encode(text, parse_special=special) == want, (text, special)
+    think, end = tokens.index("<think>"), tokens.index("<|im_end|>")
+    assert not tok.is_special(think) and tok.is_special(end)
+    assert tok.decode([think, end], skip_special_tokens=True) == "<think>"
+
+def _tiny(decoder, *, byte_fallback=True):
+    from tokenizers import models
+    vocab = {"<unk>": 0, "\u2581\u2581": 1, "\u2581a\u2581b": 2, "<0x41>": 3, "\u2581": 4, "a": 5,
+             "\u2581a": 6}
+    hf = tk.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>",
+                                 byte_fallback=byte_fallback))
+    hf.decoder = decoder
+    return hf
+
+
+def test_metaspace_decoding_follows_tokenizers_exactly():
+    """tokenizers' Metaspace decoder drops every space character of the first token (not one
+    leading space) and has no byte fallback, whatever the model's byte_fallback says."""
+    from tokenizers import decoders
+    for scheme in ("always", "first", "never"):
+        hf = _tiny(decoders.Metaspace(prepend_scheme=scheme))
+        tok = Tokenizer.from_json(hf.to_str())
+        for ids in ([1, 5], [2], [2, 2], [5, 3], [3, 6], [4, 4, 6], [6, 1, 2]):
+            for skip in (False, True):
+                assert tok.decode(ids, skip_special_tokens=skip) == \
+                    hf.decode(ids, skip_special_tokens=skip), (scheme, ids)
+
+
+@pytest.mark.parametrize("steps", [
+    lambda d: [d.ByteFallback(), d.Fuse()],                          # no Replace
+    lambda d: [],
+    lambda d: [d.Replace("\u2581", " "), d.ByteFallback(), d.Strip(" ", 1, 0), d.Fuse()],
+    lambda d: [d.Replace("\u2581", " "), d.Fuse(), d.Strip(" ", 1, 0)],  # no ByteFallback
+    lambda d: [d.Replace("\u2581", " "), d.Replace("a", " "), d.ByteFallback(), d.Fuse()],
+    lambda d: [d.Replace("\u2581", " "), d.ByteFallback(), d.Fuse(), d.Strip(" ", 1, 0),
+               d.Strip(" ", 1, 0)],
+])
+def test_sequence_decoders_outside_the_known_shapes_are_refused(steps):
+    """Sequences this module would decode differently from tokenizers are refused, not run:
+    only Replace + ByteFallback, Fuse and an optional final Strip(" ", 1, 0) are taken."""
+    from tokenizers import decoders
+    hf = _tiny(decoders.Sequence(steps(decoders)))
+    with pytest.raises(TokenizerError, match="SentencePiece-style"):
+        Tokenizer.from_json(hf.to_str())
