@@ -295,8 +295,13 @@ def _spm_json_from_gguf(tk, field) -> str:
     become U+2581, and of the adjacent symbol pairs whose join is a token the one of highest
     score joins first (the leftmost on a tie), until none is left; a symbol that is no token
     becomes its bytes' ``<0xNN>`` tokens. That is BPE with one merge (a, b) per token t = a + b
-    of two tokens, ranked by t's score (highest first), and byte fallback; scores that tie
-    between different tokens may order differently."""
+    of two tokens, ranked by t's score (highest first), and byte fallback. Where it can differ
+    from llama.cpp: scores that tie between different tokens (a GGUF made from a
+    tokenizer.json alone, whose every score is -1000: the ranks then follow the vocab order
+    where llama.cpp joins the leftmost pair); a piece whose first character is no token
+    (byte fallback splits that character before any merge); special tokens that overlap in a
+    text (matched leftmost-longest, where llama.cpp takes the longest token's occurrences
+    first); llama.cpp's rstrip of special tokens for a model named phi-3."""
     import math
     from tokenizers import decoders, models, normalizers
     tokens, types = _token_fields(field, "a 'llama' vocab")
