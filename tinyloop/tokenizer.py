@@ -224,24 +224,13 @@ def build_tokenizer_json_from_gguf(reader) -> str:
     if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
         raise TokenizerError(f"tokenizer.ggml.pre={pre!r} is not supported; known: "
                              f"{sorted(_PRE_TOKENIZERS)}")
-    tokens = field("tokenizer.ggml.tokens")
+    tokens, types = _token_fields(field, "a 'gpt2' vocab")
     merges = field("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise TokenizerError("the GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
-    for key, v, kind in (("tokenizer.ggml.tokens", tokens, str),
-                         ("tokenizer.ggml.merges", merges, str)):
-        if not isinstance(v, list) or not all(isinstance(x, kind) for x in v):
-            raise TokenizerError(f"{key} must be an array of strings")
-    types = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    if not isinstance(types, list) or not all(isinstance(y, int) and not isinstance(y, bool)
-                                              for y in types):
-        raise TokenizerError("tokenizer.ggml.token_type must be an array of integers")
-    if len(types) != len(tokens):
-        raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
+    if merges is None:
+        raise TokenizerError("the GGUF has no tokenizer.ggml.merges (a 'gpt2' vocab)")
+    if not isinstance(merges, list) or not all(isinstance(x, str) for x in merges):
+        raise TokenizerError("tokenizer.ggml.merges must be an array of strings")
     vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise TokenizerError("the GGUF vocab has duplicate token strings; their ids cannot be "
-                             "kept")
     pairs = []
     for k, m in enumerate(merges):
         a, sep, b = m.partition(" ")
