@@ -757,22 +757,14 @@ class StreamDecoder:
         return out
 
 
-def render_chat_template(template: str, messages: list[dict], *,
-                         add_generation_prompt: bool = True, **extra) -> str:
-    """Render a HF-style chat template with jinja2 in transformers' environment
-    (``chat_template_utils._compile_jinja_template``): sandboxed, trim_blocks and
-    lstrip_blocks, the loopcontrols extension (``{% break %}``, ``{% continue %}``), a
-    ``tojson`` filter that is ``json.dumps`` (no HTML escaping, ``ensure_ascii=False``; Jinja's
-    own escapes ``<`` and sorts keys), and the ``raise_exception`` and ``strftime_now``
-    (local time) globals. Raises TokenizerError for bad messages and for any failure of the
-    template (a file's template is untrusted input)."""
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise TokenizerError("chat templates need the 'jinja2' package: pip install jinja2") \
-            from None
+@lru_cache(maxsize=16)
+def _compiled_template(template: str):
+    """``template`` compiled in transformers' environment (``render_chat_template``), once per
+    template string as transformers caches it: compiling costs more than rendering."""
     import datetime
+
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TokenizerError(f"chat template error: {message}")
@@ -784,20 +776,36 @@ def render_chat_template(template: str, messages: list[dict], *,
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)
 
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
+
+
+def render_chat_template(template: str, messages: list[dict], *,
+                         add_generation_prompt: bool = True, **extra) -> str:
+    """Render a HF-style chat template with jinja2 in transformers' environment
+    (``chat_template_utils._compile_jinja_template``): sandboxed, trim_blocks and
+    lstrip_blocks, the loopcontrols extension (``{% break %}``, ``{% continue %}``), a
+    ``tojson`` filter that is ``json.dumps`` (no HTML escaping, ``ensure_ascii=False``; Jinja's
+    own escapes ``<`` and sorts keys), and the ``raise_exception`` and ``strftime_now``
+    (local time) globals; each template string compiles once. Raises TokenizerError for bad
+    messages and for any failure of the template (a file's template is untrusted input)."""
+    try:
+        import jinja2
+    except ImportError:
+        raise TokenizerError("chat templates need the 'jinja2' package: pip install jinja2") \
+            from None
     if not isinstance(messages, (list, tuple)) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in messages):
         raise TokenizerError("messages must be a list of {'role': str, 'content': str} dicts, "
                              f"got {messages!r:.200}")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
     try:
-        return env.from_string(template).render(messages=messages,
-                                                add_generation_prompt=add_generation_prompt,
-                                                **extra)
+        return _compiled_template(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **extra)
     except TokenizerError:
         raise
     except jinja2.TemplateError as e:
