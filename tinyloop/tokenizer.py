@@ -323,7 +323,7 @@ def _spm_json_from_gguf(tk, field) -> str:
         tok.decoder = decoders.Sequence(
             [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
             + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-        _add_tokens(tok, tokens, types, _eos_id(field, len(tokens)))
+        _add_tokens(tok, vocab, tokens, types, _eos_id(field, len(tokens)))
         return tok.to_str()
     except Exception as e:             # tokenizers raises plain Exception
         raise TokenizerError(f"the GGUF vocab cannot make a SentencePiece tokenizer: {e}") \
@@ -343,24 +343,24 @@ _CONTROL_TEXTS = frozenset(EOG_TEXTS + FIM_EOG_TEXTS + (
 _USER_TEXTS = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
 
 
-def _added_tokens(tokens, types, eos: int = -1):
+def _added_tokens(vocab: dict, tokens, types, eos: int = -1):
     """(special, user-defined) AddedTokens of a GGUF vocab as llama.cpp's loader types them:
     CONTROL and UNKNOWN tokens are special (matched in text only with parse_special),
     USER_DEFINED ones are matched always; a token of ``_CONTROL_TEXTS`` is CONTROL and one of
     ``_USER_TEXTS`` USER_DEFINED whatever its type, but <|end|> and </s> where
-    :func:`end_of_generation_ids` leaves them out (USER_DEFINED / NORMAL there)."""
+    :func:`end_of_generation_ids` leaves them out (USER_DEFINED / NORMAL there). ``vocab``:
+    text -> id of ``tokens``."""
     from tokenizers import AddedToken
-    index = {t: i for i, t in enumerate(tokens)}
-    eog = end_of_generation_ids(index.get, eos)
+    eog = end_of_generation_ids(vocab.get, eos)
     kind = list(types)
-    for t, i in index.items():
+    for t, i in vocab.items():
         if t in _CONTROL_TEXTS:
             kind[i] = _CONTROL
         if t in _USER_TEXTS:
             kind[i] = _USER_DEFINED
     for t, y in (("<|end|>", _USER_DEFINED), ("</s>", _NORMAL)):
-        if t in index and index[t] not in eog and t in _CONTROL_TEXTS and index[t] != eos:
-            kind[index[t]] = y
+        if t in vocab and vocab[t] not in eog and t in _CONTROL_TEXTS and vocab[t] != eos:
+            kind[vocab[t]] = y
     special, user = [], []
     for t, y in zip(tokens, kind):
         if y in (_CONTROL, _UNKNOWN, _USER_DEFINED):
@@ -370,10 +370,10 @@ def _added_tokens(tokens, types, eos: int = -1):
     return special, user
 
 
-def _add_tokens(tok, tokens, types, eos: int = -1) -> None:
+def _add_tokens(tok, vocab: dict, tokens, types, eos: int = -1) -> None:
     """Register the vocab's added tokens on ``tok`` (``_added_tokens``); ``add_tokens`` keeps a
     user-defined token non-special, where ``add_special_tokens`` would mark it special."""
-    special, user = _added_tokens(tokens, types, eos)
+    special, user = _added_tokens(vocab, tokens, types, eos)
     if special:
         tok.add_special_tokens(special)
     if user:
@@ -392,7 +392,7 @@ def _bpe_json(tk, vocab, pairs, pre, tokens, types, eos: int = -1) -> str:
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    _add_tokens(tok, tokens, types, eos)
+    _add_tokens(tok, vocab, tokens, types, eos)
     return tok.to_str()
 
 
