@@ -309,11 +309,10 @@ def stream(model, prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, depth=None, tem
     Stops at ``max_new_tokens``, at an end-of-generation token (not yielded;
     ``Model.end_of_generation_ids``: the EOS token, the tokenizer's ``eog_ids`` where
     llama.cpp stops, and a Hugging Face folder's generation_config.json ids), or once the
-    decoded text contains a ``stop`` string
-    (the text is cut before the earliest one). ``ignore_eos``: those tokens end nothing and
-    are yielded like any other token, so a run without stop
-    strings always makes ``max_new_tokens`` tokens (what a decode benchmark needs: vLLM's
-    ``SamplingParams.ignore_eos``, llama.cpp's ``--ignore-eos``). The yielded ids are
+    decoded text contains a ``stop`` string (the text is cut before the earliest one).
+    ``ignore_eos``: those tokens end nothing and are yielded like any other token, so a run
+    without stop strings always makes ``max_new_tokens`` tokens (what a decode benchmark
+    needs: vLLM's ``SamplingParams.ignore_eos``, llama.cpp's ``--ignore-eos``). The yielded ids are
     :func:`generate`'s ``token_ids`` (the token that completed a stop string included, with
     the text before the stop string) and their texts joined equal its ``text``: a token's text
     leaves out the tail that could still grow into a stop string (or is part of a UTF-8

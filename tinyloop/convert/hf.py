@@ -4,9 +4,9 @@
 ``model.safetensors``, of the shards named by ``model.safetensors.index.json``, or of every
 ``*.safetensors`` file in the folder (F32 / F16 / BF16), an optional ``tokenizer.json``
 (+ the chat template of ``chat_template.jinja``, else ``tokenizer_config.json``) and an
-optional ``generation_config.json``,
-whose ``eos_token_id`` (an id or a list: what transformers' ``generate`` stops at) goes into
-the metadata's ``eos_token_ids``, each ending a generation beside the config's eos. ``config.json``'s ``architectures`` (else its
+optional ``generation_config.json``, whose ``eos_token_id`` (an id or a list: what
+transformers' ``generate`` stops at) goes into the metadata's ``eos_token_ids``, each ending a
+generation beside the config's eos. ``config.json``'s ``architectures`` (else its
 ``model_type``) picks the name map:
 
 - ``OuroForCausalLM`` (model_type ``ouro``): the whole stack loops ``total_ut_steps`` times
@@ -24,10 +24,10 @@ the metadata's ``eos_token_ids``, each ending a generation beside the config's e
   ``num_loops`` times (``len(loop_loss_weights) + 1`` when that list is not empty, as the
   published modeling code counts them), the final norm at each loop boundary unless
   ``skip_loop_final_norm`` (``loop_norm``), as llama.cpp's src/models/nanbeige.cpp. The
-  modeling code's other options (shared-KV
-  loops, double-loop split, hyper-connections / mHC, depth attention, QK layer norm, n-gram
-  embeddings, sliding-window layers: ``NANBEIGE_OPTIONS``) are off in the released
-  checkpoints and not run here: a config that turns one on is refused, never run without it.
+  modeling code's other options (shared-KV loops, double-loop split, hyper-connections /
+  mHC, depth attention, QK layer norm, n-gram embeddings, sliding-window layers:
+  ``NANBEIGE_OPTIONS``) are off in the released checkpoints and not run here: a config that
+  turns one on is refused, never run without it.
 
 Another architecture is a ConversionError "unsupported architecture X". RoPE: Ouro and
 Nanbeige store Q/K rows in rotate-half (NeoX) order, so their rows (and Q/K bias) are
