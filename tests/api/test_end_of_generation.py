@@ -82,6 +82,7 @@ def test_generate_and_stream_end_at_an_eog_token_that_is_not_the_eos(runs, text)
         cut = m.generate(PROMPT, **KW)
         assert (cut.token_ids, cut.finish_reason) == (full.token_ids[:first], "eos")
         assert text not in cut.text
+        assert m.pool.by_tag()["kv_cache"] == 0          # the request's pages went with it
         st = m.stream(PROMPT, **KW)
         assert [p.token_id for p in st] == cut.token_ids and st.finish_reason == "eos"
         past = m.generate(PROMPT, ignore_eos=True, **KW)
@@ -105,3 +106,4 @@ def test_the_engine_ends_a_request_at_an_eog_token(runs):
             ra, rb = a.result(timeout=60), b.result(timeout=60)
         assert (ra.token_ids, ra.finish_reason) == (full.token_ids, "length")
         assert (rb.token_ids, rb.finish_reason) == (full.token_ids[:first], "eos")
+        assert m.pool.by_tag()["kv_cache"] == 0          # both requests' pages are freed
